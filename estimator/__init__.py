@@ -1,0 +1,21 @@
+"""The performance model: pure, numpy-vectorised functions, no I/O."""
+
+from estimator.model import (
+    cache_efficiency,
+    dataset_cache_efficiencies,
+    dataset_cache_efficiency,
+    hit_ratio,
+    io_perf,
+    remote_demand,
+    silod_perf,
+)
+
+__all__ = [
+    "cache_efficiency",
+    "dataset_cache_efficiencies",
+    "dataset_cache_efficiency",
+    "hit_ratio",
+    "io_perf",
+    "remote_demand",
+    "silod_perf",
+]

@@ -1,0 +1,99 @@
+"""SiloD's performance model (EuroSys'23 §4), as pure numpy-vectorised functions.
+
+Notation (all bytes and bytes/s):
+    f* = ideal      data throughput of the job when IO is not the bottleneck
+    b  = remote_io  remote bandwidth allocated to the job (exclusive to it)
+    c  = cache      cache allocated to the job's dataset (shared by its readers)
+    d  = dataset_size
+
+Under uniform caching each epoch reads every item once in random order, so the hit ratio is
+c/d and only the misses, a fraction (1 - c/d), cross the remote link:
+
+    IOPerf    = b / (1 - c/d)            (Eq. 3; unbounded when c >= d)
+    SiloDPerf = min(f*, IOPerf)          (Eq. 4)
+    demand    = f* (1 - c/d)             (Eq. 2, remote IO needed at full speed)
+    -db/dc    = f* / d                   (Eq. 5, cache efficiency)
+
+Every function accepts scalars or numpy arrays (broadcast together) and returns a float for
+scalar input, an ndarray otherwise. Invalid input raises ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+Number = float | np.ndarray
+
+
+def _as_array(value: ArrayLike, name: str, *, positive: bool = False) -> np.ndarray:
+    arr = np.asarray(value, dtype=float)
+    if np.isnan(arr).any():
+        raise ValueError(f"{name} is NaN; give a number of bytes (or bytes/s)")
+    if (arr < 0).any():
+        bad = arr[arr < 0].flat[0]
+        raise ValueError(f"{name} = {bad!r} is negative; sizes and rates must be >= 0")
+    if positive and (arr <= 0).any():
+        raise ValueError(f"{name} must be > 0 (got {arr[arr <= 0].flat[0]!r}); an empty dataset has no throughput model")
+    return arr
+
+
+def _out(result: np.ndarray) -> Number:
+    return float(result) if result.ndim == 0 else result
+
+
+def hit_ratio(cache: ArrayLike, dataset_size: ArrayLike) -> Number:
+    """Expected hit ratio c/d of uniform caching, clipped to [0, 1]."""
+    c = _as_array(cache, "cache")
+    d = _as_array(dataset_size, "dataset_size", positive=True)
+    return _out(np.minimum(c / d, 1.0))
+
+
+def io_perf(remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike) -> Number:
+    """Data-loading throughput b / (1 - c/d) (Eq. 3); +inf once the whole dataset is cached."""
+    b = _as_array(remote_io, "remote_io")
+    h = np.asarray(hit_ratio(cache, dataset_size))
+    miss = 1.0 - h
+    with np.errstate(divide="ignore", invalid="ignore"):
+        result = np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss))
+    return _out(np.asarray(result, dtype=float))
+
+
+def silod_perf(ideal: ArrayLike, remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike) -> Number:
+    """End-to-end throughput min(f*, b / (1 - c/d)) (Eq. 4)."""
+    f = _as_array(ideal, "ideal")
+    return _out(np.minimum(f, np.asarray(io_perf(remote_io, cache, dataset_size))))
+
+
+def remote_demand(ideal: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike) -> Number:
+    """Remote IO a job needs to run at full speed: f* (1 - c/d) (Eq. 2)."""
+    f = _as_array(ideal, "ideal")
+    h = np.asarray(hit_ratio(cache, dataset_size))
+    return _out(f * (1.0 - h))
+
+
+def cache_efficiency(ideal: ArrayLike, dataset_size: ArrayLike) -> Number:
+    """Remote IO saved per byte of cache, f*/d (Eq. 5), in (bytes/s) per byte."""
+    f = _as_array(ideal, "ideal")
+    d = _as_array(dataset_size, "dataset_size", positive=True)
+    return _out(f / d)
+
+
+def dataset_cache_efficiency(readers_ideal: Iterable[float], dataset_size: float) -> float:
+    """Cache efficiency of a dataset read by several jobs: the sum of theirs (§6, dataset sharing).
+
+    Cache is charged once per dataset but saves remote IO for every job that reads it.
+    """
+    f = _as_array(list(readers_ideal), "ideal")
+    d = float(_as_array(dataset_size, "dataset_size", positive=True))
+    return float(f.sum() / d)
+
+
+def dataset_cache_efficiencies(readers: Mapping[str, Iterable[float]], sizes: Mapping[str, float]) -> dict[str, float]:
+    """Cache efficiency per dataset name, for datasets shared by several jobs."""
+    unknown = set(readers) - set(sizes)
+    if unknown:
+        raise ValueError(f"no size given for dataset(s) {sorted(unknown)}")
+    return {name: dataset_cache_efficiency(fs, sizes[name]) for name, fs in readers.items()}

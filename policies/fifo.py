@@ -1,0 +1,94 @@
+"""FIFO: GPUs in arrival order; SiloD form adds Algorithm 2 cache and IO in arrival order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+from policies.base import Policy
+from policies.estimators import Estimator
+from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, max_min_share
+from policies.types import Allocation, JobView, Snapshot
+
+
+def place_in_order(jobs: Sequence[JobView], total_gpus: int, keep_running: bool) -> list[JobView]:
+    """Give jobs their full GPU count in the given order, skipping any that do not fit.
+
+    With keep_running, jobs already running keep their GPUs first (no preemption).
+    """
+    free = total_gpus
+    chosen: list[JobView] = []
+    chosen_ids: set[str] = set()
+    if keep_running:
+        for job in jobs:
+            if job.running and job.gpus <= free:
+                chosen.append(job)
+                chosen_ids.add(job.job_id)
+                free -= job.gpus
+    for job in jobs:
+        if job.job_id not in chosen_ids and job.gpus <= free:
+            chosen.append(job)
+            chosen_ids.add(job.job_id)
+            free -= job.gpus
+    order = {j.job_id: i for i, j in enumerate(jobs)}
+    chosen.sort(key=lambda j: order[j.job_id])
+    return chosen
+
+
+def storage_for_running(
+    running: Sequence[JobView],
+    snapshot: Snapshot,
+    estimator: Estimator,
+    io_rule: str = "priority",
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """Cache by Algorithm 2 over the running jobs; IO by `io_rule` ('priority' in the order of
+    `running`, or 'fair' max-min by demand). None, None when storage is unmanaged."""
+    if not estimator.manages_storage:
+        return None, None
+    cap = snapshot.capacity
+    cache = greedy_cache(running, snapshot.datasets, cap.cache)
+    demands = demands_at_full_speed(running, cache, snapshot.datasets)
+    if io_rule == "priority":
+        granted = io_in_priority_order(demands, cap.remote_io)
+    elif io_rule == "fair":
+        granted = max_min_share(demands, cap.remote_io)
+    else:
+        raise ValueError(f"unknown io_rule {io_rule!r}")
+    return cache, dict(zip((j.job_id for j in running), granted.tolist(), strict=True))
+
+
+def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator: Estimator, io_rule: str = "priority") -> Allocation:
+    cache, io = storage_for_running(running, snapshot, estimator, io_rule)
+    share = {j.job_id: 0.0 for j in snapshot.jobs}
+    share.update({j.job_id: 1.0 for j in running})
+    return Allocation(gpu_share=share, cache=cache, remote_io=io)
+
+
+class FifoPolicy(Policy):
+    name = "fifo"
+    description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs"
+
+    def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
+        jobs = sorted(snapshot.jobs, key=lambda j: (j.submit_time, j.job_id))
+        running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
+        return running_allocation(running, snapshot, estimator, io_rule="priority")
+
+
+class GreedyPolicy(Policy):
+    """Algorithm 2 for schedulers without a performance estimator.
+
+    GPUs come from the host scheduler's order (FIFO here); only the cache is chosen by cache
+    efficiency, and the remote link is shared max-min by demand, because such a scheduler has no
+    estimator with which to rank jobs for IO.
+    """
+
+    name = "greedy"
+    description = "FIFO GPUs; cache datasets in descending cache efficiency (Algorithm 2); IO fair-shared"
+
+    def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
+        jobs = sorted(snapshot.jobs, key=lambda j: (j.submit_time, j.job_id))
+        running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
+        return running_allocation(running, snapshot, estimator, io_rule="fair")
+
+
+__all__ = ["FifoPolicy", "GreedyPolicy", "place_in_order", "running_allocation", "storage_for_running"]

@@ -1,0 +1,144 @@
+"""Gavel max-min fairness with cache and remote IO as resources (Eq. 8 and 9).
+
+    maximise  min_j  perf(j, R_j) / perf(j, R_equal)      subject to the capacities
+
+Variables per job: x_j, the fraction of time it runs on its g_j GPUs, and B_j, its time-averaged
+remote IO; per dataset k: cache c_k. A job's time-averaged throughput is
+min(x_j f*_j, B_j / (1 - c_k/d_k)).
+
+Exact solution without an LP. Fix the target ratio t: every job needs throughput T_j = t ref_j.
+Then x_j = T_j / f*_j (<= 1), the GPUs used are linear in t, and the IO needed is
+sum_j T_j (1 - c_k/d_k) = t * (sum_j ref_j - sum_k c_k e_k) with e_k = sum_{j in k} ref_j / d_k.
+Minimising it under the cache budget is a fractional knapsack whose order (by e_k) does not
+depend on t. So each constraint bounds t linearly and t* is the smallest bound: O(n log n).
+`gavel_reference.py` solves the same problem with cvxpy for the tests.
+
+Equal share R_equal: every active job gets 1/n of the GPUs (as a time fraction of its g_j GPUs,
+at most 1), 1/n of the remote IO, and each dataset the equal cache shares of its readers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.base import Policy
+from policies.estimators import Estimator
+from policies.storage import fill_in_order
+from policies.types import Allocation, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class GavelProblem:
+    """The arrays of one max-min instance (index j over jobs, k over datasets)."""
+
+    job_ids: tuple[str, ...]
+    gpus: np.ndarray  # g_j
+    ideal: np.ndarray  # f*_j
+    dataset_index: np.ndarray  # k(j)
+    dataset_names: tuple[str, ...]
+    dataset_size: np.ndarray  # d_k
+    total_gpus: float
+    total_cache: float
+    total_io: float
+    manages_storage: bool
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
+        names = tuple(sorted({j.dataset for j in snapshot.jobs}))
+        index = {n: i for i, n in enumerate(names)}
+        cap = snapshot.capacity
+        return cls(
+            job_ids=tuple(j.job_id for j in snapshot.jobs),
+            gpus=np.array([j.gpus for j in snapshot.jobs], dtype=float),
+            ideal=np.array([j.ideal_throughput for j in snapshot.jobs], dtype=float),
+            dataset_index=np.array([index[j.dataset] for j in snapshot.jobs], dtype=np.int64),
+            dataset_names=names,
+            dataset_size=np.array([snapshot.datasets[n].size for n in names], dtype=float),
+            total_gpus=float(cap.gpus),
+            total_cache=float(cap.cache),
+            total_io=float(cap.remote_io),
+            manages_storage=manages_storage,
+        )
+
+    @property
+    def n(self) -> int:
+        return len(self.job_ids)
+
+
+def equal_share_throughput(p: GavelProblem) -> np.ndarray:
+    """ref_j = perf(j, R_equal), the denominator of Eq. 8/9."""
+    n = p.n
+    x_eq = np.minimum(1.0, p.total_gpus / (n * p.gpus))
+    if not p.manages_storage:
+        return x_eq * p.ideal
+    readers = np.bincount(p.dataset_index, minlength=len(p.dataset_names))
+    c_eq = np.minimum(p.dataset_size, p.total_cache / n * readers)
+    miss = 1.0 - c_eq[p.dataset_index] / p.dataset_size[p.dataset_index]
+    b_eq = p.total_io / n
+    with np.errstate(divide="ignore"):
+        io_limited = np.where(miss > 0, b_eq / np.where(miss > 0, miss, 1.0), np.inf)
+    return np.minimum(x_eq * p.ideal, io_limited)
+
+
+@dataclass(frozen=True, slots=True)
+class GavelSolution:
+    ratio: float  # t*, the max-min fairness ratio
+    share: np.ndarray  # x_j
+    avg_io: np.ndarray  # B_j, time-averaged remote IO
+    cache: np.ndarray  # c_k
+    reference: np.ndarray  # ref_j
+
+
+def solve_max_min(p: GavelProblem) -> GavelSolution:
+    """Exact max-min fairness by the closed form described in the module docstring."""
+    if p.n == 0:
+        return GavelSolution(0.0, np.zeros(0), np.zeros(0), np.zeros(len(p.dataset_names)), np.zeros(0))
+    ref = equal_share_throughput(p)
+    bounds = [float(np.min(p.ideal / ref)), p.total_gpus / float(np.sum(p.gpus * ref / p.ideal))]
+    cache = np.zeros(len(p.dataset_names))
+    if p.manages_storage:
+        per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=len(p.dataset_names))
+        efficiency = per_ds_ref / p.dataset_size
+        cache = fill_in_order(p.dataset_size, efficiency, p.total_cache)
+        io_per_unit_t = float(ref.sum() - np.sum(cache * efficiency))
+        if io_per_unit_t > 1e-12 * float(ref.sum()):
+            bounds.append(p.total_io / io_per_unit_t)
+    t = min(bounds)
+    target = t * ref
+    share = target / p.ideal
+    if p.manages_storage:
+        miss = 1.0 - cache[p.dataset_index] / p.dataset_size[p.dataset_index]
+        avg_io = target * np.maximum(miss, 0.0)
+    else:
+        avg_io = np.zeros(p.n)
+    return GavelSolution(ratio=t, share=share, avg_io=avg_io, cache=cache, reference=ref)
+
+
+class GavelPolicy(Policy):
+    name = "gavel"
+    description = "Gavel max-min fairness (Eq. 9) over GPU time, cache per dataset and IO per job"
+    time_sharing = True
+
+    def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
+        problem = GavelProblem.from_snapshot(snapshot, estimator.manages_storage)
+        sol = solve_max_min(problem)
+        share = sol.share.copy()
+        if problem.n:
+            # Max-min leaves GPU time unused when another resource binds; spread it evenly so
+            # jobs run at full share where they can (their time-averaged IO stays the same).
+            used = float(np.sum(problem.gpus * share))
+            scale = min(1.0 / float(share.max()), problem.total_gpus / used) if used > 0 else 1.0
+            share = np.minimum(share * max(scale, 1.0), 1.0)
+        ids = problem.job_ids
+        if not problem.manages_storage:
+            return Allocation(gpu_share=dict(zip(ids, share.tolist(), strict=True)), objective=sol.ratio)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            io_running = np.where(share > 0, sol.avg_io / np.where(share > 0, share, 1.0), 0.0)
+        return Allocation(
+            gpu_share=dict(zip(ids, share.tolist(), strict=True)),
+            cache=dict(zip(problem.dataset_names, sol.cache.tolist(), strict=True)),
+            remote_io=dict(zip(ids, io_running.tolist(), strict=True)),
+            objective=sol.ratio,
+        )

@@ -1,0 +1,86 @@
+"""Cache and remote-IO allocation rules shared by the policies.
+
+All functions are pure and vectorised over jobs or datasets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from policies.types import DatasetView, JobView
+
+
+def greedy_cache(
+    jobs: Sequence[JobView],
+    datasets: Mapping[str, DatasetView],
+    capacity: float,
+    weights: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """Algorithm 2 at dataset level: fill datasets in descending cache efficiency.
+
+    A dataset's efficiency is the sum of f*/d over the jobs reading it (§6, dataset sharing),
+    each job weighted by `weights` (e.g. its GPU time share; default 1). This is a fractional
+    knapsack: it minimises the total remote IO the jobs need to run at their weighted speed.
+    """
+    per_dataset: dict[str, float] = {}
+    for job in jobs:
+        w = 1.0 if weights is None else weights.get(job.job_id, 0.0)
+        if w > 0:
+            per_dataset[job.dataset] = per_dataset.get(job.dataset, 0.0) + w * job.ideal_throughput
+    names = sorted(per_dataset)
+    if not names:
+        return {}
+    sizes = np.array([datasets[n].size for n in names], dtype=float)
+    efficiency = np.array([per_dataset[n] for n in names]) / np.maximum(sizes, 1e-300)
+    return dict(zip(names, fill_in_order(sizes, efficiency, capacity).tolist(), strict=True))
+
+
+def fill_in_order(sizes: np.ndarray, efficiency: np.ndarray, capacity: float) -> np.ndarray:
+    """Give `capacity` to items in descending efficiency, each up to its size (fractional knapsack)."""
+    order = np.argsort(-efficiency, kind="stable")
+    sorted_sizes = sizes[order]
+    before = np.concatenate(([0.0], np.cumsum(sorted_sizes)[:-1]))
+    granted_sorted = np.clip(capacity - before, 0.0, sorted_sizes)
+    granted = np.empty_like(granted_sorted)
+    granted[order] = granted_sorted
+    return granted
+
+
+def io_in_priority_order(demands: np.ndarray, capacity: float) -> np.ndarray:
+    """Serve demands in the given order until the link is used up (FIFO/SJF order)."""
+    before = np.concatenate(([0.0], np.cumsum(demands)[:-1]))
+    return np.clip(capacity - before, 0.0, demands)
+
+
+def max_min_share(demands: np.ndarray, capacity: float) -> np.ndarray:
+    """Max-min fair (water-filling) split of `capacity` among `demands`.
+
+    This is how a shared link without any allocation behaves (TCP-like fair sharing): nobody
+    gets more than it asks for, and what small demands leave is shared equally by the rest.
+    """
+    n = len(demands)
+    if n == 0:
+        return np.zeros(0)
+    if demands.sum() <= capacity:
+        return demands.astype(float).copy()
+    order = np.argsort(demands, kind="stable")
+    sorted_d = demands[order].astype(float)
+    # The water level L satisfies sum(min(d_i, L)) = capacity.
+    prefix = np.concatenate(([0.0], np.cumsum(sorted_d)[:-1]))
+    remaining = np.arange(n, 0, -1)
+    levels = (capacity - prefix) / remaining
+    k = int(np.argmax(levels <= sorted_d))  # first index whose demand exceeds its level
+    level = levels[k]
+    granted_sorted = np.minimum(sorted_d, level)
+    out = np.empty(n)
+    out[order] = granted_sorted
+    return out
+
+
+def demands_at_full_speed(jobs: Sequence[JobView], cache: Mapping[str, float], datasets: Mapping[str, DatasetView]) -> np.ndarray:
+    """Eq. 2 for each job: f* (1 - c/d)."""
+    ideal = np.array([j.ideal_throughput for j in jobs], dtype=float)
+    hit = np.array([min(cache.get(j.dataset, 0.0) / datasets[j.dataset].size, 1.0) for j in jobs], dtype=float)
+    return ideal * (1.0 - hit)

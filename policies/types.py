@@ -1,0 +1,104 @@
+"""Typed inputs and outputs of a scheduling policy.
+
+A policy sees an immutable Snapshot (jobs, datasets, capacities) and an Estimator and returns an
+Allocation. The same types are produced by the simulator and by the live scheduler, which is
+what lets one policy implementation serve both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from estimator.errors import UserError
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """What a policy may know about one job."""
+
+    job_id: str
+    gpus: int  # requested GPUs; a job runs only with all of them (gang scheduling)
+    dataset: str
+    ideal_throughput: float  # f*, bytes/s at `gpus` GPUs, already scaled by GPU speed
+    remaining_bytes: float  # data the job still has to consume (its remaining work)
+    submit_time: float
+    running: bool = False  # holds GPUs at snapshot time (non-preemptive policies keep it)
+    priority: int = 0
+
+    @property
+    def remaining_ideal_seconds(self) -> float:
+        return self.remaining_bytes / self.ideal_throughput
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetView:
+    name: str
+    size: float  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterCapacity:
+    gpus: int
+    cache: float  # bytes, cluster total
+    remote_io: float  # bytes/s, cluster total egress from remote storage
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise UserError(f"cluster gpus = {self.gpus}; a cluster needs at least 1 GPU")
+        if self.gpus_per_node < 1:
+            raise UserError(f"gpus_per_node = {self.gpus_per_node}; must be >= 1")
+        if self.cache < 0 or self.remote_io < 0:
+            raise UserError("cluster cache and remote IO must be >= 0")
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    time: float
+    jobs: tuple[JobView, ...]  # active jobs (queued or running), in arrival order
+    datasets: Mapping[str, DatasetView]
+    capacity: ClusterCapacity
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.datasets, MappingProxyType):
+            object.__setattr__(self, "datasets", MappingProxyType(dict(self.datasets)))
+        missing = {j.dataset for j in self.jobs} - set(self.datasets)
+        if missing:
+            raise UserError(f"jobs read unknown dataset(s) {sorted(missing)}; register them first")
+
+
+def _frozen(mapping: Mapping[str, float] | None) -> Mapping[str, float] | None:
+    return None if mapping is None else MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A policy's decision.
+
+    gpu_share: fraction of time (0..1) that each job runs on its full set of GPUs. Policies that
+        do not time-share return 0 or 1; Gavel returns fractions that the round planner turns
+        into rounds.
+    cache: bytes per dataset, or None when the policy leaves storage to the cache system
+        (the storage-unaware "vanilla" form used with Alluxio, CoorDL and Quiver).
+    remote_io: bytes/s per job *while it runs*, or None when storage is unmanaged.
+    """
+
+    gpu_share: Mapping[str, float]
+    cache: Mapping[str, float] | None = None
+    remote_io: Mapping[str, float] | None = None
+    objective: float | None = field(default=None, compare=False)  # e.g. Gavel's min fairness ratio
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu_share", MappingProxyType(dict(self.gpu_share)))
+        object.__setattr__(self, "cache", _frozen(self.cache))
+        object.__setattr__(self, "remote_io", _frozen(self.remote_io))
+
+    @property
+    def manages_storage(self) -> bool:
+        return self.cache is not None

@@ -1,0 +1,66 @@
+"""One validator for every allocation, used by the scheduling core and by the tests."""
+
+from __future__ import annotations
+
+from policies.types import Allocation, Snapshot
+
+# Relative slack for floating-point sums (a knapsack filled to capacity may overshoot by ulps).
+_REL_TOL = 1e-9
+
+
+class AllocationError(ValueError):
+    """An allocation that breaks a capacity; the message lists every violation."""
+
+
+def allocation_violations(snapshot: Snapshot, allocation: Allocation) -> list[str]:
+    """Every way `allocation` breaks the capacities of `snapshot` (empty list when valid)."""
+    cap = snapshot.capacity
+    jobs = {j.job_id: j for j in snapshot.jobs}
+    problems: list[str] = []
+
+    unknown = set(allocation.gpu_share) - set(jobs)
+    if unknown:
+        problems.append(f"GPU share for unknown jobs {sorted(unknown)}")
+    gpu_time = 0.0
+    for job_id, share in allocation.gpu_share.items():
+        if not (0.0 <= share <= 1.0 + _REL_TOL):
+            problems.append(f"job {job_id}: GPU share {share} outside [0, 1]")
+        if job_id in jobs:
+            gpu_time += share * jobs[job_id].gpus
+    if gpu_time > cap.gpus * (1 + _REL_TOL):
+        problems.append(f"GPUs: {gpu_time:.6g} allocated (time-averaged) > {cap.gpus} in the cluster")
+
+    if allocation.cache is not None:
+        total = 0.0
+        for name, nbytes in allocation.cache.items():
+            if name not in snapshot.datasets:
+                problems.append(f"cache for unknown dataset {name!r}")
+                continue
+            if nbytes < 0:
+                problems.append(f"dataset {name}: negative cache {nbytes}")
+            size = snapshot.datasets[name].size
+            if nbytes > size * (1 + _REL_TOL) + 1e-6:
+                problems.append(f"dataset {name}: cache {nbytes:.6g} B > dataset size {size:.6g} B")
+            total += nbytes
+        if total > cap.cache * (1 + _REL_TOL) + 1e-6:
+            problems.append(f"cache: {total:.6g} B allocated > {cap.cache:.6g} B in the cluster")
+
+    if allocation.remote_io is not None:
+        avg_io = 0.0
+        for job_id, rate in allocation.remote_io.items():
+            if job_id not in jobs:
+                problems.append(f"remote IO for unknown job {job_id!r}")
+                continue
+            if rate < 0:
+                problems.append(f"job {job_id}: negative remote IO {rate}")
+            avg_io += rate * allocation.gpu_share.get(job_id, 0.0)
+        if avg_io > cap.remote_io * (1 + 1e-6) + 1e-6:
+            problems.append(f"remote IO: {avg_io:.6g} B/s allocated (time-averaged) > {cap.remote_io:.6g} B/s")
+    return problems
+
+
+def validate_allocation(snapshot: Snapshot, allocation: Allocation) -> Allocation:
+    problems = allocation_violations(snapshot, allocation)
+    if problems:
+        raise AllocationError("invalid allocation: " + "; ".join(problems))
+    return allocation

@@ -1,0 +1,87 @@
+"""Engine construction and schema migration.
+
+SQLite is the default: one file, WAL journal so readers (GET /v1/jobs) never wait for the
+writer (the scheduling round), and a busy timeout so a second connection waits instead of
+failing. PostgreSQL is reached through psycopg 3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+
+from estimator.errors import UserError
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def normalize_url(url: str) -> str:
+    """Accept `sqlite:///path`, a bare file path, and `postgresql://` (mapped to psycopg 3)."""
+    url = url.strip()
+    if not url:
+        raise UserError("--db is empty; give sqlite:///path/to/silod.db or postgresql+psycopg://user@host/db")
+    if "://" not in url:
+        return f"sqlite:///{url}"
+    scheme = url.split("://", 1)[0]
+    if scheme in ("postgresql", "postgres"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    if scheme.startswith("sqlite") or scheme.startswith("postgresql+psycopg"):
+        return url
+    raise UserError(f"unsupported database URL scheme {scheme!r}; use sqlite:///FILE or postgresql+psycopg://...")
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    cur = dbapi_connection.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    # NORMAL is durable against process crashes under WAL (only an OS crash can lose the last
+    # commits) and makes a commit ~10x cheaper than FULL: 1,000 submissions must take seconds.
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        if url in ("sqlite://", "sqlite:///:memory:"):
+            raise UserError("an in-memory SQLite database would lose every job at exit; give a file: sqlite:///silod.db")
+        path = url.split(":///", 1)[1] if ":///" in url else ""
+        if path and not Path(path).expanduser().resolve().parent.is_dir():
+            raise UserError(f"database directory {Path(path).parent} does not exist; create it or pass another --db")
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_size=20,
+            max_overflow=20,
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+
+
+def upgrade_schema(engine: Engine) -> None:
+    """Run the Alembic migrations up to head (idempotent)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.upgrade(cfg, "head")
+
+
+def open_database(url: str) -> Engine:
+    """An engine for `url` with the schema at the latest migration. Errors name the URL."""
+    from sqlalchemy.exc import OperationalError
+
+    engine = make_engine(url)
+    try:
+        upgrade_schema(engine)
+    except OperationalError as exc:
+        engine.dispose()
+        safe = engine.url.render_as_string(hide_password=True)
+        raise UserError(f"cannot open database {safe}: {exc.orig}") from exc
+    return engine

@@ -1,0 +1,155 @@
+"""The service's persistent state: jobs, datasets, current allocations and their audit trail.
+
+Sizes are stored as double precision floats of bytes: datasets reach 1e13 bytes and the API
+accepts up to 1e21, beyond a 64-bit integer, and the model works in floats anyway.
+
+The schema is created and changed only by the Alembic migrations in scheduler/migrations;
+tests check that these models and the migrations agree.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Stable constraint names, so migrations can refer to them on every database.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"  # waiting for GPUs (never started, or preempted)
+    RUNNING = "running"  # holds its GPUs on the backend
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def active(self) -> bool:
+        return self in (JobState.QUEUED, JobState.RUNNING)
+
+
+ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING)
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    uri: Mapped[str] = mapped_column(String(2048))
+    size: Mapped[float] = mapped_column(Float)  # bytes
+    item_count: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)  # unix seconds
+
+    jobs: Mapped[list[Job]] = relationship(back_populates="dataset")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    owner: Mapped[str] = mapped_column(String(128))
+    gpus: Mapped[int] = mapped_column(Integer)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id"))
+    model: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    ideal_throughput: Mapped[float] = mapped_column(Float)  # f*, bytes/s at `gpus` GPUs
+    epochs: Mapped[float | None] = mapped_column(Float, nullable=True)
+    steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    step_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
+    total_bytes: Mapped[float] = mapped_column(Float)  # the job's whole work
+    consumed_bytes: Mapped[float] = mapped_column(Float, default=0.0)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[JobState] = mapped_column(
+        Enum(JobState, name="job_state", native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
+    )
+    submit_time: Mapped[float] = mapped_column(Float)
+    start_time: Mapped[float | None] = mapped_column(Float, nullable=True)  # first start
+    finish_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+
+    dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
+    allocation: Mapped[JobAllocationRow | None] = relationship(
+        back_populates="job", uselist=False, cascade="all, delete-orphan", lazy="joined"
+    )
+
+
+class JobAllocationRow(Base):
+    """What the job holds now. A row with running=True means the backend was told to run it;
+    it is deleted once the job has been stopped after leaving the active states."""
+
+    __tablename__ = "job_allocations"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    gpus: Mapped[int] = mapped_column(Integer)  # GPUs held this round (0 or the job's gpus)
+    gpu_share: Mapped[float] = mapped_column(Float)  # the policy's time-average share
+    remote_io: Mapped[float | None] = mapped_column(Float, nullable=True)  # bytes/s; None = unmanaged
+    running: Mapped[bool] = mapped_column(Boolean)
+    round_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+    job: Mapped[Job] = relationship(back_populates="allocation")
+
+
+class CacheAllocationRow(Base):
+    __tablename__ = "cache_allocations"
+
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id"), primary_key=True)
+    bytes: Mapped[float] = mapped_column(Float)
+    round_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class Round(Base):
+    """One scheduling round: when, why, with which policy, and how long it took."""
+
+    __tablename__ = "rounds"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    time: Mapped[float] = mapped_column(Float)
+    policy: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(String(64))  # timer | submit | cancel | finish | policy | start
+    active_jobs: Mapped[int] = mapped_column(Integer)
+    running_jobs: Mapped[int] = mapped_column(Integer)
+    changes: Mapped[int] = mapped_column(Integer)
+    duration_s: Mapped[float] = mapped_column(Float)
+    objective: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class AllocationChange(Base):
+    """Audit trail: one row per changed value of an allocation (GPUs, share, IO, cache)."""
+
+    __tablename__ = "allocation_changes"
+    __table_args__ = (Index("ix_allocation_changes_subject", "subject_kind", "subject"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round_id: Mapped[int | None] = mapped_column(ForeignKey("rounds.id"), nullable=True)
+    time: Mapped[float] = mapped_column(Float)
+    subject_kind: Mapped[str] = mapped_column(String(16))  # "job" | "dataset"
+    subject: Mapped[str] = mapped_column(String(128))  # job id or dataset name
+    resource: Mapped[str] = mapped_column(String(16))  # gpus | gpu_share | remote_io | cache | running
+    old_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    new_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Setting(Base):
+    """Small key/value state that must survive a restart (the current policy)."""
+
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,268 @@
+"""The scheduling core: the round planner (time sharing, gang scheduling), per-round IO caps and
+spreading spare IO."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies import (
+    Allocation,
+    AllocationError,
+    ClusterCapacity,
+    DatasetView,
+    JobView,
+    Policy,
+    SiloDEstimator,
+    Snapshot,
+    allocation_violations,
+    get_policy,
+)
+from scheduler.core import RoundPlanner, SchedulingCore, io_caps_for_round, spread_spare_io
+
+FAST = settings(max_examples=50, deadline=None)
+
+
+def job(job_id, gpus=1, f=100.0, dataset="d", submit=0.0):
+    return JobView(job_id=job_id, gpus=gpus, dataset=dataset, ideal_throughput=f, remaining_bytes=1e12, submit_time=submit)
+
+
+def snap(jobs, gpus, cache=0.0, io=100.0, sizes=None):
+    names = sizes or {j.dataset: 1000.0 for j in jobs}
+    return Snapshot(
+        time=0.0,
+        jobs=tuple(jobs),
+        datasets={n: DatasetView(n, s) for n, s in names.items()},
+        capacity=ClusterCapacity(gpus=gpus, cache=cache, remote_io=io),
+    )
+
+
+def run_rounds(planner, s, alloc, rounds):
+    counts = {j.job_id: 0 for j in s.jobs}
+    for _ in range(rounds):
+        running = planner.choose(s, alloc)
+        used = sum(j.gpus for j in s.jobs if j.job_id in running)
+        assert used <= s.capacity.gpus
+        for job_id in running:
+            counts[job_id] += 1
+        planner.record(s, running, 1.0)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# RoundPlanner
+
+
+def test_time_shares_become_run_time_on_one_gpu():
+    # One GPU shared 0.5 / 0.3 / 0.2: over many rounds each job runs that fraction of them.
+    s = snap([job("a", submit=0), job("b", submit=1), job("c", submit=2)], gpus=1)
+    alloc = Allocation({"a": 0.5, "b": 0.3, "c": 0.2})
+    planner = RoundPlanner()
+    counts = run_rounds(planner, s, alloc, 1000)
+    assert counts == pytest.approx({"a": 500, "b": 300, "c": 200}, abs=3)
+    for job_id, share in alloc.gpu_share.items():
+        assert planner.received[job_id] / planner.active[job_id] == pytest.approx(share, abs=0.005)
+
+
+def test_time_shares_with_gangs_alternate():
+    # 2 GPUs: A needs both (share 0.5), B and C need one each (share 0.5): 2*0.5 + 0.5 + 0.5 = 2,
+    # achievable only by alternating A with {B, C}.
+    s = snap([job("A", gpus=2, submit=0), job("B", submit=1), job("C", submit=2)], gpus=2)
+    alloc = Allocation({"A": 0.5, "B": 0.5, "C": 0.5})
+    planner = RoundPlanner()
+    seen = [planner.choose(s, alloc)]
+    planner.record(s, seen[0], 1.0)
+    seen.append(planner.choose(s, alloc))
+    assert seen == [("A",), ("B", "C")]
+    counts = run_rounds(planner, s, alloc, 998)
+    assert counts["A"] + 1 == pytest.approx(500, abs=2)
+    assert counts["B"] + 1 == pytest.approx(500, abs=2)
+    assert counts["C"] == counts["B"]
+
+
+def test_zero_one_shares_run_exactly_the_chosen_jobs():
+    s = snap([job("a", gpus=2), job("b", gpus=2), job("c", gpus=1)], gpus=4)
+    alloc = Allocation({"a": 1.0, "b": 0.0, "c": 1.0})
+    planner = RoundPlanner()
+    for _ in range(5):
+        running = planner.choose(s, alloc)
+        assert sorted(running) == ["a", "c"]
+        planner.record(s, running, 10.0)
+    assert planner.received == {"a": 50.0, "c": 50.0}
+    assert planner.active == {"a": 50.0, "b": 50.0, "c": 50.0}
+
+
+def test_late_job_is_measured_from_when_it_was_first_seen_and_forget():
+    planner = RoundPlanner()
+    a, b = job("a", submit=0), job("b", submit=5)
+    alloc = Allocation({"a": 0.5, "b": 0.5})
+    s1 = snap([a], gpus=1)
+    for _ in range(10):
+        planner.record(s1, planner.choose(s1, Allocation({"a": 1.0})), 1.0)
+    assert planner.received["a"] == 10.0
+    s2 = snap([a, b], gpus=1)
+    first = planner.choose(s2, alloc)
+    assert first == ("b",)  # b has never run: infinite priority
+    counts = run_rounds(planner, s2, alloc, 100)
+    # Each job's fraction is measured over its own active time, and equal shares equalise the
+    # fractions: (10 + n_a) / 110 = n_b / 100 with n_a + n_b = 100 -> n_b = 110/2.1 = 52.4.
+    assert counts["a"] + counts["b"] == 100
+    assert counts["b"] == pytest.approx(52.4, abs=1.5)
+    frac = {j: planner.received[j] / planner.active[j] for j in "ab"}
+    assert frac["a"] == pytest.approx(frac["b"], abs=0.01)
+    planner.forget("a")
+    assert "a" not in planner.received and "a" not in planner.active
+
+
+@st.composite
+def shared_rounds(draw):
+    n = draw(st.integers(1, 10))
+    gpus = draw(st.integers(1, 16))
+    jobs = [job(f"j{i}", gpus=draw(st.sampled_from([1, 2, 4, 8])), submit=float(i)) for i in range(n)]
+    shares = {j.job_id: draw(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9, 1.0])) for j in jobs}
+    return snap(jobs, gpus=gpus), Allocation(shares)
+
+
+@FAST
+@given(case=shared_rounds(), rounds=st.integers(1, 30))
+def test_gang_scheduling_never_exceeds_gpus(case, rounds):
+    s, alloc = case
+    planner = RoundPlanner()
+    gpus = {j.job_id: j.gpus for j in s.jobs}
+    for _ in range(rounds):
+        running = planner.choose(s, alloc)
+        assert len(set(running)) == len(running)
+        assert sum(gpus[j] for j in running) <= s.capacity.gpus
+        assert all(alloc.gpu_share[j] > 0 for j in running)  # zero share never runs
+        planner.record(s, running, 1.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shares=st.lists(st.integers(1, 20), min_size=2, max_size=6))
+def test_saturated_single_gpu_run_time_is_proportional_to_share(shares):
+    total = sum(shares)
+    fractions = [k / total for k in shares]  # sum to 1: the GPU is saturated
+    s = snap([job(f"j{i}", submit=float(i)) for i in range(len(shares))], gpus=1)
+    alloc = Allocation({f"j{i}": fr for i, fr in enumerate(fractions)})
+    counts = run_rounds(RoundPlanner(), s, alloc, 400)
+    for i, fr in enumerate(fractions):
+        assert counts[f"j{i}"] / 400 == pytest.approx(fr, abs=0.02)
+
+
+# ---------------------------------------------------------------------------------------------
+# IO caps per round
+
+
+def test_io_caps_scaled_when_co_runners_exceed_link():
+    alloc = Allocation({"a": 0.5, "b": 0.5, "c": 1.0}, cache={}, remote_io={"a": 60.0, "b": 60.0, "c": 30.0})
+    # a and b run together: 120 > 100, so both are scaled by 100/120 to 50.
+    assert io_caps_for_round(alloc, ("a", "b"), 100.0) == pytest.approx({"a": 50.0, "b": 50.0})
+    # a and c: 90 <= 100, unchanged.
+    assert io_caps_for_round(alloc, ("a", "c"), 100.0) == {"a": 60.0, "c": 30.0}
+    # Only the running jobs get caps; a job without a rate gets 0.
+    assert io_caps_for_round(alloc, ("c", "zzz"), 100.0) == {"c": 30.0, "zzz": 0.0}
+    assert io_caps_for_round(alloc, (), 100.0) == {}
+
+
+def test_io_caps_none_when_storage_unmanaged():
+    assert io_caps_for_round(Allocation({"a": 1.0}), ("a",), 100.0) is None
+
+
+@FAST
+@given(
+    rates=st.lists(st.floats(0.0, 1e9), min_size=1, max_size=10),
+    total=st.floats(1.0, 1e9),
+    data=st.data(),
+)
+def test_io_caps_fit_link_and_keep_proportions(rates, total, data):
+    ids = [f"j{i}" for i in range(len(rates))]
+    alloc = Allocation({i: 1.0 for i in ids}, cache={}, remote_io=dict(zip(ids, rates)))
+    running = tuple(data.draw(st.lists(st.sampled_from(ids), unique=True)))
+    caps = io_caps_for_round(alloc, running, total)
+    assert set(caps) == set(running)
+    assert sum(caps.values()) <= total * (1 + 1e-9) or sum(caps.values()) == pytest.approx(sum(alloc.remote_io[j] for j in running))
+    assert sum(caps.values()) <= total * (1 + 1e-9)
+    for j in running:
+        assert 0.0 <= caps[j] <= alloc.remote_io[j] * (1 + 1e-12)
+    wanted = sum(alloc.remote_io[j] for j in running)
+    scale = min(1.0, total / wanted) if wanted > 0 else 1.0
+    for j in running:
+        assert caps[j] == pytest.approx(alloc.remote_io[j] * scale, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Spare IO
+
+
+def test_spread_spare_io_by_hand():
+    # 100 B/s link, caps 10 + 20 = 30: 70 spare. a wants 40 more, b nothing: a gets 40.
+    assert spread_spare_io({"a": 10.0, "b": 20.0}, {"a": 50.0, "b": 20.0}, 100.0) == pytest.approx({"a": 50.0, "b": 20.0})
+    # 50 B/s link, caps 10 each: 20 spare. Extra wanted: a 90, b 5, c 0 -> max-min: b 5, a the other 15.
+    assert spread_spare_io({"a": 10.0, "b": 10.0, "c": 10.0}, {"a": 100.0, "b": 15.0, "c": 0.0}, 50.0) == pytest.approx(
+        {"a": 25.0, "b": 15.0, "c": 10.0}
+    )
+    # No spare, or nobody wants more: unchanged.
+    assert spread_spare_io({"a": 60.0}, {"a": 100.0}, 60.0) == {"a": 60.0}
+    assert spread_spare_io({"a": 10.0}, {"a": 5.0}, 60.0) == {"a": 10.0}
+    assert spread_spare_io({"a": 10.0}, {}, 60.0) == {"a": 10.0}
+
+
+@FAST
+@given(
+    rows=st.lists(st.tuples(st.floats(0.0, 1e3), st.floats(0.0, 1e3)), min_size=1, max_size=10),
+    total=st.floats(0.0, 5e3),
+)
+def test_spread_spare_io_properties(rows, total):
+    ids = [f"j{i}" for i in range(len(rows))]
+    caps = {i: r[0] for i, r in zip(ids, rows)}
+    demands = {i: r[1] for i, r in zip(ids, rows)}
+    out = spread_spare_io(caps, demands, total)
+    assert set(out) == set(caps)
+    base = sum(caps.values())
+    for j in ids:
+        assert out[j] >= caps[j] - 1e-9  # nobody loses
+        assert out[j] <= max(caps[j], demands[j]) + 1e-6  # nobody gets more than it can use
+    if base < total:
+        want = sum(max(caps[j], demands[j]) for j in ids)
+        # Work conserving: the link is filled up to what the jobs can use.
+        assert sum(out.values()) == pytest.approx(min(total, want), rel=1e-9, abs=1e-6)
+    else:
+        assert out == caps
+
+
+# ---------------------------------------------------------------------------------------------
+# SchedulingCore
+
+
+class _Greedy(Policy):
+    """Asks for every GPU for every job: must be rejected by the core's validator."""
+
+    name = "overbook"
+
+    def allocate(self, snapshot, estimator):
+        return Allocation({j.job_id: 1.0 for j in snapshot.jobs})
+
+
+def test_core_rejects_invalid_policy_output():
+    core = SchedulingCore(_Greedy(), SiloDEstimator())
+    with pytest.raises(AllocationError, match="GPUs: 3 allocated"):
+        core.plan(snap([job("a"), job("b"), job("c")], gpus=2))
+
+
+def test_core_plans_gavel_rounds_within_capacity():
+    rng = np.random.default_rng(7)
+    jobs = [job(f"j{i}", gpus=int(rng.choice([1, 2, 4])), f=float(rng.uniform(10, 900)), dataset=f"d{i % 3}", submit=float(i)) for i in range(9)]
+    s = snap(jobs, gpus=8, cache=2000.0, io=500.0, sizes={"d0": 1000.0, "d1": 3000.0, "d2": 500.0})
+    core = SchedulingCore(get_policy("gavel"), SiloDEstimator())
+    for _ in range(50):
+        plan = core.plan(s)
+        assert allocation_violations(s, plan.allocation) == []
+        assert sum(j.gpus for j in jobs if j.job_id in plan.running) <= 8
+        assert set(plan.remote_io) == set(plan.running)
+        assert sum(plan.remote_io.values()) <= 500.0 * (1 + 1e-9)
+        assert plan.manages_storage and sum(plan.cache.values()) <= 2000.0 * (1 + 1e-9)
+        core.record(s, plan, 1.0)
+    # Every job with a positive share has run at some point.
+    assert all(core.planner.received.get(j.job_id, 0.0) > 0 for j in jobs)

@@ -1,0 +1,230 @@
+"""Request and response bodies of the REST API.
+
+Requests are strict about shape (unknown fields are rejected, so a typo like `gpu` is a 422
+naming the field instead of a silently ignored value) and lenient about units: sizes and rates
+accept numbers or strings such as "143GB" and "114MB/s", parsed by estimator.units.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+
+from estimator.units import parse_rate, parse_size
+from scheduler.service import MAX_BYTES
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"
+
+
+def _as_size(value: Any) -> Any:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return parse_size(value)  # UnitError is a ValueError: pydantic reports it on the field
+    return value
+
+
+def _as_rate(value: Any) -> Any:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return parse_rate(value)
+    return value
+
+
+_SIZE_SCHEMA = {
+    "anyOf": [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_BYTES},
+        {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?\s*[A-Za-z]*\s*$", "examples": ["143GB"]},
+    ],
+    "description": "bytes, as a number or with a unit: 143GB, 1.3TB, 512MiB",
+}
+_RATE_SCHEMA = {
+    "anyOf": [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_BYTES},
+        {"type": "string", "examples": ["114MB/s", "1Gbps"]},
+    ],
+    "description": "bytes/s, as a number or with a unit: 114MB/s, 1Gbps, 100MiB/s",
+}
+
+Size = Annotated[float, BeforeValidator(_as_size), Field(gt=0, le=MAX_BYTES), WithJsonSchema(_SIZE_SCHEMA)]
+Rate = Annotated[float, BeforeValidator(_as_rate), Field(gt=0, le=MAX_BYTES), WithJsonSchema(_RATE_SCHEMA)]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+
+
+def _no_dotdot(value: str) -> str:
+    if ".." in value:
+        raise ValueError("must not contain '..' (names become file and pod names)")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetIn(_Strict):
+    name: Name = Field(description="unique name; letters, digits, '.', '_', '-'", examples=["imagenet-1k"])
+    uri: str = Field(min_length=1, max_length=2048, pattern=URI_PATTERN, examples=["s3://datasets/imagenet-1k"])
+    size: Size
+    item_count: int | None = Field(default=None, ge=1, le=2_000_000_000)
+
+    _names = field_validator("name")(_no_dotdot)
+
+
+class DatasetOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    uri: str
+    size: float
+    item_count: int | None
+    owner: str
+    created_at: float
+
+
+class JobIn(_Strict):
+    name: Name = Field(examples=["resnet50-run1"])
+    gpus: int = Field(ge=1, le=100_000, description="GPUs the job needs (gang-scheduled)")
+    dataset: Name = Field(description="a registered dataset")
+    epochs: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
+    steps: int | None = Field(default=None, ge=1, le=2_000_000_000, description="with step_bytes, instead of epochs")
+    step_bytes: Size | None = Field(default=None, description="bytes read per step")
+    ideal_throughput: Rate | None = Field(default=None, description="f*: bytes/s at `gpus` GPUs when IO is not the bottleneck")
+    model: str | None = Field(default=None, min_length=1, max_length=64, description="catalog model, instead of ideal_throughput")
+    priority: int = Field(default=0, ge=-1000, le=1000)
+
+    _names = field_validator("name", "dataset")(_no_dotdot)
+
+    @model_validator(mode="after")
+    def _work_and_speed(self) -> JobIn:
+        has_steps = self.steps is not None or self.step_bytes is not None
+        if self.epochs is None and not has_steps:
+            raise ValueError("give epochs, or steps together with step_bytes")
+        if self.epochs is not None and has_steps:
+            raise ValueError("give either epochs or steps/step_bytes, not both")
+        if has_steps and (self.steps is None or self.step_bytes is None):
+            raise ValueError("steps and step_bytes go together")
+        if self.ideal_throughput is None and self.model is None:
+            raise ValueError("give ideal_throughput (e.g. \"114MB/s\") or a catalog model (e.g. \"resnet50\")")
+        return self
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    owner: str
+    gpus: int
+    dataset: str
+    model: str | None
+    ideal_throughput: float
+    epochs: float | None
+    steps: int | None
+    step_bytes: float | None
+    total_bytes: float
+    consumed_bytes: float
+    remaining_bytes: float
+    priority: int
+    state: str = Field(description="queued | running | finished | failed | cancelled")
+    submit_time: float
+    start_time: float | None
+    finish_time: float | None
+    message: str
+    allocated_gpus: int
+    gpu_share: float
+    remote_io: float | None
+
+
+class UsageOut(BaseModel):
+    total: float
+    used: float
+
+
+class NodeOut(BaseModel):
+    name: str
+    gpus: int
+    cache: float
+    labels: dict[str, str]
+
+
+class ClusterOut(BaseModel):
+    backend: str
+    nodes: list[NodeOut]
+    gpus: UsageOut
+    cache: UsageOut
+    remote_io: UsageOut
+    jobs: dict[str, int]
+    datamanager: str | None
+    last_round_time: float | None
+    last_push_error: str | None
+
+
+class JobAllocationOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    job_id: str
+    owner: str
+    gpus: int
+    gpu_share: float
+    running: bool
+    remote_io: float | None
+
+
+class CacheAllocationOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    dataset: str
+    bytes: float
+    size: float
+
+
+class AllocationsOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    round_id: int | None
+    time: float | None
+    policy: str
+    jobs: list[JobAllocationOut]
+    cache: list[CacheAllocationOut]
+
+
+class ChangeOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    round_id: int | None
+    time: float
+    subject_kind: str
+    subject: str
+    resource: str
+    old_value: float | None
+    new_value: float | None
+
+
+class PolicyIn(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class PolicyOut(BaseModel):
+    name: str
+    available: list[str]
+
+
+class RoundOut(BaseModel):
+    round_id: int
+    reason: str
+    active: int
+    running: list[str]
+    started: list[str]
+    stopped: list[str]
+    changes: int
+    duration_s: float
+
+
+class ErrorOut(BaseModel):
+    detail: str
+    field: str | None = None
+
+
+class HealthOut(BaseModel):
+    status: str
+    database: str

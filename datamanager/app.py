@@ -1,0 +1,185 @@
+"""The data manager's HTTP API (FastAPI): SiloD Table 3 plus FUSE-client registration.
+
+    PUT    /v1/datasets/{name}              declare a dataset {"uri": ...}            (optional)
+    GET    /v1/datasets/{name}
+    PUT    /v1/datasets/{name}/cache        allocateCacheSize  {"bytes": N | "20GB"}
+    PUT    /v1/jobs/{id}                    declare a job {"dataset": ..., "workers": N} (optional)
+    GET    /v1/jobs/{id}
+    DELETE /v1/jobs/{id}
+    PUT    /v1/jobs/{id}/remote-io          allocateRemoteIO   {"bytes_per_s": R | "200MB/s", "workers": N}
+    POST   /v1/clients                      a FUSE client registers (declares its dataset and job)
+    PUT    /v1/clients/{id}/heartbeat       stats in, the client's allocation out
+    DELETE /v1/clients/{id}
+    GET    /v1/status                       per node / dataset / job / client
+    GET    /metrics                         Prometheus
+    GET    /healthz
+
+Allocating to a dataset or job the manager has never heard of is a 404, not an implicit create:
+a typo in a scheduler must not silently allocate to nothing. Datasets and jobs become known by
+a declaration or when a FUSE client mounts them. Bad input is a 400/422 whose `detail` names the
+field and the fix; state is only changed after the whole request validated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from datamanager.metrics import render_metrics
+from datamanager.state import ClientState, StateStore, UnknownEntity
+from estimator.errors import UserError
+from estimator.units import parse_rate, parse_size
+from fuse_client.names import validate_name
+
+Number = int | float | str
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetDecl(_Strict):
+    uri: str | None = None
+
+
+class JobDecl(_Strict):
+    dataset: str | None = None
+    workers: int | None = None
+
+
+class CacheAllocation(_Strict):
+    bytes: Number
+
+
+class RemoteIOAllocation(_Strict):
+    bytes_per_s: Number
+    workers: int | None = None
+
+
+class ClientRegistrationBody(_Strict):
+    client_id: str
+    node: str
+    dataset: str
+    job: str
+    source: str = ""
+    mountpoint: str = ""
+    pid: int = 0
+
+
+class HeartbeatBody(_Strict):
+    stats: dict[str, Any] = {}
+
+
+def _workers(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise UserError(f"workers {value!r} must be an integer >= 1")
+    return value
+
+
+def create_app(state_dir: Path) -> FastAPI:
+    store = StateStore(state_dir)
+    app = FastAPI(title="silod data manager", version="1")
+    app.state.store = store
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, exc: UserError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": str(exc)})
+
+    @app.exception_handler(UnknownEntity)
+    async def _unknown(request: Request, exc: UnknownEntity) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": exc.args[0]})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{loc}: {err.get('msg')}")
+        return JSONResponse(status_code=422, content={"detail": "invalid request: " + "; ".join(parts)})
+
+    # -- datasets ----------------------------------------------------------------------------
+
+    @app.put("/v1/datasets/{name}")
+    def declare_dataset(name: str, body: DatasetDecl | None = None) -> dict:
+        validate_name(name, "dataset")
+        return store.declare_dataset(name, None if body is None else body.uri).model_dump()
+
+    @app.get("/v1/datasets/{name}")
+    def get_dataset(name: str) -> dict:
+        validate_name(name, "dataset")
+        return store.dataset(name).model_dump()
+
+    @app.put("/v1/datasets/{name}/cache")
+    def allocate_cache_size(name: str, body: CacheAllocation) -> dict:
+        validate_name(name, "dataset")
+        nbytes = int(parse_size(body.bytes, what="cache allocation 'bytes'"))
+        return store.allocate_cache_size(name, nbytes).model_dump()
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    @app.put("/v1/jobs/{job_id}")
+    def declare_job(job_id: str, body: JobDecl | None = None) -> dict:
+        validate_name(job_id, "job")
+        body = body or JobDecl()
+        if body.dataset is not None:
+            validate_name(body.dataset, "dataset")
+        return store.declare_job(job_id, body.dataset, _workers(body.workers)).model_dump()
+
+    @app.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str) -> dict:
+        validate_name(job_id, "job")
+        return store.job(job_id).model_dump()
+
+    @app.delete("/v1/jobs/{job_id}")
+    def delete_job(job_id: str) -> dict:
+        validate_name(job_id, "job")
+        store.delete_job(job_id)
+        return {"deleted": job_id}
+
+    @app.put("/v1/jobs/{job_id}/remote-io")
+    def allocate_remote_io(job_id: str, body: RemoteIOAllocation) -> dict:
+        validate_name(job_id, "job")
+        rate = parse_rate(body.bytes_per_s, what="remote IO allocation 'bytes_per_s'")
+        return store.allocate_remote_io(job_id, rate, _workers(body.workers)).model_dump()
+
+    # -- FUSE clients ------------------------------------------------------------------------
+
+    @app.post("/v1/clients")
+    def register_client(body: ClientRegistrationBody) -> dict:
+        validate_name(body.dataset, "dataset")
+        validate_name(body.job, "job")
+        if not body.client_id or "/" in body.client_id:
+            raise UserError(f"client_id {body.client_id!r} must be non-empty and contain no '/'")
+        alloc = store.register_client(ClientState(**body.model_dump()))
+        return {"client_id": body.client_id, "allocation": alloc.as_dict()}
+
+    @app.put("/v1/clients/{client_id}/heartbeat")
+    def heartbeat(client_id: str, body: HeartbeatBody) -> dict:
+        return {"allocation": store.heartbeat(client_id, body.stats).as_dict()}
+
+    @app.delete("/v1/clients/{client_id}")
+    def unregister_client(client_id: str) -> dict:
+        store.unregister_client(client_id)
+        return {"deleted": client_id}
+
+    # -- observability -----------------------------------------------------------------------
+
+    @app.get("/v1/status")
+    def status() -> dict:
+        return store.status()
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        body, content_type = render_metrics(store)
+        return PlainTextResponse(body, media_type=content_type)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,42 @@
+"""`silod datamanager --listen HOST:PORT --state DIR`: registered on the shared typer app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from estimator.errors import UserError
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--listen {text!r} is not HOST:PORT, e.g. 127.0.0.1:7070 or 0.0.0.0:7070")
+    return host.strip("[]"), int(port)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("datamanager")
+    def datamanager(
+        listen: str = typer.Option("127.0.0.1:7070", "--listen", help="HOST:PORT to serve the API on."),
+        state: Path = typer.Option(..., "--state", help="Directory for persisted allocations (state.json)."),
+        log_level: str = typer.Option("warning", "--log-level"),
+    ) -> None:
+        """Run the data manager: cache/remote-IO allocation API for FUSE clients (SiloD Table 3)."""
+        host, port = parse_listen(listen)
+        try:
+            state.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--state {str(state)!r} cannot be created: {exc.strerror}") from exc
+        if not state.is_dir():
+            raise UserError(f"--state {str(state)!r} is not a directory")
+        import uvicorn
+
+        from datamanager.app import create_app
+
+        try:
+            app_ = create_app(state)
+        except ValueError as exc:  # a corrupt state.json: say so instead of a traceback
+            raise UserError(f"--state {str(state)!r}: state.json cannot be read ({exc})") from exc
+        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower())

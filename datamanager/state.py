@@ -1,0 +1,268 @@
+"""The data manager's state: allocations (persisted) and FUSE clients (registered + live stats).
+
+Pure data and rules; no HTTP. `StateStore` adds the one piece of I/O, an atomically replaced
+JSON file, so a restarted manager recovers every allocation and registration.
+
+Rules that are easy to get wrong, in one place:
+- Cache is allocated to a *dataset* and applies to the dataset's cache on every node that mounts
+  it; jobs sharing the dataset on a node share that cache.
+- Remote IO is allocated to a *job* and split evenly among its workers (mounts), as in SiloD §6
+  for data-parallel training. The divisor is max(declared workers, live mounts of the job), so a
+  job can never exceed its allocation even if more mounts show up than were declared.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+# A client that has not sent a heartbeat for this long is reported as not live and does not
+# count as a worker of its job.
+LIVE_TIMEOUT_S = 5.0
+
+
+class UnknownEntity(LookupError):
+    """A dataset, job or client the manager has never heard of (HTTP 404)."""
+
+
+class DatasetState(BaseModel):
+    name: str
+    uri: str | None = None
+    cache_bytes: int | None = None  # None: the scheduler has not allocated cache yet
+
+
+class JobState(BaseModel):
+    id: str
+    dataset: str | None = None
+    bytes_per_s: float | None = None  # None: the scheduler has not allocated remote IO yet
+    workers: int = 1
+
+
+class ClientState(BaseModel):
+    client_id: str
+    node: str
+    dataset: str
+    job: str
+    source: str = ""
+    mountpoint: str = ""
+    pid: int = 0
+    registered_at: float = Field(default_factory=time.time)
+
+
+class PersistedState(BaseModel):
+    version: int = 1
+    datasets: dict[str, DatasetState] = {}
+    jobs: dict[str, JobState] = {}
+    clients: dict[str, ClientState] = {}
+
+
+@dataclass(frozen=True)
+class ClientAllocation:
+    cache_bytes: int | None
+    remote_io_bytes_per_s: float | None
+
+    def as_dict(self) -> dict:
+        return {"cache_bytes": self.cache_bytes, "remote_io_bytes_per_s": self.remote_io_bytes_per_s}
+
+
+@dataclass
+class Runtime:
+    """What is not persisted: liveness and the last stats of each client."""
+
+    last_seen: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, dict] = field(default_factory=dict)
+
+
+class StateStore:
+    """Thread-safe state with write-through persistence to `<state-dir>/state.json`."""
+
+    def __init__(self, state_dir: Path, clock=time.monotonic) -> None:
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / "state.json"
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.runtime = Runtime()
+        self.state = self._load()
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def _load(self) -> PersistedState:
+        if not self.path.exists():
+            return PersistedState()
+        return PersistedState.model_validate_json(self.path.read_text())
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
+        data = self.state.model_dump_json(indent=1).encode()
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)  # readers (and a restart) see the old or the new state, never half
+
+    # -- declarations and allocations (Table 3) ----------------------------------------------
+
+    def declare_dataset(self, name: str, uri: str | None = None) -> DatasetState:
+        with self.lock:
+            ds = self.state.datasets.get(name)
+            if ds is None:
+                ds = self.state.datasets[name] = DatasetState(name=name, uri=uri)
+            elif uri is not None:
+                ds.uri = uri
+            self._save()
+            return ds
+
+    def declare_job(self, job_id: str, dataset: str | None = None, workers: int | None = None) -> JobState:
+        with self.lock:
+            job = self.state.jobs.get(job_id)
+            if job is None:
+                job = self.state.jobs[job_id] = JobState(id=job_id)
+            if dataset is not None:
+                job.dataset = dataset
+                if dataset not in self.state.datasets:
+                    self.state.datasets[dataset] = DatasetState(name=dataset)
+            if workers is not None:
+                job.workers = workers
+            self._save()
+            return job
+
+    def dataset(self, name: str) -> DatasetState:
+        ds = self.state.datasets.get(name)
+        if ds is None:
+            raise UnknownEntity(f"unknown dataset {name!r}; declare it with PUT /v1/datasets/{name} or mount it first")
+        return ds
+
+    def job(self, job_id: str) -> JobState:
+        job = self.state.jobs.get(job_id)
+        if job is None:
+            raise UnknownEntity(f"unknown job {job_id!r}; declare it with PUT /v1/jobs/{job_id} or mount it first")
+        return job
+
+    def allocate_cache_size(self, name: str, nbytes: int) -> DatasetState:
+        with self.lock:
+            ds = self.dataset(name)
+            ds.cache_bytes = int(nbytes)
+            self._save()
+            return ds
+
+    def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int | None = None) -> JobState:
+        with self.lock:
+            job = self.job(job_id)
+            job.bytes_per_s = float(bytes_per_s)
+            if workers is not None:
+                job.workers = workers
+            self._save()
+            return job
+
+    def delete_job(self, job_id: str) -> None:
+        with self.lock:
+            self.job(job_id)
+            del self.state.jobs[job_id]
+            self._save()
+
+    # -- clients -----------------------------------------------------------------------------
+
+    def register_client(self, client: ClientState) -> ClientAllocation:
+        with self.lock:
+            if client.dataset not in self.state.datasets:
+                self.state.datasets[client.dataset] = DatasetState(name=client.dataset, uri=client.source or None)
+            job = self.state.jobs.get(client.job)
+            if job is None:
+                self.state.jobs[client.job] = JobState(id=client.job, dataset=client.dataset)
+            elif job.dataset is None:
+                job.dataset = client.dataset
+            self.state.clients[client.client_id] = client
+            self.runtime.last_seen[client.client_id] = self.clock()
+            self._save()
+            return self.allocation_for(client.client_id)
+
+    def heartbeat(self, client_id: str, stats: dict) -> ClientAllocation:
+        with self.lock:
+            if client_id not in self.state.clients:
+                raise UnknownEntity(f"unknown client {client_id!r}; register with POST /v1/clients")
+            self.runtime.last_seen[client_id] = self.clock()
+            self.runtime.stats[client_id] = stats
+            return self.allocation_for(client_id)
+
+    def unregister_client(self, client_id: str) -> None:
+        with self.lock:
+            if client_id not in self.state.clients:
+                raise UnknownEntity(f"unknown client {client_id!r}")
+            del self.state.clients[client_id]
+            self.runtime.last_seen.pop(client_id, None)
+            self.runtime.stats.pop(client_id, None)
+            self._save()
+
+    def is_live(self, client_id: str) -> bool:
+        seen = self.runtime.last_seen.get(client_id)
+        return seen is not None and self.clock() - seen <= LIVE_TIMEOUT_S
+
+    def live_clients_of_job(self, job_id: str) -> list[ClientState]:
+        return [c for c in self.state.clients.values() if c.job == job_id and self.is_live(c.client_id)]
+
+    def allocation_for(self, client_id: str) -> ClientAllocation:
+        client = self.state.clients[client_id]
+        ds = self.state.datasets.get(client.dataset)
+        job = self.state.jobs.get(client.job)
+        rate = None
+        if job is not None and job.bytes_per_s is not None:
+            workers = max(job.workers, len(self.live_clients_of_job(job.id)), 1)
+            rate = job.bytes_per_s / workers
+        return ClientAllocation(cache_bytes=None if ds is None else ds.cache_bytes, remote_io_bytes_per_s=rate)
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """Per node and dataset: allocated, cached, effective per job; registered clients."""
+        with self.lock:
+            now = self.clock()
+            clients = []
+            nodes: dict[str, dict] = {}
+            for c in self.state.clients.values():
+                stats = self.runtime.stats.get(c.client_id, {})
+                live = self.is_live(c.client_id)
+                seen = self.runtime.last_seen.get(c.client_id)
+                clients.append({
+                    **c.model_dump(), "live": live,
+                    "last_heartbeat_s_ago": None if seen is None else round(now - seen, 3),
+                    "allocation": self.allocation_for(c.client_id).as_dict(), "stats": stats,
+                })
+                ds_alloc = self.state.datasets.get(c.dataset)
+                node = nodes.setdefault(c.node, {"datasets": {}})
+                entry = node["datasets"].setdefault(c.dataset, {
+                    "allocated_bytes": None if ds_alloc is None else ds_alloc.cache_bytes,
+                    "cached_bytes": 0, "items_cached": 0, "jobs": {},
+                })
+                # Mounts of one dataset on one node share one cache: report it once (the freshest).
+                entry["cached_bytes"] = max(entry["cached_bytes"], int(stats.get("cached_bytes", 0) or 0))
+                entry["items_cached"] = max(entry["items_cached"], int(stats.get("items_cached", 0) or 0))
+                entry["jobs"][c.job] = {
+                    "client_id": c.client_id, "live": live,
+                    "effective_cached_bytes": stats.get("effective_cached_bytes"),
+                    "remote_io_bytes_per_s": self.allocation_for(c.client_id).remote_io_bytes_per_s,
+                    "remote_rate_bytes_per_s": stats.get("remote_rate_bytes_per_s"),
+                    "throughput_bytes_per_s": stats.get("throughput_bytes_per_s"),
+                    "hit_bytes": stats.get("hit_bytes"), "miss_bytes": stats.get("miss_bytes"),
+                    "remote_bytes": stats.get("remote_bytes"), "epoch": stats.get("epoch"),
+                }
+            datasets = {}
+            for ds in self.state.datasets.values():
+                cached = sum(n["datasets"][ds.name]["cached_bytes"] for n in nodes.values() if ds.name in n["datasets"])
+                datasets[ds.name] = {
+                    "uri": ds.uri, "allocated_bytes": ds.cache_bytes, "cached_bytes_all_nodes": cached,
+                    "jobs": sorted(j.id for j in self.state.jobs.values() if j.dataset == ds.name),
+                }
+            jobs = {
+                j.id: {
+                    "dataset": j.dataset, "remote_io_bytes_per_s": j.bytes_per_s, "workers": j.workers,
+                    "live_clients": len(self.live_clients_of_job(j.id)),
+                }
+                for j in self.state.jobs.values()
+            }
+            return {"nodes": nodes, "datasets": datasets, "jobs": jobs, "clients": clients}
+

@@ -1,0 +1,166 @@
+"""Per-job accounting of the data plane: what the job read, from where, and how fast.
+
+One `JobAccounting` per mount (a mount serves one job). It is fed by the FUSE layer and read by
+the stats-file writer and the heartbeat to the data manager. It holds no I/O; time is passed in.
+
+The epoch bitset implements SiloD's "delayed effectiveness" bookkeeping (§6): a bit per item,
+set when the job reads the item in the current epoch. When every bit is set the epoch is over
+and the bitset is cleared. Bytes of items that this job fetched *and* admitted into the cache
+during the current epoch do not help the job until its next epoch, so they are subtracted from
+the dataset's cached bytes to give the job's effective cache.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+# Observed throughput is an exponentially weighted moving average with this time constant:
+# long enough to smooth per-item bursts, short enough to follow an allocation change.
+THROUGHPUT_TAU_S = 2.0
+
+
+class EpochBitset:
+    """One bit per item (items are numbered by their index in the dataset listing)."""
+
+    def __init__(self, num_items: int) -> None:
+        self.num_items = num_items
+        self._bits = bytearray((num_items + 7) // 8)
+        self.count = 0
+
+    def test(self, index: int) -> bool:
+        return bool(self._bits[index >> 3] & (1 << (index & 7)))
+
+    def set(self, index: int) -> bool:
+        """Set bit `index`; return True if it was newly set."""
+        byte, mask = index >> 3, 1 << (index & 7)
+        if self._bits[byte] & mask:
+            return False
+        self._bits[byte] |= mask
+        self.count += 1
+        return True
+
+    def full(self) -> bool:
+        return self.num_items > 0 and self.count == self.num_items
+
+    def clear(self) -> None:
+        self._bits = bytearray(len(self._bits))
+        self.count = 0
+
+
+@dataclass
+class StatsSnapshot:
+    """What the stats file and the heartbeat report. Field names are the contract's."""
+
+    remote_bytes: int
+    hit_bytes: int
+    miss_bytes: int
+    read_bytes: int
+    hits: int
+    misses: int
+    shared_fetches: int
+    epoch: int
+    items_read_epoch: int
+    items_total: int
+    ineffective_cached_bytes: int
+    throughput_bytes_per_s: float
+    remote_rate_bytes_per_s: float
+
+
+@dataclass
+class _Rate:
+    """EWMA of a byte counter's rate."""
+
+    value: float = 0.0
+    last_time: float | None = None
+    last_count: int = 0
+
+    def update(self, count: int, now: float) -> float:
+        if self.last_time is None:
+            self.last_time, self.last_count = now, count
+            return self.value
+        dt = now - self.last_time
+        if dt <= 0:
+            return self.value
+        instant = (count - self.last_count) / dt
+        alpha = 1.0 - math.exp(-dt / THROUGHPUT_TAU_S)
+        self.value += alpha * (instant - self.value)
+        self.last_time, self.last_count = now, count
+        return self.value
+
+
+@dataclass
+class JobAccounting:
+    num_items: int
+    remote_bytes: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    shared_fetches: int = 0
+    epoch: int = 0
+    ineffective_cached_bytes: int = 0
+    bitset: EpochBitset = field(init=False)
+    _read_rate: _Rate = field(default_factory=_Rate)
+    _remote_rate: _Rate = field(default_factory=_Rate)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.bitset = EpochBitset(self.num_items)
+
+    def item_opened(self, index: int, hit: bool, shared_fetch: bool = False, admitted_size: int = 0) -> None:
+        """The job started reading item `index`; `hit` says whether it came from the cache.
+
+        `admitted_size` > 0 when this job's own fetch put the item into the cache: those bytes
+        only become useful to this job in its next epoch.
+        """
+        with self._lock:
+            # A re-read within an epoch (e.g. a retry) leaves the bitset and the epoch unchanged.
+            self.bitset.set(index)
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+                if shared_fetch:
+                    self.shared_fetches += 1
+            self.ineffective_cached_bytes += admitted_size
+            if self.bitset.full():
+                self.epoch += 1
+                self.bitset.clear()
+                self.ineffective_cached_bytes = 0
+
+    def bytes_read(self, nbytes: int, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.hit_bytes += nbytes
+            else:
+                self.miss_bytes += nbytes
+
+    def bytes_fetched(self, nbytes: int) -> None:
+        with self._lock:
+            self.remote_bytes += nbytes
+
+    def items_evicted(self, nbytes: int) -> None:
+        """Evictions may remove items counted as ineffective; never report a negative figure."""
+        with self._lock:
+            self.ineffective_cached_bytes = max(0, self.ineffective_cached_bytes - nbytes)
+
+    def snapshot(self, now: float) -> StatsSnapshot:
+        with self._lock:
+            read = self.hit_bytes + self.miss_bytes
+            return StatsSnapshot(
+                remote_bytes=self.remote_bytes,
+                hit_bytes=self.hit_bytes,
+                miss_bytes=self.miss_bytes,
+                read_bytes=read,
+                hits=self.hits,
+                misses=self.misses,
+                shared_fetches=self.shared_fetches,
+                epoch=self.epoch,
+                items_read_epoch=self.bitset.count,
+                items_total=self.num_items,
+                ineffective_cached_bytes=self.ineffective_cached_bytes,
+                throughput_bytes_per_s=self._read_rate.update(read, now),
+                remote_rate_bytes_per_s=self._remote_rate.update(self.remote_bytes, now),
+            )

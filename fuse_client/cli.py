@@ -1,0 +1,49 @@
+"""`silod mount`: registered on the shared typer app by scheduler/cli.py.
+
+Heavy imports (mfusepy, fsspec) happen inside the command so `silod --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("mount")
+    def mount(
+        mountpoint: Path = typer.Argument(..., help="Empty directory to mount the dataset on."),
+        source: str = typer.Option(..., "--source", help="Dataset URL: a directory, file://, s3://bucket/prefix, http(s)://."),
+        dataset: str = typer.Option(..., "--dataset", help="Dataset name; jobs with the same name share its cache."),
+        job: str = typer.Option(..., "--job", help="Job id; remote IO is throttled per job."),
+        cache_dir: Path = typer.Option(..., "--cache-dir", help="Local cache directory (shared by mounts on this node)."),
+        cache_size: Optional[str] = typer.Option(None, "--cache-size", help="Cache allocation of the dataset, e.g. 20GB; default: keep the node's current value (unlimited on a fresh cache)."),
+        io_rate: Optional[str] = typer.Option(None, "--io-rate", help="Remote IO allocation of this job, e.g. 200MB/s; default: unthrottled."),
+        manager: Optional[str] = typer.Option(None, "--manager", help="Data manager URL; allocations are then pulled from it every 0.5 s."),
+        stats_file: Optional[Path] = typer.Option(None, "--stats-file", help="JSON stats, rewritten atomically twice a second."),
+        kernel_cache: bool = typer.Option(False, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (faster re-reads; those re-reads are then not counted in hit_bytes)."),
+        log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
+    ) -> None:
+        """Mount a dataset read-only with uniform caching and per-job remote-IO throttling."""
+        import logging
+
+        from estimator.units import parse_rate, parse_size
+        from fuse_client.mount import MountConfig, run_mount
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cfg = MountConfig(
+            mountpoint=mountpoint.absolute(),
+            source=source,
+            dataset=dataset,
+            job=job,
+            cache_dir=cache_dir.absolute(),
+            cache_size=None if cache_size is None else int(parse_size(cache_size, what="--cache-size")),
+            io_rate=math.inf if io_rate is None else parse_rate(io_rate, what="--io-rate"),
+            manager=manager,
+            stats_file=None if stats_file is None else stats_file.absolute(),
+            kernel_cache=kernel_cache,
+        )
+        raise typer.Exit(run_mount(cfg))

@@ -1,0 +1,291 @@
+"""`silod mount`: wire listing, cache, throttle, accounting and the manager link to a FUSE mount.
+
+Threads of a mount process:
+- `silod-fuse-loop` runs libfuse's loop, whose worker threads run the FUSE operations (fs.py);
+- the main thread waits for SIGINT/SIGTERM and unmounts cleanly (see `_serve`);
+- `silod-control` applies allocation changes (eviction) and writes the stats file twice a second;
+- `silod-manager-link` (with --manager) heartbeats and pulls the allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from estimator.errors import UserError
+from fuse_client.accounting import JobAccounting
+from fuse_client.cache_store import UNLIMITED_BYTES, DatasetCache, RecoveryReport
+from fuse_client.names import validate_name
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    mountpoint: Path
+    source: str
+    dataset: str
+    job: str
+    cache_dir: Path
+    cache_size: int | None  # None: leave the node's shared allocation as it is
+    io_rate: float  # bytes/s; inf = unthrottled
+    manager: str | None
+    stats_file: Path | None
+    kernel_cache: bool = False
+    node: str = socket.gethostname()
+
+
+def validate_mountpoint(path: Path) -> None:
+    if not path.exists():
+        raise UserError(f"mount point {str(path)!r} does not exist; create an empty directory first")
+    if not path.is_dir():
+        raise UserError(f"mount point {str(path)!r} is not a directory")
+    if os.path.ismount(path):
+        raise UserError(f"mount point {str(path)!r} is already a mount point; unmount it first (fusermount3 -u)")
+    if any(os.scandir(path)):
+        raise UserError(f"mount point {str(path)!r} is not empty; mount onto an empty directory")
+
+
+def check_fuse_available() -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise UserError("/dev/fuse is missing; load the fuse module or run the container with --device /dev/fuse")
+    if shutil.which("fusermount3") is None and os.geteuid() != 0:
+        raise UserError("fusermount3 is not installed; install the fuse3 package")
+
+
+class ControlLoop:
+    """Applies the current allocation to the shared cache and writes the stats file."""
+
+    def __init__(self, cfg: MountConfig, cache: DatasetCache, accounting: JobAccounting, throttle, dataset_bytes: int) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.accounting = accounting
+        self.throttle = throttle
+        self.dataset_bytes = dataset_bytes
+        self._lock = threading.Lock()
+        self._cache_bytes: int | None = cfg.cache_size
+        self._pending_cache = cfg.cache_size is not None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.manager_connected: bool | None = None
+        self.recovery: RecoveryReport | None = None
+        self._last_sweep = 0.0
+
+    # Called by ManagerLink with what the manager says; None fields keep the current value.
+    def on_allocation(self, pulled) -> None:
+        if pulled.remote_io_bytes_per_s is not None:
+            self.throttle.set_rate(float(pulled.remote_io_bytes_per_s))
+        if pulled.cache_bytes is not None:
+            with self._lock:
+                if pulled.cache_bytes != self._cache_bytes:
+                    self._cache_bytes = int(pulled.cache_bytes)
+                    self._pending_cache = True
+            if self._thread is None:
+                self.apply_cache_allocation()
+
+    def apply_cache_allocation(self) -> None:
+        with self._lock:
+            pending, value = self._pending_cache, self._cache_bytes
+            self._pending_cache = False
+        if pending and value is not None:
+            evicted = self.cache.set_allocation(min(value, UNLIMITED_BYTES))
+            if evicted:
+                self.accounting.items_evicted(evicted)
+                log.info("cache allocation of %s is now %d bytes; evicted %d bytes", self.cfg.dataset, value, evicted)
+        else:
+            # Another mount of the dataset may have lowered the shared allocation.
+            evicted = self.cache.enforce_allocation()
+            if evicted:
+                self.accounting.items_evicted(evicted)
+
+    def stats(self) -> dict:
+        snap = self.accounting.snapshot(time.monotonic())
+        usage = self.cache.usage()
+        out = asdict(snap)
+        out.update(
+            cached_bytes=usage.cached_bytes,
+            items_cached=usage.items_cached,
+            cache_allocation_bytes=None if usage.allocation_bytes >= UNLIMITED_BYTES else usage.allocation_bytes,
+            effective_cached_bytes=max(0, usage.cached_bytes - snap.ineffective_cached_bytes),
+            io_rate_bytes_per_s=None if math.isinf(self.throttle.rate) else self.throttle.rate,
+            dataset=self.cfg.dataset,
+            job=self.cfg.job,
+            dataset_bytes=self.dataset_bytes,
+            manager_connected=self.manager_connected,
+            updated_at=time.time(),
+        )
+        return out
+
+    def write_stats(self) -> None:
+        if self.cfg.stats_file is None:
+            return
+        data = json.dumps(self.stats(), indent=1).encode()
+        tmp = self.cfg.stats_file.with_name(f".{self.cfg.stats_file.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.cfg.stats_file)  # readers see the old or the new file, never a torn one
+
+    def tick(self) -> None:
+        try:
+            self.apply_cache_allocation()
+            now = time.time()
+            if now - self._last_sweep > 5:
+                self.cache.sweep_transient(now)
+                self._last_sweep = now
+        except Exception:
+            log.exception("applying the cache allocation failed; will retry")
+        try:
+            self.write_stats()
+        except Exception:
+            log.exception("writing the stats file failed; will retry")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="silod-control", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(STATS_INTERVAL_S):
+            self.tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def _unmount(mountpoint: Path) -> None:
+    for cmd in (["fusermount3", "-u", str(mountpoint)], ["fusermount3", "-u", "-z", str(mountpoint)], ["umount", "-l", str(mountpoint)]):
+        try:
+            if subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0:
+                return
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+
+
+class _Stop(Exception):
+    pass
+
+
+def _serve(fuse_main, mountpoint: Path, on_signal) -> None:
+    """Run libfuse's loop in a worker thread and handle SIGINT/SIGTERM in Python's main thread.
+
+    libfuse installs its own SIGINT/SIGTERM handlers only where the disposition is SIG_DFL and
+    only stops its loop when the signal happens to hit the thread blocked in the loop; a worker
+    blocked in a throttled fetch would also keep it alive. So: Python handlers (installed first,
+    so libfuse leaves them alone) wake blocked fetches and unmount; unmounting ends the loop.
+    """
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fuse_main()
+        except BaseException as exc:  # surfaced in the main thread below
+            error.append(exc)
+
+    def handler(signum, frame) -> None:
+        raise _Stop(signal.Signals(signum).name)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=run, name="silod-fuse-loop")
+    thread.start()
+    try:
+        while thread.is_alive():
+            try:
+                thread.join(0.2)
+            except _Stop as stop:
+                log.info("received %s; unmounting %s", stop, mountpoint)
+                on_signal()
+                _unmount(mountpoint)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    if error:
+        raise error[0]
+
+
+def run_mount(cfg: MountConfig) -> int:
+    """Mount and serve until unmounted or signalled. Raises UserError on bad input before mounting."""
+    validate_name(cfg.dataset, "--dataset")
+    validate_name(cfg.job, "--job")
+    validate_mountpoint(cfg.mountpoint)
+    check_fuse_available()
+    try:
+        cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--cache-dir {str(cfg.cache_dir)!r} cannot be created: {exc.strerror}") from exc
+    if cfg.stats_file is not None and not cfg.stats_file.parent.is_dir():
+        raise UserError(f"--stats-file {str(cfg.stats_file)!r}: directory {str(cfg.stats_file.parent)!r} does not exist")
+
+    import mfusepy
+
+    from fuse_client.dataplane import ItemResolver
+    from fuse_client.fs import SilodFS
+    from fuse_client.manager_link import ClientRegistration, ManagerLink
+    from fuse_client.remote import RemoteStore
+    from fuse_client.token_bucket import Throttle
+
+    throttle = Throttle(cfg.io_rate)
+    store = RemoteStore(cfg.source)
+    listing = store.list()
+    cache = DatasetCache(cfg.cache_dir, cfg.dataset)
+    recovery = cache.attach()
+    if recovery.ran and (recovery.dropped_corrupt or recovery.dropped_unindexed):
+        log.warning("cache recovery: %s", recovery)
+    accounting = JobAccounting(num_items=len(listing.files))
+    control = ControlLoop(cfg, cache, accounting, throttle, listing.total_bytes)
+    control.recovery = recovery
+    control.apply_cache_allocation()
+
+    link = None
+    if cfg.manager:
+        reg = ClientRegistration(
+            client_id=f"{cfg.node}-{cfg.job}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            node=cfg.node, dataset=cfg.dataset, job=cfg.job, source=cfg.source,
+            mountpoint=str(cfg.mountpoint), pid=os.getpid(),
+        )
+        link = ManagerLink(cfg.manager, reg, control.stats, control.on_allocation)
+        link.register()
+        control.manager_connected = link.connected
+
+    resolver = ItemResolver(store, cache, throttle, accounting)
+    fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache)
+    control.tick()
+    control.start()
+    if link is not None:
+        link.start()
+        threading.Thread(target=lambda: _mirror_connected(link, control), daemon=True).start()
+    def fuse_main() -> None:
+        mfusepy.FUSE(
+            fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
+            fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
+        )
+
+    try:
+        _serve(fuse_main, cfg.mountpoint, throttle.close)
+    finally:
+        throttle.close()
+        control.stop()
+        if link is not None:
+            link.stop()
+        control.write_stats()
+        cache.detach()
+    return 0
+
+
+def _mirror_connected(link, control: ControlLoop) -> None:
+    while True:
+        control.manager_connected = link.connected
+        time.sleep(0.25)

@@ -1,0 +1,192 @@
+"""The remote store behind a mount, through fsspec: listing once, then throttled whole-item fetches.
+
+Supported URLs: a local directory (`/data/x` or `file:///data/x`), `s3://bucket/prefix` (s3fs;
+the endpoint comes from the usual AWS settings, e.g. `AWS_ENDPOINT_URL`, or fsspec's
+`FSSPEC_S3_ENDPOINT_URL`), and `http(s)://host/dir/` (fsspec's HTTP file system, which lists a
+directory by the links of its index page).
+
+Datasets are immutable while mounted, so the listing (names, sizes) is read from the store once
+at mount time and kept in memory; this is also what makes `ls` and `stat` on the mount free.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from estimator.errors import UserError
+from fuse_client.token_bucket import Throttle, chunk_size_for
+
+log = logging.getLogger(__name__)
+
+# Remote errors are retried this many times in total, sleeping BACKOFF_S * 2**attempt in between
+# (0.2 s, 0.4 s, 0.8 s); after that the read fails with EIO.
+FETCH_ATTEMPTS = 4
+BACKOFF_S = 0.2
+
+
+class RemoteFetchError(OSError):
+    """The remote store kept failing for one item; the FUSE layer turns this into EIO."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    index: int  # position in the sorted listing; the bit of this item in the epoch bitset
+    path: str  # relative to the dataset root, '/'-separated
+    size: int
+
+
+@dataclass
+class DatasetListing:
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    dirs: dict[str, list[str]] = field(default_factory=dict)  # dir path ('' = root) -> child names
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    @classmethod
+    def from_sizes(cls, sizes: dict[str, int]) -> "DatasetListing":
+        listing = cls()
+        listing.dirs[""] = []
+        for index, path in enumerate(sorted(sizes)):
+            listing.files[path] = FileEntry(index=index, path=path, size=sizes[path])
+            parts = path.split("/")
+            for depth in range(len(parts)):
+                parent = "/".join(parts[:depth])
+                child = parts[depth]
+                children = listing.dirs.setdefault(parent, [])
+                if depth == len(parts) - 1:
+                    children.append(child)
+                else:
+                    child_dir = "/".join(parts[: depth + 1])
+                    if child_dir not in listing.dirs:
+                        listing.dirs[child_dir] = []
+                        children.append(child)
+        return listing
+
+
+class RemoteStore:
+    """An fsspec file system rooted at the dataset URL."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+        except (ValueError, ImportError) as exc:
+            raise UserError(f"--source {url!r} is not a URL silod can read ({exc}); use a local directory, file://, s3:// or http(s)://") from exc
+        self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.root = root.rstrip("/") if self.protocol not in ("http", "https") else root
+
+    def _full(self, rel: str) -> str:
+        if self.protocol in ("http", "https"):
+            return self.root.rstrip("/") + "/" + rel
+        return posixpath.join(self.root, rel) if self.root else rel
+
+    def list(self) -> DatasetListing:
+        """Every file under the root with its size. Raises UserError if the store is unreachable."""
+        try:
+            if self.protocol in ("http", "https"):
+                sizes = self._list_http()
+            else:
+                if not self.fs.isdir(self.root):
+                    raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
+                found = self.fs.find(self.root, detail=True, withdirs=False)
+                sizes = {}
+                prefix = self.root.rstrip("/") + "/"
+                for full, info in found.items():
+                    full = full.rstrip("/")
+                    rel = full[len(prefix):] if full.startswith(prefix) else full
+                    sizes[rel] = int(info.get("size") or 0)
+        except UserError:
+            raise
+        except Exception as exc:  # connection refused, DNS, auth, ...: one clear line, exit 2
+            raise UserError(f"--source {self.url!r} is unreachable: {type(exc).__name__}: {exc}") from exc
+        if not sizes:
+            raise UserError(f"--source {self.url!r} contains no files")
+        return DatasetListing.from_sizes(sizes)
+
+    def _list_http(self) -> dict[str, int]:
+        base = self.root.rstrip("/") + "/"
+        sizes: dict[str, int] = {}
+        pending = [base]
+        while pending:
+            url = pending.pop()
+            for info in self.fs.ls(url, detail=True):
+                name = info["name"]
+                if not name.startswith(base):
+                    continue  # links that leave the dataset (parent directory, absolute links)
+                rel = name[len(base):]
+                if not rel:
+                    continue
+                if name.endswith("/") or info.get("type") == "directory":
+                    pending.append(name if name.endswith("/") else name + "/")
+                    continue
+                size = info.get("size")
+                if size is None:
+                    size = self.fs.info(name).get("size")
+                if size is None:
+                    raise UserError(f"--source {self.url!r}: the server reports no size for {name!r}")
+                sizes[rel] = int(size)
+        return sizes
+
+    def _open(self, rel: str, chunk: int):
+        full = self._full(rel)
+        if self.protocol in ("http", "https"):
+            return self.fs.open(full, "rb", block_size=0)  # one streaming GET
+        if self.protocol in ("s3", "s3a"):
+            return self.fs.open(full, "rb", block_size=chunk, cache_type="none")  # one ranged GET per chunk
+        return self.fs.open(full, "rb")
+
+    def fetch(
+        self,
+        entry: FileEntry,
+        write: Callable[[bytes, int], None],
+        throttle: Throttle,
+        on_remote_bytes: Callable[[int], None],
+        reset: Callable[[], None],
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> int:
+        """Stream the whole item through `write(data, offset)`, paying tokens before each chunk.
+
+        Returns the CRC-32 of the content. On an error the partial output is discarded with
+        `reset()` and the fetch restarts; after FETCH_ATTEMPTS failures RemoteFetchError is raised.
+        """
+        last: Exception | None = None
+        for attempt in range(FETCH_ATTEMPTS):
+            if attempt:
+                reset()
+                sleep(BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                return self._fetch_once(entry, write, throttle, on_remote_bytes)
+            except InterruptedError:
+                raise
+            except Exception as exc:
+                last = exc
+                log.warning("fetching %s (attempt %d/%d) failed: %s", entry.path, attempt + 1, FETCH_ATTEMPTS, exc)
+        reset()
+        raise RemoteFetchError(5, f"remote store keeps failing for {entry.path!r}: {last}")
+
+    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes) -> int:
+        crc, offset = 0, 0
+        chunk = chunk_size_for(throttle.rate)
+        with self._open(entry.path, chunk) as f:
+            while offset < entry.size:
+                # Re-read the rate every chunk so that a new allocation changes the chunk size too.
+                chunk = chunk_size_for(throttle.rate)
+                want = min(chunk, entry.size - offset)
+                throttle.acquire(want)
+                data = f.read(want)
+                if not data:
+                    raise IOError(f"{entry.path!r} ended at {offset} bytes, the listing says {entry.size}")
+                on_remote_bytes(len(data))
+                write(data, offset)
+                crc = zlib.crc32(data, crc)
+                offset += len(data)
+        return crc

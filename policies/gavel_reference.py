@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import cvxpy as cp
 import numpy as np
+import scipy.sparse as sp
 
 from estimator import silod_perf
 from policies.gavel import GavelProblem, GavelSolution
@@ -87,9 +88,8 @@ class _Scaled:
         self.io = p.total_io / self.rate
         self.d = p.dataset_size / self.size
         self.cache = min(p.total_cache, float(p.dataset_size.sum())) / self.size
-        # One-hot job -> dataset map as a dense matrix is fine at reference sizes (n <= a few k).
-        self.member = np.zeros((p.n, len(p.dataset_names)))
-        self.member[np.arange(p.n), p.dataset_index] = 1.0
+        # One-hot job -> dataset map (sparse: n x m with n nonzeros).
+        self.member = sp.csr_matrix((np.ones(p.n), (np.arange(p.n), p.dataset_index)), shape=(p.n, len(p.dataset_names)))
 
 
 def _solve(problem: cp.Problem, solver: str) -> None:

@@ -138,7 +138,7 @@ def parse_job_request(pod: str, annotations: Mapping[str, str]) -> JobRequest:
     size = None
     if (v := get(ANN_DATASET_SIZE)) is not None:
         try:
-            size = parse_size(v, _where(pod, ANN_DATASET_SIZE, v))
+            size = parse_size(v, f"pod {pod}: annotation {ANN_DATASET_SIZE}")
         except UnitError as exc:
             raise AnnotationError(str(exc)) from None
         if size <= 0:
@@ -149,7 +149,7 @@ def parse_job_request(pod: str, annotations: Mapping[str, str]) -> JobRequest:
     ideal = None
     if (v := get(ANN_IDEAL)) is not None:
         try:
-            ideal = parse_rate(v, _where(pod, ANN_IDEAL, v))
+            ideal = parse_rate(v, f"pod {pod}: annotation {ANN_IDEAL}")
         except UnitError as exc:
             raise AnnotationError(str(exc)) from None
         if ideal <= 0:

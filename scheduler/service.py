@@ -474,7 +474,7 @@ class SchedulerService:
 
     def cluster(self) -> ClusterRecord:
         with self.sessions() as s:
-            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).tuples().all())
+            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
             gpus_used = s.scalar(select(func.coalesce(func.sum(JobAllocationRow.gpus), 0))) or 0
             io_used = s.scalar(
                 select(func.coalesce(func.sum(JobAllocationRow.remote_io), 0.0)).where(JobAllocationRow.running)
@@ -501,13 +501,13 @@ class SchedulerService:
                 q = q.where(Job.owner == who.user)
             jobs = tuple(
                 JobAllocationRecord(str(a.job_id), owner, a.gpus, a.gpu_share, a.running, a.remote_io)
-                for a, owner in s.execute(q).tuples()
+                for a, owner in s.execute(q)
             )
             cache = tuple(
                 CacheAllocationRecord(name, b, size)
                 for b, name, size in s.execute(
                     select(CacheAllocationRow.bytes, Dataset.name, Dataset.size).join(Dataset).order_by(Dataset.name)
-                ).tuples()
+                )
             )
         return AllocationsRecord(
             round_id=last.id if last else None, time=last.time if last else None,
@@ -646,7 +646,7 @@ class SchedulerService:
         jobs: list[JobView] = []
         datasets: dict[str, DatasetView] = {}
         with self.sessions() as s:
-            for jid, gpus, ds, ideal, total, consumed, submit, state, prio, size in s.execute(q).tuples():
+            for jid, gpus, ds, ideal, total, consumed, submit, state, prio, size in s.execute(q):
                 jobs.append(
                     JobView(
                         job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
@@ -774,7 +774,7 @@ class SchedulerService:
             # snapshot because they ended before it: release everything they held.
             ended = s.execute(
                 select(Job.id, Job.state).where(Job.id.in_(list(allocs)))
-            ).tuples().all() if allocs else []
+            ).all() if allocs else []
             ended_ids = {jid for jid, state in ended if not JobState(state).active}
             for jid, row in allocs.items():
                 if jid not in ended_ids:
@@ -792,13 +792,13 @@ class SchedulerService:
             # Cache per dataset: datasets with no active job get their cache back.
             rows = {
                 name: row
-                for row, name in s.execute(select(CacheAllocationRow, Dataset.name).join(Dataset)).tuples()
+                for row, name in s.execute(select(CacheAllocationRow, Dataset.name).join(Dataset))
             }
             if plan is not None and plan.cache is not None:
                 wanted = {name: float(plan.cache.get(name, 0.0)) for name in snapshot.datasets}
             else:
                 wanted = {}
-            ds_ids = dict(s.execute(select(Dataset.name, Dataset.id).where(Dataset.name.in_(list(wanted)))).tuples().all()) if wanted else {}
+            ds_ids = dict(s.execute(select(Dataset.name, Dataset.id).where(Dataset.name.in_(list(wanted)))).all()) if wanted else {}
             for name, nbytes in wanted.items():
                 row = rows.pop(name, None)
                 old = row.bytes if row else None

@@ -50,6 +50,10 @@ class SilodEmulator(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.binding_log: list[tuple[str, str, str, int]] = []
+        # Declare the served resources, so that listing them works before any object exists.
+        for res, kind, namespaced in ((PODS, "Pod", True), (NODES, "Node", False), (EVENTS, "Event", True)):
+            self.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=namespaced,
+                                                     verbs={"list", "watch", "get", "create", "patch", "delete"})
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if (request.resource is not None and request.resource.plural == "pods"

@@ -523,9 +523,14 @@ class KubernetesScheduler:
             except UserError as exc:
                 self.backend.report(job.pods[0].key, "SiloDInvalidSpec", str(exc))
                 continue
-            if job.pending and view.gpus > capacity.gpus:
+            if job.pending and view.gpus > state.total_gpus:
                 self.backend.report(job.pods[0].key, "SiloDTooLarge",
-                                    f"job {job.job_id} asks for {view.gpus} GPUs; the cluster has {capacity.gpus}")
+                                    f"job {job.job_id} asks for {view.gpus} GPUs; the cluster has {state.total_gpus}")
+                continue
+            if job.pending and view.gpus > capacity.gpus:
+                self.backend.report(job.pods[0].key, "SiloDWaitingForGPUs",
+                                    f"job {job.job_id}: {view.gpus} GPUs requested, {capacity.gpus} not held by other"
+                                    f" schedulers' pods; it stays pending", warning=False)
                 continue
             views.append(view)
             datasets.setdefault(dataset.name, dataset)

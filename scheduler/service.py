@@ -768,7 +768,9 @@ class SchedulerService:
                     job.state = JobState.QUEUED
                     job.message = "preempted"
                     pending.stop.append(view.job_id)
-                if io is not None:
+                # IO goes to the data manager for running jobs, and 0 for jobs that just stopped;
+                # a job that never ran has nothing to release.
+                if io is not None and (run or old[3] == 1.0):
                     pending.io[view.job_id] = io
             # Jobs that left the active states (finished, failed, cancelled) or were not in the
             # snapshot because they ended before it: release everything they held.

@@ -1,0 +1,263 @@
+"""The scheduling loop: rounds start and stop jobs through the backend, events update the
+database, every allocation change is audited, and cache/IO go to the data manager."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from scheduler.backends.base import JobEvent
+from scheduler.db.models import AllocationChange, Round
+from scheduler.service import ConflictError, ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError
+from scheduler.service_cli import build_service
+
+try:
+    from pg_fixture import db_url, pg_url  # noqa: F401
+except ImportError:
+    from tests.pg_fixture import db_url, pg_url  # noqa: F401
+
+ALICE, BOB, ADMIN = Principal("alice"), Principal("bob"), Principal("admin", is_admin=True)
+
+
+class RecordingPusher:
+    """Stands in for datamanager.client: records what the service pushes (the StoragePusher protocol)."""
+
+    def __init__(self, fail: bool = False):
+        self.cache: dict[str, float] = {}
+        self.io: dict[str, float] = {}
+        self.calls = 0
+        self.fail = fail
+
+    def allocate_cache_size(self, dataset: str, bytes: float) -> None:  # noqa: A002
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("data manager down")
+        self.cache[dataset] = bytes
+
+    def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1) -> None:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("data manager down")
+        self.io[job_id] = bytes_per_s
+
+    def status(self) -> dict:
+        return {}
+
+
+def make(url: str, tmp_path, policy: str = "fifo", pusher=None, **kw):  # type: ignore[no-untyped-def]
+    svc = build_service(db=url, backend="null", policy=policy, round_s=kw.pop("round_s", 360), gpus="8",
+                        gpus_per_node="4", cache=kw.pop("cache", "200GB"), remote_io="1GB/s",
+                        state_dir=tmp_path / "state")
+    svc.pusher = pusher
+    svc.register_dataset(ALICE, NewDataset("imagenet", "s3://b/imagenet", 143e9))
+    svc.register_dataset(ALICE, NewDataset("openimages", "s3://b/oi", 660e9))
+    return svc
+
+
+def test_round_starts_fifo_jobs_and_finish_frees_gpus(db_url, tmp_path) -> None:
+    pusher = RecordingPusher()
+    svc = make(db_url, tmp_path, pusher=pusher)
+    try:
+        a = svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=400e6)).id
+        b = svc.submit_job(BOB, NewJob("b", 4, "openimages", epochs=1, ideal_throughput=400e6)).id
+        c = svc.submit_job(ALICE, NewJob("c", 8, "imagenet", epochs=1, ideal_throughput=800e6)).id
+        r = svc.run_round("test")
+        assert set(r.running) == {a, b} and set(r.started) == {a, b}
+        started = {spec.job_id: (spec, alloc) for spec, alloc in svc.backend.started}
+        spec_a, alloc_a = started[a]
+        assert spec_a.dataset.uri == "s3://b/imagenet" and spec_a.total_bytes == 143e9 and alloc_a.gpus == 4
+        assert svc.get_job(ALICE, a).state == "running" and svc.get_job(ALICE, c).state == "queued"
+        # Storage went to the data manager and matches the persisted allocation.
+        alloc = svc.allocations(ADMIN)
+        assert pusher.cache == {x.dataset: x.bytes for x in alloc.cache}
+        assert sum(pusher.cache.values()) <= 200e9 * (1 + 1e-9)
+        assert set(pusher.io) == {a, b}
+        used = svc.cluster()
+        assert used.gpus_used == 8 and used.cache_used == pytest.approx(sum(pusher.cache.values()))
+
+        # Progress is cumulative and monotone; a finished job frees its GPUs for the next one.
+        svc.backend.emit(JobEvent(a, "progress", consumed_bytes=50e9))
+        svc.backend.emit(JobEvent(a, "progress", consumed_bytes=20e9))  # late, out of order
+        assert svc.apply_events(svc.backend.poll()) is False
+        assert svc.get_job(ALICE, a).consumed_bytes == 50e9
+        svc.backend.emit(JobEvent(a, "finished", consumed_bytes=143e9))
+        svc.backend.emit(JobEvent(b, "finished"))
+        assert svc.apply_events(svc.backend.poll()) is True
+        r2 = svc.run_round("test")
+        assert r2.running == (c,) and r2.started == (c,)
+        assert set(svc.backend.stopped) >= {a, b}  # released in the backend too (idempotent stop)
+        assert svc.get_job(ALICE, a).state == "finished" and svc.get_job(ALICE, a).remaining_bytes == 0
+        assert pusher.io[a] == 0.0 and pusher.io[b] == 0.0  # their remote IO was given back
+        assert "openimages" in pusher.cache and pusher.cache["openimages"] == 0.0
+    finally:
+        svc.close()
+
+
+def test_every_allocation_change_is_audited(db_url, tmp_path) -> None:
+    svc = make(db_url, tmp_path)
+    try:
+        j = svc.submit_job(ALICE, NewJob("a", 2, "imagenet", epochs=1, ideal_throughput=200e6)).id
+        r1 = svc.run_round("test")
+        r2 = svc.run_round("test")  # nothing changed: no audit rows
+        assert r1.changes > 0 and r2.changes == 0
+        svc.cancel_job(ALICE, j)
+        r3 = svc.run_round("test")
+        assert r3.stopped == (j,)
+        hist = svc.allocation_history(ADMIN, subject=j, limit=100)
+        by_round = {}
+        for ch in hist:
+            by_round.setdefault(ch.round_id, {})[ch.resource] = (ch.old_value, ch.new_value)
+        assert by_round[r1.round_id]["gpus"] == (None, 2.0)
+        assert by_round[r1.round_id]["running"] == (None, 1.0)
+        assert by_round[r3.round_id]["gpus"] == (2.0, 0.0)
+        assert by_round[r3.round_id]["running"] == (1.0, 0.0)
+        cache_hist = svc.allocation_history(ADMIN, subject="imagenet")
+        assert [c.new_value for c in reversed(cache_hist)] == [143e9, 0.0]
+        with svc.sessions() as s:
+            assert s.scalar(sa.select(sa.func.count()).select_from(Round)) == 3
+            assert s.scalar(sa.select(sa.func.sum(Round.changes))) == s.scalar(
+                sa.select(sa.func.count()).select_from(AllocationChange)
+            )
+        assert svc.allocations(ADMIN).jobs == ()
+        with pytest.raises(ForbiddenError):
+            svc.allocation_history(ALICE)
+    finally:
+        svc.close()
+
+
+def test_users_see_only_their_jobs(tmp_path) -> None:
+    svc = make(f"sqlite:///{tmp_path / 'u.db'}", tmp_path)
+    try:
+        a = svc.submit_job(ALICE, NewJob("a", 1, "imagenet", epochs=1, model="resnet50")).id
+        assert [j.id for j in svc.list_jobs(BOB)] == []
+        with pytest.raises(NotFoundError):
+            svc.get_job(BOB, a)
+        with pytest.raises(NotFoundError):
+            svc.cancel_job(BOB, a)
+        assert [j.id for j in svc.list_jobs(ADMIN, owner="alice")] == [a]
+        svc.cancel_job(ADMIN, a)
+        with pytest.raises(ConflictError):
+            svc.cancel_job(ALICE, a)
+        for bad in ("x", "-1", "1e3", "٣", "99999999999999999999999"):
+            with pytest.raises(NotFoundError):
+                svc.get_job(ADMIN, bad)
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize(
+    ("job", "field"),
+    [
+        (NewJob("a", 9, "imagenet", epochs=1, ideal_throughput=1e8), "gpus"),
+        (NewJob("a", 1, "nope", epochs=1, ideal_throughput=1e8), "dataset"),
+        (NewJob("a/b", 1, "imagenet", epochs=1, ideal_throughput=1e8), "name"),
+        (NewJob("..", 1, "imagenet", epochs=1, ideal_throughput=1e8), "name"),
+        (NewJob("a", 1, "imagenet", epochs=1, model="gpt-17"), "model"),
+        (NewJob("a", 1, "imagenet", epochs=1), "ideal_throughput"),
+        (NewJob("a", 1, "imagenet", epochs=1e7, ideal_throughput=1e8), "epochs"),
+        (NewJob("a", 1, "imagenet", ideal_throughput=1e8), "epochs"),
+    ],
+)
+def test_bad_jobs_name_the_field(tmp_path, job: NewJob, field: str) -> None:
+    svc = make(f"sqlite:///{tmp_path / 'b.db'}", tmp_path)
+    try:
+        with pytest.raises(ServiceError) as err:
+            svc.submit_job(ALICE, job)
+        assert err.value.field == field
+        assert svc.list_jobs(ADMIN) == []
+    finally:
+        svc.close()
+
+
+def test_start_failure_marks_job_failed_and_push_failure_is_reported(tmp_path) -> None:
+    svc = make(f"sqlite:///{tmp_path / 'f.db'}", tmp_path, pusher=RecordingPusher(fail=True))
+    try:
+        j = svc.submit_job(ALICE, NewJob("a", 2, "imagenet", epochs=1, ideal_throughput=2e8)).id
+        svc.backend.fail_start.add(j)
+        svc.run_round("test")
+        job = svc.get_job(ALICE, j)
+        assert job.state == "failed" and "injected failure" in job.message
+        assert "data manager down" in (svc.cluster().last_push_error or "")
+        svc.pusher = RecordingPusher()
+        svc.run_round("test")  # unpushed values are retried; the failed job's resources are released
+        assert svc.cluster().last_push_error is None
+        assert svc.pusher.cache.get("imagenet") == 0.0 and svc.allocations(ADMIN).jobs == ()
+    finally:
+        svc.close()
+
+
+def test_policy_switch_is_persisted_and_validated(tmp_path) -> None:
+    svc = make(f"sqlite:///{tmp_path / 'p.db'}", tmp_path)
+    try:
+        with pytest.raises(ForbiddenError):
+            svc.set_policy(ALICE, "sjf")
+        with pytest.raises(ServiceError, match="choose one of: .*fifo.*gavel"):
+            svc.set_policy(ADMIN, "lottery")
+        svc.set_policy(ADMIN, "gavel")
+        for i in range(4):
+            svc.submit_job(ALICE, NewJob(f"j{i}", 4, "openimages", epochs=1, ideal_throughput=4e8))
+        r = svc.run_round("test")
+        assert r.plan is not None and r.plan.allocation.objective is not None  # Gavel's fairness ratio
+        with svc.sessions() as s:
+            assert s.scalar(sa.select(Round.policy).where(Round.id == r.round_id)) == "gavel"
+    finally:
+        svc.close()
+
+
+def test_loop_reacts_to_submit_and_to_finish_events(tmp_path) -> None:
+    svc = make(f"sqlite:///{tmp_path / 'l.db'}", tmp_path, round_s=3600)  # the timer alone would wait an hour
+    svc.config = dataclasses.replace(svc.config, poll_seconds=0.05, min_event_gap_s=0.05)
+    svc.start()
+    try:
+        a = svc.submit_job(ALICE, NewJob("a", 8, "imagenet", epochs=1, ideal_throughput=8e8)).id
+        b = svc.submit_job(ALICE, NewJob("b", 8, "imagenet", epochs=1, ideal_throughput=8e8)).id
+        _wait(lambda: svc.get_job(ALICE, a).state == "running")
+        assert svc.get_job(ALICE, b).state == "queued"
+        svc.backend.emit(JobEvent(a, "finished"))  # the loop polls the backend between rounds
+        _wait(lambda: svc.get_job(ALICE, b).state == "running")
+        assert svc.get_job(ALICE, a).state == "finished"
+    finally:
+        svc.close()
+
+
+def test_concurrent_submissions_are_all_recorded(db_url, tmp_path) -> None:
+    svc = make(db_url, tmp_path)
+    svc.start()  # rounds run concurrently with the submissions
+    errors: list[BaseException] = []
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(25):
+                jid = svc.submit_job(Principal(f"u{w}"), NewJob(f"w{w}-{i}", 1, "imagenet", epochs=1, ideal_throughput=1e8)).id
+                with lock:
+                    ids.append(jid)
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert errors == []
+        assert len(ids) == len(set(ids)) == 200
+        jobs = svc.list_jobs(ADMIN, limit=10_000)
+        assert sorted(int(j.id) for j in jobs) == sorted(int(i) for i in ids)
+        assert all(len(svc.list_jobs(Principal(f"u{w}"))) == 25 for w in range(8))
+    finally:
+        svc.close()
+
+
+def _wait(cond, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)

@@ -18,7 +18,7 @@ from estimator.errors import UserError
 from estimator.units import parse_rate, parse_size
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scheduler.backends.kubernetes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="fifo", help="fifo | sjf | gavel | greedy | a plug-in")
@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preempt", action="store_true", help="delete the pods of running jobs the policy "
                         "no longer chooses (time-sharing policies; pods must be owned by a controller)")
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from policies.registry import estimator_for, get_policy

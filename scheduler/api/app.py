@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import text
@@ -94,6 +95,15 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     @app.exception_handler(ServiceError)
     async def _service_error(_req: Request, exc: ServiceError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"detail": str(exc), "field": exc.field})
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the offending input, which may be NaN/Infinity (not JSON:
+        # the error response itself would fail with a 500) or megabytes long. Keep loc and msg.
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        field = next((e["loc"][-1] for e in errors if len(e["loc"]) > 1), None)
+        return JSONResponse(status_code=422, content={"detail": errors, "field": field})
 
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError) -> JSONResponse:

@@ -19,13 +19,13 @@ URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"
 
 
 def _as_size(value: Any) -> Any:
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return parse_size(value)  # UnitError is a ValueError: pydantic reports it on the field
+    if isinstance(value, (str, int, float)):
+        return parse_size(value)  # rejects booleans too (lax float parsing would take True as 1)  # UnitError is a ValueError: pydantic reports it on the field
     return value
 
 
 def _as_rate(value: Any) -> Any:
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    if isinstance(value, (str, int, float)):
         return parse_rate(value)
     return value
 

@@ -220,3 +220,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         )
 
     return app
+
+
+def openapi_document() -> dict:
+    """The OpenAPI document without a running service (docs generation, schema-driven tests):
+    the routes only touch the service when a request arrives, so none is needed here."""
+    return create_app(None, TokenStore(), run_loop=False).openapi()  # type: ignore[arg-type]

@@ -115,8 +115,12 @@ class SchedulingCore:
         self.estimator = estimator
         self.planner = RoundPlanner()
 
-    def plan(self, snapshot: Snapshot) -> RoundPlan:
-        allocation = validate_allocation(snapshot, self.policy.allocate(snapshot, self.estimator))
+    def decide(self, snapshot: Snapshot) -> Allocation:
+        """Ask the policy, and refuse any allocation that breaks a capacity."""
+        return validate_allocation(snapshot, self.policy.allocate(snapshot, self.estimator))
+
+    def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
+        """Who holds GPUs this round, and their IO caps, for an allocation already decided."""
         running = self.planner.choose(snapshot, allocation)
         return RoundPlan(
             time=snapshot.time,
@@ -125,6 +129,10 @@ class SchedulingCore:
             cache=None if allocation.cache is None else MappingProxyType(dict(allocation.cache)),
             remote_io=io_caps_for_round(allocation, running, snapshot.capacity.remote_io),
         )
+
+    def plan(self, snapshot: Snapshot) -> RoundPlan:
+        """decide + plan_round, for backends that re-decide every round."""
+        return self.plan_round(snapshot, self.decide(snapshot))
 
     def record(self, snapshot: Snapshot, plan: RoundPlan, seconds: float) -> None:
         self.planner.record(snapshot, plan.running, seconds)

@@ -1,0 +1,335 @@
+"""The trace-driven simulator: a backend of the scheduling core.
+
+Event-driven over arrivals, completions and scheduling rounds; between two events every running
+job reads its dataset chunk by chunk (reader.py) through the chosen cache system
+(cache_systems.py). Decisions come from the same `SchedulingCore` the live service uses: the
+policy is asked for an Allocation when the set of jobs changes, and the round planner chooses
+who holds GPUs every round (Gavel-style time sharing).
+"""
+
+from __future__ import annotations
+
+import math
+import time as wallclock
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from estimator.errors import UserError
+from policies.base import Policy
+from policies.estimators import Estimator
+from policies.gavel import GavelProblem, equal_share_throughput
+from policies.storage import max_min_share
+from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
+from scheduler.backends.sim.cache_systems import SimCacheSystem, SimDataset, make_cache_system
+from scheduler.backends.sim.reader import SimJob, advance, miss_fraction_ahead
+from scheduler.core import SchedulingCore, spread_spare_io
+from traces.model import Trace
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    round_s: float = 360.0
+    resolution: int = 128  # chunks per dataset; higher is closer to item level and slower
+    gpu_speed: float = 1.0  # multiplies every job's f*
+    seed: int = 0
+    timeline_interval_s: float = 3600.0
+    #: Without time sharing nothing changes between events except which jobs need the link's
+    #: spare capacity; that redistribution is refreshed at least this often.
+    io_refresh_s: float = 1800.0
+    max_sim_time_s: float = 10 * 365 * 86400.0
+
+    def __post_init__(self) -> None:
+        if not self.round_s > 0:
+            raise UserError(f"round length {self.round_s} s must be > 0")
+        if self.resolution < 1:
+            raise UserError(f"resolution {self.resolution} must be >= 1 chunk per dataset")
+        if not self.gpu_speed > 0:
+            raise UserError(f"GPU speed {self.gpu_speed} must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    job_id: str
+    submit_s: float
+    start_s: float
+    finish_s: float
+    gpus: int
+    dataset: str
+    remote_bytes: float
+    hit_bytes: float
+
+    @property
+    def jct_s(self) -> float:
+        return self.finish_s - self.submit_s
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineRow:
+    time_s: float
+    running_jobs: int
+    queued_jobs: int
+    gpus_used: int
+    remote_io_used: float  # bytes/s, average since the previous row
+    remote_io_limit: float  # bytes/s, the cluster's link
+    cache_allocated: float  # bytes the policy allocated (or the cache system holds, unmanaged)
+    cache_cached: float  # bytes actually cached
+    cache_effective: float  # cached bytes that some running reader has not read yet this epoch
+    fairness_ratio: float  # Eq. 8 with actual throughput: min_j share_j * rate_j / ref_j
+    throughput: float  # bytes/s consumed by all jobs, average since the previous row
+
+
+@dataclass
+class SimResult:
+    jobs: list[JobRecord]
+    timeline: list[TimelineRow]
+    makespan_s: float
+    gpu_seconds_used: float
+    remote_bytes: float
+    fairness_time_avg: float
+    capacity: ClusterCapacity
+    sim_wall_s: float
+    steps: int
+    unfinished: list[str] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(
+        self,
+        trace: Trace,
+        capacity: ClusterCapacity,
+        policy: Policy,
+        estimator: Estimator,
+        cache_system: str | SimCacheSystem,
+        config: SimConfig = SimConfig(),
+        progress: Callable[[float], None] | None = None,
+    ):
+        too_big = [j for j in trace.jobs if j.num_gpus > capacity.gpus]
+        if too_big:
+            j = too_big[0]
+            raise UserError(
+                f"job {j.job_id} needs {j.num_gpus} GPUs but the cluster has {capacity.gpus}; "
+                f"raise --gpus or drop the job ({len(too_big)} such job(s))"
+            )
+        if not trace.jobs:
+            raise UserError("the trace has no jobs")
+        self.trace = trace
+        self.capacity = capacity
+        self.config = config
+        self.core = SchedulingCore(policy, estimator)
+        self.cache = (
+            make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed)
+            if isinstance(cache_system, str)
+            else cache_system
+        )
+        if self.cache.name == "silod" and not estimator.manages_storage:
+            raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
+        self.progress = progress
+        self.datasets: dict[str, SimDataset] = {}
+        for name, size in trace.dataset_sizes.items():
+            self.datasets[name] = SimDataset(name, float(size), max(1, int(config.resolution)), len(self.datasets))
+        self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
+
+    # ------------------------------------------------------------------ helpers
+    def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
+        jobs = tuple(
+            JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running)
+            for j in active
+        )
+        needed = {j.dataset.name for j in active}
+        return Snapshot(now, jobs, {n: self.dataset_views[n] for n in needed}, self.capacity)
+
+    def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
+        """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
+        if not active:
+            return
+        ref = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
+        for job, r in zip(active, ref, strict=True):
+            job.reference = float(r)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> SimResult:
+        cfg = self.config
+        wall0 = wallclock.perf_counter()
+        seed_seq = np.random.SeedSequence(cfg.seed)
+        pending = list(self.trace.jobs)  # sorted by submit time
+        next_arrival = 0
+        active: list[SimJob] = []
+        records: list[JobRecord] = []
+        timeline: list[TimelineRow] = []
+        now = 0.0
+        need_decision = True
+        snapshot = None
+        allocation = None
+        running_prev: set[str] = set()
+        gpu_seconds = 0.0
+        remote_total = 0.0
+        fairness_area = 0.0
+        fairness_time = 0.0
+        steps = 0
+        # timeline accumulators
+        next_sample = 0.0
+        acc_remote = acc_bytes = acc_time = 0.0
+        readers: dict[str, int] = {}
+        total_work = sum(j.total_bytes(self.trace.dataset_sizes[j.dataset]) for j in self.trace.jobs)
+        done_work = 0.0
+
+        while next_arrival < len(pending) or active:
+            # Arrivals up to now.
+            while next_arrival < len(pending) and pending[next_arrival].submit_time <= now + 1e-9:
+                tj = pending[next_arrival]
+                ds = self.datasets[tj.dataset]
+                rng = np.random.default_rng(seed_seq.spawn(1)[0])
+                job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng)
+                active.append(job)
+                readers[ds.name] = readers.get(ds.name, 0) + 1
+                next_arrival += 1
+                need_decision = True
+            if not active:
+                now = pending[next_arrival].submit_time
+                continue
+            if now > cfg.max_sim_time_s:
+                break
+
+            if need_decision:
+                for job in active:
+                    job.dataset_readers = readers[job.dataset.name]
+                snapshot = self._snapshot(now, active)
+                allocation = self.core.decide(snapshot)
+                self._references(snapshot, active)
+                for job in active:
+                    job.share = allocation.gpu_share.get(job.job_id, 0.0)
+                need_decision = False
+            plan = self.core.plan_round(snapshot, allocation)
+            running_ids = set(plan.running)
+            by_id = {j.job_id: j for j in active}
+            running = [by_id[i] for i in plan.running]
+            for job_id in running_prev - running_ids:
+                if job_id in by_id:
+                    by_id[job_id].running = False
+                    self.cache.job_stopped(by_id[job_id])
+            for job in running:
+                if job.start_time is None:
+                    job.start_time = now
+                job.running = True
+            running_prev = running_ids
+            self.cache.apply_plan(plan.cache, running, self.datasets)
+
+            # Step length: to the next round (only while jobs time-share GPUs), arrival or
+            # (estimated) completion.
+            time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
+            step_end = now + (cfg.round_s if time_shared else max(cfg.round_s, cfg.io_refresh_s))
+            if next_arrival < len(pending):
+                step_end = min(step_end, pending[next_arrival].submit_time)
+            caps = self._io_caps(plan, running, step_end - now)
+            for job in running:
+                rate = min(job.ideal, job.last_rate) if job.last_rate > 0 else job.ideal
+                step_end = min(step_end, now + job.remaining / rate * (1 + 1e-9) + 1e-6)
+            dt = max(step_end - now, 1e-6)
+
+            finished: list[SimJob] = []
+            step_bytes = step_remote = 0.0
+            for job in running:
+                res = advance(job, now, dt, caps[job.job_id], self.cache)
+                job.last_rate = res.bytes_read / dt if res.finished_at is None else res.bytes_read / max(res.finished_at - now, 1e-9)
+                job.run_seconds += dt if res.finished_at is None else res.finished_at - now
+                step_bytes += res.bytes_read
+                step_remote += res.remote_bytes
+                if res.finished_at is not None:
+                    job.finish_time = res.finished_at
+                    finished.append(job)
+            self.cache.end_step()
+            self.core.record(snapshot, plan, dt)
+            steps += 1
+            gpu_seconds += sum(j.gpus for j in running) * dt
+            remote_total += step_remote
+            done_work += step_bytes
+
+            # Eq. 8 with what jobs actually achieve (0 for a job that gets no GPU time).
+            if active:
+                ratios = [j.share * (j.last_rate if j.last_rate > 0 else 0.0) / j.reference if j.reference > 0 else np.inf for j in active]
+                fr = float(min(ratios))
+                if math.isfinite(fr):
+                    fairness_area += fr * dt
+                    fairness_time += dt
+            acc_remote += step_remote
+            acc_bytes += step_bytes
+            acc_time += dt
+
+            if now + dt >= next_sample:
+                timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr if active else 0.0))
+                acc_remote = acc_bytes = acc_time = 0.0
+                next_sample = now + dt + cfg.timeline_interval_s
+
+            for job in finished:
+                active.remove(job)
+                readers[job.dataset.name] -= 1
+                self.cache.job_stopped(job)
+                self.core.forget(job.job_id)
+                running_prev.discard(job.job_id)
+                records.append(
+                    JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
+                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes)
+                )
+                need_decision = True
+            now += dt
+            if self.progress is not None:
+                self.progress(min(done_work / total_work, 1.0) if total_work > 0 else 1.0)
+
+        makespan = max((r.finish_s for r in records), default=0.0)
+        return SimResult(
+            jobs=records,
+            timeline=timeline,
+            makespan_s=makespan,
+            gpu_seconds_used=gpu_seconds,
+            remote_bytes=remote_total,
+            fairness_time_avg=fairness_area / fairness_time if fairness_time > 0 else 0.0,
+            capacity=self.capacity,
+            sim_wall_s=wallclock.perf_counter() - wall0,
+            steps=steps,
+            unfinished=[j.job_id for j in active],
+        )
+
+    def _io_caps(self, plan, running: list[SimJob], horizon: float) -> dict[str, float]:
+        """Remote IO per running job for this step.
+
+        Managed (SiloD): the policy's caps, plus work conservation (unused link capacity goes
+        to jobs whose real miss ratio is above what the policy assumed, e.g. during epoch 1).
+        Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
+        """
+        total = self.capacity.remote_io
+        demands = {j.job_id: j.ideal * miss_fraction_ahead(j, self.cache, horizon) for j in running}
+        if plan.remote_io is not None:
+            return spread_spare_io(plan.remote_io, demands, total)
+        ids = list(demands)
+        granted = max_min_share(np.array([demands[i] for i in ids], dtype=float), total)
+        return dict(zip(ids, granted.tolist(), strict=True))
+
+    def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness) -> TimelineRow:
+        cached = self.cache.cached_bytes()
+        effective = 0.0
+        by_ds: dict[str, np.ndarray] = {}
+        for job in running:
+            mask = self.cache.cached_mask(job) & ~job.read_mask()
+            prev = by_ds.get(job.dataset.name)
+            by_ds[job.dataset.name] = mask if prev is None else (prev | mask)
+        for name, mask in by_ds.items():
+            effective += float(mask.sum()) * self.datasets[name].chunk_size
+        allocated = float(sum(plan.cache.values())) if plan.cache is not None else float(sum(cached.values()))
+        return TimelineRow(
+            time_s=t,
+            running_jobs=len(running),
+            queued_jobs=len(active) - len(running),
+            gpus_used=sum(j.gpus for j in running),
+            remote_io_used=acc_remote / acc_time if acc_time else 0.0,
+            remote_io_limit=self.capacity.remote_io,
+            cache_allocated=allocated,
+            cache_cached=float(sum(cached.values())),
+            cache_effective=effective,
+            fairness_ratio=fairness,
+            throughput=acc_bytes / acc_time if acc_time else 0.0,
+        )
+
+
+__all__ = ["JobRecord", "SimConfig", "SimResult", "Simulator", "TimelineRow"]

@@ -1,0 +1,168 @@
+"""How one training job reads its dataset during a simulation step.
+
+Each epoch reads every chunk once in a fresh random order. Loading and computation are
+pipelined (SiloD §4), so reading from position p to x (in chunks of size s) takes
+
+    T = max((x - p) s / f*,  missed(p, x) s / b)
+
+and throughput is min(f*, b / miss ratio), Eq. 4, with the miss ratio measured on the chunks
+actually read rather than assumed to be c/d. That is what makes delayed effectiveness, sharing
+and LRU thrashing visible: a chunk cached during this epoch was already read, so it only helps
+in the next epoch or another job.
+
+missed(p, x) comes from a prefix sum of misses along the epoch's order (`miss_prefix`). It stays
+valid while nobody but the job itself changes its dataset's cache, because what the job admits
+it has already read; the cache system bumps a per-dataset version whenever anything else
+changes it, and the prefix is then recomputed. Between such changes a step costs O(log K).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.backends.sim.cache_systems import SimCacheSystem, SimDataset
+from traces.model import TraceJob
+
+
+@dataclass(eq=False)
+class SimJob:
+    trace: TraceJob
+    dataset: SimDataset
+    ideal: float  # f*, bytes/s, after GPU-speed scaling
+    total_bytes: float
+    rng: np.random.Generator
+    consumed: float = 0.0
+    perm: np.ndarray = field(init=False)
+    pos: float = 0.0  # chunks of the current epoch already read (fractional)
+    epoch: int = 0
+    start_time: float | None = None
+    finish_time: float | None = None
+    running: bool = False
+    dataset_readers: int = 1  # active jobs on the same dataset
+    remote_bytes: float = 0.0
+    hit_bytes: float = 0.0
+    last_rate: float = 0.0  # bytes/s in the last step it ran
+    run_seconds: float = 0.0
+    reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
+    share: float = 0.0
+    miss_prefix: np.ndarray | None = None  # misses along perm, cumulative, length K + 1
+    prefix_version: int = -1
+
+    def __post_init__(self) -> None:
+        self.perm = self.rng.permutation(self.dataset.n_chunks)
+
+    @property
+    def job_id(self) -> str:
+        return self.trace.job_id
+
+    @property
+    def gpus(self) -> int:
+        return self.trace.num_gpus
+
+    @property
+    def remaining(self) -> float:
+        return max(self.total_bytes - self.consumed, 0.0)
+
+    def read_mask(self) -> np.ndarray:
+        """Chunks already read in the current epoch (the per-job bitset of §6)."""
+        mask = np.zeros(self.dataset.n_chunks, dtype=bool)
+        mask[self.perm[: int(self.pos)]] = True
+        return mask
+
+    def prefix(self, cache: SimCacheSystem) -> np.ndarray:
+        version = cache.version_of(self)
+        if self.miss_prefix is None or self.prefix_version != version:
+            misses = ~cache.lookup(self, self.perm)
+            self.miss_prefix = np.concatenate(([0.0], np.cumsum(misses, dtype=float)))
+            self.prefix_version = version
+        return self.miss_prefix
+
+    def new_epoch(self) -> None:
+        self.epoch += 1
+        self.pos = 0.0
+        self.perm = self.rng.permutation(self.dataset.n_chunks)
+        self.miss_prefix = None
+
+
+def _missed_to(prefix: np.ndarray, x: float) -> float:
+    """Misses (in chunks) from the epoch start to position x, linear inside a chunk."""
+    i = int(x)
+    if i >= len(prefix) - 1:
+        return float(prefix[-1])
+    return float(prefix[i] + (x - i) * (prefix[i + 1] - prefix[i]))
+
+
+def _position_with_misses(prefix: np.ndarray, target: float) -> float:
+    """Largest x with misses(0, x) <= target (runs of hits cost no IO, so x runs past them)."""
+    k = len(prefix) - 1
+    if target >= prefix[-1]:
+        return float(k)
+    i = int(np.searchsorted(prefix, target, side="right")) - 1  # prefix[i] <= target < prefix[i+1]
+    step = prefix[i + 1] - prefix[i]
+    return i + (target - prefix[i]) / step if step > 0 else float(i + 1)
+
+
+def miss_fraction_ahead(job: SimJob, cache: SimCacheSystem, horizon_s: float) -> float:
+    """Miss ratio of what the job would read next at full speed (its IO demand / f*)."""
+    prefix = job.prefix(cache)
+    k = job.dataset.n_chunks
+    span = job.ideal * horizon_s / job.dataset.chunk_size
+    start = min(job.pos, float(k))
+    end = min(start + span, float(k))
+    if end - start < 1e-9:
+        return float(prefix[-1] / k)  # at the epoch end: the next epoch sees the whole dataset
+    return (_missed_to(prefix, end) - _missed_to(prefix, start)) / (end - start)
+
+
+@dataclass
+class StepResult:
+    bytes_read: float = 0.0
+    remote_bytes: float = 0.0
+    finished_at: float | None = None
+
+
+def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem) -> StepResult:
+    """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s)."""
+    result = StepResult()
+    s = job.dataset.chunk_size
+    k = job.dataset.n_chunks
+    f = job.ideal
+    t = 0.0
+    while dt - t > 1e-9 * dt and job.remaining > 0:
+        if job.pos >= k - 1e-9:
+            job.new_epoch()
+        prefix = job.prefix(cache)
+        p = job.pos
+        left = dt - t
+        m_p = _missed_to(prefix, p)
+        x_gpu = p + left * f / s
+        x_io = _position_with_misses(prefix, m_p + left * io_cap / s) if io_cap > 0 else _position_with_misses(prefix, m_p)
+        x_need = p + job.remaining / s
+        x = min(x_gpu, x_io, x_need, float(k))
+        missed = _missed_to(prefix, x) - m_p
+        elapsed = max((x - p) * s / f, missed * s / io_cap if io_cap > 0 else (math.inf if missed > 0 else 0.0))
+        elapsed = min(elapsed, left)
+        done = (x - p) * s
+        first, last = int(math.ceil(p - 1e-12)), int(x + 1e-12)  # chunks started before p are not re-recorded
+        if last > first:
+            idx = job.perm[first:last]
+            hits = prefix[first + 1 : last + 1] == prefix[first:last]
+            times = now + t + elapsed * (np.arange(first + 1, last + 1) - p) / max(x - p, 1e-12)
+            cache.record_reads(job, idx, hits, times)
+        job.consumed += done
+        job.remote_bytes += missed * s
+        job.hit_bytes += done - missed * s
+        result.bytes_read += done
+        result.remote_bytes += missed * s
+        job.pos = x
+        t += elapsed
+        if x >= x_need - 1e-9 or job.remaining <= 1e-9 * job.total_bytes:
+            job.consumed = job.total_bytes
+            result.finished_at = now + t
+            return result
+        if done <= 0:
+            break  # stalled on a miss with no remote bandwidth
+    return result

@@ -1,0 +1,111 @@
+"""`silod simulate`, `silod experiment` and `silod trace`: the trace-driven simulator's commands."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from estimator.errors import UserError
+
+SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gpu.csv"
+DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
+
+
+class TraceFormat(str, Enum):
+    auto = "auto"
+    csv = "csv"
+    gavel = "gavel"
+
+
+def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0):
+    from traces.csv_trace import load_csv_trace
+    from traces.gavel_trace import load_gavel_trace
+
+    if fmt == TraceFormat.auto:
+        fmt = TraceFormat.gavel if path.suffix == ".trace" else TraceFormat.csv
+    if fmt == TraceFormat.gavel:
+        return load_gavel_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed)
+    if dataset_sharing:
+        raise UserError("--dataset-sharing applies to --format gavel; in a CSV trace, jobs share a dataset by naming it")
+    trace = load_csv_trace(path)
+    if max_jobs is not None:
+        from traces.model import Trace
+
+        trace = Trace(trace.jobs[:max_jobs], trace.dataset_sizes, trace.source)
+    return trace
+
+
+def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int, progress_label: str | None = None):
+    """Build and run one simulation; shows a progress bar when `progress_label` is given."""
+    from policies.registry import estimator_for, get_policy
+    from scheduler.backends.sim.cache_systems import CACHE_SYSTEMS
+    from scheduler.backends.sim.engine import SimConfig, Simulator
+
+    if cache_system not in CACHE_SYSTEMS:
+        raise UserError(f"unknown cache system {cache_system!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
+    pol = get_policy(policy)
+    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed)
+    if progress_label is None:
+        return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(progress_label, total=1.0)
+        sim = Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config,
+                        progress=lambda frac: bar.update(task, completed=frac))
+        return sim.run()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def simulate(
+        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, or Gavel TSV with --format gavel)")] = SHIPPED_TRACE,
+        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV")] = TraceFormat.auto,
+        cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
+        gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
+        gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,
+        cache: Annotated[Optional[str], typer.Option(help="total cache, e.g. 24TB [default 24TB]")] = None,
+        remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
+        gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
+        policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
+        cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
+        round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
+        resolution: Annotated[int, typer.Option(help="chunks per dataset (higher = closer to item level, slower)")] = 128,
+        dataset_sharing: Annotated[float, typer.Option(help="Gavel traces: fraction of jobs that share their family's dataset")] = 0.0,
+        max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs")] = None,
+        seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
+        out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
+        quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    ) -> None:
+        """Run one trace-driven simulation and write summary.json, jobs.csv and timeline.csv."""
+        from scheduler.backends.sim.report import write_outputs
+        from scheduler.cluster import load_cluster
+
+        if max_jobs is not None and max_jobs < 1:
+            raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
+                                       remote_io=remote_io, gpu_speed=gpu_speed, defaults=DEFAULT_CLUSTER)
+        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
+        result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
+                                None if quiet else f"{policy}/{cache_system}")
+        summary = write_outputs(result, out, policy, cache_system, {"trace": str(trace), "gpu_speed": speed})
+        _print_summary(summary, out)
+
+
+def _print_summary(summary: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['policy']} on {summary['cache_system']}: {summary['jobs']} jobs")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("avg_jct_s", "p50_jct_s", "p99_jct_s", "makespan_s"):
+        table.add_row(key, f"{summary[key] / 3600:.2f} h")
+    for key in ("avg_fairness_ratio", "gpu_utilization", "remote_io_utilization", "sim_wall_s"):
+        table.add_row(key, f"{summary[key]:.3f}")
+    console = Console()
+    console.print(table)
+    console.print(f"wrote {out}/summary.json, jobs.csv, timeline.csv")

@@ -1,0 +1,76 @@
+"""Cluster capacities from command-line flags or a YAML file with the same keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from estimator.errors import UserError
+from estimator.units import parse_rate, parse_size
+from policies.types import ClusterCapacity
+
+CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed")
+
+
+def _gpus(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise UserError(f"{what} {value!r} is not a whole number")
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise UserError(f"{what} {value!r} is not a whole number of GPUs") from None
+    if number < 1 or number > 10_000_000:
+        raise UserError(f"{what} {number} must be between 1 and 10,000,000")
+    return number
+
+
+def load_cluster(
+    path: str | Path | None = None,
+    *,
+    gpus: int | str | None = None,
+    gpus_per_node: int | str | None = None,
+    cache: str | float | None = None,
+    remote_io: str | float | None = None,
+    gpu_speed: float | str | None = None,
+    defaults: dict | None = None,
+) -> tuple[ClusterCapacity, float]:
+    """(capacity, gpu_speed). Flags override the file; the file overrides `defaults`."""
+    values: dict = dict(defaults or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"cluster file {p} does not exist; check --cluster")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"cluster file {p} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"cluster file {p} must be a mapping with keys {', '.join(CLUSTER_KEYS)}")
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        unknown = set(data) - set(CLUSTER_KEYS)
+        if unknown:
+            raise UserError(f"cluster file {p}: unknown key(s) {sorted(unknown)}; valid keys: {', '.join(CLUSTER_KEYS)}")
+        values.update(data)
+    for key, flag in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("cache", cache), ("remote_io", remote_io), ("gpu_speed", gpu_speed)):
+        if flag is not None:
+            values[key] = flag
+    missing = [k for k in ("gpus", "cache", "remote_io") if k not in values]
+    if missing:
+        raise UserError(f"cluster is missing {', '.join('--' + m.replace('_', '-') for m in missing)} (or give --cluster FILE)")
+    total = _gpus(values["gpus"], "--gpus")
+    per_node = _gpus(values.get("gpus_per_node", min(8, total)), "--gpus-per-node")
+    speed_raw = values.get("gpu_speed", 1.0)
+    try:
+        speed = float(speed_raw)
+    except (TypeError, ValueError):
+        raise UserError(f"--gpu-speed {speed_raw!r} is not a number") from None
+    if not (0 < speed < 1e6):
+        raise UserError(f"--gpu-speed {speed} must be a positive factor, e.g. 2 for twice as fast")
+    capacity = ClusterCapacity(
+        gpus=total,
+        cache=parse_size(values["cache"], "--cache"),
+        remote_io=parse_rate(values["remote_io"], "--remote-io"),
+        gpus_per_node=per_node,
+    )
+    return capacity, speed

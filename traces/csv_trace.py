@@ -1,0 +1,153 @@
+"""The silod trace CSV (ARCHITECTURE.md §4).
+
+    job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs
+
+`duration` (seconds at ideal speed) may replace `epochs`; empty dataset_size and
+ideal_throughput are filled from the catalog. Every problem is reported with file, line and
+column, and what to write instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from estimator.errors import UserError
+from estimator.units import UnitError, parse_rate, parse_size
+from traces.catalog import DATASETS, MODELS, lookup_model
+from traces.model import Trace, TraceJob
+
+REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_size", "ideal_throughput")
+COLUMNS = (*REQUIRED, "epochs")
+MAX_GPUS_PER_JOB = 1_000_000
+
+
+class TraceError(UserError):
+    pass
+
+
+def _fail(path: Path, line: int, column: str | None, problem: str) -> TraceError:
+    where = f"{path}:{line}" + (f", column {column!r}" if column else "")
+    return TraceError(f"{where}: {problem}")
+
+
+def _number(text: str, path: Path, line: int, column: str, *, integer: bool = False) -> float:
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        kind = "a whole number" if integer else "a number"
+        raise _fail(path, line, column, f"{text!r} is not {kind}") from None
+    if not math.isfinite(value):
+        raise _fail(path, line, column, f"{text!r} is not a finite number")
+    return value
+
+
+def load_csv_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        handle = path.open(newline="", encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError(f"trace file {path} does not exist; check the --trace path") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace {path} is a directory; give a CSV file") from None
+    with handle:
+        reader = csv.DictReader(handle)
+        header = reader.fieldnames
+        if not header:
+            raise TraceError(f"{path}: the file is empty; it needs the header line {','.join(COLUMNS)} and one row per job")
+        header = [h.strip() for h in header]
+        reader.fieldnames = header
+        missing = [c for c in REQUIRED if c not in header]
+        if "epochs" not in header and "duration" not in header:
+            missing.append("epochs (or duration)")
+        if missing:
+            raise _fail(path, 1, None, f"missing column(s) {', '.join(missing)}; the header must be {','.join(COLUMNS)}")
+        jobs: list[TraceJob] = []
+        sizes: dict[str, float] = {}
+        seen_ids: set[str] = set()
+        for row in reader:
+            line = reader.line_num
+            if None in row:
+                raise _fail(path, line, None, f"more fields than the {len(header)} columns of the header")
+            if all(not (v or "").strip() for v in row.values()):
+                continue
+            jobs.append(_parse_row(row, path, line, sizes, seen_ids))
+    if not jobs:
+        raise TraceError(f"{path}: no jobs; add at least one row after the header")
+    jobs.sort(key=lambda j: (j.submit_time, j.job_id))
+    return Trace(tuple(jobs), sizes, source=str(path))
+
+
+def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, float], seen: set[str]) -> TraceJob:
+    get = {k: (v or "").strip() for k, v in row.items()}
+    job_id = get["job_id"]
+    if not job_id:
+        raise _fail(path, line, "job_id", "empty; every job needs an id")
+    if job_id in seen:
+        raise _fail(path, line, "job_id", f"duplicate job id {job_id!r}")
+    seen.add(job_id)
+    submit = _number(get["submit_time"], path, line, "submit_time")
+    if submit < 0:
+        raise _fail(path, line, "submit_time", f"{submit} is negative; use seconds from the trace start (>= 0)")
+    gpus = int(_number(get["num_gpus"], path, line, "num_gpus", integer=True))
+    if not 1 <= gpus <= MAX_GPUS_PER_JOB:
+        raise _fail(path, line, "num_gpus", f"{gpus} is not a GPU count; use an integer >= 1")
+    model, dataset = get["model"], get["dataset"]
+    if not dataset:
+        raise _fail(path, line, "dataset", "empty; name the dataset the job reads")
+    size = _size(get["dataset_size"], dataset, path, line)
+    if size <= 0:
+        raise _fail(path, line, "dataset_size", "must be > 0 bytes")
+    if dataset in sizes and not math.isclose(sizes[dataset], size, rel_tol=1e-9):
+        raise _fail(path, line, "dataset_size", f"dataset {dataset!r} was given size {sizes[dataset]:.0f} B on an earlier line; one dataset has one size")
+    sizes[dataset] = size
+    ideal = _ideal(get["ideal_throughput"], model, gpus, path, line)
+    if ideal <= 0:
+        raise _fail(path, line, "ideal_throughput", "must be > 0 bytes/s")
+    if get.get("epochs", ""):
+        epochs = _number(get["epochs"], path, line, "epochs")
+        if epochs <= 0:
+            raise _fail(path, line, "epochs", f"{epochs} must be > 0 (fractions such as 0.07 are fine)")
+    elif get.get("duration", ""):
+        duration = _number(get["duration"], path, line, "duration")
+        if duration <= 0:
+            raise _fail(path, line, "duration", f"{duration} must be > 0 seconds")
+        epochs = duration * ideal / size
+    else:
+        raise _fail(path, line, "epochs", "empty; give epochs or a duration in seconds")
+    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs)
+
+
+def _size(text: str, dataset: str, path: Path, line: int) -> float:
+    if not text:
+        if dataset in DATASETS:
+            return DATASETS[dataset].size
+        raise _fail(path, line, "dataset_size", f"empty and {dataset!r} is not in the catalog ({', '.join(sorted(DATASETS))}); give a size such as 143GB")
+    try:
+        return parse_size(text, "dataset_size")
+    except UnitError as exc:
+        raise _fail(path, line, "dataset_size", str(exc)) from None
+
+
+def _ideal(text: str, model: str, gpus: int, path: Path, line: int) -> float:
+    if not text:
+        if not model:
+            raise _fail(path, line, "ideal_throughput", "empty and no model given; give bytes/s such as 114MB/s")
+        try:
+            return lookup_model(model).ideal_per_gpu * gpus
+        except UserError:
+            raise _fail(path, line, "model", f"unknown model {model!r} and no ideal_throughput; give ideal_throughput or use one of {', '.join(sorted(MODELS))}") from None
+    try:
+        return parse_rate(text, "ideal_throughput")
+    except UnitError as exc:
+        raise _fail(path, line, "ideal_throughput", str(exc)) from None
+
+
+def write_csv_trace(trace: Trace, path: str | Path) -> None:
+    with Path(path).open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(COLUMNS)
+        for j in trace.jobs:
+            writer.writerow([j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
+                             f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"])

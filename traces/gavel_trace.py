@@ -1,0 +1,125 @@
+"""Gavel/Philly TSV traces (../shared/traces/gavel-msr, `--format gavel`).
+
+Arrival times, GPU counts and step counts come from the trace; step rates from Gavel's
+`simulation_throughputs.json` (V100, running alone). The Gavel job types train on small public
+datasets (CIFAR-10, multi30k, ...) that never stress remote IO, so, as the SiloD paper does with
+its production trace (§7), each job family is mapped to a model and dataset of the paper's
+catalog (Table 4, Fig. 6). Durations stay the trace's (steps / steps-per-second); the data rate
+f* is the catalog's per-GPU rate times Gavel's measured multi-GPU speed-up; epochs follow as
+duration x f* / dataset size. See traces/README.md for the table.
+
+As in the paper, every job reads its own copy of its dataset unless `dataset_sharing` > 0, in
+which case that fraction of jobs (chosen with the seed) reads the family's shared dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from estimator.errors import UserError
+from traces.catalog import DATASETS, MODELS
+from traces.model import Trace, TraceJob
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyMapping:
+    family: str  # prefix of Gavel's job_type
+    model: str  # catalog model whose per-GPU data rate the job gets
+    dataset: str  # catalog dataset whose size the job reads
+    why: str
+
+
+FAMILIES: tuple[FamilyMapping, ...] = (
+    FamilyMapping("ResNet-50", "resnet50", "imagenet-22k", "same model; the paper's large image set"),
+    FamilyMapping("ResNet-18", "efficientnetb1", "imagenet-1k", "light image classifier on the smaller image set"),
+    FamilyMapping("CycleGAN", "resnet152", "openimages", "compute-heavy image model on Open Images"),
+    FamilyMapping("Recommendation", "vlad", "youtube-8m", "low data-rate model on a large feature set"),
+    FamilyMapping("Transformer", "bert", "web-search", "language model on the web-search corpus"),
+    FamilyMapping("LM", "bert", "web-search", "language model on the web-search corpus"),
+    FamilyMapping("A3C", "a3c", "none", "reinforcement learning: reads no dataset"),
+)
+
+# A3C reads no training data; it is modelled with a tiny dataset and data rate so it never
+# touches the remote link or the cache.
+_A3C_DATASET_SIZE = 1e6
+_A3C_RATE = 1e3
+
+
+def _family(job_type: str) -> FamilyMapping:
+    for fam in FAMILIES:
+        if job_type.startswith(fam.family):
+            return fam
+    raise UserError(f"Gavel job type {job_type!r} has no mapping; known families: {', '.join(f.family for f in FAMILIES)}")
+
+
+def _steps_per_second(table: dict, job_type: str, gpus: int) -> float:
+    """Gavel's measured rate; for a GPU count it has no entry for, the largest measured count
+    below it, scaled linearly (the README of the traces says so for counts above 8)."""
+    measured = [k for k in (8, 4, 2, 1) if k <= gpus and f"('{job_type}', {k})" in table]
+    if not measured:
+        raise UserError(f"no throughput for {job_type!r} in simulation_throughputs.json")
+    k = measured[0]
+    return float(table[f"('{job_type}', {k})"]["null"]) * gpus / k
+
+
+def default_throughputs_path(trace_path: Path) -> Path:
+    return trace_path.parent / "simulation_throughputs.json"
+
+
+def load_gavel_trace(
+    path: str | Path,
+    throughputs: str | Path | None = None,
+    *,
+    dataset_sharing: float = 0.0,
+    max_jobs: int | None = None,
+    seed: int = 0,
+) -> Trace:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"trace file {path} does not exist; check the --trace path")
+    if not 0.0 <= dataset_sharing <= 1.0:
+        raise UserError(f"dataset sharing {dataset_sharing} must be a fraction between 0 and 1")
+    tp_path = Path(throughputs) if throughputs else default_throughputs_path(path)
+    if not tp_path.is_file():
+        raise UserError(f"{tp_path} not found; Gavel traces need simulation_throughputs.json (--throughputs FILE)")
+    table = json.loads(tp_path.read_text())["v100"]
+    rng = np.random.default_rng(seed)
+    jobs: list[TraceJob] = []
+    sizes: dict[str, float] = {}
+    lines = path.read_text().splitlines()
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        cols = raw.split("\t")
+        if len(cols) != 7:
+            raise UserError(f"{path}:{number}: expected 7 tab-separated columns, found {len(cols)}")
+        job_type, _cmd, _flag, _needs_data, steps_text, arrival_text, gpus_text = cols
+        try:
+            steps, arrival, gpus = float(steps_text), float(arrival_text), int(gpus_text)
+        except ValueError:
+            raise UserError(f"{path}:{number}: total_steps, arrival_time and scale_factor must be numbers") from None
+        if steps <= 0 or arrival < 0 or gpus < 1 or not math.isfinite(steps + arrival):
+            raise UserError(f"{path}:{number}: steps must be > 0, arrival >= 0 and GPUs >= 1")
+        fam = _family(job_type)
+        duration = steps / _steps_per_second(table, job_type, gpus)
+        speedup = _steps_per_second(table, job_type, gpus) / _steps_per_second(table, job_type, 1)
+        job_id = f"job{len(jobs):05d}"
+        if fam.model == "a3c":
+            rate, size, base = _A3C_RATE * speedup, _A3C_DATASET_SIZE, "rl-env"
+        else:
+            rate, size, base = MODELS[fam.model].ideal_per_gpu * speedup, DATASETS[fam.dataset].size, fam.dataset
+        shared = rng.random() < dataset_sharing
+        dataset = base if shared else f"{base}/{job_id}"
+        sizes[dataset] = size
+        jobs.append(TraceJob(job_id, arrival, gpus, job_type, dataset, rate, duration * rate / size))
+        if max_jobs is not None and len(jobs) >= max_jobs:
+            break
+    if not jobs:
+        raise UserError(f"{path}: no jobs in the trace")
+    jobs.sort(key=lambda j: (j.submit_time, j.job_id))
+    return Trace(tuple(jobs), sizes, source=str(path), notes=(f"gavel format, dataset_sharing={dataset_sharing}",))

@@ -1,0 +1,42 @@
+"""The typed form of a workload trace, whatever file format it came from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True, slots=True)
+class TraceJob:
+    job_id: str
+    submit_time: float  # seconds from trace start
+    num_gpus: int
+    model: str
+    dataset: str  # jobs with the same dataset name share one dataset and its cache
+    ideal_throughput: float  # f* at num_gpus on the reference GPU (V100), bytes/s
+    epochs: float  # passes over the dataset; may be < 1
+
+    def total_bytes(self, dataset_size: float) -> float:
+        return self.epochs * dataset_size
+
+    def ideal_duration(self, dataset_size: float) -> float:
+        return self.total_bytes(dataset_size) / self.ideal_throughput
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    jobs: tuple[TraceJob, ...]  # sorted by submit_time
+    dataset_sizes: Mapping[str, float]  # bytes per dataset name
+    source: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dataset_sizes", MappingProxyType(dict(self.dataset_sizes)))
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def max_gpus(self) -> int:
+        return max((j.num_gpus for j in self.jobs), default=0)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from estimator.errors import UserError
@@ -241,7 +241,7 @@ class ServiceConfig:
     policy: str | None = None  # None: the persisted policy, else fifo
     round_seconds: float = 360.0
     poll_seconds: float = 1.0  # how often the backend is polled for events between rounds
-    min_event_gap_s: float = 0.5  # event-triggered rounds at most this often (bursts coalesce)
+    min_event_gap_s: float = 2.0  # event-triggered rounds at most this often (bursts coalesce)
     gpu_speed: float = 1.0  # multiplies catalog f* (per V100) for this cluster's GPUs
 
 
@@ -397,6 +397,7 @@ class SchedulerService:
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
                 submit_time=time.time(), message="",
             )
+            job.allocation = None  # known empty: no lazy SELECT when the record is built
             job.dataset = ds
             s.add(job)
             s.flush()
@@ -592,7 +593,8 @@ class SchedulerService:
             rows = s.scalars(select(JobAllocationRow).where(JobAllocationRow.running)).all()
             for row in rows:
                 self.backend.stop(str(row.job_id))
-                s.add_all(self._changes(None, now, "job", str(row.job_id), {"running": (1.0, 0.0), "gpus": (row.gpus, 0)}))
+                changes = self._changes(None, now, "job", str(row.job_id), {"running": (1.0, 0.0), "gpus": (row.gpus, 0)})
+                s.execute(insert(AllocationChange), changes)
                 row.running = False
                 row.gpus = 0
                 job = s.get(Job, row.job_id)
@@ -683,9 +685,10 @@ class SchedulerService:
     @staticmethod
     def _changes(
         round_id: int | None, now: float, kind: str, subject: str, diffs: Mapping[str, tuple[float | None, float | None]]
-    ) -> list[AllocationChange]:
+    ) -> list[dict[str, Any]]:
+        """Audit rows (as insert parameters) for the values that changed."""
         return [
-            AllocationChange(
+            dict(
                 round_id=round_id, time=now, subject_kind=kind, subject=subject, resource=resource,
                 old_value=None if old is None else float(old), new_value=None if new is None else float(new),
             )
@@ -697,7 +700,7 @@ class SchedulerService:
         self, snapshot: Snapshot, plan: RoundPlan | None, reason: str, now: float, t0: float
     ) -> tuple[_Pending, int, int]:
         pending = _Pending()
-        audit: list[AllocationChange] = []
+        audit: list[dict[str, Any]] = []
         running = set(plan.running) if plan else set()
         managed = plan is not None and plan.manages_storage
         with self._write_lock, self.sessions.begin() as s:
@@ -710,16 +713,17 @@ class SchedulerService:
             s.flush()
             rid = rnd.id
             ids = [int(j.job_id) for j in snapshot.jobs]
-            jobs: dict[int, Job] = {}
+            # Current states as plain tuples: loading 1,000 ORM jobs would dominate the round.
+            states: dict[int, JobState] = {}
             for chunk in range(0, len(ids), 500):  # bounded IN lists
-                for job in s.scalars(select(Job).where(Job.id.in_(ids[chunk : chunk + 500]))).unique():
-                    jobs[job.id] = job
+                states.update(s.execute(select(Job.id, Job.state).where(Job.id.in_(ids[chunk : chunk + 500]))).all())
+            transitions: list[tuple[int, bool, JobAllocation, str]] = []  # (job, run?, allocation, dataset)
             allocs = {a.job_id: a for a in s.scalars(select(JobAllocationRow))}
             for view in snapshot.jobs:
                 jid = int(view.job_id)
-                job = jobs.get(jid)
+                state = states.get(jid)
                 # A job cancelled while the policy was thinking must not be started now.
-                active = job is not None and JobState(job.state).active
+                active = state is not None and JobState(state).active
                 run = active and view.job_id in running
                 share = plan.allocation.gpu_share.get(view.job_id, 0.0) if (plan and active) else 0.0
                 io: float | None
@@ -747,31 +751,15 @@ class SchedulerService:
                     else:
                         row.gpus, row.gpu_share, row.remote_io, row.running = gpus, share, io, run
                         row.round_id, row.updated_at = rid, now
-                was_running = job.state == JobState.RUNNING
-                if run and not was_running:
-                    job.state = JobState.RUNNING
-                    job.start_time = job.start_time or now
-                    job.message = ""
+                was_running = state == JobState.RUNNING
+                if run != was_running:
                     cache = plan.cache.get(view.dataset) if (plan and plan.cache is not None) else None
-                    pending.start.append(
-                        (
-                            JobSpec(
-                                job_id=view.job_id, name=job.name, owner=job.owner, gpus=job.gpus,
-                                dataset=DatasetInfo(job.dataset.name, job.dataset.uri, job.dataset.size, job.dataset.item_count),
-                                ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
-                                consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
-                            ),
-                            JobAllocation(view.job_id, gpus, share, cache, io),
-                        )
-                    )
-                elif was_running and not run:
-                    job.state = JobState.QUEUED
-                    job.message = "preempted"
-                    pending.stop.append(view.job_id)
+                    transitions.append((jid, run, JobAllocation(view.job_id, gpus, share, cache, io), view.dataset))
                 # IO goes to the data manager for running jobs, and 0 for jobs that just stopped;
                 # a job that never ran has nothing to release.
                 if io is not None and (run or old[3] == 1.0):
                     pending.io[view.job_id] = io
+            self._apply_transitions(s, transitions, now, pending)
             # Jobs that left the active states (finished, failed, cancelled) or were not in the
             # snapshot because they ended before it: release everything they held.
             ended = s.execute(
@@ -815,10 +803,40 @@ class SchedulerService:
                 audit += self._changes(rid, now, "dataset", name, {"cache": (row.bytes, 0.0)})
                 pending.cache[name] = 0.0
                 s.delete(row)
-            s.add_all(audit)
+            if audit:  # one executemany instead of thousands of ORM objects
+                s.execute(insert(AllocationChange), audit)
             rnd.changes = len(audit)
             rnd.duration_s = time.perf_counter() - t0
         return pending, rid, len(audit)
+
+    @staticmethod
+    def _apply_transitions(
+        s: Session, transitions: list[tuple[int, bool, JobAllocation, str]], now: float, pending: _Pending
+    ) -> None:
+        """Start/stop state changes; only these jobs are loaded as ORM objects."""
+        ids = [jid for jid, *_ in transitions]
+        jobs: dict[int, Job] = {}
+        for chunk in range(0, len(ids), 500):
+            for job in s.scalars(select(Job).where(Job.id.in_(ids[chunk : chunk + 500]))).unique():
+                jobs[job.id] = job
+        for jid, run, alloc, _dataset in transitions:
+            job = jobs[jid]
+            if run:
+                job.state = JobState.RUNNING
+                job.start_time = job.start_time or now
+                job.message = ""
+                d = job.dataset
+                spec = JobSpec(
+                    job_id=str(jid), name=job.name, owner=job.owner, gpus=job.gpus,
+                    dataset=DatasetInfo(d.name, d.uri, d.size, d.item_count),
+                    ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
+                    consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
+                )
+                pending.start.append((spec, alloc))
+            else:
+                job.state = JobState.QUEUED
+                job.message = "preempted"
+                pending.stop.append(str(jid))
 
     def _execute(self, pending: _Pending) -> None:
         """Backend and data-manager actions for a committed round. Failures are recorded, not raised."""

@@ -67,12 +67,12 @@ def parse_size(value: str | int | float, what: str = "size") -> float:
     text = str(value)
     if text.strip().startswith("-"):
         raise UnitError(f"{what} {text!r} is negative; it must be >= 0")
+    if re.search(r"(/s|/sec|ps)\s*$", text.strip(), re.IGNORECASE):
+        raise UnitError(f"{what} {text!r} is a rate, not a size; {SIZE_HELP}")
     m = _SIZE_RE.match(text)
     if not m:
         raise UnitError(f"{what} {text!r} is not a size; {SIZE_HELP}")
     number, unit = float(m.group(1)), m.group(2)
-    if unit.lower().endswith("ps") or "/" in unit:
-        raise UnitError(f"{what} {text!r} is a rate, not a size; {SIZE_HELP}")
     prefix, bits = _split_unit(unit)
     result = number * _multiplier(prefix, what, text, SIZE_HELP) / (8 if bits else 1)
     return _check_finite(result, what, text)

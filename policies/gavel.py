@@ -92,14 +92,27 @@ class GavelSolution:
 
 
 def solve_max_min(p: GavelProblem) -> GavelSolution:
-    """Exact max-min fairness by the closed form described in the module docstring."""
+    """Exact max-min fairness by the closed form described in the module docstring.
+
+    Jobs whose gang is larger than the cluster, and jobs whose equal share yields nothing (no
+    remote IO and nothing cached), cannot be helped by any share of the ratio: they get no GPU
+    time and are left out of the minimum.
+    """
+    n_ds = len(p.dataset_names)
     if p.n == 0:
-        return GavelSolution(0.0, np.zeros(0), np.zeros(0), np.zeros(len(p.dataset_names)), np.zeros(0))
+        return GavelSolution(0.0, np.zeros(0), np.zeros(0), np.zeros(n_ds), np.zeros(0))
     ref = equal_share_throughput(p)
-    bounds = [float(np.min(p.ideal / ref)), p.total_gpus / float(np.sum(p.gpus * ref / p.ideal))]
-    cache = np.zeros(len(p.dataset_names))
+    ref = np.where(p.gpus <= p.total_gpus, ref, 0.0)
+    counted = ref > 0
+    if not counted.any():
+        return GavelSolution(0.0, np.zeros(p.n), np.zeros(p.n), np.zeros(n_ds), ref)
+    bounds = [
+        float(np.min(p.ideal[counted] / ref[counted])),
+        p.total_gpus / float(np.sum(p.gpus * ref / p.ideal)),
+    ]
+    cache = np.zeros(n_ds)
     if p.manages_storage:
-        per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=len(p.dataset_names))
+        per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=n_ds)
         efficiency = per_ds_ref / p.dataset_size
         cache = fill_in_order(p.dataset_size, efficiency, p.total_cache)
         io_per_unit_t = float(ref.sum() - np.sum(cache * efficiency))
@@ -129,7 +142,8 @@ class GavelPolicy(Policy):
             # Max-min leaves GPU time unused when another resource binds; spread it evenly so
             # jobs run at full share where they can (their time-averaged IO stays the same).
             used = float(np.sum(problem.gpus * share))
-            scale = min(1.0 / float(share.max()), problem.total_gpus / used) if used > 0 else 1.0
+            top = float(share.max())
+            scale = min(1.0 / top, problem.total_gpus / used) if used > 0 and top > 0 else 1.0
             share = np.minimum(share * max(scale, 1.0), 1.0)
         ids = problem.job_ids
         if not problem.manages_storage:

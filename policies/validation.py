@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from policies.types import Allocation, Snapshot
 
 # Relative slack for floating-point sums (a knapsack filled to capacity may overshoot by ulps).
@@ -27,6 +29,8 @@ def allocation_violations(snapshot: Snapshot, allocation: Allocation) -> list[st
             problems.append(f"job {job_id}: GPU share {share} outside [0, 1]")
         if job_id in jobs:
             gpu_time += share * jobs[job_id].gpus
+            if share > 0 and jobs[job_id].gpus > cap.gpus:
+                problems.append(f"job {job_id}: GPU share for a {jobs[job_id].gpus}-GPU gang in a {cap.gpus}-GPU cluster")
     if gpu_time > cap.gpus * (1 + _REL_TOL):
         problems.append(f"GPUs: {gpu_time:.6g} allocated (time-averaged) > {cap.gpus} in the cluster")
 
@@ -36,8 +40,9 @@ def allocation_violations(snapshot: Snapshot, allocation: Allocation) -> list[st
             if name not in snapshot.datasets:
                 problems.append(f"cache for unknown dataset {name!r}")
                 continue
-            if nbytes < 0:
-                problems.append(f"dataset {name}: negative cache {nbytes}")
+            if not math.isfinite(nbytes) or nbytes < 0:
+                problems.append(f"dataset {name}: cache {nbytes} is not a non-negative number of bytes")
+                continue
             size = snapshot.datasets[name].size
             if nbytes > size * (1 + _REL_TOL) + 1e-6:
                 problems.append(f"dataset {name}: cache {nbytes:.6g} B > dataset size {size:.6g} B")
@@ -51,8 +56,9 @@ def allocation_violations(snapshot: Snapshot, allocation: Allocation) -> list[st
             if job_id not in jobs:
                 problems.append(f"remote IO for unknown job {job_id!r}")
                 continue
-            if rate < 0:
-                problems.append(f"job {job_id}: negative remote IO {rate}")
+            if not math.isfinite(rate) or rate < 0:
+                problems.append(f"job {job_id}: remote IO {rate} is not a non-negative rate")
+                continue
             avg_io += rate * allocation.gpu_share.get(job_id, 0.0)
         if avg_io > cap.remote_io * (1 + 1e-6) + 1e-6:
             problems.append(f"remote IO: {avg_io:.6g} B/s allocated (time-averaged) > {cap.remote_io:.6g} B/s")

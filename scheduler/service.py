@@ -438,10 +438,23 @@ class SchedulerService:
         with self.sessions() as s:
             return self._job_record(self._load_job(s, who, job_id))
 
+    _RECORD_COLUMNS = (
+        Job.id, Job.name, Job.owner, Job.gpus, Dataset.name, Job.model, Job.ideal_throughput, Job.epochs, Job.steps,
+        Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
+        Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
+        JobAllocationRow.remote_io,
+    )
+
     def list_jobs(
         self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0
     ) -> list[JobRecord]:
-        q = select(Job).order_by(Job.id)
+        # Plain columns, not ORM objects: listing is the hottest read and ORM loading tripled its cost.
+        q = (
+            select(*self._RECORD_COLUMNS)
+            .join(Dataset, Job.dataset_id == Dataset.id)
+            .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
+            .order_by(Job.id)
+        )
         if not who.is_admin:
             q = q.where(Job.owner == who.user)
         elif owner is not None:
@@ -457,7 +470,16 @@ class SchedulerService:
                     raise ServiceError(f"unknown state {state!r}; choose one of: {valid}", field="state") from None
         q = q.limit(limit).offset(offset)
         with self.sessions() as s:
-            return [self._job_record(j) for j in s.scalars(q).unique()]
+            return [
+                JobRecord(
+                    id=str(r[0]), name=r[1], owner=r[2], gpus=r[3], dataset=r[4], model=r[5], ideal_throughput=r[6],
+                    epochs=r[7], steps=r[8], step_bytes=r[9], total_bytes=r[10], consumed_bytes=r[11],
+                    remaining_bytes=max(r[10] - r[11], 0.0), priority=r[12], state=JobState(r[13]).value,
+                    submit_time=r[14], start_time=r[15], finish_time=r[16], message=r[17],
+                    allocated_gpus=r[18] or 0, gpu_share=r[19] or 0.0, remote_io=r[20],
+                )
+                for r in s.execute(q)
+            ]
 
     def cancel_job(self, who: Principal, job_id: str) -> JobRecord:
         with self._write_lock, self.sessions.begin() as s:

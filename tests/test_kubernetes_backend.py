@@ -323,3 +323,37 @@ def test_watcher_wakes_the_loop(cluster):
         assert wake.wait(5.0)
     finally:
         watcher.stop()
+
+
+def test_run_forever_with_watcher_binds_new_gangs(cluster):
+    api = cluster.api()
+    make_node(api, "n1", 4)
+    make_node(api, "n2", 4)
+    sched = scheduler_for(cluster)
+    stop = threading.Event()
+    watcher = Watcher(cluster.api(), sched.wake, read_timeout=2.0)
+    watcher.start()
+    loop = threading.Thread(target=sched.run_forever, args=(60.0, stop), kwargs={"min_gap": 0.1}, daemon=True)
+    loop.start()
+    try:
+        time.sleep(0.5)  # the first (empty) round has run; the next one waits 60 s unless woken
+        make_pod(api, "g-0", job="g", gpus=4, pods=2)
+        make_pod(api, "g-1", job="g", gpus=4, pods=2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(cluster.bindings()) < 2:
+            time.sleep(0.1)
+        assert sorted(b[1] for b in cluster.bindings()) == ["g-0", "g-1"]
+    finally:
+        stop.set()
+        sched.wake.set()
+        loop.join(5)
+        watcher.stop()
+    assert not loop.is_alive()
+
+
+def test_cli_rejects_bad_flags_without_traceback(capsys):
+    from scheduler.backends.kubernetes.__main__ import main
+
+    assert main(["--cache", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--cache" in err and "Traceback" not in err

@@ -110,15 +110,17 @@ class KubernetesBackend(ClusterBackend):
         bound = self.api.list_pod_for_all_namespaces(
             field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed", _request_timeout=t
         ).items
+        # Our pods in every phase (finished ones tell us a job ended), with or without the job
+        # label (a pod without it gets an Event saying what is missing).
+        mine = f"spec.schedulerName={SCHEDULER_NAME}"
         if self.namespace:
-            ours = self.api.list_namespaced_pod(self.namespace, label_selector=LABEL_JOB, _request_timeout=t).items
+            ours = self.api.list_namespaced_pod(self.namespace, field_selector=mine, _request_timeout=t).items
         else:
-            ours = self.api.list_pod_for_all_namespaces(label_selector=LABEL_JOB, _request_timeout=t).items
+            ours = self.api.list_pod_for_all_namespaces(field_selector=mine, _request_timeout=t).items
         # Re-check the selectors here: they are an optimisation, not something we rely on.
         bound = [p for p in bound if p.spec and p.spec.node_name and (p.status is None or p.status.phase
                                                                        not in ("Succeeded", "Failed"))]
-        ours = [p for p in ours if (p.metadata.labels or {}).get(LABEL_JOB) is not None
-                or (p.spec and p.spec.scheduler_name == SCHEDULER_NAME)]
+        ours = [p for p in ours if p.spec and p.spec.scheduler_name == SCHEDULER_NAME]
         if self.namespace:
             ours = [p for p in ours if p.metadata.namespace == self.namespace]
         self.state = ClusterState.build(nodes, [*bound, *ours])
@@ -597,19 +599,22 @@ class KubernetesScheduler:
         self._last_round = now
         return report
 
-    def run_forever(self, interval: float, stop: threading.Event) -> None:
-        """Rounds every `interval` seconds, or sooner when the watcher sees a pod or node change.
-        API errors are logged and retried next round; they never end the loop."""
+    def run_forever(self, interval: float, stop: threading.Event, min_gap: float = 1.0) -> None:
+        """Rounds every `interval` seconds, or sooner (but at most one per `min_gap` seconds) when
+        the watcher sees a pod or node change. API errors are logged and retried next round;
+        they never end the loop."""
         while not stop.is_set():
+            began = time.monotonic()
             try:
                 report = self.run_once()
                 if report.started or report.stopped:
                     log.info("round: started %s stopped %s", report.started, report.stopped)
             except Exception:  # noqa: BLE001 - keep scheduling through transient API failures
                 log.exception("scheduling round failed; retrying")
-            self.wake.wait(interval)
+            self.wake.wait(max(interval - (time.monotonic() - began), 0.0))
             self.wake.clear()
-            time.sleep(0.2)  # coalesce bursts of changes (e.g. a gang's pods created together)
+            # Coalesce bursts of changes (a gang's pods are created together; busy clusters churn).
+            stop.wait(max(min_gap - (time.monotonic() - began), 0.2))
 
 
 def _with_submit(view: JobView, index: int) -> JobView:

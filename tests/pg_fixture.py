@@ -12,7 +12,7 @@ Under CI=true a missing server FAILS the test instead of skipping it.
 
 Fixtures: `pg_url` (a fresh PostgreSQL database URL) and `db_url` (parametrised: a SQLite file,
 then a PostgreSQL database). Import them into a test module or a conftest:
-    from pg_fixture import db_url, pg_url  # noqa: F401
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import pytest
 
 _server_url: str | None = None
 _server_error: str | None = None
+_stop_server = None  # set when we started a throwaway server
 
 
 def _find_bin(name: str) -> str | None:
@@ -81,9 +82,13 @@ def _start_throwaway() -> str:
     run([pg_ctl, "-D", str(data), "-l", str(tmp / "server.log"), "-o", opts, "-w", "-t", "60", "start"])
 
     def stop() -> None:
+        if not data.exists():
+            return  # already stopped (session end and atexit both call this)
         subprocess.run(command([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True, timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)
 
+    global _stop_server
+    _stop_server = stop
     atexit.register(stop)
     return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
 
@@ -107,8 +112,16 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"no PostgreSQL server: {reason}")
 
 
+@pytest.fixture(scope="session")
+def _pg_session() -> Iterator[None]:
+    """Stops a throwaway server at the end of the session (atexit is the fallback)."""
+    yield
+    if _stop_server is not None:
+        _stop_server()
+
+
 @pytest.fixture
-def pg_url() -> Iterator[str]:
+def pg_url(_pg_session: None) -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test."""
     import sqlalchemy as sa
 

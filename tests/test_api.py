@@ -17,9 +17,9 @@ from scheduler.api.server import ServerThread
 from scheduler.service_cli import build_service
 
 try:
-    from pg_fixture import db_url, pg_url  # noqa: F401
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 except ImportError:
-    from tests.pg_fixture import db_url, pg_url  # noqa: F401
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 
 ADMIN_TOKEN = "admin-token-0123456789"
 TOKENS = {"alice": "alice-token-0001", "bob": "bob-token-00002"}

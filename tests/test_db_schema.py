@@ -13,9 +13,9 @@ from scheduler.service import NewDataset, NewJob, Principal
 from scheduler.service_cli import build_service
 
 try:
-    from pg_fixture import db_url, pg_url  # noqa: F401
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 except ImportError:  # tests/ imported as a package
-    from tests.pg_fixture import db_url, pg_url  # noqa: F401
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 
 ALICE = Principal("alice")
 ADMIN = Principal("admin", is_admin=True)

@@ -16,9 +16,9 @@ from scheduler.service import ConflictError, ForbiddenError, NewDataset, NewJob,
 from scheduler.service_cli import build_service
 
 try:
-    from pg_fixture import db_url, pg_url  # noqa: F401
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 except ImportError:
-    from tests.pg_fixture import db_url, pg_url  # noqa: F401
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
 
 ALICE, BOB, ADMIN = Principal("alice"), Principal("bob"), Principal("admin", is_admin=True)
 

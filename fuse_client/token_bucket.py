@@ -67,10 +67,11 @@ class TokenBucket:
         if self.rate == 0:
             return math.inf
         need = min(float(nbytes), self.burst)
-        if self.tokens >= need:
+        # One byte of slack: waiting for the last fraction of a byte can stall on float rounding.
+        if self.tokens >= need - 1.0:
             self.tokens -= nbytes
             return 0.0
-        return (need - self.tokens) / self.rate
+        return max((need - self.tokens) / self.rate, 1e-6)
 
 
 class Throttle:

@@ -1,0 +1,295 @@
+"""Unit tests of the data plane's pure core and of the cache/fetch logic without a mount."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from estimator.errors import UserError
+from fuse_client.accounting import EpochBitset, JobAccounting
+from fuse_client.cache_store import DatasetCache, file_crc32, item_key
+from fuse_client.dataplane import ItemResolver
+from fuse_client.names import validate_name
+from fuse_client.remote import FileEntry, RemoteFetchError, RemoteStore
+from fuse_client.token_bucket import Throttle, TokenBucket, chunk_size_for
+from fuse_client.uniform_cache import CachedItem, choose_evictions, should_admit
+
+from dataplane_helpers import make_dataset
+
+# -- token bucket ------------------------------------------------------------------------------
+
+
+def simulate(bucket: TokenBucket, total: int, chunk: int, start: float = 0.0) -> float:
+    """Drive the bucket with a fake clock; return when the last chunk was granted."""
+    now, sent = start, 0
+    while sent < total:
+        wait = bucket.try_take(chunk, now)
+        if wait == 0.0:
+            sent += chunk
+        else:
+            now += wait
+    return now
+
+
+@pytest.mark.parametrize("rate", [1e6, 50e6, 500e6])
+def test_bucket_long_run_rate_is_exact(rate):
+    bucket = TokenBucket(rate=rate, tokens=0.0, last=0.0)
+    chunk = chunk_size_for(rate)
+    total = int(rate * 10)
+    elapsed = simulate(bucket, total, chunk)
+    achieved = total / (elapsed + chunk / rate)  # the last chunk needs its own time to transfer
+    assert achieved == pytest.approx(rate, rel=0.01)
+
+
+def test_bucket_burst_is_bounded_after_idle():
+    bucket = TokenBucket(rate=1e6, tokens=0.0, last=0.0)
+    # After 100 s idle, at most one burst (0.1 s worth, >= 64 KiB) is free.
+    assert bucket.try_take(100_000, 100.0) == 0.0
+    assert bucket.try_take(100_000, 100.0) > 0.0
+
+
+def test_bucket_request_larger_than_burst_goes_into_debt():
+    bucket = TokenBucket(rate=1e6, tokens=0.0, last=0.0)
+    now = bucket.try_take(5_000_000, 0.0)  # waits for one burst only
+    assert now == pytest.approx(0.1)
+    assert bucket.try_take(5_000_000, now) == 0.0
+    # 0.1 s worth was saved up, 4.9 MB is debt at 1 MB/s: the next request waits 4.9 s.
+    assert bucket.try_take(1, now) == pytest.approx(4.9, rel=0.001)
+
+
+def test_bucket_rate_change_applies_from_now_and_zero_pauses():
+    bucket = TokenBucket(rate=1e6, tokens=0.0, last=0.0)
+    bucket.set_rate(0.0, 1.0)
+    assert math.isinf(bucket.try_take(10, 50.0))
+    bucket.set_rate(2e6, 50.0)
+    wait = bucket.try_take(200_000, 50.0)
+    # Nothing was earned while paused (a paused bucket keeps at most the 64 KiB minimum burst);
+    # the rest accrues at the new rate from the moment of the change.
+    assert wait == pytest.approx((200_000 - 65_536) / 2e6, abs=1e-5)
+    with pytest.raises(ValueError):
+        bucket.set_rate(-1, 51.0)
+
+
+def test_unlimited_bucket_never_waits():
+    bucket = TokenBucket(rate=math.inf)
+    assert all(bucket.try_take(10**9, 0.0) == 0.0 for _ in range(100))
+
+
+def test_throttle_picks_up_a_new_rate_within_a_second():
+    throttle = Throttle(rate=0.0)  # paused
+    done = threading.Event()
+
+    def fetch():
+        throttle.acquire(1000)
+        done.set()
+
+    threading.Thread(target=fetch, daemon=True).start()
+    assert not done.wait(0.3)
+    t0 = time.monotonic()
+    throttle.set_rate(10e6)
+    assert done.wait(1.0)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_throttle_close_wakes_waiters():
+    throttle = Throttle(rate=0.0)
+    errors = []
+
+    def fetch():
+        try:
+            throttle.acquire(10)
+        except InterruptedError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=fetch)
+    t.start()
+    throttle.close()
+    t.join(1.0)
+    assert not t.is_alive() and errors
+
+
+# -- uniform caching rules ---------------------------------------------------------------------
+
+
+def test_admission_boundary():
+    assert should_admit(90, 10, 100)
+    assert not should_admit(91, 10, 100)
+    assert not should_admit(0, 1, 0)
+
+
+def test_random_eviction_fits_and_is_random():
+    items = [CachedItem(f"k{i}", 100) for i in range(100)]
+    victims_a = choose_evictions(items, 3_000, random.Random(1))
+    victims_b = choose_evictions(items, 3_000, random.Random(2))
+    assert sum(v.size for v in victims_a) == 7_000
+    assert {v.key for v in victims_a} != {v.key for v in victims_b}
+    # Not LRU/FIFO-like: the victims are spread over the whole insertion order.
+    idx = sorted(int(v.key[1:]) for v in victims_a)
+    assert idx[0] < 30 and idx[-1] > 70
+    assert choose_evictions(items, 10_000) == []
+
+
+def test_epoch_bitset_and_accounting():
+    bits = EpochBitset(10)
+    assert bits.set(3) and not bits.set(3) and bits.test(3) and bits.count == 1
+    acc = JobAccounting(num_items=3)
+    acc.item_opened(0, hit=False, admitted_size=500)
+    acc.item_opened(1, hit=True)
+    snap = acc.snapshot(0.0)
+    assert (snap.hits, snap.misses, snap.items_read_epoch, snap.epoch, snap.ineffective_cached_bytes) == (1, 1, 2, 0, 500)
+    acc.item_opened(2, hit=False)
+    snap = acc.snapshot(1.0)
+    assert (snap.epoch, snap.items_read_epoch, snap.ineffective_cached_bytes) == (1, 0, 0)
+
+
+def test_name_validation():
+    assert validate_name("imagenet-1k_v2.0", "--dataset") == "imagenet-1k_v2.0"
+    for bad in ["a/b", "..", "a..b", "", "-x", "x" * 200, "a b"]:
+        with pytest.raises(UserError, match="--dataset"):
+            validate_name(bad, "--dataset")
+
+
+# -- cache store -------------------------------------------------------------------------------
+
+
+def _stage(cache: DatasetCache, key: str, data: bytes):
+    fd, path = cache.new_staging_file(key)
+    os.pwrite(fd, data, 0)
+    crc = file_crc32(fd, len(data))
+    os.close(fd)
+    return path, crc
+
+
+def test_shared_allocation_is_enforced_across_instances(tmp_path):
+    # Two instances = two mount processes with their own SQLite connections on one directory.
+    a, b = DatasetCache(tmp_path, "ds"), DatasetCache(tmp_path, "ds")
+    a.set_allocation(2500)
+    admitted = []
+    for i, cache in enumerate([a, b, a, b]):
+        path, crc = _stage(cache, item_key(f"k{i}"), b"x" * 1000)
+        admitted.append(cache.publish(item_key(f"k{i}"), path, 1000, crc))
+    assert admitted == [True, True, False, False]
+    assert b.usage().cached_bytes == 2000 and a.usage().items_cached == 2
+    assert b.set_allocation(1000) == 1000  # shrink from the other instance: random eviction
+    assert a.usage().cached_bytes == 1000
+    assert len([p for p in (tmp_path / "ds" / "items").glob("*/*")]) == 1
+
+
+def test_recovery_drops_corrupt_unindexed_and_staging(tmp_path):
+    cache = DatasetCache(tmp_path, "ds")
+    assert cache.attach().ran
+    for i in range(3):
+        path, crc = _stage(cache, item_key(f"k{i}"), bytes([i]) * 5000)
+        assert cache.publish(item_key(f"k{i}"), path, 5000, crc)
+    cache.detach()
+    # Damage: flip a byte of k1, add a file nobody indexed, leave a staging file behind.
+    p1 = cache.item_path(item_key("k1"))
+    data = bytearray(p1.read_bytes())
+    data[100] ^= 0xFF
+    p1.write_bytes(bytes(data))
+    cache.item_path(item_key("unindexed")).write_bytes(b"junk")
+    (cache.staging_dir / "left.over").write_bytes(b"partial")
+    fresh = DatasetCache(tmp_path, "ds")
+    report = fresh.attach()
+    assert report.ran and report.verified == 2 and report.dropped_corrupt == 1 and report.dropped_unindexed == 1
+    assert fresh.open_cached(item_key("k1")) is None and fresh.usage().items_cached == 2
+    assert not any(fresh.staging_dir.iterdir())
+    # A second live instance does not run recovery (it would race the first one's writes).
+    assert not DatasetCache(tmp_path, "ds").attach().ran
+
+
+# -- the resolver (fetch path) without a mount -------------------------------------------------
+
+
+def _resolver(tmp_path: Path, source: Path, job_rate: float = math.inf, cache: DatasetCache | None = None, allocation: int | None = None):
+    store = RemoteStore(str(source))
+    listing = store.list()
+    cache = cache or DatasetCache(tmp_path / "cache", "ds")
+    if allocation is not None:
+        cache.set_allocation(allocation)
+    acc = JobAccounting(num_items=len(listing.files))
+    return ItemResolver(store, cache, Throttle(job_rate), acc), listing
+
+
+def test_resolver_hits_after_admission_and_counts_remote_bytes(tmp_path):
+    ds = make_dataset(tmp_path / "src", n_files=5)
+    resolver, listing = _resolver(tmp_path, ds.root)
+    entry = listing.files[sorted(ds.sizes)[0]]
+    first = resolver.resolve(entry)
+    second = resolver.resolve(entry)
+    assert not first.hit and second.hit
+    assert os.pread(second.fd, entry.size, 0) == (ds.root / entry.path).read_bytes()
+    assert resolver.accounting.remote_bytes == entry.size
+
+
+def test_remote_error_is_retried_then_eio_and_nothing_enters_the_cache(tmp_path, monkeypatch):
+    ds = make_dataset(tmp_path / "src", n_files=3)
+    resolver, listing = _resolver(tmp_path, ds.root)
+    monkeypatch.setattr("fuse_client.remote.BACKOFF_S", 0.01)
+    calls = []
+    real_open = resolver.store._open
+
+    def flaky_open(rel, chunk):
+        calls.append(rel)
+        f = real_open(rel, chunk)
+        f.read = lambda n, _r=f.read: (_ for _ in ()).throw(ConnectionResetError("peer reset"))
+        return f
+
+    monkeypatch.setattr(resolver.store, "_open", flaky_open)
+    entry = listing.files[sorted(ds.sizes)[0]]
+    with pytest.raises(RemoteFetchError) as info:
+        resolver.resolve(entry)
+    assert info.value.errno == 5 and len(calls) == 4
+    assert resolver.cache.usage().items_cached == 0
+    assert not any(resolver.cache.staging_dir.iterdir())
+    # A transient error that clears up is retried transparently.
+    fails = iter([True, False])
+
+    def once_flaky(rel, chunk):
+        f = real_open(rel, chunk)
+        if next(fails, False):
+            f.read = lambda n: (_ for _ in ()).throw(TimeoutError("slow"))
+        return f
+
+    monkeypatch.setattr(resolver.store, "_open", once_flaky)
+    item = resolver.resolve(entry)
+    assert os.pread(item.fd, entry.size, 0) == (ds.root / entry.path).read_bytes()
+
+
+def test_concurrent_misses_of_one_item_are_fetched_once(tmp_path):
+    """Two jobs (separate caches on one dir, like two processes) miss the same item together."""
+    ds = make_dataset(tmp_path / "src", n_files=1, min_size=400_000, max_size=400_000)
+    # Allocation 0: nothing is admitted, so the waiter must get the fetcher's transient copy.
+    r1, listing = _resolver(tmp_path, ds.root, job_rate=1e6, allocation=0)
+    r2, _ = _resolver(tmp_path, ds.root, job_rate=1e6, cache=DatasetCache(tmp_path / "cache", "ds"))
+    entry = next(iter(listing.files.values()))
+    results = {}
+
+    def run(name, r):
+        results[name] = r.resolve(entry)
+
+    t1 = threading.Thread(target=run, args=("a", r1))
+    t1.start()
+    time.sleep(0.1)
+    t2 = threading.Thread(target=run, args=("b", r2))
+    t2.start()
+    t1.join(10)
+    t2.join(10)
+    total_remote = r1.accounting.remote_bytes + r2.accounting.remote_bytes
+    assert total_remote == entry.size
+    assert r2.accounting.shared_fetches == 1
+    for item in results.values():
+        assert os.pread(item.fd, entry.size, 0) == (ds.root / entry.path).read_bytes()
+    assert not any(r1.cache.transient_dir.iterdir())  # the last waiter cleaned up
+    assert r1.cache.usage().items_cached == 0
+
+
+def test_item_key_is_flat_and_stable():
+    assert item_key("a/b.jpg") == item_key("a/b.jpg") != item_key("a/c.jpg")
+    assert "/" not in item_key("../../etc/passwd")

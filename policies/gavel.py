@@ -43,6 +43,8 @@ class GavelProblem:
     total_cache: float
     total_io: float
     manages_storage: bool
+    #: bytes of each dataset in cache now (None: assume allocations are filled, as Eq. 9 does)
+    dataset_cached: np.ndarray | None = None
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
@@ -60,6 +62,11 @@ class GavelProblem:
             total_cache=float(cap.cache),
             total_io=float(cap.remote_io),
             manages_storage=manages_storage,
+            dataset_cached=(
+                None
+                if all(snapshot.datasets[n].cached is None for n in names)
+                else np.array([snapshot.datasets[n].filled(snapshot.datasets[n].size) for n in names], dtype=float)
+            ),
         )
 
     @property
@@ -91,6 +98,12 @@ class GavelSolution:
     reference: np.ndarray  # ref_j
 
 
+def job_miss_ratio(p: GavelProblem, cache: np.ndarray) -> np.ndarray:
+    """1 - c_k/d_k per job, with c_k the part of the allocation already filled."""
+    filled = cache if p.dataset_cached is None else np.minimum(cache, p.dataset_cached)
+    return np.maximum(1.0 - filled[p.dataset_index] / p.dataset_size[p.dataset_index], 0.0)
+
+
 def solve_max_min(p: GavelProblem) -> GavelSolution:
     """Exact max-min fairness by the closed form described in the module docstring.
 
@@ -115,18 +128,56 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
         per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=n_ds)
         efficiency = per_ds_ref / p.dataset_size
         cache = fill_in_order(p.dataset_size, efficiency, p.total_cache)
-        io_per_unit_t = float(ref.sum() - np.sum(cache * efficiency))
+        # The cache decision does not depend on t; the IO needed now counts a dataset's cache only
+        # as far as it is filled, which keeps it linear in t.
+        miss = job_miss_ratio(p, cache)
+        io_per_unit_t = float(np.sum(ref * miss))
         if io_per_unit_t > 1e-12 * float(ref.sum()):
             bounds.append(p.total_io / io_per_unit_t)
     t = min(bounds)
     target = t * ref
     share = target / p.ideal
     if p.manages_storage:
-        miss = 1.0 - cache[p.dataset_index] / p.dataset_size[p.dataset_index]
-        avg_io = target * np.maximum(miss, 0.0)
+        avg_io = target * miss
     else:
         avg_io = np.zeros(p.n)
     return GavelSolution(ratio=t, share=share, avg_io=avg_io, cache=cache, reference=ref)
+
+
+def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
+    """Raise jobs above the max-min level where resources are left (leximin, as Gavel's
+    water-filling variant does): returns each job's target throughput T_j >= t* ref_j.
+
+    At every level all still-unfrozen jobs grow at the same ratio until a resource binds; then
+    the jobs that need that resource freeze (GPUs: all; remote IO: jobs with misses; their own
+    gang, x_j = 1: that job). A fully cached job keeps growing on GPUs alone, which plain max-min
+    would leave idle. Each level freezes at least one job, so there are at most n levels.
+    """
+    ref, f, g = sol.reference, p.ideal, p.gpus
+    target = sol.ratio * ref
+    if p.n == 0 or sol.ratio <= 0:
+        return target
+    miss = job_miss_ratio(p, sol.cache) if p.manages_storage else np.zeros(p.n)
+    tol = 1e-9
+    frozen = ref <= 0
+    for _ in range(p.n + 1):
+        gpu_left = p.total_gpus - float(np.sum(g * target / f))
+        io_left = p.total_io - float(np.sum(target * miss)) if p.manages_storage else np.inf
+        frozen |= target >= f * (1 - tol)
+        if gpu_left <= tol * p.total_gpus:
+            break
+        if io_left <= tol * max(p.total_io, 1.0):
+            frozen |= miss > 0
+        grow = ~frozen
+        if not grow.any():
+            break
+        bounds = [float(np.min((f[grow] - target[grow]) / ref[grow])), gpu_left / float(np.sum(g[grow] * ref[grow] / f[grow]))]
+        io_rate = float(np.sum(ref[grow] * miss[grow]))
+        if io_rate > 0:
+            bounds.append(io_left / io_rate)
+        step = max(min(bounds), 0.0)
+        target[grow] = np.minimum(target[grow] + step * ref[grow], f[grow])
+    return target
 
 
 class GavelPolicy(Policy):
@@ -137,7 +188,10 @@ class GavelPolicy(Policy):
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
         problem = GavelProblem.from_snapshot(snapshot, estimator.manages_storage)
         sol = solve_max_min(problem)
-        share = sol.share.copy()
+        target = water_fill(problem, sol)
+        share = target / problem.ideal
+        if problem.manages_storage:
+            avg_io = target * job_miss_ratio(problem, sol.cache)
         if problem.n:
             # Max-min leaves GPU time unused when another resource binds; spread it evenly so
             # jobs run at full share where they can (their time-averaged IO stays the same).
@@ -149,7 +203,7 @@ class GavelPolicy(Policy):
         if not problem.manages_storage:
             return Allocation(gpu_share=dict(zip(ids, share.tolist(), strict=True)), objective=sol.ratio)
         with np.errstate(divide="ignore", invalid="ignore"):
-            io_running = np.where(share > 0, sol.avg_io / np.where(share > 0, share, 1.0), 0.0)
+            io_running = np.where(share > 0, avg_io / np.where(share > 0, share, 1.0), 0.0)
         return Allocation(
             gpu_share=dict(zip(ids, share.tolist(), strict=True)),
             cache=dict(zip(problem.dataset_names, sol.cache.tolist(), strict=True)),

@@ -80,7 +80,10 @@ def max_min_share(demands: np.ndarray, capacity: float) -> np.ndarray:
 
 
 def demands_at_full_speed(jobs: Sequence[JobView], cache: Mapping[str, float], datasets: Mapping[str, DatasetView]) -> np.ndarray:
-    """Eq. 2 for each job: f* (1 - c/d)."""
+    """Eq. 2 for each job, f* (1 - c/d), with c the part of the allocation already filled."""
     ideal = np.array([j.ideal_throughput for j in jobs], dtype=float)
-    hit = np.array([min(cache.get(j.dataset, 0.0) / datasets[j.dataset].size, 1.0) for j in jobs], dtype=float)
+    hit = np.array(
+        [min(datasets[j.dataset].filled(cache.get(j.dataset, 0.0)) / datasets[j.dataset].size, 1.0) for j in jobs],
+        dtype=float,
+    )
     return ideal * (1.0 - hit)

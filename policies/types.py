@@ -36,6 +36,15 @@ class JobView:
 class DatasetView:
     name: str
     size: float  # bytes
+    #: Bytes of the dataset in cache now, as the data layer reports it; None when unknown (then a
+    #: policy assumes its allocation is already filled, as Eq. 4 does). An allocation that is not
+    #: filled yet cannot save IO, and one sized as if filled would starve the reads that fill it
+    #: (a fully allocated dataset would get no IO at all), so IO is planned on the filled part.
+    cached: float | None = None
+
+    def filled(self, allocated: float) -> float:
+        """The part of an allocation that is already in cache."""
+        return allocated if self.cached is None else min(allocated, self.cached)
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,8 @@ def load_cluster(
         raise UserError(f"--gpu-speed {speed_raw!r} is not a number") from None
     if not (0 < speed < 1e6):
         raise UserError(f"--gpu-speed {speed} must be a positive factor, e.g. 2 for twice as fast")
+    if parse_rate(values["remote_io"], "--remote-io") <= 0:
+        raise UserError("--remote-io must be > 0: with no remote bandwidth no job can read its first epoch")
     capacity = ClusterCapacity(
         gpus=total,
         cache=parse_size(values["cache"], "--cache"),

@@ -273,13 +273,15 @@ def test_gavel_two_jobs_by_hand():
     ref = solve_max_min_reference(p)
     assert ref.ratio == pytest.approx(1.75, rel=1e-7)
 
-    # The policy spreads unused GPU time: scale = min(1/0.7, 2/1.1) -> shares 1 and 4/7, and B's
-    # IO while running is 40 / (4/7) = 70 B/s, so its time average stays 40.
+    # Water-filling above the max-min level: the IO is used up, so B (all misses) freezes at
+    # 40 B/s; A needs no IO and grows on GPUs alone until its gang is full: x_A = 1 (100 B/s).
+    # GPUs left: 2 - 1 - 0.4 = 0.6, but no job can use more (A at x = 1, B IO-bound), so B keeps
+    # x_B = 0.4 and its IO while running is 40 / 0.4 = 100 B/s.
     alloc = GavelPolicy().allocate(s, SiloDEstimator())
     validate_allocation(s, alloc)
     assert alloc.objective == pytest.approx(1.75)
-    assert dict(alloc.gpu_share) == pytest.approx({"A": 1.0, "B": 4 / 7})
-    assert dict(alloc.remote_io) == pytest.approx({"A": 0.0, "B": 70.0})
+    assert dict(alloc.gpu_share) == pytest.approx({"A": 1.0, "B": 0.4})
+    assert dict(alloc.remote_io) == pytest.approx({"A": 0.0, "B": 100.0})
 
 
 def test_gavel_three_jobs_shared_dataset_by_hand():

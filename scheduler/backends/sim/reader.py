@@ -48,6 +48,8 @@ class SimJob:
     run_seconds: float = 0.0
     reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
     share: float = 0.0
+    consumed_at_sample: float = 0.0  # progress at the previous timeline sample (for Eq. 8)
+    sampled_since: float | None = None  # time of that sample, None before the job's first one
     miss_prefix: np.ndarray | None = None  # misses along perm, cumulative, length K + 1
     prefix_version: int = -1
 

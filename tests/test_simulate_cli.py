@@ -1,0 +1,111 @@
+"""`silod simulate` end to end: the contract's outputs, and one clear error for each bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SILOD = [sys.executable, "-m", "scheduler"]
+HEADER = "job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs\n"
+SUMMARY_KEYS = {"policy", "cache_system", "jobs", "avg_jct_s", "makespan_s", "p50_jct_s", "p99_jct_s",
+                "avg_fairness_ratio", "gpu_utilization", "remote_io_utilization", "sim_wall_s"}
+
+
+def silod(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*SILOD, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_default_simulation_writes_the_contract_outputs(tmp_path):
+    out = tmp_path / "out"
+    proc = silod("simulate", "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["policy"] == "fifo" and summary["cache_system"] == "silod"
+    with (out / "jobs.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == summary["jobs"] > 0
+    assert {"job_id", "submit_s", "start_s", "finish_s", "jct_s"} <= set(rows[0])
+    for row in rows:
+        assert float(row["finish_s"]) >= float(row["start_s"]) >= float(row["submit_s"])
+    timeline = (out / "timeline.csv").read_text().splitlines()
+    assert timeline[0].startswith("time_s,running_jobs") and len(timeline) > 2
+
+
+def test_gavel_trace_with_cluster_file(tmp_path):
+    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "gavel-msr" / "23dbec.trace"
+    if not trace.exists():
+        trace = Path("../shared/traces/gavel-msr/23dbec.trace").resolve()
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("gpus: 32\ngpus_per_node: 4\ncache: 8TB\nremote_io: 2Gbps\n")
+    proc = silod("simulate", "--trace", str(trace), "--format", "gavel", "--cluster", str(cluster),
+                 "--policy", "gavel", "--cache-system", "alluxio", "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["jobs"] == len(trace.read_text().splitlines())
+    assert summary["cluster"]["remote_io_bytes_per_s"] == 250e6
+
+
+def write(tmp_path: Path, body: str, header: str = HEADER) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text(header + body)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "expected"),
+    [
+        ("job_id,submit_time,num_gpus,model,dataset,dataset_size,epochs\n", "a,0,1,resnet50,imagenet-1k,143GB,1\n", "missing column(s) ideal_throughput"),
+        (HEADER, "a,0,1,x,d,-5GB,,1\n", "line 2, column 'dataset_size'"),
+        (HEADER, "a,0,1,x,d,12 parsecs,10MB/s,1\n", "column 'dataset_size'"),
+        (HEADER, "a,0,1,x,d,5XB,10MB/s,1\n", "unknown unit 'X'"),
+        (HEADER, "a,0,1,gpt-9,d,5GB,,1\n", "unknown model 'gpt-9'"),
+        (HEADER, "a,0,1,x,d,5GB,10MB,1\n", "has no time unit"),
+        (HEADER, "a,0,0,x,d,5GB,10MB/s,1\n", "column 'num_gpus'"),
+        (HEADER, "a,0,1.5,x,d,5GB,10MB/s,1\n", "column 'num_gpus'"),
+        (HEADER, "a,0,1,x,d,5GB,10MB/s,-1\n", "column 'epochs'"),
+        (HEADER, "a,0,1,x,d,5GB,10MB/s,1\na,1,1,x,d,5GB,10MB/s,1\n", "duplicate job id"),
+        (HEADER, "", "no jobs"),
+        ("", "", "the file is empty"),
+        (HEADER, "a,0,1,x,d,5GB,10MB/s,1\nb,0,1,x,d,6GB,10MB/s,1\n", "one dataset has one size"),
+        (HEADER, "a,0,1,x,d,1e400,10MB/s,1\n", "column 'dataset_size'"),
+    ],
+    ids=["missing-column", "negative-size", "nonsense-size", "unknown-unit", "unknown-model", "rate-without-time",
+         "zero-gpus", "fractional-gpus", "negative-epochs", "duplicate-id", "no-jobs", "empty-file", "two-sizes", "huge-number"],
+)
+def test_bad_trace_gives_one_clear_error_and_exit_2(tmp_path, header, body, expected):
+    trace = write(tmp_path, body, header)
+    proc = silod("simulate", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    assert str(trace) in proc.stderr or "empty" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--policy", "lottery"], "unknown policy 'lottery'; choose one of: fifo, gavel, greedy, sjf"),
+        (["--cache-system", "redis"], "unknown cache system 'redis'; choose one of: silod, alluxio, coordl, quiver"),
+        (["--gpus", "1"], "needs 2 GPUs but the cluster has 1"),
+        (["--cache", "-1TB"], "is negative"),
+        (["--remote-io", "1GB"], "has no time unit"),
+        (["--remote-io", "0"], "--remote-io must be > 0"),
+        (["--gpus", "many"], "is not a whole number"),
+        (["--trace", "/nonexistent.csv"], "does not exist"),
+        (["--resolution", "0"], "resolution 0"),
+        (["--gpu-speed", "-2"], "must be a positive factor"),
+    ],
+)
+def test_bad_flags_give_clear_errors(tmp_path, args, expected):
+    trace = write(tmp_path, "a,0,2,x,d,5GB,10MB/s,1\n")
+    proc = silod("simulate", "--trace", str(trace), *args, "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,141 @@
+"""The simulator against hand-computed small cases, and chunk level against item level."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies import ClusterCapacity, get_policy
+from policies.registry import estimator_for
+from scheduler.backends.sim.engine import SimConfig, Simulator
+from traces.model import Trace, TraceJob
+
+GB = 1e9
+MB = 1e6
+
+
+def run(jobs, sizes, *, gpus=1, cache=0.0, io=1e12, policy="fifo", system="silod", resolution=1000, round_s=360.0, seed=0):
+    trace = Trace(tuple(jobs), sizes)
+    cap = ClusterCapacity(gpus=gpus, cache=cache, remote_io=io, gpus_per_node=gpus)
+    config = SimConfig(resolution=resolution, round_s=round_s, seed=seed)
+    return Simulator(trace, cap, get_policy(policy), estimator_for(system), system, config).run()
+
+
+def one_job(epochs=3.0, f=100 * MB, gpus=1, dataset="ds", job_id="a", submit=0.0):
+    return TraceJob(job_id, submit, gpus, "m", dataset, f, epochs)
+
+
+def jct(result, job_id="a"):
+    return {r.job_id: r.jct_s for r in result.jobs}[job_id]
+
+
+def test_one_job_alone_fills_cache_in_epoch_one_then_runs_at_io_perf():
+    # f* = 100 MB/s, d = 100 GB, c = 50 GB, b = 20 MB/s, 3 epochs.
+    # Epoch 1: nothing is cached yet, every byte is remote: 100 GB / 20 MB/s = 5000 s, and the
+    # first 50 GB read are cached (uniform caching). Epochs 2 and 3: hit ratio c/d = 0.5, so
+    # IOPerf = b / (1 - c/d) = 40 MB/s < f*: 100 GB / 40 MB/s = 2500 s each. Total 10000 s.
+    result = run([one_job()], {"ds": 100 * GB}, cache=50 * GB, io=20 * MB)
+    assert jct(result) == pytest.approx(10_000, rel=1e-6)
+    assert result.remote_bytes == pytest.approx(200 * GB, rel=1e-6)  # 100 + 50 + 50
+
+
+def test_one_job_not_io_bound_runs_at_ideal_speed():
+    # b = 200 MB/s >= f* (1 - 0) = 100 MB/s: 3 epochs x 100 GB / 100 MB/s = 3000 s.
+    result = run([one_job()], {"ds": 100 * GB}, cache=50 * GB, io=200 * MB)
+    assert jct(result) == pytest.approx(3000, rel=1e-6)
+    assert result.remote_bytes == pytest.approx(200 * GB, rel=1e-6)
+
+
+def test_whole_dataset_cached_reads_nothing_remote_after_epoch_one():
+    # c >= d: epoch 1 remote-bound at 20 MB/s (5000 s), then IOPerf is unbounded: 2 x 1000 s.
+    result = run([one_job()], {"ds": 100 * GB}, cache=500 * GB, io=20 * MB)
+    assert jct(result) == pytest.approx(7000, rel=1e-6)
+    assert result.remote_bytes == pytest.approx(100 * GB, rel=1e-6)
+
+
+def test_quiver_caches_whole_datasets_only():
+    # 50 GB of cache cannot hold the 100 GB dataset: Quiver caches nothing, every epoch is
+    # remote-bound: 3 x 5000 s. SiloD caches half of it (10000 s, above).
+    result = run([one_job()], {"ds": 100 * GB}, cache=50 * GB, io=20 * MB, system="quiver")
+    assert jct(result) == pytest.approx(15_000, rel=1e-6)
+    fits = run([one_job()], {"ds": 100 * GB}, cache=100 * GB, io=20 * MB, system="quiver")
+    assert jct(fits) == pytest.approx(7000, rel=1e-6)
+
+
+def test_coordl_static_share_per_gpu_and_no_sharing():
+    # Two 1-GPU jobs on one shared 100 GB dataset, 2 GPUs, 100 GB cache: CoorDL gives each job
+    # 50 GB of its own (its GPU's share) and they cannot use each other's items. Each job: epoch
+    # 1 remote-bound at 10 MB/s (link split max-min): 10000 s; epoch 2 half cached: demand
+    # 50 MB/s each > 10 MB/s each, IOPerf = 20 MB/s: 5000 s. Total 15000 s.
+    jobs = [one_job(2.0, job_id="a"), one_job(2.0, job_id="b")]
+    coordl = run(jobs, {"ds": 100 * GB}, gpus=2, cache=100 * GB, io=20 * MB, system="coordl")
+    assert jct(coordl, "a") == pytest.approx(15_000, rel=1e-3)
+    assert jct(coordl, "b") == pytest.approx(15_000, rel=1e-3)
+    # SiloD caches the dataset once for both: 100 GB fills during epoch 1 from both jobs' misses.
+    silod = run(jobs, {"ds": 100 * GB}, gpus=2, cache=100 * GB, io=20 * MB, system="silod")
+    assert max(jct(silod, "a"), jct(silod, "b")) < 12_000
+
+
+def test_lru_thrashes_under_shuffled_epochs():
+    # With half the dataset cached, uniform caching hits c/d = 50% from epoch 2 on; LRU evicts
+    # items that the current epoch has not read yet and hits less (SiloD §2.2, §7.1.1).
+    jobs = [one_job(6.0)]
+    silod = run(jobs, {"ds": 100 * GB}, cache=50 * GB, io=20 * MB, resolution=500)
+    lru = run(jobs, {"ds": 100 * GB}, cache=50 * GB, io=20 * MB, system="alluxio", resolution=500)
+    silod_hit = 1 - silod.jobs[0].remote_bytes / (600 * GB)
+    lru_hit = 1 - lru.jobs[0].remote_bytes / (600 * GB)
+    assert silod_hit == pytest.approx(5 / 6 * 0.5, abs=0.01)  # epochs 2..6 hit 50%
+    assert lru_hit < silod_hit - 0.05
+    assert jct(lru) > jct(silod)
+
+
+def test_fifo_gangs_wait_for_all_their_gpus():
+    # 2 GPUs. A (2 GPUs, 1000 s) arrives first, B (1 GPU, 1000 s) at t=10 must wait for A.
+    a = TraceJob("a", 0.0, 2, "m", "d1", 100 * MB, 1.0)
+    b = TraceJob("b", 10.0, 1, "m", "d2", 100 * MB, 1.0)
+    result = run([a, b], {"d1": 100 * GB, "d2": 100 * GB}, gpus=2, io=1e12)
+    starts = {r.job_id: r.start_s for r in result.jobs}
+    assert starts["a"] == 0.0
+    assert starts["b"] == pytest.approx(1000.0, rel=1e-6)
+    assert jct(result, "b") == pytest.approx(1990.0, rel=1e-6)
+
+
+def test_gavel_time_shares_one_gpu_between_two_jobs():
+    # Two identical 1000 s jobs on one GPU: max-min gives each half the GPU; with 100 s rounds
+    # they alternate and both finish close to 2000 s (the last round decides which first).
+    jobs = [one_job(1.0, job_id="a"), one_job(1.0, job_id="b")]
+    result = run(jobs, {"ds": 100 * GB}, cache=0.0, io=1e12, policy="gavel", round_s=100.0)
+    finishes = sorted(r.finish_s for r in result.jobs)
+    assert finishes[0] == pytest.approx(1900, abs=101)
+    assert finishes[1] == pytest.approx(2000, rel=1e-6)
+
+
+def test_every_policy_and_cache_system_finishes_every_job():
+    rng = np.random.default_rng(3)
+    jobs = [TraceJob(f"j{i}", float(i * 200), int(rng.choice([1, 2])), "m", f"d{i % 3}", float(rng.uniform(20, 120)) * MB, 2.0) for i in range(8)]
+    sizes = {f"d{k}": 50 * GB for k in range(3)}
+    for policy in ("fifo", "sjf", "gavel", "greedy"):
+        for system in ("silod", "alluxio", "coordl", "quiver"):
+            result = run(jobs, sizes, gpus=3, cache=60 * GB, io=100 * MB, policy=policy, system=system, resolution=64)
+            assert len(result.jobs) == 8 and not result.unfinished, (policy, system)
+            for r in result.jobs:
+                ideal = 2.0 * 50 * GB / next(j.ideal_throughput for j in jobs if j.job_id == r.job_id)
+                assert r.jct_s >= ideal * (1 - 1e-6), (policy, system, r)
+
+
+def _hit_ratio(result) -> float:
+    read = sum(r.remote_bytes + r.hit_bytes for r in result.jobs)
+    return sum(r.hit_bytes for r in result.jobs) / read
+
+
+@pytest.mark.parametrize("system", ["silod", "alluxio", "coordl", "quiver"])
+def test_chunked_model_matches_item_level(system):
+    # 2,000 items; two jobs sharing the dataset with staggered starts (delayed effectiveness and
+    # sharing both matter), a third on its own dataset, cache below the data. Item level is
+    # resolution = item count; the chunked model uses 100 chunks. Averaged over seeds.
+    jobs = [one_job(4.0, job_id="a"), one_job(4.0, job_id="b", submit=300.0), one_job(3.0, f=60 * MB, job_id="c", dataset="other")]
+    sizes = {"ds": 100 * GB, "other": 80 * GB}
+    kwargs = dict(gpus=3, cache=90 * GB, io=60 * MB, system=system)
+    item = np.mean([_hit_ratio(run(jobs, sizes, resolution=2000, seed=s, **kwargs)) for s in range(3)])
+    chunked = np.mean([_hit_ratio(run(jobs, sizes, resolution=100, seed=s, **kwargs)) for s in range(3)])
+    assert abs(item - chunked) <= 0.02, (item, chunked)

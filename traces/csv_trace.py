@@ -28,7 +28,7 @@ class TraceError(UserError):
 
 
 def _fail(path: Path, line: int, column: str | None, problem: str) -> TraceError:
-    where = f"{path}:{line}" + (f", column {column!r}" if column else "")
+    where = f"{path}, line {line}" + (f", column {column!r}" if column else "")
     return TraceError(f"{where}: {problem}")
 
 

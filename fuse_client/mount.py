@@ -222,10 +222,6 @@ def run_mount(cfg: MountConfig) -> int:
     validate_name(cfg.job, "--job")
     validate_mountpoint(cfg.mountpoint)
     check_fuse_available()
-    try:
-        cfg.cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--cache-dir {str(cfg.cache_dir)!r} cannot be created: {exc.strerror}") from exc
     if cfg.stats_file is not None and not cfg.stats_file.parent.is_dir():
         raise UserError(f"--stats-file {str(cfg.stats_file)!r}: directory {str(cfg.stats_file.parent)!r} does not exist")
 
@@ -240,6 +236,11 @@ def run_mount(cfg: MountConfig) -> int:
     throttle = Throttle(cfg.io_rate)
     store = RemoteStore(cfg.source)
     listing = store.list()
+    # Only now, with every input checked, touch the local disk.
+    try:
+        cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--cache-dir {str(cfg.cache_dir)!r} cannot be created: {exc.strerror}") from exc
     cache = DatasetCache(cfg.cache_dir, cfg.dataset)
     recovery = cache.attach()
     if recovery.ran and (recovery.dropped_corrupt or recovery.dropped_unindexed):

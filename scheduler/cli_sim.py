@@ -95,6 +95,38 @@ def register(app: typer.Typer) -> None:
         _print_summary(summary, out)
 
 
+    @app.command()
+    def experiment(
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | micro | all")],
+        out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
+        trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default ../shared/traces/gavel-msr/6c71a0.trace]")] = None,
+        max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,
+        gpus: Annotated[Optional[str], typer.Option(help="GPUs [default 400]")] = None,
+        cache: Annotated[Optional[str], typer.Option(help="total cache [default 100TB]")] = None,
+        remote_io: Annotated[Optional[str], typer.Option(help="remote IO [default 4GB/s]")] = None,
+        round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
+        resolution: Annotated[int, typer.Option(help="chunks per dataset")] = 128,
+        seed: Annotated[int, typer.Option(help="random seed")] = 0,
+        quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+    ) -> None:
+        """Reproduce one of the paper's experiments (§7) and plot it."""
+        from scheduler.cluster import load_cluster
+        from scheduler.experiments import EXPERIMENTS, LARGE_CLUSTER, PHILLY_TRACE, ExperimentRunner
+
+        names = list(EXPERIMENTS) if name == "all" else [name]
+        unknown = [n for n in names if n not in EXPERIMENTS]
+        if unknown:
+            raise UserError(f"unknown experiment {unknown[0]!r}; choose one of: {', '.join(EXPERIMENTS)}, all")
+        if max_jobs is not None and max_jobs < 1:
+            raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
+        runner = ExperimentRunner(trace or PHILLY_TRACE, max_jobs, seed, round, resolution, show_progress=not quiet)
+        out.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            EXPERIMENTS[n](runner, out, capacity)
+            typer.echo(f"{n}: wrote {out / (n.replace('-', '_') + '.json')} and .png")
+
+
 def _print_summary(summary: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table

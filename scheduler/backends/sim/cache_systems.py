@@ -14,7 +14,8 @@ scheduling round.
            its nodes' local disks; nothing is shared across jobs and a job's cache is lost when
            it stops running.
 - quiver:  whole datasets only, ranked by benefit/cost (data rate gained per byte) from noisy
-           online profiles (re-drawn every round); a dataset that does not fit gets nothing.
+           online profiles (each job re-profiled every 12 h); a dataset that does not fit gets
+           nothing.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class SimCacheSystem(ABC):
         return self._versions.get(job.dataset.name, 0)
 
     @abstractmethod
-    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence, datasets: Mapping[str, SimDataset]) -> None:
+    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence, datasets: Mapping[str, SimDataset], now: float = 0.0) -> None:
         """Take the round's cache allocation (None for unmanaged baselines) and running jobs."""
 
     @abstractmethod
@@ -143,7 +144,7 @@ class SiloDCache(SimCacheSystem):
             dom = self.domains[dataset.name] = UniformDomain(dataset)
         return dom
 
-    def apply_plan(self, cache_alloc, running, datasets):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
         if cache_alloc is None:
             raise ValueError("the silod cache system needs a storage-managing policy (SiloD estimator)")
         # Shrinks first so that grows never overshoot the cluster total.
@@ -186,12 +187,26 @@ class QuiverCache(SiloDCache):
 
     name = "quiver"
     PROFILE_NOISE = 0.25  # sigma of the log-normal error of online latency profiles
+    REPROFILE_S = 12 * 3600.0  # how long a job's profile is trusted before it is measured again
 
-    def apply_plan(self, cache_alloc, running, datasets):
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        super().__init__(capacity, total_gpus, seed)
+        self.profiles: dict[str, tuple[float, float]] = {}  # job id -> (measured at, noise factor)
+
+    def _profile(self, job, now: float) -> float:
+        measured = self.profiles.get(job.job_id)
+        if measured is None or now - measured[0] >= self.REPROFILE_S:
+            measured = (now, float(np.exp(self.rng.normal(0.0, self.PROFILE_NOISE))))
+            self.profiles[job.job_id] = measured
+        return measured[1]
+
+    def job_stopped(self, job):
+        self.profiles.pop(job.job_id, None)
+
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
         benefit: dict[str, float] = {}
         for job in running:
-            noise = float(np.exp(self.rng.normal(0.0, self.PROFILE_NOISE)))
-            benefit[job.dataset.name] = benefit.get(job.dataset.name, 0.0) + job.ideal * noise
+            benefit[job.dataset.name] = benefit.get(job.dataset.name, 0.0) + job.ideal * self._profile(job, now)
         ranked = sorted(benefit, key=lambda n: benefit[n] / datasets[n].size, reverse=True)
         free = self.capacity
         chosen: dict[str, float] = {}
@@ -200,7 +215,7 @@ class QuiverCache(SiloDCache):
             if size <= free:
                 chosen[name] = size
                 free -= size
-        super().apply_plan(chosen, running, datasets)
+        super().apply_plan(chosen, running, datasets, now)
 
 
 class CoorDLCache(SimCacheSystem):
@@ -212,7 +227,7 @@ class CoorDLCache(SimCacheSystem):
         super().__init__(capacity, total_gpus, seed)
         self.domains: dict[str, UniformDomain] = {}
 
-    def apply_plan(self, cache_alloc, running, datasets):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
         running_ids = {j.job_id for j in running}
         for job_id in list(self.domains):
             if job_id not in running_ids:
@@ -271,7 +286,7 @@ class AlluxioLRUCache(SimCacheSystem):
             self.datasets[dataset.name] = dataset
         return self.cached[dataset.name], self.last_use[dataset.name]
 
-    def apply_plan(self, cache_alloc, running, datasets):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
         return None  # LRU takes no allocation: that is the point of the baseline
 
     def lookup(self, job, chunks):

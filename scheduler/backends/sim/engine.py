@@ -225,7 +225,7 @@ class Simulator:
                     job.start_time = now
                 job.running = True
             running_prev = running_ids
-            self.cache.apply_plan(plan.cache, running, self.datasets)
+            self.cache.apply_plan(plan.cache, running, self.datasets, now)
 
             # Step length: to the next round (only while jobs time-share GPUs), arrival or
             # (estimated) completion.

@@ -36,7 +36,9 @@ from estimator.errors import UserError
 from estimator.units import parse_rate, parse_size
 from fuse_client.names import validate_name
 
-Number = int | float | str
+# A number or text with a unit ("20GB", "200MB/s"). Deliberately untyped here: pydantic would
+# coerce `true` to 1; estimator.units rejects bools, negatives and junk with one clear message.
+Number = Any
 
 
 class _Strict(BaseModel):

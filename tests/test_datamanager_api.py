@@ -1,0 +1,165 @@
+"""The data manager over real HTTP (a `silod datamanager` process): Table 3 API, status, metrics,
+persistence across a restart, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import pytest
+
+from datamanager.client import DataManagerClient, DataManagerError
+from datamanager.state import StateStore
+
+from dataplane_helpers import free_port, silod_cmd, start_datamanager
+
+
+@pytest.fixture(scope="module")
+def dm(tmp_path_factory):
+    # One server for the module: tests use distinct names, and bad-input tests compare the
+    # whole status and state file before and after, so sharing cannot hide a change.
+    proc = start_datamanager(tmp_path_factory.mktemp("dm") / "state")
+    yield proc
+    proc.kill()
+
+
+def test_table3_allocations_through_the_typed_client(dm):
+    with DataManagerClient(dm.url) as client:
+        ds = client.allocate_cache_size("imagenet", 143e9)
+        assert ds.cache_bytes == 143_000_000_000
+        job = client.allocate_remote_io("job-1", 200e6, workers=4)
+        assert (job.bytes_per_s, job.workers) == (200e6, 4)
+        client.declare_job("job-1", dataset="imagenet")
+        status = client.status()
+    assert status["datasets"]["imagenet"]["allocated_bytes"] == 143_000_000_000
+    assert status["datasets"]["imagenet"]["jobs"] == ["job-1"]
+    assert status["jobs"]["job-1"]["remote_io_bytes_per_s"] == 200e6
+
+
+def test_units_are_accepted_in_bodies(dm):
+    httpx.put(dm.url + "/v1/datasets/d1", json={}).raise_for_status()
+    r = httpx.put(dm.url + "/v1/datasets/d1/cache", json={"bytes": "2GiB"})
+    assert r.status_code == 200 and r.json()["cache_bytes"] == 2**31
+    httpx.put(dm.url + "/v1/jobs/j1", json={}).raise_for_status()
+    r = httpx.put(dm.url + "/v1/jobs/j1/remote-io", json={"bytes_per_s": "1Gbps"})
+    assert r.status_code == 200 and r.json()["bytes_per_s"] == 125e6
+
+
+def test_client_registration_splits_remote_io_among_workers(dm):
+    with DataManagerClient(dm.url) as client:
+        client.allocate_remote_io("train", 100e6, workers=2)
+        client.allocate_cache_size("coco", 5e9)
+    reg = {"client_id": "n1-train-1", "node": "n1", "dataset": "coco", "job": "train"}
+    r = httpx.post(dm.url + "/v1/clients", json=reg)
+    assert r.status_code == 200
+    assert r.json()["allocation"] == {"cache_bytes": 5_000_000_000, "remote_io_bytes_per_s": 50e6}
+    # Three mounts of a job declared with two workers: never exceed the job's allocation.
+    for i in (2, 3):
+        httpx.post(dm.url + "/v1/clients", json={**reg, "client_id": f"n1-train-{i}"}).raise_for_status()
+    hb = httpx.put(dm.url + "/v1/clients/n1-train-1/heartbeat", json={"stats": {"cached_bytes": 123, "items_cached": 4}})
+    assert hb.json()["allocation"]["remote_io_bytes_per_s"] == pytest.approx(100e6 / 3)
+    status = httpx.get(dm.url + "/v1/status").json()
+    assert status["nodes"]["n1"]["datasets"]["coco"]["cached_bytes"] == 123
+    assert status["jobs"]["train"]["live_clients"] == 3
+    assert {c["client_id"] for c in status["clients"]} == {"n1-train-1", "n1-train-2", "n1-train-3"}
+    assert httpx.put(dm.url + "/v1/clients/nobody/heartbeat", json={"stats": {}}).status_code == 404
+
+
+def test_metrics_are_prometheus_text(dm):
+    with DataManagerClient(dm.url) as client:
+        client.allocate_cache_size("ds-m", 1000)
+        client.allocate_remote_io("job-m", 5e6)
+    r = httpx.get(dm.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'silod_dataset_cache_allocated_bytes{dataset="ds-m"} 1000.0' in r.text
+    assert 'silod_job_remote_io_allocated_bytes_per_second{job="job-m"} 5e+06' in r.text
+
+
+def test_allocations_survive_a_kill9_restart(tmp_path):
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as client:
+            client.allocate_cache_size("persist", 7e9)
+            client.allocate_remote_io("job-p", 3e6, workers=3)
+        httpx.post(dm.url + "/v1/clients", json={"client_id": "c1", "node": "n", "dataset": "persist", "job": "job-p"}).raise_for_status()
+        dm.kill()
+        dm.start()
+        with DataManagerClient(dm.url) as client:
+            status = client.status()
+        assert status["datasets"]["persist"]["allocated_bytes"] == 7_000_000_000
+        assert status["jobs"]["job-p"] == {"dataset": "persist", "remote_io_bytes_per_s": 3e6, "workers": 3, "live_clients": 0}
+        assert [c["client_id"] for c in status["clients"]] == ["c1"]
+        # The registered client's heartbeat is accepted after the restart (no re-registration needed).
+        assert httpx.put(dm.url + "/v1/clients/c1/heartbeat", json={"stats": {}}).json()["allocation"]["remote_io_bytes_per_s"] == 1e6
+    finally:
+        dm.kill()
+
+
+BAD_REQUESTS = [
+    ("PUT", "/v1/datasets/unknown-ds/cache", {"bytes": 10}, 404, "unknown dataset 'unknown-ds'"),
+    ("PUT", "/v1/jobs/unknown-job/remote-io", {"bytes_per_s": 10}, 404, "unknown job 'unknown-job'"),
+    ("GET", "/v1/datasets/unknown-ds", None, 404, "unknown dataset"),
+    ("DELETE", "/v1/jobs/unknown-job", None, 404, "unknown job"),
+    ("PUT", "/v1/datasets/known/cache", {"bytes": -1}, 400, "negative"),
+    ("PUT", "/v1/datasets/known/cache", {"bytes": "lots"}, 400, "'lots' is not a size"),
+    ("PUT", "/v1/datasets/known/cache", {"bytes": "5GB/s"}, 400, "rate, not a size"),
+    ("PUT", "/v1/datasets/known/cache", {"bytes": True}, 400, "not a size"),
+    ("PUT", "/v1/datasets/known/cache", {}, 422, "bytes"),
+    ("PUT", "/v1/datasets/known/cache", {"bytes": 1, "extra": 2}, 422, "extra"),
+    ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": "-3MB/s"}, 400, "negative"),
+    ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": "quick"}, 400, "'quick' is not a rate"),
+    ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": 5, "workers": 0}, 400, "workers"),
+    ("PUT", "/v1/datasets/a..b/cache", {"bytes": 1}, 400, "dataset 'a..b' is not a valid name"),
+    ("PUT", "/v1/jobs/..hidden/remote-io", {"bytes_per_s": 1}, 400, "not a valid name"),
+    ("PUT", "/v1/datasets/a%2Fb/cache", {"bytes": 1}, 404, ""),
+    ("POST", "/v1/clients", {"client_id": "x", "node": "n", "dataset": "../etc", "job": "j"}, 400, "dataset '../etc'"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, code, message", BAD_REQUESTS)
+def test_bad_requests_are_4xx_with_a_clear_message_and_change_nothing(dm, method, path, body, code, message):
+    with DataManagerClient(dm.url) as client:
+        client.allocate_cache_size("known", 1000)
+        client.allocate_remote_io("known-job", 1000)
+    before = httpx.get(dm.url + "/v1/status").json()
+    state_before = (dm.state_dir / "state.json").read_text()
+    r = httpx.request(method, dm.url + path, json=body)
+    assert r.status_code == code, r.text
+    assert message in r.json()["detail"]
+    assert httpx.get(dm.url + "/v1/status").json() == before
+    assert (dm.state_dir / "state.json").read_text() == state_before
+
+
+def test_typed_client_raises_with_the_managers_detail(dm):
+    with DataManagerClient(dm.url) as client:
+        with pytest.raises(DataManagerError) as info:
+            client.allocate_cache_size("x", -5)
+    assert info.value.status_code == 400 and "negative" in info.value.detail
+
+
+@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:99999", ":80"])
+def test_bad_listen_address_exits_2(tmp_path, listen):
+    r = subprocess.run([*silod_cmd(), "datamanager", "--listen", listen, "--state", str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--listen" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_corrupt_state_file_is_a_clear_error(tmp_path):
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "state.json").write_text("{not json")
+    port = free_port()
+    r = subprocess.run([*silod_cmd(), "datamanager", "--listen", f"127.0.0.1:{port}", "--state", str(state)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "state.json" in r.stderr
+    assert (state / "state.json").read_text() == "{not json"
+
+
+def test_state_store_writes_atomically(tmp_path):
+    store = StateStore(tmp_path)
+    store.declare_dataset("d")
+    store.allocate_cache_size("d", 10)
+    assert json.loads((tmp_path / "state.json").read_text())["datasets"]["d"]["cache_bytes"] == 10
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]

@@ -1,0 +1,96 @@
+"""Real mounts driven by a real data manager: allocations pulled within a second, eviction on
+shrink, worker split, and enforcement of the last allocation while the manager is down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from datamanager.client import DataManagerClient
+
+from dataplane_helpers import make_dataset, mounted, read_epoch, start_datamanager, wait_until
+
+pytestmark = pytest.mark.fuse
+
+
+def test_manager_allocations_drive_cache_and_eviction(tmp_path):
+    ds = make_dataset(tmp_path / "remote", n_files=200, seed=7)
+    d = ds.total
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as sched, \
+             mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            sched.allocate_cache_size("ds", int(0.6 * d))
+            sched.allocate_remote_io("job1", 50e6, workers=2)
+            s = wait_until(lambda: (st := m.stats())["cache_allocation_bytes"] == int(0.6 * d) and st, 2.0, message="cache allocation pulled")
+            assert s["io_rate_bytes_per_s"] == 25e6  # split across the job's two workers
+            assert s["manager_connected"] is True
+            read_epoch(m.mountpoint, ds, seed=1)
+            assert int(0.6 * d) - 32_000 < m.fresh_stats()["cached_bytes"] <= int(0.6 * d)
+
+            t0 = time.monotonic()
+            sched.allocate_cache_size("ds", int(0.25 * d))
+            wait_until(lambda: m.stats()["cached_bytes"] <= int(0.25 * d), 2.0, message="eviction after shrink")
+            assert time.monotonic() - t0 < 2.0
+            before = m.fresh_stats()
+            read_epoch(m.mountpoint, ds, seed=2)
+            after = m.fresh_stats()
+            hit_ratio = (after["hit_bytes"] - before["hit_bytes"]) / d
+            assert abs(hit_ratio - before["cached_bytes"] / d) < 1e-9
+            assert abs(hit_ratio - 0.25) <= 0.02
+
+            status = sched.status()
+            node = next(iter(status["nodes"].values()))
+            entry = node["datasets"]["ds"]
+            assert entry["allocated_bytes"] == int(0.25 * d)
+            assert abs(entry["cached_bytes"] - 0.25 * d) <= 32_000
+            assert entry["jobs"]["job1"]["live"] is True
+            assert entry["jobs"]["job1"]["effective_cached_bytes"] is not None
+    finally:
+        dm.kill()
+
+
+def test_rate_changes_apply_within_a_second_and_survive_a_manager_outage(tmp_path):
+    big = make_dataset(tmp_path / "remote", n_files=3, min_size=3_000_000, max_size=3_000_000, seed=8)
+    files = sorted(big.sizes)
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as sched:
+            sched.allocate_cache_size("big", 0)
+            sched.allocate_remote_io("job1", 100e3)  # 100 KB/s: a 3 MB item would take 30 s
+        with mounted(tmp_path / "mnt", str(big.root), "big", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 100e3, 2.0, message="rate pulled")
+            done = threading.Event()
+            threading.Thread(target=lambda: ((m.mountpoint / files[0]).read_bytes(), done.set()), daemon=True).start()
+            time.sleep(0.5)
+            assert not done.is_set()
+            t0 = time.monotonic()
+            with DataManagerClient(dm.url) as sched:
+                sched.allocate_remote_io("job1", 20e6)
+            # 3 MB at 20 MB/s is 0.15 s; the rest is the <= 1 s for the new rate to take effect.
+            assert done.wait(2.0), "new rate did not take effect"
+            assert time.monotonic() - t0 < 1.5
+
+            with DataManagerClient(dm.url) as sched:
+                sched.allocate_remote_io("job1", 1e6)
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 1e6, 2.0, message="1 MB/s pulled")
+            dm.kill()  # the manager goes away: the mount keeps enforcing 1 MB/s
+            wait_until(lambda: m.stats()["manager_connected"] is False, 3.0, message="outage noticed")
+            t0 = time.monotonic()
+            assert (m.mountpoint / files[1]).read_bytes() == (big.root / files[1]).read_bytes()
+            assert time.monotonic() - t0 >= 2.7  # 3 MB at 1 MB/s, minus one 0.1 s burst
+            assert m.stats()["io_rate_bytes_per_s"] == 1e6
+
+            dm.start()  # same state dir: allocations and the registration come back
+            wait_until(lambda: m.stats()["manager_connected"] is True, 3.0, message="reconnected")
+            status = httpx.get(dm.url + "/v1/status").json()
+            assert status["jobs"]["job1"]["remote_io_bytes_per_s"] == 1e6
+            assert [c["live"] for c in status["clients"]] == [True]
+            with DataManagerClient(dm.url) as sched:
+                sched.allocate_remote_io("job1", 30e6)
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 30e6, 2.0, message="rate after restart")
+    finally:
+        dm.kill()

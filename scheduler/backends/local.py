@@ -288,6 +288,16 @@ class LocalBackend(ClusterBackend):
                 out[job_id] = float(st.get("io_demand") or 0.0)
         return out
 
+    def dataset_cached_bytes(self) -> dict[str, float]:
+        """Bytes of each dataset in the shared cache, as the running jobs' mounts report them."""
+        out: dict[str, float] = {}
+        for job_id in self.running_jobs():
+            st = self.job_status(job_id)
+            cached = ((st or {}).get("mount") or {}).get("cached_bytes")
+            if st and cached is not None:
+                out[st["dataset"]] = max(out.get(st["dataset"], 0.0), float(cached))
+        return out
+
     def mountpoint(self, job_id: str) -> Path:
         return self.jobs_dir / job_id / "mnt"
 

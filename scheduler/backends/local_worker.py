@@ -156,6 +156,7 @@ class Worker:
             tput = self.progress.throughput(time.monotonic())
         return {
             "job_id": self.spec.job_id,
+            "dataset": self.spec.dataset,
             "attempt": self.spec.attempt,
             "pid": os.getpid(),
             "state": self.state,

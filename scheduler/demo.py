@@ -1,0 +1,341 @@
+"""`silod demo`: the whole system on one machine, with real FUSE mounts and real data.
+
+1. Generate two small real datasets (files of random bytes) in WORKDIR/remote, the "remote"
+   store (file://). Dataset A is small and read by two fast jobs (high cache efficiency f*/d);
+   dataset B is larger and read by two slower jobs.
+2. SiloD run: a data manager (`silod datamanager`, a subprocess), the scheduler service core
+   (in-process, SQLite) with the SiloD estimator and the chosen policy, the local backend
+   (one worker process + one `silod mount` per job), four jobs, a cache smaller than the data
+   and a remote link that cannot feed everyone at full speed. A live table shows the jobs.
+3. Storage-unaware run: the same jobs, policy and cluster with the vanilla estimator (perf = f*)
+   and no data manager: each job gets a fixed equal share of the link and a private cache of
+   its GPU share (CoorDL-style), as the local backend does for unmanaged storage.
+4. JCTs of both runs side by side.
+
+Two pieces of wiring make the live SiloD run behave as the paper describes, and are proposed
+for `silod serve` (see docs/local-and-demo.md): the snapshot carries each dataset's measured
+cached bytes (so the policy plans remote IO on the filled part of the cache, not on the
+allocation), and `WorkConservingPusher` gives unused link capacity to jobs that want more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from estimator.errors import UserError
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class DemoDataset:
+    name: str
+    files: int
+    min_size: int
+    max_size: int
+
+
+@dataclass(frozen=True)
+class DemoJob:
+    name: str
+    dataset: str
+    ideal: float  # f*, bytes/s
+    epochs: float
+
+
+@dataclass(frozen=True)
+class Scenario:
+    datasets: tuple[DemoDataset, ...]
+    jobs: tuple[DemoJob, ...]
+    gpus: int
+    cache: float  # bytes
+    remote_io: float  # bytes/s
+    timeout_s: float
+
+
+FULL = Scenario(
+    datasets=(DemoDataset("images-a", 150, 100_000, 300_000), DemoDataset("images-b", 200, 250_000, 550_000)),
+    jobs=(DemoJob("resnet-a1", "images-a", 10 * MB, 4), DemoJob("resnet-a2", "images-a", 10 * MB, 4),
+          DemoJob("effnet-b1", "images-b", 5 * MB, 3), DemoJob("effnet-b2", "images-b", 5 * MB, 3)),
+    gpus=4, cache=40 * MB, remote_io=12 * MB, timeout_s=300,
+)
+QUICK = Scenario(
+    datasets=(DemoDataset("images-a", 50, 100_000, 240_000), DemoDataset("images-b", 60, 200_000, 400_000)),
+    jobs=(DemoJob("resnet-a1", "images-a", 8 * MB, 3), DemoJob("resnet-a2", "images-a", 8 * MB, 3),
+          DemoJob("effnet-b1", "images-b", 4 * MB, 2), DemoJob("effnet-b2", "images-b", 4 * MB, 2)),
+    gpus=4, cache=10 * MB, remote_io=7 * MB, timeout_s=120,
+)
+
+
+def make_dataset(root: Path, spec: DemoDataset, seed: int) -> int:
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for i in range(spec.files):
+        size = rng.randint(spec.min_size, spec.max_size)
+        sub = root / f"class{i % 10:02d}"
+        sub.mkdir(exist_ok=True)
+        (sub / f"img{i:05d}.jpg").write_bytes(rng.randbytes(size))
+        total += size
+    return total
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DataManager:
+    """`silod datamanager` as a subprocess on a free port."""
+
+    def __init__(self, state: Path, log_path: Path):
+        from scheduler.backends.local import silod_cmd
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [*silod_cmd(), "datamanager", "--listen", f"127.0.0.1:{self.port}", "--state", str(state)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise UserError(f"the data manager exited with code {self.proc.returncode}; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/v1/status", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.1)
+        self.close()
+        raise UserError(f"the data manager did not answer within 30 s; see {log_path}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+def _measured_cache_service(base: type) -> type:
+    """The scheduler service with each dataset's measured cached bytes in the snapshot."""
+    from policies.types import DatasetView, Snapshot
+
+    class MeasuredCacheService(base):  # type: ignore[misc, valid-type]
+        def build_snapshot(self, now: float | None = None) -> Snapshot:
+            snap = super().build_snapshot(now)
+            cached = self.backend.dataset_cached_bytes()
+            datasets = {n: DatasetView(v.name, v.size, cached=cached.get(n, 0.0)) for n, v in snap.datasets.items()}
+            return Snapshot(time=snap.time, jobs=snap.jobs, datasets=datasets, capacity=snap.capacity)
+
+    return MeasuredCacheService
+
+
+@dataclass
+class RunResult:
+    label: str
+    jct: dict[str, float | None]  # job name -> seconds (None: did not finish)
+    states: dict[str, str]
+    makespan: float | None
+    wall_s: float
+
+    @property
+    def avg_jct(self) -> float | None:
+        vals = [v for v in self.jct.values() if v is not None]
+        return sum(vals) / len(vals) if vals and len(vals) == len(self.jct) else None
+
+
+def _table(title: str, service: Any, names: dict[str, str], specs: dict[str, DemoJob]) -> Any:
+    from rich.table import Table
+
+    from estimator.units import format_rate, format_size
+    from scheduler.service import Principal
+
+    admin = Principal("admin", is_admin=True)
+    jobs = service.list_jobs(admin)
+    cache = {c.dataset: c.bytes for c in service.allocations(admin).cache}
+    table = Table(title=title)
+    for col in ("job", "data", "f*", "state", "done", "ep", "GPU", "cache", "IO cap", "hit", "speed"):
+        table.add_column(col, justify="left" if col in ("job", "data", "state") else "right", no_wrap=True)
+    for j in jobs:
+        st = service.backend.job_status(j.id) or {}
+        mount = st.get("mount") or {}
+        io = mount.get("io_rate_bytes_per_s")
+        hit = st.get("hit_ratio")
+        running = j.state == "running"
+        table.add_row(
+            names.get(j.id, j.name), j.dataset[-1:].upper(), format_rate(j.ideal_throughput), j.state,
+            f"{j.consumed_bytes / j.total_bytes:.0%}", str(st.get("epoch", "-")) if running else "-",
+            f"{j.allocated_gpus}/{j.gpus}",
+            format_size(cache[j.dataset]) if j.dataset in cache else (format_size(mount["cache_allocation_bytes"]) + " own" if running and mount.get("cache_allocation_bytes") is not None else "-"),
+            (format_rate(io) if io is not None else "unthrottled") if running else "-",
+            f"{hit:.0%}" if (hit is not None and running) else "-",
+            format_rate(st.get("throughput") or 0.0) if running else "-",
+        )
+    return table
+
+
+def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]], workdir: Path, policy: str,
+             managed: bool, console: Any, live_output: bool = True) -> RunResult:
+    """One run of the scenario through the real service core, backend, mounts (and data manager)."""
+    from rich.live import Live
+
+    from estimator.units import format_size
+    from policies.estimators import VanillaEstimator
+    from policies.registry import get_policy
+    from scheduler.backends.base import BackendConfig, load_backend
+    from scheduler.backends.local import WorkConservingPusher
+    from scheduler.cluster import load_cluster
+    from scheduler.core import SchedulingCore
+    from scheduler.db import open_database
+    from scheduler.service import NewDataset, NewJob, Principal, SchedulerService, ServiceConfig
+    from scheduler.service_cli import make_pusher
+
+    run_dir = workdir / label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    capacity, speed = load_cluster(None, gpus=scenario.gpus, gpus_per_node=scenario.gpus, cache=scenario.cache,
+                                   remote_io=scenario.remote_io)
+    dm = DataManager(run_dir / "datamanager", run_dir / "datamanager.log") if managed else None
+    backend = load_backend("local", BackendConfig(
+        capacity=capacity, state_dir=run_dir / "backend", datamanager_url=dm.url if dm else None,
+        options={"batch_bytes": "512KB"} if managed else {"batch_bytes": "512KB", "unmanaged_io": "equal", "unmanaged_cache": "coordl"},
+    ))
+    pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
+    config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0, gpu_speed=speed)
+    cls = _measured_cache_service(SchedulerService) if managed else SchedulerService
+    service = cls(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,
+                  datamanager_url=dm.url if dm else None)
+    if not managed:
+        service.core = SchedulingCore(get_policy(policy), VanillaEstimator())
+    admin = Principal("admin", is_admin=True)
+    names: dict[str, str] = {}
+    t0 = time.time()
+    try:
+        for ds in scenario.datasets:
+            uri, size = sources[ds.name]
+            service.register_dataset(admin, NewDataset(ds.name, uri, float(size)))
+        for job in scenario.jobs:
+            rec = service.submit_job(admin, NewJob(job.name, 1, job.dataset, epochs=job.epochs, ideal_throughput=job.ideal))
+            names[rec.id] = job.name
+        service.start()
+        title = (f"{label}: policy {policy}, {scenario.gpus} GPUs, cache {format_size(scenario.cache)}, "
+                 f"remote IO {format_size(scenario.remote_io)}/s")
+        specs = {j.name: j for j in scenario.jobs}
+        deadline = time.monotonic() + scenario.timeout_s
+        with Live(_table(title, service, names, specs), console=console, refresh_per_second=4,
+                  transient=not live_output) as live:
+            while time.monotonic() < deadline:
+                jobs = service.list_jobs(admin)
+                live.update(_table(title, service, names, specs))
+                if all(j.state in ("finished", "failed", "cancelled") for j in jobs):
+                    break
+                time.sleep(0.5)
+        jobs = service.list_jobs(admin)
+    finally:
+        service.stop()
+        backend.stop_all()
+        if pusher is not None:
+            pusher.close()
+        if dm is not None:
+            dm.close()
+        service.engine.dispose()
+    jct = {names[j.id]: (j.finish_time - j.submit_time) if j.state == "finished" and j.finish_time else None for j in jobs}
+    finishes = [j.finish_time for j in jobs if j.finish_time and j.state == "finished"]
+    submit = min(j.submit_time for j in jobs)
+    return RunResult(label, jct, {names[j.id]: j.state for j in jobs},
+                     (max(finishes) - submit) if len(finishes) == len(jobs) else None, time.time() - t0)
+
+
+def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    from scheduler.backends.local import fuse_problems
+
+    problems = fuse_problems()
+    if problems:
+        raise UserError("silod demo needs real FUSE mounts: " + "; ".join(problems))
+    console = console or Console()
+    scenario = QUICK if quick else FULL
+    workdir.mkdir(parents=True, exist_ok=True)
+    sources: dict[str, tuple[str, int]] = {}
+    for i, ds in enumerate(scenario.datasets):
+        root = workdir / "remote" / ds.name
+        shutil.rmtree(root, ignore_errors=True)
+        sources[ds.name] = (root.as_uri(), make_dataset(root, ds, seed=i))
+    total = sum(s for _, s in sources.values())
+    console.print(f"[bold]silod demo[/]: {len(scenario.datasets)} datasets ({total / MB:.0f} MB of files in "
+                  f"{workdir / 'remote'}), {len(scenario.jobs)} jobs, cache {scenario.cache / MB:.0f} MB, "
+                  f"remote link {scenario.remote_io / MB:.0f} MB/s")
+    runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console)]
+    if baseline:
+        runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console))
+    table = Table(title="Job completion times (s)")
+    table.add_column("job")
+    for r in runs:
+        table.add_column(r.label, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for job in scenario.jobs:
+        table.add_row(job.name, *(fmt(r.jct[job.name]) if r.states[job.name] == "finished" else r.states[job.name] for r in runs))
+    table.add_row("[bold]average JCT", *(f"[bold]{fmt(r.avg_jct)}" for r in runs))
+    table.add_row("makespan", *(fmt(r.makespan) for r in runs))
+    console.print(table)
+    summary: dict = {"quick": quick, "policy": policy, "runs": {r.label: {"jct_s": r.jct, "states": r.states,
+                     "avg_jct_s": r.avg_jct, "makespan_s": r.makespan, "wall_s": r.wall_s} for r in runs}}
+    if baseline and runs[0].avg_jct and runs[1].avg_jct:
+        summary["avg_jct_speedup"] = runs[1].avg_jct / runs[0].avg_jct
+        console.print(f"SiloD average JCT is {summary['avg_jct_speedup']:.2f}x better than storage-unaware "
+                      f"({runs[0].avg_jct:.1f}s vs {runs[1].avg_jct:.1f}s).")
+    return summary
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        quick: Annotated[bool, typer.Option("--quick", help="smaller data and shorter jobs (well under a minute)")] = False,
+        workdir: Annotated[Path | None, typer.Option("--workdir", help="where data, caches and logs go [default: a temp dir]")] = None,
+        policy: Annotated[str, typer.Option(help="scheduling policy for both runs")] = "fifo",
+        baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run the storage-unaware configuration")] = True,
+        keep: Annotated[bool, typer.Option("--keep", help="keep the work directory (logs, caches)")] = False,
+        json_out: Annotated[Path | None, typer.Option("--json", help="write the JCTs as JSON here")] = None,
+    ) -> None:
+        """The whole system on one machine: real datasets, data manager, scheduler, FUSE mounts; SiloD vs storage-unaware."""
+        import json
+
+        from policies.registry import available_policies
+
+        if policy not in available_policies():
+            raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+        work = workdir or Path(tempfile.mkdtemp(prefix="silod-demo-"))
+        try:
+            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline)
+        finally:
+            if workdir is None and not keep:
+                shutil.rmtree(work, ignore_errors=True)
+            elif keep or workdir is not None:
+                typer.echo(f"work directory kept: {work}", err=True)
+        if json_out is not None:
+            json_out.write_text(json.dumps(summary, indent=2))
+        unfinished = [f"{label}/{job}" for label, r in summary["runs"].items() for job, s in r["states"].items() if s != "finished"]
+        if unfinished:
+            typer.echo(f"error: jobs did not finish: {', '.join(unfinished)}", err=True)
+            raise typer.Exit(1)
+

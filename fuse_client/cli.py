@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         io_rate: Optional[str] = typer.Option(None, "--io-rate", help="Remote IO allocation of this job, e.g. 200MB/s; default: unthrottled."),
         manager: Optional[str] = typer.Option(None, "--manager", help="Data manager URL; allocations are then pulled from it every 0.5 s."),
         stats_file: Optional[Path] = typer.Option(None, "--stats-file", help="JSON stats, rewritten atomically twice a second."),
-        kernel_cache: bool = typer.Option(False, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (faster re-reads; those re-reads are then not counted in hit_bytes)."),
+        kernel_cache: bool = typer.Option(True, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (re-reads at page-cache speed; a kept item is accounted as read in full at open)."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
     ) -> None:
         """Mount a dataset read-only with uniform caching and per-job remote-IO throttling."""

@@ -17,6 +17,7 @@ import os
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import mfusepy
@@ -31,15 +32,21 @@ log = logging.getLogger(__name__)
 METADATA_TIMEOUT_S = 3600.0
 
 
+@dataclass(frozen=True)
+class _Handle:
+    item: LocalItem
+    count_reads: bool  # False when the whole item was accounted at open (kernel-cached hit)
+
+
 class SilodFS(mfusepy.Operations):
     use_ns = True
 
-    def __init__(self, listing: DatasetListing, resolver: ItemResolver, kernel_cache: bool = False) -> None:
+    def __init__(self, listing: DatasetListing, resolver: ItemResolver, kernel_cache: bool = True) -> None:
         self.listing = listing
         self.resolver = resolver
         self.accounting = resolver.accounting
         self.kernel_cache = kernel_cache
-        self._handles: dict[int, LocalItem] = {}
+        self._handles: dict[int, _Handle] = {}
         self._next_fh = itertools.count(1)
         self._lock = threading.Lock()
         self._mtime_ns = time.time_ns()
@@ -95,28 +102,36 @@ class SilodFS(mfusepy.Operations):
         if entry is None:
             raise mfusepy.FuseOSError(errno.ENOENT if self._rel(path) not in self.listing.dirs else errno.EISDIR)
         item = self.resolver.resolve(entry)  # RemoteFetchError is an OSError(EIO): becomes -EIO
+        # Cached items never change, so the kernel may keep their pages across opens (re-reads
+        # then never reach this process). Misses are never kept: the page cache would otherwise
+        # act as a second, unaccounted cache and break the c/d hit ratio.
+        keep = self.kernel_cache and item.hit
+        if keep:
+            # Reads served by the kernel are invisible to us, so a kept item is accounted as read
+            # in full when it is opened (training reads every item whole).
+            self.accounting.bytes_read(entry.size, hit=True)
         fh = next(self._next_fh)
         with self._lock:
-            self._handles[fh] = item
+            self._handles[fh] = _Handle(item, count_reads=not keep)
         fi.fh = fh
-        # Cached items never change, so the kernel may keep their pages across opens. Misses must
-        # not be kept: the page cache would otherwise act as a second, unaccounted cache.
-        fi.keep_cache = 1 if (self.kernel_cache and item.hit) else 0
+        fi.keep_cache = 1 if keep else 0
         return 0
 
     def read_buf(self, path: str, bufpp, size: int, offset: int, fi) -> int:
-        item = self._handles.get(fi.fh)
-        if item is None:
+        handle = self._handles.get(fi.fh)
+        if handle is None:
             return -errno.EBADF
+        item = handle.item
         n = max(0, min(size, item.entry.size - offset))
-        self.accounting.bytes_read(n, item.hit)
+        if handle.count_reads:
+            self.accounting.bytes_read(n, item.hit)
         return reply_with_fd(bufpp, item.fd, n, offset)
 
     def release(self, path: str, fi) -> int:
         with self._lock:
-            item = self._handles.pop(fi.fh, None)
-        if item is not None:
-            os.close(item.fd)
+            handle = self._handles.pop(fi.fh, None)
+        if handle is not None:
+            os.close(handle.item.fd)
         return 0
 
     def open_handles(self) -> int:

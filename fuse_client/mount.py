@@ -44,7 +44,7 @@ class MountConfig:
     io_rate: float  # bytes/s; inf = unthrottled
     manager: str | None
     stats_file: Path | None
-    kernel_cache: bool = False
+    kernel_cache: bool = True
     node: str = socket.gethostname()
 
 

@@ -48,7 +48,7 @@ def serve_passthrough(src: str, mnt: str, naive: bool, kernel_cache: bool = Fals
     import mfusepy
 
     from fuse_client.fs import METADATA_TIMEOUT_S
-    from fuse_client.fusebuf import enable_splice, reply_with_fd
+    from fuse_client.fusebuf import enable_splice, pin_thread_state, reply_with_fd
 
     class Passthrough(mfusepy.Operations):
         use_ns = True
@@ -62,6 +62,7 @@ def serve_passthrough(src: str, mnt: str, naive: bool, kernel_cache: bool = Fals
                 cfg.kernel_cache = int(kernel_cache)  # libfuse then sets keep_cache on every open
 
         def getattr(self, path, fh=None):
+            pin_thread_state()  # same binding-level tuning as silod, so ratios measure silod's own cost
             try:
                 st = os.lstat(src + path)
             except FileNotFoundError:
@@ -73,20 +74,24 @@ def serve_passthrough(src: str, mnt: str, naive: bool, kernel_cache: bool = Fals
             return [".", "..", *os.listdir(src + path)]
 
         def open(self, path, fi):
+            pin_thread_state()
             fi.fh = os.open(src + path, os.O_RDONLY)
             return 0
 
         def release(self, path, fi):
+            pin_thread_state()
             os.close(fi.fh)
             return 0
 
     if naive:
         def read(self, path, size, offset, fi):
+            pin_thread_state()
             return os.pread(fi.fh, size, offset)
 
         Passthrough.read = read
     else:
         def read_buf(self, path, bufpp, size, offset, fi):
+            pin_thread_state()
             return reply_with_fd(bufpp, fi.fh, size, offset)
 
         Passthrough.read_buf = read_buf

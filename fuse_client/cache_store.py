@@ -91,6 +91,7 @@ class DatasetCache:
             d.mkdir(parents=True, exist_ok=True)
         for i in range(256):
             (self.items_dir / f"{i:02x}").mkdir(exist_ok=True)
+        self._items_prefix = str(self.items_dir) + "/"
         self._db_path = self.root / "index.sqlite"
         self._local = threading.local()
         self._alive_fd: int | None = None
@@ -217,7 +218,7 @@ class DatasetCache:
     def open_cached(self, key: str) -> int | None:
         """A read-only fd of the cached item, or None. No SQLite: this is the hot path."""
         try:
-            return os.open(self.item_path(key), os.O_RDONLY)
+            return os.open(f"{self._items_prefix}{key[:2]}/{key}", os.O_RDONLY)
         except FileNotFoundError:
             return None
 

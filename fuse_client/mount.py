@@ -80,7 +80,7 @@ class ControlLoop:
         self._pending_cache = cfg.cache_size is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.manager_connected: bool | None = None
+        self.link = None  # the ManagerLink with --manager; its `connected` goes into the stats
         self.recovery: RecoveryReport | None = None
         self._last_sweep = 0.0
 
@@ -124,7 +124,7 @@ class ControlLoop:
             dataset=self.cfg.dataset,
             job=self.cfg.job,
             dataset_bytes=self.dataset_bytes,
-            manager_connected=self.manager_connected,
+            manager_connected=None if self.link is None else self.link.connected,
             updated_at=time.time(),
         )
         return out
@@ -258,8 +258,8 @@ def run_mount(cfg: MountConfig) -> int:
             mountpoint=str(cfg.mountpoint), pid=os.getpid(),
         )
         link = ManagerLink(cfg.manager, reg, control.stats, control.on_allocation)
+        control.link = link
         link.register()
-        control.manager_connected = link.connected
 
     resolver = ItemResolver(store, cache, throttle, accounting)
     fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache)
@@ -267,7 +267,6 @@ def run_mount(cfg: MountConfig) -> int:
     control.start()
     if link is not None:
         link.start()
-        threading.Thread(target=lambda: _mirror_connected(link, control), daemon=True).start()
     def fuse_main() -> None:
         mfusepy.FUSE(
             fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
@@ -285,8 +284,3 @@ def run_mount(cfg: MountConfig) -> int:
         cache.detach()
     return 0
 
-
-def _mirror_connected(link, control: ControlLoop) -> None:
-    while True:
-        control.manager_connected = link.connected
-        time.sleep(0.25)

@@ -7,6 +7,7 @@ from estimator.model import (
     hit_ratio,
     io_perf,
     remote_demand,
+    reuse_fraction,
     silod_perf,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "hit_ratio",
     "io_perf",
     "remote_demand",
+    "reuse_fraction",
     "silod_perf",
 ]

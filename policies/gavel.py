@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator import reuse_fraction
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.storage import fill_in_order
@@ -45,6 +46,8 @@ class GavelProblem:
     manages_storage: bool
     #: bytes of each dataset in cache now (None: assume allocations are filled, as Eq. 9 does)
     dataset_cached: np.ndarray | None = None
+    #: per job, share of its remaining reads new cache can serve (None: all, as Eq. 5 assumes)
+    reuse: np.ndarray | None = None
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
@@ -62,6 +65,10 @@ class GavelProblem:
             total_cache=float(cap.cache),
             total_io=float(cap.remote_io),
             manages_storage=manages_storage,
+            reuse=np.asarray(
+                reuse_fraction([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs]),
+                dtype=float,
+            ).reshape(-1),
             dataset_cached=(
                 None
                 if all(snapshot.datasets[n].cached is None for n in names)
@@ -104,6 +111,20 @@ def job_miss_ratio(p: GavelProblem, cache: np.ndarray) -> np.ndarray:
     return np.maximum(1.0 - filled[p.dataset_index] / p.dataset_size[p.dataset_index], 0.0)
 
 
+def allocate_cache(p: GavelProblem, efficiency: np.ndarray) -> np.ndarray:
+    """The knapsack of Eq. 9's cache: by efficiency e_k (exact for the max-min ratio), or, when
+    the cache state and remaining work are known, cached bytes at e_k and the rest at the
+    reuse-weighted rate (see policies.storage.greedy_cache for why)."""
+    if p.reuse is None or p.dataset_cached is None:
+        return fill_in_order(p.dataset_size, efficiency, p.total_cache)
+    n_ds = len(p.dataset_names)
+    ref = equal_share_throughput(p)
+    fresh = np.bincount(p.dataset_index, weights=ref * p.reuse, minlength=n_ds) / p.dataset_size
+    filled = np.minimum(p.dataset_cached, p.dataset_size)
+    granted = fill_in_order(np.concatenate([filled, p.dataset_size - filled]), np.concatenate([efficiency, fresh]), p.total_cache)
+    return granted[:n_ds] + granted[n_ds:]
+
+
 def solve_max_min(p: GavelProblem) -> GavelSolution:
     """Exact max-min fairness by the closed form described in the module docstring.
 
@@ -127,7 +148,7 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
     if p.manages_storage:
         per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=n_ds)
         efficiency = per_ds_ref / p.dataset_size
-        cache = fill_in_order(p.dataset_size, efficiency, p.total_cache)
+        cache = allocate_cache(p, efficiency)
         # The cache decision does not depend on t; the IO needed now counts a dataset's cache only
         # as far as it is filled, which keeps it linear in t.
         miss = job_miss_ratio(p, cache)

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from estimator import reuse_fraction
 from policies.types import DatasetView, JobView
 
 
@@ -21,20 +22,34 @@ def greedy_cache(
     """Algorithm 2 at dataset level: fill datasets in descending cache efficiency.
 
     A dataset's efficiency is the sum of f*/d over the jobs reading it (§6, dataset sharing),
-    each job weighted by `weights` (e.g. its GPU time share; default 1). This is a fractional
-    knapsack: it minimises the total remote IO the jobs need to run at their weighted speed.
+    each job weighted by `weights` (default 1). This is a fractional knapsack: it minimises the
+    remote IO the jobs need to run at their weighted speed.
+
+    When the data layer reports what is cached (DatasetView.cached), bytes not cached yet are
+    valued only for the reads that can still hit them (estimator.reuse_fraction: an item cached
+    now helps from the next epoch on), while bytes already cached keep the full f*/d. Without
+    this, a job in its last epoch would take cache it can never use from a job that can.
     """
-    per_dataset: dict[str, float] = {}
-    for job in jobs:
-        w = 1.0 if weights is None else weights.get(job.job_id, 0.0)
-        if w > 0:
-            per_dataset[job.dataset] = per_dataset.get(job.dataset, 0.0) + w * job.ideal_throughput
-    names = sorted(per_dataset)
+    names = sorted({j.dataset for j in jobs})
     if not names:
         return {}
+    index = {n: i for i, n in enumerate(names)}
+    job_ds = np.array([index[j.dataset] for j in jobs], dtype=np.int64)
+    rate = np.array([j.ideal_throughput for j in jobs], dtype=float)
+    if weights is not None:
+        rate *= np.array([weights.get(j.job_id, 0.0) for j in jobs], dtype=float)
+    reuse = np.asarray(reuse_fraction([j.remaining_bytes for j in jobs], [datasets[j.dataset].size for j in jobs]), dtype=float)
+    full = np.bincount(job_ds, weights=rate, minlength=len(names))
+    fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
     sizes = np.array([datasets[n].size for n in names], dtype=float)
-    efficiency = np.array([per_dataset[n] for n in names]) / np.maximum(sizes, 1e-300)
-    return dict(zip(names, fill_in_order(sizes, efficiency, capacity).tolist(), strict=True))
+    filled = np.array([min(datasets[n].cached, datasets[n].size) if datasets[n].cached is not None else 0.0 for n in names])
+    known = np.array([datasets[n].cached is not None for n in names])
+    fresh = np.where(known, fresh, full)  # unknown state: the paper's rule for every byte
+    # Two knapsack items per dataset: its cached bytes at f*/d, the rest at the reuse-weighted rate.
+    granted = fill_in_order(np.concatenate([filled, sizes - filled]), np.concatenate([full, fresh]) / np.concatenate([sizes, sizes]), capacity)
+    per_dataset = granted[: len(names)] + granted[len(names) :]
+    keep = (full > 0) | (per_dataset > 0)
+    return {n: float(v) for n, v, k in zip(names, per_dataset, keep, strict=True) if k}
 
 
 def fill_in_order(sizes: np.ndarray, efficiency: np.ndarray, capacity: float) -> np.ndarray:

@@ -55,14 +55,18 @@ class UniformDomain:
     def __post_init__(self) -> None:
         self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
 
-    def set_limit(self, nbytes: float, rng: np.random.Generator) -> None:
+    def set_limit(self, nbytes: float, rng: np.random.Generator) -> int:
+        """Set the allocation; returns how many chunks had to be evicted."""
         # A partial chunk cannot be cached: round down (resolution controls this error).
         self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
         excess = self.count - self.limit_chunks
+        if excess <= 0:
+            return 0
         if excess > 0:
             victims = rng.choice(np.flatnonzero(self.cached), size=excess, replace=False)
             self.cached[victims] = False
             self.count -= excess
+        return excess
 
     def admit(self, missed: np.ndarray) -> None:
         room = self.limit_chunks - self.count
@@ -91,6 +95,7 @@ class SimCacheSystem(ABC):
         self.total_gpus = total_gpus
         self.rng = np.random.default_rng(seed)
         self._versions: dict[str, int] = {}
+        self.evicted_bytes = 0.0  # bytes evicted to make room or on shrink (cache churn)
 
     def bump(self, dataset_name: str) -> None:
         """The cached set of `dataset_name` changed other than by a reader admitting what it
@@ -111,6 +116,10 @@ class SimCacheSystem(ABC):
     @abstractmethod
     def record_reads(self, job, chunks: np.ndarray, hits: np.ndarray, times: np.ndarray) -> None:
         """`job` has read `chunks` (in order, at `times`); `hits` is what lookup returned."""
+
+    def wants_reads(self, job) -> bool:
+        """Whether `record_reads` would do anything for `job` (lets steady jobs skip building it)."""
+        return True
 
     def end_step(self) -> None:
         """Called once after every job has advanced through a step."""
@@ -151,7 +160,7 @@ class SiloDCache(SimCacheSystem):
         for name, dom in list(self.domains.items()):
             new = cache_alloc.get(name, 0.0)
             if new < dom.cached_bytes:
-                dom.set_limit(new, self.rng)
+                self.evicted_bytes += dom.set_limit(new, self.rng) * dom.dataset.chunk_size
                 self.bump(name)
             if dom.count == 0 and new <= 0:
                 del self.domains[name]
@@ -165,6 +174,10 @@ class SiloDCache(SimCacheSystem):
         if dom is None:
             return np.zeros(chunks.size, dtype=bool)
         return dom.cached[chunks]
+
+    def wants_reads(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return dom is not None and dom.count < dom.limit_chunks
 
     def record_reads(self, job, chunks, hits, times):
         dom = self.domains.get(job.dataset.name)
@@ -242,6 +255,10 @@ class CoorDLCache(SimCacheSystem):
     def lookup(self, job, chunks):
         dom = self.domains.get(job.job_id)
         return dom.cached[chunks] if dom is not None else np.zeros(chunks.size, dtype=bool)
+
+    def wants_reads(self, job):
+        dom = self.domains.get(job.job_id)
+        return dom is not None and dom.count < dom.limit_chunks
 
     def record_reads(self, job, chunks, hits, times):
         dom = self.domains.get(job.job_id)

@@ -309,6 +309,8 @@ class Simulator:
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
+        if plan.remote_io is not None and sum(plan.remote_io.values()) >= total * (1 - 1e-9):
+            return dict(plan.remote_io)  # no spare capacity to spread
         demands = {j.job_id: j.ideal * miss_fraction_ahead(j, self.cache, horizon) for j in running}
         if plan.remote_io is not None:
             return spread_spare_io(plan.remote_io, demands, total)

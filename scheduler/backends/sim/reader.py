@@ -19,6 +19,7 @@ changes it, and the prefix is then recomputed. Between such changes a step costs
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,7 @@ class SimJob:
     consumed_at_sample: float = 0.0  # progress at the previous timeline sample (for Eq. 8)
     sampled_since: float | None = None  # time of that sample, None before the job's first one
     miss_prefix: np.ndarray | None = None  # misses along perm, cumulative, length K + 1
+    miss_prefix_list: list[float] = field(default_factory=list)  # the same, for fast scalar reads
     prefix_version: int = -1
 
     def __post_init__(self) -> None:
@@ -74,13 +76,14 @@ class SimJob:
         mask[self.perm[: int(self.pos)]] = True
         return mask
 
-    def prefix(self, cache: SimCacheSystem) -> np.ndarray:
+    def prefix(self, cache: SimCacheSystem) -> list[float]:
         version = cache.version_of(self)
         if self.miss_prefix is None or self.prefix_version != version:
             misses = ~cache.lookup(self, self.perm)
             self.miss_prefix = np.concatenate(([0.0], np.cumsum(misses, dtype=float)))
+            self.miss_prefix_list = self.miss_prefix.tolist()
             self.prefix_version = version
-        return self.miss_prefix
+        return self.miss_prefix_list
 
     def new_epoch(self) -> None:
         self.epoch += 1
@@ -89,20 +92,20 @@ class SimJob:
         self.miss_prefix = None
 
 
-def _missed_to(prefix: np.ndarray, x: float) -> float:
+def _missed_to(prefix: list[float], x: float) -> float:
     """Misses (in chunks) from the epoch start to position x, linear inside a chunk."""
     i = int(x)
     if i >= len(prefix) - 1:
-        return float(prefix[-1])
-    return float(prefix[i] + (x - i) * (prefix[i + 1] - prefix[i]))
+        return prefix[-1]
+    return prefix[i] + (x - i) * (prefix[i + 1] - prefix[i])
 
 
-def _position_with_misses(prefix: np.ndarray, target: float) -> float:
+def _position_with_misses(prefix: list[float], target: float) -> float:
     """Largest x with misses(0, x) <= target (runs of hits cost no IO, so x runs past them)."""
     k = len(prefix) - 1
     if target >= prefix[-1]:
         return float(k)
-    i = int(np.searchsorted(prefix, target, side="right")) - 1  # prefix[i] <= target < prefix[i+1]
+    i = bisect_right(prefix, target) - 1  # prefix[i] <= target < prefix[i+1]
     step = prefix[i + 1] - prefix[i]
     return i + (target - prefix[i]) / step if step > 0 else float(i + 1)
 
@@ -133,7 +136,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     k = job.dataset.n_chunks
     f = job.ideal
     t = 0.0
-    while dt - t > 1e-9 * dt and job.remaining > 0:
+    while dt - t > 1e-9 * dt and job.total_bytes > job.consumed:
         if job.pos >= k - 1e-9:
             job.new_epoch()
         prefix = job.prefix(cache)
@@ -142,16 +145,17 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         m_p = _missed_to(prefix, p)
         x_gpu = p + left * f / s
         x_io = _position_with_misses(prefix, m_p + left * io_cap / s) if io_cap > 0 else _position_with_misses(prefix, m_p)
-        x_need = p + job.remaining / s
+        x_need = p + (job.total_bytes - job.consumed) / s
         x = min(x_gpu, x_io, x_need, float(k))
         missed = _missed_to(prefix, x) - m_p
         elapsed = max((x - p) * s / f, missed * s / io_cap if io_cap > 0 else (math.inf if missed > 0 else 0.0))
         elapsed = min(elapsed, left)
         done = (x - p) * s
         first, last = int(math.ceil(p - 1e-12)), int(x + 1e-12)  # chunks started before p are not re-recorded
-        if last > first:
+        if last > first and cache.wants_reads(job):
             idx = job.perm[first:last]
-            hits = prefix[first + 1 : last + 1] == prefix[first:last]
+            mp = job.miss_prefix
+            hits = mp[first + 1 : last + 1] == mp[first:last]
             times = now + t + elapsed * (np.arange(first + 1, last + 1) - p) / max(x - p, 1e-12)
             cache.record_reads(job, idx, hits, times)
         job.consumed += done
@@ -161,7 +165,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         result.remote_bytes += missed * s
         job.pos = x
         t += elapsed
-        if x >= x_need - 1e-9 or job.remaining <= 1e-9 * job.total_bytes:
+        if x >= x_need - 1e-9 or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
             job.consumed = job.total_bytes
             result.finished_at = now + t
             return result

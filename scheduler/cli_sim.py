@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
     def experiment(
         name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | micro | all")],
         out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
-        trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default ../shared/traces/gavel-msr/6c71a0.trace]")] = None,
+        trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs [default 400]")] = None,
         cache: Annotated[Optional[str], typer.Option(help="total cache [default 100TB]")] = None,
@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it."""
         from scheduler.cluster import load_cluster
-        from scheduler.experiments import EXPERIMENTS, LARGE_CLUSTER, PHILLY_TRACE, ExperimentRunner
+        from scheduler.experiments import EXPERIMENTS, LARGE_CLUSTER, ExperimentRunner
 
         names = list(EXPERIMENTS) if name == "all" else [name]
         unknown = [n for n in names if n not in EXPERIMENTS]
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
-        runner = ExperimentRunner(trace or PHILLY_TRACE, max_jobs, seed, round, resolution, show_progress=not quiet)
+        runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet)
         out.mkdir(parents=True, exist_ok=True)
         for n in names:
             EXPERIMENTS[n](runner, out, capacity)

@@ -7,7 +7,7 @@ from estimator.model import (
     hit_ratio,
     io_perf,
     remote_demand,
-    reuse_fraction,
+    can_reuse_new_cache,
     silod_perf,
 )
 
@@ -18,6 +18,6 @@ __all__ = [
     "hit_ratio",
     "io_perf",
     "remote_demand",
-    "reuse_fraction",
+    "can_reuse_new_cache",
     "silod_perf",
 ]

@@ -81,20 +81,18 @@ def cache_efficiency(ideal: ArrayLike, dataset_size: ArrayLike) -> Number:
     return _out(f / d)
 
 
-def reuse_fraction(remaining_bytes: ArrayLike, dataset_size: ArrayLike) -> Number:
-    """Share of a job's remaining reads that can hit an item cached now: max(0, 1 - d/remaining).
+def can_reuse_new_cache(remaining_bytes: ArrayLike, dataset_size: ArrayLike) -> Number:
+    """1.0 where a job has more than one epoch of work left, else 0.0.
 
-    An item is cached when it is first read in the current epoch and only saves IO when read
-    again, in a later epoch (delayed effectiveness, §6). A job with at most one epoch of work
-    left gains nothing from new cache, and Eq. 5 (f*/d) overstates the benefit for a job with
-    few epochs left. Weighting f*/d by this factor keeps short jobs from evicting the cache of
-    long ones. Goes to 1 as the remaining epochs grow, where Eq. 5 holds as written.
+    An item is cached when first read in the current epoch and only saves IO when read again in
+    a later epoch (delayed effectiveness, §6). A job in its last epoch gains nothing from new
+    cache, so its f*/d (Eq. 5) must not count for bytes that are not cached yet; otherwise a
+    finishing job takes cache from a job that could use it. A step, not a fraction: a smooth
+    weight makes two otherwise equal datasets swap allocations as their jobs progress.
     """
     w = _as_array(remaining_bytes, "remaining_bytes")
     d = _as_array(dataset_size, "dataset_size", positive=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        frac = np.where(w > 0, 1.0 - d / np.where(w > 0, w, 1.0), 0.0)
-    return _out(np.clip(frac, 0.0, 1.0))
+    return _out((w > d).astype(float))
 
 
 def dataset_cache_efficiency(readers_ideal: Iterable[float], dataset_size: float) -> float:

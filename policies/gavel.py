@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from estimator import reuse_fraction
+from estimator import can_reuse_new_cache
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.storage import fill_in_order
@@ -66,7 +66,7 @@ class GavelProblem:
             total_io=float(cap.remote_io),
             manages_storage=manages_storage,
             reuse=np.asarray(
-                reuse_fraction([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs]),
+                can_reuse_new_cache([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs]),
                 dtype=float,
             ).reshape(-1),
             dataset_cached=(

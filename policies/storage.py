@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from estimator import reuse_fraction
+from estimator import can_reuse_new_cache
 from policies.types import DatasetView, JobView
 
 
@@ -25,8 +25,8 @@ def greedy_cache(
     each job weighted by `weights` (default 1). This is a fractional knapsack: it minimises the
     remote IO the jobs need to run at their weighted speed.
 
-    When the data layer reports what is cached (DatasetView.cached), bytes not cached yet are
-    valued only for the reads that can still hit them (estimator.reuse_fraction: an item cached
+    When the data layer reports what is cached (DatasetView.cached), bytes not cached yet count
+    only the jobs with more than one epoch left (estimator.can_reuse_new_cache: an item cached
     now helps from the next epoch on), while bytes already cached keep the full f*/d. Without
     this, a job in its last epoch would take cache it can never use from a job that can.
     """
@@ -38,7 +38,7 @@ def greedy_cache(
     rate = np.array([j.ideal_throughput for j in jobs], dtype=float)
     if weights is not None:
         rate *= np.array([weights.get(j.job_id, 0.0) for j in jobs], dtype=float)
-    reuse = np.asarray(reuse_fraction([j.remaining_bytes for j in jobs], [datasets[j.dataset].size for j in jobs]), dtype=float)
+    reuse = np.asarray(can_reuse_new_cache([j.remaining_bytes for j in jobs], [datasets[j.dataset].size for j in jobs]), dtype=float)
     full = np.bincount(job_ds, weights=rate, minlength=len(names))
     fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
     sizes = np.array([datasets[n].size for n in names], dtype=float)

@@ -48,6 +48,8 @@ class GavelProblem:
     dataset_cached: np.ndarray | None = None
     #: per job, share of its remaining reads new cache can serve (None: all, as Eq. 5 assumes)
     reuse: np.ndarray | None = None
+    #: per job, measured hit ratio on the rest of its epoch (NaN where unknown)
+    hit_now: np.ndarray | None = None
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
@@ -65,6 +67,11 @@ class GavelProblem:
             total_cache=float(cap.cache),
             total_io=float(cap.remote_io),
             manages_storage=manages_storage,
+            hit_now=(
+                None
+                if all(j.hit_ratio_now is None for j in snapshot.jobs)
+                else np.array([np.nan if j.hit_ratio_now is None else j.hit_ratio_now for j in snapshot.jobs], dtype=float)
+            ),
             reuse=np.asarray(
                 can_reuse_new_cache([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs]),
                 dtype=float,
@@ -106,9 +113,14 @@ class GavelSolution:
 
 
 def job_miss_ratio(p: GavelProblem, cache: np.ndarray) -> np.ndarray:
-    """1 - c_k/d_k per job, with c_k the part of the allocation already filled."""
+    """1 - h_j per job: h_j = c_k/d_k with c_k the filled part of the allocation, and no more
+    than the hit ratio the job measures on the rest of its epoch when that is known. Eq. 9's
+    objective is the fairness ratio now, so the IO a job needs now is what counts."""
     filled = cache if p.dataset_cached is None else np.minimum(cache, p.dataset_cached)
-    return np.maximum(1.0 - filled[p.dataset_index] / p.dataset_size[p.dataset_index], 0.0)
+    hit = np.minimum(filled[p.dataset_index] / p.dataset_size[p.dataset_index], 1.0)
+    if p.hit_now is not None:
+        hit = np.where(np.isnan(p.hit_now), hit, np.minimum(hit, p.hit_now))
+    return np.maximum(1.0 - hit, 0.0)
 
 
 def allocate_cache(p: GavelProblem, efficiency: np.ndarray) -> np.ndarray:
@@ -201,6 +213,29 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
     return target
 
 
+def spread_gpu_time(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> np.ndarray:
+    """Scale shares up by one common factor, each capped at 1, until the GPUs are used.
+
+    When IO binds, max-min leaves GPU time idle. A job's throughput target and time-averaged IO
+    stay the same, but a longer share lowers the IO it needs while running (B_j / x_j): jobs
+    read steadily instead of in bursts that, run together, would ask the link for more than it
+    has. If every gang fits at once, every job gets share 1.
+    """
+    active = share > 0
+    if not active.any():
+        return share
+    if float(np.sum(gpus[active])) <= total_gpus:
+        return np.where(active, 1.0, 0.0)
+    lo, hi = 1.0, 1.0 / float(share[active].min())
+    for _ in range(60):  # bisection on the common factor; GPU use is monotone in it
+        mid = 0.5 * (lo + hi)
+        if float(np.sum(gpus * np.minimum(share * mid, 1.0))) <= total_gpus:
+            lo = mid
+        else:
+            hi = mid
+    return np.minimum(share * lo, 1.0)
+
+
 class GavelPolicy(Policy):
     name = "gavel"
     description = "Gavel max-min fairness (Eq. 9) over GPU time, cache per dataset and IO per job"
@@ -214,12 +249,7 @@ class GavelPolicy(Policy):
         if problem.manages_storage:
             avg_io = target * job_miss_ratio(problem, sol.cache)
         if problem.n:
-            # Max-min leaves GPU time unused when another resource binds; spread it evenly so
-            # jobs run at full share where they can (their time-averaged IO stays the same).
-            used = float(np.sum(problem.gpus * share))
-            top = float(share.max())
-            scale = min(1.0 / top, problem.total_gpus / used) if used > 0 and top > 0 else 1.0
-            share = np.minimum(share * max(scale, 1.0), 1.0)
+            share = spread_gpu_time(share, problem.gpus, problem.total_gpus)
         ids = problem.job_ids
         if not problem.manages_storage:
             return Allocation(gpu_share=dict(zip(ids, share.tolist(), strict=True)), objective=sol.ratio)

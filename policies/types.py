@@ -26,6 +26,10 @@ class JobView:
     submit_time: float
     running: bool = False  # holds GPUs at snapshot time (non-preemptive policies keep it)
     priority: int = 0
+    #: Hit ratio the job sees on the rest of its current epoch, from the data layer's bitset of
+    #: items it has read (§6); None when unknown. Items the job cached itself this epoch are
+    #: already read, so this is below c/d while a cache fills (delayed effectiveness).
+    hit_ratio_now: float | None = None
 
     @property
     def remaining_ideal_seconds(self) -> float:

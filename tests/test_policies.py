@@ -275,13 +275,13 @@ def test_gavel_two_jobs_by_hand():
 
     # Water-filling above the max-min level: the IO is used up, so B (all misses) freezes at
     # 40 B/s; A needs no IO and grows on GPUs alone until its gang is full: x_A = 1 (100 B/s).
-    # GPUs left: 2 - 1 - 0.4 = 0.6, but no job can use more (A at x = 1, B IO-bound), so B keeps
-    # x_B = 0.4 and its IO while running is 40 / 0.4 = 100 B/s.
+    # Both 1-GPU gangs fit in the 2 GPUs at once, so the idle GPU time is spread: x_B = 1 and B
+    # reads steadily at its time-averaged 40 B/s instead of 100 B/s in 40% of the rounds.
     alloc = GavelPolicy().allocate(s, SiloDEstimator())
     validate_allocation(s, alloc)
     assert alloc.objective == pytest.approx(1.75)
-    assert dict(alloc.gpu_share) == pytest.approx({"A": 1.0, "B": 0.4})
-    assert dict(alloc.remote_io) == pytest.approx({"A": 0.0, "B": 100.0})
+    assert dict(alloc.gpu_share) == pytest.approx({"A": 1.0, "B": 1.0})
+    assert dict(alloc.remote_io) == pytest.approx({"A": 0.0, "B": 40.0})
 
 
 def test_gavel_three_jobs_shared_dataset_by_hand():
@@ -550,3 +550,18 @@ def test_gavel_gives_no_share_to_a_gang_that_cannot_fit():
     s = snap([job("big", 8, 100.0, "d"), job("small", 1, 100.0, "d")], {"d": 100.0}, gpus=4, cache=100.0, io=100.0)
     alloc = GavelPolicy().allocate(s, SiloDEstimator())
     assert alloc.gpu_share["big"] == 0.0
+
+
+def test_spread_gpu_time_fills_gpus_with_one_common_factor():
+    from policies.gavel import spread_gpu_time
+
+    # 4 GPUs, gangs of 2, 2, 1 and 1 (6 > 4, so not everyone runs all the time).
+    # Shares 0.5, 0.25, 0.25, 0.1 use 1 + 0.5 + 0.25 + 0.1 = 1.85 GPUs. With factor s (below 2,
+    # where the first share caps at 1): 2 * (0.5 s) + 2 * (0.25 s) + 0.25 s + 0.1 s = 1.85 s = 4
+    # -> s = 2.162 > 2, so the first caps: 2 + 0.5 s + 0.25 s + 0.1 s = 4 -> s = 2 / 0.85.
+    share = spread_gpu_time(np.array([0.5, 0.25, 0.25, 0.1]), np.array([2.0, 2.0, 1.0, 1.0]), 4.0)
+    s = 2 / 0.85
+    np.testing.assert_allclose(share, [1.0, 0.25 * s, 0.25 * s, 0.1 * s], rtol=1e-9)
+    assert float(np.sum(share * np.array([2.0, 2.0, 1.0, 1.0]))) == pytest.approx(4.0)
+    # Everyone fits: share 1 for every job that had any; a job with none keeps none.
+    np.testing.assert_allclose(spread_gpu_time(np.array([0.2, 0.0, 0.5]), np.array([1.0, 1.0, 2.0]), 4.0), [1.0, 0.0, 1.0])

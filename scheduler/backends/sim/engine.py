@@ -133,8 +133,10 @@ class Simulator:
 
     # ------------------------------------------------------------------ helpers
     def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
+        measured = self.core.estimator.manages_storage
         jobs = tuple(
-            JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running)
+            JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running,
+                    hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None)
             for j in active
         )
         needed = {j.dataset.name for j in active}

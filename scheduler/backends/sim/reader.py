@@ -85,6 +85,15 @@ class SimJob:
             self.prefix_version = version
         return self.miss_prefix_list
 
+    def hit_ratio_now(self, cache: SimCacheSystem) -> float:
+        """Hit ratio on the rest of this epoch: cached chunks the job has not read yet (§6 bitset)."""
+        prefix = self.prefix(cache)
+        k = self.dataset.n_chunks
+        left = k - self.pos
+        if left < 1e-9:
+            return 1.0 - prefix[-1] / k
+        return 1.0 - (prefix[-1] - _missed_to(prefix, self.pos)) / left
+
     def new_epoch(self) -> None:
         self.epoch += 1
         self.pos = 0.0

@@ -12,10 +12,10 @@
    its GPU share (CoorDL-style), as the local backend does for unmanaged storage.
 4. JCTs of both runs side by side.
 
-Two pieces of wiring make the live SiloD run behave as the paper describes, and are proposed
-for `silod serve` (see docs/local-and-demo.md): the snapshot carries each dataset's measured
-cached bytes (so the policy plans remote IO on the filled part of the cache, not on the
-allocation), and `WorkConservingPusher` gives unused link capacity to jobs that want more.
+The SiloD run is wired as `silod serve --backend local --datamanager URL` is: the service fills
+each dataset's measured cached bytes into the snapshot from the data manager's status (so the
+policy plans remote IO on the filled part of the cache, not on the allocation), and
+`WorkConservingPusher` gives unused link capacity to jobs that want more.
 """
 
 from __future__ import annotations
@@ -134,20 +134,6 @@ class DataManager:
         self._log.close()
 
 
-def _measured_cache_service(base: type) -> type:
-    """The scheduler service with each dataset's measured cached bytes in the snapshot."""
-    from policies.types import DatasetView, Snapshot
-
-    class MeasuredCacheService(base):  # type: ignore[misc, valid-type]
-        def build_snapshot(self, now: float | None = None) -> Snapshot:
-            snap = super().build_snapshot(now)
-            cached = self.backend.dataset_cached_bytes()
-            datasets = {n: DatasetView(v.name, v.size, cached=cached.get(n, 0.0)) for n, v in snap.datasets.items()}
-            return Snapshot(time=snap.time, jobs=snap.jobs, datasets=datasets, capacity=snap.capacity)
-
-    return MeasuredCacheService
-
-
 @dataclass
 class RunResult:
     label: str
@@ -220,8 +206,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     ))
     pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
     config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0, gpu_speed=speed)
-    cls = _measured_cache_service(SchedulerService) if managed else SchedulerService
-    service = cls(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,
+    service = SchedulerService(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,
                   datamanager_url=dm.url if dm else None)
     if not managed:
         service.core = SchedulingCore(get_policy(policy), VanillaEstimator())

@@ -607,22 +607,48 @@ class SchedulerService:
                 time.sleep(min(self.config.poll_seconds, 1.0))
 
     def recover(self) -> None:
-        """After a restart the backend is a new object: it runs nothing we know of. Stop what the
-        database says was running (idempotent for the backend) and queue it again; the first round
-        restarts it from its recorded progress."""
+        """After a restart the backend is a new object. A job the database records as running
+        that the backend still runs (re-adopted, see `ClusterBackend.running_jobs`) stays
+        RUNNING: no stop, no restart, its progress keeps arriving through poll(). Every other job
+        recorded as running is stopped (idempotent for the backend) and queued again; the first
+        round restarts it from its recorded progress. A job of ours that the backend runs although
+        the database does not record it as running (the service died between committing a
+        preemption or a cancel and carrying it out) is stopped, so that the backend runs exactly
+        what the database says."""
+        try:
+            alive = {str(j) for j in self.backend.running_jobs()}
+        except Exception:  # a backend that cannot tell: restart everything, as without the hook
+            log.exception("backend %s could not list its running jobs; requeueing every running job", self.backend.name)
+            alive = set()
+        orphans: list[str] = []
         with self._write_lock, self.sessions.begin() as s:
             now = time.time()
             rows = s.scalars(select(JobAllocationRow).where(JobAllocationRow.running)).all()
+            kept: set[str] = set()
             for row in rows:
+                job = s.get(Job, row.job_id)
+                if str(row.job_id) in alive and job is not None and job.state == JobState.RUNNING:
+                    kept.add(str(row.job_id))
+                    log.info("job %s: still running in the backend after the restart; kept", row.job_id)
+                    continue
                 self.backend.stop(str(row.job_id))
                 changes = self._changes(None, now, "job", str(row.job_id), {"running": (1.0, 0.0), "gpus": (row.gpus, 0)})
                 s.execute(insert(AllocationChange), changes)
                 row.running = False
                 row.gpus = 0
-                job = s.get(Job, row.job_id)
                 if job is not None and job.state == JobState.RUNNING:
                     job.state = JobState.QUEUED
                     job.message = "requeued after a scheduler restart"
+            ours = {pk: jid for jid in alive - kept if (pk := self._parse_job_id(jid)) is not None}
+            if ours:
+                known = set(s.scalars(select(Job.id).where(Job.id.in_(list(ours)))).all())
+                orphans = sorted(ours[pk] for pk in known)
+            unknown = sorted(alive - kept - set(orphans))
+            if unknown:
+                log.warning("the backend runs jobs this service does not know, left alone: %s", ", ".join(unknown))
+        for jid in orphans:
+            log.warning("job %s: running in the backend but not recorded as running; stopping it", jid)
+            self.backend.stop(jid)
 
     def apply_events(self, events: Iterable[JobEvent]) -> bool:
         """Record backend events. True when a job finished or failed (a round should follow)."""
@@ -669,6 +695,7 @@ class SchedulerService:
         )
         jobs: list[JobView] = []
         datasets: dict[str, DatasetView] = {}
+        cached = self.measured_cache()
         with self.sessions() as s:
             for jid, gpus, ds, ideal, total, consumed, submit, state, prio, size in s.execute(q):
                 jobs.append(
@@ -678,8 +705,33 @@ class SchedulerService:
                         running=state == JobState.RUNNING, priority=prio,
                     )
                 )
-                datasets[ds] = DatasetView(ds, size)
+                datasets[ds] = DatasetView(ds, size, cached=None if cached is None else float(cached.get(ds, 0.0)))
         return Snapshot(time=now, jobs=tuple(jobs), datasets=datasets, capacity=self.config.capacity)
+
+    def measured_cache(self) -> dict[str, float] | None:
+        """Bytes of each dataset in cache now, as the system measures them (`DatasetView.cached`).
+
+        From the data manager's `GET /v1/status` when one is configured (one call), else from
+        the backend if it can tell (`dataset_cached_bytes()`, e.g. the local backend's mounts),
+        else None: unknown, and policies then assume their allocations are filled. A dataset
+        missing from a measurement has nothing in cache (0), so a cold cache is planned as cold.
+        A data manager that cannot be reached, or answers without per-dataset figures, counts as
+        no measurement (the backend's is used)."""
+        if self.pusher is not None:
+            try:
+                measured = cached_bytes_from_status(self.pusher.status())
+            except Exception as exc:  # the round goes on; the push will report the outage too
+                log.warning("data manager status unavailable, cache fill unknown this round: %s", exc)
+                measured = None
+            if measured is not None:
+                return measured
+        probe = getattr(self.backend, "dataset_cached_bytes", None)
+        if callable(probe):
+            try:
+                return {str(k): float(v) for k, v in dict(probe()).items()}
+            except Exception:
+                log.exception("backend %s could not report cached bytes", self.backend.name)
+        return None
 
     def run_round(self, reason: str = "manual") -> RoundResult:
         """One scheduling round (see the module docstring). Safe to call from any thread."""
@@ -906,9 +958,40 @@ class SchedulerService:
     def close(self) -> None:
         self.stop()
         try:
+            closer = getattr(self.pusher, "close", None)  # e.g. WorkConservingPusher's thread
+            if callable(closer):
+                try:
+                    closer()
+                except Exception:
+                    log.exception("closing the data-manager pusher")
             self.backend.close()
         finally:
             self.engine.dispose()
+
+
+def cached_bytes_from_status(status: Any) -> dict[str, float] | None:
+    """Bytes in cache per dataset from the data manager's `GET /v1/status` (datamanager/state.py),
+    or None when the answer has no per-dataset figures.
+
+    A dataset's cache allocation applies to its cache on every node that mounts it, so the
+    filled part of the allocation is the fullest node's cache (`nodes.*.datasets.*.cached_bytes`),
+    not the sum over nodes (the same items cached on two nodes fill no more of it). Without the
+    per-node view, `datasets.*.cached_bytes_all_nodes` is used."""
+    if not isinstance(status, Mapping) or not isinstance(status.get("datasets"), Mapping):
+        return None
+    out: dict[str, float] = {}
+    nodes = status.get("nodes")
+    if isinstance(nodes, Mapping):
+        for node in nodes.values():
+            for name, entry in ((node or {}).get("datasets") or {}).items():
+                value = float((entry or {}).get("cached_bytes") or 0.0)
+                out[name] = max(out.get(name, 0.0), value)
+    else:
+        for name, entry in status["datasets"].items():
+            out[name] = float((entry or {}).get("cached_bytes_all_nodes") or 0.0)
+    for name in status["datasets"]:
+        out.setdefault(name, 0.0)  # known to the manager, mounted nowhere: nothing cached
+    return out
 
 
 def count_rows(engine: Engine, model: type) -> int:

@@ -108,6 +108,13 @@ def build_service(
         backend, BackendConfig(capacity=capacity, state_dir=state_dir, datamanager_url=datamanager, options=backend_opts or {})
     )
     engine = open_database(db)
+    if pusher is not None and backend == "local":
+        from scheduler.backends.local import LocalBackend, WorkConservingPusher
+
+        if isinstance(cluster_backend, LocalBackend):
+            # Link capacity the policy's caps leave unused goes to running jobs that want more
+            # (e.g. while their cache fills), from the workers' measured demand.
+            pusher = WorkConservingPusher(pusher, cluster_backend, capacity.remote_io)
     config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed)
     return SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
 

@@ -211,12 +211,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(tmp: Path, port: int) -> subprocess.Popen:
+def _serve(tmp: Path, port: int, cache: str = "2MB", extra: tuple[str, ...] = ()) -> subprocess.Popen:
     log = open(tmp / "serve.log", "ab")
     return subprocess.Popen(
         [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", f"sqlite:///{tmp / 'silod.db'}", "--backend", "local",
-         "--gpus", "2", "--gpus-per-node", "2", "--cache", "2MB", "--remote-io", "8MB/s", "--policy", "fifo", "--round", "2s",
-         "--state-dir", str(tmp / "state"), "--backend-opt", "batch_bytes=256KB"],
+         "--gpus", "2", "--gpus-per-node", "2", "--cache", cache, "--remote-io", "8MB/s", "--policy", "fifo", "--round", "2s",
+         "--state-dir", str(tmp / "state"), "--backend-opt", "batch_bytes=256KB", *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SILOD_ADMIN_TOKEN": "admintoken123"}, start_new_session=True,
     )
 
@@ -287,11 +287,65 @@ def test_kill_9_of_silod_serve_loses_no_job(tmp_path):
     assert mounts_under(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="SchedulerService.recover() stops and requeues running jobs; "
-                   "re-adoption needs the change described in docs/local-and-demo.md")
 def test_kill_9_of_silod_serve_keeps_workers_running(tmp_path):
-    """After the service change, a restart keeps the same worker process (attempt 1) running."""
+    """A restarted service keeps the re-adopted worker processes running (attempt 1): recover()
+    neither stops nor restarts the jobs the backend still runs."""
     test_kill_9_of_silod_serve_loses_no_job(tmp_path)
     jobs_dir = tmp_path / "state" / "local" / "jobs"
     attempts = [json.loads((p / "status.json").read_text())["attempt"] for p in jobs_dir.iterdir()]
     assert attempts == [1, 1]
+
+
+def test_serve_with_data_manager_feeds_a_cold_fully_allocated_cache(tmp_path):
+    """`silod serve --backend local --datamanager URL --policy fifo` with a cache larger than the
+    dataset: the policy gives the dataset all of it, the cache starts cold, and the job must
+    still read (remote IO is planned on the measured cached bytes, not on the allocation)."""
+    import httpx
+
+    from scheduler.demo import DataManager
+
+    d = make_dataset(tmp_path / "remote" / "ds", n=30)
+    dm = DataManager(tmp_path / "dm-state", tmp_path / "dm.log")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    h = {"Authorization": "Bearer admintoken123"}
+    serve = _serve(tmp_path, port, cache="20MB", extra=("--datamanager", dm.url))
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/datasets", headers=h, json={"name": "ds", "uri": (tmp_path / "remote" / "ds").as_uri(), "size": d})
+        assert r.status_code == 201, r.text
+        jid = httpx.post(f"{url}/v1/jobs", headers=h, json={"name": "j", "gpus": 1, "dataset": "ds", "epochs": 2,
+                                                             "ideal_throughput": 4e6}).json()["id"]
+        deadline = time.time() + 60
+        job: dict = {}
+        while time.time() < deadline:
+            job = httpx.get(f"{url}/v1/jobs/{jid}", headers=h, timeout=2).json()
+            if job["state"] in ("finished", "failed"):
+                break
+            time.sleep(0.5)
+        assert job["state"] == "finished", (job, (tmp_path / "serve.log").read_text()[-3000:])
+        alloc = httpx.get(f"{url}/v1/allocations", headers=h).json()
+        assert alloc["cache"][0]["bytes"] == pytest.approx(d)  # the whole dataset was allocated
+        st = json.loads((tmp_path / "state" / "local" / "jobs" / jid / "status.json").read_text())
+        assert st["mount"]["remote_bytes"] >= 0.99 * d and st["mount"]["hit_bytes"] > 0.9 * d  # epoch 2 hit the cache
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(20)
+        for jdir in (tmp_path / "state" / "local" / "jobs").glob("*"):
+            pidf = jdir / "worker.pid"
+            if pidf.exists():
+                try:
+                    os.killpg(json.loads(pidf.read_text())["pid"], signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for m in mounts_under(tmp_path):
+            subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
+        dm.close()
+    assert mounts_under(tmp_path) == []

@@ -261,3 +261,143 @@ def _wait(cond, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------- restart, measured cache, wiring
+
+
+def test_recover_keeps_jobs_the_backend_still_runs(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    svc = make(url, tmp_path)
+    a = svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8)).id
+    b = svc.submit_job(ALICE, NewJob("b", 4, "openimages", epochs=1, ideal_throughput=4e8)).id
+    c = svc.submit_job(ALICE, NewJob("c", 8, "imagenet", epochs=1, ideal_throughput=8e8)).id
+    assert set(svc.run_round("test").running) == {a, b}
+    svc.close()
+
+    # A restarted service whose new backend re-adopted a's worker (b's is gone) and, left over
+    # from a round whose stop never happened, also runs the queued c.
+    svc2 = make(url, tmp_path)
+    svc2.backend.running_jobs = lambda: {a, c, "not-ours"}  # type: ignore[method-assign]
+    try:
+        svc2.recover()
+        assert svc2.get_job(ALICE, a).state == "running"
+        assert svc2.get_job(ALICE, b).state == "queued"
+        assert svc2.get_job(ALICE, b).message == "requeued after a scheduler restart"
+        assert a not in svc2.backend.stopped and sorted(svc2.backend.stopped) == sorted([b, c])
+        assert {j.job_id: j.running for j in svc2.allocations(ADMIN).jobs}[a] is True
+        r = svc2.run_round("test")
+        assert set(r.running) == {a, b} and r.started == (b,) and r.stopped == ()  # a is neither stopped nor restarted
+        svc2.backend.emit(JobEvent(a, "progress", consumed_bytes=70e9))  # its progress continues
+        svc2.apply_events(svc2.backend.poll())
+        assert svc2.get_job(ALICE, a).consumed_bytes == 70e9
+    finally:
+        svc2.close()
+
+
+def test_recover_without_the_hook_requeues_everything(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    svc = make(url, tmp_path)
+    a = svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8)).id
+    svc.run_round("test")
+    svc.close()
+    svc2 = make(url, tmp_path)  # NullBackend keeps the base class default: running_jobs() == set()
+    try:
+        svc2.recover()
+        assert svc2.get_job(ALICE, a).state == "queued" and svc2.backend.stopped == [a]
+        assert svc2.run_round("test").started == (a,)
+    finally:
+        svc2.close()
+
+
+class StatusPusher(RecordingPusher):
+    """A data manager whose GET /v1/status reports cached bytes (the shape of datamanager/state.py)."""
+
+    def __init__(self, nodes: dict | None = None, datasets: dict | None = None):
+        super().__init__()
+        self.nodes = nodes or {}
+        self.datasets = datasets or {}
+        self.status_calls = 0
+
+    def status(self) -> dict:
+        self.status_calls += 1
+        return {"nodes": self.nodes, "datasets": self.datasets, "jobs": {}, "clients": []}
+
+
+def test_snapshot_carries_cached_bytes_measured_by_the_data_manager(tmp_path) -> None:
+    pusher = StatusPusher(
+        nodes={"n1": {"datasets": {"imagenet": {"allocated_bytes": 100e9, "cached_bytes": 40e9}}},
+               "n2": {"datasets": {"imagenet": {"allocated_bytes": 100e9, "cached_bytes": 25e9}}}},
+        datasets={"imagenet": {"cached_bytes_all_nodes": 65e9}, "openimages": {"cached_bytes_all_nodes": 0}},
+    )
+    svc = make(f"sqlite:///{tmp_path / 'c.db'}", tmp_path, pusher=pusher)
+    try:
+        svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8))
+        svc.submit_job(ALICE, NewJob("b", 4, "openimages", epochs=1, ideal_throughput=4e8))
+        # The allocation applies to each node's cache: its filled part is the fullest node's.
+        assert svc.measured_cache() == {"imagenet": 40e9, "openimages": 0.0}
+        pusher.status_calls = 0
+        r = svc.run_round("test")
+        assert pusher.status_calls == 1, "one status call per round"
+        snap, _plan, _t = svc._last_round
+        assert snap.datasets["imagenet"].cached == 40e9 and snap.datasets["openimages"].cached == 0.0
+        assert r.plan is not None
+    finally:
+        svc.close()
+
+
+def test_cached_bytes_fall_back_to_the_backend_then_to_unknown(tmp_path) -> None:
+    svc = make(f"sqlite:///{tmp_path / 'f.db'}", tmp_path, pusher=RecordingPusher())  # status() == {}: no figures
+    try:
+        svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8))
+        assert svc.measured_cache() is None
+        assert svc.build_snapshot().datasets["imagenet"].cached is None
+        svc.backend.dataset_cached_bytes = lambda: {"imagenet": 12e9}  # type: ignore[attr-defined]
+        assert svc.build_snapshot().datasets["imagenet"].cached == 12e9
+        svc.pusher = StatusPusher(datasets={"imagenet": {"cached_bytes_all_nodes": 3e9}})  # the manager wins
+        assert svc.build_snapshot().datasets["imagenet"].cached == 0.0  # known, mounted on no node
+        svc.pusher = RecordingPusher()
+        svc.pusher.status = lambda: (_ for _ in ()).throw(ConnectionError("down"))  # type: ignore[method-assign]
+        assert svc.build_snapshot().datasets["imagenet"].cached == 12e9
+    finally:
+        svc.close()
+
+
+def test_cold_cache_of_a_fully_allocated_dataset_still_gets_remote_io(tmp_path) -> None:
+    """The reproduction: fifo, a cache larger than the dataset, nothing cached yet. The policy
+    gives the dataset its whole size in cache; remote IO must still feed the job while it fills."""
+    pusher = StatusPusher(datasets={})  # a fresh data manager: nothing declared, nothing cached
+    svc = make(f"sqlite:///{tmp_path / 'cold.db'}", tmp_path, pusher=pusher)
+    try:
+        a = svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=2, ideal_throughput=4e8)).id
+        r = svc.run_round("test")
+        assert r.plan is not None and r.plan.cache["imagenet"] == pytest.approx(143e9)
+        assert pusher.io[a] > 0, "a cold cache must not starve the job"
+        # Once the manager reports the dataset fully cached, the job needs no remote IO.
+        pusher.nodes = {"n1": {"datasets": {"imagenet": {"cached_bytes": 143e9}}}}
+        pusher.datasets = {"imagenet": {"cached_bytes_all_nodes": 143e9}}
+        svc.run_round("test")
+        assert pusher.io[a] == pytest.approx(0.0, abs=1.0)
+    finally:
+        svc.close()
+
+
+def test_serve_with_local_backend_and_data_manager_uses_the_work_conserving_pusher(tmp_path) -> None:
+    from datamanager.client import DataManagerClient
+    from scheduler.backends.local import WorkConservingPusher
+
+    common = dict(policy="fifo", round_s=360, gpus="2", gpus_per_node="2", cache="2MB", remote_io="8MB/s",
+                  datamanager="http://127.0.0.1:9")
+    svc = build_service(db=f"sqlite:///{tmp_path / 'w.db'}", backend="local", state_dir=tmp_path / "state", **common)
+    try:
+        assert isinstance(svc.pusher, WorkConservingPusher)
+        assert isinstance(svc.pusher.inner, DataManagerClient) and svc.pusher.backend is svc.backend
+        assert svc.pusher.total_io == 8e6
+    finally:
+        svc.close()
+    assert not svc.pusher._thread.is_alive()  # closed with the service
+    svc = build_service(db=f"sqlite:///{tmp_path / 'n.db'}", backend="null", state_dir=tmp_path / "state2", **common)
+    try:
+        assert isinstance(svc.pusher, DataManagerClient)  # other backends: the plain client
+    finally:
+        svc.close()

@@ -14,6 +14,9 @@ and the policies:
 - ``poll()``: events since the last poll (progress, finished, failed). Progress is *cumulative*
   bytes consumed by the job since it was submitted, so a lost or repeated event never
   corrupts the job's remaining work.
+- ``running_jobs()`` (optional; default: none): ids of the jobs this backend object runs right
+  now, including jobs it re-adopted from a previous service process. After a restart the
+  service keeps those running instead of stopping and requeueing them.
 
 Cache and remote-IO allocations are enforced by the data manager, not by the backend: the
 service pushes them through a ``StoragePusher``. ``JobAllocation`` still carries them so that a
@@ -150,6 +153,16 @@ class ClusterBackend(ABC):
     @abstractmethod
     def poll(self) -> list[JobEvent]:
         """Events since the previous call, oldest first."""
+
+    def running_jobs(self) -> set[str]:
+        """Optional hook: ids of the jobs that run now, including jobs re-adopted after a restart
+        of the service (the job ids the service passed to `start`).
+
+        The service calls it once when it recovers: a job the database says was running and the
+        backend still runs stays running (no stop, no restart); any other job recorded as
+        running is stopped and queued again. The default, for backends that cannot tell, is an
+        empty set: every job is restarted from its recorded progress."""
+        return set()
 
     def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Release resources at service shutdown (running jobs may be left to a restart)."""

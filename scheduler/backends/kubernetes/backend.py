@@ -255,6 +255,21 @@ class KubernetesBackend(ClusterBackend):
         events, self._events = self._events, []
         return events
 
+    def running_jobs(self) -> set[str]:
+        """Jobs we placed whose pods still run, including jobs recovered from pod annotations
+        after a restart, by the ids the service gave `start` (namespace prefix of `_resolve`
+        removed)."""
+        if not self._recovered:
+            self.refresh()
+        prefix = f"{self.namespace or 'default'}/"
+        out = set()
+        for job_id in self._tracked:
+            group = self.state.jobs.get(job_id)
+            if job_id in self._deferred or group is None or group.finished or group.failed:
+                continue
+            out.add(job_id[len(prefix):] if job_id.startswith(prefix) else job_id)
+        return out
+
     # --- extras the scheduler loop uses ----------------------------------------------------------
 
     def update_allocation(self, job_id: str, allocation: JobAllocation) -> bool:

@@ -176,6 +176,7 @@ class Simulator:
         fairness_area = 0.0
         fairness_time = 0.0
         steps = 0
+        idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         # timeline accumulators
         next_sample = 0.0
         acc_remote = acc_bytes = acc_time = 0.0
@@ -258,6 +259,9 @@ class Simulator:
             gpu_seconds += sum(j.gpus for j in running) * dt
             remote_total += step_remote
             done_work += step_bytes
+            idle_steps = idle_steps + 1 if step_bytes <= 0 and next_arrival >= len(pending) else 0
+            if idle_steps > 1000:
+                break  # nothing can progress (e.g. no remote IO for a cold cache): report unfinished
 
             acc_remote += step_remote
             acc_bytes += step_bytes

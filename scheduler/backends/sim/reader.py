@@ -3,14 +3,13 @@
 Each epoch reads every chunk once in a fresh random order. Loading and computation are
 pipelined (SiloD §4), so reading from position p to x (in chunks of size s) takes
 
-    T = max((x - p) s / f*,  missed(p, x) s / b)
+    rate = min(f*, b / m),  m = the miss ratio of the rest of the current epoch,
 
-and throughput is min(f*, b / miss ratio), Eq. 4, with the miss ratio measured on the chunks
-actually read rather than assumed to be c/d. That is what makes delayed effectiveness, sharing
+Eq. 4 with the miss ratio measured on what is actually cached rather than assumed to be c/d. That is what makes delayed effectiveness, sharing
 and LRU thrashing visible: a chunk cached during this epoch was already read, so it only helps
 in the next epoch or another job.
 
-missed(p, x) comes from a prefix sum of misses along the epoch's order (`miss_prefix`). It stays
+m comes from a prefix sum of misses along the epoch's order (`miss_prefix`). It stays
 valid while nobody but the job itself changes its dataset's cache, because what the job admits
 it has already read; the cache system bumps a per-dataset version whenever anything else
 changes it, and the prefix is then recomputed. Between such changes a step costs O(log K).
@@ -19,7 +18,6 @@ changes it, and the prefix is then recomputed. Between such changes a step costs
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +52,9 @@ class SimJob:
     miss_prefix: np.ndarray | None = None  # misses along perm, cumulative, length K + 1
     miss_prefix_list: list[float] = field(default_factory=list)  # the same, for fast scalar reads
     prefix_version: int = -1
+    prefix_token: int = 0  # bumped whenever the prefix is recomputed
+    rest_misses: float = 0.0  # misses (chunks) left in this epoch, as accounted
+    rest_token: int = -1  # prefix_token that rest_misses was taken from
 
     def __post_init__(self) -> None:
         self.perm = self.rng.permutation(self.dataset.n_chunks)
@@ -83,6 +84,7 @@ class SimJob:
             self.miss_prefix = np.concatenate(([0.0], np.cumsum(misses, dtype=float)))
             self.miss_prefix_list = self.miss_prefix.tolist()
             self.prefix_version = version
+            self.prefix_token += 1
         return self.miss_prefix_list
 
     def hit_ratio_now(self, cache: SimCacheSystem) -> float:
@@ -109,26 +111,17 @@ def _missed_to(prefix: list[float], x: float) -> float:
     return prefix[i] + (x - i) * (prefix[i + 1] - prefix[i])
 
 
-def _position_with_misses(prefix: list[float], target: float) -> float:
-    """Largest x with misses(0, x) <= target (runs of hits cost no IO, so x runs past them)."""
-    k = len(prefix) - 1
-    if target >= prefix[-1]:
-        return float(k)
-    i = bisect_right(prefix, target) - 1  # prefix[i] <= target < prefix[i+1]
-    step = prefix[i + 1] - prefix[i]
-    return i + (target - prefix[i]) / step if step > 0 else float(i + 1)
-
-
 def miss_fraction_ahead(job: SimJob, cache: SimCacheSystem, horizon_s: float) -> float:
-    """Miss ratio of what the job would read next at full speed (its IO demand / f*)."""
+    """Miss ratio the job will read at next (its IO demand / f*): that of the rest of its epoch,
+    as `advance` reads it; at the epoch end, the whole dataset's for the next epoch."""
     prefix = job.prefix(cache)
     k = job.dataset.n_chunks
-    span = job.ideal * horizon_s / job.dataset.chunk_size
-    start = min(job.pos, float(k))
-    end = min(start + span, float(k))
-    if end - start < 1e-9:
-        return float(prefix[-1] / k)  # at the epoch end: the next epoch sees the whole dataset
-    return (_missed_to(prefix, end) - _missed_to(prefix, start)) / (end - start)
+    rest = k - job.pos
+    if rest < 1e-9:
+        return prefix[-1] / k
+    if job.rest_token != job.prefix_token:
+        job.rest_misses, job.rest_token = prefix[-1] - _missed_to(prefix, job.pos), job.prefix_token
+    return min(max(job.rest_misses, 0.0) / rest, 1.0)
 
 
 @dataclass
@@ -152,14 +145,23 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         p = job.pos
         left = dt - t
         m_p = _missed_to(prefix, p)
-        x_gpu = p + left * f / s
-        x_io = _position_with_misses(prefix, m_p + left * io_cap / s) if io_cap > 0 else _position_with_misses(prefix, m_p)
+        # Items are read in random order, so the misses left in this epoch are spread evenly
+        # over the rest of it: the job reads at min(f*, b / miss ratio of the rest), Eq. 4 with
+        # the measured ratio. (Taking chunks strictly in sequence would make a 1%-miss job stall
+        # for hours on one whole missed chunk at a small IO allocation: a chunking artefact.)
+        rest = k - p
+        if job.rest_token != job.prefix_token:
+            # The cache changed (or a new epoch began): count again what is left to miss.
+            job.rest_misses, job.rest_token = prefix[-1] - m_p, job.prefix_token
+        miss_rest = max(job.rest_misses, 0.0) / rest if rest > 1e-12 else 0.0
+        rate = f if miss_rest <= 0 else min(f, io_cap / miss_rest) if io_cap > 0 else 0.0
         x_need = p + (job.total_bytes - job.consumed) / s
-        x = min(x_gpu, x_io, x_need, float(k))
-        missed = _missed_to(prefix, x) - m_p
-        elapsed = max((x - p) * s / f, missed * s / io_cap if io_cap > 0 else (math.inf if missed > 0 else 0.0))
+        x = min(p + rate * left / s, x_need, float(k))
+        missed = miss_rest * (x - p)
+        elapsed = (x - p) * s / rate if rate > 0 else left
         elapsed = min(elapsed, left)
         done = (x - p) * s
+        job.rest_misses -= missed
         first, last = int(math.ceil(p - 1e-12)), int(x + 1e-12)  # chunks started before p are not re-recorded
         if last > first and cache.wants_reads(job):
             idx = job.perm[first:last]

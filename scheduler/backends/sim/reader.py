@@ -52,9 +52,6 @@ class SimJob:
     miss_prefix: np.ndarray | None = None  # misses along perm, cumulative, length K + 1
     miss_prefix_list: list[float] = field(default_factory=list)  # the same, for fast scalar reads
     prefix_version: int = -1
-    prefix_token: int = 0  # bumped whenever the prefix is recomputed
-    rest_misses: float = 0.0  # misses (chunks) left in this epoch, as accounted
-    rest_token: int = -1  # prefix_token that rest_misses was taken from
 
     def __post_init__(self) -> None:
         self.perm = self.rng.permutation(self.dataset.n_chunks)
@@ -84,7 +81,6 @@ class SimJob:
             self.miss_prefix = np.concatenate(([0.0], np.cumsum(misses, dtype=float)))
             self.miss_prefix_list = self.miss_prefix.tolist()
             self.prefix_version = version
-            self.prefix_token += 1
         return self.miss_prefix_list
 
     def hit_ratio_now(self, cache: SimCacheSystem) -> float:
@@ -119,9 +115,7 @@ def miss_fraction_ahead(job: SimJob, cache: SimCacheSystem, horizon_s: float) ->
     rest = k - job.pos
     if rest < 1e-9:
         return prefix[-1] / k
-    if job.rest_token != job.prefix_token:
-        job.rest_misses, job.rest_token = prefix[-1] - _missed_to(prefix, job.pos), job.prefix_token
-    return min(max(job.rest_misses, 0.0) / rest, 1.0)
+    return min(max(prefix[-1] - _missed_to(prefix, job.pos), 0.0) / rest, 1.0)
 
 
 @dataclass
@@ -149,11 +143,10 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         # over the rest of it: the job reads at min(f*, b / miss ratio of the rest), Eq. 4 with
         # the measured ratio. (Taking chunks strictly in sequence would make a 1%-miss job stall
         # for hours on one whole missed chunk at a small IO allocation: a chunking artefact.)
+        # Re-measured every step on the chunks actually left: a running count of expected misses
+        # drifts from them and can leave a job "owing" misses its cache already covers, with no IO.
         rest = k - p
-        if job.rest_token != job.prefix_token:
-            # The cache changed (or a new epoch began): count again what is left to miss.
-            job.rest_misses, job.rest_token = prefix[-1] - m_p, job.prefix_token
-        miss_rest = max(job.rest_misses, 0.0) / rest if rest > 1e-12 else 0.0
+        miss_rest = min(max(prefix[-1] - m_p, 0.0) / rest, 1.0) if rest > 1e-12 else 0.0
         rate = f if miss_rest <= 0 else min(f, io_cap / miss_rest) if io_cap > 0 else 0.0
         x_need = p + (job.total_bytes - job.consumed) / s
         x = min(p + rate * left / s, x_need, float(k))
@@ -161,7 +154,6 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         elapsed = (x - p) * s / rate if rate > 0 else left
         elapsed = min(elapsed, left)
         done = (x - p) * s
-        job.rest_misses -= missed
         first, last = int(math.ceil(p - 1e-12)), int(x + 1e-12)  # chunks started before p are not re-recorded
         if last > first and cache.wants_reads(job):
             idx = job.perm[first:last]

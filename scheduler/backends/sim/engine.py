@@ -9,7 +9,6 @@ who holds GPUs every round (Gavel-style time sharing).
 
 from __future__ import annotations
 
-import math
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -64,8 +64,13 @@ def test_shrinking_the_allocation_evicts_randomly_and_hit_ratio_follows(tmp_path
         read_epoch(m.mountpoint, dataset, seed=3)
         s = m.fresh_stats()
     assert abs(s["hit_bytes"] / d - new_alloc / d) <= 0.02
-    kept_after = {p.name for p in item_files(cache, "ds")}
-    assert kept_after <= kept_before
+    after_files = {p.name: p.stat().st_size for p in item_files(cache, "ds")}
+    kept_after = set(after_files)
+    # Eviction stops once the cache fits, which can leave room below the allocation for an item
+    # smaller than that slack; uniform caching may admit such items, but nothing beyond it.
+    added = kept_after - kept_before
+    assert sum(after_files[n] for n in added) <= new_alloc - s0["cached_bytes"]
+    kept_after &= kept_before
     # Random, not "oldest first": survivors come from the whole fill order of epoch 1.
     order = sorted(dataset.sizes)
     import random

@@ -186,37 +186,39 @@ def _sweep_plot(out: Path, name: str, title: str, xlabel: str, xs: list[float], 
     plt.close(fig)
 
 
+def _sweep(runner: ExperimentRunner, out: Path, experiment: str, x_key: str, xs: list[float], runs: list[Run],
+           series_of: Callable[[Run], str], title: str, xlabel: str) -> dict:
+    """Run a sweep (runs ordered x-major), plot average JCT per series over x, save the JSON."""
+    results = runner.run_all(runs)
+    series: dict[str, list[float]] = {}
+    for run, summary, _ in results:
+        series.setdefault(series_of(run), []).append(summary["avg_jct_s"])
+    name = experiment.replace("-", "_")
+    _sweep_plot(out, name, title, xlabel, xs, series)
+    payload = {"experiment": experiment, x_key: xs, "avg_jct_s": series}
+    _save(out, name, payload)
+    return payload
+
+
 def experiment_bandwidth(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
     rates = [1.0, 2.0, 4.0, 6.0, 8.0, 10.0]
     runs = [Run(f"fifo/{c} @ {r:g} GB/s", "fifo", c, _replace(capacity, remote_io=r * GB)) for r in rates for c in ("silod", "alluxio")]
-    results = runner.run_all(runs)
-    series = {c: [s["avg_jct_s"] for run, s, _ in results if run.cache_system == c] for c in ("silod", "alluxio")}
-    _sweep_plot(out, "bandwidth", "Fig. 14a: FIFO, remote IO bandwidth", "remote IO (GB/s)", rates, series)
-    payload = {"experiment": "bandwidth", "remote_io_gb_s": rates, "avg_jct_s": series}
-    _save(out, "bandwidth", payload)
-    return payload
+    return _sweep(runner, out, "bandwidth", "remote_io_gb_s", rates, runs, lambda r: r.cache_system,
+                  "Fig. 14a: FIFO, remote IO bandwidth", "remote IO (GB/s)")
 
 
 def experiment_gpu_speed(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
     speeds = [1.0, 2.0, 3.0, 4.0]
     runs = [Run(f"gavel/{c} x{s:g}", "gavel", c, capacity, gpu_speed=s) for s in speeds for c in ("silod", "quiver")]
-    results = runner.run_all(runs)
-    series = {c: [s["avg_jct_s"] for run, s, _ in results if run.cache_system == c] for c in ("silod", "quiver")}
-    _sweep_plot(out, "gpu_speed", "Fig. 14b: Gavel, GPU speed", "GPU speed (x V100)", speeds, series)
-    payload = {"experiment": "gpu-speed", "gpu_speed": speeds, "avg_jct_s": series}
-    _save(out, "gpu_speed", payload)
-    return payload
+    return _sweep(runner, out, "gpu-speed", "gpu_speed", speeds, runs, lambda r: r.cache_system,
+                  "Fig. 14b: Gavel, GPU speed", "GPU speed (x V100)")
 
 
 def experiment_sharing(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
     fractions = [0.0, 0.25, 0.5, 0.75, 1.0]
     runs = [Run(f"{p}/silod sharing {f:g}", p, "silod", capacity, dataset_sharing=f) for f in fractions for p in ("fifo", "sjf", "gavel")]
-    results = runner.run_all(runs)
-    series = {p: [s["avg_jct_s"] for run, s, _ in results if run.policy == p] for p in ("fifo", "sjf", "gavel")}
-    _sweep_plot(out, "sharing", "Fig. 15: dataset sharing (SiloD)", "fraction of jobs sharing datasets", fractions, series)
-    payload = {"experiment": "sharing", "fractions": fractions, "avg_jct_s": series}
-    _save(out, "sharing", payload)
-    return payload
+    return _sweep(runner, out, "sharing", "fractions", fractions, runs, lambda r: r.policy,
+                  "Fig. 15: dataset sharing (SiloD)", "fraction of jobs sharing datasets")
 
 
 PAPER_TABLE6_MIN = {  # SiloD Table 6, real V100 runs, minutes

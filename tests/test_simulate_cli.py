@@ -109,3 +109,29 @@ def test_bad_flags_give_clear_errors(tmp_path, args, expected):
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["nonsense"], "unknown experiment 'nonsense'; choose one of: matrix, fairness, bandwidth, gpu-speed, sharing, micro, all"),
+        (["matrix", "--max-jobs", "0"], "--max-jobs 0 must be >= 1"),
+        (["matrix", "--remote-io", "fast"], "--remote-io"),
+        (["matrix", "--trace", "/nonexistent.trace"], "not found"),
+    ],
+)
+def test_bad_experiment_input_gives_clear_errors(tmp_path, args, expected):
+    proc = silod("experiment", *args, "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sweep_experiment_writes_json_and_plot(tmp_path):
+    proc = silod("experiment", "sharing", "--max-jobs", "12", "--out", str(tmp_path), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads((tmp_path / "sharing.json").read_text())
+    assert payload["fractions"] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert set(payload["avg_jct_s"]) == {"fifo", "sjf", "gavel"}
+    assert all(len(v) == 5 and min(v) > 0 for v in payload["avg_jct_s"].values())
+    assert (tmp_path / "sharing.png").stat().st_size > 1000

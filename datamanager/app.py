@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from datamanager.metrics import render_metrics
-from datamanager.state import ClientState, StateStore, UnknownEntity
+from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
 from estimator.units import parse_rate, parse_size
 from fuse_client.names import validate_name
@@ -63,14 +63,8 @@ class RemoteIOAllocation(_Strict):
     workers: int | None = None
 
 
-class ClientRegistrationBody(_Strict):
-    client_id: str
-    node: str
-    dataset: str
-    job: str
-    source: str = ""
-    mountpoint: str = ""
-    pid: int = 0
+class ClientRegistrationBody(ClientRegistration):
+    model_config = ConfigDict(extra="forbid")
 
 
 class HeartbeatBody(_Strict):

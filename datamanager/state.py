@@ -43,7 +43,9 @@ class JobState(BaseModel):
     workers: int = 1
 
 
-class ClientState(BaseModel):
+class ClientRegistration(BaseModel):
+    """What a FUSE client says about itself when it registers."""
+
     client_id: str
     node: str
     dataset: str
@@ -51,6 +53,9 @@ class ClientState(BaseModel):
     source: str = ""
     mountpoint: str = ""
     pid: int = 0
+
+
+class ClientState(ClientRegistration):
     registered_at: float = Field(default_factory=time.time)
 
 

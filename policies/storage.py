@@ -95,10 +95,22 @@ def max_min_share(demands: np.ndarray, capacity: float) -> np.ndarray:
 
 
 def demands_at_full_speed(jobs: Sequence[JobView], cache: Mapping[str, float], datasets: Mapping[str, DatasetView]) -> np.ndarray:
-    """Eq. 2 for each job, f* (1 - c/d), with c the part of the allocation already filled."""
+    """Eq. 2 for each job, f* (1 - h): the remote IO it needs to run at full speed now.
+
+    h = c/d with c the part of the allocation already filled; when the data layer measures the
+    job's hit ratio on the rest of its epoch (JobView.hit_ratio_now), that instead, scaled down
+    if the allocation is below what is cached (random eviction). In a job's first epoch every
+    read misses whatever is cached, since what it cached itself it has already read (delayed
+    effectiveness): c/d there would starve it of the IO it needs.
+    """
     ideal = np.array([j.ideal_throughput for j in jobs], dtype=float)
-    hit = np.array(
-        [min(datasets[j.dataset].filled(cache.get(j.dataset, 0.0)) / datasets[j.dataset].size, 1.0) for j in jobs],
-        dtype=float,
-    )
+    hit = np.empty(len(jobs))
+    for i, j in enumerate(jobs):
+        view = datasets[j.dataset]
+        allocated = cache.get(j.dataset, 0.0)
+        if j.hit_ratio_now is None:
+            hit[i] = min(view.filled(allocated) / view.size, 1.0)
+        else:
+            kept = 1.0 if not view.cached else min(allocated / view.cached, 1.0)
+            hit[i] = min(max(j.hit_ratio_now, 0.0) * kept, 1.0)
     return ideal * (1.0 - hit)

@@ -127,21 +127,3 @@ def test_every_policy_and_cache_system_finishes_every_job():
             for r in result.jobs:
                 ideal = 2.0 * 50 * GB / next(j.ideal_throughput for j in jobs if j.job_id == r.job_id)
                 assert r.jct_s >= ideal * (1 - 1e-6), (policy, system, r)
-
-
-def _hit_ratio(result) -> float:
-    read = sum(r.remote_bytes + r.hit_bytes for r in result.jobs)
-    return sum(r.hit_bytes for r in result.jobs) / read
-
-
-@pytest.mark.parametrize("system", ["silod", "alluxio", "coordl", "quiver"])
-def test_chunked_model_matches_item_level(system):
-    # 2,000 items; two jobs sharing the dataset with staggered starts (delayed effectiveness and
-    # sharing both matter), a third on its own dataset, cache below the data. Item level is
-    # resolution = item count; the chunked model uses 100 chunks. Averaged over seeds.
-    jobs = [one_job(4.0, job_id="a"), one_job(4.0, job_id="b", submit=300.0), one_job(3.0, f=60 * MB, job_id="c", dataset="other")]
-    sizes = {"ds": 100 * GB, "other": 80 * GB}
-    kwargs = dict(gpus=3, cache=90 * GB, io=60 * MB, system=system)
-    item = np.mean([_hit_ratio(run(jobs, sizes, resolution=2000, seed=s, **kwargs)) for s in range(3)])
-    chunked = np.mean([_hit_ratio(run(jobs, sizes, resolution=100, seed=s, **kwargs)) for s in range(3)])
-    assert abs(item - chunked) <= 0.02, (item, chunked)

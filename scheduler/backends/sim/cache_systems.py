@@ -1,18 +1,23 @@
 """Cache systems of the simulator: SiloD's uniform cache and the paper's three baselines.
 
 State is kept per dataset chunk (a chunk is 1/resolution of a dataset; with resolution equal to
-the item count it is exact item-level simulation). A job asks `lookup` which of the chunks it
-is about to read are cached, then reports what it read with `record_reads`; the cache system
-decides what to admit and what to evict. Allocations arrive through `apply_plan` once per
-scheduling round.
+the item count it is item level). A job *looks up* each chunk of its epoch when it starts
+reading it (`access`); the cache system answers hit or miss, admits what it decides to admit
+and evicts what it must, at that moment.
+
+Every reader keeps a count of the chunks that are cached and that it has not read yet in its
+epoch (`SimJob.unread_cached`): its expected hit ratio on the rest of the epoch, because the
+epoch's order is a uniform random permutation. Whatever changes the cached set — another job
+admitting, an LRU eviction, a shrinking allocation — updates the counts of the readers it
+concerns at once (`_changed`), so the reader always reads at the ratio the cache holds now.
 
 - silod:   uniform caching per dataset with the policy's allocation; admit on miss while the
            dataset is under its allocation, never evict otherwise; random eviction on shrink.
-- alluxio: one cluster-wide LRU cache, read-through (every miss is admitted, the least recently
-           used chunks are evicted). Evictions are applied at the end of each simulation step.
+- alluxio: one cluster-wide LRU cache, read-through: every miss is admitted and the least
+           recently used chunks are evicted at admission, so it never holds more than its size.
 - coordl:  each running job caches uniformly into a private static share, its GPUs' share of
-           its nodes' local disks; nothing is shared across jobs and a job's cache is lost when
-           it stops running.
+           the cluster's cache; nothing is shared across jobs and a job's cache is lost when it
+           stops running.
 - quiver:  whole datasets only, ranked by benefit/cost (data rate gained per byte) from noisy
            online profiles (each job re-profiled every 12 h); a dataset that does not fit gets
            nothing.
@@ -21,12 +26,17 @@ scheduling round.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from estimator.errors import UserError
+
+if TYPE_CHECKING:
+    from scheduler.backends.sim.reader import SimJob
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 
@@ -45,7 +55,7 @@ class SimDataset:
 
 @dataclass(eq=False)
 class UniformDomain:
-    """A uniform cache over one dataset's chunks with a byte limit (SiloD §2.2)."""
+    """A uniform cache over one dataset's chunks with a limit (SiloD §2.2)."""
 
     dataset: SimDataset
     cached: np.ndarray = field(init=False)
@@ -55,32 +65,33 @@ class UniformDomain:
     def __post_init__(self) -> None:
         self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
 
-    def set_limit(self, nbytes: float, rng: np.random.Generator) -> int:
-        """Set the allocation; returns how many chunks had to be evicted."""
+    def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
+        """Set the allocation; returns the chunks evicted to fit it (random, as §2.2 says)."""
         # A partial chunk cannot be cached: round down (resolution controls this error).
         self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
         excess = self.count - self.limit_chunks
         if excess <= 0:
-            return 0
-        if excess > 0:
-            victims = rng.choice(np.flatnonzero(self.cached), size=excess, replace=False)
-            self.cached[victims] = False
-            self.count -= excess
-        return excess
+            return np.zeros(0, dtype=np.int64)
+        victims = rng.choice(np.flatnonzero(self.cached), size=excess, replace=False)
+        self.cached[victims] = False
+        self.count -= excess
+        return victims
 
-    def admit(self, missed: np.ndarray) -> None:
+    def admit(self, missed: np.ndarray) -> np.ndarray:
+        """Admit missed chunks while there is room; returns the ones admitted."""
         room = self.limit_chunks - self.count
         if room <= 0 or missed.size == 0:
-            return
+            return missed[:0]
         fresh = missed[~self.cached[missed]]
         if fresh.size > room:
             fresh = fresh[:room]
         self.cached[fresh] = True
         self.count += int(fresh.size)
+        return fresh
 
-    def drop(self) -> None:
-        self.cached[:] = False
-        self.count = 0
+    @property
+    def filling(self) -> bool:
+        return self.count < self.limit_chunks
 
     @property
     def cached_bytes(self) -> float:
@@ -89,54 +100,78 @@ class UniformDomain:
 
 class SimCacheSystem(ABC):
     name: str
+    #: Whether the cached set changes under a reader as other chunks are read (LRU evicts at
+    #: every miss); the engine then keeps steps short enough for the change to be followed.
+    volatile = False
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         self.capacity = capacity
         self.total_gpus = total_gpus
         self.rng = np.random.default_rng(seed)
-        self._versions: dict[str, int] = {}
+        self.readers: dict[str, list[SimJob]] = {}  # domain key -> active jobs reading it
         self.evicted_bytes = 0.0  # bytes evicted to make room or on shrink (cache churn)
 
-    def bump(self, dataset_name: str) -> None:
-        """The cached set of `dataset_name` changed other than by a reader admitting what it
-        has just read; readers must look again."""
-        self._versions[dataset_name] = self._versions.get(dataset_name, 0) + 1
+    # ----------------------------------------------------------------- readers
+    def key(self, job: SimJob) -> str:
+        """The cache domain a job reads through (its dataset; CoorDL: the job itself)."""
+        return job.dataset.name
 
-    def version_of(self, job) -> int:
-        return self._versions.get(job.dataset.name, 0)
+    def register(self, job: SimJob) -> None:
+        self.readers.setdefault(self.key(job), []).append(job)
 
+    def unregister(self, job: SimJob) -> None:
+        group = self.readers.get(self.key(job), [])
+        if job in group:
+            group.remove(job)
+
+    def _changed(self, key: str, chunks: np.ndarray, delta: int) -> None:
+        """`chunks` of domain `key` became cached (+1) or uncached (-1): readers that have not
+        read them yet in their epoch see a different rest-of-epoch hit ratio."""
+        if chunks.size == 0:
+            return
+        for job in self.readers.get(key, ()):
+            job.unread_cached += delta * int(np.count_nonzero(~job.read_mask[chunks]))
+
+    # ----------------------------------------------------------------- interface
     @abstractmethod
-    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence, datasets: Mapping[str, SimDataset], now: float = 0.0) -> None:
+    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence[SimJob], datasets: Mapping[str, SimDataset], now: float = 0.0) -> None:
         """Take the round's cache allocation (None for unmanaged baselines) and running jobs."""
 
     @abstractmethod
-    def lookup(self, job, chunks: np.ndarray) -> np.ndarray:
-        """Boolean hit mask for `chunks` of `job`'s dataset."""
-
-    @abstractmethod
-    def record_reads(self, job, chunks: np.ndarray, hits: np.ndarray, times: np.ndarray) -> None:
-        """`job` has read `chunks` (in order, at `times`); `hits` is what lookup returned."""
-
-    def wants_reads(self, job) -> bool:
-        """Whether `record_reads` would do anything for `job` (lets steady jobs skip building it)."""
-        return True
-
-    def end_step(self) -> None:
-        """Called once after every job has advanced through a step."""
-
-    def job_stopped(self, job) -> None:
-        """`job` finished or was descheduled."""
-
-    @abstractmethod
-    def cached_mask(self, job) -> np.ndarray:
+    def cached_mask(self, job: SimJob) -> np.ndarray:
         """Which chunks of `job`'s dataset are cached for it right now (read-only view)."""
+
+    @abstractmethod
+    def access(self, job: SimJob, chunks: np.ndarray) -> np.ndarray:
+        """`job` starts reading `chunks` (in this order, now): mark them read in its epoch,
+        admit and evict as the cache system does, and return which were hits."""
 
     @abstractmethod
     def cached_bytes(self) -> dict[str, float]:
         """Bytes cached per dataset name (only non-zero entries)."""
 
-    def allocated_bytes(self) -> float:
-        return float(sum(self.cached_bytes().values()))
+    def visible_chunks(self, job: SimJob) -> int:
+        """Chunks of `job`'s dataset cached for it now (the start of an epoch sees them all)."""
+        return int(np.count_nonzero(self.cached_mask(job)))
+
+    def room(self, job: SimJob) -> int:
+        """Chunks `job`'s misses may still add to what it sees cached (0 where unknown)."""
+        return 0
+
+    def job_stopped(self, job: SimJob) -> None:
+        """`job` finished or was descheduled."""
+
+    def filling_shared_bytes(self) -> float | None:
+        """Size of the smallest domain that several readers share while it fills (their hit
+        ratios then move with each other's admissions); None if there is none."""
+        return None
+
+
+def _mark_read_uniform(job: SimJob, cached: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    hits = cached[chunks]
+    job.read_mask[chunks] = True
+    job.unread_cached -= int(np.count_nonzero(hits))
+    return hits
 
 
 class SiloDCache(SimCacheSystem):
@@ -145,7 +180,6 @@ class SiloDCache(SimCacheSystem):
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
         self.domains: dict[str, UniformDomain] = {}
-        self.allocation: dict[str, float] = {}
 
     def _domain(self, dataset: SimDataset) -> UniformDomain:
         dom = self.domains.get(dataset.name)
@@ -156,43 +190,46 @@ class SiloDCache(SimCacheSystem):
     def apply_plan(self, cache_alloc, running, datasets, now=0.0):
         if cache_alloc is None:
             raise ValueError("the silod cache system needs a storage-managing policy (SiloD estimator)")
-        # Shrinks first so that grows never overshoot the cluster total.
         for name, dom in list(self.domains.items()):
             new = cache_alloc.get(name, 0.0)
-            if new < dom.cached_bytes:
-                self.evicted_bytes += dom.set_limit(new, self.rng) * dom.dataset.chunk_size
-                self.bump(name)
+            victims = dom.set_limit(new, self.rng)
+            if victims.size:
+                self.evicted_bytes += victims.size * dom.dataset.chunk_size
+                self._changed(name, victims, -1)
             if dom.count == 0 and new <= 0:
                 del self.domains[name]
         for name, nbytes in cache_alloc.items():
-            if nbytes > 0 and name in datasets:
+            if nbytes > 0 and name in datasets and name not in self.domains:
                 self._domain(datasets[name]).set_limit(nbytes, self.rng)
-        self.allocation = dict(cache_alloc)
-
-    def lookup(self, job, chunks):
-        dom = self.domains.get(job.dataset.name)
-        if dom is None:
-            return np.zeros(chunks.size, dtype=bool)
-        return dom.cached[chunks]
-
-    def wants_reads(self, job):
-        dom = self.domains.get(job.dataset.name)
-        return dom is not None and dom.count < dom.limit_chunks
-
-    def record_reads(self, job, chunks, hits, times):
-        dom = self.domains.get(job.dataset.name)
-        if dom is not None and dom.count < dom.limit_chunks:
-            before = dom.count
-            dom.admit(chunks[~hits])
-            if dom.count != before and job.dataset_readers > 1:
-                self.bump(job.dataset.name)
 
     def cached_mask(self, job):
         dom = self.domains.get(job.dataset.name)
         return dom.cached if dom is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
 
+    def visible_chunks(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return dom.count if dom is not None else 0
+
+    def room(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
+
+    def access(self, job, chunks):
+        dom = self.domains.get(job.dataset.name)
+        if dom is None:
+            job.read_mask[chunks] = True
+            return np.zeros(chunks.size, dtype=bool)
+        hits = _mark_read_uniform(job, dom.cached, chunks)
+        if dom.filling:
+            self._changed(job.dataset.name, dom.admit(chunks[~hits]), +1)
+        return hits
+
     def cached_bytes(self):
         return {n: d.cached_bytes for n, d in self.domains.items() if d.count}
+
+    def filling_shared_bytes(self):
+        sizes = [d.dataset.size for n, d in self.domains.items() if d.filling and len(self.readers.get(n, ())) > 1]
+        return min(sizes) if sizes else None
 
 
 class QuiverCache(SiloDCache):
@@ -225,7 +262,7 @@ class QuiverCache(SiloDCache):
         chosen: dict[str, float] = {}
         for name in ranked:
             size = datasets[name].size
-            if size <= free:
+            if size <= free * (1 + 1e-12):
                 chosen[name] = size
                 free -= size
         super().apply_plan(chosen, running, datasets, now)
@@ -240,41 +277,42 @@ class CoorDLCache(SimCacheSystem):
         super().__init__(capacity, total_gpus, seed)
         self.domains: dict[str, UniformDomain] = {}
 
+    def key(self, job):
+        return job.job_id
+
     def apply_plan(self, cache_alloc, running, datasets, now=0.0):
-        running_ids = {j.job_id for j in running}
-        for job_id in list(self.domains):
-            if job_id not in running_ids:
-                del self.domains[job_id]
-                self.bump(job_id)
         per_gpu = self.capacity / self.total_gpus
         for job in running:
             if job.job_id not in self.domains:
-                dom = self.domains[job.job_id] = UniformDomain(job.dataset)
+                self.domains[job.job_id] = dom = UniformDomain(job.dataset)
                 dom.set_limit(per_gpu * job.gpus, self.rng)
 
-    def lookup(self, job, chunks):
-        dom = self.domains.get(job.job_id)
-        return dom.cached[chunks] if dom is not None else np.zeros(chunks.size, dtype=bool)
-
-    def wants_reads(self, job):
-        dom = self.domains.get(job.job_id)
-        return dom is not None and dom.count < dom.limit_chunks
-
-    def record_reads(self, job, chunks, hits, times):
-        dom = self.domains.get(job.job_id)
-        if dom is not None:
-            dom.admit(chunks[~hits])
-
     def job_stopped(self, job):
-        self.domains.pop(job.job_id, None)
-        self.bump(job.job_id)
-
-    def version_of(self, job) -> int:
-        return self._versions.get(job.job_id, 0)
+        dom = self.domains.pop(job.job_id, None)
+        if dom is not None and dom.count:
+            self._changed(job.job_id, np.flatnonzero(dom.cached), -1)
 
     def cached_mask(self, job):
         dom = self.domains.get(job.job_id)
         return dom.cached if dom is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
+
+    def visible_chunks(self, job):
+        dom = self.domains.get(job.job_id)
+        return dom.count if dom is not None else 0
+
+    def room(self, job):
+        dom = self.domains.get(job.job_id)
+        return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
+
+    def access(self, job, chunks):
+        dom = self.domains.get(job.job_id)
+        if dom is None:
+            job.read_mask[chunks] = True
+            return np.zeros(chunks.size, dtype=bool)
+        hits = _mark_read_uniform(job, dom.cached, chunks)
+        if dom.filling:
+            dom.admit(chunks[~hits])  # private: nobody else's hit ratio moves
+        return hits
 
     def cached_bytes(self):
         out: dict[str, float] = {}
@@ -285,70 +323,76 @@ class CoorDLCache(SimCacheSystem):
 
 
 class AlluxioLRUCache(SimCacheSystem):
-    """One cluster-wide LRU cache over all datasets' chunks, read-through."""
+    """One cluster-wide LRU cache over all datasets' chunks, read-through, evicting at admission."""
 
     name = "alluxio"
+    volatile = True
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
         self.cached: dict[str, np.ndarray] = {}
-        self.last_use: dict[str, np.ndarray] = {}
+        self.counts: dict[str, int] = {}
         self.datasets: dict[str, SimDataset] = {}
+        self.order: OrderedDict[tuple[str, int], float] = OrderedDict()  # least recent first -> chunk bytes
         self.total_bytes = 0.0
 
-    def _arrays(self, dataset: SimDataset) -> tuple[np.ndarray, np.ndarray]:
-        if dataset.name not in self.cached:
-            self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
-            self.last_use[dataset.name] = np.full(dataset.n_chunks, -np.inf)
+    def _array(self, dataset: SimDataset) -> np.ndarray:
+        arr = self.cached.get(dataset.name)
+        if arr is None:
+            arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
+            self.counts[dataset.name] = 0
             self.datasets[dataset.name] = dataset
-        return self.cached[dataset.name], self.last_use[dataset.name]
+        return arr
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0):
         return None  # LRU takes no allocation: that is the point of the baseline
 
-    def lookup(self, job, chunks):
-        cached = self.cached.get(job.dataset.name)
-        return cached[chunks] if cached is not None else np.zeros(chunks.size, dtype=bool)
-
-    def record_reads(self, job, chunks, hits, times):
-        if self.capacity < job.dataset.chunk_size:
-            return
-        cached, last = self._arrays(job.dataset)
-        last[chunks] = times
-        missed = chunks[~hits]
-        fresh = missed[~cached[missed]]
-        if fresh.size:
-            cached[fresh] = True
-            self.total_bytes += fresh.size * job.dataset.chunk_size
-            if job.dataset_readers > 1:
-                self.bump(job.dataset.name)
-
-    def end_step(self):
-        excess = self.total_bytes - self.capacity
-        if excess <= 1e-6:
-            return
-        names = [n for n, c in self.cached.items() if c.any()]
-        idx = [np.flatnonzero(self.cached[n]) for n in names]
-        stamps = np.concatenate([self.last_use[n][i] for n, i in zip(names, idx, strict=True)])
-        sizes = np.concatenate([np.full(i.size, self.datasets[n].chunk_size) for n, i in zip(names, idx, strict=True)])
-        owner = np.concatenate([np.full(i.size, k) for k, i in enumerate(idx)])
-        local = np.concatenate(idx)
-        order = np.argsort(stamps, kind="stable")
-        freed = np.cumsum(sizes[order])
-        n_evict = int(np.searchsorted(freed, excess - 1e-6) + 1)
-        victims = order[:n_evict]
-        for k in np.unique(owner[victims]):
-            sel = victims[owner[victims] == k]
-            self.cached[names[k]][local[sel]] = False
-            self.bump(names[k])
-        self.total_bytes -= float(freed[n_evict - 1])
-
     def cached_mask(self, job):
-        cached = self.cached.get(job.dataset.name)
-        return cached if cached is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
+        arr = self.cached.get(job.dataset.name)
+        return arr if arr is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
+
+    def visible_chunks(self, job):
+        return self.counts.get(job.dataset.name, 0)
+
+    def access(self, job, chunks):
+        name = job.dataset.name
+        size = job.dataset.chunk_size
+        cached = self._array(job.dataset)
+        hits = np.zeros(chunks.size, dtype=bool)
+        order = self.order
+        read = job.read_mask
+        admit = size <= self.capacity
+        for k, c in enumerate(chunks.tolist()):
+            read[c] = True
+            key = (name, c)
+            if cached[c]:
+                hits[k] = True
+                job.unread_cached -= 1
+                order.move_to_end(key)
+                continue
+            if not admit:
+                continue
+            cached[c] = True
+            self.counts[name] += 1
+            order[key] = size
+            self.total_bytes += size
+            others = self.readers.get(name, ())
+            for other in others:
+                if other is not job and not other.read_mask[c]:
+                    other.unread_cached += 1
+            while self.total_bytes > self.capacity * (1 + 1e-12):
+                (victim_ds, victim), vsize = order.popitem(last=False)
+                self.cached[victim_ds][victim] = False
+                self.counts[victim_ds] -= 1
+                self.total_bytes -= vsize
+                self.evicted_bytes += vsize
+                for reader in self.readers.get(victim_ds, ()):
+                    if not reader.read_mask[victim]:
+                        reader.unread_cached -= 1
+        return hits
 
     def cached_bytes(self):
-        return {n: float(c.sum()) * self.datasets[n].chunk_size for n, c in self.cached.items() if c.any()}
+        return {n: self.counts[n] * self.datasets[n].chunk_size for n in self.cached if self.counts[n]}
 
 
 def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0) -> SimCacheSystem:

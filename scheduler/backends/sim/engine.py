@@ -9,6 +9,7 @@ who holds GPUs every round (Gavel-style time sharing).
 
 from __future__ import annotations
 
+import heapq
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +23,14 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.backends.sim.cache_systems import SimCacheSystem, SimDataset, make_cache_system
-from scheduler.backends.sim.reader import SimJob, advance, miss_fraction_ahead
+from scheduler.backends.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
 from scheduler.core import SchedulingCore, spread_spare_io
 from traces.model import Trace
+
+
+#: A step may let the link bring in at most 1/VOLATILE_STEPS of the bytes whose cached state
+#: moves under the readers (an LRU cache, a shared dataset that fills).
+VOLATILE_STEPS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class JobRecord:
     dataset: str
     remote_bytes: float
     hit_bytes: float
+    epoch_hit_ratios: tuple[float, ...] = ()  # hit ratio of each complete epoch
 
     @property
     def jct_s(self) -> float:
@@ -75,7 +82,7 @@ class TimelineRow:
     cache_allocated: float  # bytes the policy allocated (or the cache system holds, unmanaged)
     cache_cached: float  # bytes actually cached
     cache_effective: float  # cached bytes that some running reader has not read yet this epoch
-    fairness_ratio: float  # Eq. 8 measured: min over jobs active all interval of throughput / ref_j
+    fairness_ratio: float  # Eq. 8, time average over the interval of min_j share_j x rate_j / ref_j
     throughput: float  # bytes/s consumed by all jobs, average since the previous row
 
 
@@ -139,7 +146,7 @@ class Simulator:
             for j in active
         )
         needed = {j.dataset.name for j in active}
-        if self.core.estimator.manages_storage:
+        if measured:
             cached = self.cache.cached_bytes()
             views = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
         else:
@@ -153,6 +160,21 @@ class Simulator:
         ref = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
         for job, r in zip(active, ref, strict=True):
             job.reference = float(r)
+
+    def _step_limit(self) -> float:
+        """Longest step over which the cached set may be taken as fixed between two looks.
+
+        LRU evicts at every admission and a shared dataset that fills moves its co-readers'
+        hit ratios. Admissions cannot outrun the link, so a step during which the link can
+        bring in at most 1/VOLATILE_STEPS of the volatile bytes keeps that change small.
+        """
+        link = self.capacity.remote_io
+        if link <= 0:
+            return np.inf
+        volatile = self.capacity.cache if self.cache.volatile else self.cache.filling_shared_bytes()
+        if volatile is None or volatile <= 0:
+            return np.inf
+        return max(volatile / (VOLATILE_STEPS * link), 1e-3)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> SimResult:
@@ -168,7 +190,9 @@ class Simulator:
         need_decision = True
         snapshot = None
         allocation = None
-        running_prev: set[str] = set()
+        plan = None
+        round_end = -np.inf
+        running: list[SimJob] = []
         last_decision = -np.inf
         gpu_seconds = 0.0
         remote_total = 0.0
@@ -176,22 +200,20 @@ class Simulator:
         fairness_time = 0.0
         steps = 0
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
-        # timeline accumulators
         next_sample = 0.0
-        acc_remote = acc_bytes = acc_time = 0.0
-        readers: dict[str, int] = {}
+        acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
         total_work = sum(j.total_bytes(self.trace.dataset_sizes[j.dataset]) for j in self.trace.jobs)
         done_work = 0.0
 
         while next_arrival < len(pending) or active:
-            # Arrivals up to now.
             while next_arrival < len(pending) and pending[next_arrival].submit_time <= now + 1e-9:
                 tj = pending[next_arrival]
                 ds = self.datasets[tj.dataset]
                 rng = np.random.default_rng(seed_seq.spawn(1)[0])
                 job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng)
+                self.cache.register(job)
+                job.start_epoch_view(self.cache)
                 active.append(job)
-                readers[ds.name] = readers.get(ds.name, 0) + 1
                 next_arrival += 1
                 need_decision = True
             if not active:
@@ -206,53 +228,69 @@ class Simulator:
                 need_decision = True
             if need_decision:
                 last_decision = now
-                for job in active:
-                    job.dataset_readers = readers[job.dataset.name]
                 snapshot = self._snapshot(now, active)
                 allocation = self.core.decide(snapshot)
                 self._references(snapshot, active)
                 for job in active:
                     job.share = allocation.gpu_share.get(job.job_id, 0.0)
-                need_decision = False
-            plan = self.core.plan_round(snapshot, allocation)
-            running_ids = set(plan.running)
-            by_id = {j.job_id: j for j in active}
-            running = [by_id[i] for i in plan.running]
-            for job_id in running_prev - running_ids:
-                if job_id in by_id:
-                    by_id[job_id].running = False
-                    self.cache.job_stopped(by_id[job_id])
-            for job in running:
-                if job.start_time is None:
-                    job.start_time = now
-                job.running = True
-            running_prev = running_ids
-            self.cache.apply_plan(plan.cache, running, self.datasets, now)
-
-            # Step length: to the next round (only while jobs time-share GPUs), arrival or
-            # (estimated) completion.
             time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
-            step_end = now + (cfg.round_s if time_shared else max(cfg.round_s, cfg.io_refresh_s))
+            if need_decision or now >= round_end - 1e-9:
+                # Who holds GPUs changes only at round boundaries (and when the jobs change).
+                plan = self.core.plan_round(snapshot, allocation)
+                round_end = now + cfg.round_s if time_shared else np.inf
+                by_id = {j.job_id: j for j in active}
+                chosen = [by_id[i] for i in plan.running]
+                chosen_ids = set(plan.running)
+                for job in running:
+                    if job.job_id not in chosen_ids and job in active:
+                        job.running = False
+                        self.cache.job_stopped(job)
+                for job in chosen:
+                    if job.start_time is None:
+                        job.start_time = now
+                    job.running = True
+                running = chosen
+                self.cache.apply_plan(plan.cache, running, self.datasets, now)
+            need_decision = False
+
+            # Step: to the next round, arrival, or a running job's completion or epoch boundary
+            # (where its miss ratio, so its demand, changes and the link is re-divided).
+            step_end = min(round_end, now + max(cfg.round_s, cfg.io_refresh_s))
             if next_arrival < len(pending):
                 step_end = min(step_end, pending[next_arrival].submit_time)
-            caps = self._io_caps(plan, running, step_end - now)
+            if self.core.estimator.manages_storage:
+                step_end = min(step_end, last_decision + cfg.io_refresh_s)
+            caps, contended = self._io_caps(plan, running)
+            managed = plan.remote_io is not None
             for job in running:
-                rate = min(job.ideal, job.last_rate) if job.last_rate > 0 else job.ideal
-                step_end = min(step_end, now + job.remaining / rate * (1 + 1e-9) + 1e-6)
+                # A finish always ends the step (its IO is re-divided); an epoch boundary only
+                # where the link is contended and the job's demand will change there.
+                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended))
+            step_end = min(step_end, now + self._step_limit())
             dt = max(step_end - now, 1e-6)
 
             finished: list[SimJob] = []
             step_bytes = step_remote = 0.0
-            for job in running:
-                res = advance(job, now, dt, caps[job.job_id], self.cache)
-                job.last_rate = res.bytes_read / dt if res.finished_at is None else res.bytes_read / max(res.finished_at - now, 1e-9)
-                job.run_seconds += dt if res.finished_at is None else res.finished_at - now
+            misses = {job.job_id: job.miss_ratio(self.cache) for job in running} if managed and contended else {}
+            for job, res in self._advance_all(running, now, dt, caps):
+                miss = misses.get(job.job_id)
+                if miss is not None and abs(job.miss_ratio(self.cache) - miss) > DEMAND_CHANGE:
+                    # Its demand on a contended link changed: the policy re-divides the link
+                    # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
+                    need_decision = True
+                ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
+                job.last_rate = res.bytes_read / ran
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
                 if res.finished_at is not None:
                     job.finish_time = res.finished_at
                     finished.append(job)
-            self.cache.end_step()
+            fair = self._fairness(active)
+            if fair is not None:
+                fairness_area += fair * dt
+                fairness_time += dt
+                acc_fair += fair * dt
+                acc_fair_time += dt
             self.core.record(snapshot, plan, dt)
             steps += 1
             gpu_seconds += sum(j.gpus for j in running) * dt
@@ -265,27 +303,22 @@ class Simulator:
             acc_remote += step_remote
             acc_bytes += step_bytes
             acc_time += dt
-
             if now + dt >= next_sample:
-                fr = self._fairness(active, now + dt, acc_time)
-                if fr is not None:
-                    fairness_area += fr * acc_time
-                    fairness_time += acc_time
+                fr = acc_fair / acc_fair_time if acc_fair_time > 0 else None
                 timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr))
-                acc_remote = acc_bytes = acc_time = 0.0
+                acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
                 next_sample = now + dt + cfg.timeline_interval_s
-                for job in active:
-                    job.consumed_at_sample, job.sampled_since = job.consumed, now + dt
 
             for job in finished:
                 active.remove(job)
-                readers[job.dataset.name] -= 1
+                running.remove(job)
+                job.running = False
+                self.cache.unregister(job)
                 self.cache.job_stopped(job)
                 self.core.forget(job.job_id)
-                running_prev.discard(job.job_id)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
-                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes)
+                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios))
                 )
                 need_decision = True
             now += dt
@@ -306,41 +339,66 @@ class Simulator:
             unfinished=[j.job_id for j in active],
         )
 
-    def _io_caps(self, plan, running: list[SimJob], horizon: float) -> dict[str, float]:
-        """Remote IO per running job for this step.
+    def _advance_all(self, running: list[SimJob], now: float, dt: float, caps: dict[str, float]):
+        """Advance every running job through the step. Where the cached set moves at every
+        miss (LRU), jobs advance interleaved in time, sub-step by sub-step, earliest first, so
+        that which chunk is least recently used follows the real order of accesses."""
+        if not self.cache.volatile or len(running) < 2:
+            return [(job, advance(job, now, dt, caps[job.job_id], self.cache)) for job in running]
+        results = {job.job_id: StepResult() for job in running}
+        clock = [(0.0, i) for i in range(len(running))]
+        heapq.heapify(clock)
+        while clock:
+            t, i = heapq.heappop(clock)
+            job = running[i]
+            part = advance(job, now + t, dt - t, caps[job.job_id], self.cache, substeps=1)
+            total = results[job.job_id]
+            total.bytes_read += part.bytes_read
+            total.remote_bytes += part.remote_bytes
+            t += max(part.elapsed, 0.0)
+            if part.finished_at is not None:
+                total.finished_at = part.finished_at
+            elif dt - t > 1e-9 * max(dt, 1.0) and part.elapsed > 0:
+                heapq.heappush(clock, (t, i))
+        return [(job, results[job.job_id]) for job in running]
 
-        Managed (SiloD): the policy's caps, plus work conservation (unused link capacity goes
-        to jobs whose real miss ratio is above what the policy assumed, e.g. during epoch 1).
+    def _io_caps(self, plan, running: list[SimJob]) -> tuple[dict[str, float], bool]:
+        """Remote IO per running job for this step, and whether the link is contended.
+
+        Managed (SiloD): the policy's caps, with work conservation: a job holds no more than it
+        can use now (f* times its miss ratio now), and what the caps leave goes max-min to the
+        jobs that could use more (e.g. in epoch 1, or when their data was evicted).
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
-        if plan.remote_io is not None and sum(plan.remote_io.values()) >= total * (1 - 1e-9):
-            return dict(plan.remote_io)  # no spare capacity to spread
-        demands = {j.job_id: j.ideal * miss_fraction_ahead(j, self.cache, horizon) for j in running}
+        demands = {j.job_id: j.ideal * j.miss_ratio(self.cache) for j in running}
+        contended = sum(demands.values()) > total * (1 - 1e-9)
         if plan.remote_io is not None:
-            return spread_spare_io(plan.remote_io, demands, total)
-        ids = list(demands)
-        granted = max_min_share(np.array([demands[i] for i in ids], dtype=float), total)
-        return dict(zip(ids, granted.tolist(), strict=True))
+            floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
+            caps = spread_spare_io(floors, demands, total)
+        else:
+            ids = list(demands)
+            granted = max_min_share(np.array([demands[i] for i in ids], dtype=float), total)
+            caps = dict(zip(ids, granted.tolist(), strict=True))
+        if not contended:
+            # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
+            # rises within the step (a new epoch) is not held to the demand it had at its start.
+            caps = spread_spare_io(caps, {j.job_id: j.ideal for j in running}, total)
+        return caps, contended
 
     @staticmethod
-    def _fairness(active: list[SimJob], t: float, interval: float) -> float | None:
-        """Eq. 8 as measured: the worst ratio of a job's throughput over the interval to its
-        equal-share SiloDPerf, over the jobs that were active for the whole interval. Rounds of
-        time sharing average out over an interval of several rounds."""
-        ratios = [
-            (j.consumed - j.consumed_at_sample) / (interval * j.reference)
-            for j in active
-            if j.reference > 0 and j.sampled_since is not None and t - j.sampled_since >= interval * (1 - 1e-9)
-        ]
-        return min(ratios) if ratios and interval > 0 else None
+    def _fairness(active: list[SimJob]) -> float | None:
+        """Eq. 8 now: min over active jobs of perf(j, R_j) / perf(j, R_equal), where perf(j, R_j)
+        is the job's share of GPU time times the throughput it reads at while it holds them."""
+        ratios = [j.share * j.last_rate / j.reference for j in active if j.reference > 0]
+        return min(ratios) if ratios else None
 
     def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness) -> TimelineRow:
         cached = self.cache.cached_bytes()
         effective = 0.0
         by_ds: dict[str, np.ndarray] = {}
         for job in running:
-            mask = self.cache.cached_mask(job) & ~job.read_mask()
+            mask = self.cache.cached_mask(job) & ~job.read_mask
             prev = by_ds.get(job.dataset.name)
             by_ds[job.dataset.name] = mask if prev is None else (prev | mask)
         for name, mask in by_ds.items():

@@ -1,18 +1,21 @@
 """How one training job reads its dataset during a simulation step.
 
-Each epoch reads every chunk once in a fresh random order. Loading and computation are
-pipelined (SiloD §4), so reading from position p to x (in chunks of size s) takes
+Each epoch reads every chunk once in a fresh uniformly random order. Loading and computation
+are pipelined (SiloD §4): the loader fetches misses over the remote link while the GPU consumes,
+so the job reads at
 
-    rate = min(f*, b / m),  m = the miss ratio of the rest of the current epoch,
+    rate = min(f*, b / m),   m = the miss ratio of what it is about to read.
 
-Eq. 4 with the miss ratio measured on what is actually cached rather than assumed to be c/d. That is what makes delayed effectiveness, sharing
-and LRU thrashing visible: a chunk cached during this epoch was already read, so it only helps
-in the next epoch or another job.
+Because the order is a uniform random permutation, the next chunk is equally likely to be any
+chunk the epoch has not read yet, so m is the uncached share of the chunks not yet read, taken
+on the cache *as it is now* (`SimJob.unread_cached`, which the cache system keeps current as
+other jobs admit and as LRU evicts). Remote bytes are charged at m as the job reads, so time,
+rate and IO always agree; the chunks themselves are looked up (and admitted or evicted) when the
+job starts reading each of them, at the time it does.
 
-m comes from a prefix sum of misses along the epoch's order (`miss_prefix`). It stays
-valid while nobody but the job itself changes its dataset's cache, because what the job admits
-it has already read; the cache system bumps a per-dataset version whenever anything else
-changes it, and the prefix is then recomputed. Between such changes a step costs O(log K).
+Where the cached set can move under the reader (LRU), it reads in short sub-steps of a few
+chunks and re-reads m after each; elsewhere m only changes at the job's own epoch boundary and
+when the engine tells it (a new step), and a sub-step runs to the epoch's end.
 """
 
 from __future__ import annotations
@@ -35,26 +38,26 @@ class SimJob:
     rng: np.random.Generator
     consumed: float = 0.0
     perm: np.ndarray = field(init=False)
+    read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
+    looked: int = 0  # chunks of the current epoch looked up (a prefix of perm)
+    unread_cached: int = 0  # cached chunks not looked up yet this epoch
     pos: float = 0.0  # chunks of the current epoch already read (fractional)
     epoch: int = 0
     start_time: float | None = None
     finish_time: float | None = None
     running: bool = False
-    dataset_readers: int = 1  # active jobs on the same dataset
     remote_bytes: float = 0.0
     hit_bytes: float = 0.0
+    epoch_remote: float = 0.0  # remote bytes in the current epoch
+    epoch_read: float = 0.0  # bytes read in the current epoch
+    epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
     last_rate: float = 0.0  # bytes/s in the last step it ran
-    run_seconds: float = 0.0
     reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
     share: float = 0.0
-    consumed_at_sample: float = 0.0  # progress at the previous timeline sample (for Eq. 8)
-    sampled_since: float | None = None  # time of that sample, None before the job's first one
-    miss_prefix: np.ndarray | None = None  # misses along perm, cumulative, length K + 1
-    miss_prefix_list: list[float] = field(default_factory=list)  # the same, for fast scalar reads
-    prefix_version: int = -1
 
     def __post_init__(self) -> None:
         self.perm = self.rng.permutation(self.dataset.n_chunks)
+        self.read_mask = np.zeros(self.dataset.n_chunks, dtype=bool)
 
     @property
     def job_id(self) -> str:
@@ -68,54 +71,58 @@ class SimJob:
     def remaining(self) -> float:
         return max(self.total_bytes - self.consumed, 0.0)
 
-    def read_mask(self) -> np.ndarray:
-        """Chunks already read in the current epoch (the per-job bitset of §6)."""
-        mask = np.zeros(self.dataset.n_chunks, dtype=bool)
-        mask[self.perm[: int(self.pos)]] = True
-        return mask
+    def start_epoch_view(self, cache: SimCacheSystem) -> None:
+        """Called when the job becomes active: everything cached counts as unread."""
+        self.unread_cached = cache.visible_chunks(self)
 
-    def prefix(self, cache: SimCacheSystem) -> list[float]:
-        version = cache.version_of(self)
-        if self.miss_prefix is None or self.prefix_version != version:
-            misses = ~cache.lookup(self, self.perm)
-            self.miss_prefix = np.concatenate(([0.0], np.cumsum(misses, dtype=float)))
-            self.miss_prefix_list = self.miss_prefix.tolist()
-            self.prefix_version = version
-        return self.miss_prefix_list
+    def miss_ratio(self, cache: SimCacheSystem) -> float:
+        """Miss ratio of what the job reads next: the uncached share of the chunks its epoch has
+        not looked up yet; at the epoch's very end, the next epoch's (all chunks unread)."""
+        left = self.dataset.n_chunks - self.looked
+        if left <= 0:
+            return 1.0 - cache.visible_chunks(self) / self.dataset.n_chunks
+        return min(max(1.0 - self.unread_cached / left, 0.0), 1.0)
 
     def hit_ratio_now(self, cache: SimCacheSystem) -> float:
-        """Hit ratio on the rest of this epoch: cached chunks the job has not read yet (§6 bitset)."""
-        prefix = self.prefix(cache)
-        k = self.dataset.n_chunks
-        left = k - self.pos
-        if left < 1e-9:
-            return 1.0 - prefix[-1] / k
-        return 1.0 - (prefix[-1] - _missed_to(prefix, self.pos)) / left
+        return 1.0 - self.miss_ratio(cache)
 
-    def new_epoch(self) -> None:
+    def new_epoch(self, cache: SimCacheSystem) -> None:
+        if self.epoch_read > 0:
+            self.epoch_hit_ratios.append(1.0 - self.epoch_remote / self.epoch_read)
         self.epoch += 1
         self.pos = 0.0
+        self.looked = 0
+        self.epoch_remote = self.epoch_read = 0.0
         self.perm = self.rng.permutation(self.dataset.n_chunks)
-        self.miss_prefix = None
+        self.read_mask[:] = False
+        self.unread_cached = cache.visible_chunks(self)
+
+    def rate(self, io_cap: float, cache: SimCacheSystem) -> float:
+        """Eq. 4 with the measured miss ratio: min(f*, b / m)."""
+        m = self.miss_ratio(cache)
+        if m <= 1e-12:
+            return self.ideal
+        return min(self.ideal, io_cap / m) if io_cap > 0 else 0.0
+
+    def seconds_to_event(self, io_cap: float, cache: SimCacheSystem, epoch_matters: bool = True) -> float:
+        """Time until the job finishes or, if `epoch_matters`, reaches an epoch boundary where
+        its miss ratio (so its demand on the link) will change, at its current rate."""
+        r = self.rate(io_cap, cache)
+        if r <= 0:
+            return math.inf
+        left = self.remaining
+        if epoch_matters:
+            k = self.dataset.n_chunks
+            # What the next epoch will see: the cache now plus what this epoch's misses admit.
+            misses_left = (k - self.looked) - self.unread_cached
+            next_miss = 1.0 - (cache.visible_chunks(self) + min(cache.room(self), misses_left)) / k
+            if abs(next_miss - self.miss_ratio(cache)) > DEMAND_CHANGE:
+                left = min(left, (k - self.pos) * self.dataset.chunk_size)
+        return max(left, 0.0) / r
 
 
-def _missed_to(prefix: list[float], x: float) -> float:
-    """Misses (in chunks) from the epoch start to position x, linear inside a chunk."""
-    i = int(x)
-    if i >= len(prefix) - 1:
-        return prefix[-1]
-    return prefix[i] + (x - i) * (prefix[i + 1] - prefix[i])
-
-
-def miss_fraction_ahead(job: SimJob, cache: SimCacheSystem, horizon_s: float) -> float:
-    """Miss ratio the job will read at next (its IO demand / f*): that of the rest of its epoch,
-    as `advance` reads it; at the epoch end, the whole dataset's for the next epoch."""
-    prefix = job.prefix(cache)
-    k = job.dataset.n_chunks
-    rest = k - job.pos
-    if rest < 1e-9:
-        return prefix[-1] / k
-    return min(max(prefix[-1] - _missed_to(prefix, job.pos), 0.0) / rest, 1.0)
+#: A change of miss ratio at an epoch boundary below this does not re-divide the link.
+DEMAND_CHANGE = 0.05
 
 
 @dataclass
@@ -123,55 +130,66 @@ class StepResult:
     bytes_read: float = 0.0
     remote_bytes: float = 0.0
     finished_at: float | None = None
+    elapsed: float = 0.0  # seconds of the step used (less than dt only with `substeps`)
 
 
-def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem) -> StepResult:
-    """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s)."""
+#: LRU: the share of an epoch read between two looks at the miss ratio (the cached set moves
+#: at every miss, slowly against an epoch).
+VOLATILE_SUBSTEP = 1 / 32
+
+
+def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:
+    """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s);
+    with `substeps`, stop after that many looks at the miss ratio (to interleave jobs)."""
     result = StepResult()
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks
-    f = job.ideal
+    ideal = job.ideal
+    substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile else k
     t = 0.0
-    while dt - t > 1e-9 * dt and job.total_bytes > job.consumed:
+    while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
+        if substeps is not None:
+            if substeps <= 0:
+                break
+            substeps -= 1
         if job.pos >= k - 1e-9:
-            job.new_epoch()
-        prefix = job.prefix(cache)
+            job.new_epoch(cache)
         p = job.pos
-        left = dt - t
-        m_p = _missed_to(prefix, p)
-        # Items are read in random order, so the misses left in this epoch are spread evenly
-        # over the rest of it: the job reads at min(f*, b / miss ratio of the rest), Eq. 4 with
-        # the measured ratio. (Taking chunks strictly in sequence would make a 1%-miss job stall
-        # for hours on one whole missed chunk at a small IO allocation: a chunking artefact.)
-        # Re-measured every step on the chunks actually left: a running count of expected misses
-        # drifts from them and can leave a job "owing" misses its cache already covers, with no IO.
-        rest = k - p
-        miss_rest = min(max(prefix[-1] - m_p, 0.0) / rest, 1.0) if rest > 1e-12 else 0.0
-        rate = f if miss_rest <= 0 else min(f, io_cap / miss_rest) if io_cap > 0 else 0.0
+        left = k - job.looked
+        m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)
+        m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
+        rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
+        if rate <= 0:
+            t = dt
+            break  # every read left misses and there is no remote bandwidth: stalled
         x_need = p + (job.total_bytes - job.consumed) / s
-        x = min(p + rate * left / s, x_need, float(k))
-        missed = miss_rest * (x - p)
-        elapsed = (x - p) * s / rate if rate > 0 else left
-        elapsed = min(elapsed, left)
+        x = min(p + rate * (dt - t) / s, x_need, float(k), math.floor(p + 1e-9) + substep)
+        if x <= p:
+            t = dt  # what is left of the step moves the position by less than float resolution
+            break
+        # Chunks are looked up when reading reaches them: those started in [p, x).
+        finishing = x >= x_need - 1e-9
+        last = min(k, math.ceil(x - (1e-12 if finishing else 1e-9)))
+        if last > job.looked:
+            cache.access(job, job.perm[job.looked:last])
+            job.looked = last
         done = (x - p) * s
-        first, last = int(math.ceil(p - 1e-12)), int(x + 1e-12)  # chunks started before p are not re-recorded
-        if last > first and cache.wants_reads(job):
-            idx = job.perm[first:last]
-            mp = job.miss_prefix
-            hits = mp[first + 1 : last + 1] == mp[first:last]
-            times = now + t + elapsed * (np.arange(first + 1, last + 1) - p) / max(x - p, 1e-12)
-            cache.record_reads(job, idx, hits, times)
+        missed = m * done
         job.consumed += done
-        job.remote_bytes += missed * s
-        job.hit_bytes += done - missed * s
+        job.remote_bytes += missed
+        job.hit_bytes += done - missed
+        job.epoch_read += done
+        job.epoch_remote += missed
         result.bytes_read += done
-        result.remote_bytes += missed * s
+        result.remote_bytes += missed
         job.pos = x
-        t += elapsed
-        if x >= x_need - 1e-9 or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
+        t += done / rate
+        if finishing or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
             job.consumed = job.total_bytes
+            if job.pos >= k - 1e-6:
+                job.new_epoch(cache)  # records the last epoch's hit ratio
             result.finished_at = now + t
+            result.elapsed = t
             return result
-        if done <= 0:
-            break  # stalled on a miss with no remote bandwidth
+    result.elapsed = t
     return result

@@ -1,0 +1,343 @@
+"""An independent, per-item, event-driven model of a cluster reading remote datasets.
+
+Written from the model in ARCHITECTURE.md §2 and the SiloD paper, to check `silod simulate`
+against. It imports nothing from the silod package and shares none of its code: a bug the
+simulator has cannot be hidden by the same bug here.
+
+The model, item by item:
+
+- A dataset is `items` files of equal size. Every epoch a job reads each item once, in a fresh
+  uniformly random order.
+- A running job has a GPU that consumes items one after another, each in `item_size / f*`
+  seconds, and a loader that looks items up in the cache ahead of the GPU, at most `window`
+  items ahead. A hit is ready at once; a miss is fetched over the remote link, one fetch at a
+  time per job.
+- The remote link is shared by the fetches in flight (fluid processor sharing). With SiloD each
+  job has a cap from the policy and the bandwidth that fetches in flight leave unused is split
+  equally among them (work conservation); with the baselines the link is plainly shared.
+- Caches act per item:
+    silod   uniform per dataset: admit on a miss while the dataset holds fewer items than its
+            allocation, never evict otherwise, evict random items when the allocation shrinks;
+    alluxio one LRU over every dataset's items, admitting every fetched item and evicting the
+            least recently used ones at admission so it never holds more than its capacity;
+    coordl  each job caches uniformly into its own share (its GPUs' share of the cluster's
+            cache), not shared with any other job and dropped when the job ends;
+    quiver  whole datasets only, by benefit/cost (sum of f* of the running readers per byte);
+            a dataset that does not fit the space left gets nothing; chosen ones fill uniformly.
+- GPUs: FIFO in arrival order, a job starts when all its GPUs are free (later jobs that fit
+  start first), and keeps them until it finishes.
+- SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
+  cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
+  only the readers with more than one pass left, since an item cached now helps from the next
+  pass on); remote IO to the running jobs in arrival order, each up to its demand
+  f* x (the miss ratio of what it still has to load this epoch).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RefJob:
+    job_id: str
+    submit: float
+    gpus: int
+    dataset: str
+    ideal: float  # f*, bytes/s
+    epochs: float
+
+
+@dataclass(frozen=True)
+class RefScenario:
+    jobs: tuple[RefJob, ...]
+    dataset_bytes: dict  # name -> bytes
+    dataset_items: dict  # name -> item count
+    gpus: int
+    cache: float  # bytes, cluster total
+    link: float  # bytes/s
+    system: str  # silod | alluxio | coordl | quiver
+    window: int = 32  # loader look-ahead, items
+
+
+@dataclass
+class RefResult:
+    jct: dict  # job id -> seconds
+    start: dict
+    epoch_hits: dict  # job id -> list of per-epoch hit ratios (complete epochs only)
+    remote_bytes: dict
+
+
+@dataclass
+class _Run:
+    spec: RefJob
+    item_size: float
+    n_items: int
+    total: int  # items to consume in all
+    rng: random.Random
+    order: list = field(default_factory=list)
+    looked: int = 0  # items the loader has looked up
+    consumed: int = 0  # items the GPU has finished
+    ready: int = 0  # items loaded and waiting for the GPU (looked-up - in flight - consumed)
+    fetching: int | None = None  # item being fetched
+    fetch_left: float = 0.0  # bytes left of the fetch
+    gpu_busy_until: float | None = None
+    unread: set = field(default_factory=set)  # items of the current epoch not looked up yet
+    unread_cached: int = 0  # how many of them are cached now (kept by the silod cache's hooks)
+    epoch_hits: list = field(default_factory=list)
+    hits_now: int = 0
+    looked_now: int = 0
+    remote: float = 0.0
+    start: float = 0.0
+
+    def epoch_order(self) -> None:
+        self.order = list(range(self.n_items))
+        self.rng.shuffle(self.order)
+        self.unread = set(self.order)
+
+
+class _Uniform:
+    """Uniform cache of one dataset (or one job's private share).
+
+    `readers` are the runs whose count of cached-and-unread items must follow every change.
+    """
+
+    def __init__(self, rng: random.Random):
+        self.items: set = set()
+        self.limit = 0
+        self.rng = rng
+        self.readers: list = []
+
+    def set_limit(self, n: int) -> None:
+        self.limit = max(0, n)
+        if len(self.items) > self.limit:
+            victims = self.rng.sample(sorted(self.items), len(self.items) - self.limit)
+            self.items.difference_update(victims)
+            for r in self.readers:
+                r.unread_cached -= sum(1 for v in victims if v in r.unread)
+
+    def admit(self, item) -> None:
+        if len(self.items) < self.limit and item not in self.items:
+            self.items.add(item)
+            for r in self.readers:
+                if item in r.unread:
+                    r.unread_cached += 1
+
+
+def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
+    rng = random.Random(seed)
+    pending = sorted(sc.jobs, key=lambda j: (j.submit, j.job_id))
+    running: list[_Run] = []
+    done: dict = {}
+    starts: dict = {}
+    hits: dict = {}
+    remote: dict = {}
+    free_gpus = sc.gpus
+    now = 0.0
+    queue: list[RefJob] = []
+    uniform: dict = {}  # dataset (or job id for coordl) -> _Uniform
+    lru: OrderedDict = OrderedDict()  # (dataset, item) -> None, least recent first
+    lru_bytes = 0.0
+    item_size = {d: sc.dataset_bytes[d] / sc.dataset_items[d] for d in sc.dataset_bytes}
+
+    def cached(run: _Run, item) -> bool:
+        if sc.system == "alluxio":
+            return (run.spec.dataset, item) in lru
+        key = run.spec.job_id if sc.system == "coordl" else run.spec.dataset
+        u = uniform.get(key)
+        return u is not None and item in u.items
+
+    def touch(run: _Run, item) -> None:
+        if sc.system == "alluxio":
+            lru.move_to_end((run.spec.dataset, item))
+
+    def admit(run: _Run, item) -> None:
+        nonlocal lru_bytes
+        if sc.system == "alluxio":
+            size = item_size[run.spec.dataset]
+            if size > sc.cache:
+                return
+            key = (run.spec.dataset, item)
+            if key in lru:
+                lru.move_to_end(key)
+                return
+            lru[key] = None
+            lru_bytes += size
+            while lru_bytes > sc.cache + 1e-6:
+                (ds, _), _ = lru.popitem(last=False)
+                lru_bytes -= item_size[ds]
+            return
+        key = run.spec.job_id if sc.system == "coordl" else run.spec.dataset
+        u = uniform.get(key)
+        if u is not None:
+            u.admit(item)
+
+    def rest_hit_ratio(run: _Run) -> float:
+        """Cached share of what the job still has to load this epoch (silod only): the items not
+        looked up yet, plus the miss in flight; at an epoch's end, the cached share of the whole
+        dataset (what the next epoch will see)."""
+        u = uniform.get(run.spec.dataset)
+        in_flight = 1 if run.fetching is not None else 0
+        if not run.unread and not in_flight:
+            return 0.0 if u is None or run.looked >= run.total else len(u.items) / run.n_items
+        return run.unread_cached / (len(run.unread) + in_flight)
+
+    def allocate_storage() -> dict:
+        """Cache limits (uniform systems) and IO caps (silod); returns job id -> cap or None."""
+        if sc.system == "silod":
+            # Greedy by cache efficiency, with delayed effectiveness: bytes already cached save
+            # f*/d for every reader; bytes still to be cached only for readers that will read
+            # the dataset again after this epoch (more than one pass of work left).
+            eff_cached: dict = {}
+            eff_new: dict = {}
+            for r in running:
+                ds = r.spec.dataset
+                e = r.spec.ideal / sc.dataset_bytes[ds]
+                eff_cached[ds] = eff_cached.get(ds, 0.0) + e
+                eff_new[ds] = eff_new.get(ds, 0.0) + (e if r.total - r.consumed > r.n_items else 0.0)
+            pieces = []  # (efficiency, dataset, bytes)
+            for ds in eff_cached:
+                have = min(len(uniform[ds].items) * item_size[ds], sc.dataset_bytes[ds]) if ds in uniform else 0.0
+                pieces.append((eff_cached[ds], ds, have))
+                pieces.append((eff_new[ds], ds, sc.dataset_bytes[ds] - have))
+            give: dict = {ds: 0.0 for ds in eff_cached}
+            left = sc.cache
+            for e, ds, nbytes in sorted(pieces, key=lambda p: (-p[0], p[1])):
+                take = min(left, nbytes)
+                give[ds] += take
+                left -= take
+            for ds, nbytes in give.items():
+                u = uniform.setdefault(ds, _Uniform(rng))
+                u.readers = [r for r in running if r.spec.dataset == ds]
+                u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
+            for ds, u in uniform.items():
+                if ds not in eff_cached:
+                    u.readers = []
+                    u.set_limit(0)
+            caps, left = {}, sc.link
+            for r in sorted(running, key=lambda r: (r.spec.submit, r.spec.job_id)):
+                want = r.spec.ideal * (1.0 - rest_hit_ratio(r))
+                caps[r.spec.job_id] = min(want, left)
+                left -= caps[r.spec.job_id]
+            return caps
+        if sc.system == "quiver":
+            benefit: dict = {}
+            for r in running:
+                benefit[r.spec.dataset] = benefit.get(r.spec.dataset, 0.0) + r.spec.ideal
+            left = sc.cache
+            chosen = set()
+            for ds in sorted(benefit, key=lambda d: -benefit[d] / sc.dataset_bytes[d]):
+                if sc.dataset_bytes[ds] <= left + 1e-6:
+                    chosen.add(ds)
+                    left -= sc.dataset_bytes[ds]
+            for ds in set(uniform) | chosen:
+                u = uniform.setdefault(ds, _Uniform(rng))
+                u.set_limit(sc.dataset_items[ds] if ds in chosen else 0)
+        return {}
+
+    def link_rates(caps: dict) -> dict:
+        active = [r for r in running if r.fetching is not None]
+        if not active:
+            return {}
+        if sc.system != "silod":
+            return {r.spec.job_id: sc.link / len(active) for r in active}
+        rates = {r.spec.job_id: caps.get(r.spec.job_id, 0.0) for r in active}
+        spare = sc.link - sum(rates.values())
+        if spare > 1e-12:
+            for r in active:
+                rates[r.spec.job_id] += spare / len(active)
+        return rates
+
+    def loader_step(run: _Run) -> None:
+        """Look items up until a miss is in flight or the window is full."""
+        while run.fetching is None and run.looked < run.total and run.looked - run.consumed < sc.window:
+            pos = run.looked % run.n_items
+            if pos == 0:
+                if run.looked > 0:
+                    run.epoch_hits.append(run.hits_now / run.looked_now)
+                run.hits_now = run.looked_now = 0
+                run.epoch_order()
+                u = uniform.get(run.spec.dataset) if sc.system == "silod" else None
+                run.unread_cached = len(u.items) if u is not None else 0
+            item = run.order[pos]
+            run.unread.discard(item)
+            if sc.system == "silod" and cached(run, item):
+                run.unread_cached -= 1
+            run.looked += 1
+            run.looked_now += 1
+            if cached(run, item):
+                touch(run, item)
+                run.hits_now += 1
+                run.ready += 1
+            else:
+                run.fetching = item
+                run.fetch_left = run.item_size
+
+    def start_gpu(run: _Run, t: float) -> None:
+        if run.gpu_busy_until is None and run.ready > 0:
+            run.ready -= 1
+            run.gpu_busy_until = t + run.item_size / run.spec.ideal
+
+    def admit_jobs(t: float) -> None:
+        nonlocal free_gpus
+        for job in list(queue):
+            if job.gpus <= free_gpus:
+                free_gpus -= job.gpus
+                queue.remove(job)
+                n = sc.dataset_items[job.dataset]
+                r = _Run(job, item_size[job.dataset], n, max(1, int(round(job.epochs * n))), random.Random(rng.random()))
+                r.start = t
+                starts[job.job_id] = t
+                if sc.system == "coordl":
+                    u = uniform[job.job_id] = _Uniform(rng)
+                    u.set_limit(int(math.floor(sc.cache * job.gpus / sc.gpus / r.item_size + 1e-9)))
+                running.append(r)
+
+    while pending or queue or running:
+        while pending and pending[0].submit <= now + 1e-9:
+            queue.append(pending.pop(0))
+        admit_jobs(now)
+        caps = allocate_storage()
+        for r in running:
+            loader_step(r)
+            start_gpu(r, now)
+        caps = allocate_storage()  # loader look-ups changed the rest-of-epoch ratios
+        rates = link_rates(caps)
+        # Next event: an arrival, a GPU finishing an item, or a fetch completing.
+        t_next = pending[0].submit if pending else math.inf
+        for r in running:
+            if r.gpu_busy_until is not None:
+                t_next = min(t_next, r.gpu_busy_until)
+            rate = rates.get(r.spec.job_id, 0.0)
+            if r.fetching is not None and rate > 0:
+                t_next = min(t_next, now + r.fetch_left / rate)
+        if t_next == math.inf:
+            raise RuntimeError("reference model stalled: no event can happen (no bandwidth for a miss?)")
+        dt = t_next - now
+        for r in running:
+            if r.fetching is not None:
+                r.fetch_left -= rates.get(r.spec.job_id, 0.0) * dt
+        now = t_next
+        for r in list(running):
+            if r.fetching is not None and r.fetch_left <= 1e-6 * r.item_size:
+                r.remote += r.item_size
+                admit(r, r.fetching)
+                r.fetching = None
+                r.ready += 1
+            if r.gpu_busy_until is not None and r.gpu_busy_until <= now + 1e-9:
+                r.gpu_busy_until = None
+                r.consumed += 1
+                if r.consumed >= r.total:
+                    if r.looked_now == r.n_items:
+                        r.epoch_hits.append(r.hits_now / r.looked_now)
+                    running.remove(r)
+                    free_gpus += r.spec.gpus
+                    done[r.spec.job_id] = now - r.spec.submit
+                    hits[r.spec.job_id] = r.epoch_hits
+                    remote[r.spec.job_id] = r.remote
+                    if sc.system == "coordl":
+                        uniform.pop(r.spec.job_id, None)
+    return RefResult(done, starts, hits, remote)

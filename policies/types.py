@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
 
 
@@ -30,6 +31,9 @@ class JobView:
     #: items it has read (§6); None when unknown. Items the job cached itself this epoch are
     #: already read, so this is below c/d while a cache fills (delayed effectiveness).
     hit_ratio_now: float | None = None
+    #: How the job reads (§6): `epoch` jobs are regular and planned with SiloDPerf; any other
+    #: pattern is irregular and scheduled in the second partition (scheduler/partition.py).
+    access: AccessPattern = EPOCH
 
     @property
     def remaining_ideal_seconds(self) -> float:

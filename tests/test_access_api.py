@@ -93,10 +93,16 @@ def test_python_api_takes_the_typed_pattern(db_url, tmp_path) -> None:
         from scheduler.service import NewDataset
 
         service.register_dataset(Principal("admin", True), NewDataset("d", "s3://b/d", 1e9))
+        service.register_dataset(Principal("admin", True), NewDataset("d2", "s3://b/d2", 1e9))
         cl = AccessPattern.curriculum_learning(0.25, 2.0, 10, 32)
         record = service.submit_job(Principal("u"), NewJob("j", 1, "d", epochs=1.0, ideal_throughput=1e8, access=cl))
         assert record.access == cl
         assert service.get_job(Principal("u"), record.id).access == cl
         assert [j.access for j in service.build_snapshot().jobs] == [cl]
+        plain = service.submit_job(Principal("u"), NewJob("r", 1, "d2", epochs=1.0, ideal_throughput=1e8))
+        result = service.run_round("test")
+        partition = result.plan.allocation.partition
+        assert partition is not None and partition.irregular_jobs == {record.id} and partition.regular_jobs == {plain.id}
+        assert partition.lru_datasets == {"d"} and partition.irregular_share == 0.5
     finally:
         service.close()

@@ -256,6 +256,8 @@ class _Pending:
     start: list[tuple[JobSpec, JobAllocation]] = field(default_factory=list)
     cache: dict[str, float] = field(default_factory=dict)
     io: dict[str, float] = field(default_factory=dict)
+    #: uniform | lru per dataset: lru for datasets only irregular jobs read (scheduler/partition.py)
+    cache_mode: dict[str, str] = field(default_factory=dict)
 
 
 class SchedulerService:
@@ -282,6 +284,7 @@ class SchedulerService:
         self._last_round: tuple[Snapshot, RoundPlan, float] | None = None
         self._last_round_time: float | None = None
         self._pushed_cache: dict[str, float] = {}
+        self._pushed_mode: dict[str, str] = {}
         self._pushed_io: dict[str, float] = {}
         self.last_push_error: str | None = None
         self.rounds_total = 0
@@ -879,6 +882,9 @@ class SchedulerService:
                     else:
                         row.bytes, row.round_id, row.updated_at = nbytes, rid, now
                 pending.cache[name] = nbytes
+            partition = None if plan is None else plan.allocation.partition
+            lru = frozenset() if partition is None else partition.lru_datasets
+            pending.cache_mode.update({name: "lru" if name in lru else "uniform" for name in wanted})
             for name, row in rows.items():
                 audit += self._changes(rid, now, "dataset", name, {"cache": (row.bytes, 0.0)})
                 pending.cache[name] = 0.0
@@ -941,6 +947,16 @@ class SchedulerService:
         if self.pusher is None:
             return
         errors = []
+        # The mode first: a dataset turning LRU with a smaller allocation then evicts by recency.
+        set_mode = getattr(self.pusher, "set_cache_mode", None)
+        for name, mode in pending.cache_mode.items() if callable(set_mode) else ():
+            if self._pushed_mode.get(name) == mode:
+                continue
+            try:
+                set_mode(name, mode)
+                self._pushed_mode[name] = mode
+            except Exception as exc:  # retried next round
+                errors.append(f"cache mode {name}: {exc}")
         for name, nbytes in pending.cache.items():
             if self._pushed_cache.get(name) == nbytes:
                 continue

@@ -76,8 +76,10 @@ class ClientAllocation:
     cache_mode: str | None = None
 
     def as_dict(self) -> dict:
-        return {"cache_bytes": self.cache_bytes, "remote_io_bytes_per_s": self.remote_io_bytes_per_s,
-                "cache_mode": self.cache_mode}
+        out = {"cache_bytes": self.cache_bytes, "remote_io_bytes_per_s": self.remote_io_bytes_per_s}
+        if self.cache_mode is not None:  # only once the scheduler has set it: older clients see no change
+            out["cache_mode"] = self.cache_mode
+        return out
 
 
 @dataclass

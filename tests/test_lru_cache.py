@@ -173,3 +173,29 @@ def test_cached_bytes_never_exceed_the_allocation(tmp_path_factory, allocation, 
         assert usage.cached_bytes <= allocation
         on_disk = sum(p.stat().st_size for p in cache.items_dir.glob("*/*"))
         assert on_disk == usage.cached_bytes
+
+
+# -- the data manager stores the mode --------------------------------------------------------
+
+
+def test_data_manager_stores_the_mode_validates_it_and_keeps_it_across_restarts(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from datamanager.app import create_app
+
+    with TestClient(create_app(tmp_path)) as client:
+        assert client.put("/v1/datasets/ds/cache-mode", json={"mode": "lru"}).status_code == 404  # never declared
+        assert client.put("/v1/datasets/ds", json={}).status_code == 200
+        for bad in ({"mode": "mru"}, {"mode": None}, {}, {"mode": "lru", "bytes": 1}):
+            r = client.put("/v1/datasets/ds/cache-mode", json=bad)
+            assert r.status_code == 422, r.text
+            assert "mode" in r.json()["detail"] or "bytes" in r.json()["detail"], r.text
+        assert client.get("/v1/datasets/ds").json()["cache_mode"] is None
+        reg = {"client_id": "c1", "node": "n1", "dataset": "ds", "job": "j"}
+        assert "cache_mode" not in client.post("/v1/clients", json=reg).json()["allocation"]  # unset: old shape
+        assert client.put("/v1/datasets/ds/cache-mode", json={"mode": "lru"}).json()["cache_mode"] == "lru"
+        beat = client.put("/v1/clients/c1/heartbeat", json={"stats": {}}).json()
+        assert beat["allocation"]["cache_mode"] == "lru"
+    with TestClient(create_app(tmp_path)) as restarted:
+        assert restarted.get("/v1/datasets/ds").json()["cache_mode"] == "lru"
+        assert restarted.get("/v1/status").json()["datasets"]["ds"]["cache_mode"] == "lru"

@@ -104,6 +104,7 @@ class DatasetCache:
             db.execute("INSERT OR IGNORE INTO meta VALUES ('allocation_bytes', ?)", (UNLIMITED_BYTES,))
         # uniform | lru (fuse_client/lru_cache.py); kept in a file next to the index.
         self.mode = lru_cache.read_mode(self.root)
+        self.recency = lru_cache.RecencyLog()  # LRU hits, stamped on the item files by flush_recency()
 
     # -- SQLite ------------------------------------------------------------------------------
 
@@ -227,7 +228,7 @@ class DatasetCache:
         except FileNotFoundError:
             return None
         if self.mode is CacheMode.LRU:
-            lru_cache.touch(fd)
+            self.recency.note(key)
         return fd
 
     # -- single flight across processes ------------------------------------------------------
@@ -284,6 +285,7 @@ class DatasetCache:
                 self.mode = lru_cache.read_mode(self.root)  # fresh: another mount may have switched it
                 if self.mode is not CacheMode.LRU or size > allocation:
                     return False
+                self.flush_recency()
                 rows = db.execute("SELECT key, size FROM items").fetchall()
                 self._evict(db, lru_cache.admission_victims(lru_cache.stamp(rows, self.item_path), allocation, size))
             db.execute("INSERT INTO items VALUES (?, ?, ?)", (key, size, crc))
@@ -336,6 +338,7 @@ class DatasetCache:
         return sum(item.size for item in victims)
 
     def _lru_victims(self, db: sqlite3.Connection, target_bytes: int) -> list:
+        self.flush_recency()
         rows = db.execute("SELECT key, size FROM items").fetchall()
         return lru_cache.choose_lru_evictions(lru_cache.stamp(rows, self.item_path), target_bytes)
 
@@ -349,6 +352,11 @@ class DatasetCache:
             lru_cache.write_mode(self.root, mode)
         self.mode = mode
         return self.enforce_allocation()
+
+    def flush_recency(self) -> int:
+        """Write this process's noted LRU hits to the items' stamps (every tick, and before
+        choosing victims); returns how many items were stamped."""
+        return self.recency.flush(self.item_path)
 
     def refresh_mode(self) -> CacheMode:
         """Re-read the mode another mount may have set (the hit path uses `self.mode`)."""

@@ -119,6 +119,7 @@ class ControlLoop:
             log.info("cache mode of %s is now %s", self.cfg.dataset, mode.value)
         else:
             self.cache.refresh_mode()  # another mount of the dataset may have switched it
+        self.cache.flush_recency()
         if pending and value is not None:
             evicted = self.cache.set_allocation(min(value, UNLIMITED_BYTES))
             if evicted:

@@ -63,29 +63,32 @@ def allocate_partitioned(
 
     `estimator` plans regular jobs (SiloDPerf); `irregular_estimator` (default: vanilla) is the
     one the policy gets for irregular jobs. The result carries `Allocation.partition` when the
-    partitions were applied, and is checked against both partitions and the whole cluster.
+    partitions were applied and is checked against both partitions (AllocationError); the
+    scheduling core checks it against the whole cluster, as every allocation.
     """
-    irregular = tuple(j for j in snapshot.jobs if not j.access.regular)
-    if not irregular or not estimator.manages_storage:
+    regular_flags = [j.access.regular for j in snapshot.jobs]
+    if all(regular_flags) or not estimator.manages_storage:
         return policy.allocate(snapshot, estimator)
     irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
-    regular = tuple(j for j in snapshot.jobs if j.access.regular)
+    regular = tuple(j for j, r in zip(snapshot.jobs, regular_flags, strict=True) if r)
+    irregular = tuple(j for j, r in zip(snapshot.jobs, regular_flags, strict=True) if not r)
     cap = snapshot.capacity
 
     # 1. One GPU pool: the policy's decision over every job says how many GPUs each kind gets.
-    whole = validate_allocation(snapshot, policy.allocate(snapshot, estimator))
+    # (Not validated on its own: the final allocation is checked against the budgets it sets.)
+    whole = policy.allocate(snapshot, estimator)
     budget_r = _gpus_used(regular, whole.gpu_share)
     budget_i = _gpus_used(irregular, whole.gpu_share)
 
     # 2. Partition sizes.
-    share, pinned = partition_share(snapshot, whole.gpu_share)
+    share, pinned = partition_share(snapshot, whole.gpu_share, regular_flags)
     cap_r = _partition_capacity(cap, budget_r, 1.0 - share)
     cap_i = _partition_capacity(cap, budget_i, share)
 
     # 3 and 4. The policy inside each partition.
     alloc_r = _allocate_in_partition(regular, snapshot, cap_r, budget_r, policy, estimator)
     alloc_i = _allocate_in_partition(irregular, snapshot, cap_i, budget_i, policy, irregular_estimator)
-    lru = lru_datasets(snapshot.jobs)
+    lru = {j.dataset for j in irregular} - {j.dataset for j in regular}  # = lru_datasets(snapshot.jobs)
     gpu_share = {j.job_id: 0.0 for j in snapshot.jobs} | dict(alloc_r.gpu_share) | dict(alloc_i.gpu_share)
     regular_cache = {k: v for k, v in (alloc_r.cache or {}).items() if k not in lru}
     lru_cache = shared_lru_cache(irregular, gpu_share, snapshot, lru, cap_i.cache)
@@ -108,12 +111,16 @@ def allocate_partitioned(
     problems = partition_violations(snapshot, result)
     if problems:
         raise AllocationError("invalid partitioned allocation: " + "; ".join(problems))
-    return validate_allocation(snapshot, result)
+    return result  # the scheduling core validates it against the cluster, as any allocation
 
 
-def partition_share(snapshot: Snapshot, gpu_share: Mapping[str, float]) -> tuple[float, bool]:
+def partition_share(
+    snapshot: Snapshot, gpu_share: Mapping[str, float], regular_flags: Sequence[bool] | None = None
+) -> tuple[float, bool]:
     """(s, pinned): the irregular partition's fraction of cache and remote IO this round."""
-    kinds = np.array([not j.access.regular for j in snapshot.jobs], dtype=bool)
+    if regular_flags is None:
+        regular_flags = [j.access.regular for j in snapshot.jobs]
+    kinds = ~np.array(regular_flags, dtype=bool)
     if not kinds.any():
         return 0.0, False
     if kinds.all():
@@ -257,6 +264,8 @@ def _allocate_in_partition(
         return Allocation(gpu_share={j.job_id: 0.0 for j in jobs}, cache={}, remote_io={j.job_id: 0.0 for j in jobs})
     names = {j.dataset for j in jobs}
     part = Snapshot(time=snapshot.time, jobs=jobs, datasets={n: snapshot.datasets[n] for n in names}, capacity=capacity)
+    # Checked against this partition's capacity here, because the partition is what the policy
+    # was given; the merged result is checked against the cluster by the core.
     alloc = validate_allocation(part, policy.allocate(part, estimator))
     used = _gpus_used(jobs, alloc.gpu_share)
     if used <= gpu_budget * (1 + _REL_TOL):

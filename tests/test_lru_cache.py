@@ -66,10 +66,14 @@ def test_lru_evicts_the_least_recently_used_at_admission(tmp_path):
     for i, name in enumerate("abc"):
         assert _put(cache, name, 100)
         _stamp(cache, name, 1_000_000_000 * (i + 1))  # a oldest, c newest
-    # A hit on `a` makes it the most recent: the hit path touches the file.
+    # A hit on `a` makes it the most recent: noted on the hit path, stamped on the file by the
+    # flush (the control tick's, or the one before victims are chosen, as here).
     fd = cache.open_cached(item_key("a"))
     os.close(fd)
+    assert os.stat(cache.item_path(item_key("a"))).st_mtime_ns == 1_000_000_000
+    assert cache.flush_recency() == 1 and cache.flush_recency() == 0
     assert os.stat(cache.item_path(item_key("a"))).st_mtime_ns > 3_000_000_000
+    os.close(cache.open_cached(item_key("a")))  # noted again; the admission below flushes it
     assert _put(cache, "d", 100)  # full: evicts b (least recently used), admits d
     assert _cached(cache) == {item_key(n) for n in "acd"}
     assert cache.usage().cached_bytes == 300
@@ -85,12 +89,10 @@ def test_uniform_mode_is_unchanged_and_never_evicts_at_admission(tmp_path):
     assert _put(cache, "a", 100) and _put(cache, "b", 100)
     assert not _put(cache, "c", 100)
     assert _cached(cache) == {item_key("a"), item_key("b")}
-    fd = cache.open_cached(item_key("a"))
-    os.close(fd)  # no touch in uniform mode
-    before = os.stat(cache.item_path(item_key("a"))).st_mtime_ns
     _stamp(cache, "a", 5)
-    os.close(cache.open_cached(item_key("a")))
-    assert os.stat(cache.item_path(item_key("a"))).st_mtime_ns == 5 != before
+    os.close(cache.open_cached(item_key("a")))  # no note in uniform mode
+    assert cache.flush_recency() == 0
+    assert os.stat(cache.item_path(item_key("a"))).st_mtime_ns == 5
 
 
 def test_lru_shrink_evicts_oldest_first(tmp_path):

@@ -3,6 +3,7 @@
     PUT    /v1/datasets/{name}              declare a dataset {"uri": ...}            (optional)
     GET    /v1/datasets/{name}
     PUT    /v1/datasets/{name}/cache        allocateCacheSize  {"bytes": N | "20GB"}
+    PUT    /v1/datasets/{name}/cache-mode   {"mode": "uniform" | "lru"}  (irregular jobs: LRU)
     PUT    /v1/jobs/{id}                    declare a job {"dataset": ..., "workers": N} (optional)
     GET    /v1/jobs/{id}
     DELETE /v1/jobs/{id}
@@ -23,7 +24,7 @@ field and the fix; state is only changed after the whole request validated.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,6 +57,10 @@ class JobDecl(_Strict):
 
 class CacheAllocation(_Strict):
     bytes: Number
+
+
+class CacheModeBody(_Strict):
+    mode: Literal["uniform", "lru"]
 
 
 class RemoteIOAllocation(_Strict):
@@ -115,6 +120,11 @@ def create_app(state_dir: Path) -> FastAPI:
         validate_name(name, "dataset")
         nbytes = int(parse_size(body.bytes, what="cache allocation 'bytes'"))
         return store.allocate_cache_size(name, nbytes).model_dump()
+
+    @app.put("/v1/datasets/{name}/cache-mode")
+    def set_cache_mode(name: str, body: CacheModeBody) -> dict:
+        validate_name(name, "dataset")
+        return store.set_cache_mode(name, body.mode).model_dump()
 
     # -- jobs --------------------------------------------------------------------------------
 

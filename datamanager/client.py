@@ -32,6 +32,7 @@ class DatasetAllocation:
     name: str
     uri: str | None
     cache_bytes: int | None
+    cache_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ class DataManagerClient:
         if declare:
             self._call("PUT", f"/v1/datasets/{dataset}", {})
         return DatasetAllocation(**self._call("PUT", f"/v1/datasets/{dataset}/cache", {"bytes": nbytes}))
+
+    def set_cache_mode(self, dataset: str, mode: str, declare: bool = True) -> DatasetAllocation:
+        """uniform | lru for the dataset's cache (irregular jobs read from LRU caches)."""
+        if declare:
+            self._call("PUT", f"/v1/datasets/{dataset}", {})
+        return DatasetAllocation(**self._call("PUT", f"/v1/datasets/{dataset}/cache-mode", {"mode": mode}))
 
     def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1, declare: bool = True) -> JobAllocation:
         """allocateRemoteIO(job, bytes/s) of SiloD Table 3; split evenly among `workers` mounts."""

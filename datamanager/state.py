@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -34,6 +35,8 @@ class DatasetState(BaseModel):
     name: str
     uri: str | None = None
     cache_bytes: int | None = None  # None: the scheduler has not allocated cache yet
+    #: uniform | lru (fuse_client/lru_cache.py); None: not set, mounts keep the node's mode
+    cache_mode: Literal["uniform", "lru"] | None = None
 
 
 class JobState(BaseModel):
@@ -70,9 +73,13 @@ class PersistedState(BaseModel):
 class ClientAllocation:
     cache_bytes: int | None
     remote_io_bytes_per_s: float | None
+    cache_mode: str | None = None
 
     def as_dict(self) -> dict:
-        return {"cache_bytes": self.cache_bytes, "remote_io_bytes_per_s": self.remote_io_bytes_per_s}
+        out = {"cache_bytes": self.cache_bytes, "remote_io_bytes_per_s": self.remote_io_bytes_per_s}
+        if self.cache_mode is not None:  # only once the scheduler has set it: older clients see no change
+            out["cache_mode"] = self.cache_mode
+        return out
 
 
 @dataclass
@@ -155,6 +162,15 @@ class StateStore:
             self._save()
             return ds
 
+    def set_cache_mode(self, name: str, mode: str) -> DatasetState:
+        """uniform | lru for the dataset's cache on every node (the scheduler sets it from the
+        access pattern of the jobs that read the dataset)."""
+        with self.lock:
+            ds = self.dataset(name)
+            ds.cache_mode = mode  # type: ignore[assignment]  # checked by the API
+            self._save()
+            return ds
+
     def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int | None = None) -> JobState:
         with self.lock:
             job = self.job(job_id)
@@ -218,7 +234,8 @@ class StateStore:
         if job is not None and job.bytes_per_s is not None:
             workers = max(job.workers, len(self.live_clients_of_job(job.id)), 1)
             rate = job.bytes_per_s / workers
-        return ClientAllocation(cache_bytes=None if ds is None else ds.cache_bytes, remote_io_bytes_per_s=rate)
+        return ClientAllocation(cache_bytes=None if ds is None else ds.cache_bytes, remote_io_bytes_per_s=rate,
+                                cache_mode=None if ds is None else ds.cache_mode)
 
     # -- status ------------------------------------------------------------------------------
 
@@ -241,6 +258,7 @@ class StateStore:
                 node = nodes.setdefault(c.node, {"datasets": {}})
                 entry = node["datasets"].setdefault(c.dataset, {
                     "allocated_bytes": None if ds_alloc is None else ds_alloc.cache_bytes,
+                    "cache_mode": None if ds_alloc is None else ds_alloc.cache_mode,
                     "cached_bytes": 0, "items_cached": 0, "jobs": {},
                 })
                 # Mounts of one dataset on one node share one cache: report it once (the freshest).
@@ -259,7 +277,8 @@ class StateStore:
             for ds in self.state.datasets.values():
                 cached = sum(n["datasets"][ds.name]["cached_bytes"] for n in nodes.values() if ds.name in n["datasets"])
                 datasets[ds.name] = {
-                    "uri": ds.uri, "allocated_bytes": ds.cache_bytes, "cached_bytes_all_nodes": cached,
+                    "uri": ds.uri, "allocated_bytes": ds.cache_bytes, "cache_mode": ds.cache_mode,
+                    "cached_bytes_all_nodes": cached,
                     "jobs": sorted(j.id for j in self.state.jobs.values() if j.dataset == ds.name),
                 }
             jobs = {

@@ -3,6 +3,7 @@
 Layout under `<cache-dir>/<dataset>/`:
 
     index.sqlite      items(key, size, crc32) and meta(allocation_bytes); WAL mode
+    cache_mode        uniform | lru (fuse_client/lru_cache.py); absent = uniform
     items/ab/<key>    complete, verified item files; presence here means "cached"
     staging/          items being fetched (never served by name, never counted)
     transient/        fetched items that were not admitted, kept only while jobs that waited
@@ -34,6 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fuse_client import lru_cache
+from fuse_client.lru_cache import CacheMode
 from fuse_client.uniform_cache import CachedItem, choose_evictions, should_admit
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,9 @@ class DatasetCache:
             db.execute("CREATE TABLE IF NOT EXISTS items (key TEXT PRIMARY KEY, size INTEGER NOT NULL, crc INTEGER NOT NULL)")
             db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
             db.execute("INSERT OR IGNORE INTO meta VALUES ('allocation_bytes', ?)", (UNLIMITED_BYTES,))
+        # uniform | lru (fuse_client/lru_cache.py); kept in a file next to the index.
+        self.mode = lru_cache.read_mode(self.root)
+        self.recency = lru_cache.RecencyLog()  # LRU hits, stamped on the item files by flush_recency()
 
     # -- SQLite ------------------------------------------------------------------------------
 
@@ -218,9 +224,12 @@ class DatasetCache:
     def open_cached(self, key: str) -> int | None:
         """A read-only fd of the cached item, or None. No SQLite: this is the hot path."""
         try:
-            return os.open(f"{self._items_prefix}{key[:2]}/{key}", os.O_RDONLY)
+            fd = os.open(f"{self._items_prefix}{key[:2]}/{key}", os.O_RDONLY)
         except FileNotFoundError:
             return None
+        if self.mode is CacheMode.LRU:
+            self.recency.note(key)
+        return fd
 
     # -- single flight across processes ------------------------------------------------------
 
@@ -273,7 +282,12 @@ class DatasetCache:
             if db.execute("SELECT 1 FROM items WHERE key = ?", (key,)).fetchone() is not None:
                 return False
             if not should_admit(cached, size, allocation):
-                return False
+                self.mode = lru_cache.read_mode(self.root)  # fresh: another mount may have switched it
+                if self.mode is not CacheMode.LRU or size > allocation:
+                    return False
+                self.flush_recency()
+                rows = db.execute("SELECT key, size FROM items").fetchall()
+                self._evict(db, lru_cache.admission_victims(lru_cache.stamp(rows, self.item_path), allocation, size))
             db.execute("INSERT INTO items VALUES (?, ?, ?)", (key, size, crc))
             os.rename(staging, self.item_path(key))
             return True
@@ -309,15 +323,45 @@ class DatasetCache:
             cached = db.execute("SELECT COALESCE(SUM(size), 0) FROM items").fetchone()[0]
             if cached <= allocation:
                 return 0
+            if lru_cache.read_mode(self.root) is CacheMode.LRU:
+                return self._evict(db, self._lru_victims(db, allocation))
             items = [CachedItem(k, s) for k, s in db.execute("SELECT key, size FROM items")]
-            victims = choose_evictions(items, allocation, rng)
-            for item in victims:
-                db.execute("DELETE FROM items WHERE key = ?", (item.key,))
-                # Unlink inside the transaction: a reader that already has the fd keeps reading;
-                # a new open sees ENOENT and treats the item as a miss.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.item_path(item.key))
-            return sum(item.size for item in victims)
+            return self._evict(db, choose_evictions(items, allocation, rng))
+
+    def _evict(self, db: sqlite3.Connection, victims) -> int:
+        for item in victims:
+            db.execute("DELETE FROM items WHERE key = ?", (item.key,))
+            # Unlink inside the transaction: a reader that already has the fd keeps reading;
+            # a new open sees ENOENT and treats the item as a miss.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.item_path(item.key))
+        return sum(item.size for item in victims)
+
+    def _lru_victims(self, db: sqlite3.Connection, target_bytes: int) -> list:
+        self.flush_recency()
+        rows = db.execute("SELECT key, size FROM items").fetchall()
+        return lru_cache.choose_lru_evictions(lru_cache.stamp(rows, self.item_path), target_bytes)
+
+    # -- cache mode (uniform | lru) ------------------------------------------------------------
+
+    def set_mode(self, mode: CacheMode) -> int:
+        """Switch the dataset's cache to `mode` (latest writer wins, like the allocation) and
+        enforce the allocation under it; returns bytes evicted."""
+        mode = CacheMode(mode)
+        if lru_cache.read_mode(self.root) is not mode:
+            lru_cache.write_mode(self.root, mode)
+        self.mode = mode
+        return self.enforce_allocation()
+
+    def flush_recency(self) -> int:
+        """Write this process's noted LRU hits to the items' stamps (every tick, and before
+        choosing victims); returns how many items were stamped."""
+        return self.recency.flush(self.item_path)
+
+    def refresh_mode(self) -> CacheMode:
+        """Re-read the mode another mount may have set (the hit path uses `self.mode`)."""
+        self.mode = lru_cache.read_mode(self.root)
+        return self.mode
 
     def usage(self) -> CacheUsage:
         db = self._db()

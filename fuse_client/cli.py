@@ -21,18 +21,25 @@ def register(app: typer.Typer) -> None:
         job: str = typer.Option(..., "--job", help="Job id; remote IO is throttled per job."),
         cache_dir: Path = typer.Option(..., "--cache-dir", help="Local cache directory (shared by mounts on this node)."),
         cache_size: Optional[str] = typer.Option(None, "--cache-size", help="Cache allocation of the dataset, e.g. 20GB; default: keep the node's current value (unlimited on a fresh cache)."),
+        cache_mode: Optional[str] = typer.Option(None, "--cache-mode", help="uniform (SiloD's, for epoch-based jobs) or lru (irregular jobs, e.g. curriculum learning); default: keep the node's current mode (uniform on a fresh cache)."),
         io_rate: Optional[str] = typer.Option(None, "--io-rate", help="Remote IO allocation of this job, e.g. 200MB/s; default: unthrottled."),
         manager: Optional[str] = typer.Option(None, "--manager", help="Data manager URL; allocations are then pulled from it every 0.5 s."),
         stats_file: Optional[Path] = typer.Option(None, "--stats-file", help="JSON stats, rewritten atomically twice a second."),
         kernel_cache: bool = typer.Option(True, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (re-reads at page-cache speed; a kept item is accounted as read in full at open)."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
     ) -> None:
-        """Mount a dataset read-only with uniform caching and per-job remote-IO throttling."""
+        """Mount a dataset read-only with uniform (or LRU) caching and per-job remote-IO throttling."""
         import logging
 
+        from estimator.errors import UserError
         from estimator.units import parse_rate, parse_size
+        from fuse_client.lru_cache import parse_mode
         from fuse_client.mount import MountConfig, run_mount
 
+        try:
+            mode = None if cache_mode is None else parse_mode(cache_mode)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         cfg = MountConfig(
             mountpoint=mountpoint.absolute(),
@@ -45,5 +52,6 @@ def register(app: typer.Typer) -> None:
             manager=manager,
             stats_file=None if stats_file is None else stats_file.absolute(),
             kernel_cache=kernel_cache,
+            cache_mode=mode,
         )
         raise typer.Exit(run_mount(cfg))

@@ -26,6 +26,7 @@ class PulledAllocation:
 
     cache_bytes: int | None
     remote_io_bytes_per_s: float | None
+    cache_mode: str | None = None  # uniform | lru; None: the scheduler has not set it
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ class ManagerLink:
 
     def _apply(self, body: dict) -> None:
         alloc = body.get("allocation") or {}
-        self._on_allocation(PulledAllocation(alloc.get("cache_bytes"), alloc.get("remote_io_bytes_per_s")))
+        mode = alloc.get("cache_mode")
+        self._on_allocation(PulledAllocation(alloc.get("cache_bytes"), alloc.get("remote_io_bytes_per_s"),
+                                             mode if mode in ("uniform", "lru") else None))
 
     def register(self) -> bool:
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from estimator.errors import UserError
 from fuse_client.accounting import JobAccounting
 from fuse_client.cache_store import UNLIMITED_BYTES, DatasetCache, RecoveryReport
+from fuse_client.lru_cache import CacheMode
 from fuse_client.names import validate_name
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class MountConfig:
     stats_file: Path | None
     kernel_cache: bool = True
     node: str = socket.gethostname()
+    cache_mode: CacheMode | None = None  # None: leave the node's mode for the dataset as it is
 
 
 def validate_mountpoint(path: Path) -> None:
@@ -78,6 +80,8 @@ class ControlLoop:
         self._lock = threading.Lock()
         self._cache_bytes: int | None = cfg.cache_size
         self._pending_cache = cfg.cache_size is not None
+        self._cache_mode: CacheMode | None = cfg.cache_mode
+        self._pending_mode = cfg.cache_mode is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.link = None  # the ManagerLink with --manager; its `connected` goes into the stats
@@ -88,6 +92,12 @@ class ControlLoop:
     def on_allocation(self, pulled) -> None:
         if pulled.remote_io_bytes_per_s is not None:
             self.throttle.set_rate(float(pulled.remote_io_bytes_per_s))
+        mode = getattr(pulled, "cache_mode", None)
+        if mode is not None:
+            with self._lock:
+                if mode != self._cache_mode:
+                    self._cache_mode = CacheMode(mode)
+                    self._pending_mode = True
         if pulled.cache_bytes is not None:
             with self._lock:
                 if pulled.cache_bytes != self._cache_bytes:
@@ -100,6 +110,16 @@ class ControlLoop:
         with self._lock:
             pending, value = self._pending_cache, self._cache_bytes
             self._pending_cache = False
+            mode_pending, mode = self._pending_mode, self._cache_mode
+            self._pending_mode = False
+        if mode_pending and mode is not None:
+            evicted = self.cache.set_mode(mode)
+            if evicted:
+                self.accounting.items_evicted(evicted)
+            log.info("cache mode of %s is now %s", self.cfg.dataset, mode.value)
+        else:
+            self.cache.refresh_mode()  # another mount of the dataset may have switched it
+        self.cache.flush_recency()
         if pending and value is not None:
             evicted = self.cache.set_allocation(min(value, UNLIMITED_BYTES))
             if evicted:
@@ -119,6 +139,7 @@ class ControlLoop:
             cached_bytes=usage.cached_bytes,
             items_cached=usage.items_cached,
             cache_allocation_bytes=None if usage.allocation_bytes >= UNLIMITED_BYTES else usage.allocation_bytes,
+            cache_mode=self.cache.mode.value,
             effective_cached_bytes=max(0, usage.cached_bytes - snap.ineffective_cached_bytes),
             io_rate_bytes_per_s=None if math.isinf(self.throttle.rate) else self.throttle.rate,
             dataset=self.cfg.dataset,

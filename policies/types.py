@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
 
 
@@ -30,6 +31,9 @@ class JobView:
     #: items it has read (§6); None when unknown. Items the job cached itself this epoch are
     #: already read, so this is below c/d while a cache fills (delayed effectiveness).
     hit_ratio_now: float | None = None
+    #: How the job reads (§6): `epoch` jobs are regular and planned with SiloDPerf; any other
+    #: pattern is irregular and scheduled in the second partition (scheduler/partition.py).
+    access: AccessPattern = EPOCH
 
     @property
     def remaining_ideal_seconds(self) -> float:
@@ -57,8 +61,14 @@ class ClusterCapacity:
     cache: float  # bytes, cluster total
     remote_io: float  # bytes/s, cluster total egress from remote storage
     gpus_per_node: int = 8
+    #: Operator pin: fraction of cache and remote IO given to the irregular partition whenever
+    #: both regular and irregular jobs are active; None = proportional to demand, every round
+    #: (scheduler/partition.py).
+    irregular_share: float | None = None
 
     def __post_init__(self) -> None:
+        if self.irregular_share is not None and not (0.0 <= self.irregular_share <= 1.0):
+            raise UserError(f"irregular_share = {self.irregular_share!r} must be a fraction in [0, 1] (e.g. 0.2), or unset for the demand-proportional default")
         if self.gpus < 1:
             raise UserError(f"cluster gpus = {self.gpus}; a cluster needs at least 1 GPU")
         if self.gpus_per_node < 1:
@@ -91,6 +101,30 @@ def _frozen(mapping: Mapping[str, float] | None) -> Mapping[str, float] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class StoragePartition:
+    """How one round split cache and remote IO between regular and irregular jobs (§6).
+
+    Set on the Allocation by the partition wrapper (scheduler/partition.py) when irregular jobs
+    are active; policies never create or read it. GPUs are one pool: `*_gpus` are the GPU
+    budgets (time-averaged GPUs) each partition's policy call was given.
+    """
+
+    irregular_share: float  # fraction of cache and remote IO in the irregular partition
+    pinned: bool  # True: the operator's irregular_share; False: proportional to demand
+    regular_cache: float  # bytes
+    regular_io: float  # bytes/s
+    irregular_cache: float
+    irregular_io: float
+    regular_gpus: float
+    irregular_gpus: float
+    #: Datasets read only by irregular jobs: cached LRU inside the irregular partition. A
+    #: dataset read by both kinds stays uniform and is charged to the regular partition.
+    lru_datasets: frozenset[str] = frozenset()
+    regular_jobs: frozenset[str] = frozenset()
+    irregular_jobs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
 class Allocation:
     """A policy's decision.
 
@@ -106,6 +140,7 @@ class Allocation:
     cache: Mapping[str, float] | None = None
     remote_io: Mapping[str, float] | None = None
     objective: float | None = field(default=None, compare=False)  # e.g. Gavel's min fairness ratio
+    partition: StoragePartition | None = field(default=None, compare=False)  # set by scheduler/partition.py
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_share", MappingProxyType(dict(self.gpu_share)))

@@ -70,6 +70,7 @@ def register(app: typer.Typer) -> None:
         cache: Annotated[Optional[str], typer.Option(help="total cache, e.g. 24TB [default 24TB]")] = None,
         remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
         gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
+        irregular_share: Annotated[Optional[str], typer.Option(help="pin the irregular jobs' partition to this fraction of cache and remote IO [default: by demand, every round]")] = None,
         policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
         round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
@@ -87,7 +88,8 @@ def register(app: typer.Typer) -> None:
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
-                                       remote_io=remote_io, gpu_speed=gpu_speed, defaults=DEFAULT_CLUSTER)
+                                       remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
+                                       defaults=DEFAULT_CLUSTER)
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}")

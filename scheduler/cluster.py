@@ -10,7 +10,7 @@ from estimator.errors import UserError
 from estimator.units import parse_rate, parse_size
 from policies.types import ClusterCapacity
 
-CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed")
+CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed", "irregular_share")
 
 
 def _gpus(value, what: str) -> int:
@@ -25,6 +25,21 @@ def _gpus(value, what: str) -> int:
     return number
 
 
+def _fraction(value, what: str) -> float | None:
+    """The irregular partition's pinned share of cache and remote IO, or None (by demand)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise UserError(f"{what} {value!r} is not a fraction; give a number in [0, 1] such as 0.2")
+    try:
+        number = float(str(value))
+    except ValueError:
+        raise UserError(f"{what} {value!r} is not a fraction; give a number in [0, 1] such as 0.2") from None
+    if not 0.0 <= number <= 1.0:  # NaN fails this too
+        raise UserError(f"{what} {number} must be in [0, 1]: the fraction of cache and remote IO kept for irregular jobs")
+    return number
+
+
 def load_cluster(
     path: str | Path | None = None,
     *,
@@ -33,6 +48,7 @@ def load_cluster(
     cache: str | float | None = None,
     remote_io: str | float | None = None,
     gpu_speed: float | str | None = None,
+    irregular_share: float | str | None = None,
     defaults: dict | None = None,
 ) -> tuple[ClusterCapacity, float]:
     """(capacity, gpu_speed). Flags override the file; the file overrides `defaults`."""
@@ -52,7 +68,8 @@ def load_cluster(
         if unknown:
             raise UserError(f"cluster file {p}: unknown key(s) {sorted(unknown)}; valid keys: {', '.join(CLUSTER_KEYS)}")
         values.update(data)
-    for key, flag in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("cache", cache), ("remote_io", remote_io), ("gpu_speed", gpu_speed)):
+    for key, flag in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("cache", cache), ("remote_io", remote_io), ("gpu_speed", gpu_speed),
+                      ("irregular_share", irregular_share)):
         if flag is not None:
             values[key] = flag
     missing = [k for k in ("gpus", "cache", "remote_io") if k not in values]
@@ -74,5 +91,6 @@ def load_cluster(
         cache=parse_size(values["cache"], "--cache"),
         remote_io=parse_rate(values["remote_io"], "--remote-io"),
         gpus_per_node=per_node,
+        irregular_share=_fraction(values.get("irregular_share"), "--irregular-share"),
     )
     return capacity, speed

@@ -1,7 +1,9 @@
 """The scheduling core shared by every backend (simulator, local cluster, Kubernetes).
 
 One round, as explicit stages (after Blox): the backend hands in an immutable Snapshot; the
-policy decides an Allocation with the estimator; the validator checks it; the round planner
+policy decides an Allocation with the estimator -- inside the regular and irregular partitions
+of cache and remote IO when irregular jobs are active (scheduler/partition.py); the validator
+checks it; the round planner
 turns GPU shares into the set of jobs that hold GPUs this round; the IO stage turns the
 allocation into per-job remote-IO caps for the round. The backend then executes the plan.
 """
@@ -15,10 +17,11 @@ from types import MappingProxyType
 import numpy as np
 
 from policies.base import Policy
-from policies.estimators import Estimator
+from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
 from policies.types import Allocation, Snapshot
 from policies.validation import validate_allocation
+from scheduler.partition import allocate_partitioned
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,16 +111,23 @@ def spread_spare_io(caps: Mapping[str, float], demands: Mapping[str, float], tot
 
 
 class SchedulingCore:
-    """Policy + estimator + round planner. Pure: backends own clocks, I/O and state."""
+    """Policy + estimators + round planner. Pure: backends own clocks, I/O and state.
 
-    def __init__(self, policy: Policy, estimator: Estimator):
+    `estimator` plans regular jobs; `irregular_estimator` (default: the storage-unaware one)
+    is what the policy gets for irregular jobs inside their partition.
+    """
+
+    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None):
         self.policy = policy
         self.estimator = estimator
+        self.irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
         self.planner = RoundPlanner()
 
     def decide(self, snapshot: Snapshot) -> Allocation:
-        """Ask the policy, and refuse any allocation that breaks a capacity."""
-        return validate_allocation(snapshot, self.policy.allocate(snapshot, self.estimator))
+        """Ask the policy (around the partitions, when irregular jobs are active), and refuse any
+        allocation that breaks a capacity."""
+        allocation = allocate_partitioned(snapshot, self.policy, self.estimator, self.irregular_estimator)
+        return validate_allocation(snapshot, allocation)
 
     def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
         """Who holds GPUs this round, and their IO caps, for an allocation already decided."""

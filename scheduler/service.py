@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from estimator.access import EPOCH, AccessPattern, parse_access
 from estimator.errors import UserError
 from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy
@@ -132,6 +133,7 @@ class NewJob:
     ideal_throughput: float | None = None
     model: str | None = None
     priority: int = 0
+    access: AccessPattern = EPOCH  # how the job reads (estimator/access.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +170,7 @@ class JobRecord:
     allocated_gpus: int
     gpu_share: float
     remote_io: float | None
+    access: AccessPattern = EPOCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +256,8 @@ class _Pending:
     start: list[tuple[JobSpec, JobAllocation]] = field(default_factory=list)
     cache: dict[str, float] = field(default_factory=dict)
     io: dict[str, float] = field(default_factory=dict)
+    #: uniform | lru per dataset: lru for datasets only irregular jobs read (scheduler/partition.py)
+    cache_mode: dict[str, str] = field(default_factory=dict)
 
 
 class SchedulerService:
@@ -279,6 +284,7 @@ class SchedulerService:
         self._last_round: tuple[Snapshot, RoundPlan, float] | None = None
         self._last_round_time: float | None = None
         self._pushed_cache: dict[str, float] = {}
+        self._pushed_mode: dict[str, str] = {}
         self._pushed_io: dict[str, float] = {}
         self.last_push_error: str | None = None
         self.rounds_total = 0
@@ -395,7 +401,7 @@ class SchedulerService:
                 name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
                 ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
-                submit_time=time.time(), message="",
+                submit_time=time.time(), message="", **_access_columns(req.access),
             )
             job.allocation = None  # known empty: no lazy SELECT when the record is built
             job.dataset = ds
@@ -416,7 +422,7 @@ class SchedulerService:
             state=JobState(j.state).value, submit_time=j.submit_time, start_time=j.start_time,
             finish_time=j.finish_time, message=j.message,
             allocated_gpus=a.gpus if a else 0, gpu_share=a.gpu_share if a else 0.0,
-            remote_io=a.remote_io if a else None,
+            remote_io=a.remote_io if a else None, access=_access_of(j),
         )
 
     @staticmethod
@@ -442,7 +448,8 @@ class SchedulerService:
         Job.id, Job.name, Job.owner, Job.gpus, Dataset.name, Job.model, Job.ideal_throughput, Job.epochs, Job.steps,
         Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
         Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
-        JobAllocationRow.remote_io,
+        JobAllocationRow.remote_io, Job.access, Job.curriculum_starting_percent, Job.curriculum_alpha,
+        Job.curriculum_step, Job.curriculum_batch,
     )
 
     def list_jobs(
@@ -477,6 +484,7 @@ class SchedulerService:
                     remaining_bytes=max(r[10] - r[11], 0.0), priority=r[12], state=JobState(r[13]).value,
                     submit_time=r[14], start_time=r[15], finish_time=r[16], message=r[17],
                     allocated_gpus=r[18] or 0, gpu_share=r[19] or 0.0, remote_io=r[20],
+                    access=EPOCH if r[21] in (None, "epoch") else _access_from_row(*r[21:26]),
                 )
                 for r in s.execute(q)
             ]
@@ -687,7 +695,8 @@ class SchedulerService:
         q = (
             select(
                 Job.id, Job.gpus, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
-                Job.submit_time, Job.state, Job.priority, Dataset.size,
+                Job.submit_time, Job.state, Job.priority, Dataset.size, Job.access,
+                Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
             )
             .join(Dataset, Job.dataset_id == Dataset.id)
             .where(Job.state.in_(ACTIVE_STATES))
@@ -697,12 +706,12 @@ class SchedulerService:
         datasets: dict[str, DatasetView] = {}
         cached = self.measured_cache()
         with self.sessions() as s:
-            for jid, gpus, ds, ideal, total, consumed, submit, state, prio, size in s.execute(q):
+            for jid, gpus, ds, ideal, total, consumed, submit, state, prio, size, *access in s.execute(q):
                 jobs.append(
                     JobView(
                         job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
                         remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
-                        running=state == JobState.RUNNING, priority=prio,
+                        running=state == JobState.RUNNING, priority=prio, access=_access_from_row(*access),
                     )
                 )
                 datasets[ds] = DatasetView(ds, size, cached=None if cached is None else float(cached.get(ds, 0.0)))
@@ -873,6 +882,9 @@ class SchedulerService:
                     else:
                         row.bytes, row.round_id, row.updated_at = nbytes, rid, now
                 pending.cache[name] = nbytes
+            partition = None if plan is None else plan.allocation.partition
+            lru = frozenset() if partition is None else partition.lru_datasets
+            pending.cache_mode.update({name: "lru" if name in lru else "uniform" for name in wanted})
             for name, row in rows.items():
                 audit += self._changes(rid, now, "dataset", name, {"cache": (row.bytes, 0.0)})
                 pending.cache[name] = 0.0
@@ -935,6 +947,16 @@ class SchedulerService:
         if self.pusher is None:
             return
         errors = []
+        # The mode first: a dataset turning LRU with a smaller allocation then evicts by recency.
+        set_mode = getattr(self.pusher, "set_cache_mode", None)
+        for name, mode in pending.cache_mode.items() if callable(set_mode) else ():
+            if self._pushed_mode.get(name) == mode:
+                continue
+            try:
+                set_mode(name, mode)
+                self._pushed_mode[name] = mode
+            except Exception as exc:  # retried next round
+                errors.append(f"cache mode {name}: {exc}")
         for name, nbytes in pending.cache.items():
             if self._pushed_cache.get(name) == nbytes:
                 continue
@@ -967,6 +989,26 @@ class SchedulerService:
             self.backend.close()
         finally:
             self.engine.dispose()
+
+
+def _access_columns(access: AccessPattern) -> dict[str, Any]:
+    """The Job columns that store an access pattern (migration 0002)."""
+    c = access.curriculum
+    return {
+        "access": access.kind.value,
+        "curriculum_starting_percent": None if c is None else c.starting_percent,
+        "curriculum_alpha": None if c is None else c.alpha,
+        "curriculum_step": None if c is None else c.step,
+        "curriculum_batch": None if c is None else c.batch,
+    }
+
+
+def _access_from_row(kind: str | None, starting_percent, alpha, step, batch) -> AccessPattern:
+    return parse_access(kind, starting_percent, alpha, step, batch)
+
+
+def _access_of(j: Job) -> AccessPattern:
+    return _access_from_row(j.access, j.curriculum_starting_percent, j.curriculum_alpha, j.curriculum_step, j.curriculum_batch)
 
 
 def cached_bytes_from_status(status: Any) -> dict[str, float] | None:

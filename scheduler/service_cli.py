@@ -86,6 +86,7 @@ def build_service(
     cache: str | None = None,
     remote_io: str | None = None,
     gpu_speed: str | None = None,
+    irregular_share: str | None = None,
     datamanager: str | None = None,
     state_dir: Path = Path("silod-state"),
     backend_opts: dict[str, str] | None = None,
@@ -100,7 +101,8 @@ def build_service(
     if policy is not None and policy not in available_policies():
         raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
     capacity, speed = load_cluster(
-        cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed
+        cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
+        irregular_share=irregular_share,
     )
     pusher = make_pusher(datamanager) if datamanager else None
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -179,6 +181,7 @@ def register(app: typer.Typer) -> None:
         remote_io: Annotated[str | None, typer.Option("--remote-io", help="remote storage bandwidth, e.g. 1GB/s")] = None,
         gpu_speed: Annotated[str | None, typer.Option("--gpu-speed", help="GPU speed vs a V100 (scales catalog f*)")] = None,
         cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys")] = None,
+        irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
         policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
@@ -198,7 +201,7 @@ def register(app: typer.Typer) -> None:
         service = build_service(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-            datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            irregular_share=irregular_share, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
         )
         import uvicorn
 

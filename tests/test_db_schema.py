@@ -34,7 +34,7 @@ def test_migrations_create_the_model_schema(db_url: str) -> None:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
             version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         assert diff == [], f"models and migrations disagree: {diff}"
-        assert version == "0001"
+        assert version == "0002"
         # Idempotent: opening again (a restart) runs no migration and keeps the version.
         open_database(db_url).dispose()
     finally:

@@ -3,7 +3,9 @@
     job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs
 
 `duration` (seconds at ideal speed) may replace `epochs`; empty dataset_size and
-ideal_throughput are filled from the catalog. Every problem is reported with file, line and
+ideal_throughput are filled from the catalog. Optional columns `access` (epoch | curriculum |
+irregular) and, for curriculum, `starting_percent`, `alpha`, `step`, `batch` say how the job
+reads (estimator/access.py); without them every job is `epoch`. Every problem is reported with file, line and
 column, and what to write instead.
 """
 
@@ -13,6 +15,7 @@ import csv
 import math
 from pathlib import Path
 
+from estimator.access import CURRICULUM_FIELDS, EPOCH, parse_access
 from estimator.errors import UserError
 from estimator.units import UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
@@ -20,6 +23,7 @@ from traces.model import Trace, TraceJob
 
 REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_size", "ideal_throughput")
 COLUMNS = (*REQUIRED, "epochs")
+ACCESS_COLUMNS = ("access", *CURRICULUM_FIELDS)  # optional; see estimator/access.py
 MAX_GPUS_PER_JOB = 1_000_000
 
 
@@ -116,7 +120,18 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
         epochs = duration * ideal / size
     else:
         raise _fail(path, line, "epochs", "empty; give epochs or a duration in seconds")
-    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs)
+    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line))
+
+
+def _access(get: dict[str, str], path: Path, line: int):
+    if not any(get.get(c, "") for c in ACCESS_COLUMNS):
+        return EPOCH
+    try:
+        return parse_access(get.get("access"), *(get.get(c) for c in CURRICULUM_FIELDS))
+    except UserError as exc:
+        # Name the column the message starts with (every access message names its field first).
+        column = next((c for c in ACCESS_COLUMNS if str(exc).startswith(c)), "access")
+        raise _fail(path, line, column, str(exc)) from None
 
 
 def _size(text: str, dataset: str, path: Path, line: int) -> float:
@@ -145,9 +160,14 @@ def _ideal(text: str, model: str, gpus: int, path: Path, line: int) -> float:
 
 
 def write_csv_trace(trace: Trace, path: str | Path) -> None:
+    # The access columns only when a job needs them, so all-epoch traces keep the plain header.
+    with_access = any(not j.access.regular for j in trace.jobs)
     with Path(path).open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(COLUMNS)
+        writer.writerow((*COLUMNS, *ACCESS_COLUMNS) if with_access else COLUMNS)
         for j in trace.jobs:
-            writer.writerow([j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
-                             f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"])
+            row = [j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
+                   f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"]
+            if with_access:
+                row += ["" if v is None else (f"{v!r}" if isinstance(v, float) else v) for v in j.access.fields().values()]
+            writer.writerow(row)

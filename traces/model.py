@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from estimator.access import EPOCH, AccessPattern
+
 
 @dataclass(frozen=True, slots=True)
 class TraceJob:
@@ -15,7 +17,8 @@ class TraceJob:
     model: str
     dataset: str  # jobs with the same dataset name share one dataset and its cache
     ideal_throughput: float  # f* at num_gpus on the reference GPU (V100), bytes/s
-    epochs: float  # passes over the dataset; may be < 1
+    epochs: float  # passes over the dataset; may be < 1 (for curriculum: bytes read / dataset size)
+    access: AccessPattern = EPOCH  # how the job reads (estimator/access.py); epoch = regular
 
     def total_bytes(self, dataset_size: float) -> float:
         return self.epochs * dataset_size

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import text
 
+from estimator.access import EPOCH
 from estimator.errors import UserError
 from policies.registry import available_policies
 from scheduler.api.auth import TokenStore
@@ -149,7 +150,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         req = NewJob(
             name=body.name, gpus=body.gpus, dataset=body.dataset, epochs=body.epochs, steps=body.steps,
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
-            priority=body.priority,
+            priority=body.priority, access=body.access.pattern() if body.access is not None else EPOCH,
         )
         return JobOut.model_validate(service.submit_job(who, req))
 

@@ -7,10 +7,12 @@ accept numbers or strings such as "143GB" and "114MB/s", parsed by estimator.uni
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
+from estimator.access import AccessPattern, parse_access
+from estimator.errors import UserError
 from estimator.units import parse_rate, parse_size
 from scheduler.service import MAX_BYTES
 
@@ -80,6 +82,52 @@ class DatasetOut(BaseModel):
     created_at: float
 
 
+def _access_shorthand(value: Any) -> Any:
+    if isinstance(value, str):  # "access": "irregular" is short for {"kind": "irregular"}
+        return {"kind": value}
+    return value
+
+
+class AccessIn(_Strict):
+    """How the job reads its dataset (estimator/access.py). `epoch` (the default): every item once
+    per epoch, uniformly; `curriculum`: the exponential pacing of Eq. 10 with the four
+    parameters below; `irregular`: any other pattern. Non-epoch jobs are scheduled in the
+    irregular partition of cache and remote IO."""
+
+    kind: Literal["epoch", "curriculum", "irregular"] = "epoch"
+    starting_percent: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False, description="curriculum: fraction of the items eligible at the start")
+    alpha: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False, description="curriculum: growth factor of the eligible set (> 1)")
+    step: int | None = Field(default=None, ge=1, le=2_000_000_000, description="curriculum: iterations between two growths")
+    batch: int | None = Field(default=None, ge=1, le=2_000_000_000, description="curriculum: items read per iteration")
+
+    @model_validator(mode="after")
+    def _valid_pattern(self) -> AccessIn:
+        self.pattern()  # the one set of rules, shared with the trace CSV
+        return self
+
+    def pattern(self) -> AccessPattern:
+        try:
+            return parse_access(self.kind, self.starting_percent, self.alpha, self.step, self.batch)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+
+
+class AccessOut(BaseModel):
+    kind: str
+    starting_percent: float | None = None
+    alpha: float | None = None
+    step: int | None = None
+    batch: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_pattern(cls, value: Any) -> Any:
+        if isinstance(value, AccessPattern):
+            fields = value.fields()
+            return {"kind": fields.pop("access"), **fields}
+        return value
+
+
 class JobIn(_Strict):
     name: Name = Field(examples=["resnet50-run1"])
     gpus: int = Field(ge=1, le=100_000, description="GPUs the job needs (gang-scheduled)")
@@ -90,6 +138,9 @@ class JobIn(_Strict):
     ideal_throughput: Rate | None = Field(default=None, description="f*: bytes/s at `gpus` GPUs when IO is not the bottleneck")
     model: str | None = Field(default=None, min_length=1, max_length=64, description="catalog model, instead of ideal_throughput")
     priority: int = Field(default=0, ge=-1000, le=1000)
+    access: Annotated[AccessIn, BeforeValidator(_access_shorthand)] | None = Field(
+        default=None, description='how the job reads: "epoch" (default), "irregular", or {"kind": "curriculum", ...}'
+    )
 
     _names = field_validator("name", "dataset")(_no_dotdot)
 
@@ -132,6 +183,7 @@ class JobOut(BaseModel):
     allocated_gpus: int
     gpu_share: float
     remote_io: float | None
+    access: AccessOut
 
 
 class UsageOut(BaseModel):

@@ -445,6 +445,9 @@ class WorkConservingPusher:
     def allocate_cache_size(self, dataset: str, bytes: float) -> Any:  # noqa: A002 - the protocol's name
         return self.inner.allocate_cache_size(dataset, bytes)
 
+    def set_cache_mode(self, dataset: str, mode: str) -> Any:
+        return self.inner.set_cache_mode(dataset, mode)
+
     def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1) -> Any:
         with self._lock:
             self.caps[job_id] = float(bytes_per_s)

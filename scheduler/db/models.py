@@ -81,6 +81,13 @@ class Job(Base):
     start_time: Mapped[float | None] = mapped_column(Float, nullable=True)  # first start
     finish_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
+    # How the job reads (estimator/access.py): epoch | curriculum | irregular; the curriculum
+    # pacing parameters are set only for curriculum (migration 0002).
+    access: Mapped[str] = mapped_column(String(16), default="epoch", server_default="epoch")
+    curriculum_starting_percent: Mapped[float | None] = mapped_column(Float, nullable=True)
+    curriculum_alpha: Mapped[float | None] = mapped_column(Float, nullable=True)
+    curriculum_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    curriculum_batch: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
     allocation: Mapped[JobAllocationRow | None] = relationship(

@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from estimator.errors import UserError
+from traces.loader import TraceFormat, load_trace
 
 SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gpu.csv"
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
-
-
-class TraceFormat(str, Enum):
-    auto = "auto"
-    csv = "csv"
-    gavel = "gavel"
-
-
-def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0):
-    from traces.csv_trace import load_csv_trace
-    from traces.gavel_trace import load_gavel_trace
-
-    if fmt == TraceFormat.auto:
-        fmt = TraceFormat.gavel if path.suffix == ".trace" else TraceFormat.csv
-    if fmt == TraceFormat.gavel:
-        return load_gavel_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed)
-    if dataset_sharing:
-        raise UserError("--dataset-sharing applies to --format gavel; in a CSV trace, jobs share a dataset by naming it")
-    trace = load_csv_trace(path)
-    if max_jobs is not None:
-        from traces.model import Trace
-
-        trace = Trace(trace.jobs[:max_jobs], trace.dataset_sizes, trace.source)
-    return trace
 
 
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int, progress_label: str | None = None):
@@ -110,8 +86,9 @@ def register(app: typer.Typer) -> None:
         resolution: Annotated[int, typer.Option(help="chunks per dataset")] = 128,
         seed: Annotated[int, typer.Option(help="random seed")] = 0,
         quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+        workers: Annotated[Optional[int], typer.Option(help="simulations run in parallel [default: min(2, CPUs)]")] = None,
     ) -> None:
-        """Reproduce one of the paper's experiments (§7) and plot it."""
+        """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.cluster import load_cluster
         from scheduler.experiments import EXPERIMENTS, LARGE_CLUSTER, ExperimentRunner
 
@@ -121,12 +98,34 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"unknown experiment {unknown[0]!r}; choose one of: {', '.join(EXPERIMENTS)}, all")
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        if workers is not None and workers < 1:
+            raise UserError(f"--workers {workers} must be >= 1")
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
-        runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet)
-        out.mkdir(parents=True, exist_ok=True)
+        runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --out {out}: {exc.strerror}; choose a writable directory") from None
+        headlines = []
         for n in names:
-            EXPERIMENTS[n](runner, out, capacity)
+            payload = EXPERIMENTS[n](runner, out, capacity)
             typer.echo(f"{n}: wrote {out / (n.replace('-', '_') + '.json')} and .png")
+            headlines.append((n, payload.get("setup", ""), payload.get("headline", [])))
+        _print_headlines(headlines)
+
+
+def _print_headlines(headlines: list) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for name, setup, rows in headlines:
+        table = Table(title=f"{name}: {setup}", title_justify="left", show_header=False)
+        table.add_column("what", overflow="fold")
+        table.add_column("result", overflow="fold")
+        for what, value in rows:
+            table.add_row(what, value)
+        console.print(table)
 
 
 def _print_summary(summary: dict, out: Path) -> None:
@@ -136,10 +135,12 @@ def _print_summary(summary: dict, out: Path) -> None:
     table = Table(title=f"{summary['policy']} on {summary['cache_system']}: {summary['jobs']} jobs")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("avg_jct_s", "p50_jct_s", "p99_jct_s", "makespan_s"):
-        table.add_row(key, f"{summary[key] / 3600:.2f} h")
-    for key in ("avg_fairness_ratio", "gpu_utilization", "remote_io_utilization", "sim_wall_s"):
-        table.add_row(key, f"{summary[key]:.3f}")
+    for key, label in (("avg_jct_s", "average JCT"), ("p50_jct_s", "median JCT"), ("p99_jct_s", "p99 JCT"), ("makespan_s", "makespan")):
+        table.add_row(label, f"{summary[key] / 3600:.2f} h")
+    table.add_row("fairness ratio (Eq. 8, time average)", f"{summary['avg_fairness_ratio']:.3f}")
+    table.add_row("GPU utilisation", f"{summary['gpu_utilization']:.1%}")
+    table.add_row("remote IO utilisation", f"{summary['remote_io_utilization']:.1%}")
+    table.add_row("simulation wall time", f"{summary['sim_wall_s']:.1f} s")
     console = Console()
     console.print(table)
     console.print(f"wrote {out}/summary.json, jobs.csv, timeline.csv")

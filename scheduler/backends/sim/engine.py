@@ -44,6 +44,9 @@ class SimConfig:
     #: spare capacity; that redistribution is refreshed at least this often.
     io_refresh_s: float = 1800.0
     max_sim_time_s: float = 10 * 365 * 86400.0
+    #: False: the policy's cache allocations are enforced but its remote-IO allocations are not
+    #: (the link is shared by demand), the "remote IO not allocated" run of Fig. 13.
+    manage_io: bool = True
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -261,7 +264,7 @@ class Simulator:
             if self.core.estimator.manages_storage:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
             caps, contended = self._io_caps(plan, running)
-            managed = plan.remote_io is not None
+            managed = plan.remote_io is not None and cfg.manage_io
             for job in running:
                 # A finish always ends the step (its IO is re-divided); an epoch boundary only
                 # where the link is contended and the job's demand will change there.
@@ -373,7 +376,7 @@ class Simulator:
         total = self.capacity.remote_io
         demands = {j.job_id: j.ideal * j.miss_ratio(self.cache) for j in running}
         contended = sum(demands.values()) > total * (1 - 1e-9)
-        if plan.remote_io is not None:
+        if plan.remote_io is not None and self.config.manage_io:
             floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
             caps = spread_spare_io(floors, demands, total)
         else:

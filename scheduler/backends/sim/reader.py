@@ -52,16 +52,14 @@ class SimJob:
     epoch_read: float = 0.0  # bytes read in the current epoch
     epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
     last_rate: float = 0.0  # bytes/s in the last step it ran
+    job_id: str = field(init=False)
     reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
     share: float = 0.0
 
     def __post_init__(self) -> None:
+        self.job_id = self.trace.job_id
         self.perm = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask = np.zeros(self.dataset.n_chunks, dtype=bool)
-
-    @property
-    def job_id(self) -> str:
-        return self.trace.job_id
 
     @property
     def gpus(self) -> int:
@@ -135,7 +133,7 @@ class StepResult:
 
 #: LRU: the share of an epoch read between two looks at the miss ratio (the cached set moves
 #: at every miss, slowly against an epoch).
-VOLATILE_SUBSTEP = 1 / 32
+VOLATILE_SUBSTEP = 1 / 16
 
 
 def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:

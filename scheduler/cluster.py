@@ -7,22 +7,14 @@ from pathlib import Path
 import yaml
 
 from estimator.errors import UserError
-from estimator.units import parse_rate, parse_size
+from estimator.units import parse_gpus, parse_rate, parse_size
 from policies.types import ClusterCapacity
 
 CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed")
 
 
 def _gpus(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise UserError(f"{what} {value!r} is not a whole number")
-    try:
-        number = int(str(value))
-    except ValueError:
-        raise UserError(f"{what} {value!r} is not a whole number of GPUs") from None
-    if number < 1 or number > 10_000_000:
-        raise UserError(f"{what} {number} must be between 1 and 10,000,000")
-    return number
+    return parse_gpus(value, what)  # the bounds live in estimator.units
 
 
 def load_cluster(

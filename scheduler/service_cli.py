@@ -18,6 +18,25 @@ from estimator.errors import UserError
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
 
+def default_state_dir() -> Path:
+    """Per-user state: $XDG_STATE_HOME/silod, else ~/.local/state/silod (XDG Base Directory spec).
+
+    Never the current directory: running `silod serve` in a checkout must not leave files in it.
+    """
+    xdg = os.environ.get("XDG_STATE_HOME", "").strip()
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
+    return base / "silod"
+
+
+def _prepare_state_dir(state_dir: Path) -> None:
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--state-dir {str(state_dir)!r} cannot be created ({exc.strerror}); give a writable directory") from None
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        raise UserError(f"--state-dir {str(state_dir)!r} is not writable; give a writable directory")
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
@@ -76,7 +95,7 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
 
 def build_service(
     *,
-    db: str,
+    db: str | None,
     backend: str,
     policy: str | None,
     round_s: float,
@@ -87,10 +106,13 @@ def build_service(
     remote_io: str | None = None,
     gpu_speed: str | None = None,
     datamanager: str | None = None,
-    state_dir: Path = Path("silod-state"),
+    state_dir: Path | None = None,
     backend_opts: dict[str, str] | None = None,
 ):  # type: ignore[no-untyped-def]
-    """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it)."""
+    """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it).
+
+    `state_dir` defaults to default_state_dir(); `db` may be None for a SQLite file in it.
+    """
     from policies.registry import available_policies
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.cluster import load_cluster
@@ -103,7 +125,10 @@ def build_service(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed
     )
     pusher = make_pusher(datamanager) if datamanager else None
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = default_state_dir() if state_dir is None else state_dir
+    _prepare_state_dir(state_dir)
+    if db is None:
+        db = f"sqlite:///{state_dir / 'silod.db'}"
     cluster_backend = load_backend(
         backend, BackendConfig(capacity=capacity, state_dir=state_dir, datamanager_url=datamanager, options=backend_opts or {})
     )
@@ -171,7 +196,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
         listen: Annotated[str, typer.Option(help="HOST:PORT to listen on")] = "127.0.0.1:8080",
-        db: Annotated[str, typer.Option(help="sqlite:///FILE or postgresql+psycopg://USER@HOST/DB")] = "sqlite:///silod.db",
+        db: Annotated[str | None, typer.Option(help="sqlite:///FILE or postgresql+psycopg://USER@HOST/DB [default: sqlite:///STATE_DIR/silod.db]")] = None,
         backend: Annotated[str, typer.Option(help="where jobs run: local | kubernetes")] = "local",
         gpus: Annotated[str | None, typer.Option(help="GPUs in the cluster")] = None,
         gpus_per_node: Annotated[str | None, typer.Option("--gpus-per-node", help="GPUs per node")] = None,
@@ -183,7 +208,7 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
-        state_dir: Annotated[Path, typer.Option("--state-dir", help="directory the backend may use")] = Path("silod-state"),
+        state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:

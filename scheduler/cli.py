@@ -23,7 +23,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from estimator.errors import UserError
+from estimator.errors import RuntimeFailure, UserError
 
 DEBUG_ENV = "SILOD_DEBUG"
 
@@ -118,6 +118,8 @@ def handle_error(exc: BaseException) -> NoReturn:
         traceback.print_exception(exc)
     if isinstance(exc, UserError):
         _fail(2, str(exc))
+    if isinstance(exc, RuntimeFailure):
+        _fail(1, str(exc))
     if isinstance(exc, KeyboardInterrupt):
         _fail(130, "interrupted")
     if isinstance(exc, typer.Abort):

@@ -34,7 +34,9 @@ def load_cluster(
         if not p.is_file():
             raise UserError(f"cluster file {p} does not exist; check --cluster")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise UserError(f"cluster file {p} is not a text file; give a YAML file with keys {', '.join(CLUSTER_KEYS)}") from None
         except yaml.YAMLError as exc:
             raise UserError(f"cluster file {p} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):

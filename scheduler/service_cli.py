@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from estimator.errors import UserError
+from estimator.errors import RuntimeFailure, UserError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
@@ -163,8 +163,13 @@ def _call(server: str | None, token: str | None, method: str, path: str, **kwarg
     with _client(server, token) as client:
         try:
             response = client.request(method, path, **kwargs)
+        except httpx.UnsupportedProtocol as exc:
+            raise UserError(f"--server {str(client.base_url)!r} is not an http(s) URL ({exc}); e.g. http://127.0.0.1:8080") from exc
         except httpx.HTTPError as exc:
-            raise UserError(f"cannot reach the silod server at {client.base_url}: {exc}") from exc
+            raise RuntimeFailure(f"cannot reach the silod server at {client.base_url}: {exc}; is `silod serve` running "
+                                 f"there? (set --server or SILOD_SERVER)") from exc
+    if response.status_code >= 500:
+        raise RuntimeFailure(f"{method} {path}: the server failed (HTTP {response.status_code}): {_error_text(response)}")
     if response.status_code >= 400:
         raise UserError(f"{method} {path}: HTTP {response.status_code}: {_error_text(response)}")
     return response.json()
@@ -256,6 +261,13 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Submit a training job; prints its id."""
+        from estimator.units import parse_gpus, parse_rate, parse_size
+
+        parse_gpus(gpus, "--gpus")  # bad values fail here, before any network call
+        if step_bytes is not None:
+            parse_size(step_bytes, "--step-bytes")
+        if ideal_throughput is not None:
+            parse_rate(ideal_throughput, "--ideal-throughput")
         body: dict[str, Any] = {"name": name, "gpus": gpus, "dataset": dataset, "priority": priority}
         for key, value in (("epochs", epochs), ("steps", steps), ("model", model)):
             if value is not None:
@@ -317,6 +329,9 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Register a dataset with the scheduler."""
+        from estimator.units import parse_size
+
+        parse_size(size, "--size")  # bad values fail here, before any network call
         body: dict[str, Any] = {"name": name, "uri": uri, "size": _rate_or_number(size)}
         if item_count is not None:
             body["item_count"] = item_count

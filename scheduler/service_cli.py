@@ -283,6 +283,7 @@ def register(app: typer.Typer) -> None:
     def jobs(
         state: Annotated[str | None, typer.Option(help="filter: queued, running, finished, failed, cancelled, active")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+        wide: Annotated[bool, typer.Option("--wide", help="all columns (owner, dataset); wider than 80")] = False,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -299,14 +300,17 @@ def register(app: typer.Typer) -> None:
 
         from estimator.units import format_rate, format_size
 
-        table = Table("id", "name", "owner", "state", "gpus", "dataset", "progress", "remote IO")
+        # The default columns fit 80 columns; owner and dataset only with --wide.
+        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset"] if wide else []),
+                   "progress", "remote IO"]
+        table = Table(*columns)
         for j in rows:
             progress = j["consumed_bytes"] / j["total_bytes"] if j["total_bytes"] else 0.0
             io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
-            table.add_row(
-                j["id"], j["name"], j["owner"], j["state"], f"{j['allocated_gpus']}/{j['gpus']}", j["dataset"],
-                f"{progress:.1%} of {format_size(j['total_bytes'])}", io,
-            )
+            cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
+                     "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
+                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io}
+            table.add_row(*(cells[c] for c in columns))
         Console().print(table)
 
     @app.command()

@@ -357,7 +357,7 @@ def register(app: typer.Typer) -> None:
         if json_out is not None:
             ensure_writable_file(json_out, "--json")
         if workdir is not None:
-            ensure_writable_dir(workdir, "--workdir")
+            workdir = ensure_writable_dir(workdir, "--workdir").absolute()  # sources become file:// URIs
         work = workdir or Path(tempfile.mkdtemp(prefix="silod-demo-"))
         try:
             summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide)

@@ -236,11 +236,10 @@ def register(app: typer.Typer) -> None:
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(service, token_store)
-        typer.echo(
-            f"silod serve: http://{host}:{port} (docs at /docs), db {service.engine.url.render_as_string(hide_password=True)}, "
-            f"backend {backend}, policy {service.policy_name}, round {round_s:g}s",
-            err=True,
-        )
+        # Short lines (a terminal may be 80 columns): where to reach it, then what it runs with.
+        typer.echo(f"silod serve: http://{host}:{port} (API docs at /docs)", err=True)
+        typer.echo(f"  db {service.engine.url.render_as_string(hide_password=True)}", err=True)
+        typer.echo(f"  backend {backend}, policy {service.policy_name}, round {round_s:g}s", err=True)
         try:
             uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
         finally:

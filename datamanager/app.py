@@ -4,7 +4,7 @@
     GET    /v1/datasets/{name}
     PUT    /v1/datasets/{name}/cache        allocateCacheSize  {"bytes": N | "20GB"}
     PUT    /v1/datasets/{name}/cache-mode   {"mode": "uniform" | "lru"}  (irregular jobs: LRU)
-    PUT    /v1/jobs/{id}                    declare a job {"dataset": ..., "workers": N} (optional)
+    PUT    /v1/jobs/{id}                    declare a job {"dataset": ..., "workers": N}; the dataset must be declared
     GET    /v1/jobs/{id}
     DELETE /v1/jobs/{id}
     PUT    /v1/jobs/{id}/remote-io          allocateRemoteIO   {"bytes_per_s": R | "200MB/s", "workers": N}
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
-from estimator.units import parse_rate, parse_size
+from estimator.units import MAX_GPUS, parse_rate, parse_size
 from fuse_client.names import validate_name
 
 # A number or text with a unit ("20GB", "200MB/s"). Deliberately untyped here: pydantic would
@@ -77,8 +77,8 @@ class HeartbeatBody(_Strict):
 
 
 def _workers(value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise UserError(f"workers {value!r} must be an integer >= 1")
+    if value is not None and not 1 <= value <= MAX_GPUS:
+        raise UserError(f"workers {value!r} must be an integer between 1 and {MAX_GPUS:,} (one per mount of the job)")
     return value
 
 

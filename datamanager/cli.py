@@ -25,6 +25,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the data manager: cache/remote-IO allocation API for FUSE clients (SiloD Table 3)."""
         host, port = parse_listen(listen)
+        if state.exists() and not state.is_dir():
+            raise UserError(f"--state {str(state)!r} is a file; give a directory (state.json is written inside it)")
         try:
             state.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

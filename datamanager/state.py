@@ -131,13 +131,16 @@ class StateStore:
 
     def declare_job(self, job_id: str, dataset: str | None = None, workers: int | None = None) -> JobState:
         with self.lock:
+            if dataset is not None and dataset not in self.state.datasets:
+                # Not an implicit create: a typo in the dataset name would otherwise make a new,
+                # empty dataset that no cache allocation ever reaches.
+                raise UnknownEntity(f"job {job_id!r} reads dataset {dataset!r}, which is not declared; "
+                                    f"declare it first with PUT /v1/datasets/{dataset}")
             job = self.state.jobs.get(job_id)
             if job is None:
                 job = self.state.jobs[job_id] = JobState(id=job_id)
             if dataset is not None:
                 job.dataset = dataset
-                if dataset not in self.state.datasets:
-                    self.state.datasets[dataset] = DatasetState(name=dataset)
             if workers is not None:
                 job.workers = workers
             self._save()

@@ -8,3 +8,8 @@ code 2 or an HTTP 4xx instead of a traceback.
 
 class UserError(ValueError):
     """Bad input from a user. The message names the input and says how to fix it."""
+
+
+class RuntimeFailure(RuntimeError):
+    """The command was right but something outside it failed (a server that does not answer, a
+    store that is down). Entry points print the message as one line and exit with code 1."""

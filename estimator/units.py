@@ -4,6 +4,16 @@ Inside silod every size is a float or int of bytes and every rate bytes per seco
 command line and in files people write `143GB`, `1.3TB`, `200MB/s`, `1Gbps` or `4GiB`; these
 helpers are the single place that turns such text into numbers, so every entry point rejects
 the same bad input with the same message.
+
+They are also the one place that bounds what silod accepts (the CLI, the trace reader, the REST
+API's schemas and the data manager all parse through here), because a size like 1e30 bytes is a
+typo, not a dataset, and letting it through produces nonsense results with exit code 0:
+
+    size (dataset, cache, step)   0 .. 1 EB        (MAX_SIZE_BYTES = 1e18 bytes)
+    rate (f*, remote IO, caps)    0 .. 10 TB/s     (MAX_RATE_BYTES_PER_S = 1e13 bytes/s)
+    GPU count (cluster, job)      1 .. 1,000,000   (MAX_GPUS)
+
+A value out of range is a UnitError whose message gives the range.
 """
 
 from __future__ import annotations
@@ -12,6 +22,10 @@ import math
 import re
 
 from estimator.errors import UserError
+
+MAX_SIZE_BYTES = 1e18  # 1 EB: every public dataset and cluster cache is orders of magnitude below
+MAX_RATE_BYTES_PER_S = 1e13  # 10 TB/s: above any storage link or GPU input pipeline
+MAX_GPUS = 1_000_000  # above the largest clusters built
 
 _DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
 _BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50, "EI": 2**60}
@@ -58,12 +72,47 @@ def _check_finite(value: float, what: str, text: str) -> float:
     return value
 
 
+def check_size(value: float, what: str = "size", text: str | None = None) -> float:
+    """`value` bytes if it is finite and within 0 .. MAX_SIZE_BYTES, else a UnitError with the range."""
+    text = str(value) if text is None else text
+    _check_finite(value, what, text)
+    if value > MAX_SIZE_BYTES:
+        raise UnitError(f"{what} {text!r} is {value:.3g} bytes, above the limit of 1EB; sizes must be between 0 and 1EB (1e18 bytes)")
+    return value
+
+
+def check_rate(value: float, what: str = "rate", text: str | None = None) -> float:
+    """`value` bytes/s if it is finite and within 0 .. MAX_RATE_BYTES_PER_S, else a UnitError with the range."""
+    text = str(value) if text is None else text
+    _check_finite(value, what, text)
+    if value > MAX_RATE_BYTES_PER_S:
+        raise UnitError(f"{what} {text!r} is {value:.3g} bytes/s, above the limit of 10TB/s; rates must be between 0 and 10TB/s (1e13 bytes/s)")
+    return value
+
+
+def parse_gpus(value: str | int | float, what: str = "GPU count") -> int:
+    """A whole number of GPUs in 1 .. MAX_GPUS, from an int or its text. Raises UnitError otherwise."""
+    if isinstance(value, bool):
+        raise UnitError(f"{what} {value!r} is not a whole number of GPUs")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise UnitError(f"{what} {value!r} is not a whole number of GPUs")
+        value = int(value)
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise UnitError(f"{what} {value!r} is not a whole number of GPUs") from None
+    if not 1 <= number <= MAX_GPUS:
+        raise UnitError(f"{what} {number} is out of range; GPU counts must be between 1 and {MAX_GPUS:,}")
+    return number
+
+
 def parse_size(value: str | int | float, what: str = "size") -> float:
-    """Bytes from `143GB`, `1.3TB`, `4GiB`, `1e9` or a number. Raises UnitError on bad input."""
+    """Bytes from `143GB`, `1.3TB`, `4GiB`, `1e9` or a number, at most 1EB. Raises UnitError on bad input."""
     if isinstance(value, bool):
         raise UnitError(f"{what} {value!r} is not a size; {SIZE_HELP}")
     if isinstance(value, (int, float)):
-        return _check_finite(float(value), what, str(value))
+        return check_size(float(value), what, str(value))
     text = str(value)
     if text.strip().startswith("-"):
         raise UnitError(f"{what} {text!r} is negative; it must be >= 0")
@@ -75,15 +124,15 @@ def parse_size(value: str | int | float, what: str = "size") -> float:
     number, unit = float(m.group(1)), m.group(2)
     prefix, bits = _split_unit(unit)
     result = number * _multiplier(prefix, what, text, SIZE_HELP) / (8 if bits else 1)
-    return _check_finite(result, what, text)
+    return check_size(result, what, text)
 
 
 def parse_rate(value: str | int | float, what: str = "rate") -> float:
-    """Bytes/s from `200MB/s`, `1Gbps`, `100MiB/s`, `5e8` or a number. Raises UnitError on bad input."""
+    """Bytes/s from `200MB/s`, `1Gbps`, `100MiB/s`, `5e8` or a number, at most 10TB/s. Raises UnitError on bad input."""
     if isinstance(value, bool):
         raise UnitError(f"{what} {value!r} is not a rate; {RATE_HELP}")
     if isinstance(value, (int, float)):
-        return _check_finite(float(value), what, str(value))
+        return check_rate(float(value), what, str(value))
     text = str(value)
     if text.strip().startswith("-"):
         raise UnitError(f"{what} {text!r} is negative; it must be >= 0")
@@ -97,7 +146,7 @@ def parse_rate(value: str | int | float, what: str = "rate") -> float:
     if per_second and per_second.lower() == "ps" and unit and not unit.endswith(("b", "B")):
         bits = True  # "Gps" is not a thing people write; "Gbps" is handled by _split_unit
     result = number * _multiplier(prefix, what, text, RATE_HELP) / (8 if bits else 1)
-    return _check_finite(result, what, text)
+    return check_rate(result, what, text)
 
 
 def format_size(num_bytes: float) -> str:

@@ -70,6 +70,9 @@ class DatasetListing:
         return listing
 
 
+SUPPORTED_SCHEMES = ("", "file", "s3", "http", "https")  # "": a local directory
+
+
 class RemoteStore:
     """An fsspec file system rooted at the dataset URL."""
 
@@ -77,9 +80,15 @@ class RemoteStore:
         import fsspec
 
         self.url = url
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if scheme not in SUPPORTED_SCHEMES:
+            # Checked before fsspec, which would otherwise try to connect (ftp://) or import a driver.
+            raise UserError(f"--source {url!r}: scheme {scheme}:// is not supported; use a local directory, file://, s3:// or http(s)://")
         try:
             self.fs, root = fsspec.core.url_to_fs(url)
-        except (ValueError, ImportError) as exc:
+        except ImportError as exc:
+            raise UserError(f"--source {url!r} needs an optional dependency ({exc}); for s3:// install silod with the S3 extra: pip install 'silod[s3]'") from exc
+        except ValueError as exc:
             raise UserError(f"--source {url!r} is not a URL silod can read ({exc}); use a local directory, file://, s3:// or http(s)://") from exc
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.root = root.rstrip("/") if self.protocol not in ("http", "https") else root

@@ -7,22 +7,14 @@ from pathlib import Path
 import yaml
 
 from estimator.errors import UserError
-from estimator.units import parse_rate, parse_size
+from estimator.units import parse_gpus, parse_rate, parse_size
 from policies.types import ClusterCapacity
 
 CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed", "irregular_share")
 
 
 def _gpus(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise UserError(f"{what} {value!r} is not a whole number")
-    try:
-        number = int(str(value))
-    except ValueError:
-        raise UserError(f"{what} {value!r} is not a whole number of GPUs") from None
-    if number < 1 or number > 10_000_000:
-        raise UserError(f"{what} {number} must be between 1 and 10,000,000")
-    return number
+    return parse_gpus(value, what)  # the bounds live in estimator.units
 
 
 def _fraction(value, what: str) -> float | None:
@@ -58,7 +50,9 @@ def load_cluster(
         if not p.is_file():
             raise UserError(f"cluster file {p} does not exist; check --cluster")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise UserError(f"cluster file {p} is not a text file; give a YAML file with keys {', '.join(CLUSTER_KEYS)}") from None
         except yaml.YAMLError as exc:
             raise UserError(f"cluster file {p} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):

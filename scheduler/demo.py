@@ -148,38 +148,80 @@ class RunResult:
         return sum(vals) / len(vals) if vals and len(vals) == len(self.jct) else None
 
 
-def _table(title: str, service: Any, names: dict[str, str], specs: dict[str, DemoJob]) -> Any:
+@dataclass(frozen=True)
+class JobRow:
+    """One line of the live table, already formatted."""
+
+    job: str
+    data: str
+    ideal: str
+    state: str
+    done: str
+    epoch: str
+    gpus: str
+    cache: str
+    io_cap: str
+    hit: str
+    speed: str
+
+
+# (header, JobRow field, shown without --wide). The default set fits an 80-column terminal;
+# --wide adds the dataset, f* and epoch columns.
+COLUMNS: tuple[tuple[str, str, bool], ...] = (
+    ("job", "job", True), ("data", "data", False), ("f*", "ideal", False), ("state", "state", True),
+    ("done", "done", True), ("ep", "epoch", False), ("GPU", "gpus", True), ("cache", "cache", True),
+    ("IO cap", "io_cap", True), ("hit", "hit", True), ("speed", "speed", True),
+)
+
+
+def render_table(title: str, rows: list[JobRow], wide: bool = False) -> Any:
     from rich.table import Table
 
+    table = Table(title=title)
+    for header, attr, default in COLUMNS:
+        if default or wide:
+            table.add_column(header, justify="left" if attr in ("job", "data", "state") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(getattr(row, attr) for _, attr, default in COLUMNS if default or wide))
+    return table
+
+
+def _job_rows(service: Any, names: dict[str, str]) -> list[JobRow]:
     from estimator.units import format_rate, format_size
     from scheduler.service import Principal
 
     admin = Principal("admin", is_admin=True)
-    jobs = service.list_jobs(admin)
     cache = {c.dataset: c.bytes for c in service.allocations(admin).cache}
-    table = Table(title=title)
-    for col in ("job", "data", "f*", "state", "done", "ep", "GPU", "cache", "IO cap", "hit", "speed"):
-        table.add_column(col, justify="left" if col in ("job", "data", "state") else "right", no_wrap=True)
-    for j in jobs:
+    rows = []
+    for j in service.list_jobs(admin):
         st = service.backend.job_status(j.id) or {}
         mount = st.get("mount") or {}
         io = mount.get("io_rate_bytes_per_s")
         hit = st.get("hit_ratio")
         running = j.state == "running"
-        table.add_row(
-            names.get(j.id, j.name), j.dataset[-1:].upper(), format_rate(j.ideal_throughput), j.state,
-            f"{j.consumed_bytes / j.total_bytes:.0%}", str(st.get("epoch", "-")) if running else "-",
-            f"{j.allocated_gpus}/{j.gpus}",
-            format_size(cache[j.dataset]) if j.dataset in cache else (format_size(mount["cache_allocation_bytes"]) + " own" if running and mount.get("cache_allocation_bytes") is not None else "-"),
-            (format_rate(io) if io is not None else "unthrottled") if running else "-",
-            f"{hit:.0%}" if (hit is not None and running) else "-",
-            format_rate(st.get("throughput") or 0.0) if running else "-",
-        )
-    return table
+        if j.dataset in cache:
+            cache_text = format_size(cache[j.dataset])
+        elif running and mount.get("cache_allocation_bytes") is not None:
+            cache_text = format_size(mount["cache_allocation_bytes"]) + " own"
+        else:
+            cache_text = "-"
+        rows.append(JobRow(
+            job=names.get(j.id, j.name), data=j.dataset[-1:].upper(), ideal=format_rate(j.ideal_throughput),
+            state=j.state, done=f"{j.consumed_bytes / j.total_bytes:.0%}",
+            epoch=str(st.get("epoch", "-")) if running else "-", gpus=f"{j.allocated_gpus}/{j.gpus}",
+            cache=cache_text, io_cap=(format_rate(io) if io is not None else "none") if running else "-",
+            hit=f"{hit:.0%}" if (hit is not None and running) else "-",
+            speed=format_rate(st.get("throughput") or 0.0) if running else "-",
+        ))
+    return rows
+
+
+def _table(title: str, service: Any, names: dict[str, str], wide: bool = False) -> Any:
+    return render_table(title, _job_rows(service, names), wide)
 
 
 def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]], workdir: Path, policy: str,
-             managed: bool, console: Any, live_output: bool = True) -> RunResult:
+             managed: bool, console: Any, live_output: bool = True, wide: bool = False) -> RunResult:
     """One run of the scenario through the real service core, backend, mounts (and data manager)."""
     from rich.live import Live
 
@@ -223,13 +265,12 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
         service.start()
         title = (f"{label}: policy {policy}, {scenario.gpus} GPUs, cache {format_size(scenario.cache)}, "
                  f"remote IO {format_size(scenario.remote_io)}/s")
-        specs = {j.name: j for j in scenario.jobs}
         deadline = time.monotonic() + scenario.timeout_s
-        with Live(_table(title, service, names, specs), console=console, refresh_per_second=4,
+        with Live(_table(title, service, names, wide), console=console, refresh_per_second=4,
                   transient=not live_output) as live:
             while time.monotonic() < deadline:
                 jobs = service.list_jobs(admin)
-                live.update(_table(title, service, names, specs))
+                live.update(_table(title, service, names, wide))
                 if all(j.state in ("finished", "failed", "cancelled") for j in jobs):
                     break
                 time.sleep(0.5)
@@ -249,7 +290,8 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
                      (max(finishes) - submit) if len(finishes) == len(jobs) else None, time.time() - t0)
 
 
-def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None) -> dict:
+def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None,
+             wide: bool = False) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -270,9 +312,9 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
     console.print(f"[bold]silod demo[/]: {len(scenario.datasets)} datasets ({total / MB:.0f} MB of files in "
                   f"{workdir / 'remote'}), {len(scenario.jobs)} jobs, cache {scenario.cache / MB:.0f} MB, "
                   f"remote link {scenario.remote_io / MB:.0f} MB/s")
-    runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console)]
+    runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide)]
     if baseline:
-        runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console))
+        runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console, wide=wide))
     table = Table(title="Job completion times (s)")
     table.add_column("job")
     for r in runs:
@@ -301,6 +343,7 @@ def register(app: typer.Typer) -> None:
         baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run the storage-unaware configuration")] = True,
         keep: Annotated[bool, typer.Option("--keep", help="keep the work directory (logs, caches)")] = False,
         json_out: Annotated[Path | None, typer.Option("--json", help="write the JCTs as JSON here")] = None,
+        wide: Annotated[bool, typer.Option("--wide", help="all columns in the live table (dataset, f*, epoch); wider than 80")] = False,
     ) -> None:
         """The whole system on one machine: real datasets, data manager, scheduler, FUSE mounts; SiloD vs storage-unaware."""
         import json
@@ -309,9 +352,15 @@ def register(app: typer.Typer) -> None:
 
         if policy not in available_policies():
             raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+        from scheduler.outputs import ensure_writable_dir, ensure_writable_file
+
+        if json_out is not None:
+            ensure_writable_file(json_out, "--json")
+        if workdir is not None:
+            workdir = ensure_writable_dir(workdir, "--workdir").absolute()  # sources become file:// URIs
         work = workdir or Path(tempfile.mkdtemp(prefix="silod-demo-"))
         try:
-            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline)
+            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide)
         finally:
             if workdir is None and not keep:
                 shutil.rmtree(work, ignore_errors=True)

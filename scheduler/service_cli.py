@@ -13,9 +13,28 @@ from typing import Annotated, Any
 
 import typer
 
-from estimator.errors import UserError
+from estimator.errors import RuntimeFailure, UserError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
+
+
+def default_state_dir() -> Path:
+    """Per-user state: $XDG_STATE_HOME/silod, else ~/.local/state/silod (XDG Base Directory spec).
+
+    Never the current directory: running `silod serve` in a checkout must not leave files in it.
+    """
+    xdg = os.environ.get("XDG_STATE_HOME", "").strip()
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
+    return base / "silod"
+
+
+def _prepare_state_dir(state_dir: Path) -> None:
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--state-dir {str(state_dir)!r} cannot be created ({exc.strerror}); give a writable directory") from None
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        raise UserError(f"--state-dir {str(state_dir)!r} is not writable; give a writable directory")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -76,7 +95,7 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
 
 def build_service(
     *,
-    db: str,
+    db: str | None,
     backend: str,
     policy: str | None,
     round_s: float,
@@ -88,10 +107,13 @@ def build_service(
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
     datamanager: str | None = None,
-    state_dir: Path = Path("silod-state"),
+    state_dir: Path | None = None,
     backend_opts: dict[str, str] | None = None,
 ):  # type: ignore[no-untyped-def]
-    """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it)."""
+    """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it).
+
+    `state_dir` defaults to default_state_dir(); `db` may be None for a SQLite file in it.
+    """
     from policies.registry import available_policies
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.cluster import load_cluster
@@ -105,7 +127,10 @@ def build_service(
         irregular_share=irregular_share,
     )
     pusher = make_pusher(datamanager) if datamanager else None
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = default_state_dir() if state_dir is None else state_dir
+    _prepare_state_dir(state_dir)
+    if db is None:
+        db = f"sqlite:///{state_dir / 'silod.db'}"
     cluster_backend = load_backend(
         backend, BackendConfig(capacity=capacity, state_dir=state_dir, datamanager_url=datamanager, options=backend_opts or {})
     )
@@ -140,8 +165,13 @@ def _call(server: str | None, token: str | None, method: str, path: str, **kwarg
     with _client(server, token) as client:
         try:
             response = client.request(method, path, **kwargs)
+        except httpx.UnsupportedProtocol as exc:
+            raise UserError(f"--server {str(client.base_url)!r} is not an http(s) URL ({exc}); e.g. http://127.0.0.1:8080") from exc
         except httpx.HTTPError as exc:
-            raise UserError(f"cannot reach the silod server at {client.base_url}: {exc}") from exc
+            raise RuntimeFailure(f"cannot reach the silod server at {client.base_url}: {exc}; is `silod serve` running "
+                                 f"there? (set --server or SILOD_SERVER)") from exc
+    if response.status_code >= 500:
+        raise RuntimeFailure(f"{method} {path}: the server failed (HTTP {response.status_code}): {_error_text(response)}")
     if response.status_code >= 400:
         raise UserError(f"{method} {path}: HTTP {response.status_code}: {_error_text(response)}")
     return response.json()
@@ -173,7 +203,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
         listen: Annotated[str, typer.Option(help="HOST:PORT to listen on")] = "127.0.0.1:8080",
-        db: Annotated[str, typer.Option(help="sqlite:///FILE or postgresql+psycopg://USER@HOST/DB")] = "sqlite:///silod.db",
+        db: Annotated[str | None, typer.Option(help="sqlite:///FILE or postgresql+psycopg://USER@HOST/DB [default: sqlite:///STATE_DIR/silod.db]")] = None,
         backend: Annotated[str, typer.Option(help="where jobs run: local | kubernetes")] = "local",
         gpus: Annotated[str | None, typer.Option(help="GPUs in the cluster")] = None,
         gpus_per_node: Annotated[str | None, typer.Option("--gpus-per-node", help="GPUs per node")] = None,
@@ -186,7 +216,7 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
-        state_dir: Annotated[Path, typer.Option("--state-dir", help="directory the backend may use")] = Path("silod-state"),
+        state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
@@ -209,11 +239,10 @@ def register(app: typer.Typer) -> None:
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(service, token_store)
-        typer.echo(
-            f"silod serve: http://{host}:{port} (docs at /docs), db {service.engine.url.render_as_string(hide_password=True)}, "
-            f"backend {backend}, policy {service.policy_name}, round {round_s:g}s",
-            err=True,
-        )
+        # Short lines (a terminal may be 80 columns): where to reach it, then what it runs with.
+        typer.echo(f"silod serve: http://{host}:{port} (API docs at /docs)", err=True)
+        typer.echo(f"  db {service.engine.url.render_as_string(hide_password=True)}", err=True)
+        typer.echo(f"  backend {backend}, policy {service.policy_name}, round {round_s:g}s", err=True)
         try:
             uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
         finally:
@@ -234,6 +263,13 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Submit a training job; prints its id."""
+        from estimator.units import parse_gpus, parse_rate, parse_size
+
+        parse_gpus(gpus, "--gpus")  # bad values fail here, before any network call
+        if step_bytes is not None:
+            parse_size(step_bytes, "--step-bytes")
+        if ideal_throughput is not None:
+            parse_rate(ideal_throughput, "--ideal-throughput")
         body: dict[str, Any] = {"name": name, "gpus": gpus, "dataset": dataset, "priority": priority}
         for key, value in (("epochs", epochs), ("steps", steps), ("model", model)):
             if value is not None:
@@ -249,6 +285,7 @@ def register(app: typer.Typer) -> None:
     def jobs(
         state: Annotated[str | None, typer.Option(help="filter: queued, running, finished, failed, cancelled, active")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+        wide: Annotated[bool, typer.Option("--wide", help="all columns (owner, dataset); wider than 80")] = False,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -265,14 +302,17 @@ def register(app: typer.Typer) -> None:
 
         from estimator.units import format_rate, format_size
 
-        table = Table("id", "name", "owner", "state", "gpus", "dataset", "progress", "remote IO")
+        # The default columns fit 80 columns; owner and dataset only with --wide.
+        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset"] if wide else []),
+                   "progress", "remote IO"]
+        table = Table(*columns)
         for j in rows:
             progress = j["consumed_bytes"] / j["total_bytes"] if j["total_bytes"] else 0.0
             io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
-            table.add_row(
-                j["id"], j["name"], j["owner"], j["state"], f"{j['allocated_gpus']}/{j['gpus']}", j["dataset"],
-                f"{progress:.1%} of {format_size(j['total_bytes'])}", io,
-            )
+            cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
+                     "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
+                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io}
+            table.add_row(*(cells[c] for c in columns))
         Console().print(table)
 
     @app.command()
@@ -295,6 +335,9 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Register a dataset with the scheduler."""
+        from estimator.units import parse_size
+
+        parse_size(size, "--size")  # bad values fail here, before any network call
         body: dict[str, Any] = {"name": name, "uri": uri, "size": _rate_or_number(size)}
         if item_count is not None:
             body["item_count"] = item_count

@@ -114,6 +114,14 @@ BAD_REQUESTS = [
     ("PUT", "/v1/jobs/..hidden/remote-io", {"bytes_per_s": 1}, 400, "not a valid name"),
     ("PUT", "/v1/datasets/a%2Fb/cache", {"bytes": 1}, 404, ""),
     ("POST", "/v1/clients", {"client_id": "x", "node": "n", "dataset": "../etc", "job": "j"}, 400, "dataset '../etc'"),
+    # A job on a dataset never declared: 404 naming the declare call, not an implicitly created dataset.
+    ("PUT", "/v1/jobs/new-job", {"dataset": "never-declared"}, 404, "declare it first with PUT /v1/datasets/never-declared"),
+    ("PUT", "/v1/jobs/known-job", {"dataset": "typo-ds"}, 404, "PUT /v1/datasets/typo-ds"),
+    # Bounds from estimator.units: sizes <= 1 EB, rates <= 10 TB/s, workers <= 1,000,000.
+    ("PUT", "/v1/datasets/known/cache", {"bytes": 1e30}, 400, "1EB"),
+    ("PUT", "/v1/datasets/known/cache", {"bytes": "2EB"}, 400, "1EB"),
+    ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": "11TB/s"}, 400, "10TB/s"),
+    ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": 5, "workers": 10**9}, 400, "1,000,000"),
 ]
 
 

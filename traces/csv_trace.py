@@ -14,17 +14,18 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
+from typing import TextIO
 
 from estimator.access import CURRICULUM_FIELDS, EPOCH, parse_access
 from estimator.errors import UserError
-from estimator.units import UnitError, parse_rate, parse_size
+from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
 from traces.model import Trace, TraceJob
 
 REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_size", "ideal_throughput")
 COLUMNS = (*REQUIRED, "epochs")
 ACCESS_COLUMNS = ("access", *CURRICULUM_FIELDS)  # optional; see estimator/access.py
-MAX_GPUS_PER_JOB = 1_000_000
+MAX_GPUS_PER_JOB = MAX_GPUS
 
 
 class TraceError(UserError):
@@ -55,28 +56,40 @@ def load_csv_trace(path: str | Path) -> Trace:
         raise TraceError(f"trace file {path} does not exist; check the --trace path") from None
     except IsADirectoryError:
         raise TraceError(f"trace {path} is a directory; give a CSV file") from None
-    with handle:
-        reader = csv.DictReader(handle)
-        header = reader.fieldnames
-        if not header:
-            raise TraceError(f"{path}: the file is empty; it needs the header line {','.join(COLUMNS)} and one row per job")
-        header = [h.strip() for h in header]
-        reader.fieldnames = header
-        missing = [c for c in REQUIRED if c not in header]
-        if "epochs" not in header and "duration" not in header:
-            missing.append("epochs (or duration)")
-        if missing:
-            raise _fail(path, 1, None, f"missing column(s) {', '.join(missing)}; the header must be {','.join(COLUMNS)}")
-        jobs: list[TraceJob] = []
-        sizes: dict[str, float] = {}
-        seen_ids: set[str] = set()
-        for row in reader:
-            line = reader.line_num
-            if None in row:
-                raise _fail(path, line, None, f"more fields than the {len(header)} columns of the header")
-            if all(not (v or "").strip() for v in row.values()):
-                continue
-            jobs.append(_parse_row(row, path, line, sizes, seen_ids))
+    except PermissionError:
+        raise TraceError(f"trace file {path} cannot be read (permission denied)") from None
+    try:
+        with handle:
+            return _read_rows(path, handle)
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"trace file {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start:exc.start + 1]!r}); "
+                         f"give a CSV file with the header {','.join(COLUMNS)}") from None
+    except csv.Error as exc:
+        raise TraceError(f"trace file {path} is not a readable CSV file ({exc}); give a CSV file with the header {','.join(COLUMNS)}") from None
+
+
+def _read_rows(path: Path, handle: TextIO) -> Trace:
+    reader = csv.DictReader(handle)
+    header = reader.fieldnames
+    if not header:
+        raise TraceError(f"{path}: the file is empty; it needs the header line {','.join(COLUMNS)} and one row per job")
+    header = [h.strip() for h in header]
+    reader.fieldnames = header
+    missing = [c for c in REQUIRED if c not in header]
+    if "epochs" not in header and "duration" not in header:
+        missing.append("epochs (or duration)")
+    if missing:
+        raise _fail(path, 1, None, f"missing column(s) {', '.join(missing)}; the header must be {','.join(COLUMNS)}")
+    jobs: list[TraceJob] = []
+    sizes: dict[str, float] = {}
+    seen_ids: set[str] = set()
+    for row in reader:
+        line = reader.line_num
+        if None in row:
+            raise _fail(path, line, None, f"more fields than the {len(header)} columns of the header")
+        if all(not (v or "").strip() for v in row.values()):
+            continue
+        jobs.append(_parse_row(row, path, line, sizes, seen_ids))
     if not jobs:
         raise TraceError(f"{path}: no jobs; add at least one row after the header")
     jobs.sort(key=lambda j: (j.submit_time, j.job_id))
@@ -96,7 +109,7 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
         raise _fail(path, line, "submit_time", f"{submit} is negative; use seconds from the trace start (>= 0)")
     gpus = int(_number(get["num_gpus"], path, line, "num_gpus", integer=True))
     if not 1 <= gpus <= MAX_GPUS_PER_JOB:
-        raise _fail(path, line, "num_gpus", f"{gpus} is not a GPU count; use an integer >= 1")
+        raise _fail(path, line, "num_gpus", f"{gpus} is not a GPU count; use an integer between 1 and {MAX_GPUS_PER_JOB:,}")
     model, dataset = get["model"], get["dataset"]
     if not dataset:
         raise _fail(path, line, "dataset", "empty; name the dataset the job reads")

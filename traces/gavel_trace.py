@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from estimator.errors import UserError
+from estimator.units import MAX_GPUS
 from traces.catalog import DATASETS, MODELS
 from traces.model import Trace, TraceJob
 
@@ -86,12 +87,19 @@ def load_gavel_trace(
         raise UserError(f"dataset sharing {dataset_sharing} must be a fraction between 0 and 1")
     tp_path = Path(throughputs) if throughputs else default_throughputs_path(path)
     if not tp_path.is_file():
-        raise UserError(f"{tp_path} not found; Gavel traces need simulation_throughputs.json (--throughputs FILE)")
-    table = json.loads(tp_path.read_text())["v100"]
+        raise UserError(f"{tp_path} not found; a Gavel trace needs Gavel's simulation_throughputs.json in the same "
+                        f"directory (as in ../shared/traces/gavel-msr)")
+    try:
+        table = json.loads(tp_path.read_text(encoding="utf-8"))["v100"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise UserError(f"{tp_path} is not Gavel's simulation_throughputs.json (JSON with a 'v100' table)") from None
     rng = np.random.default_rng(seed)
     jobs: list[TraceJob] = []
     sizes: dict[str, float] = {}
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"trace file {path} is not UTF-8 text (byte {exc.start}); a Gavel trace is a tab-separated text file") from None
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
@@ -103,8 +111,8 @@ def load_gavel_trace(
             steps, arrival, gpus = float(steps_text), float(arrival_text), int(gpus_text)
         except ValueError:
             raise UserError(f"{path}:{number}: total_steps, arrival_time and scale_factor must be numbers") from None
-        if steps <= 0 or arrival < 0 or gpus < 1 or not math.isfinite(steps + arrival):
-            raise UserError(f"{path}:{number}: steps must be > 0, arrival >= 0 and GPUs >= 1")
+        if steps <= 0 or arrival < 0 or not 1 <= gpus <= MAX_GPUS or not math.isfinite(steps + arrival):
+            raise UserError(f"{path}:{number}: steps must be > 0, arrival >= 0 and GPUs between 1 and {MAX_GPUS:,}")
         fam = _family(job_type)
         duration = steps / _steps_per_second(table, job_type, gpus)
         speedup = _steps_per_second(table, job_type, gpus) / _steps_per_second(table, job_type, 1)

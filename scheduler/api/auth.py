@@ -63,6 +63,8 @@ def parse_tokens_file(path: Path) -> dict[str, str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UserError(f"cannot read tokens file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise UserError(f"tokens file {path} is not UTF-8 text; write one 'user:token' per line") from None
     users: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()

@@ -13,7 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from estimator.access import AccessPattern, parse_access
 from estimator.errors import UserError
-from estimator.units import parse_rate, parse_size
+from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
 from scheduler.service import MAX_BYTES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -34,21 +34,22 @@ def _as_rate(value: Any) -> Any:
 
 _SIZE_SCHEMA = {
     "anyOf": [
-        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_BYTES},
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SIZE_BYTES},
         {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?\s*[A-Za-z]*\s*$", "examples": ["143GB"]},
     ],
-    "description": "bytes, as a number or with a unit: 143GB, 1.3TB, 512MiB",
+    "description": "bytes, as a number or with a unit: 143GB, 1.3TB, 512MiB; at most 1EB",
 }
 _RATE_SCHEMA = {
     "anyOf": [
-        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_BYTES},
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_RATE_BYTES_PER_S},
         {"type": "string", "examples": ["114MB/s", "1Gbps"]},
     ],
-    "description": "bytes/s, as a number or with a unit: 114MB/s, 1Gbps, 100MiB/s",
+    "description": "bytes/s, as a number or with a unit: 114MB/s, 1Gbps, 100MiB/s; at most 10TB/s",
 }
 
-Size = Annotated[float, BeforeValidator(_as_size), Field(gt=0, le=MAX_BYTES), WithJsonSchema(_SIZE_SCHEMA)]
-Rate = Annotated[float, BeforeValidator(_as_rate), Field(gt=0, le=MAX_BYTES), WithJsonSchema(_RATE_SCHEMA)]
+# Bounds come from estimator.units, the one place the CLI, trace reader and data manager share.
+Size = Annotated[float, BeforeValidator(_as_size), Field(gt=0, le=MAX_SIZE_BYTES), WithJsonSchema(_SIZE_SCHEMA)]
+Rate = Annotated[float, BeforeValidator(_as_rate), Field(gt=0, le=MAX_RATE_BYTES_PER_S), WithJsonSchema(_RATE_SCHEMA)]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=NAME_PATTERN)]
 
 
@@ -130,7 +131,7 @@ class AccessOut(BaseModel):
 
 class JobIn(_Strict):
     name: Name = Field(examples=["resnet50-run1"])
-    gpus: int = Field(ge=1, le=100_000, description="GPUs the job needs (gang-scheduled)")
+    gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs the job needs (gang-scheduled)")
     dataset: Name = Field(description="a registered dataset")
     epochs: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
     steps: int | None = Field(default=None, ge=1, le=2_000_000_000, description="with step_bytes, instead of epochs")

@@ -195,7 +195,9 @@ def load_backend(name: str, config: BackendConfig) -> ClusterBackend:
     except ModuleNotFoundError as exc:
         if exc.name == module_name:
             raise UserError(f"backend {name!r} is not available in this installation ({module_name} is missing)") from exc
-        raise UserError(f"backend {name!r} cannot be loaded: missing module {exc.name!r}") from exc
+        extra = {"kubernetes": "kubernetes"}.get(name)
+        hint = f"; install it with pip install 'silod[{extra}]'" if extra else ""
+        raise UserError(f"backend {name!r} cannot be loaded: missing module {exc.name!r}{hint}") from exc
     except ImportError as exc:
         raise UserError(f"backend {name!r} cannot be loaded: {exc}") from exc
     factory = getattr(module, "create_backend", None)

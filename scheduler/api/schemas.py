@@ -14,7 +14,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from estimator.access import AccessPattern, parse_access
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
-from scheduler.service import MAX_BYTES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"

@@ -123,6 +123,14 @@ class Simulator:
             )
         if not trace.jobs:
             raise UserError("the trace has no jobs")
+        irregular = [j for j in trace.jobs if not j.access.regular]
+        if irregular:
+            j = irregular[0]
+            raise UserError(
+                f"job {j.job_id} has access={j.access.kind.value}: silod simulate models epoch reads only; curriculum and "
+                f"irregular reads (and the LRU partition they are scheduled in) are not simulated yet. Drop the access "
+                f"columns to simulate these jobs as epoch readers ({len(irregular)} such job(s))"
+            )
         self.trace = trace
         self.capacity = capacity
         self.config = config

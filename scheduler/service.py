@@ -18,231 +18,57 @@ SQLite has a single writer anyway and PostgreSQL rows are few and hot.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import Any
 
 from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from estimator.errors import UserError
 from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy
-from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
-from scheduler.backends.base import ClusterBackend, ClusterDescription, DatasetInfo, JobAllocation, JobEvent, JobSpec
+from policies.types import DatasetView, JobView, Snapshot
+from scheduler.backends.base import ClusterBackend, DatasetInfo, JobAllocation, JobEvent, JobSpec
+from scheduler.catalogue import Catalogue, parse_job_id
 from scheduler.core import RoundPlan, SchedulingCore
 from scheduler.db.models import (
     ACTIVE_STATES,
     AllocationChange,
     CacheAllocationRow,
     Dataset,
+    DatasetGrant,
     Job,
     JobAllocationRow,
     JobState,
+    Quota,
     Round,
     Setting,
 )
-from traces.catalog import lookup_model
 
 log = logging.getLogger("silod.service")
 
-MAX_BYTES = 1e21  # larger sizes are typos (a zettabyte dataset), not data
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-ADMIN = "admin"
-
-
-# --- errors the API turns into status codes (all are UserErrors, so the CLI prints them) ---
-
-
-class ServiceError(UserError):
-    status = 422
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-class NotFoundError(ServiceError):
-    status = 404
-
-
-class ConflictError(ServiceError):
-    status = 409
-
-
-class ForbiddenError(ServiceError):
-    status = 403
-
-
-def check_name(value: str, what: str) -> str:
-    """Names end up in paths (mount points, cache directories, pod names): no '/', no '..'."""
-    if not isinstance(value, str) or not NAME_RE.match(value) or ".." in value:
-        raise ServiceError(
-            f"{what} {value!r} is not a valid name: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit, without '/' or '..'",
-            field=what,
-        )
-    return value
-
-
-# --- the data-manager edge ---
-
-
-@runtime_checkable
-class StoragePusher(Protocol):
-    """What the service needs from the data manager (datamanager.client implements it)."""
-
-    def allocate_cache_size(self, dataset: str, bytes: float) -> Any: ...  # noqa: A002 - the data manager's name
-
-    def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1) -> Any: ...
-
-    def status(self) -> Any: ...
-
-
-# --- inputs and outputs of the service layer ---
+from scheduler.service_types import (  # noqa: F401 - re-exported: callers import these from here
+    ADMIN, MAX_BYTES, ConflictError, ForbiddenError, NotFoundError, ServiceError, check_name,
+    storage_key, dataset_id_of_key, StoragePusher, Principal, NewDataset, NewJob, DatasetRecord, JobRecord,
+    JobAllocationRecord, CacheAllocationRecord, AllocationsRecord, ChangeRecord, ClusterRecord, RoundResult,
+    ServiceConfig,
+    TenantQuota,
+)
+from scheduler.quota_admission import TenantJob, admit, clamp_cache
 
 
 @dataclass(frozen=True, slots=True)
-class Principal:
-    user: str
-    is_admin: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class NewDataset:
-    name: str
-    uri: str
-    size: float
-    item_count: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class NewJob:
-    name: str
-    gpus: int
-    dataset: str
-    epochs: float | None = None
-    steps: int | None = None
-    step_bytes: float | None = None
-    ideal_throughput: float | None = None
-    model: str | None = None
-    priority: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class DatasetRecord:
-    name: str
-    uri: str
-    size: float
-    item_count: int | None
-    owner: str
-    created_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class JobRecord:
-    id: str
-    name: str
-    owner: str
-    gpus: int
-    dataset: str
-    model: str | None
-    ideal_throughput: float
-    epochs: float | None
-    steps: int | None
-    step_bytes: float | None
-    total_bytes: float
-    consumed_bytes: float
-    remaining_bytes: float
-    priority: int
-    state: str
-    submit_time: float
-    start_time: float | None
-    finish_time: float | None
-    message: str
-    allocated_gpus: int
-    gpu_share: float
-    remote_io: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class JobAllocationRecord:
-    job_id: str
-    owner: str
-    gpus: int
-    gpu_share: float
-    running: bool
-    remote_io: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class CacheAllocationRecord:
-    dataset: str
-    bytes: float
-    size: float
-
-
-@dataclass(frozen=True, slots=True)
-class AllocationsRecord:
-    round_id: int | None
-    time: float | None
-    policy: str
-    jobs: tuple[JobAllocationRecord, ...]
-    cache: tuple[CacheAllocationRecord, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ChangeRecord:
-    id: int
-    round_id: int | None
-    time: float
-    subject_kind: str
-    subject: str
-    resource: str
-    old_value: float | None
-    new_value: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterRecord:
-    description: ClusterDescription
-    capacity: ClusterCapacity
-    gpus_used: int
-    cache_used: float
-    remote_io_used: float
-    jobs_by_state: Mapping[str, int]
-    backend: str
-    datamanager: str | None
-    last_round_time: float | None
-    last_push_error: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RoundResult:
-    round_id: int
-    reason: str
-    active: int
-    running: tuple[str, ...]
-    started: tuple[str, ...]
-    stopped: tuple[str, ...]
-    changes: int
-    duration_s: float
-    plan: RoundPlan | None
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceConfig:
-    capacity: ClusterCapacity
-    policy: str | None = None  # None: the persisted policy, else fifo
-    round_seconds: float = 360.0
-    poll_seconds: float = 1.0  # how often the backend is polled for events between rounds
-    min_event_gap_s: float = 2.0  # event-triggered rounds at most this often (bursts coalesce)
-    gpu_speed: float = 1.0  # multiplies catalog f* (per V100) for this cluster's GPUs
+class _RoundInput:
+    snapshot: Snapshot  # the jobs admitted within their tenants' quotas
+    held_back: tuple[JobView, ...]  # active jobs a quota keeps from running this round
+    dataset_owner: Mapping[str, str]  # storage key -> tenant charged for its cache
+    quotas: Mapping[str, TenantQuota]
 
 
 @dataclass
@@ -288,6 +114,7 @@ class SchedulerService:
         self.core = SchedulingCore(get_policy(name), SiloDEstimator())
         self.policy_name = name
         self._save_setting("policy", name)
+        self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger)
 
     # ------------------------------------------------------------------ settings / policy
 
@@ -318,180 +145,30 @@ class SchedulerService:
         self.trigger("policy")
         return name
 
-    # ------------------------------------------------------------------ datasets
+    # ------------------------------------------------------------------ the catalogue (delegated)
 
     def register_dataset(self, who: Principal, req: NewDataset) -> tuple[DatasetRecord, bool]:
-        """Register a dataset; re-registering identical fields is a no-op (returns created=False)."""
-        check_name(req.name, "name")
-        if not (0 < req.size <= MAX_BYTES) or not math.isfinite(req.size):
-            raise ServiceError(f"size {req.size!r} must be > 0 and <= 1e21 bytes", field="size")
-        with self._write_lock, self.sessions.begin() as s:
-            existing = s.scalar(select(Dataset).where(Dataset.name == req.name))
-            if existing is not None:
-                same = (existing.uri, existing.size, existing.item_count) == (req.uri, req.size, req.item_count)
-                if not same:
-                    raise ConflictError(f"dataset {req.name!r} is already registered with different uri/size", field="name")
-                return self._dataset_record(existing), False
-            row = Dataset(
-                name=req.name, uri=req.uri, size=float(req.size), item_count=req.item_count,
-                owner=who.user, created_at=time.time(),
-            )
-            s.add(row)
-            s.flush()
-            return self._dataset_record(row), True
+        return self.catalogue.register_dataset(who, req)
 
-    @staticmethod
-    def _dataset_record(d: Dataset) -> DatasetRecord:
-        return DatasetRecord(d.name, d.uri, d.size, d.item_count, d.owner, d.created_at)
+    def list_datasets(self, who: Principal) -> list[DatasetRecord]:
+        return self.catalogue.list_datasets(who)
 
-    def list_datasets(self) -> list[DatasetRecord]:
-        with self.sessions() as s:
-            return [self._dataset_record(d) for d in s.scalars(select(Dataset).order_by(Dataset.name))]
+    def get_dataset(self, who: Principal, name: str, owner: str | None = None) -> DatasetRecord:
+        return self.catalogue.get_dataset(who, name, owner)
 
-    def get_dataset(self, name: str) -> DatasetRecord:
-        with self.sessions() as s:
-            d = s.scalar(select(Dataset).where(Dataset.name == name))
-            if d is None:
-                raise NotFoundError(f"no dataset named {name!r}", field="name")
-            return self._dataset_record(d)
-
-    # ------------------------------------------------------------------ jobs
-
-    def submit_job(self, who: Principal, req: NewJob) -> JobRecord:
-        check_name(req.name, "name")
-        check_name(req.dataset, "dataset")
-        cap = self.config.capacity
-        if req.gpus < 1:
-            raise ServiceError(f"gpus = {req.gpus}; a job needs at least 1 GPU", field="gpus")
-        if req.gpus > cap.gpus:
-            raise ServiceError(f"gpus = {req.gpus} but the cluster has only {cap.gpus} GPUs", field="gpus")
-        if req.ideal_throughput is not None:
-            ideal = float(req.ideal_throughput)
-            if not (0 < ideal <= MAX_BYTES):
-                raise ServiceError("ideal_throughput must be > 0 and <= 1e21 bytes/s", field="ideal_throughput")
-        elif req.model is not None:
-            try:
-                spec = lookup_model(req.model)
-            except UserError as exc:
-                raise ServiceError(str(exc), field="model") from exc
-            ideal = spec.ideal_per_gpu * req.gpus * self.config.gpu_speed
-        else:
-            raise ServiceError("give ideal_throughput (bytes/s, e.g. \"114MB/s\") or a catalog model", field="ideal_throughput")
-        with self._write_lock, self.sessions.begin() as s:
-            ds = s.scalar(select(Dataset).where(Dataset.name == req.dataset))
-            if ds is None:
-                raise ServiceError(f"unknown dataset {req.dataset!r}; register it first with POST /v1/datasets", field="dataset")
-            if req.epochs is not None and req.steps is None:
-                if not (0 < req.epochs <= 1e6):
-                    raise ServiceError("epochs must be > 0 and <= 1e6", field="epochs")
-                total = req.epochs * ds.size
-            elif req.steps is not None and req.step_bytes is not None and req.epochs is None:
-                total = req.steps * req.step_bytes
-            else:
-                raise ServiceError("give either epochs, or steps together with step_bytes", field="epochs")
-            if not (0 < total <= MAX_BYTES):
-                raise ServiceError(f"the job would read {total:.3g} bytes; must be > 0 and <= 1e21", field="epochs")
-            job = Job(
-                name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
-                ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
-                total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
-                submit_time=time.time(), message="",
-            )
-            job.allocation = None  # known empty: no lazy SELECT when the record is built
-            job.dataset = ds
-            s.add(job)
-            s.flush()
-            record = self._job_record(job)
-        self.trigger("submit")
-        return record
-
-    @staticmethod
-    def _job_record(j: Job) -> JobRecord:
-        a = j.allocation
-        return JobRecord(
-            id=str(j.id), name=j.name, owner=j.owner, gpus=j.gpus, dataset=j.dataset.name, model=j.model,
-            ideal_throughput=j.ideal_throughput, epochs=j.epochs, steps=j.steps, step_bytes=j.step_bytes,
-            total_bytes=j.total_bytes, consumed_bytes=j.consumed_bytes,
-            remaining_bytes=max(j.total_bytes - j.consumed_bytes, 0.0), priority=j.priority,
-            state=JobState(j.state).value, submit_time=j.submit_time, start_time=j.start_time,
-            finish_time=j.finish_time, message=j.message,
-            allocated_gpus=a.gpus if a else 0, gpu_share=a.gpu_share if a else 0.0,
-            remote_io=a.remote_io if a else None,
-        )
-
-    @staticmethod
-    def _parse_job_id(job_id: str) -> int | None:
-        # Ids are decimal integers; anything else cannot exist (404, not 422: ids are opaque).
-        if not job_id.isascii() or not job_id.isdigit() or len(job_id) > 18:
-            return None
-        return int(job_id)
-
-    def _load_job(self, s: Session, who: Principal, job_id: str) -> Job:
-        pk = self._parse_job_id(job_id)
-        job = s.get(Job, pk) if pk is not None else None
-        # Another user's job is reported as missing: its existence is not theirs to know.
-        if job is None or (not who.is_admin and job.owner != who.user):
-            raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
-        return job
+    def submit_job(self, who: Principal, req: NewJob, idempotency_key: str | None = None) -> JobRecord:
+        return self.catalogue.submit_job(who, req, idempotency_key)[0]
 
     def get_job(self, who: Principal, job_id: str) -> JobRecord:
-        with self.sessions() as s:
-            return self._job_record(self._load_job(s, who, job_id))
-
-    _RECORD_COLUMNS = (
-        Job.id, Job.name, Job.owner, Job.gpus, Dataset.name, Job.model, Job.ideal_throughput, Job.epochs, Job.steps,
-        Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
-        Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
-        JobAllocationRow.remote_io,
-    )
+        return self.catalogue.get_job(who, job_id)
 
     def list_jobs(
         self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0
     ) -> list[JobRecord]:
-        # Plain columns, not ORM objects: listing is the hottest read and ORM loading tripled its cost.
-        q = (
-            select(*self._RECORD_COLUMNS)
-            .join(Dataset, Job.dataset_id == Dataset.id)
-            .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
-            .order_by(Job.id)
-        )
-        if not who.is_admin:
-            q = q.where(Job.owner == who.user)
-        elif owner is not None:
-            q = q.where(Job.owner == owner)
-        if state is not None:
-            if state == "active":
-                q = q.where(Job.state.in_(ACTIVE_STATES))
-            else:
-                try:
-                    q = q.where(Job.state == JobState(state))
-                except ValueError:
-                    valid = ", ".join([*(s.value for s in JobState), "active"])
-                    raise ServiceError(f"unknown state {state!r}; choose one of: {valid}", field="state") from None
-        q = q.limit(limit).offset(offset)
-        with self.sessions() as s:
-            return [
-                JobRecord(
-                    id=str(r[0]), name=r[1], owner=r[2], gpus=r[3], dataset=r[4], model=r[5], ideal_throughput=r[6],
-                    epochs=r[7], steps=r[8], step_bytes=r[9], total_bytes=r[10], consumed_bytes=r[11],
-                    remaining_bytes=max(r[10] - r[11], 0.0), priority=r[12], state=JobState(r[13]).value,
-                    submit_time=r[14], start_time=r[15], finish_time=r[16], message=r[17],
-                    allocated_gpus=r[18] or 0, gpu_share=r[19] or 0.0, remote_io=r[20],
-                )
-                for r in s.execute(q)
-            ]
+        return self.catalogue.list_jobs(who, state, owner, limit, offset)
 
     def cancel_job(self, who: Principal, job_id: str) -> JobRecord:
-        with self._write_lock, self.sessions.begin() as s:
-            job = self._load_job(s, who, job_id)
-            if not JobState(job.state).active:
-                raise ConflictError(f"job {job_id} is already {JobState(job.state).value}", field="job_id")
-            job.state = JobState.CANCELLED
-            job.finish_time = time.time()
-            job.message = f"cancelled by {who.user}"
-            record = self._job_record(job)
-        self.trigger("cancel")
-        return record
+        return self.catalogue.cancel_job(who, job_id)
 
     # ------------------------------------------------------------------ cluster / allocations
 
@@ -526,11 +203,13 @@ class SchedulerService:
                 JobAllocationRecord(str(a.job_id), owner, a.gpus, a.gpu_share, a.running, a.remote_io)
                 for a, owner in s.execute(q)
             )
+            cq = select(CacheAllocationRow.bytes, Dataset.id, Dataset.name, Dataset.owner, Dataset.size).join(Dataset)
+            if not who.is_admin:  # your datasets and those shared with you; others' names are not yours to see
+                granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
+                cq = cq.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
             cache = tuple(
-                CacheAllocationRecord(name, b, size)
-                for b, name, size in s.execute(
-                    select(CacheAllocationRow.bytes, Dataset.name, Dataset.size).join(Dataset).order_by(Dataset.name)
-                )
+                CacheAllocationRecord(name, owner, storage_key(did, name), b, size)
+                for b, did, name, owner, size in s.execute(cq.order_by(Dataset.name, Dataset.owner))
             )
         return AllocationsRecord(
             round_id=last.id if last else None, time=last.time if last else None,
@@ -639,7 +318,7 @@ class SchedulerService:
                 if job is not None and job.state == JobState.RUNNING:
                     job.state = JobState.QUEUED
                     job.message = "requeued after a scheduler restart"
-            ours = {pk: jid for jid in alive - kept if (pk := self._parse_job_id(jid)) is not None}
+            ours = {pk: jid for jid in alive - kept if (pk := parse_job_id(jid)) is not None}
             if ours:
                 known = set(s.scalars(select(Job.id).where(Job.id.in_(list(ours)))).all())
                 orphans = sorted(ours[pk] for pk in known)
@@ -658,7 +337,7 @@ class SchedulerService:
         ended = False
         with self._write_lock, self.sessions.begin() as s:
             for ev in events:
-                pk = self._parse_job_id(ev.job_id)
+                pk = parse_job_id(ev.job_id)
                 job = s.get(Job, pk) if pk is not None else None
                 if job is None:
                     log.warning("event for unknown job %r ignored", ev.job_id)
@@ -682,31 +361,58 @@ class SchedulerService:
         return ended
 
     def build_snapshot(self, now: float | None = None) -> Snapshot:
-        """An immutable view of the active jobs, read in one transaction."""
+        """An immutable view of the active jobs within their tenants' quotas, read in one transaction."""
+        return self._round_input(now).snapshot
+
+    def _round_input(self, now: float | None = None) -> _RoundInput:
         now = time.time() if now is None else now
         q = (
             select(
-                Job.id, Job.gpus, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
-                Job.submit_time, Job.state, Job.priority, Dataset.size,
+                Job.id, Job.gpus, Dataset.id, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
+                Job.submit_time, Job.state, Job.priority, Dataset.size, Job.owner,
             )
             .join(Dataset, Job.dataset_id == Dataset.id)
             .where(Job.state.in_(ACTIVE_STATES))
             .order_by(Job.submit_time, Job.id)
         )
-        jobs: list[JobView] = []
-        datasets: dict[str, DatasetView] = {}
+        jobs: list[TenantJob] = []
+        sizes: dict[str, float] = {}
+        owners: dict[str, str] = {}
         cached = self.measured_cache()
-        with self.sessions() as s:
-            for jid, gpus, ds, ideal, total, consumed, submit, state, prio, size in s.execute(q):
-                jobs.append(
-                    JobView(
-                        job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
-                        remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
-                        running=state == JobState.RUNNING, priority=prio,
-                    )
+        # One read transaction: the jobs, their datasets and the quotas are one consistent state.
+        with self.sessions() as s, s.begin():
+            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner in s.execute(q):
+                ds = storage_key(ds_id, ds_name)
+                view = JobView(
+                    job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
+                    remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
+                    running=state == JobState.RUNNING, priority=prio,
                 )
-                datasets[ds] = DatasetView(ds, size, cached=None if cached is None else float(cached.get(ds, 0.0)))
-        return Snapshot(time=now, jobs=tuple(jobs), datasets=datasets, capacity=self.config.capacity)
+                jobs.append(TenantJob(view, owner))
+                sizes[ds] = size
+            if jobs:
+                for ds_id, ds_name, ds_owner in s.execute(
+                    select(Dataset.id, Dataset.name, Dataset.owner).where(Dataset.id.in_({dataset_id_of_key(k) for k in sizes}))
+                ):
+                    owners[storage_key(ds_id, ds_name)] = ds_owner
+            quotas = {
+                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
+            }
+        admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        datasets = {
+            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else float(cached.get(v.dataset, 0.0)))
+            for v in admitted
+        }
+        snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
+        return _RoundInput(snapshot, tuple(held_back), owners, quotas)
+
+    def _enforce_cache_quota(self, plan: RoundPlan, inp: _RoundInput) -> RoundPlan:
+        if plan.cache is None:
+            return plan
+        clamped = clamp_cache(plan.cache, inp.dataset_owner, inp.quotas, self.config.default_quota)
+        if clamped == dict(plan.cache):
+            return plan
+        return dataclasses.replace(plan, cache=MappingProxyType(clamped))
 
     def measured_cache(self) -> dict[str, float] | None:
         """Bytes of each dataset in cache now, as the system measures them (`DatasetView.cached`).
@@ -741,9 +447,10 @@ class SchedulerService:
             if self._last_round is not None:
                 prev_snap, prev_plan, prev_time = self._last_round
                 self.core.record(prev_snap, prev_plan, max(now - prev_time, 0.0))
-            snapshot = self.build_snapshot(now)
-            plan = self.core.plan(snapshot) if snapshot.jobs else None
-            pending, round_id, changes = self._persist(snapshot, plan, reason, now, t0)
+            inp = self._round_input(now)
+            snapshot = inp.snapshot
+            plan = self._enforce_cache_quota(self.core.plan(snapshot), inp) if snapshot.jobs else None
+            pending, round_id, changes = self._persist(snapshot, plan, reason, now, t0, inp.held_back)
             self._execute(pending)
             self._last_round = (snapshot, plan, now) if plan is not None else None
             self._last_round_time = now
@@ -771,7 +478,8 @@ class SchedulerService:
         ]
 
     def _persist(
-        self, snapshot: Snapshot, plan: RoundPlan | None, reason: str, now: float, t0: float
+        self, snapshot: Snapshot, plan: RoundPlan | None, reason: str, now: float, t0: float,
+        held_back: tuple[JobView, ...] = (),
     ) -> tuple[_Pending, int, int]:
         pending = _Pending()
         audit: list[dict[str, Any]] = []
@@ -786,14 +494,15 @@ class SchedulerService:
             s.add(rnd)
             s.flush()
             rid = rnd.id
-            ids = [int(j.job_id) for j in snapshot.jobs]
+            views = (*snapshot.jobs, *held_back)  # held back by a quota: active, but not to run
+            ids = [int(j.job_id) for j in views]
             # Current states as plain tuples: loading 1,000 ORM jobs would dominate the round.
             states: dict[int, JobState] = {}
             for chunk in range(0, len(ids), 500):  # bounded IN lists
                 states.update(s.execute(select(Job.id, Job.state).where(Job.id.in_(ids[chunk : chunk + 500]))).all())
             transitions: list[tuple[int, bool, JobAllocation, str]] = []  # (job, run?, allocation, dataset)
             allocs = {a.job_id: a for a in s.scalars(select(JobAllocationRow))}
-            for view in snapshot.jobs:
+            for view in views:
                 jid = int(view.job_id)
                 state = states.get(jid)
                 # A job cancelled while the policy was thinking must not be started now.
@@ -855,21 +564,20 @@ class SchedulerService:
                 s.delete(row)
             # Cache per dataset: datasets with no active job get their cache back.
             rows = {
-                name: row
-                for row, name in s.execute(select(CacheAllocationRow, Dataset.name).join(Dataset))
+                storage_key(did, name): row
+                for row, did, name in s.execute(select(CacheAllocationRow, Dataset.id, Dataset.name).join(Dataset))
             }
             if plan is not None and plan.cache is not None:
                 wanted = {name: float(plan.cache.get(name, 0.0)) for name in snapshot.datasets}
             else:
                 wanted = {}
-            ds_ids = dict(s.execute(select(Dataset.name, Dataset.id).where(Dataset.name.in_(list(wanted)))).all()) if wanted else {}
             for name, nbytes in wanted.items():
                 row = rows.pop(name, None)
                 old = row.bytes if row else None
                 if old != nbytes:
                     audit += self._changes(rid, now, "dataset", name, {"cache": (old, nbytes)})
                     if row is None:
-                        s.add(CacheAllocationRow(dataset_id=ds_ids[name], bytes=nbytes, round_id=rid, updated_at=now))
+                        s.add(CacheAllocationRow(dataset_id=dataset_id_of_key(name), bytes=nbytes, round_id=rid, updated_at=now))
                     else:
                         row.bytes, row.round_id, row.updated_at = nbytes, rid, now
                 pending.cache[name] = nbytes
@@ -902,7 +610,7 @@ class SchedulerService:
                 d = job.dataset
                 spec = JobSpec(
                     job_id=str(jid), name=job.name, owner=job.owner, gpus=job.gpus,
-                    dataset=DatasetInfo(d.name, d.uri, d.size, d.item_count),
+                    dataset=DatasetInfo(storage_key(d.id, d.name), d.uri, d.size, d.item_count),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
                 )

@@ -64,6 +64,42 @@ def make_pusher(url: str) -> Any:
     return pusher
 
 
+def parse_quota(value: str | None) -> Any:
+    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
+    from estimator.units import parse_size
+    from scheduler.service_types import TenantQuota
+
+    if not value:
+        return TenantQuota()
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
+    out: dict[str, Any] = {}
+    for item in value.split(","):
+        key, sep, val = item.strip().partition("=")
+        if not sep or key not in names:
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
+        if key == "cache":
+            out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif val.strip().isdigit():
+            out[names[key]] = int(val)
+        else:
+            raise UserError(f"--default-quota {key}={val!r} must be a whole number >= 0")
+    return TenantQuota(**out)
+
+
+def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None) -> Any:
+    """Tokens for `silod serve`: the admin token from the environment, the tokens file imported
+    into the database (revocable there), HMAC key from SILOD_TOKEN_KEY or state_dir/token.key."""
+    from scheduler.api.auth import ADMIN_TOKEN_ENV, METRICS_TOKEN_ENV, TokenStore, load_token_key
+
+    store = TokenStore(engine, load_token_key(state_dir), admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+                       metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
+    if tokens_file is not None:
+        store.import_file(tokens_file)
+    if not os.environ.get(ADMIN_TOKEN_ENV) and tokens_file is None and not store.list():
+        raise UserError(f"no API tokens: set {ADMIN_TOKEN_ENV} and/or pass --tokens FILE (lines 'user:token')")
+    return store
+
+
 def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
     opts: dict[str, str] = {}
     for item in values or []:
@@ -89,13 +125,17 @@ def build_service(
     datamanager: str | None = None,
     state_dir: Path = Path("silod-state"),
     backend_opts: dict[str, str] | None = None,
+    allowed_uris: list[str] | None = None,
+    default_quota: Any = None,
 ):  # type: ignore[no-untyped-def]
     """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it)."""
     from policies.registry import available_policies
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.cluster import load_cluster
     from scheduler.db import open_database
+    from fuse_client.uri_policy import UriPolicy
     from scheduler.service import SchedulerService, ServiceConfig
+    from scheduler.service_types import TenantQuota
 
     if policy is not None and policy not in available_policies():
         raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
@@ -115,7 +155,10 @@ def build_service(
             # Link capacity the policy's caps leave unused goes to running jobs that want more
             # (e.g. while their cache fills), from the workers' measured demand.
             pusher = WorkConservingPusher(pusher, cluster_backend, capacity.remote_io)
-    config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed)
+    config = ServiceConfig(
+        capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
+        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+    )
     return SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
 
 
@@ -185,34 +228,52 @@ def register(app: typer.Typer) -> None:
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
         state_dir: Annotated[Path, typer.Option("--state-dir", help="directory the backend may use")] = Path("silod-state"),
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
+        allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
+        max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
+        tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
+        tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Run the scheduler service: REST API under /v1, /docs, /healthz, /metrics."""
         import logging
 
+        from estimator.units import parse_size
+
         host, port = parse_listen(listen)
         round_s = parse_duration(round_)
-        from scheduler.api.auth import ADMIN_TOKEN_ENV, TokenStore
-
-        token_store = TokenStore.load(os.environ.get(ADMIN_TOKEN_ENV), tokens)
+        body_cap = int(parse_size(max_body, what="--max-body"))
+        if (tls_cert is None) != (tls_key is None):
+            raise UserError("--tls-cert and --tls-key go together")
+        for f in (tls_cert, tls_key):
+            if f is not None and not f.is_file():
+                raise UserError(f"TLS file {f} does not exist")
         service = build_service(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
             datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            allowed_uris=allow_uri, default_quota=parse_quota(default_quota),
         )
+        try:
+            token_store = make_token_store(service.engine, state_dir, tokens)
+        except BaseException:
+            service.close()
+            raise
         import uvicorn
 
         from scheduler.api.app import create_app
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(service, token_store)
+        app = create_app(service, token_store, max_body=body_cap)
+        scheme = "https" if tls_cert else "http"
         typer.echo(
-            f"silod serve: http://{host}:{port} (docs at /docs), db {service.engine.url.render_as_string(hide_password=True)}, "
+            f"silod serve: {scheme}://{host}:{port} (docs at /docs), db {service.engine.url.render_as_string(hide_password=True)}, "
             f"backend {backend}, policy {service.policy_name}, round {round_s:g}s",
             err=True,
         )
         try:
-            uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+            uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                        ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
             service.close()
 

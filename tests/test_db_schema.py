@@ -34,7 +34,7 @@ def test_migrations_create_the_model_schema(db_url: str) -> None:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
             version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         assert diff == [], f"models and migrations disagree: {diff}"
-        assert version == "0001"
+        assert version == "0002"
         # Idempotent: opening again (a restart) runs no migration and keeps the version.
         open_database(db_url).dispose()
     finally:
@@ -68,7 +68,7 @@ def test_state_survives_restart(db_url: str, tmp_path) -> None:
         jobs = svc2.list_jobs(ADMIN)
         assert [j.id for j in jobs] == ids
         assert all(j.total_bytes == 1.5 * 143e9 and j.ideal_throughput == 4 * 114e6 for j in jobs)
-        assert svc2.get_dataset("imagenet").item_count == 1_281_167
+        assert svc2.get_dataset(ALICE, "imagenet").item_count == 1_281_167
         # Allocations are still in the database before the restarted service recovers.
         assert svc2.allocations(ADMIN).cache == before_alloc.cache
         with svc2.sessions() as s:

@@ -394,3 +394,48 @@ def test_errors_do_not_echo_internal_paths(client: TestClient, app_service, tmp_
     r = client.get("/v1/jobs", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 503 and r.headers["retry-after"] and str(tmp_path) not in r.text
     assert r.json()["detail"].startswith("the database is unavailable")
+
+
+# ------------------------------------------------------------------ database outage (real PostgreSQL)
+
+try:
+    from pg_fixture import private_pg  # noqa: F401
+except ImportError:
+    from tests.pg_fixture import private_pg  # noqa: F401
+
+
+@pytest.mark.postgres
+def test_database_stopped_and_restarted_gives_json_503_then_recovers(private_pg, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """PostgreSQL stops mid-traffic: every request is a JSON 503 with Retry-After (never another
+    5xx, never a hang), nothing acknowledged before is lost, and once the server is back the
+    service answers again by itself (no restart)."""
+    import httpx
+
+    app, service = make_app(private_pg.url, tmp_path, run_loop=True)
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+        acked = [c.post("/v1/jobs", json={**JOB, "name": f"j{i}"}, headers=H_ALICE).json()["id"] for i in range(5)]
+        private_pg.stop()
+        statuses = []
+        for i in range(6):
+            for method, path, kw in (("POST", "/v1/jobs", {"json": {**JOB, "name": f"down{i}"}}), ("GET", "/v1/jobs", {}),
+                                     ("GET", f"/v1/jobs/{acked[0]}", {})):
+                r = c.request(method, path, headers=H_ALICE, **kw)
+                statuses.append(r.status_code)
+                assert r.status_code == 503, (method, path, r.status_code, r.text)
+                assert r.headers["retry-after"] and r.json()["detail"].startswith("the database is unavailable")
+                assert "postgres" not in r.text.lower() and "127.0.0.1" not in r.text
+        # A token never seen before needs the database: 503 as well, not 401.
+        r = c.get("/v1/jobs", headers={"Authorization": "Bearer never-seen-token-123"})
+        assert r.status_code == 503
+        assert c.get("/healthz").status_code == 503
+        private_pg.start()
+        deadline = time.monotonic() + 30
+        while c.get("/v1/jobs", headers=H_ALICE).status_code != 200:
+            assert time.monotonic() < deadline, "the service did not recover after the database came back"
+            time.sleep(0.2)
+        listed = [j["id"] for j in c.get("/v1/jobs", headers=H_ALICE).json()]
+        assert listed == acked  # nothing acknowledged was lost, nothing refused was created
+        assert c.post("/v1/jobs", json={**JOB, "name": "after"}, headers=H_ALICE).status_code == 201
+        assert c.get("/healthz").status_code == 200
+    service.close()

@@ -53,6 +53,9 @@ from scheduler.db.models import (
 
 log = logging.getLogger("silod.service")
 
+PROGRESS_SLACK = 1.25  # a job reads at most its f*; 25% for clock skew and measurement noise
+PROGRESS_BURST_S = 2.0  # and a couple of seconds' worth that a report may lag behind
+
 from scheduler.service_types import (  # noqa: F401 - re-exported: callers import these from here
     ADMIN, MAX_BYTES, ConflictError, ForbiddenError, NotFoundError, ServiceError, check_name,
     storage_key, dataset_id_of_key, StoragePusher, Principal, NewDataset, NewJob, DatasetRecord, JobRecord,
@@ -108,6 +111,7 @@ class SchedulerService:
         self._pushed_io: dict[str, float] = {}
         self.last_push_error: str | None = None
         self.rounds_total = 0
+        self._progress_seen: dict[int, float] = {}  # job id -> when its progress was last believed
         self.round_durations: list[float] = []  # recent, for /metrics
         self._description = backend.describe()
         name = config.policy or self._stored_policy() or "fifo"
@@ -335,6 +339,7 @@ class SchedulerService:
         if not events:
             return False
         ended = False
+        now = time.time()
         with self._write_lock, self.sessions.begin() as s:
             for ev in events:
                 pk = parse_job_id(ev.job_id)
@@ -344,13 +349,15 @@ class SchedulerService:
                     continue
                 if ev.consumed_bytes is not None and math.isfinite(ev.consumed_bytes):
                     # Cumulative and monotone: a repeated or reordered event never loses progress.
-                    job.consumed_bytes = min(max(job.consumed_bytes, float(ev.consumed_bytes)), job.total_bytes)
+                    reported = min(float(ev.consumed_bytes), job.total_bytes)
+                    if reported > job.consumed_bytes:
+                        job.consumed_bytes = self._plausible_progress(job, reported, now)
                 if not JobState(job.state).active:
                     continue
                 if ev.kind == "finished":
                     job.state = JobState.FINISHED
                     job.finish_time = ev.time or time.time()
-                    job.consumed_bytes = job.total_bytes if ev.consumed_bytes is None else job.consumed_bytes
+                    job.consumed_bytes = job.total_bytes  # done; progress no longer orders anything
                     job.message = ev.message
                     ended = True
                 elif ev.kind == "failed":
@@ -359,6 +366,24 @@ class SchedulerService:
                     job.message = ev.message or "failed"
                     ended = True
         return ended
+
+    def _plausible_progress(self, job: Job, reported: float, now: float) -> float:
+        """Progress reports come from places a job's owner can write (a status file in the job's
+        directory, a pod's annotations), and remaining bytes order the SJF queue. So a report is
+        believed only up to what the job could have read since the last believed one at its f*
+        (`ideal_throughput`, the rate its GPUs consume data at best), times PROGRESS_SLACK, plus
+        PROGRESS_BURST_S seconds' worth for batching: a forged report cannot move a job ahead
+        faster than running it would. Time is the service's clock, never the report's."""
+        since = self._progress_seen.get(job.id, job.start_time)
+        if since is None:  # never started: nothing can have been read
+            log.warning("job %s: progress reported before it ever ran; ignored", job.id)
+            return job.consumed_bytes
+        limit = job.consumed_bytes + job.ideal_throughput * (max(now - since, 0.0) * PROGRESS_SLACK + PROGRESS_BURST_S)
+        self._progress_seen[job.id] = now
+        if reported > limit:
+            log.warning("job %s: reported %.0f bytes consumed, more than its f* allows (%.0f); capped", job.id, reported, limit)
+            return limit
+        return reported
 
     def build_snapshot(self, now: float | None = None) -> Snapshot:
         """An immutable view of the active jobs within their tenants' quotas, read in one transaction."""

@@ -216,7 +216,8 @@ def _serve(tmp: Path, port: int, cache: str = "2MB", extra: tuple[str, ...] = ()
     return subprocess.Popen(
         [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", f"sqlite:///{tmp / 'silod.db'}", "--backend", "local",
          "--gpus", "2", "--gpus-per-node", "2", "--cache", cache, "--remote-io", "8MB/s", "--policy", "fifo", "--round", "2s",
-         "--state-dir", str(tmp / "state"), "--backend-opt", "batch_bytes=256KB", *extra],
+         "--state-dir", str(tmp / "state"), "--backend-opt", "batch_bytes=256KB",
+         "--allow-uri", (tmp / "remote").as_uri() + "/", *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SILOD_ADMIN_TOKEN": "admintoken123"}, start_new_session=True,
     )
 

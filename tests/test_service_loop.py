@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler.backends.base import JobEvent
-from scheduler.db.models import AllocationChange, Round
+from scheduler.db.models import AllocationChange, Job, Round
 from scheduler.service import ConflictError, ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError
 from scheduler.service_cli import build_service
 
@@ -86,6 +86,9 @@ def test_round_starts_fifo_jobs_and_finish_frees_gpus(db_url, tmp_path) -> None:
         assert used.gpus_used == 8 and used.cache_used == pytest.approx(sum(pusher.cache.values()))
 
         # Progress is cumulative and monotone; a finished job frees its GPUs for the next one.
+        # (The job has run for 1000 s: at 400 MB/s it may have read 50 GB; see the forgery test.)
+        with svc.sessions.begin() as s:
+            s.execute(sa.update(Job).where(Job.id == int(a)).values(start_time=time.time() - 1000))
         svc.backend.emit(JobEvent(a, "progress", consumed_bytes=50e9))
         svc.backend.emit(JobEvent(a, "progress", consumed_bytes=20e9))  # late, out of order
         assert svc.apply_events(svc.backend.poll()) is False
@@ -296,6 +299,8 @@ def test_recover_keeps_jobs_the_backend_still_runs(tmp_path) -> None:
         assert {j.job_id: j.running for j in svc2.allocations(ADMIN).jobs}[a] is True
         r = svc2.run_round("test")
         assert set(r.running) == {a, b} and r.started == (b,) and r.stopped == ()  # a is neither stopped nor restarted
+        with svc2.sessions.begin() as s:  # it has been running for 1000 s
+            s.execute(sa.update(Job).where(Job.id == int(a)).values(start_time=time.time() - 1000))
         svc2.backend.emit(JobEvent(a, "progress", consumed_bytes=70e9))  # its progress continues
         svc2.apply_events(svc2.backend.poll())
         assert svc2.get_job(ALICE, a).consumed_bytes == 70e9
@@ -407,5 +412,28 @@ def test_serve_with_local_backend_and_data_manager_uses_the_work_conserving_push
     svc = build_service(db=f"sqlite:///{tmp_path / 'n.db'}", backend="null", state_dir=tmp_path / "state2", **common)
     try:
         assert isinstance(svc.pusher, DataManagerClient)  # other backends: the plain client
+    finally:
+        svc.close()
+
+
+def test_forged_progress_cannot_jump_the_sjf_queue(tmp_path) -> None:
+    """A workload writes its own progress (status file, annotations). Claiming to be nearly done
+    must not move a job ahead: progress is believed only up to what its f* allows in the time
+    it has run, by the service's clock; a job that never ran cannot have progressed at all."""
+    svc = make(f"sqlite:///{tmp_path / 'forge.db'}", tmp_path, policy="sjf")
+    try:
+        honest = svc.submit_job(BOB, NewJob("honest", 8, "openimages", epochs=0.2, ideal_throughput=1e9, dataset_owner="alice")).id
+        cheat = svc.submit_job(ALICE, NewJob("cheat", 8, "imagenet", epochs=5, ideal_throughput=1e9)).id
+        # Before it ever ran, the cheat claims it is 99.99% done.
+        svc.backend.emit(JobEvent(cheat, "progress", consumed_bytes=5 * 143e9 - 1e6, time=0.0))
+        svc.apply_events(svc.backend.poll())
+        assert svc.get_job(ALICE, cheat).consumed_bytes == 0.0
+        r = svc.run_round("test")
+        assert r.running == (honest,)  # SJF: 132 GB left beats 715 GB left
+        # Once running, a report beyond f* x elapsed is capped.
+        svc.backend.emit(JobEvent(honest, "progress", consumed_bytes=132e9 - 1, time=0.0))
+        svc.apply_events(svc.backend.poll())
+        got = svc.get_job(BOB, honest).consumed_bytes
+        assert 0 < got <= 1e9 * (3 * 1.25 + 2.0), got  # seconds since the start at 1 GB/s, not 132 GB
     finally:
         svc.close()

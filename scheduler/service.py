@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from fuse_client.remote import SourceCredential
 from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy
 from policies.types import DatasetView, JobView, Snapshot
@@ -41,6 +42,7 @@ from scheduler.db.models import (
     ACTIVE_STATES,
     AllocationChange,
     CacheAllocationRow,
+    Credential,
     Dataset,
     DatasetGrant,
     Job,
@@ -635,7 +637,8 @@ class SchedulerService:
                 d = job.dataset
                 spec = JobSpec(
                     job_id=str(jid), name=job.name, owner=job.owner, gpus=job.gpus,
-                    dataset=DatasetInfo(storage_key(d.id, d.name), d.uri, d.size, d.item_count),
+                    dataset=DatasetInfo(storage_key(d.id, d.name), d.uri, d.size, d.item_count,
+                                        credential=_source_credential(s, d.credential_id)),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
                 )
@@ -700,6 +703,15 @@ class SchedulerService:
             self.backend.close()
         finally:
             self.engine.dispose()
+
+
+def _source_credential(s: Session, credential_id: int | None) -> SourceCredential | None:
+    """The dataset owner's credential, for the data path (a grantee's job reads with it too:
+    the owner shared the dataset, not their keys' other rights)."""
+    if credential_id is None:
+        return None
+    c = s.get(Credential, credential_id)
+    return None if c is None else SourceCredential(c.access_key_id, c.secret_access_key, c.endpoint_url, c.region)
 
 
 def cached_bytes_from_status(status: Any) -> dict[str, float] | None:

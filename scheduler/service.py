@@ -24,25 +24,23 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from fuse_client.remote import SourceCredential
 from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy
 from policies.types import DatasetView, JobView, Snapshot
-from scheduler.backends.base import ClusterBackend, DatasetInfo, JobAllocation, JobEvent, JobSpec
+from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.catalogue import Catalogue, parse_job_id
 from scheduler.core import RoundPlan, SchedulingCore
 from scheduler.db.models import (
     ACTIVE_STATES,
     AllocationChange,
     CacheAllocationRow,
-    Credential,
     Dataset,
     DatasetGrant,
     Job,
@@ -66,6 +64,7 @@ from scheduler.service_types import (  # noqa: F401 - re-exported: callers impor
     TenantQuota,
 )
 from scheduler.quota_admission import TenantJob, admit, clamp_cache
+from scheduler.round_persistence import Pending, diff_round, read_current, write_round
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +73,6 @@ class _RoundInput:
     held_back: tuple[JobView, ...]  # active jobs a quota keeps from running this round
     dataset_owner: Mapping[str, str]  # storage key -> tenant charged for its cache
     quotas: Mapping[str, TenantQuota]
-
-
-@dataclass
-class _Pending:
-    """Backend actions decided in the persist transaction, executed after commit."""
-
-    stop: list[str] = field(default_factory=list)
-    start: list[tuple[JobSpec, JobAllocation]] = field(default_factory=list)
-    cache: dict[str, float] = field(default_factory=dict)
-    io: dict[str, float] = field(default_factory=dict)
 
 
 class SchedulerService:
@@ -507,148 +496,19 @@ class SchedulerService:
     def _persist(
         self, snapshot: Snapshot, plan: RoundPlan | None, reason: str, now: float, t0: float,
         held_back: tuple[JobView, ...] = (),
-    ) -> tuple[_Pending, int, int]:
-        pending = _Pending()
-        audit: list[dict[str, Any]] = []
-        running = set(plan.running) if plan else set()
-        managed = plan is not None and plan.manages_storage
-        with self._write_lock, self.sessions.begin() as s:
-            rnd = Round(
-                time=now, policy=self.policy_name, reason=reason[:64], active_jobs=len(snapshot.jobs),
-                running_jobs=len(running), changes=0, duration_s=0.0,
-                objective=plan.allocation.objective if plan else None,
+    ) -> tuple[Pending, int, int]:
+        """Read the persisted allocation, diff it against the plan, write only the changes in one
+        short transaction (scheduler/round_persistence.py)."""
+        jobs_now, cache_now = read_current(self.sessions)
+        diff = diff_round(snapshot, held_back, plan, jobs_now, cache_now, now)
+        with self._write_lock:
+            return write_round(
+                self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
+                running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
+                now=now, t0=t0,
             )
-            s.add(rnd)
-            s.flush()
-            rid = rnd.id
-            views = (*snapshot.jobs, *held_back)  # held back by a quota: active, but not to run
-            ids = [int(j.job_id) for j in views]
-            # Current states as plain tuples: loading 1,000 ORM jobs would dominate the round.
-            states: dict[int, JobState] = {}
-            for chunk in range(0, len(ids), 500):  # bounded IN lists
-                states.update(s.execute(select(Job.id, Job.state).where(Job.id.in_(ids[chunk : chunk + 500]))).all())
-            transitions: list[tuple[int, bool, JobAllocation, str]] = []  # (job, run?, allocation, dataset)
-            allocs = {a.job_id: a for a in s.scalars(select(JobAllocationRow))}
-            for view in views:
-                jid = int(view.job_id)
-                state = states.get(jid)
-                # A job cancelled while the policy was thinking must not be started now.
-                active = state is not None and JobState(state).active
-                run = active and view.job_id in running
-                share = plan.allocation.gpu_share.get(view.job_id, 0.0) if (plan and active) else 0.0
-                io: float | None
-                if managed and plan is not None and plan.remote_io is not None:
-                    io = float(plan.remote_io.get(view.job_id, 0.0)) if run else 0.0
-                else:
-                    io = None
-                gpus = view.gpus if run else 0
-                row = allocs.pop(jid, None)
-                if not active:
-                    if row is not None:
-                        allocs[jid] = row  # handled below with the other departed jobs
-                    continue
-                old = (row.gpus, row.gpu_share, row.remote_io, 1.0 if row.running else 0.0) if row else (None, None, None, None)
-                new = (gpus, share, io, 1.0 if run else 0.0)
-                if old != new:
-                    audit += self._changes(
-                        rid, now, "job", view.job_id,
-                        {"gpus": (old[0], new[0]), "gpu_share": (old[1], new[1]), "remote_io": (old[2], new[2]),
-                         "running": (old[3], new[3])},
-                    )
-                    if row is None:
-                        row = JobAllocationRow(job_id=jid, gpus=gpus, gpu_share=share, remote_io=io, running=run, round_id=rid, updated_at=now)
-                        s.add(row)
-                    else:
-                        row.gpus, row.gpu_share, row.remote_io, row.running = gpus, share, io, run
-                        row.round_id, row.updated_at = rid, now
-                was_running = state == JobState.RUNNING
-                if run != was_running:
-                    cache = plan.cache.get(view.dataset) if (plan and plan.cache is not None) else None
-                    transitions.append((jid, run, JobAllocation(view.job_id, gpus, share, cache, io), view.dataset))
-                # IO goes to the data manager for running jobs, and 0 for jobs that just stopped;
-                # a job that never ran has nothing to release.
-                if io is not None and (run or old[3] == 1.0):
-                    pending.io[view.job_id] = io
-            self._apply_transitions(s, transitions, now, pending)
-            # Jobs that left the active states (finished, failed, cancelled) or were not in the
-            # snapshot because they ended before it: release everything they held.
-            ended = s.execute(
-                select(Job.id, Job.state).where(Job.id.in_(list(allocs)))
-            ).all() if allocs else []
-            ended_ids = {jid for jid, state in ended if not JobState(state).active}
-            for jid, row in allocs.items():
-                if jid not in ended_ids:
-                    continue  # submitted after the snapshot: next round decides
-                audit += self._changes(
-                    rid, now, "job", str(jid),
-                    {"gpus": (row.gpus, 0), "gpu_share": (row.gpu_share, 0.0),
-                     "remote_io": (row.remote_io, None), "running": (1.0 if row.running else 0.0, 0.0)},
-                )
-                if row.running:
-                    pending.stop.append(str(jid))
-                if row.remote_io is not None:
-                    pending.io[str(jid)] = 0.0
-                s.delete(row)
-            # Cache per dataset: datasets with no active job get their cache back.
-            rows = {
-                storage_key(did, name): row
-                for row, did, name in s.execute(select(CacheAllocationRow, Dataset.id, Dataset.name).join(Dataset))
-            }
-            if plan is not None and plan.cache is not None:
-                wanted = {name: float(plan.cache.get(name, 0.0)) for name in snapshot.datasets}
-            else:
-                wanted = {}
-            for name, nbytes in wanted.items():
-                row = rows.pop(name, None)
-                old = row.bytes if row else None
-                if old != nbytes:
-                    audit += self._changes(rid, now, "dataset", name, {"cache": (old, nbytes)})
-                    if row is None:
-                        s.add(CacheAllocationRow(dataset_id=dataset_id_of_key(name), bytes=nbytes, round_id=rid, updated_at=now))
-                    else:
-                        row.bytes, row.round_id, row.updated_at = nbytes, rid, now
-                pending.cache[name] = nbytes
-            for name, row in rows.items():
-                audit += self._changes(rid, now, "dataset", name, {"cache": (row.bytes, 0.0)})
-                pending.cache[name] = 0.0
-                s.delete(row)
-            if audit:  # one executemany instead of thousands of ORM objects
-                s.execute(insert(AllocationChange), audit)
-            rnd.changes = len(audit)
-            rnd.duration_s = time.perf_counter() - t0
-        return pending, rid, len(audit)
 
-    @staticmethod
-    def _apply_transitions(
-        s: Session, transitions: list[tuple[int, bool, JobAllocation, str]], now: float, pending: _Pending
-    ) -> None:
-        """Start/stop state changes; only these jobs are loaded as ORM objects."""
-        ids = [jid for jid, *_ in transitions]
-        jobs: dict[int, Job] = {}
-        for chunk in range(0, len(ids), 500):
-            for job in s.scalars(select(Job).where(Job.id.in_(ids[chunk : chunk + 500]))).unique():
-                jobs[job.id] = job
-        for jid, run, alloc, _dataset in transitions:
-            job = jobs[jid]
-            if run:
-                job.state = JobState.RUNNING
-                job.start_time = job.start_time or now
-                job.message = ""
-                d = job.dataset
-                spec = JobSpec(
-                    job_id=str(jid), name=job.name, owner=job.owner, gpus=job.gpus,
-                    dataset=DatasetInfo(storage_key(d.id, d.name), d.uri, d.size, d.item_count,
-                                        credential=_source_credential(s, d.credential_id)),
-                    ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
-                    consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
-                )
-                pending.start.append((spec, alloc))
-            else:
-                job.state = JobState.QUEUED
-                job.message = "preempted"
-                pending.stop.append(str(jid))
-
-    def _execute(self, pending: _Pending) -> None:
+    def _execute(self, pending: Pending) -> None:
         """Backend and data-manager actions for a committed round. Failures are recorded, not raised."""
         for job_id in pending.stop:
             try:
@@ -667,7 +527,7 @@ class SchedulerService:
             self.apply_events(JobEvent(job_id, "failed", message=msg) for job_id, msg in failed.items())
             self.trigger("finish")
 
-    def _push_storage(self, pending: _Pending) -> None:
+    def _push_storage(self, pending: Pending) -> None:
         if self.pusher is None:
             return
         errors = []
@@ -703,15 +563,6 @@ class SchedulerService:
             self.backend.close()
         finally:
             self.engine.dispose()
-
-
-def _source_credential(s: Session, credential_id: int | None) -> SourceCredential | None:
-    """The dataset owner's credential, for the data path (a grantee's job reads with it too:
-    the owner shared the dataset, not their keys' other rights)."""
-    if credential_id is None:
-        return None
-    c = s.get(Credential, credential_id)
-    return None if c is None else SourceCredential(c.access_key_id, c.secret_access_key, c.endpoint_url, c.region)
 
 
 def cached_bytes_from_status(status: Any) -> dict[str, float] | None:

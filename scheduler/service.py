@@ -35,19 +35,19 @@ from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy
 from policies.types import DatasetView, JobView, Snapshot
 from scheduler.backends.base import ClusterBackend, JobEvent
+from scheduler import control
 from scheduler.catalogue import Catalogue, parse_job_id
+from scheduler.loop_runner import LoopRunner
+from scheduler.views import ClusterStatus, ReadViews
 from scheduler.core import RoundPlan, SchedulingCore
 from scheduler.db.models import (
     ACTIVE_STATES,
     AllocationChange,
-    CacheAllocationRow,
     Dataset,
-    DatasetGrant,
     Job,
     JobAllocationRow,
     JobState,
     Quota,
-    Round,
     Setting,
 )
 
@@ -75,7 +75,7 @@ class _RoundInput:
     quotas: Mapping[str, TenantQuota]
 
 
-class SchedulerService:
+class SchedulerService(ReadViews):
     def __init__(
         self,
         engine: Engine,
@@ -92,10 +92,6 @@ class SchedulerService:
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self._write_lock = threading.RLock()
         self._round_lock = threading.Lock()  # one round at a time (timer thread vs direct calls)
-        self._wake = threading.Event()
-        self._wake_reasons: set[str] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._last_round: tuple[Snapshot, RoundPlan, float] | None = None
         self._last_round_time: float | None = None
         self._pushed_cache: dict[str, float] = {}
@@ -109,7 +105,9 @@ class SchedulerService:
         self.core = SchedulingCore(get_policy(name), SiloDEstimator())
         self.policy_name = name
         self._save_setting("policy", name)
+        self.runner = LoopRunner(self)
         self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger)
+        self.publish_status()
 
     # ------------------------------------------------------------------ settings / policy
 
@@ -131,14 +129,21 @@ class SchedulerService:
             raise ForbiddenError("only the admin may change the scheduling policy")
         if name not in available_policies():
             raise ServiceError(f"unknown policy {name!r}; choose one of: {', '.join(available_policies())}", field="name")
+        self.apply_policy(name)
+        self._save_setting("policy", name)  # other processes (and the next start) read it here
+        self.trigger("policy")
+        return name
+
+    def apply_policy(self, name: str) -> None:
+        """Use policy `name` from the next round on (also when another process set it)."""
+        if name not in available_policies():
+            log.warning("ignoring unknown stored policy %r", name)
+            return
         policy = get_policy(name)
         with self._round_lock:
             # Keep the round planner: its record of GPU time received stays valid across policies.
             self.core.policy = policy
             self.policy_name = name
-        self._save_setting("policy", name)
-        self.trigger("policy")
-        return name
 
     # ------------------------------------------------------------------ the catalogue (delegated)
 
@@ -165,120 +170,24 @@ class SchedulerService:
     def cancel_job(self, who: Principal, job_id: str) -> JobRecord:
         return self.catalogue.cancel_job(who, job_id)
 
-    # ------------------------------------------------------------------ cluster / allocations
+    # ------------------------------------------------------------------ cluster / allocations (views.py)
 
-    def cluster(self) -> ClusterRecord:
-        with self.sessions() as s:
-            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
-            gpus_used = s.scalar(select(func.coalesce(func.sum(JobAllocationRow.gpus), 0))) or 0
-            io_used = s.scalar(
-                select(func.coalesce(func.sum(JobAllocationRow.remote_io), 0.0)).where(JobAllocationRow.running)
-            ) or 0.0
-            cache_used = s.scalar(select(func.coalesce(func.sum(CacheAllocationRow.bytes), 0.0))) or 0.0
-        return ClusterRecord(
-            description=self._description,
-            capacity=self.config.capacity,
-            gpus_used=int(gpus_used),
-            cache_used=float(cache_used),
-            remote_io_used=float(io_used),
-            jobs_by_state={JobState(k).value: int(v) for k, v in counts.items()},
-            backend=self.backend.name,
-            datamanager=self.datamanager_url,
-            last_round_time=self._last_round_time,
-            last_push_error=self.last_push_error,
-        )
-
-    def allocations(self, who: Principal) -> AllocationsRecord:
-        with self.sessions() as s:
-            last = s.scalar(select(Round).order_by(Round.id.desc()).limit(1))
-            q = select(JobAllocationRow, Job.owner).join(Job).order_by(JobAllocationRow.job_id)
-            if not who.is_admin:
-                q = q.where(Job.owner == who.user)
-            jobs = tuple(
-                JobAllocationRecord(str(a.job_id), owner, a.gpus, a.gpu_share, a.running, a.remote_io)
-                for a, owner in s.execute(q)
-            )
-            cq = select(CacheAllocationRow.bytes, Dataset.id, Dataset.name, Dataset.owner, Dataset.size).join(Dataset)
-            if not who.is_admin:  # your datasets and those shared with you; others' names are not yours to see
-                granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
-                cq = cq.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
-            cache = tuple(
-                CacheAllocationRecord(name, owner, storage_key(did, name), b, size)
-                for b, did, name, owner, size in s.execute(cq.order_by(Dataset.name, Dataset.owner))
-            )
-        return AllocationsRecord(
-            round_id=last.id if last else None, time=last.time if last else None,
-            policy=self.policy_name, jobs=jobs, cache=cache,
-        )
-
-    def allocation_history(
-        self, who: Principal, subject: str | None = None, limit: int = 100
-    ) -> list[ChangeRecord]:
-        if not who.is_admin:
-            raise ForbiddenError("only the admin may read the allocation audit trail")
-        q = select(AllocationChange).order_by(AllocationChange.id.desc()).limit(limit)
-        if subject is not None:
-            q = q.where(AllocationChange.subject == subject)
-        with self.sessions() as s:
-            return [
-                ChangeRecord(c.id, c.round_id, c.time, c.subject_kind, c.subject, c.resource, c.old_value, c.new_value)
-                for c in s.scalars(q)
-            ]
+    def _status(self) -> ClusterStatus:
+        return ClusterStatus(self._description, self.backend.name, self.datamanager_url, self._last_round_time,
+                             self.last_push_error)
 
     # ------------------------------------------------------------------ the loop
 
     def trigger(self, reason: str) -> None:
         """Ask for a round as soon as possible (coalesced with other pending requests)."""
-        self._wake_reasons.add(reason)
-        self._wake.set()
+        self.runner.trigger(reason)
 
     def start(self) -> None:
-        """Recover from a previous run, then start the loop thread."""
-        self.recover()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="silod-scheduler", daemon=True)
-        self._thread.start()
+        """Start the loop thread; it recovers once it holds the leader lease, then schedules."""
+        self.runner.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
-
-    def _loop(self) -> None:
-        next_round = time.monotonic()  # the first round runs at once
-        last_event_round = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            timeout = max(0.0, min(next_round - now, self.config.poll_seconds))
-            self._wake.wait(timeout)
-            if self._stop.is_set():
-                break
-            try:
-                if self.apply_events(self.backend.poll()):
-                    self.trigger("finish")
-                now = time.monotonic()
-                reason = None
-                if now >= next_round:
-                    reason = "timer"
-                elif self._wake.is_set() and now - last_event_round >= self.config.min_event_gap_s:
-                    reason = ",".join(sorted(self._wake_reasons)) or "event"
-                elif self._wake.is_set():
-                    # Too soon after the last event round: sleep off the gap, then run.
-                    time.sleep(self.config.min_event_gap_s - (now - last_event_round))
-                    continue
-                if reason is None:
-                    continue
-                self._wake.clear()
-                self._wake_reasons.clear()
-                self.run_round(reason)
-                last_event_round = time.monotonic()
-                if reason == "timer":
-                    next_round = last_event_round + self.config.round_seconds
-            except Exception:  # the loop must survive a bad round; the next one retries
-                log.exception("scheduling round failed")
-                time.sleep(min(self.config.poll_seconds, 1.0))
+        self.runner.stop()
 
     def recover(self) -> None:
         """After a restart the backend is a new object. A job the database records as running
@@ -473,11 +382,26 @@ class SchedulerService:
             duration = time.perf_counter() - t0
             self.rounds_total += 1
             self.round_durations = (self.round_durations + [duration])[-100:]
+            self.publish_status()
             return RoundResult(
                 round_id=round_id, reason=reason, active=len(snapshot.jobs),
                 running=plan.running if plan else (), started=tuple(spec.job_id for spec, _ in pending.start),
                 stopped=tuple(pending.stop), changes=changes, duration_s=duration, plan=plan,
             )
+
+    def publish_status(self) -> None:
+        """What only this process knows, for the API processes' /v1/cluster and /metrics."""
+        d = self._description
+        try:
+            control.publish_status(self.sessions, {
+                "backend": self.backend.name, "datamanager": self.datamanager_url,
+                "nodes": [{"name": n.name, "gpus": n.gpus, "cache": n.cache, "labels": dict(n.labels)} for n in d.nodes],
+                "last_round_time": self._last_round_time, "last_push_error": self.last_push_error,
+                "rounds_total": self.rounds_total,
+                "last_round_duration_s": self.round_durations[-1] if self.round_durations else 0.0,
+            })
+        except Exception:  # status is informational; the round itself is committed
+            log.exception("could not publish the scheduler status")
 
     @staticmethod
     def _changes(

@@ -86,7 +86,7 @@ def parse_quota(value: str | None) -> Any:
     return TenantQuota(**out)
 
 
-def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None) -> Any:
+def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None, require_any: bool = True) -> Any:
     """Tokens for `silod serve`: the admin token from the environment, the tokens file imported
     into the database (revocable there), HMAC key from SILOD_TOKEN_KEY or state_dir/token.key."""
     from scheduler.api.auth import ADMIN_TOKEN_ENV, METRICS_TOKEN_ENV, TokenStore, load_token_key
@@ -95,7 +95,7 @@ def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None) -> 
                        metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
     if tokens_file is not None:
         store.import_file(tokens_file)
-    if not os.environ.get(ADMIN_TOKEN_ENV) and tokens_file is None and not store.list():
+    if require_any and not os.environ.get(ADMIN_TOKEN_ENV) and tokens_file is None and not store.list():
         raise UserError(f"no API tokens: set {ADMIN_TOKEN_ENV} and/or pass --tokens FILE (lines 'user:token')")
     return store
 
@@ -108,6 +108,66 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
             raise UserError(f"--backend-opt {item!r} must be KEY=VALUE")
         opts[key.strip()] = val.strip()
     return opts
+
+
+def build_api_service(
+    *,
+    db: str,
+    cluster_file: Path | None = None,
+    gpus: str | None = None,
+    gpus_per_node: str | None = None,
+    cache: str | None = None,
+    remote_io: str | None = None,
+    gpu_speed: str | None = None,
+    allowed_uris: list[str] | None = None,
+    default_quota: Any = None,
+    **_scheduler_only: Any,
+):  # type: ignore[no-untyped-def]
+    """The API worker's side (scheduler/api_service.py): catalogue and views, no backend, no rounds.
+    The schema must already be migrated (the serving process does it once, before workers start)."""
+    from fuse_client.uri_policy import UriPolicy
+    from scheduler.api_service import ApiService
+    from scheduler.cluster import load_cluster
+    from scheduler.db.engine import make_engine
+    from scheduler.service import ServiceConfig
+    from scheduler.service_types import TenantQuota
+
+    capacity, speed = load_cluster(
+        cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed
+    )
+    config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
+                           default_quota=default_quota or TenantQuota())
+    return ApiService(make_engine(db), config)
+
+
+def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info") -> None:
+    """The scheduling process of `silod serve`: the backend, the data-manager pushes and the
+    rounds, apart from the API workers (no shared GIL). It takes the leader lease before
+    scheduling; SIGTERM stops it cleanly."""
+    import logging
+    import signal
+    import threading
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        # `silod serve` killed with -9 cannot stop us: notice it, and stop, so that the next
+        # `silod serve` can take the leader lease (instead of an orphan renewing it for ever).
+        while not done.wait(1.0):
+            if os.getppid() != parent:
+                done.set()
+
+    threading.Thread(target=watch_parent, name="silod-parent-watch", daemon=True).start()
+    service = build_service(**build_kwargs)
+    try:
+        service.start()
+        done.wait()
+    finally:
+        service.close()
 
 
 def build_service(
@@ -210,6 +270,47 @@ def _rate_or_number(text: str) -> float | str:
         return text
 
 
+WORKER_CONFIG_ENV = "SILOD_SERVE_WORKER_CONFIG"
+
+
+class _SchedulerSupervisor:
+    """Keeps the scheduling process alive while the API serves (restarted if it dies)."""
+
+    def __init__(self, ctx: Any, build_kwargs: dict[str, Any], log_level: str):
+        import threading
+
+        self.ctx, self.kwargs, self.log_level = ctx, build_kwargs, log_level
+        self.proc: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="silod-scheduler-supervisor", daemon=True)
+
+    def _spawn(self) -> None:
+        self.proc = self.ctx.Process(target=run_scheduler_process, args=(self.kwargs, self.log_level),
+                                     name="silod-scheduler")
+        self.proc.start()
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import logging
+
+        while not self._stop.wait(2.0):
+            if self.proc is not None and not self.proc.is_alive():
+                logging.getLogger("silod.serve").error(
+                    "the scheduling process exited (code %s); starting it again", self.proc.exitcode)
+                self._spawn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()  # SIGTERM: it closes the service and releases the lease
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -226,6 +327,7 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
+        workers: Annotated[int, typer.Option("--workers", help="API worker processes (the scheduling loop runs in one more)")] = 1,
         state_dir: Annotated[Path, typer.Option("--state-dir", help="directory the backend may use")] = Path("silod-state"),
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
@@ -248,34 +350,75 @@ def register(app: typer.Typer) -> None:
         for f in (tls_cert, tls_key):
             if f is not None and not f.is_file():
                 raise UserError(f"TLS file {f} does not exist")
-        service = build_service(
+        if workers < 1 or workers > 64:
+            raise UserError(f"--workers {workers} must be between 1 and 64")
+        build_kwargs: dict[str, Any] = dict(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
             datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota),
         )
+        # Check everything once, here, so that a mistake is one clear error before any process
+        # starts: the schedule side (backend, cluster, policy) and the database (migrated here).
+        # (The backend itself is only built in the scheduling process: building it here too would
+        # make a second object adopt the local backend's running workers.)
+        import importlib
+
+        from scheduler.backends.base import BACKEND_NAMES
+        from scheduler.db import open_database
+
+        if backend not in BACKEND_NAMES and backend != "null":
+            raise UserError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKEND_NAMES)}")
         try:
-            token_store = make_token_store(service.engine, state_dir, tokens)
-        except BaseException:
-            service.close()
-            raise
+            importlib.import_module(f"scheduler.backends.{backend}")
+        except ImportError as exc:
+            raise UserError(f"backend {backend!r} cannot be loaded: {exc}") from exc
+        if datamanager:
+            make_pusher(datamanager)
+        probe = build_api_service(**build_kwargs)  # cluster flags, URIs, quotas
+        probe.close()
+        engine = open_database(db)  # migrated once, before any worker starts
+        engine_url = engine.url.render_as_string(hide_password=True)
+        try:
+            from policies.registry import available_policies
+
+            if policy is not None and policy not in available_policies():
+                raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+            make_token_store(engine, state_dir, tokens)
+            from sqlalchemy.orm import sessionmaker
+
+            from scheduler import control
+
+            if policy is not None:  # the scheduling process reads it at start, the workers at once
+                control.write_setting(sessionmaker(engine), "policy", policy)
+            policy_name = control.read_setting(sessionmaker(engine), "policy") or "fifo"
+        finally:
+            engine.dispose()
+        import json
+        import multiprocessing
+
         import uvicorn
 
-        from scheduler.api.app import create_app
-
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(service, token_store, max_body=body_cap)
+        os.environ[WORKER_CONFIG_ENV] = json.dumps({
+            "build": {k: (str(v) if isinstance(v, Path) else v) for k, v in build_kwargs.items()
+                      if k not in ("default_quota",)},
+            "default_quota": default_quota, "state_dir": str(state_dir), "max_body": body_cap,
+        })
         scheme = "https" if tls_cert else "http"
         typer.echo(
-            f"silod serve: {scheme}://{host}:{port} (docs at /docs), db {service.engine.url.render_as_string(hide_password=True)}, "
-            f"backend {backend}, policy {service.policy_name}, round {round_s:g}s",
+            f"silod serve: {scheme}://{host}:{port} (docs at /docs), db {engine_url}, backend {backend}, "
+            f"policy {policy_name}, round {round_s:g}s, {workers} API worker(s) + 1 scheduling process",
             err=True,
         )
+        scheduler = _SchedulerSupervisor(multiprocessing.get_context("spawn"), build_kwargs, log_level)
+        scheduler.start()
         try:
-            uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+            uvicorn.run("scheduler.api.worker:create_worker_app", factory=True, host=host, port=port,
+                        workers=workers, log_level=log_level.lower(), access_log=False,
                         ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
-            service.close()
+            scheduler.stop()
 
     @app.command()
     def submit(

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -312,7 +312,7 @@ class Catalogue:
         if req.gpus > cap.gpus:
             raise ServiceError(f"gpus = {req.gpus} but the cluster has only {cap.gpus} GPUs", field="gpus")
         ideal = self._throughput(req)
-        digest = hashlib.sha256(json.dumps(asdict(req), sort_keys=True).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps(asdict(req), sort_keys=True).encode()).hexdigest() if idempotency_key else ""
         for _attempt in range(2):  # a concurrent request with the same key wins the insert: read its job
             try:
                 return self._submit(who, req, ideal, idempotency_key, digest)
@@ -329,7 +329,7 @@ class Catalogue:
                     if known.request_hash != digest:
                         raise ConflictError("this Idempotency-Key was used with a different request body",
                                             field="Idempotency-Key")
-                    return self._job_record(s.get(Job, known.job_id)), False
+                    return self.get_job(who, str(known.job_id)), False
             ds = self._visible_dataset(s, who, req.dataset, req.dataset_owner)
             if ds is None:
                 raise NotFoundError(f"unknown dataset {req.dataset!r}; register it first with POST /v1/datasets"
@@ -345,20 +345,26 @@ class Catalogue:
             if not (0 < total <= MAX_BYTES):
                 raise ServiceError(f"the job would read {total:.3g} bytes; must be > 0 and <= 1e21", field="epochs")
             self._check_quota(s, who, req)
-            job = Job(
+            now = time.time()
+            values = dict(
                 name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
                 ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
-                submit_time=time.time(), message="",
+                submit_time=now, start_time=None, finish_time=None, message="",
             )
-            job.allocation = None  # known empty: no lazy SELECT when the record is built
-            job.dataset = ds
-            s.add(job)
-            s.flush()
+            # Core insert, not an ORM object: attaching a Job to its Dataset would load the
+            # dataset's whole job collection (thousands of rows) on every submission.
+            jid = s.execute(insert(Job).values(**values).returning(Job.id)).scalar_one()
             if key is not None:
-                s.add(IdempotencyKey(owner=who.user, key=key, request_hash=digest, job_id=job.id, created_at=time.time()))
-                s.flush()
-            record = self._job_record(job)
+                s.execute(insert(IdempotencyKey).values(owner=who.user, key=key, request_hash=digest, job_id=jid,
+                                                       created_at=now))
+            record = JobRecord(
+                id=str(jid), name=req.name, owner=who.user, gpus=req.gpus, dataset=ds.name, dataset_owner=ds.owner,
+                model=req.model, ideal_throughput=ideal, epochs=req.epochs, steps=req.steps,
+                step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
+                priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
+                finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
+            )
         self._trigger("submit")
         return record, True
 

@@ -185,7 +185,7 @@ def wrk(url: str, path: str, clients: int, seconds: float, token: str, tmp: Path
     else:
         cmd += ["-H", f"Authorization: Bearer {token}"]
     out = subprocess.run([*cmd, url + path], capture_output=True, text=True, timeout=seconds + 120).stdout
-    lat = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)$", out, re.M))
+    lat = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)\s*$", out, re.M))
     rps = re.search(r"Requests/sec:\s+([0-9.]+)", out)
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = re.search(r"Socket errors: (.*)$", out, re.M)

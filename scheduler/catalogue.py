@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -108,6 +108,13 @@ _RECORD_COLUMNS = (
     Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
     JobAllocationRow.remote_io,
 )
+
+
+_JOB_QUERY = (select(*_RECORD_COLUMNS).join(Dataset, Job.dataset_id == Dataset.id)
+              .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id))
+_GET_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"))
+# Another tenant's job is not found: the owner is part of the lookup, not a check after it.
+_GET_OWN_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"), Job.owner == bindparam("owner"))
 
 
 def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
@@ -422,12 +429,13 @@ class Catalogue:
 
     def get_job(self, who: Principal, job_id: str) -> JobRecord:
         pk = parse_job_id(job_id)
-        q = (select(*_RECORD_COLUMNS).join(Dataset, Job.dataset_id == Dataset.id)
-             .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id).where(Job.id == (pk or 0)))
-        if not who.is_admin:
-            q = q.where(Job.owner == who.user)
-        with self.sessions() as s:
-            row = s.execute(q).first() if pk is not None else None
+        row = None
+        if pk is not None:
+            with self.sessions() as s:
+                if who.is_admin:
+                    row = s.execute(_GET_JOB, {"jid": pk}).first()
+                else:
+                    row = s.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
         return _row_record(row)

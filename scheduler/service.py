@@ -1,19 +1,22 @@
-"""The scheduler service: jobs and datasets in a database, a scheduling loop, and the edges it
-drives (a cluster backend that runs jobs, a data manager that enforces cache and remote IO).
+"""The scheduling side of the service: a round over the database's jobs, driving a cluster
+backend (runs jobs) and the data manager (enforces cache and remote IO).
 
 One round, as explicit stages:
-  1. events   - apply what the backend reported (progress, finished, failed);
-  2. snapshot - read the active jobs and their datasets into an immutable `Snapshot`;
+  1. events   - apply what the backend reported (progress, bounded by f*; finished, failed);
+  2. snapshot - read the active jobs, their datasets and the quotas in one read transaction;
+                admit each tenant's jobs within its quota (quota_admission.py);
   3. plan     - `SchedulingCore(policy, SiloDEstimator()).plan(snapshot)` (pure, no I/O);
-  4. persist  - write the new allocation and one audit row per changed value, in one
-                transaction, re-checking states that may have changed during planning;
-  5. execute  - stop preempted/cancelled jobs, start newly chosen ones, push cache and IO
-                to the data manager.
+                then each tenant's cache within its quota;
+  4. persist  - diff against the stored allocation outside any transaction, write only the
+                changes (and one audit row per changed value) in one short transaction,
+                re-checking the states of the jobs it touches (round_persistence.py);
+  5. execute  - stop preempted/cancelled jobs, push cache and IO to the data manager
+                (storage_push.py), start newly chosen jobs.
 
-Rounds run on a timer (the round length) and as soon as possible after an event (submit,
-cancel, finish, policy change); bursts of events coalesce into one round. Reads (the API's
-GETs) never take the write lock; writes are serialised by one lock in the process because
-SQLite has a single writer anyway and PostgreSQL rows are few and hot.
+The parts around it have their own modules: the catalogue (datasets, grants, credentials,
+jobs, quotas, idempotency: catalogue.py), the loop and its leader lease (loop_runner.py,
+control.py), recovery after a restart (recovery.py), the read views (views.py). In
+`silod serve` this class lives in the scheduling process; API workers use api_service.py.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, insert, select
+from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from policies.estimators import SiloDEstimator
@@ -38,6 +41,8 @@ from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler import control
 from scheduler.catalogue import Catalogue, parse_job_id
 from scheduler.loop_runner import LoopRunner
+from scheduler.recovery import recover
+from scheduler.storage_push import StoragePush
 from scheduler.views import ClusterStatus, ReadViews
 from scheduler.core import RoundPlan, SchedulingCore
 from scheduler.db.models import (
@@ -45,7 +50,6 @@ from scheduler.db.models import (
     AllocationChange,
     Dataset,
     Job,
-    JobAllocationRow,
     JobState,
     Quota,
     Setting,
@@ -87,16 +91,13 @@ class SchedulerService(ReadViews):
         self.engine = engine
         self.backend = backend
         self.config = config
-        self.pusher = pusher
+        self.storage = StoragePush(pusher)
         self.datamanager_url = datamanager_url
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self._write_lock = threading.RLock()
         self._round_lock = threading.Lock()  # one round at a time (timer thread vs direct calls)
         self._last_round: tuple[Snapshot, RoundPlan, float] | None = None
         self._last_round_time: float | None = None
-        self._pushed_cache: dict[str, float] = {}
-        self._pushed_io: dict[str, float] = {}
-        self.last_push_error: str | None = None
         self.rounds_total = 0
         self._progress_seen: dict[int, float] = {}  # job id -> when its progress was last believed
         self.round_durations: list[float] = []  # recent, for /metrics
@@ -108,6 +109,18 @@ class SchedulerService(ReadViews):
         self.runner = LoopRunner(self)
         self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger)
         self.publish_status()
+
+    @property
+    def pusher(self) -> StoragePusher | None:
+        return self.storage.pusher
+
+    @pusher.setter
+    def pusher(self, value: StoragePusher | None) -> None:  # tests swap the data manager
+        self.storage.pusher = value
+
+    @property
+    def last_push_error(self) -> str | None:
+        return self.storage.last_error
 
     # ------------------------------------------------------------------ settings / policy
 
@@ -190,48 +203,9 @@ class SchedulerService(ReadViews):
         self.runner.stop()
 
     def recover(self) -> None:
-        """After a restart the backend is a new object. A job the database records as running
-        that the backend still runs (re-adopted, see `ClusterBackend.running_jobs`) stays
-        RUNNING: no stop, no restart, its progress keeps arriving through poll(). Every other job
-        recorded as running is stopped (idempotent for the backend) and queued again; the first
-        round restarts it from its recorded progress. A job of ours that the backend runs although
-        the database does not record it as running (the service died between committing a
-        preemption or a cancel and carrying it out) is stopped, so that the backend runs exactly
-        what the database says."""
-        try:
-            alive = {str(j) for j in self.backend.running_jobs()}
-        except Exception:  # a backend that cannot tell: restart everything, as without the hook
-            log.exception("backend %s could not list its running jobs; requeueing every running job", self.backend.name)
-            alive = set()
-        orphans: list[str] = []
-        with self._write_lock, self.sessions.begin() as s:
-            now = time.time()
-            rows = s.scalars(select(JobAllocationRow).where(JobAllocationRow.running)).all()
-            kept: set[str] = set()
-            for row in rows:
-                job = s.get(Job, row.job_id)
-                if str(row.job_id) in alive and job is not None and job.state == JobState.RUNNING:
-                    kept.add(str(row.job_id))
-                    log.info("job %s: still running in the backend after the restart; kept", row.job_id)
-                    continue
-                self.backend.stop(str(row.job_id))
-                changes = self._changes(None, now, "job", str(row.job_id), {"running": (1.0, 0.0), "gpus": (row.gpus, 0)})
-                s.execute(insert(AllocationChange), changes)
-                row.running = False
-                row.gpus = 0
-                if job is not None and job.state == JobState.RUNNING:
-                    job.state = JobState.QUEUED
-                    job.message = "requeued after a scheduler restart"
-            ours = {pk: jid for jid in alive - kept if (pk := parse_job_id(jid)) is not None}
-            if ours:
-                known = set(s.scalars(select(Job.id).where(Job.id.in_(list(ours)))).all())
-                orphans = sorted(ours[pk] for pk in known)
-            unknown = sorted(alive - kept - set(orphans))
-            if unknown:
-                log.warning("the backend runs jobs this service does not know, left alone: %s", ", ".join(unknown))
-        for jid in orphans:
-            log.warning("job %s: running in the backend but not recorded as running; stopping it", jid)
-            self.backend.stop(jid)
+        """Make the backend run exactly what the database says (scheduler/recovery.py)."""
+        with self._write_lock:
+            recover(self.sessions, self.backend)
 
     def apply_events(self, events: Iterable[JobEvent]) -> bool:
         """Record backend events. True when a job finished or failed (a round should follow)."""
@@ -403,20 +377,6 @@ class SchedulerService(ReadViews):
         except Exception:  # status is informational; the round itself is committed
             log.exception("could not publish the scheduler status")
 
-    @staticmethod
-    def _changes(
-        round_id: int | None, now: float, kind: str, subject: str, diffs: Mapping[str, tuple[float | None, float | None]]
-    ) -> list[dict[str, Any]]:
-        """Audit rows (as insert parameters) for the values that changed."""
-        return [
-            dict(
-                round_id=round_id, time=now, subject_kind=kind, subject=subject, resource=resource,
-                old_value=None if old is None else float(old), new_value=None if new is None else float(new),
-            )
-            for resource, (old, new) in diffs.items()
-            if old != new
-        ]
-
     def _persist(
         self, snapshot: Snapshot, plan: RoundPlan | None, reason: str, now: float, t0: float,
         held_back: tuple[JobView, ...] = (),
@@ -439,7 +399,7 @@ class SchedulerService(ReadViews):
                 self.backend.stop(job_id)
             except Exception:  # stop must be idempotent; a failing backend must not stop the loop
                 log.exception("backend failed to stop job %s", job_id)
-        self._push_storage(pending)
+        self.storage.push(pending.cache, pending.io)
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:
@@ -450,30 +410,6 @@ class SchedulerService(ReadViews):
         if failed:
             self.apply_events(JobEvent(job_id, "failed", message=msg) for job_id, msg in failed.items())
             self.trigger("finish")
-
-    def _push_storage(self, pending: Pending) -> None:
-        if self.pusher is None:
-            return
-        errors = []
-        for name, nbytes in pending.cache.items():
-            if self._pushed_cache.get(name) == nbytes:
-                continue
-            try:
-                self.pusher.allocate_cache_size(name, nbytes)
-                self._pushed_cache[name] = nbytes
-            except Exception as exc:  # retried next round: the dict keeps the old value
-                errors.append(f"cache {name}: {exc}")
-        for job_id, rate in pending.io.items():
-            if self._pushed_io.get(job_id) == rate:
-                continue
-            try:
-                self.pusher.allocate_remote_io(job_id, rate)
-                self._pushed_io[job_id] = rate
-            except Exception as exc:
-                errors.append(f"remote IO {job_id}: {exc}")
-        self.last_push_error = "; ".join(errors)[:2000] if errors else None
-        if errors:
-            log.warning("data manager push failed: %s", self.last_push_error)
 
     def close(self) -> None:
         self.stop()

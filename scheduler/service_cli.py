@@ -149,6 +149,12 @@ def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info")
     import threading
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Requests first: when the API workers and a round compete for the CPU, the round waits
+    # (it is seconds long anyway; a request is milliseconds).
+    try:
+        os.nice(SCHEDULER_NICE)
+    except OSError:
+        pass
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
@@ -271,6 +277,7 @@ def _rate_or_number(text: str) -> float | str:
 
 
 WORKER_CONFIG_ENV = "SILOD_SERVE_WORKER_CONFIG"
+SCHEDULER_NICE = 10  # the scheduling process's CPU priority below the API workers
 
 
 class _SchedulerSupervisor:

@@ -26,7 +26,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from scheduler.db.models import ACTIVE_STATES, Job, Lease, Setting
+from scheduler.db.models import ACTIVE_STATES, Job, Lease, Quota, Setting
 
 LEADER_LEASE = "scheduler"
 STATUS_KEY = "scheduler_status"
@@ -71,12 +71,15 @@ def release_lead(sessions: sessionmaker, holder: str) -> None:
         s.execute(delete(Lease).where(Lease.name == LEADER_LEASE, Lease.holder == holder))
 
 
-def activity_signature(sessions: sessionmaker) -> tuple[int, int]:
-    """(active jobs, newest job id): changes on every submission and cancellation."""
+def activity_signature(sessions: sessionmaker) -> tuple:
+    """(active jobs, newest job id, quotas): changes on every submission, cancellation and
+    quota change (the quotas table has a row per tenant with limits: small)."""
     with sessions() as s:
         n = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(ACTIVE_STATES))) or 0
         newest = s.scalar(select(func.max(Job.id))) or 0
-    return int(n), int(newest)
+        quotas = tuple(s.execute(select(Quota.tenant, Quota.gpus, Quota.cache_bytes, Quota.running_jobs,
+                                        Quota.queued_jobs).order_by(Quota.tenant)).all())
+    return int(n), int(newest), quotas
 
 
 def request_round(sessions: sessionmaker, timeout_s: float = 60.0, poll_s: float = 0.05) -> dict[str, Any]:

@@ -39,7 +39,7 @@ class LoopRunner:
         self._wake_reasons: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._signature: tuple[int, int] | None = None
+        self._signature: tuple | None = None
 
     def trigger(self, reason: str) -> None:
         """Ask for a round as soon as possible (coalesced with other pending requests)."""

@@ -47,6 +47,16 @@ def test_credentials_reach_the_mount_by_environment_only() -> None:
     assert storage_options("s3://b/x", None, anonymous=True) == {"anon": True}
 
 
+def test_service_secrets_never_reach_a_job(monkeypatch) -> None:
+    for name, value in (("SILOD_ADMIN_TOKEN", "admin-secret-1"), ("SILOD_TOKEN_KEY", "hmac-key-0123456789"),
+                        ("SILOD_DM_TOKEN", "scheduler-dm-token"), ("SILOD_DM_AGENT_TOKEN", "agent-dm-token-x")):
+        monkeypatch.setenv(name, value)
+    env = source_env(DatasetInfo("d1-x", "s3://b/x", 1e9))
+    assert env["SILOD_ADMIN_TOKEN"] == "" and env["SILOD_TOKEN_KEY"] == ""
+    assert env["SILOD_DM_TOKEN"] == "agent-dm-token-x"  # the mount may register and heartbeat, nothing more
+    assert "scheduler-dm-token" not in env.values() and "agent-dm-token-x" not in (env["SILOD_DM_AGENT_TOKEN"],)
+
+
 def test_mount_time_check_resolves_the_host(monkeypatch) -> None:
     """A name that looked public at registration but resolves to the metadata service (DNS
     rebinding) is refused when the mount resolves it. The resolver is replaced: these machines

@@ -138,3 +138,58 @@ def test_api_workers_and_one_scheduling_leader(tmp_path) -> None:
         for proc in (a, b):
             if proc is not None:
                 _stop(proc)
+
+
+def _self_signed(tmp_path):  # type: ignore[no-untyped-def]
+    """A throwaway certificate for 127.0.0.1 (cryptography comes with the test extras via moto)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    return tmp_path / "cert.pem", tmp_path / "key.pem"
+
+
+@pytest.mark.slow
+def test_serve_over_tls(tmp_path) -> None:
+    cert, key = _self_signed(tmp_path)
+    port = _port()
+    proc = subprocess.Popen(
+        [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", f"sqlite:///{tmp_path / 't.db'}",
+         "--backend", "null", "--gpus", "8", "--cache", "1TB", "--remote-io", "1GB/s", "--state-dir", str(tmp_path / "s"),
+         "--tls-cert", str(cert), "--tls-key", str(key), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "silod serve --tls-cert did not come up"
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/v1/jobs", headers=H, verify=str(cert), timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert r.status_code == 200 and r.json() == []
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    finally:
+        _stop(proc)
+    r = subprocess.run([*silod_cmd(), "serve", "--tls-cert", str(cert), "--db", f"sqlite:///{tmp_path / 'u.db'}",
+                        "--backend", "null", "--gpus", "8", "--cache", "1TB", "--remote-io", "1GB/s"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN})
+    assert r.returncode == 2 and "--tls-key" in r.stderr

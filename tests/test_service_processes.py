@@ -166,7 +166,10 @@ def _self_signed(tmp_path):  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_serve_over_tls(tmp_path) -> None:
+    import ssl
+
     cert, key = _self_signed(tmp_path)
+    trust = ssl.create_default_context(cafile=str(cert))
     port = _port()
     proc = subprocess.Popen(
         [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", f"sqlite:///{tmp_path / 't.db'}",
@@ -180,7 +183,7 @@ def test_serve_over_tls(tmp_path) -> None:
         while True:
             assert proc.poll() is None and time.time() < deadline, "silod serve --tls-cert did not come up"
             try:
-                r = httpx.get(f"https://127.0.0.1:{port}/v1/jobs", headers=H, verify=str(cert), timeout=2)
+                r = httpx.get(f"https://127.0.0.1:{port}/v1/jobs", headers=H, verify=trust, timeout=2)
                 break
             except httpx.HTTPError:
                 time.sleep(0.3)

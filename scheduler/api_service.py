@@ -20,7 +20,13 @@ from scheduler.catalogue import Catalogue
 from scheduler.service_types import ForbiddenError, Principal, RoundResult, ServiceConfig, ServiceError
 from scheduler.views import ClusterStatus, ReadViews
 
-_STATUS_TTL_S = 1.0  # /v1/cluster and /metrics read the leader's status at most this often
+_STATUS_TTL_S = 1.0
+
+
+class SchedulerUnavailable(ServiceError):
+    """The scheduling process did not answer a forced round in time."""
+
+    status = 503  # /v1/cluster and /metrics read the leader's status at most this often
 
 
 class ApiService(ReadViews):
@@ -83,7 +89,7 @@ class ApiService(ReadViews):
         try:
             r = control.request_round(self.sessions)
         except TimeoutError as exc:
-            raise ServiceError(f"{exc}; is the scheduling process running?") from None
+            raise SchedulerUnavailable(f"{exc}; is the scheduling process running?") from None
         return RoundResult(round_id=r["round_id"], reason=r["reason"], active=r["active"], running=tuple(r["running"]),
                            started=tuple(r["started"]), stopped=tuple(r["stopped"]), changes=r["changes"],
                            duration_s=r["duration_s"], plan=None)

@@ -81,7 +81,11 @@ class UriPolicy:
         allowed = ", ".join(self.allowed)
         if not isinstance(uri, str) or not uri or len(uri) > 2048 or any(c.isspace() or ord(c) < 32 for c in uri):
             raise UriRejected("dataset uri must be a non-empty URI of at most 2048 characters without spaces")
-        parts = urlsplit(uri)
+        try:
+            parts = urlsplit(uri)
+            _ = (parts.hostname, parts.port)  # both parse lazily and may raise
+        except ValueError as exc:
+            raise UriRejected(f"dataset uri {uri!r} is not a valid URI ({exc})") from None
         scheme = parts.scheme.lower()
         if not scheme or "://" not in uri:
             raise UriRejected(f"dataset uri {uri!r} is a local path; local paths are not allowed (allowed: {allowed})")

@@ -282,6 +282,8 @@ def test_credentials_are_per_tenant_and_never_returned(client: TestClient) -> No
         ("s3://bucket/%2e%2e/other", "'..'"),
         ("https://user:pw@example.com/x", "credentials"),
         ("gs://bucket/x", "not allowed"),
+        ("s3://[bucket", "not a valid URI"),  # found by the fuzzer: urlsplit raises on it
+        ("https://example.com:99999/x", "not a valid URI"),
     ],
 )
 def test_dataset_uri_allow_list(client: TestClient, uri: str, rule: str) -> None:

@@ -137,6 +137,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     async def _user_error(_req: Request, exc: UserError) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": str(exc), "field": None})
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
+        # A bug: logged with its traceback here, answered without one (no internals leak).
+        log.error("unhandled error", exc_info=exc)
+        return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
+
     @app.exception_handler(SQLAlchemyError)
     async def _database_error(_req: Request, exc: SQLAlchemyError) -> JSONResponse:
         # An unreachable database is the one documented 5xx: JSON, with Retry-After. The pool

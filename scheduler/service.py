@@ -132,6 +132,8 @@ class NewJob:
     ideal_throughput: float | None = None
     model: str | None = None
     priority: int = 0
+    # The pods to run (backends that create workloads, i.e. Kubernetes: a workloads.PodTemplate).
+    pod_template: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +361,9 @@ class SchedulerService:
 
     def submit_job(self, who: Principal, req: NewJob) -> JobRecord:
         check_name(req.name, "name")
+        if req.pod_template is not None and not callable(getattr(self.backend, "create_workload", None)):
+            raise ServiceError(f"pod_template needs a backend that creates workloads (kubernetes), not"
+                               f" {self.backend.name}", field="pod_template")
         check_name(req.dataset, "dataset")
         cap = self.config.capacity
         if req.gpus < 1:
@@ -402,8 +407,21 @@ class SchedulerService:
             s.add(job)
             s.flush()
             record = self._job_record(job)
+        if req.pod_template is not None:
+            self._create_workload(record, req.pod_template)
         self.trigger("submit")
         return record
+
+    def _create_workload(self, record: JobRecord, template: Any) -> None:
+        """Backends that run pods from a template (Kubernetes) create the job's workload now; a
+        refusal fails the job and is the caller's error (4xx)."""
+        try:
+            self.backend.create_workload(record, template)  # type: ignore[attr-defined]
+            return
+        except UserError as exc:
+            message = str(exc)
+        self.apply_events([JobEvent(record.id, "failed", message=message)])
+        raise ServiceError(message, field="pod_template")
 
     @staticmethod
     def _job_record(j: Job) -> JobRecord:

@@ -116,7 +116,11 @@ def build_service(
             # (e.g. while their cache fills), from the workers' measured demand.
             pusher = WorkConservingPusher(pusher, cluster_backend, capacity.remote_io)
     config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed)
-    return SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
+    if callable(attach):
+        attach(service)
+    return service
 
 
 # ---------------------------------------------------------------- HTTP client side
@@ -205,7 +209,12 @@ def register(app: typer.Typer) -> None:
         from scheduler.api.app import create_app
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(service, token_store)
+        elector = getattr(service.backend, "elector", None)
+        app = create_app(service, token_store, run_loop=elector is None)
+        if elector is not None:
+            from scheduler.backends.kubernetes.leader import run_when_leading
+
+            run_when_leading(elector, service)
         typer.echo(
             f"silod serve: http://{host}:{port} (docs at /docs), db {service.engine.url.render_as_string(hide_password=True)}, "
             f"backend {backend}, policy {service.policy_name}, round {round_s:g}s",

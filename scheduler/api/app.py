@@ -149,7 +149,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         req = NewJob(
             name=body.name, gpus=body.gpus, dataset=body.dataset, epochs=body.epochs, steps=body.steps,
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
-            priority=body.priority,
+            priority=body.priority, pod_template=body.pod_template.to_template() if body.pod_template else None,
         )
         return JobOut.model_validate(service.submit_job(who, req))
 

@@ -288,3 +288,28 @@ def test_a_dataset_cache_bigger_than_every_nodes_disk_waits_for_placement(cluste
     assert any("cache free" in e["message"] for e in cluster.objects("events", namespace="alice"))
     backend.start(spec, JobAllocation(rec.id, 2, 1.0, cache_bytes=50e9, remote_io=1e8))
     assert cluster.obj("jobs", "alice", "big", group="batch")["spec"]["suspend"] is False
+
+
+def test_priority_class_orders_admission_within_the_queue(cluster, stack):
+    """Two 8-GPU jobs on an 8-GPU cluster: the later one has a higher PriorityClass (an object
+    only operators write) and is admitted first; the earlier one waits, suspended."""
+    service, _ = stack
+    cluster.call(lambda em: em.create(em.resources[("scheduling.k8s.io", "priorityclasses")], None,
+                                      {"metadata": {"name": "high"}, "value": 1000}))
+    low = kubectl_job("low", gpus=4)
+    low["spec"]["parallelism"] = 2
+    high = copy.deepcopy(low)
+    high["metadata"]["name"] = "high"
+    high["spec"]["template"]["spec"]["priorityClassName"] = "high"
+    create(cluster, low)
+    service.apply_events(service.backend.poll())
+    create(cluster, high)
+    step(service)
+    assert job_named(service, "job.high.").priority == 1000 and job_named(service, "job.low.").priority == 0
+    assert cluster.obj("jobs", "alice", "high", group="batch")["spec"]["suspend"] is False
+    assert cluster.obj("jobs", "alice", "low", group="batch")["spec"]["suspend"] is True
+    # Its two 4-GPU pods need both nodes: the admission spans them.
+    job = cluster.obj("jobs", "alice", "high", group="batch")
+    expr = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0]
+    assert expr["values"] == ["n1", "n2"]

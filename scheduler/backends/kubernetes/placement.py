@@ -66,7 +66,6 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
     Best-fit decreasing (biggest pod onto the node it fills most tightly, keeping whole nodes
     free for big gangs), then a bounded exhaustive search so a gang that fits is not refused
     because of the heuristic's order."""
-    by_name = {n.name: n for n in nodes}
     order = sorted(pods, key=lambda p: (-p.gpus, p.key))
     eligible = {
         p.key: [n.name for n in sorted(nodes, key=lambda n: n.name)
@@ -125,10 +124,10 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
     return dict(chosen) if search(0) else None
 
 
-__all__ = ["NodeState", "PodRequest", "place", "why_not", "by_name_hostnames"]
-
-
 def by_name_hostnames(nodes: Sequence[NodeState], names: Sequence[str]) -> list[str]:
     """The hostname labels of the named nodes (what the admission's affinity selects on)."""
     host = {n.name: n.hostname for n in nodes}
     return sorted({host[n] for n in names})
+
+
+__all__ = ["NodeState", "PodRequest", "by_name_hostnames", "place", "why_not"]

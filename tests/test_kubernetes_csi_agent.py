@@ -47,7 +47,7 @@ class AgentProc:
         log = open(self.tmp / "agent.log", "ab")
         self.proc = subprocess.Popen(
             [*silod_cmd(), "agent", "--socket", str(self.socket), "--state-dir", str(self.state), "--node", self.node,
-             "--datasets", str(self.catalog), "--kubelet-dir", str(self.kubelet), "--log-level", "debug"],
+             "--datasets", str(self.catalog), "--kubelet-dir", str(self.kubelet), "--log-level", "debug", "--idle-unmount", "0"],
             stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -26,6 +26,8 @@ def register(app: typer.Typer) -> None:
         kubelet_dir: Annotated[Path, typer.Option("--kubelet-dir", help="target paths must be under it")] =
             Path("/var/lib/kubelet"),
         namespace_prefix: Annotated[str, typer.Option("--namespace-prefix", help="tenant T's namespace is PREFIX+T")] = "",
+        idle_unmount: Annotated[float, typer.Option("--idle-unmount", help="seconds a dataset mount outlives its last"
+                                                    " pod (a resumed job reuses it)")] = 60.0,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Serve the CSI Identity and Node services for the silod.io driver on this node."""
@@ -54,7 +56,8 @@ def register(app: typer.Typer) -> None:
         silod = [str(Path(sys.executable).parent / "silod")]
         if not Path(silod[0]).exists():
             silod = [sys.executable, "-c", "from scheduler.cli import main; main()"]
-        volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager)
+        volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
+                                idle_unmount_s=idle_unmount)
         server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
         repaired = server.start()
         typer.echo(f"silod agent on {node}: CSI driver silod.io at unix://{socket}; restored {len(repaired)} volume(s)",

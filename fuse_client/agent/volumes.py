@@ -78,13 +78,17 @@ def unmount(path: Path) -> None:
 
 class VolumeManager:
     def __init__(self, state_dir: Path, node: str, *, silod: list[str], kubelet_dir: Path,
-                 manager_url: str | None = None, mount_timeout: float = 30.0):
+                 manager_url: str | None = None, mount_timeout: float = 30.0, idle_unmount_s: float = 60.0):
         self.state_dir = state_dir
         self.node = node
         self.silod = silod
         self.kubelet_dir = kubelet_dir.resolve()
         self.manager_url = manager_url
         self.mount_timeout = mount_timeout
+        # A dataset mount outlives its last volume this long: a preempted job resumed by the next
+        # Gavel round (or the next job on the dataset) reuses it instead of starting a new one.
+        self.idle_unmount_s = idle_unmount_s
+        self._idle: dict[tuple[str, str], threading.Timer] = {}
         self.lock = threading.RLock()
         self.volumes: dict[str, VolumeRecord] = {}
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
@@ -173,20 +177,37 @@ class VolumeManager:
         raise MountError(f"silod mount of {src.tenant}/{src.name} did not come up in {self.mount_timeout:.0f}s")
 
     def _release(self, tenant: str, dataset: str) -> None:
-        """Unmount a dataset no published volume uses any more (its cache stays on disk)."""
+        """Unmount a dataset no published volume uses any more, after `idle_unmount_s` (its cache
+        stays on disk either way)."""
         if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
             return
-        path = self.mount_path(tenant, dataset)
-        proc = self.procs.pop((tenant, dataset), None)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # silod mount unmounts itself on SIGTERM
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if is_mountpoint(path):
-            unmount(path)
+        if self.idle_unmount_s > 0:
+            old = self._idle.pop((tenant, dataset), None)
+            if old is not None:
+                old.cancel()
+            timer = threading.Timer(self.idle_unmount_s, self._release_now, args=(tenant, dataset))
+            timer.daemon = True
+            self._idle[(tenant, dataset)] = timer
+            timer.start()
+            return
+        self._release_now(tenant, dataset)
+
+    def _release_now(self, tenant: str, dataset: str) -> None:
+        with self.lock:
+            self._idle.pop((tenant, dataset), None)
+            if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
+                return  # published again meanwhile
+            path = self.mount_path(tenant, dataset)
+            proc = self.procs.pop((tenant, dataset), None)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # silod mount unmounts itself on SIGTERM
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            if is_mountpoint(path):
+                unmount(path)
 
     # --- bind mounts -------------------------------------------------------------------------------
 
@@ -247,6 +268,9 @@ class VolumeManager:
     def close(self, unmount_all: bool = False) -> None:
         """Stop serving. Without `unmount_all` the records stay, for the next agent to restore."""
         with self.lock:
+            for timer in self._idle.values():
+                timer.cancel()
+            self._idle.clear()
             if unmount_all:
                 for vid, rec in list(self.volumes.items()):
                     self.unpublish(vid, rec.target)

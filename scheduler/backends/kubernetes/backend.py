@@ -442,6 +442,7 @@ class KubernetesBackend(ClusterBackend):
         with self._lock:
             if self._workload_of(job.job_id) is None:
                 self.refresh()
+                self._adopt_rest_job(job)
             if self._workload_of(job.job_id) is None:
                 raise UserError(f"job {job.job_id} has no Kubernetes workload (it was deleted, or it was submitted"
                                 f" without a pod_template); nothing to run")
@@ -466,6 +467,16 @@ class KubernetesBackend(ClusterBackend):
             return None
         self.workloads[wl.uid], self._objects[wl.uid] = parsed, obj
         return parsed, obj
+
+    def _adopt_rest_job(self, job: JobSpec) -> None:
+        """The Job of a REST submission that another replica (or an earlier process) created: it
+        is `silod-<id>` in the owner's namespace, labelled with the id; the name and namespace
+        are what make it ours (an owner can copy labels, not take a name in another namespace)."""
+        ns = self._safe_namespace(job.owner)
+        for wl in self.workloads.values():
+            if (wl.kind == JOB and wl.namespace == ns and wl.name == f"silod-{job.job_id}"
+                    and wl.rest_job_id == job.job_id):
+                self._remember(job.job_id, wl)
 
     def _admit(self, job: JobSpec, allocation: JobAllocation) -> bool:
         found = self._workload_of(job.job_id)

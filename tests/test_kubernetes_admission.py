@@ -313,3 +313,29 @@ def test_priority_class_orders_admission_within_the_queue(cluster, stack):
     expr = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0]
     assert expr["values"] == ["n1", "n2"]
+
+
+def test_a_restarted_scheduler_keeps_admitted_workloads_running_and_queues_nothing_twice(cluster, stack, tmp_path):
+    service, client = stack
+    create(cluster, kubectl_job("survivor"))
+    r = client.post("/v1/jobs", json={"name": "rest", "gpus": 2, "dataset": "imagenet", "epochs": 1,
+                                      "ideal_throughput": "500MB/s", "pod_template": {"image": "img"}}, headers=H_ALICE)
+    assert r.status_code == 201, r.text
+    step(service)
+    before = {j.id: j.state for j in service.list_jobs(ROOT)}
+    assert sorted(before.values()) == ["running", "running"]
+    suspensions = service.backend.suspensions
+    # A new process: new backend object, same database, same cluster.
+    again = build_service(db=f"sqlite:///{tmp_path / 'k8s.db'}", backend="kubernetes", policy="fifo", round_s=360,
+                          gpus="8", gpus_per_node="4", cache="200GB", remote_io="1GB/s",
+                          state_dir=tmp_path / "state2", backend_opts={"server": cluster.url})
+    try:
+        again.recover()
+        step(again)
+        assert {j.id: j.state for j in again.list_jobs(ROOT)} == before  # nothing requeued or duplicated
+        assert again.backend.suspensions == 0 and again.backend.admissions == 0
+        for name in ("survivor", f"silod-{r.json()['id']}"):
+            assert cluster.obj("jobs", "alice", name, group="batch")["spec"]["suspend"] is False
+        assert service.backend.suspensions == suspensions
+    finally:
+        again.close()

@@ -269,9 +269,9 @@ class KubernetesBackend(ClusterBackend):
 
     def _recover(self) -> None:
         """After a (re)start: which service job is which workload, and what runs where."""
-        self._recovered = True
         if self.service is None:
-            return
+            return  # not attached yet (the service describes the cluster before attach): later
+        self._recovered = True
         from scheduler.service import ADMIN, Principal
 
         admin = Principal(ADMIN, is_admin=True)
@@ -299,8 +299,11 @@ class KubernetesBackend(ClusterBackend):
             nodes[p["spec"]["nodeName"]] = nodes.get(p["spec"]["nodeName"], 0) + _pod_gpus(p)
             pods[p["spec"]["nodeName"]] = pods.get(p["spec"]["nodeName"], 0) + 1
         io = (rec.remote_io or 0.0) / max(wl.pods, 1)
+        # The cache this job's dataset holds is not in the record: estimate progress as if cold
+        # (min(f*, b)), which can only under-state it until the next admission.
+        rate = min(rec.ideal_throughput, rec.remote_io) if rec.remote_io else rec.ideal_throughput
         return Admission(nodes=nodes, dataset=rec.dataset, cache_bytes=0.0, io_per_pod=io, pods_per_node=pods,
-                         since=self.clock(), base_consumed=rec.consumed_bytes, rate=0.0, total=rec.total_bytes)
+                         since=self.clock(), base_consumed=rec.consumed_bytes, rate=rate, total=rec.total_bytes)
 
     def _safe_namespace(self, user: str) -> str | None:
         try:

@@ -8,7 +8,7 @@ Options (`silod serve --backend kubernetes --backend-opt KEY=VALUE`):
   (`kubeconfig=FILE`, `context=NAME`);
 - `namespace-prefix=P`: user U's jobs live in namespace P+U (default: no prefix);
 - `queue=NAME`: the queue label of Jobs created for REST submissions (default "default");
-- `leader-election=true`, `lease-namespace=NS`, `lease-name=NAME`, `identity=ID`: only the holder
+- `leader-election=true`, `lease-namespace=NS`, `lease-name=NAME`, `identity=ID`, `lease-seconds=15`: only the holder
   of the coordination.k8s.io Lease runs the scheduling loop (several replicas; see leader.py).
 """
 
@@ -53,7 +53,7 @@ def load_api_client(server: str | None = None, kubeconfig: str | None = None, co
 def create_backend(config: BackendConfig) -> KubernetesBackend:
     opts = dict(config.options)
     known = {"server", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
-             "lease-name", "identity"}
+             "lease-name", "identity", "lease-seconds"}
     unknown = sorted(set(opts) - known)
     if unknown:
         raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
@@ -65,5 +65,20 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
             api, namespace=opts.get("lease-namespace") or os.environ.get("POD_NAMESPACE") or "silod-system",
             name=opts.get("lease-name") or "silod-scheduler",
             identity=opts.get("identity") or os.environ.get("POD_NAME") or os.uname().nodename,
+            **_lease_timing(opts.get("lease-seconds")),
         )
     return backend
+
+
+def _lease_timing(value: str | None) -> dict[str, float]:
+    """`lease-seconds=N`: the Lease duration; renew deadline 2/3 of it, retries every 2/15 (the
+    client-go defaults are 15 s, 10 s, 2 s)."""
+    if value is None:
+        return {}
+    try:
+        lease = float(value)
+    except ValueError:
+        lease = -1.0
+    if not 1.0 <= lease <= 3600.0:
+        raise UserError(f"--backend-opt lease-seconds={value!r} must be a number of seconds between 1 and 3600")
+    return {"lease_s": lease, "renew_deadline_s": lease * 2 / 3, "retry_s": lease * 2 / 15}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -30,7 +31,7 @@ MAX_ID = 1024
 
 
 class IdentityService(csi_pb2_grpc.IdentityServicer):
-    def __init__(self, ready: callable = lambda: True):  # type: ignore[valid-type]
+    def __init__(self, ready: Callable[[], bool] = lambda: True):
         self.ready = ready
 
     def GetPluginInfo(self, request, context):  # noqa: N802 - gRPC method names

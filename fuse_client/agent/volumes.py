@@ -30,6 +30,13 @@ from fuse_client.agent.datasets import DatasetSource
 log = logging.getLogger("silod.agent")
 
 
+def mount_job_id(node: str, tenant: str, dataset: str) -> str:
+    """The data-manager job id of this node's mount of (tenant, dataset): the scheduler's
+    Kubernetes backend allocates remote IO to it (scheduler/backends/kubernetes/backend.py,
+    node_mount_job: same format), the sum over the jobs admitted on the node that read it."""
+    return f"node-{node}.{tenant}.{dataset}"
+
+
 class MountError(Exception):
     """The node could not mount or bind (an operator's problem: FUSE, disk, permissions)."""
 
@@ -155,7 +162,7 @@ class VolumeManager:
         path.mkdir(parents=True, exist_ok=True)
         stats = self.state_dir / "mounts" / src.tenant / f"{src.name}.stats.json"
         cmd = [*self.silod, "mount", str(path), "--source", src.uri, "--dataset", src.name,
-               "--job", f"node-{self.node}", "--cache-dir", str(self.cache_dir(src.tenant)),
+               "--job", mount_job_id(self.node, src.tenant, src.name), "--cache-dir", str(self.cache_dir(src.tenant)),
                "--stats-file", str(stats), "--allow-other"]
         if src.cache_size is not None:
             cmd += ["--cache-size", str(src.cache_size)]

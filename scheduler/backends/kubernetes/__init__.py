@@ -60,6 +60,10 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
     api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"))
     backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
                                 default_queue=opts.get("queue") or "default")
+    if config.datamanager_url:
+        from datamanager.client import DataManagerClient
+
+        backend.storage = DataManagerClient(config.datamanager_url)
     if opts.get("leader-election", "false").lower() in ("1", "true", "yes"):
         backend.elector = LeaderElector(
             api, namespace=opts.get("lease-namespace") or os.environ.get("POD_NAMESPACE") or "silod-system",

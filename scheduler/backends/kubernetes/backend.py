@@ -67,6 +67,13 @@ class Admission:
     base_consumed: float
     rate: float  # bytes/s the job progresses at under this allocation (SiloDPerf)
     total: float
+    tenant: str = ""
+
+
+def node_mount_job(node: str, tenant: str, dataset: str) -> str:
+    """The data-manager job id of a node agent's mount of (tenant, dataset) on `node`; the agent
+    names its mounts the same way (fuse_client/agent/volumes.py, same format)."""
+    return f"node-{node}.{tenant}.{dataset}"
 
 
 @dataclass
@@ -126,6 +133,8 @@ class KubernetesBackend(ClusterBackend):
         self.nodes: list[NodeState] = []
         self._bound: list[dict[str, Any]] = []
         self._recovered = False
+        self.storage: Any = None  # a data manager client: remote IO of the agents' node mounts
+        self._pushed_io: dict[str, float] = {}
         self.elector: Any = None  # a LeaderElector when several replicas run (create_backend)
         self.admissions = 0  # successful admissions (observability, tests)
         self.suspensions = 0
@@ -303,7 +312,8 @@ class KubernetesBackend(ClusterBackend):
         # (min(f*, b)), which can only under-state it until the next admission.
         rate = min(rec.ideal_throughput, rec.remote_io) if rec.remote_io else rec.ideal_throughput
         return Admission(nodes=nodes, dataset=rec.dataset, cache_bytes=0.0, io_per_pod=io, pods_per_node=pods,
-                         since=self.clock(), base_consumed=rec.consumed_bytes, rate=rate, total=rec.total_bytes)
+                         since=self.clock(), base_consumed=rec.consumed_bytes, rate=rate, total=rec.total_bytes,
+                         tenant=self.namespace_tenant(wl.namespace) or "")
 
     def _safe_namespace(self, user: str) -> str | None:
         try:
@@ -514,7 +524,8 @@ class KubernetesBackend(ClusterBackend):
                                     job.dataset.size))
         self._admitted[job.job_id] = Admission(
             nodes=nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
-            since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes)
+            since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes,
+            tenant=self.namespace_tenant(wl.namespace) or "")
         self.admissions += 1
         self.nodes = self._node_states_from_cache()
         log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
@@ -614,8 +625,44 @@ class KubernetesBackend(ClusterBackend):
                     # silod's own estimate; capped below the total: only the controller says "done".
                     done = min(adm.base_consumed + adm.rate * max(now - adm.since, 0.0), 0.99 * adm.total)
                     self._events.append(JobEvent(job_id, "progress", done, now))
+            self._push_node_io()
             events, self._events = self._events, []
             return events
+
+    def close(self) -> None:
+        _close_quietly(self.storage)
+        _close_quietly(self.api_client)
+
+    def node_io(self) -> dict[str, float]:
+        """Remote IO each node mount may use: the sum, over the jobs admitted on the node that
+        read the dataset, of their per-pod IO times their pods there."""
+        out: dict[str, float] = {}
+        for adm in self._admitted.values():
+            for node, pods in adm.pods_per_node.items():
+                key = node_mount_job(node, adm.tenant, adm.dataset)
+                out[key] = out.get(key, 0.0) + adm.io_per_pod * pods
+        return out
+
+    def _push_node_io(self) -> None:
+        """Send changed node-mount IO to the data manager (0 for mounts no admitted job uses).
+        A failure is retried on the next poll; the scheduling carries on."""
+        if self.storage is None:
+            return
+        want = self.node_io()
+        for key in set(self._pushed_io) - set(want):
+            want[key] = 0.0
+        for key, rate in sorted(want.items()):
+            if self._pushed_io.get(key) == rate:
+                continue
+            try:
+                self.storage.allocate_remote_io(key, rate)
+            except Exception as exc:  # noqa: BLE001 - the data manager may be down; retry next poll
+                log.warning("data manager: remote IO of %s not pushed: %s", key, exc)
+                continue
+            if rate == 0.0:
+                self._pushed_io.pop(key, None)
+            else:
+                self._pushed_io[key] = rate
 
     def _forget(self, job_id: str) -> None:
         ref = self._refs.pop(job_id, None)
@@ -628,6 +675,15 @@ class KubernetesBackend(ClusterBackend):
                 self.refresh()
             return {job_id for job_id, ref in self._refs.items()
                     if (wl := self.workloads.get(ref.uid)) is not None and not wl.suspended and wl.phase == "active"}
+
+
+def _close_quietly(obj: Any) -> None:
+    closer = getattr(obj, "close", None)
+    if callable(closer):
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 - shutting down
+            log.debug("close failed", exc_info=True)
 
 
 def _pod_gpus(pod: dict[str, Any]) -> int:

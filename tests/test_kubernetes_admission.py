@@ -373,3 +373,26 @@ def test_node_mount_remote_io_is_pushed_to_a_real_data_manager(cluster, tmp_path
         service.close()
     finally:
         dm.kill()
+
+
+def test_a_pod_template_needs_the_kubernetes_backend(tmp_path):
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(f"alice:{TOKENS['alice']}\n")
+    service = build_service(db=f"sqlite:///{tmp_path / 'n.db'}", backend="null", policy="fifo", round_s=360,
+                            gpus="8", gpus_per_node="4", cache="200GB", remote_io="1GB/s", state_dir=tmp_path / "s")
+    with TestClient(create_app(service, TokenStore.load(ADMIN_TOKEN, tokens_file), run_loop=False)) as client:
+        client.post("/v1/datasets", json={"name": "imagenet", "uri": "s3://d/i", "size": "1GB"}, headers=H_ALICE)
+        r = client.post("/v1/jobs", json={"name": "x", "gpus": 1, "dataset": "imagenet", "epochs": 1,
+                                          "ideal_throughput": "1MB/s", "pod_template": {"image": "i"}}, headers=H_ALICE)
+        assert r.status_code == 422 and "pod_template" in r.text and "kubernetes" in r.text
+        assert client.get("/v1/jobs", headers=H_ALICE).json() == []  # nothing was recorded
+    service.close()
+
+
+def test_a_rest_job_in_a_missing_namespace_fails_with_the_reason(cluster, stack):
+    service, client = stack
+    service.backend.namespace_prefix = "team-"  # alice's namespace would be team-alice: absent
+    r = client.post("/v1/jobs", json={"name": "nowhere", "gpus": 1, "dataset": "imagenet", "epochs": 1,
+                                      "ideal_throughput": "1MB/s", "pod_template": {"image": "i"}}, headers=H_ALICE)
+    assert r.status_code == 422 and "namespace team-alice does not exist" in r.text
+    assert [j.state for j in service.list_jobs(ROOT) if j.name == "nowhere"] == ["failed"]

@@ -333,6 +333,8 @@ class KubernetesBackend(ClusterBackend):
         key = f"{meta.get('uid')}:{meta.get('resourceVersion')}:{message}"
         if key in self._reported.problems:
             return
+        if len(self._reported.problems) > 10_000:  # bounded: old versions' reports are forgotten
+            self._reported.problems.clear()
         self._reported.problems[key] = message
         log.warning("%s %s/%s: %s", kind.kind, meta.get("namespace"), meta.get("name"), message)
         from kubernetes import client

@@ -83,3 +83,15 @@ def _healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_unreachable_api_server_is_one_clear_error(tmp_path):
+    port = free_port()
+    r = subprocess.run(
+        [*silod_cmd(), "serve", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--backend", "kubernetes", "--gpus", "4",
+         "--gpus-per-node", "4", "--cache", "1GB", "--remote-io", "1GB/s", "--state-dir", str(tmp_path / "s"),
+         "--backend-opt", f"server=http://127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN})
+    assert r.returncode == 2
+    assert f"cannot read the cluster from the Kubernetes API at http://127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr

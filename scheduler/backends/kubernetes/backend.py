@@ -440,7 +440,12 @@ class KubernetesBackend(ClusterBackend):
 
     def describe(self) -> ClusterDescription:
         if not self.nodes:
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception as exc:  # noqa: BLE001 - at startup every failure is the operator's to fix
+                host = getattr(getattr(self.api_client, "configuration", None), "host", "?")
+                raise UserError(f"cannot read the cluster from the Kubernetes API at {host}: "
+                                f"{type(exc).__name__}: {str(exc)[:300]}") from None
         return ClusterDescription(
             nodes=tuple(NodeInfo(name=n.name, gpus=n.gpus_free, cache=n.cache_capacity, labels=dict(n.labels))
                         for n in self.nodes),

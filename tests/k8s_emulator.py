@@ -502,7 +502,8 @@ class Emulator:
             s.pop("activeDeadlineSeconds", None)
             for c in s.get("containers") or []:
                 c.pop("image", None)
-        if o.get("nodeName") and o != n or (not o.get("nodeName") and {**o, "nodeName": n.get("nodeName")} != n):
+        bound_now = {**o, **({"nodeName": n["nodeName"]} if n.get("nodeName") else {})}  # binding sets nodeName once
+        if (o != n) if o.get("nodeName") else (bound_now != n):
             raise ApiError(422, "Invalid", f'Pod "{old["metadata"]["name"]}" is invalid: spec: Forbidden: pod updates'
                                            f" may not change fields other than image, activeDeadlineSeconds,"
                                            f" tolerations")
@@ -834,6 +835,10 @@ class EmulatedCluster:
         async def down() -> None:
             if self._controllers:
                 self._controllers.cancel()
+                try:
+                    await self._controllers
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                    pass
             if self._runner:
                 await self._runner.cleanup()
 

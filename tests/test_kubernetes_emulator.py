@@ -180,3 +180,14 @@ def test_leader_election_race_for_an_expired_lease_has_one_winner(cluster):
         t.join()
     holder = client.CoordinationV1Api(cluster.api_client()).read_namespaced_lease("l", "silod-system").spec.holder_identity
     assert wins == [holder]
+
+
+def test_pod_metadata_is_mutable_but_its_spec_is_not(cluster):
+    core = client.CoreV1Api(cluster.api_client())
+    cluster.paused.set()  # keep it unbound
+    core.create_namespaced_pod("open", {"metadata": {"name": "m"}, "spec": {"containers": [{"name": "c", "image": "i"}]}})
+    core.patch_namespaced_pod("m", "open", {"metadata": {"labels": {"a": "b"}}})
+    with pytest.raises(ApiException) as err:
+        core.patch_namespaced_pod("m", "open", {"spec": {"containers": [{"name": "c", "image": "i", "command": ["x"]}]}})
+    assert err.value.status == 422
+    cluster.paused.clear()

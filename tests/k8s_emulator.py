@@ -1003,14 +1003,16 @@ class EmulatedCluster:
         pub = self.em.published.get((pod["metadata"]["uid"], volume))
         return pub.target if pub else None
 
-    def wait(self, predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    def wait(self, predicate: Callable[[], Any], timeout: float = 20.0,
+             what: str | Callable[[], str] = "condition") -> Any:
+        """Poll `predicate` until truthy; `what` (or what it returns, at the timeout) names it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = predicate()
             if got:
                 return got
             time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
 
 
 @contextmanager

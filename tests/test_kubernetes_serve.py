@@ -49,10 +49,11 @@ def test_one_leader_admits_and_the_standby_takes_over(tmp_path):
                 except client.exceptions.ApiException:
                     return False
 
-            cluster.wait(lambda: lease_is("a"), timeout=30, what="a to lead")
+            # Generous timeouts: a cold `silod serve` imports a lot, and CI machines are shared.
+            cluster.wait(lambda: lease_is("a"), timeout=120, what=lambda: "a to lead " + _tail(tmp_path, "a"))
             procs["b"] = serve(cluster, tmp_path, "b", ports["b"])
             for who in ("a", "b"):  # both serve the API
-                cluster.wait(lambda w=who: _healthy(ports[w]), timeout=30, what=f"{who} to serve")
+                cluster.wait(lambda w=who: _healthy(ports[w]), timeout=120, what=lambda w=who: f"{w} to serve " + _tail(tmp_path, w))
             r = httpx.post(f"http://127.0.0.1:{ports['b']}/v1/datasets", headers={"Authorization": f"Bearer {ADMIN}"},
                            json={"name": "imagenet", "uri": "s3://d/i", "size": "1GB"})
             assert r.status_code == 201, r.text
@@ -62,7 +63,7 @@ def test_one_leader_admits_and_the_standby_takes_over(tmp_path):
             assert holder() == "a"
             procs["a"].send_signal(signal.SIGKILL)
             procs["a"].wait(10)
-            cluster.wait(lambda: lease_is("b"), timeout=30, what="b to take the Lease over")
+            cluster.wait(lambda: lease_is("b"), timeout=60, what=lambda: "b to take the Lease over " + _tail(tmp_path, "b"))
             two = kubectl_job("two", ns="admin")
             cluster.call(lambda em: em.create(em.resources[("batch", "jobs")], "admin", two))
             pod = cluster.wait(lambda: cluster.pods_of("admin", "one"), what="job one's pod")[0]
@@ -76,6 +77,11 @@ def test_one_leader_admits_and_the_standby_takes_over(tmp_path):
                 if p.poll() is None:
                     p.terminate()
                     p.wait(20)
+
+
+def _tail(tmp_path, who: str) -> str:
+    path = tmp_path / f"{who}.log"
+    return f"(log: {path.read_text()[-1500:] if path.exists() else 'none'})"
 
 
 def _healthy(port: int) -> bool:

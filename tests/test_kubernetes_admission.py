@@ -396,3 +396,11 @@ def test_a_rest_job_in_a_missing_namespace_fails_with_the_reason(cluster, stack)
                                       "ideal_throughput": "1MB/s", "pod_template": {"image": "i"}}, headers=H_ALICE)
     assert r.status_code == 422 and "namespace team-alice does not exist" in r.text
     assert [j.state for j in service.list_jobs(ROOT) if j.name == "nowhere"] == ["failed"]
+
+
+def test_users_cannot_raise_their_own_priority(stack):
+    """Priority now orders admission, so a user who sets 1000 would jump everyone's queue."""
+    _, client = stack
+    body = {"name": "vip", "gpus": 1, "dataset": "imagenet", "epochs": 1, "ideal_throughput": "1MB/s"}
+    assert client.post("/v1/jobs", json={**body, "priority": 1000}, headers=H_ALICE).status_code == 403
+    assert client.post("/v1/jobs", json={**body, "priority": -5}, headers=H_ALICE).status_code == 201

@@ -146,6 +146,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.post("/v1/jobs", response_model=JobOut, status_code=201, responses=_ERRORS, tags=["jobs"])
     def submit_job(body: JobIn, who: Who) -> JobOut:
+        if body.priority > 0 and not who.is_admin:
+            # Priority orders admission (scheduler/core.py): raising it is the operator's call.
+            raise ForbiddenError("only the admin may give a job a priority above 0; users may lower theirs")
         req = NewJob(
             name=body.name, gpus=body.gpus, dataset=body.dataset, epochs=body.epochs, steps=body.steps,
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,

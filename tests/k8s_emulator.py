@@ -816,7 +816,8 @@ class EmulatedCluster:
         async def up() -> str:
             app = aiohttp.web.Application(client_max_size=8 * 1024 * 1024)
             app.router.add_route("*", "/{tail:.*}", self.server.handle)
-            self._runner = aiohttp.web.AppRunner(app)
+            # Open watch streams end at shutdown; do not wait a minute for them.
+            self._runner = aiohttp.web.AppRunner(app, shutdown_timeout=3.0)
             await self._runner.setup()
             site = aiohttp.web.TCPSite(self._runner, "127.0.0.1", 0)
             await site.start()
@@ -843,7 +844,7 @@ class EmulatedCluster:
                 await self._runner.cleanup()
 
         try:
-            asyncio.run_coroutine_threadsafe(down(), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(down(), self._loop).result(60)  # generous: shared CI machines
             # Volumes still published when the cluster goes away are unpublished, like a drained node.
             for pub in list(self.em.published.values()):
                 self._csi_unpublish(pub)

@@ -808,6 +808,7 @@ class EmulatedCluster:
         self._controllers: asyncio.Task | None = None
         self._clients: list[Any] = []
         self.controller_errors: list[str] = []  # tests assert it stays empty
+        self._stopping = False
         self.paused = threading.Event()  # set: controllers stop (to look at an intermediate state)
 
     def __enter__(self) -> EmulatedCluster:
@@ -835,11 +836,11 @@ class EmulatedCluster:
 
         async def down() -> None:
             if self._controllers:
+                self._stopping = True
                 self._controllers.cancel()
-                try:
-                    await self._controllers
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-                    pass
+                # A pass blocked in a CSI call (an executor thread) cannot be interrupted: do not
+                # wait for it longer than this.
+                await asyncio.wait({self._controllers}, timeout=2.0)
             if self._runner:
                 await self._runner.cleanup()
 
@@ -854,7 +855,8 @@ class EmulatedCluster:
 
     async def _control_loop(self) -> None:
         assert self.em.changed is not None
-        while True:
+        # A flag as well as cancel(): Python 3.11's wait_for can swallow a cancellation.
+        while not self._stopping:
             try:
                 await asyncio.wait_for(self.em.changed.wait(), timeout=0.2)
             except TimeoutError:

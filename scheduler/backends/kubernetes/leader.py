@@ -111,31 +111,20 @@ class LeaderElector:
         on_stopped()
 
 
-READY_FILE = "/tmp/silod-leader"  # the Deployment's readiness probe checks it (deploy/base)
-
-
-def run_when_leading(elector: LeaderElector, service: Any, ready_file: str = READY_FILE) -> threading.Thread:
+def run_when_leading(elector: LeaderElector, service: Any) -> threading.Thread:
     """`silod serve` with several replicas: the scheduling loop starts when this replica takes
     the Lease; when it loses the Lease the process exits (the kubelet restarts it as a
-    candidate), so a deposed leader never keeps admitting. While leading, `ready_file` exists."""
+    candidate), so a deposed leader never keeps admitting. Every replica serves the API."""
     import os
 
     stop = threading.Event()
 
-    def started() -> None:
-        service.start()
-        with open(ready_file, "w") as f:
-            f.write(elector.identity)
-
     def stopped() -> None:
-        try:
-            os.unlink(ready_file)
-        except FileNotFoundError:
-            pass
         if not stop.is_set():
             log.error("leadership lost; exiting so that a restarted process rejoins as a candidate")
             os._exit(1)
 
-    thread = threading.Thread(target=elector.run, args=(started, stopped, stop), name="silod-leader", daemon=True)
+    thread = threading.Thread(target=elector.run, args=(service.start, stopped, stop), name="silod-leader",
+                              daemon=True)
     thread.start()
     return thread

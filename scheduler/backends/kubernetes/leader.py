@@ -1,7 +1,7 @@
 """Leader election on a coordination.k8s.io/v1 Lease (client-go's algorithm, in Python).
 
 The scheduler Deployment runs two replicas; only the Lease holder runs the scheduling loop and
-admits workloads, the other waits (and is not Ready, so the Service sends it no traffic). The
+admits workloads, the other waits for the Lease (both serve the REST API over one database). The
 holder renews the Lease every `retry_s`; a candidate takes the Lease over only when it has not
 been renewed for `lease_s`. Every write carries the resourceVersion it read, so two candidates
 racing for an expired Lease cannot both win (one gets 409 Conflict). A leader that cannot renew

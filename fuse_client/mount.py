@@ -48,6 +48,7 @@ class MountConfig:
     kernel_cache: bool = True
     node: str = socket.gethostname()
     cache_mode: CacheMode | None = None  # None: leave the node's mode for the dataset as it is
+    allow_other: bool = False  # the node agent's mounts: pods of other uids read them through bind mounts
 
 
 def validate_mountpoint(path: Path) -> None:
@@ -296,6 +297,7 @@ def run_mount(cfg: MountConfig) -> int:
         mfusepy.FUSE(
             fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
             fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
+            **({"allow_other": True} if cfg.allow_other else {}),
         )
 
     try:

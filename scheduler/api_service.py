@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
@@ -30,14 +31,17 @@ class SchedulerUnavailable(ServiceError):
 
 
 class ApiService(ReadViews):
-    def __init__(self, engine: Engine, config: ServiceConfig):
+    def __init__(self, engine: Engine, config: ServiceConfig, workloads: Any = None):
         self.engine = engine
         self.config = config
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         # Serialises this process's writes (SQLite has one writer; waiting here is cheaper than
         # waiting on the database's busy handler).
         self._write_lock = threading.RLock()
-        self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger)
+        # `workloads`: with --backend kubernetes, a client that creates a REST job's suspended
+        # Job from its pod_template; the scheduling process adopts it (no scheduling here).
+        self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger, workloads=workloads)
+        self.workloads = workloads
         self._cached: tuple[float, dict] | None = None
 
     def trigger(self, reason: str) -> None:
@@ -50,6 +54,9 @@ class ApiService(ReadViews):
         pass
 
     def close(self) -> None:
+        close = getattr(self.workloads, "close", None)
+        if callable(close):
+            close()
         self.engine.dispose()
 
     def _raw_status(self) -> dict:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -132,11 +133,13 @@ def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
 
 class Catalogue:
     def __init__(self, sessions: sessionmaker, config: ServiceConfig, write_lock: threading.RLock,
-                 trigger: Callable[[str], None]):
+                 trigger: Callable[[str], None], workloads: Any = None):
         self.sessions = sessions
         self.config = config
         self._write_lock = write_lock
         self._trigger = trigger
+        # A backend that creates a job's workload from its pod_template (Kubernetes), else None.
+        self.workloads = workloads if callable(getattr(workloads, "create_workload", None)) else None
 
     # ------------------------------------------------------------------ datasets
 
@@ -331,6 +334,9 @@ class Catalogue:
         """A new queued job (created=True), or with a known Idempotency-Key and the same request,
         the job that key created (created=False). The same key with another request is a 409."""
         check_name(req.name, "name")
+        if req.pod_template is not None and self.workloads is None:
+            raise ServiceError("pod_template needs a backend that creates workloads (silod serve --backend kubernetes)",
+                               field="pod_template")
         check_name(req.dataset, "dataset")
         cap = self.config.capacity
         if req.gpus < 1:
@@ -392,8 +398,27 @@ class Catalogue:
                 finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
                 access=req.access,
             )
+        if req.pod_template is not None:
+            self._create_workload(record, req.pod_template)
         self._trigger("submit")
         return record, True
+
+    def _create_workload(self, record: JobRecord, template: Any) -> None:
+        """Backends that run pods from a template (Kubernetes) create the job's workload now (the
+        scheduling process adopts it by name); a refusal fails the job and is the caller's error."""
+        try:
+            self.workloads.create_workload(record, template)
+            return
+        except UserError as exc:
+            message = str(exc)
+        with self._write_lock, self.sessions.begin() as s:
+            job = s.get(Job, int(record.id))
+            if job is not None and JobState(job.state).active:
+                job.state = JobState.FAILED
+                job.finish_time = time.time()
+                job.message = message[:2000]
+        self._trigger("submit")
+        raise ServiceError(message, field="pod_template")
 
     def _check_quota(self, s: Session, who: Principal, req: NewJob) -> None:
         q = self._quota(s, who.user)

@@ -108,7 +108,7 @@ class SchedulerService(ReadViews):
         self.policy_name = name
         self._save_setting("policy", name)
         self.runner = LoopRunner(self)
-        self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger)
+        self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger, workloads=backend)
         self.publish_status()
 
     @property

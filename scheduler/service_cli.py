@@ -141,10 +141,15 @@ def build_api_service(
     irregular_share: str | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
+    backend: str | None = None,
+    backend_opts: dict[str, str] | None = None,
+    state_dir: Path | str | None = None,
     **_scheduler_only: Any,
 ):  # type: ignore[no-untyped-def]
     """The API worker's side (scheduler/api_service.py): catalogue and views, no backend, no rounds.
-    The schema must already be migrated (the serving process does it once, before workers start)."""
+    The schema must already be migrated (the serving process does it once, before workers start).
+    With the kubernetes backend it holds a second backend object used only to create a REST
+    job's Job from its pod_template (no polling, no leader election, no admission)."""
     from fuse_client.uri_policy import UriPolicy
     from scheduler.api_service import ApiService
     from scheduler.cluster import load_cluster
@@ -158,7 +163,14 @@ def build_api_service(
     )
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
                            default_quota=default_quota or TenantQuota())
-    return ApiService(make_engine(db), config)
+    workloads = None
+    if backend == "kubernetes":
+        from scheduler.backends.base import BackendConfig, load_backend
+
+        opts = {k: v for k, v in (backend_opts or {}).items() if k != "leader-election"}
+        workloads = load_backend(backend, BackendConfig(capacity=capacity, state_dir=Path(state_dir or default_state_dir()),
+                                                        options=opts))
+    return ApiService(make_engine(db), config, workloads=workloads)
 
 
 def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info") -> None:
@@ -191,7 +203,15 @@ def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info")
     threading.Thread(target=watch_parent, name="silod-parent-watch", daemon=True).start()
     service = build_service(**build_kwargs)
     try:
-        service.start()
+        elector = getattr(service.backend, "elector", None)
+        if elector is None:
+            service.start()
+        else:
+            # Kubernetes with several replicas: schedule only while holding the Lease (the
+            # process exits when it loses it, and the supervisor starts it again as a candidate).
+            from scheduler.backends.kubernetes.leader import run_when_leading
+
+            run_when_leading(elector, service)
         done.wait()
     finally:
         service.close()
@@ -254,7 +274,11 @@ def build_service(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
     )
-    return SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
+    if callable(attach):
+        attach(service)
+    return service
 
 
 # ---------------------------------------------------------------- HTTP client side
@@ -423,7 +447,11 @@ def register(app: typer.Typer) -> None:
         if datamanager:
             make_pusher(datamanager)
         probe = build_api_service(**build_kwargs)  # cluster flags, URIs, quotas
-        probe.close()
+        try:
+            if probe.workloads is not None:
+                probe.workloads.describe()  # an unreachable Kubernetes API is one clear error here
+        finally:
+            probe.close()
         engine = open_database(db)  # migrated once, before any worker starts
         engine_url = engine.url.render_as_string(hide_password=True)
         try:

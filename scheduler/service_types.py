@@ -112,6 +112,8 @@ class NewJob:
     priority: int = 0
     dataset_owner: str | None = None  # another tenant's dataset, shared by an explicit grant
     access: AccessPattern = EPOCH  # how the job reads (estimator/access.py)
+    # The pods to run (backends that create workloads, i.e. Kubernetes: a workloads.PodTemplate).
+    pod_template: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -270,11 +270,15 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         idempotency_key: Annotated[str | None, Header(max_length=128, pattern=r"^[\x21-\x7e]+$",
                                                       description="retry-safe: the same key and body return the same job")] = None,
     ) -> Any:
+        if body.priority > 0 and not who.is_admin:
+            # Priority orders admission (scheduler/core.py): raising it is the operator's call.
+            raise ForbiddenError("only the admin may give a job a priority above 0; users may lower theirs")
         req = NewJob(
             name=body.name, gpus=body.gpus, dataset=body.dataset, epochs=body.epochs, steps=body.steps,
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
             priority=body.priority, dataset_owner=body.dataset_owner,
             access=body.access.pattern() if body.access is not None else EPOCH,
+            pod_template=body.pod_template.to_template() if body.pod_template else None,
         )
         record, created = catalogue.submit_job(who, req, idempotency_key)
         return _json(record, 201 if created else 200)

@@ -132,6 +132,34 @@ class AccessOut(BaseModel):
         return value
 
 
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+Arg = Annotated[str, Field(max_length=4096)]
+
+
+class PodTemplateIn(_Strict):
+    """The pods of a job on Kubernetes (`--backend kubernetes`). Nothing here can grant privilege:
+    silod writes the security context (Pod Security "restricted") and the dataset volume."""
+
+    image: str = Field(min_length=1, max_length=512, pattern=r"^\S+$", examples=["ghcr.io/me/train:1.0"])
+    command: list[Arg] = Field(default_factory=list, max_length=64)
+    args: list[Arg] = Field(default_factory=list, max_length=256)
+    env: dict[Annotated[str, Field(max_length=128, pattern=ENV_NAME_PATTERN)], Arg] = Field(default_factory=dict, max_length=64)
+    cpu: str | None = Field(default=None, max_length=32, pattern=QUANTITY_PATTERN, examples=["4"])
+    memory: str | None = Field(default=None, max_length=32, pattern=QUANTITY_PATTERN, examples=["16Gi"])
+    pods: int = Field(default=1, ge=1, le=1024, description="pods of the job; gpus must split evenly over them")
+    data_path: str = Field(default="/data", max_length=256, pattern=r"^/[A-Za-z0-9._/-]*$",
+                           description="where the dataset is mounted (read-only) in the containers")
+    run_as_user: int = Field(default=1000, ge=1, le=2_147_483_647, description="a non-root uid")
+
+    def to_template(self) -> Any:
+        from scheduler.backends.kubernetes.workloads import PodTemplate
+
+        return PodTemplate(image=self.image, command=tuple(self.command), args=tuple(self.args), env=dict(self.env),
+                           cpu=self.cpu, memory=self.memory, pods=self.pods, data_path=self.data_path,
+                           run_as_user=self.run_as_user)
+
+
 class JobIn(_Strict):
     name: Name = Field(examples=["resnet50-run1"])
     gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs the job needs (gang-scheduled)")
@@ -142,11 +170,13 @@ class JobIn(_Strict):
     ideal_throughput: Rate | None = Field(default=None, description="f*: bytes/s at `gpus` GPUs when IO is not the bottleneck")
     model: str | None = Field(default=None, min_length=1, max_length=64, description="catalog model, instead of ideal_throughput")
     priority: int = Field(default=0, ge=-1000, le=1000,
-                          description="orders your own jobs when your quota lets only some of them run (higher first)")
+                          description="orders admission (higher first); above 0 only for the admin")
     dataset_owner: Name | None = Field(default=None, description="the tenant owning `dataset`, when it is shared with you")
     access: Annotated[AccessIn, BeforeValidator(_access_shorthand)] | None = Field(
         default=None, description='how the job reads: "epoch" (default), "irregular", or {"kind": "curriculum", ...}'
     )
+    pod_template: PodTemplateIn | None = Field(default=None, description="Kubernetes: the pods to run (a Job is"
+                                               " created in your namespace, suspended until admitted)")
 
     _names = field_validator("name", "dataset")(_no_dotdot)
 

@@ -23,6 +23,7 @@ field and the fix; state is only changed after the whole request validated.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,11 +32,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from datamanager.auth import DataManagerAuth, DataManagerGuard
 from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS, parse_rate, parse_size
 from fuse_client.names import validate_name
+
+log = logging.getLogger("silod.datamanager")
 
 # A number or text with a unit ("20GB", "200MB/s"). Deliberately untyped here: pydantic would
 # coerce `true` to 1; estimator.units rejects bools, negatives and junk with one clear message.
@@ -82,10 +86,29 @@ def _workers(value: int | None) -> int | None:
     return value
 
 
-def create_app(state_dir: Path) -> FastAPI:
+def _check_uri(uri: str) -> None:
+    """The operator's allow-list (fuse_client.uri_policy), when SILOD_ALLOWED_URIS is set: the
+    data manager records sources, it does not read them, so without the variable it accepts any."""
+    import os
+
+    from fuse_client.uri_policy import ENV, UriPolicy
+
+    if os.environ.get(ENV):
+        UriPolicy.from_env().check(uri)
+
+
+def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
+    """The API over the state in `state_dir`. `auth` (default: from the environment, see
+    datamanager/auth.py) decides who may call what; errors never echo internal paths."""
     store = StateStore(state_dir)
     app = FastAPI(title="silod data manager", version="1")
     app.state.store = store
+    app.add_middleware(DataManagerGuard, auth=auth if auth is not None else DataManagerAuth.from_env())
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("data manager request failed", exc_info=exc)
+        return JSONResponse(status_code=500, content={"detail": "internal error"})
 
     @app.exception_handler(UserError)
     async def _user_error(request: Request, exc: UserError) -> JSONResponse:
@@ -108,6 +131,8 @@ def create_app(state_dir: Path) -> FastAPI:
     @app.put("/v1/datasets/{name}")
     def declare_dataset(name: str, body: DatasetDecl | None = None) -> dict:
         validate_name(name, "dataset")
+        if body is not None and body.uri is not None:
+            _check_uri(body.uri)
         return store.declare_dataset(name, None if body is None else body.uri).model_dump()
 
     @app.get("/v1/datasets/{name}")
@@ -159,6 +184,8 @@ def create_app(state_dir: Path) -> FastAPI:
     def register_client(body: ClientRegistrationBody) -> dict:
         validate_name(body.dataset, "dataset")
         validate_name(body.job, "job")
+        if body.source:
+            _check_uri(body.source)
         if not body.client_id or "/" in body.client_id:
             raise UserError(f"client_id {body.client_id!r} must be non-empty and contain no '/'")
         alloc = store.register_client(ClientState(**body.model_dump()))

@@ -33,12 +33,31 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--state {str(state)!r} cannot be created: {exc.strerror}") from exc
         if not state.is_dir():
             raise UserError(f"--state {str(state)!r} is not a directory")
+        import ipaddress
+
         import uvicorn
 
         from datamanager.app import create_app
+        from datamanager.auth import AGENT_TOKEN_ENV, SCHEDULER_TOKEN_ENV, DataManagerAuth
 
         try:
-            app_ = create_app(state)
+            auth = DataManagerAuth.from_env()
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+        if not auth.enabled:
+            try:
+                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                raise UserError(
+                    f"--listen {listen}: without {SCHEDULER_TOKEN_ENV} and {AGENT_TOKEN_ENV} the data manager is "
+                    "unauthenticated and may only listen on a loopback address; set both tokens to listen elsewhere"
+                )
+        try:
+            app_ = create_app(state, auth)
         except ValueError as exc:  # a corrupt state.json: say so instead of a traceback
             raise UserError(f"--state {str(state)!r}: state.json cannot be read ({exc})") from exc
+        if not auth.enabled:  # after every check, so that an error is the first line on stderr
+            typer.echo(f"silod datamanager: no {SCHEDULER_TOKEN_ENV}/{AGENT_TOKEN_ENV}: unauthenticated, loopback only", err=True)
         uvicorn.run(app_, host=host, port=port, log_level=log_level.lower())

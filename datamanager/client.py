@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import os
+
 import httpx
 
 
@@ -44,8 +46,12 @@ class JobAllocation:
 
 
 class DataManagerClient:
-    def __init__(self, base_url: str, timeout: float = 5.0, transport: httpx.BaseTransport | None = None) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport)
+    def __init__(self, base_url: str, timeout: float = 5.0, transport: httpx.BaseTransport | None = None,
+                 token: str | None = None) -> None:
+        # The scheduler's token (datamanager/auth.py); from SILOD_DM_TOKEN when not given.
+        token = token or os.environ.get("SILOD_DM_TOKEN") or None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, transport=transport, headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -90,6 +90,8 @@ class DatasetCache:
         self.staging_dir = self.root / "staging"
         self.transient_dir = self.root / "transient"
         self.locks_dir = self.root / "locks"
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # private to the data path: a job reads items only through its mount
         for d in (self.items_dir, self.staging_dir, self.transient_dir, self.locks_dir):
             d.mkdir(parents=True, exist_ok=True)
         for i in range(256):
@@ -147,7 +149,7 @@ class DatasetCache:
         transient files, waiter marks, rows without files, files that fail their checksum) can
         be cleaned without racing a live writer.
         """
-        fd = os.open(self.root / "alive.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / "alive.lock", os.O_RDWR | os.O_CREAT, 0o600)
         self._alive_fd = fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -236,7 +238,7 @@ class DatasetCache:
     @contextlib.contextmanager
     def fetch_lock(self, key: str) -> Iterator[None]:
         """Serialise fetches of one item across every mount on the node (flock on a lock file)."""
-        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -266,7 +268,7 @@ class DatasetCache:
 
     def new_staging_file(self, key: str) -> tuple[int, Path]:
         path = self.staging_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.{random.getrandbits(32):08x}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         return fd, path
 
     def publish(self, key: str, staging: Path, size: int, crc: int) -> bool:

@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         stats_file: Optional[Path] = typer.Option(None, "--stats-file", help="JSON stats, rewritten atomically twice a second."),
         kernel_cache: bool = typer.Option(True, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (re-reads at page-cache speed; a kept item is accounted as read in full at open)."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
+        allow_other: bool = typer.Option(False, "--allow-other", help="Let other users read the mount (the node agent bind-mounts it into pods; needs root)."),
     ) -> None:
         """Mount a dataset read-only with uniform (or LRU) caching and per-job remote-IO throttling."""
         import logging
@@ -53,5 +54,6 @@ def register(app: typer.Typer) -> None:
             stats_file=None if stats_file is None else stats_file.absolute(),
             kernel_cache=kernel_cache,
             cache_mode=mode,
+            allow_other=allow_other,
         )
         raise typer.Exit(run_mount(cfg))

@@ -10,6 +10,7 @@ state directory was wiped) the client registers again.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,9 @@ class ManagerLink:
         self.registration = registration
         self._get_stats = get_stats
         self._on_allocation = on_allocation
-        self._http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S)
+        token = os.environ.get("SILOD_DM_TOKEN")  # the agent token, when the data manager requires one
+        self._http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S,
+                                  headers={"Authorization": f"Bearer {token}"} if token else {})
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered = False

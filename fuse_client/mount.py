@@ -48,6 +48,7 @@ class MountConfig:
     kernel_cache: bool = True
     node: str = socket.gethostname()
     cache_mode: CacheMode | None = None  # None: leave the node's mode for the dataset as it is
+    allow_other: bool = False  # the node agent's mounts: pods of other uids read them through bind mounts
 
 
 def validate_mountpoint(path: Path) -> None:
@@ -251,11 +252,15 @@ def run_mount(cfg: MountConfig) -> int:
     from fuse_client.dataplane import ItemResolver
     from fuse_client.fs import SilodFS
     from fuse_client.manager_link import ClientRegistration, ManagerLink
-    from fuse_client.remote import RemoteStore
+    from fuse_client.remote import ANONYMOUS_ENV, RemoteStore, SourceCredential
     from fuse_client.token_bucket import Throttle
+    from fuse_client.uri_policy import ENV as ALLOWED_URIS_ENV, UriPolicy
 
+    if os.environ.get(ALLOWED_URIS_ENV):  # the operator's allow-list, with the host resolved now
+        UriPolicy.from_env().check(cfg.source, resolve=True)
     throttle = Throttle(cfg.io_rate)
-    store = RemoteStore(cfg.source)
+    # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
+    store = RemoteStore(cfg.source, credential=SourceCredential.from_env(), anonymous=os.environ.get(ANONYMOUS_ENV) == "1")
     listing = store.list()
     # Only now, with every input checked, touch the local disk.
     try:
@@ -292,6 +297,7 @@ def run_mount(cfg: MountConfig) -> int:
         mfusepy.FUSE(
             fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
             fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
+            **({"allow_other": True} if cfg.allow_other else {}),
         )
 
     try:

@@ -73,10 +73,61 @@ class DatasetListing:
 SUPPORTED_SCHEMES = ("", "file", "s3", "http", "https")  # "": a local directory
 
 
+# How a tenant's credential reaches a mount process: environment variables set by the backend
+# for that process only (never a command-line argument, which other users can read in /proc).
+CREDENTIAL_ENV = {
+    "access_key_id": "SILOD_SOURCE_ACCESS_KEY_ID",
+    "secret_access_key": "SILOD_SOURCE_SECRET_ACCESS_KEY",
+    "endpoint_url": "SILOD_SOURCE_ENDPOINT_URL",
+    "region": "SILOD_SOURCE_REGION",
+}
+ANONYMOUS_ENV = "SILOD_SOURCE_ANONYMOUS"  # "1": read s3 anonymously, never with ambient credentials
+
+
+@dataclass(frozen=True)
+class SourceCredential:
+    """A tenant's credential for its dataset's store. The secret never appears in a repr."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    endpoint_url: str | None = None
+    region: str | None = None
+
+    def to_env(self) -> dict[str, str]:
+        return {CREDENTIAL_ENV[k]: v for k, v in (("access_key_id", self.access_key_id),
+                ("secret_access_key", self.secret_access_key), ("endpoint_url", self.endpoint_url),
+                ("region", self.region)) if v}
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "SourceCredential | None":
+        import os
+
+        env = dict(os.environ) if env is None else env
+        key, secret = env.get(CREDENTIAL_ENV["access_key_id"]), env.get(CREDENTIAL_ENV["secret_access_key"])
+        if not key or not secret:
+            return None
+        return cls(key, secret, env.get(CREDENTIAL_ENV["endpoint_url"]) or None, env.get(CREDENTIAL_ENV["region"]) or None)
+
+
+def storage_options(url: str, credential: SourceCredential | None, anonymous: bool = False) -> dict:
+    """fsspec options for `url`: the tenant's credential when given; with `anonymous`, no
+    credential at all for s3 (so the cluster's own, from the environment, is never used)."""
+    if not url.startswith("s3://"):
+        return {}
+    if credential is not None:
+        opts: dict = {"key": credential.access_key_id, "secret": credential.secret_access_key}
+        client_kwargs = {k: v for k, v in (("endpoint_url", credential.endpoint_url),
+                                           ("region_name", credential.region)) if v}
+        if client_kwargs:
+            opts["client_kwargs"] = client_kwargs
+        return opts
+    return {"anon": True} if anonymous else {}
+
+
 class RemoteStore:
     """An fsspec file system rooted at the dataset URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, credential: SourceCredential | None = None, anonymous: bool = False) -> None:
         import fsspec
 
         self.url = url
@@ -85,7 +136,7 @@ class RemoteStore:
             # Checked before fsspec, which would otherwise try to connect (ftp://) or import a driver.
             raise UserError(f"--source {url!r}: scheme {scheme}:// is not supported; use a local directory, file://, s3:// or http(s)://")
         try:
-            self.fs, root = fsspec.core.url_to_fs(url)
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options(url, credential, anonymous))
         except ImportError as exc:
             raise UserError(f"--source {url!r} needs an optional dependency ({exc}); for s3:// install silod with the S3 extra: pip install 'silod[s3]'") from exc
         except ValueError as exc:

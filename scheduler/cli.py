@@ -49,7 +49,8 @@ def _register_all() -> None:
     from scheduler import cli_sim
 
     cli_sim.register(app)
-    for module_name in ("fuse_client.cli", "datamanager.cli", "scheduler.service_cli", "scheduler.demo"):
+    for module_name in ("fuse_client.cli", "datamanager.cli", "scheduler.service_cli", "scheduler.demo",
+                        "fuse_client.agent.cli"):
         try:
             module = __import__(module_name, fromlist=["register"])
         except ModuleNotFoundError as exc:

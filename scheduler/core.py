@@ -11,7 +11,7 @@ allocation into per-job remote-IO caps for the round. The backend then executes 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -110,6 +110,20 @@ def spread_spare_io(caps: Mapping[str, float], demands: Mapping[str, float], tot
     return dict(zip(ids, (base + max_min_share(extra_want, spare)).tolist(), strict=True))
 
 
+def priority_order(snapshot: Snapshot) -> Snapshot:
+    """The priority rule: policies see every job of a higher `priority` as having arrived before
+    every job of a lower one (arrival order is kept within a priority). FIFO and greedy hence
+    admit by priority, then arrival; SJF and Gavel order by their own objective and use arrival
+    to break ties. Running jobs are not preempted for priority by policies that never preempt.
+    Without priorities (all equal) the snapshot is returned unchanged."""
+    if len({j.priority for j in snapshot.jobs}) <= 1:
+        return snapshot
+    order = sorted(snapshot.jobs, key=lambda j: (-j.priority, j.submit_time, j.job_id))
+    rank = {j.job_id: float(i) for i, j in enumerate(order)}
+    jobs = tuple(replace(j, submit_time=rank[j.job_id]) for j in snapshot.jobs)
+    return replace(snapshot, jobs=jobs)
+
+
 class SchedulingCore:
     """Policy + estimators + round planner. Pure: backends own clocks, I/O and state.
 
@@ -142,6 +156,7 @@ class SchedulingCore:
 
     def plan(self, snapshot: Snapshot) -> RoundPlan:
         """decide + plan_round, for backends that re-decide every round."""
+        snapshot = priority_order(snapshot)
         return self.plan_round(snapshot, self.decide(snapshot))
 
     def record(self, snapshot: Snapshot, plan: RoundPlan, seconds: float) -> None:

@@ -247,7 +247,12 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
         options={"batch_bytes": "512KB"} if managed else {"batch_bytes": "512KB", "unmanaged_io": "equal", "unmanaged_cache": "coordl"},
     ))
     pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
-    config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0, gpu_speed=speed)
+    # The demo's "remote store" is a local directory: the operator's allow-list names exactly it.
+    from fuse_client.uri_policy import UriPolicy
+
+    allowed = UriPolicy(("s3", "https", (workdir / "remote").as_uri() + "/"))
+    config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0,
+                           gpu_speed=speed, uri_policy=allowed)
     service = SchedulerService(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,
                   datamanager_url=dm.url if dm else None)
     if not managed:

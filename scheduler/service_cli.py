@@ -83,6 +83,42 @@ def make_pusher(url: str) -> Any:
     return pusher
 
 
+def parse_quota(value: str | None) -> Any:
+    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
+    from estimator.units import parse_size
+    from scheduler.service_types import TenantQuota
+
+    if not value:
+        return TenantQuota()
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
+    out: dict[str, Any] = {}
+    for item in value.split(","):
+        key, sep, val = item.strip().partition("=")
+        if not sep or key not in names:
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
+        if key == "cache":
+            out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif val.strip().isdigit():
+            out[names[key]] = int(val)
+        else:
+            raise UserError(f"--default-quota {key}={val!r} must be a whole number >= 0")
+    return TenantQuota(**out)
+
+
+def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None, require_any: bool = True) -> Any:
+    """Tokens for `silod serve`: the admin token from the environment, the tokens file imported
+    into the database (revocable there), HMAC key from SILOD_TOKEN_KEY or state_dir/token.key."""
+    from scheduler.api.auth import ADMIN_TOKEN_ENV, METRICS_TOKEN_ENV, TokenStore, load_token_key
+
+    store = TokenStore(engine, load_token_key(state_dir), admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+                       metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
+    if tokens_file is not None:
+        store.import_file(tokens_file)
+    if require_any and not os.environ.get(ADMIN_TOKEN_ENV) and tokens_file is None and not store.list():
+        raise UserError(f"no API tokens: set {ADMIN_TOKEN_ENV} and/or pass --tokens FILE (lines 'user:token')")
+    return store
+
+
 def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
     opts: dict[str, str] = {}
     for item in values or []:
@@ -91,6 +127,94 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
             raise UserError(f"--backend-opt {item!r} must be KEY=VALUE")
         opts[key.strip()] = val.strip()
     return opts
+
+
+def build_api_service(
+    *,
+    db: str,
+    cluster_file: Path | None = None,
+    gpus: str | None = None,
+    gpus_per_node: str | None = None,
+    cache: str | None = None,
+    remote_io: str | None = None,
+    gpu_speed: str | None = None,
+    irregular_share: str | None = None,
+    allowed_uris: list[str] | None = None,
+    default_quota: Any = None,
+    backend: str | None = None,
+    backend_opts: dict[str, str] | None = None,
+    state_dir: Path | str | None = None,
+    **_scheduler_only: Any,
+):  # type: ignore[no-untyped-def]
+    """The API worker's side (scheduler/api_service.py): catalogue and views, no backend, no rounds.
+    The schema must already be migrated (the serving process does it once, before workers start).
+    With the kubernetes backend it holds a second backend object used only to create a REST
+    job's Job from its pod_template (no polling, no leader election, no admission)."""
+    from fuse_client.uri_policy import UriPolicy
+    from scheduler.api_service import ApiService
+    from scheduler.cluster import load_cluster
+    from scheduler.db.engine import make_engine
+    from scheduler.service import ServiceConfig
+    from scheduler.service_types import TenantQuota
+
+    capacity, speed = load_cluster(
+        cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
+        irregular_share=irregular_share,
+    )
+    config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
+                           default_quota=default_quota or TenantQuota())
+    workloads = None
+    if backend == "kubernetes":
+        from scheduler.backends.base import BackendConfig, load_backend
+
+        opts = {k: v for k, v in (backend_opts or {}).items() if k != "leader-election"}
+        workloads = load_backend(backend, BackendConfig(capacity=capacity, state_dir=Path(state_dir or default_state_dir()),
+                                                        options=opts))
+    return ApiService(make_engine(db), config, workloads=workloads)
+
+
+def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info") -> None:
+    """The scheduling process of `silod serve`: the backend, the data-manager pushes and the
+    rounds, apart from the API workers (no shared GIL). It takes the leader lease before
+    scheduling; SIGTERM stops it cleanly."""
+    import logging
+    import signal
+    import threading
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Requests first: when the API workers and a round compete for the CPU, the round waits
+    # (it is seconds long anyway; a request is milliseconds).
+    try:
+        os.nice(SCHEDULER_NICE)
+    except OSError:
+        pass
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        # `silod serve` killed with -9 cannot stop us: notice it, and stop, so that the next
+        # `silod serve` can take the leader lease (instead of an orphan renewing it for ever).
+        while not done.wait(1.0):
+            if os.getppid() != parent:
+                done.set()
+
+    threading.Thread(target=watch_parent, name="silod-parent-watch", daemon=True).start()
+    service = build_service(**build_kwargs)
+    try:
+        elector = getattr(service.backend, "elector", None)
+        if elector is None:
+            service.start()
+        else:
+            # Kubernetes with several replicas: schedule only while holding the Lease (the
+            # process exits when it loses it, and the supervisor starts it again as a candidate).
+            from scheduler.backends.kubernetes.leader import run_when_leading
+
+            run_when_leading(elector, service)
+        done.wait()
+    finally:
+        service.close()
 
 
 def build_service(
@@ -109,6 +233,8 @@ def build_service(
     datamanager: str | None = None,
     state_dir: Path | None = None,
     backend_opts: dict[str, str] | None = None,
+    allowed_uris: list[str] | None = None,
+    default_quota: Any = None,
 ):  # type: ignore[no-untyped-def]
     """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it).
 
@@ -118,7 +244,9 @@ def build_service(
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.cluster import load_cluster
     from scheduler.db import open_database
+    from fuse_client.uri_policy import UriPolicy
     from scheduler.service import SchedulerService, ServiceConfig
+    from scheduler.service_types import TenantQuota
 
     if policy is not None and policy not in available_policies():
         raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
@@ -142,8 +270,15 @@ def build_service(
             # Link capacity the policy's caps leave unused goes to running jobs that want more
             # (e.g. while their cache fills), from the workers' measured demand.
             pusher = WorkConservingPusher(pusher, cluster_backend, capacity.remote_io)
-    config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed)
-    return SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    config = ServiceConfig(
+        capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
+        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+    )
+    service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
+    if callable(attach):
+        attach(service)
+    return service
 
 
 # ---------------------------------------------------------------- HTTP client side
@@ -199,6 +334,48 @@ def _rate_or_number(text: str) -> float | str:
         return text
 
 
+WORKER_CONFIG_ENV = "SILOD_SERVE_WORKER_CONFIG"
+SCHEDULER_NICE = 10  # the scheduling process's CPU priority below the API workers
+
+
+class _SchedulerSupervisor:
+    """Keeps the scheduling process alive while the API serves (restarted if it dies)."""
+
+    def __init__(self, ctx: Any, build_kwargs: dict[str, Any], log_level: str):
+        import threading
+
+        self.ctx, self.kwargs, self.log_level = ctx, build_kwargs, log_level
+        self.proc: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="silod-scheduler-supervisor", daemon=True)
+
+    def _spawn(self) -> None:
+        self.proc = self.ctx.Process(target=run_scheduler_process, args=(self.kwargs, self.log_level),
+                                     name="silod-scheduler")
+        self.proc.start()
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import logging
+
+        while not self._stop.wait(2.0):
+            if self.proc is not None and not self.proc.is_alive():
+                logging.getLogger("silod.serve").error(
+                    "the scheduling process exited (code %s); starting it again", self.proc.exitcode)
+                self._spawn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()  # SIGTERM: it closes the service and releases the lease
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -216,37 +393,107 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
+        workers: Annotated[int, typer.Option("--workers", help="API worker processes (the scheduling loop runs in one more)")] = 1,
         state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
+        allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
+        max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
+        tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
+        tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Run the scheduler service: REST API under /v1, /docs, /healthz, /metrics."""
         import logging
 
+        from estimator.units import parse_size
+
         host, port = parse_listen(listen)
         round_s = parse_duration(round_)
-        from scheduler.api.auth import ADMIN_TOKEN_ENV, TokenStore
-
-        token_store = TokenStore.load(os.environ.get(ADMIN_TOKEN_ENV), tokens)
-        service = build_service(
+        body_cap = int(parse_size(max_body, what="--max-body"))
+        if (tls_cert is None) != (tls_key is None):
+            raise UserError("--tls-cert and --tls-key go together")
+        for f in (tls_cert, tls_key):
+            if f is not None and not f.is_file():
+                raise UserError(f"TLS file {f} does not exist")
+        if workers < 1 or workers > 64:
+            raise UserError(f"--workers {workers} must be between 1 and 64")
+        # Resolved once here, so the API workers and the scheduling process use the same paths.
+        state_dir = default_state_dir() if state_dir is None else state_dir
+        _prepare_state_dir(state_dir)
+        if db is None:
+            db = f"sqlite:///{state_dir / 'silod.db'}"
+        build_kwargs: dict[str, Any] = dict(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
             irregular_share=irregular_share, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            allowed_uris=allow_uri, default_quota=parse_quota(default_quota),
         )
+        # Check everything once, here, so that a mistake is one clear error before any process
+        # starts: the schedule side (backend, cluster, policy) and the database (migrated here).
+        # (The backend itself is only built in the scheduling process: building it here too would
+        # make a second object adopt the local backend's running workers.)
+        import importlib
+
+        from scheduler.backends.base import BACKEND_NAMES
+        from scheduler.db import open_database
+
+        if backend not in BACKEND_NAMES and backend != "null":
+            raise UserError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKEND_NAMES)}")
+        try:
+            importlib.import_module(f"scheduler.backends.{backend}")
+        except ImportError as exc:
+            raise UserError(f"backend {backend!r} cannot be loaded: {exc}") from exc
+        if datamanager:
+            make_pusher(datamanager)
+        probe = build_api_service(**build_kwargs)  # cluster flags, URIs, quotas
+        try:
+            if probe.workloads is not None:
+                probe.workloads.describe()  # an unreachable Kubernetes API is one clear error here
+        finally:
+            probe.close()
+        engine = open_database(db)  # migrated once, before any worker starts
+        engine_url = engine.url.render_as_string(hide_password=True)
+        try:
+            from policies.registry import available_policies
+
+            if policy is not None and policy not in available_policies():
+                raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+            make_token_store(engine, state_dir, tokens)
+            from sqlalchemy.orm import sessionmaker
+
+            from scheduler import control
+
+            if policy is not None:  # the scheduling process reads it at start, the workers at once
+                control.write_setting(sessionmaker(engine), "policy", policy)
+            policy_name = control.read_setting(sessionmaker(engine), "policy") or "fifo"
+        finally:
+            engine.dispose()
+        import json
+        import multiprocessing
+
         import uvicorn
 
-        from scheduler.api.app import create_app
-
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(service, token_store)
+        os.environ[WORKER_CONFIG_ENV] = json.dumps({
+            "build": {k: (str(v) if isinstance(v, Path) else v) for k, v in build_kwargs.items()
+                      if k not in ("default_quota",)},
+            "default_quota": default_quota, "state_dir": str(state_dir), "max_body": body_cap,
+        })
+        scheme = "https" if tls_cert else "http"
         # Short lines (a terminal may be 80 columns): where to reach it, then what it runs with.
-        typer.echo(f"silod serve: http://{host}:{port} (API docs at /docs)", err=True)
-        typer.echo(f"  db {service.engine.url.render_as_string(hide_password=True)}", err=True)
-        typer.echo(f"  backend {backend}, policy {service.policy_name}, round {round_s:g}s", err=True)
+        typer.echo(f"silod serve: {scheme}://{host}:{port} (API docs at /docs)", err=True)
+        typer.echo(f"  db {engine_url}", err=True)
+        typer.echo(f"  backend {backend}, policy {policy_name}, round {round_s:g}s", err=True)
+        typer.echo(f"  {workers} API worker(s) + 1 scheduling process", err=True)
+        scheduler = _SchedulerSupervisor(multiprocessing.get_context("spawn"), build_kwargs, log_level)
+        scheduler.start()
         try:
-            uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False)
+            uvicorn.run("scheduler.api.worker:create_worker_app", factory=True, host=host, port=port,
+                        workers=workers, log_level=log_level.lower(), access_log=False,
+                        ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
-            service.close()
+            scheduler.stop()
 
     @app.command()
     def submit(

@@ -93,6 +93,65 @@ def _start_throwaway() -> str:
     return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
 
 
+class PrivateServer:
+    """A throwaway PostgreSQL server of one test's own, which the test may stop and start again
+    (the database-outage tests); the shared server above must never be stopped mid-session."""
+
+    def __init__(self) -> None:
+        initdb, self.pg_ctl = _find_bin("initdb"), _find_bin("pg_ctl")
+        if not initdb or not self.pg_ctl:
+            raise RuntimeError("no initdb/pg_ctl found (apt-get install postgresql)")
+        self.tmp = Path(tempfile.mkdtemp(prefix="silod-pg-own-"))
+        self.as_root = os.geteuid() == 0
+        if self.as_root:
+            import pwd
+
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.tmp, pw.pw_uid, pw.pw_gid)
+        self.data = self.tmp / "data"
+        self.port = _free_port()
+        self._run([initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync"])
+        self.start()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _command(self, args: list[str]) -> list[str]:
+        if not self.as_root:
+            return args
+        if shutil.which("runuser"):
+            return ["runuser", "-u", "postgres", "--", *args]
+        return ["su", "postgres", "-s", "/bin/sh", "-c", shlex.join(args)]
+
+    def _run(self, args: list[str]) -> None:
+        proc = subprocess.run(self._command(args), capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args[:2])} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.tmp} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100"
+        self._run([self.pg_ctl, "-D", str(self.data), "-l", str(self.tmp / "server.log"), "-o", opts, "-w", "-t", "60", "start"])
+
+    def stop(self) -> None:
+        self._run([self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+
+    def destroy(self) -> None:
+        subprocess.run(self._command([self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"]),
+                       capture_output=True, timeout=60)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivateServer]:
+    """A PostgreSQL server this test alone uses and may stop/start."""
+    try:
+        server = PrivateServer()
+    except Exception as exc:
+        _unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
 def pg_server_url() -> str:
     """The admin URL of a running server (started once per process); raises RuntimeError."""
     global _server_url, _server_error

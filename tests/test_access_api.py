@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from estimator.access import EPOCH, IRREGULAR, AccessPattern
 from scheduler.api.app import create_app
-from scheduler.api.auth import TokenStore
+from scheduler.api.auth import TokenStore, load_token_key
 from scheduler.service import NewJob, Principal
 from scheduler.service_cli import build_service
 
@@ -35,9 +35,8 @@ def _service(url: str, tmp_path):
 @pytest.fixture
 def app_client(db_url, tmp_path) -> Iterator[tuple[TestClient, object]]:
     service = _service(db_url, tmp_path)
-    tokens = tmp_path / "tokens"
-    tokens.write_text("")
-    with TestClient(create_app(service, TokenStore.load(ADMIN_TOKEN, tokens), run_loop=False)) as client:
+    tokens = TokenStore(service.engine, load_token_key(tmp_path / "state"), admin_token=ADMIN_TOKEN)
+    with TestClient(create_app(service, tokens, run_loop=False)) as client:
         assert client.post("/v1/datasets", json=DATASET, headers=H_ADMIN).status_code == 201
         yield client, service
     service.close()
@@ -92,8 +91,9 @@ def test_python_api_takes_the_typed_pattern(db_url, tmp_path) -> None:
     try:
         from scheduler.service import NewDataset
 
-        service.register_dataset(Principal("admin", True), NewDataset("d", "s3://b/d", 1e9))
-        service.register_dataset(Principal("admin", True), NewDataset("d2", "s3://b/d2", 1e9))
+        # Datasets belong to a tenant: the tenant submitting the jobs registers them.
+        d, _ = service.register_dataset(Principal("u"), NewDataset("d", "s3://b/d", 1e9))
+        service.register_dataset(Principal("u"), NewDataset("d2", "s3://b/d2", 1e9))
         cl = AccessPattern.curriculum_learning(0.25, 2.0, 10, 32)
         record = service.submit_job(Principal("u"), NewJob("j", 1, "d", epochs=1.0, ideal_throughput=1e8, access=cl))
         assert record.access == cl
@@ -103,6 +103,36 @@ def test_python_api_takes_the_typed_pattern(db_url, tmp_path) -> None:
         result = service.run_round("test")
         partition = result.plan.allocation.partition
         assert partition is not None and partition.irregular_jobs == {record.id} and partition.regular_jobs == {plain.id}
-        assert partition.lru_datasets == {"d"} and partition.irregular_share == 0.5
+        # The snapshot names datasets by their storage key (d<id>-<name>), as the data manager does.
+        assert partition.lru_datasets == {d.key} and partition.irregular_share == 0.5
     finally:
         service.close()
+
+
+def test_round_pushes_lru_mode_for_irregular_only_datasets(tmp_path) -> None:
+    """The service tells a real data manager (its ASGI app, with tokens) which datasets' caches
+    turn LRU: those only irregular jobs read, named by their storage key."""
+    from datamanager.app import create_app as create_dm_app
+    from datamanager.auth import DataManagerAuth
+    from datamanager.client import DataManagerClient
+    from scheduler.service import NewDataset
+
+    sched_token, agent_token = "dm-scheduler-token-0123", "dm-agent-token-0123"
+    (tmp_path / "dm").mkdir()
+    dm_app = create_dm_app(tmp_path / "dm", DataManagerAuth.from_tokens(sched_token, agent_token))
+    service = _service(f"sqlite:///{tmp_path / 's.db'}", tmp_path)
+    with TestClient(dm_app, base_url="http://dm") as dm:
+        service.pusher = DataManagerClient("http://dm", transport=dm._transport, token=sched_token)
+        try:
+            u = Principal("u")
+            irr, _ = service.register_dataset(u, NewDataset("irr", "s3://b/irr", 1e9))
+            reg, _ = service.register_dataset(u, NewDataset("reg", "s3://b/reg", 1e9))
+            service.submit_job(u, NewJob("i", 1, "irr", epochs=1.0, ideal_throughput=1e8, access=IRREGULAR))
+            service.submit_job(u, NewJob("r", 1, "reg", epochs=1.0, ideal_throughput=1e8))
+            service.run_round("test")
+            assert service.last_push_error is None
+            status = dm.get("/v1/status", headers={"Authorization": f"Bearer {sched_token}"}).json()
+            modes = {name: ds["cache_mode"] for name, ds in status["datasets"].items()}
+            assert modes[irr.key] == "lru" and modes[reg.key] == "uniform", status
+        finally:
+            service.close()

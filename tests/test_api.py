@@ -12,9 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from scheduler.api.app import create_app
-from scheduler.api.auth import TokenStore
 from scheduler.api.server import ServerThread
-from scheduler.service_cli import build_service
+from scheduler.service_cli import build_service, make_token_store
 
 try:
     from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
@@ -30,19 +29,34 @@ IMAGENET = {"name": "imagenet", "uri": "s3://datasets/imagenet", "size": "143GB"
 JOB = {"name": "r50", "gpus": 4, "dataset": "imagenet", "epochs": 2, "ideal_throughput": "456MB/s"}
 
 
-def make_app(url: str, tmp_path, run_loop: bool = True):  # type: ignore[no-untyped-def]
+def make_app(url: str, tmp_path, run_loop: bool = True, monkeypatch=None, **kw):  # type: ignore[no-untyped-def]
+    """The API over a fresh service; the admin token through the environment, as `silod serve` has it."""
+    import os
+
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text("# user:token\n" + "".join(f"{u}:{t}\n" for u, t in TOKENS.items()))
+    max_body = kw.pop("max_body", 1 << 20)
     service = build_service(db=url, backend="null", policy="fifo", round_s=360, gpus="8", gpus_per_node="4",
-                            cache="200GB", remote_io="1GB/s", state_dir=tmp_path / "state")
-    return create_app(service, TokenStore.load(ADMIN_TOKEN, tokens_file), run_loop=run_loop), service
+                            cache="200GB", remote_io="1GB/s", state_dir=tmp_path / "state", **kw)
+    old = os.environ.get("SILOD_ADMIN_TOKEN")
+    os.environ["SILOD_ADMIN_TOKEN"] = ADMIN_TOKEN
+    try:
+        tokens = make_token_store(service.engine, tmp_path / "state", tokens_file)
+    finally:
+        if old is None:
+            del os.environ["SILOD_ADMIN_TOKEN"]
+        else:
+            os.environ["SILOD_ADMIN_TOKEN"] = old
+    return create_app(service, tokens, run_loop=run_loop, max_body=max_body), service
 
 
 @pytest.fixture
 def client(tmp_path) -> Iterator[TestClient]:
     app, service = make_app(f"sqlite:///{tmp_path / 'api.db'}", tmp_path)
     with TestClient(app) as c:
+        # Dataset names are per tenant: alice and bob each register their own "imagenet".
         assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+        assert c.post("/v1/datasets", json=IMAGENET, headers=H_BOB).status_code == 201
         yield c
     service.close()
 
@@ -166,7 +180,7 @@ def test_malformed_bodies_are_4xx(client: TestClient) -> None:
 
 
 def test_datasets_register_idempotently(client: TestClient) -> None:
-    assert client.post("/v1/datasets", json=IMAGENET, headers=H_BOB).status_code == 200
+    assert client.post("/v1/datasets", json=IMAGENET, headers=H_BOB).status_code == 200  # bob's own, again
     r = client.post("/v1/datasets", json={**IMAGENET, "size": "144GB"}, headers=H_BOB)
     assert r.status_code == 409 and r.json()["field"] == "name"
     assert [d["name"] for d in client.get("/v1/datasets", headers=H_BOB).json()] == ["imagenet"]
@@ -199,10 +213,16 @@ def test_cluster_allocations_and_metrics(client: TestClient) -> None:
     assert {a["job_id"] for a in alice_alloc["jobs"]} == set(ids)  # bob's job is not shown to alice
     admin_alloc = client.get("/v1/allocations", headers=H_ADMIN).json()
     assert {a["job_id"] for a in admin_alloc["jobs"]} == {*ids, bob}
-    assert admin_alloc["cache"] == [{"dataset": "imagenet", "bytes": 143e9, "size": 143e9}]
+    alice_ds = client.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    bob_ds = client.get("/v1/datasets/imagenet", headers=H_BOB).json()
+    assert alice_ds["key"] != bob_ds["key"]  # two tenants' "imagenet" never share a cache
+    assert [(c["owner"], c["key"]) for c in admin_alloc["cache"]] == [("alice", alice_ds["key"]), ("bob", bob_ds["key"])]
+    assert sum(c["bytes"] for c in admin_alloc["cache"]) <= 200e9
+    assert [c["owner"] for c in alice_alloc["cache"]] == ["alice"]  # bob's dataset is not alice's to see
     assert client.get("/v1/allocations/history", headers=H_ALICE).status_code == 403
-    hist = client.get("/v1/allocations/history", params={"subject": "imagenet"}, headers=H_ADMIN).json()
-    assert hist[0]["resource"] == "cache" and hist[0]["new_value"] == 143e9
+    hist = client.get("/v1/allocations/history", params={"subject": alice_ds["key"]}, headers=H_ADMIN).json()
+    alice_cache = next(c["bytes"] for c in admin_alloc["cache"] if c["owner"] == "alice")
+    assert hist[0]["resource"] == "cache" and hist[0]["new_value"] == alice_cache
     metrics = client.get("/metrics").text
     assert 'silod_jobs{state="running"} 2.0' in metrics
     assert "silod_gpus_allocated 8.0" in metrics and "silod_gpus_total 8.0" in metrics
@@ -211,8 +231,8 @@ def test_cluster_allocations_and_metrics(client: TestClient) -> None:
 def test_concurrent_submissions_over_http(db_url, tmp_path) -> None:
     app, service = make_app(db_url, tmp_path)
     with ServerThread(app) as server:
-        with httpx.Client(base_url=server.url, headers=H_ADMIN) as c:
-            assert c.post("/v1/datasets", json=IMAGENET).status_code == 201
+        for h in (H_ALICE, H_BOB):
+            assert httpx.post(f"{server.url}/v1/datasets", json=IMAGENET, headers=h).status_code == 201
         results: list[int] = []
         ids: list[str] = []
         lock = threading.Lock()

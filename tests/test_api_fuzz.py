@@ -28,6 +28,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with httpx.Client(base_url=server.url, headers=H_ADMIN) as c:
             # Some state for the fuzzer to hit: a dataset, a job of alice's, one of admin's.
             assert c.post("/v1/datasets", json=IMAGENET).status_code == 201
+            assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201  # names are per tenant
             assert c.post("/v1/jobs", json=JOB, headers=H_ALICE).status_code == 201
             assert c.post("/v1/jobs", json={**JOB, "name": "admins"}).status_code == 201
         yield server.url

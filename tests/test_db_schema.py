@@ -34,9 +34,47 @@ def test_migrations_create_the_model_schema(db_url: str) -> None:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
             version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         assert diff == [], f"models and migrations disagree: {diff}"
-        assert version == "0002"
+        assert version == "0003"
         # Idempotent: opening again (a restart) runs no migration and keeps the version.
         open_database(db_url).dispose()
+    finally:
+        engine.dispose()
+
+
+def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> None:
+    """A database created before the tenancy migration (0002: jobs with access patterns) upgrades
+    to head with one linear history, and a curriculum job keeps its pacing."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from scheduler.db.engine import MIGRATIONS_DIR, make_engine
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    assert len(ScriptDirectory.from_config(cfg).get_heads()) == 1, "migrations must form one linear history"
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0002")
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO datasets (id, name, uri, size, item_count, owner, created_at) "
+                                 "VALUES (1, 'ds', 's3://b/ds', 1e9, NULL, 'alice', 0)"))
+            conn.execute(sa.text(
+                "INSERT INTO jobs (id, name, owner, gpus, dataset_id, model, ideal_throughput, epochs, steps, step_bytes,"
+                " total_bytes, consumed_bytes, priority, state, submit_time, message, access,"
+                " curriculum_starting_percent, curriculum_alpha, curriculum_step, curriculum_batch)"
+                " VALUES (1, 'cl', 'alice', 1, 1, NULL, 1e8, 1, NULL, NULL, 1e9, 0, 0, 'queued', 0, '', 'curriculum',"
+                " 0.1, 2.0, 100, 32)"))
+    finally:
+        engine.dispose()
+    engine = open_database(db_url)  # upgrades to head
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0003"
+            row = conn.execute(sa.text("SELECT access, curriculum_alpha, curriculum_batch FROM jobs WHERE id = 1")).one()
+        assert tuple(row) == ("curriculum", 2.0, 32)
     finally:
         engine.dispose()
 
@@ -68,7 +106,7 @@ def test_state_survives_restart(db_url: str, tmp_path) -> None:
         jobs = svc2.list_jobs(ADMIN)
         assert [j.id for j in jobs] == ids
         assert all(j.total_bytes == 1.5 * 143e9 and j.ideal_throughput == 4 * 114e6 for j in jobs)
-        assert svc2.get_dataset("imagenet").item_count == 1_281_167
+        assert svc2.get_dataset(ALICE, "imagenet").item_count == 1_281_167
         # Allocations are still in the database before the restarted service recovers.
         assert svc2.allocations(ADMIN).cache == before_alloc.cache
         with svc2.sessions() as s:

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler.backends.base import JobEvent
-from scheduler.db.models import AllocationChange, Round
+from scheduler.db.models import AllocationChange, Job, Round
 from scheduler.service import ConflictError, ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError
 from scheduler.service_cli import build_service
 
@@ -55,7 +55,13 @@ def make(url: str, tmp_path, policy: str = "fifo", pusher=None, **kw):  # type: 
     svc.pusher = pusher
     svc.register_dataset(ALICE, NewDataset("imagenet", "s3://b/imagenet", 143e9))
     svc.register_dataset(ALICE, NewDataset("openimages", "s3://b/oi", 660e9))
+    svc.catalogue.grant(ALICE, "openimages", "bob")  # bob's jobs read alice's openimages (one cache)
     return svc
+
+
+def key(svc, name: str, owner: str = "alice") -> str:  # type: ignore[no-untyped-def]
+    """A dataset's storage key: its name in the data manager, the snapshot and the audit trail."""
+    return svc.get_dataset(ADMIN, name, owner).key
 
 
 def test_round_starts_fifo_jobs_and_finish_frees_gpus(db_url, tmp_path) -> None:
@@ -63,7 +69,7 @@ def test_round_starts_fifo_jobs_and_finish_frees_gpus(db_url, tmp_path) -> None:
     svc = make(db_url, tmp_path, pusher=pusher)
     try:
         a = svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=400e6)).id
-        b = svc.submit_job(BOB, NewJob("b", 4, "openimages", epochs=1, ideal_throughput=400e6)).id
+        b = svc.submit_job(BOB, NewJob("b", 4, "openimages", epochs=1, ideal_throughput=400e6, dataset_owner="alice")).id
         c = svc.submit_job(ALICE, NewJob("c", 8, "imagenet", epochs=1, ideal_throughput=800e6)).id
         r = svc.run_round("test")
         assert set(r.running) == {a, b} and set(r.started) == {a, b}
@@ -73,13 +79,16 @@ def test_round_starts_fifo_jobs_and_finish_frees_gpus(db_url, tmp_path) -> None:
         assert svc.get_job(ALICE, a).state == "running" and svc.get_job(ALICE, c).state == "queued"
         # Storage went to the data manager and matches the persisted allocation.
         alloc = svc.allocations(ADMIN)
-        assert pusher.cache == {x.dataset: x.bytes for x in alloc.cache}
+        assert pusher.cache == {x.key: x.bytes for x in alloc.cache}
         assert sum(pusher.cache.values()) <= 200e9 * (1 + 1e-9)
         assert set(pusher.io) == {a, b}
         used = svc.cluster()
         assert used.gpus_used == 8 and used.cache_used == pytest.approx(sum(pusher.cache.values()))
 
         # Progress is cumulative and monotone; a finished job frees its GPUs for the next one.
+        # (The job has run for 1000 s: at 400 MB/s it may have read 50 GB; see the forgery test.)
+        with svc.sessions.begin() as s:
+            s.execute(sa.update(Job).where(Job.id == int(a)).values(start_time=time.time() - 1000))
         svc.backend.emit(JobEvent(a, "progress", consumed_bytes=50e9))
         svc.backend.emit(JobEvent(a, "progress", consumed_bytes=20e9))  # late, out of order
         assert svc.apply_events(svc.backend.poll()) is False
@@ -92,7 +101,7 @@ def test_round_starts_fifo_jobs_and_finish_frees_gpus(db_url, tmp_path) -> None:
         assert set(svc.backend.stopped) >= {a, b}  # released in the backend too (idempotent stop)
         assert svc.get_job(ALICE, a).state == "finished" and svc.get_job(ALICE, a).remaining_bytes == 0
         assert pusher.io[a] == 0.0 and pusher.io[b] == 0.0  # their remote IO was given back
-        assert "openimages" in pusher.cache and pusher.cache["openimages"] == 0.0
+        assert pusher.cache[key(svc, "openimages")] == 0.0
     finally:
         svc.close()
 
@@ -115,7 +124,7 @@ def test_every_allocation_change_is_audited(db_url, tmp_path) -> None:
         assert by_round[r1.round_id]["running"] == (None, 1.0)
         assert by_round[r3.round_id]["gpus"] == (2.0, 0.0)
         assert by_round[r3.round_id]["running"] == (1.0, 0.0)
-        cache_hist = svc.allocation_history(ADMIN, subject="imagenet")
+        cache_hist = svc.allocation_history(ADMIN, subject=key(svc, "imagenet"))
         assert [c.new_value for c in reversed(cache_hist)] == [143e9, 0.0]
         with svc.sessions() as s:
             assert s.scalar(sa.select(sa.func.count()).select_from(Round)) == 3
@@ -185,7 +194,7 @@ def test_start_failure_marks_job_failed_and_push_failure_is_reported(tmp_path) -
         svc.pusher = RecordingPusher()
         svc.run_round("test")  # unpushed values are retried; the failed job's resources are released
         assert svc.cluster().last_push_error is None
-        assert svc.pusher.cache.get("imagenet") == 0.0 and svc.allocations(ADMIN).jobs == ()
+        assert svc.pusher.cache.get(key(svc, "imagenet")) == 0.0 and svc.allocations(ADMIN).jobs == ()
     finally:
         svc.close()
 
@@ -226,6 +235,8 @@ def test_loop_reacts_to_submit_and_to_finish_events(tmp_path) -> None:
 
 def test_concurrent_submissions_are_all_recorded(db_url, tmp_path) -> None:
     svc = make(db_url, tmp_path)
+    for w in range(8):
+        svc.catalogue.grant(ALICE, "imagenet", f"u{w}")
     svc.start()  # rounds run concurrently with the submissions
     errors: list[BaseException] = []
     ids: list[str] = []
@@ -234,7 +245,7 @@ def test_concurrent_submissions_are_all_recorded(db_url, tmp_path) -> None:
     def worker(w: int) -> None:
         try:
             for i in range(25):
-                jid = svc.submit_job(Principal(f"u{w}"), NewJob(f"w{w}-{i}", 1, "imagenet", epochs=1, ideal_throughput=1e8)).id
+                jid = svc.submit_job(Principal(f"u{w}"), NewJob(f"w{w}-{i}", 1, "imagenet", epochs=1, ideal_throughput=1e8, dataset_owner="alice")).id
                 with lock:
                     ids.append(jid)
         except BaseException as exc:  # collected and asserted below
@@ -288,6 +299,8 @@ def test_recover_keeps_jobs_the_backend_still_runs(tmp_path) -> None:
         assert {j.job_id: j.running for j in svc2.allocations(ADMIN).jobs}[a] is True
         r = svc2.run_round("test")
         assert set(r.running) == {a, b} and r.started == (b,) and r.stopped == ()  # a is neither stopped nor restarted
+        with svc2.sessions.begin() as s:  # it has been running for 1000 s
+            s.execute(sa.update(Job).where(Job.id == int(a)).values(start_time=time.time() - 1000))
         svc2.backend.emit(JobEvent(a, "progress", consumed_bytes=70e9))  # its progress continues
         svc2.apply_events(svc2.backend.poll())
         assert svc2.get_job(ALICE, a).consumed_bytes == 70e9
@@ -326,21 +339,21 @@ class StatusPusher(RecordingPusher):
 
 def test_snapshot_carries_cached_bytes_measured_by_the_data_manager(tmp_path) -> None:
     pusher = StatusPusher(
-        nodes={"n1": {"datasets": {"imagenet": {"allocated_bytes": 100e9, "cached_bytes": 40e9}}},
-               "n2": {"datasets": {"imagenet": {"allocated_bytes": 100e9, "cached_bytes": 25e9}}}},
-        datasets={"imagenet": {"cached_bytes_all_nodes": 65e9}, "openimages": {"cached_bytes_all_nodes": 0}},
+        nodes={"n1": {"datasets": {"d1-imagenet": {"allocated_bytes": 100e9, "cached_bytes": 40e9}}},
+               "n2": {"datasets": {"d1-imagenet": {"allocated_bytes": 100e9, "cached_bytes": 25e9}}}},
+        datasets={"d1-imagenet": {"cached_bytes_all_nodes": 65e9}, "d2-openimages": {"cached_bytes_all_nodes": 0}},
     )
     svc = make(f"sqlite:///{tmp_path / 'c.db'}", tmp_path, pusher=pusher)
     try:
         svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8))
         svc.submit_job(ALICE, NewJob("b", 4, "openimages", epochs=1, ideal_throughput=4e8))
         # The allocation applies to each node's cache: its filled part is the fullest node's.
-        assert svc.measured_cache() == {"imagenet": 40e9, "openimages": 0.0}
+        assert svc.measured_cache() == {"d1-imagenet": 40e9, "d2-openimages": 0.0}
         pusher.status_calls = 0
         r = svc.run_round("test")
         assert pusher.status_calls == 1, "one status call per round"
         snap, _plan, _t = svc._last_round
-        assert snap.datasets["imagenet"].cached == 40e9 and snap.datasets["openimages"].cached == 0.0
+        assert snap.datasets["d1-imagenet"].cached == 40e9 and snap.datasets["d2-openimages"].cached == 0.0
         assert r.plan is not None
     finally:
         svc.close()
@@ -351,14 +364,14 @@ def test_cached_bytes_fall_back_to_the_backend_then_to_unknown(tmp_path) -> None
     try:
         svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8))
         assert svc.measured_cache() is None
-        assert svc.build_snapshot().datasets["imagenet"].cached is None
-        svc.backend.dataset_cached_bytes = lambda: {"imagenet": 12e9}  # type: ignore[attr-defined]
-        assert svc.build_snapshot().datasets["imagenet"].cached == 12e9
-        svc.pusher = StatusPusher(datasets={"imagenet": {"cached_bytes_all_nodes": 3e9}})  # the manager wins
-        assert svc.build_snapshot().datasets["imagenet"].cached == 0.0  # known, mounted on no node
+        assert svc.build_snapshot().datasets["d1-imagenet"].cached is None
+        svc.backend.dataset_cached_bytes = lambda: {"d1-imagenet": 12e9}  # type: ignore[attr-defined]
+        assert svc.build_snapshot().datasets["d1-imagenet"].cached == 12e9
+        svc.pusher = StatusPusher(datasets={"d1-imagenet": {"cached_bytes_all_nodes": 3e9}})  # the manager wins
+        assert svc.build_snapshot().datasets["d1-imagenet"].cached == 0.0  # known, mounted on no node
         svc.pusher = RecordingPusher()
         svc.pusher.status = lambda: (_ for _ in ()).throw(ConnectionError("down"))  # type: ignore[method-assign]
-        assert svc.build_snapshot().datasets["imagenet"].cached == 12e9
+        assert svc.build_snapshot().datasets["d1-imagenet"].cached == 12e9
     finally:
         svc.close()
 
@@ -371,11 +384,11 @@ def test_cold_cache_of_a_fully_allocated_dataset_still_gets_remote_io(tmp_path) 
     try:
         a = svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=2, ideal_throughput=4e8)).id
         r = svc.run_round("test")
-        assert r.plan is not None and r.plan.cache["imagenet"] == pytest.approx(143e9)
+        assert r.plan is not None and r.plan.cache["d1-imagenet"] == pytest.approx(143e9)
         assert pusher.io[a] > 0, "a cold cache must not starve the job"
         # Once the manager reports the dataset fully cached, the job needs no remote IO.
-        pusher.nodes = {"n1": {"datasets": {"imagenet": {"cached_bytes": 143e9}}}}
-        pusher.datasets = {"imagenet": {"cached_bytes_all_nodes": 143e9}}
+        pusher.nodes = {"n1": {"datasets": {"d1-imagenet": {"cached_bytes": 143e9}}}}
+        pusher.datasets = {"d1-imagenet": {"cached_bytes_all_nodes": 143e9}}
         svc.run_round("test")
         assert pusher.io[a] == pytest.approx(0.0, abs=1.0)
     finally:
@@ -399,5 +412,28 @@ def test_serve_with_local_backend_and_data_manager_uses_the_work_conserving_push
     svc = build_service(db=f"sqlite:///{tmp_path / 'n.db'}", backend="null", state_dir=tmp_path / "state2", **common)
     try:
         assert isinstance(svc.pusher, DataManagerClient)  # other backends: the plain client
+    finally:
+        svc.close()
+
+
+def test_forged_progress_cannot_jump_the_sjf_queue(tmp_path) -> None:
+    """A workload writes its own progress (status file, annotations). Claiming to be nearly done
+    must not move a job ahead: progress is believed only up to what its f* allows in the time
+    it has run, by the service's clock; a job that never ran cannot have progressed at all."""
+    svc = make(f"sqlite:///{tmp_path / 'forge.db'}", tmp_path, policy="sjf")
+    try:
+        honest = svc.submit_job(BOB, NewJob("honest", 8, "openimages", epochs=0.2, ideal_throughput=1e9, dataset_owner="alice")).id
+        cheat = svc.submit_job(ALICE, NewJob("cheat", 8, "imagenet", epochs=5, ideal_throughput=1e9)).id
+        # Before it ever ran, the cheat claims it is 99.99% done.
+        svc.backend.emit(JobEvent(cheat, "progress", consumed_bytes=5 * 143e9 - 1e6, time=0.0))
+        svc.apply_events(svc.backend.poll())
+        assert svc.get_job(ALICE, cheat).consumed_bytes == 0.0
+        r = svc.run_round("test")
+        assert r.running == (honest,)  # SJF: 132 GB left beats 715 GB left
+        # Once running, a report beyond f* x elapsed is capped.
+        svc.backend.emit(JobEvent(honest, "progress", consumed_bytes=132e9 - 1, time=0.0))
+        svc.apply_events(svc.backend.poll())
+        got = svc.get_job(BOB, honest).consumed_bytes
+        assert 0 < got <= 1e9 * (3 * 1.25 + 2.0), got  # seconds since the start at 1 GB/s, not 132 GB
     finally:
         svc.close()

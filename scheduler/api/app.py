@@ -7,69 +7,105 @@ that the tests (including a schemathesis fuzzer) treat as a bug.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from dataclasses import asdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 
-from estimator.access import EPOCH
+from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
 from policies.registry import available_policies
-from scheduler.api.auth import TokenStore
+from scheduler.api.auth import TokenStore, check_tenant
+from scheduler.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
 from scheduler.api.metrics import make_registry, metrics_response
 from scheduler.api.schemas import (
     AllocationsOut,
     ChangeOut,
     ClusterOut,
+    CredentialIn,
+    CredentialOut,
     DatasetIn,
     DatasetOut,
     ErrorOut,
     HealthOut,
     JobIn,
     JobOut,
+    NewTokenOut,
     NodeOut,
     PolicyIn,
     PolicyOut,
+    QuotaIn,
+    QuotaOut,
     RoundOut,
+    TokenIn,
+    TokenOut,
     UsageOut,
 )
-from scheduler.service import ForbiddenError, NewDataset, NewJob, Principal, SchedulerService, ServiceError
+from scheduler.catalogue import NewCredential
+from scheduler.service import SchedulerService
+from scheduler.service_types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
 
 log = logging.getLogger("silod.api")
 
-_bearer = HTTPBearer(auto_error=False, description="user token (from --tokens FILE) or the admin token")
+_bearer = HTTPBearer(auto_error=False, description="a token from the admin API or --tokens FILE, or the admin token")
 
 _ERRORS = {
-    401: {"model": ErrorOut, "description": "missing or invalid bearer token"},
-    403: {"model": ErrorOut, "description": "admin only"},
-    404: {"model": ErrorOut, "description": "not found (or another user's job)"},
+    401: {"model": ErrorOut, "description": "missing, invalid, revoked or expired bearer token"},
+    403: {"model": ErrorOut, "description": "not allowed for this token (admin only, or beyond your quota)"},
+    404: {"model": ErrorOut, "description": "not found (or another tenant's object)"},
     409: {"model": ErrorOut, "description": "conflict with the current state"},
+    413: {"model": ErrorOut, "description": "request body larger than the cap"},
+    503: {"model": ErrorOut, "description": "database unavailable; see Retry-After"},
 }
 
 
-def principal(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
-    """The caller, from the bearer token; 401 without a valid one."""
-    tokens: TokenStore = request.app.state.tokens
-    who = tokens.authenticate(creds.credentials) if creds is not None else None
-    if who is None:
-        raise HTTPException(
-            status_code=status.HTTP_401_UNAUTHORIZED,
-            detail="missing or invalid bearer token (Authorization: Bearer TOKEN)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+async def principal(request: Request, _creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    """The caller, as the RequestGuard middleware authenticated it before the body was read.
+    (`_creds` only documents the scheme in OpenAPI.) Async: no thread-pool hop for it."""
+    who = request.scope.get("state", {}).get("principal")
+    if not isinstance(who, Principal):  # the guard lets no request through without one
+        raise HTTPException(status_code=401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
     return who
 
 
 Who = Annotated[Principal, Depends(principal)]
+OwnerQ = Annotated[str | None, Query(max_length=64, description="the owning tenant, for a dataset shared with you")]
 
 
-def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = True) -> FastAPI:
+def _record_dict(record: Any) -> dict[str, Any]:
+    out = asdict(record)
+    access = getattr(record, "access", None)
+    if isinstance(access, AccessPattern):  # JobOut.access: flat {"kind", "starting_percent", ...}
+        fields = access.fields()
+        out["access"] = {"kind": fields.pop("access"), **fields}
+    return out
+
+
+def _json(records: Any, status_code: int = 200) -> Response:
+    """The hottest routes answer with their records serialised directly: the records are typed
+    dataclasses matching the declared response model (OpenAPI), so validating them again per
+    request would only cost time."""
+    body = [_record_dict(r) for r in records] if isinstance(records, list) else _record_dict(records)
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status_code, media_type="application/json")
+
+
+def _admin(who: Principal, what: str) -> None:
+    if not who.is_admin:
+        raise ForbiddenError(f"only an admin token may {what}")
+
+
+def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = True,
+               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The API over `service`. With run_loop, the scheduling loop runs for the app's lifetime."""
 
     @asynccontextmanager
@@ -90,8 +126,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     )
     app.state.service = service
     app.state.tokens = tokens
-    registry = make_registry(service)
-
+    app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body)
+    registry = make_registry(service) if service is not None else None
+    catalogue = service.catalogue if service is not None else None
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req: Request, exc: ServiceError) -> JSONResponse:
@@ -110,6 +147,22 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     async def _user_error(_req: Request, exc: UserError) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": str(exc), "field": None})
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
+        # A bug: logged with its traceback here, answered without one (no internals leak).
+        log.error("unhandled error", exc_info=exc)
+        return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database_error(_req: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # An unreachable database is the one documented 5xx: JSON, with Retry-After. The pool
+        # pings connections before use, so the service recovers by itself when it is back.
+        if is_database_outage(exc):
+            log.warning("database unavailable: %s", type(exc).__name__)
+            return JSONResponse(status_code=503, content=OUTAGE_BODY, headers={"Retry-After": str(RETRY_AFTER_S)})
+        log.error("database error", exc_info=exc)
+        return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
+
     # ---- health and metrics (no token: probes and Prometheus scrape without one)
 
     @app.get("/healthz", response_model=HealthOut, tags=["ops"])
@@ -117,8 +170,10 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         try:
             with service.engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
-        except Exception as exc:  # a health check reports, it does not raise
-            return JSONResponse(status_code=503, content={"status": "unhealthy", "database": str(exc)[:200]})
+        except Exception as exc:  # a health check reports, it does not raise; nor does it echo internals
+            log.warning("health check: database unavailable: %s", type(exc).__name__)
+            return JSONResponse(status_code=503, content={"status": "unhealthy", "database": "unavailable"},
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return HealthOut(status="ok", database="ok")
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
@@ -126,53 +181,127 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         body, content_type = metrics_response(registry)
         return Response(content=body, media_type=content_type)
 
+    # ---- tokens (admin)
+
+    @app.post("/v1/tokens", response_model=NewTokenOut, status_code=201, responses=_ERRORS, tags=["tokens"])
+    def create_token(body: TokenIn, who: Who) -> NewTokenOut:
+        """Admin: a new token for a tenant; the plain token is in this answer only."""
+        _admin(who, "create tokens")
+        now = time.time()
+        expires = None if body.expires_in_s is None else now + body.expires_in_s
+        record, token = tokens.create(body.owner, is_admin=body.admin, expires_at=expires, label=body.label, now=now)
+        return NewTokenOut(**TokenOut.model_validate(record).model_dump(), token=token)
+
+    @app.get("/v1/tokens", response_model=list[TokenOut], responses=_ERRORS, tags=["tokens"])
+    def list_tokens(who: Who) -> list[TokenOut]:
+        _admin(who, "list tokens")
+        return [TokenOut.model_validate(t) for t in tokens.list()]
+
+    @app.delete("/v1/tokens/{token_id}", response_model=TokenOut, responses=_ERRORS, tags=["tokens"])
+    def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**62)], who: Who) -> TokenOut:
+        """Admin: revoke a token; it stops working within the token cache's TTL (2 s) everywhere."""
+        _admin(who, "revoke tokens")
+        return TokenOut.model_validate(tokens.revoke(token_id))
+
+    # ---- quotas
+
+    @app.get("/v1/quotas/{tenant}", response_model=QuotaOut, responses=_ERRORS, tags=["quotas"])
+    def get_quota(tenant: Annotated[str, Path(max_length=64)], who: Who) -> QuotaOut:
+        if tenant != who.user and not who.is_admin:
+            raise NotFoundError(f"no quota visible for {tenant!r}", field="tenant")
+        q = catalogue.quota(tenant)
+        return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
+
+    @app.put("/v1/quotas/{tenant}", response_model=QuotaOut, responses=_ERRORS, tags=["quotas"])
+    def set_quota(tenant: Annotated[str, Path(max_length=64)], body: QuotaIn, who: Who) -> QuotaOut:
+        """Admin: a tenant's limits (omitted or null: no limit)."""
+        check_tenant(tenant, "tenant")
+        q = catalogue.set_quota(who, tenant, TenantQuota(body.gpus, body.cache_bytes, body.running_jobs, body.queued_jobs))
+        return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
+
+    # ---- credentials (per tenant; the secret is never returned)
+
+    @app.post("/v1/credentials", response_model=CredentialOut, status_code=201, responses=_ERRORS, tags=["credentials"])
+    def add_credential(body: CredentialIn, who: Who) -> CredentialOut:
+        req = NewCredential(body.name, body.access_key_id, body.secret_access_key, body.endpoint_url, body.region, body.kind)
+        return CredentialOut.model_validate(catalogue.add_credential(who, req))
+
+    @app.get("/v1/credentials", response_model=list[CredentialOut], responses=_ERRORS, tags=["credentials"])
+    def list_credentials(who: Who) -> list[CredentialOut]:
+        return [CredentialOut.model_validate(c) for c in catalogue.list_credentials(who)]
+
+    @app.delete("/v1/credentials/{name}", status_code=204, responses=_ERRORS, tags=["credentials"])
+    def delete_credential(name: str, who: Who) -> Response:
+        catalogue.delete_credential(who, name)
+        return Response(status_code=204)
+
     # ---- datasets
 
     @app.post("/v1/datasets", response_model=DatasetOut, status_code=201, responses=_ERRORS, tags=["datasets"])
     def register_dataset(body: DatasetIn, who: Who, response: Response) -> DatasetOut:
-        record, created = service.register_dataset(who, NewDataset(body.name, body.uri, body.size, body.item_count))
+        record, created = catalogue.register_dataset(
+            who, NewDataset(body.name, body.uri, body.size, body.item_count, body.credential))
         if not created:
             response.status_code = 200
         return DatasetOut.model_validate(record)
 
     @app.get("/v1/datasets", response_model=list[DatasetOut], responses=_ERRORS, tags=["datasets"])
     def list_datasets(who: Who) -> list[DatasetOut]:
-        return [DatasetOut.model_validate(d) for d in service.list_datasets()]
+        return [DatasetOut.model_validate(d) for d in catalogue.list_datasets(who)]
 
     @app.get("/v1/datasets/{name}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
-    def get_dataset(name: str, who: Who) -> DatasetOut:
-        return DatasetOut.model_validate(service.get_dataset(name))
+    def get_dataset(name: str, who: Who, owner: OwnerQ = None) -> DatasetOut:
+        return DatasetOut.model_validate(catalogue.get_dataset(who, name, owner))
+
+    @app.put("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    def grant_dataset(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
+        """Share your dataset with another tenant: its jobs may read it (with your credential, into the same cache)."""
+        return DatasetOut.model_validate(catalogue.grant(who, name, tenant, owner))
+
+    @app.delete("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    def revoke_dataset_grant(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
+        return DatasetOut.model_validate(catalogue.revoke_grant(who, name, tenant, owner))
 
     # ---- jobs
 
     @app.post("/v1/jobs", response_model=JobOut, status_code=201, responses=_ERRORS, tags=["jobs"])
-    def submit_job(body: JobIn, who: Who) -> JobOut:
+    def submit_job(
+        body: JobIn, who: Who, response: Response,
+        idempotency_key: Annotated[str | None, Header(max_length=128, pattern=r"^[\x21-\x7e]+$",
+                                                      description="retry-safe: the same key and body return the same job")] = None,
+    ) -> Any:
+        if body.priority > 0 and not who.is_admin:
+            # Priority orders admission (scheduler/core.py): raising it is the operator's call.
+            raise ForbiddenError("only the admin may give a job a priority above 0; users may lower theirs")
         req = NewJob(
             name=body.name, gpus=body.gpus, dataset=body.dataset, epochs=body.epochs, steps=body.steps,
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
-            priority=body.priority, access=body.access.pattern() if body.access is not None else EPOCH,
+            priority=body.priority, dataset_owner=body.dataset_owner,
+            access=body.access.pattern() if body.access is not None else EPOCH,
+            pod_template=body.pod_template.to_template() if body.pod_template else None,
         )
-        return JobOut.model_validate(service.submit_job(who, req))
+        record, created = catalogue.submit_job(who, req, idempotency_key)
+        return _json(record, 201 if created else 200)
 
     @app.get("/v1/jobs", response_model=list[JobOut], responses=_ERRORS, tags=["jobs"])
     def list_jobs(
         who: Who,
         state: Annotated[str | None, Query(max_length=32, description="a state, or 'active'")] = None,
-        owner: Annotated[str | None, Query(max_length=128, description="admin only: one user's jobs")] = None,
+        owner: Annotated[str | None, Query(max_length=128, description="admin only: one tenant's jobs")] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
         offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
     ) -> Any:
         # The records go straight to FastAPI's response validation (from_attributes): validating
         # them here as well would do the work twice on the hottest endpoint.
-        return service.list_jobs(who, state, owner, limit, offset)
+        return _json(catalogue.list_jobs(who, state, owner, limit, offset))
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
-    def get_job(job_id: str, who: Who) -> JobOut:
-        return JobOut.model_validate(service.get_job(who, job_id))
+    def get_job(job_id: str, who: Who) -> Any:
+        return _json(catalogue.get_job(who, job_id))
 
     @app.delete("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
-    def cancel_job(job_id: str, who: Who) -> JobOut:
-        return JobOut.model_validate(service.cancel_job(who, job_id))
+    def cancel_job(job_id: str, who: Who) -> Any:
+        return catalogue.cancel_job(who, job_id)
 
     # ---- cluster, allocations, policy, rounds
 
@@ -228,4 +357,4 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 def openapi_document() -> dict:
     """The OpenAPI document without a running service (docs generation, schema-driven tests):
     the routes only touch the service when a request arrives, so none is needed here."""
-    return create_app(None, TokenStore(), run_loop=False).openapi()  # type: ignore[arg-type]
+    return create_app(None, TokenStore(None, b"openapi-document-key"), run_loop=False).openapi()  # type: ignore[arg-type]

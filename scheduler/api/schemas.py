@@ -67,6 +67,7 @@ class DatasetIn(_Strict):
     uri: str = Field(min_length=1, max_length=2048, pattern=URI_PATTERN, examples=["s3://datasets/imagenet-1k"])
     size: Size
     item_count: int | None = Field(default=None, ge=1, le=2_000_000_000)
+    credential: Name | None = Field(default=None, description="one of your credentials (POST /v1/credentials) the data path reads with")
 
     _names = field_validator("name")(_no_dotdot)
 
@@ -80,6 +81,9 @@ class DatasetOut(BaseModel):
     item_count: int | None
     owner: str
     created_at: float
+    key: str = Field(description="its name in the data manager and the cache")
+    credential: str | None
+    shared_with: list[str]
 
 
 def _access_shorthand(value: Any) -> Any:
@@ -128,6 +132,34 @@ class AccessOut(BaseModel):
         return value
 
 
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+Arg = Annotated[str, Field(max_length=4096)]
+
+
+class PodTemplateIn(_Strict):
+    """The pods of a job on Kubernetes (`--backend kubernetes`). Nothing here can grant privilege:
+    silod writes the security context (Pod Security "restricted") and the dataset volume."""
+
+    image: str = Field(min_length=1, max_length=512, pattern=r"^\S+$", examples=["ghcr.io/me/train:1.0"])
+    command: list[Arg] = Field(default_factory=list, max_length=64)
+    args: list[Arg] = Field(default_factory=list, max_length=256)
+    env: dict[Annotated[str, Field(max_length=128, pattern=ENV_NAME_PATTERN)], Arg] = Field(default_factory=dict, max_length=64)
+    cpu: str | None = Field(default=None, max_length=32, pattern=QUANTITY_PATTERN, examples=["4"])
+    memory: str | None = Field(default=None, max_length=32, pattern=QUANTITY_PATTERN, examples=["16Gi"])
+    pods: int = Field(default=1, ge=1, le=1024, description="pods of the job; gpus must split evenly over them")
+    data_path: str = Field(default="/data", max_length=256, pattern=r"^/[A-Za-z0-9._/-]*$",
+                           description="where the dataset is mounted (read-only) in the containers")
+    run_as_user: int = Field(default=1000, ge=1, le=2_147_483_647, description="a non-root uid")
+
+    def to_template(self) -> Any:
+        from scheduler.backends.kubernetes.workloads import PodTemplate
+
+        return PodTemplate(image=self.image, command=tuple(self.command), args=tuple(self.args), env=dict(self.env),
+                           cpu=self.cpu, memory=self.memory, pods=self.pods, data_path=self.data_path,
+                           run_as_user=self.run_as_user)
+
+
 class JobIn(_Strict):
     name: Name = Field(examples=["resnet50-run1"])
     gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs the job needs (gang-scheduled)")
@@ -137,10 +169,14 @@ class JobIn(_Strict):
     step_bytes: Size | None = Field(default=None, description="bytes read per step")
     ideal_throughput: Rate | None = Field(default=None, description="f*: bytes/s at `gpus` GPUs when IO is not the bottleneck")
     model: str | None = Field(default=None, min_length=1, max_length=64, description="catalog model, instead of ideal_throughput")
-    priority: int = Field(default=0, ge=-1000, le=1000)
+    priority: int = Field(default=0, ge=-1000, le=1000,
+                          description="orders admission (higher first); above 0 only for the admin")
+    dataset_owner: Name | None = Field(default=None, description="the tenant owning `dataset`, when it is shared with you")
     access: Annotated[AccessIn, BeforeValidator(_access_shorthand)] | None = Field(
         default=None, description='how the job reads: "epoch" (default), "irregular", or {"kind": "curriculum", ...}'
     )
+    pod_template: PodTemplateIn | None = Field(default=None, description="Kubernetes: the pods to run (a Job is"
+                                               " created in your namespace, suspended until admitted)")
 
     _names = field_validator("name", "dataset")(_no_dotdot)
 
@@ -166,6 +202,7 @@ class JobOut(BaseModel):
     owner: str
     gpus: int
     dataset: str
+    dataset_owner: str
     model: str | None
     ideal_throughput: float
     epochs: float | None
@@ -225,6 +262,8 @@ class CacheAllocationOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     dataset: str
+    owner: str
+    key: str
     bytes: float
     size: float
 
@@ -280,3 +319,67 @@ class ErrorOut(BaseModel):
 class HealthOut(BaseModel):
     status: str
     database: str
+
+
+class TokenIn(_Strict):
+    owner: str = Field(min_length=1, max_length=64, pattern=NAME_PATTERN, description="the tenant the token acts for")
+    admin: bool = False
+    expires_in_s: float | None = Field(default=None, gt=0, le=10 * 365 * 86400, allow_inf_nan=False)
+    label: str = Field(default="", max_length=128)
+
+
+class TokenOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    owner: str
+    is_admin: bool
+    label: str
+    source: str
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+
+
+class NewTokenOut(TokenOut):
+    token: str = Field(description="shown once; only its HMAC is stored")
+
+
+class QuotaIn(_Strict):
+    gpus: int | None = Field(default=None, ge=0, le=100_000)
+    cache_bytes: Size | None = None
+    running_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
+    queued_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
+
+
+class QuotaOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    tenant: str
+    gpus: int | None
+    cache_bytes: float | None
+    running_jobs: int | None
+    queued_jobs: int | None
+
+
+class CredentialIn(_Strict):
+    name: Name
+    kind: str = Field(default="s3", max_length=16)
+    access_key_id: str = Field(min_length=1, max_length=256)
+    secret_access_key: str = Field(min_length=1, max_length=1024)
+    endpoint_url: str | None = Field(default=None, max_length=2048, pattern=URI_PATTERN)
+    region: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9-]+$")
+
+    _names = field_validator("name")(_no_dotdot)
+
+
+class CredentialOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    owner: str
+    kind: str
+    access_key_id: str
+    endpoint_url: str | None
+    region: str | None
+    created_at: float

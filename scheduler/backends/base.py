@@ -37,6 +37,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from estimator.errors import UserError
+from fuse_client.remote import SourceCredential
 from policies.types import ClusterCapacity
 
 BACKEND_NAMES = ("local", "kubernetes")
@@ -50,6 +51,10 @@ class DatasetInfo:
     uri: str  # remote source, e.g. s3://bucket/prefix, file:///data/x, http://host/path
     size: float  # bytes
     item_count: int | None = None
+    # The owning tenant's credential for `uri`; None: read anonymously (s3), never with the
+    # cluster's own credentials. A backend hands it to the mount process only (see
+    # fuse_client.remote.SourceCredential.to_env / ANONYMOUS_ENV).
+    credential: SourceCredential | None = None
 
 
 @dataclass(frozen=True, slots=True)

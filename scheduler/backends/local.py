@@ -63,6 +63,7 @@ from estimator.errors import UserError
 from estimator.units import parse_rate, parse_size
 from scheduler.backends.base import (
     BackendConfig,
+    DatasetInfo,
     ClusterBackend,
     ClusterDescription,
     JobAllocation,
@@ -76,6 +77,28 @@ log = logging.getLogger("silod.backend.local")
 
 STOP_TIMEOUT_S = 15.0
 TERMINAL = ("finished", "failed")
+
+
+SERVICE_SECRETS = ("SILOD_ADMIN_TOKEN", "SILOD_TOKEN_KEY", "SILOD_METRICS_TOKEN", "SILOD_DM_SCHEDULER_TOKEN",
+                   "SILOD_DM_AGENT_TOKEN", "SILOD_DM_METRICS_TOKEN", "SILOD_DM_TOKEN")
+
+
+def source_env(dataset: DatasetInfo) -> dict[str, str]:
+    """Environment for the job's mount: the dataset owner's credential, or anonymous s3 reads,
+    so the data path never reads a tenant's dataset with this machine's own credentials."""
+    from fuse_client.remote import ANONYMOUS_ENV, CREDENTIAL_ENV
+
+    env = {name: "" for name in CREDENTIAL_ENV.values()}  # nothing inherited from the service
+    # The service's own secrets never reach a job's processes: its admin and HMAC keys, its
+    # data-manager token. The mount talks to the data manager with the agent token only.
+    for name in SERVICE_SECRETS:
+        env[name] = ""
+    env["SILOD_DM_TOKEN"] = os.environ.get("SILOD_DM_AGENT_TOKEN", "")
+    if dataset.credential is not None:
+        env.update(dataset.credential.to_env())
+    else:
+        env[ANONYMOUS_ENV] = "1"
+    return env
 
 
 def silod_cmd() -> list[str]:
@@ -229,7 +252,8 @@ class LocalBackend(ClusterBackend):
                     [sys.executable, "-m", "scheduler.backends.local_worker", str(jdir / "spec.json")],
                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,  # survives the service, and stop() can signal the group
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env={**{k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS},
+                         "PYTHONUNBUFFERED": "1", **source_env(job.dataset)},
                 )
             start_time = process_start_time(popen.pid)
             write_json_atomic(jdir / "worker.pid", {"pid": popen.pid, "start_time": start_time, "attempt": attempt})

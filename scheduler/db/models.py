@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 # Stable constraint names, so migrations can refer to them on every database.
@@ -44,15 +44,21 @@ ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING)
 
 
 class Dataset(Base):
+    """A dataset belongs to one tenant (`owner`); names are unique per tenant, not globally, so
+    one tenant can neither squat nor read another's name. Other tenants reach it only through a
+    `DatasetGrant`. The data path reads it with the owner's `credential`, never the cluster's."""
+
     __tablename__ = "datasets"
+    __table_args__ = (UniqueConstraint("owner", "name", name="uq_datasets_owner_name"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
+    name: Mapped[str] = mapped_column(String(128))
     uri: Mapped[str] = mapped_column(String(2048))
     size: Mapped[float] = mapped_column(Float)  # bytes
     item_count: Mapped[int | None] = mapped_column(Integer, nullable=True)
     owner: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[float] = mapped_column(Float)  # unix seconds
+    credential_id: Mapped[int | None] = mapped_column(ForeignKey("credentials.id"), nullable=True)
 
     jobs: Mapped[list[Job]] = relationship(back_populates="dataset")
 
@@ -160,3 +166,84 @@ class Setting(Base):
 
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class ApiToken(Base):
+    """A bearer token, stored only as HMAC-SHA256(server key, token): a copy of the database does
+    not reveal a usable token. Revocation and expiry take effect without a restart."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    owner: Mapped[str] = mapped_column(String(64))  # the tenant the token acts for
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    label: Mapped[str] = mapped_column(String(128), default="")
+    source: Mapped[str] = mapped_column(String(16), default="api")  # api | file
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class DatasetGrant(Base):
+    """The owner of a dataset lets another tenant run jobs on it (read through the owner's
+    credential, into the same cache)."""
+
+    __tablename__ = "dataset_grants"
+
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id"), primary_key=True)
+    grantee: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Credential(Base):
+    """A tenant's credential for a remote store (S3 keys). Datasets name one; the data path
+    reads the dataset with it. The secret is never returned by the API."""
+
+    __tablename__ = "credentials"
+    __table_args__ = (UniqueConstraint("owner", "name", name="uq_credentials_owner_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16))  # s3
+    access_key_id: Mapped[str] = mapped_column(String(256))
+    secret_access_key: Mapped[str] = mapped_column(Text)
+    endpoint_url: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    region: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Quota(Base):
+    """Per-tenant limits (None: no limit). Enforced at submission and by the scheduling round."""
+
+    __tablename__ = "quotas"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)  # GPUs held at once
+    cache_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)  # cache over its datasets
+    running_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # jobs holding GPUs at once
+    queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # active (queued or running) jobs
+
+
+class IdempotencyKey(Base):
+    """`Idempotency-Key` of a job submission: the same key and body return the same job."""
+
+    __tablename__ = "idempotency_keys"
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Lease(Base):
+    """A named lease (the scheduling leader among several API workers): whoever holds an
+    unexpired lease runs the rounds; the others only serve requests."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[float] = mapped_column(Float)

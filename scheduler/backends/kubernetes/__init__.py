@@ -1,30 +1,39 @@
-"""Kubernetes backend: silod as a secondary scheduler for pods with `schedulerName: silod`.
+"""Kubernetes backend: silod admits Job/JobSet/PyTorchJob workloads by suspension (docs/kubernetes.md).
 
-See docs/kubernetes.md for the pod label/annotation contract and the manifests in deploy/.
-`create_backend(config)` is what `scheduler.backends.base.load_backend("kubernetes", ...)` calls;
-`python -m scheduler.backends.kubernetes` runs the pod-driven scheduling loop.
+`create_backend(config)` is what `scheduler.backends.base.load_backend("kubernetes", ...)` calls.
+Options (`silod serve --backend kubernetes --backend-opt KEY=VALUE`):
+
+- `server=URL`: talk to this API server URL without credentials (e.g. `kubectl proxy`'s
+  http://127.0.0.1:8001); otherwise in-cluster service-account credentials, else the kubeconfig
+  (`kubeconfig=FILE`, `context=NAME`);
+- `namespace-prefix=P`: user U's jobs live in namespace P+U (default: no prefix);
+- `queue=NAME`: the queue label of Jobs created for REST submissions (default "default");
+- `leader-election=true`, `lease-namespace=NS`, `lease-name=NAME`, `identity=ID`, `lease-seconds=15`: only the holder
+  of the coordination.k8s.io Lease runs the scheduling loop (several replicas; see leader.py).
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from estimator.errors import UserError
 from scheduler.backends.base import BackendConfig
-from scheduler.backends.kubernetes.backend import (
-    JobPlacement, KubernetesBackend, KubernetesScheduler, PodAllocation, RoundReport, Watcher,
-)
-from scheduler.backends.kubernetes.contract import AnnotationError
+from scheduler.backends.kubernetes.backend import KubernetesBackend
+from scheduler.backends.kubernetes.leader import LeaderElector
+from scheduler.backends.kubernetes.workloads import PodTemplate, WorkloadError
 
-__all__ = [
-    "AnnotationError", "JobPlacement", "KubernetesBackend", "KubernetesScheduler", "PodAllocation",
-    "RoundReport", "Watcher", "create_backend", "load_api",
-]
+__all__ = ["KubernetesBackend", "LeaderElector", "PodTemplate", "WorkloadError", "create_backend", "load_api_client"]
 
 
-def load_api(kubeconfig: str | None = None, context: str | None = None):
-    """A CoreV1Api: in-cluster service-account credentials when running in a pod, otherwise the
-    kubeconfig (`kubeconfig` path, or $KUBECONFIG / ~/.kube/config)."""
+def load_api_client(server: str | None = None, kubeconfig: str | None = None, context: str | None = None) -> Any:
+    """An ApiClient: `server` without credentials, else in-cluster, else the kubeconfig."""
     from kubernetes import client, config
 
+    if server:
+        cfg = client.Configuration()
+        cfg.host = server.rstrip("/")
+        return client.ApiClient(cfg)
     try:
         if kubeconfig:
             config.load_kube_config(config_file=kubeconfig, context=context)
@@ -35,14 +44,45 @@ def load_api(kubeconfig: str | None = None, context: str | None = None):
                 config.load_kube_config(context=context)
     except Exception as exc:  # noqa: BLE001 - every config failure is the same user-facing problem
         raise UserError(
-            f"cannot configure the Kubernetes client ({exc}); run in a pod with a service account or "
-            f"pass --kubeconfig FILE"
+            f"cannot configure the Kubernetes client ({exc}); run in a pod with a service account, pass"
+            f" --backend-opt kubeconfig=FILE, or --backend-opt server=URL (e.g. kubectl proxy)"
         ) from None
-    return client.CoreV1Api()
+    return client.ApiClient()
 
 
 def create_backend(config: BackendConfig) -> KubernetesBackend:
-    """Options (`--backend-opt k=v`): namespace, kubeconfig, context."""
     opts = dict(config.options)
-    api = load_api(opts.get("kubeconfig"), opts.get("context"))
-    return KubernetesBackend(api, capacity=config.capacity, namespace=opts.get("namespace") or None)
+    known = {"server", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
+             "lease-name", "identity", "lease-seconds"}
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
+    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"))
+    backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
+                                default_queue=opts.get("queue") or "default")
+    if config.datamanager_url:
+        from datamanager.client import DataManagerClient
+
+        backend.storage = DataManagerClient(config.datamanager_url)
+    if opts.get("leader-election", "false").lower() in ("1", "true", "yes"):
+        backend.elector = LeaderElector(
+            api, namespace=opts.get("lease-namespace") or os.environ.get("POD_NAMESPACE") or "silod-system",
+            name=opts.get("lease-name") or "silod-scheduler",
+            identity=opts.get("identity") or os.environ.get("POD_NAME") or os.uname().nodename,
+            **_lease_timing(opts.get("lease-seconds")),
+        )
+    return backend
+
+
+def _lease_timing(value: str | None) -> dict[str, float]:
+    """`lease-seconds=N`: the Lease duration; renew deadline 2/3 of it, retries every 2/15 (the
+    client-go defaults are 15 s, 10 s, 2 s)."""
+    if value is None:
+        return {}
+    try:
+        lease = float(value)
+    except ValueError:
+        lease = -1.0
+    if not 1.0 <= lease <= 3600.0:
+        raise UserError(f"--backend-opt lease-seconds={value!r} must be a number of seconds between 1 and 3600")
+    return {"lease_s": lease, "renew_deadline_s": lease * 2 / 3, "retry_s": lease * 2 / 15}

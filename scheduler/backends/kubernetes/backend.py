@@ -1,691 +1,702 @@
-"""The Kubernetes backend: a secondary scheduler for pods with `schedulerName: silod`.
+"""The Kubernetes backend: admission of Job/JobSet/PyTorchJob workloads by suspension.
 
-Two layers:
+`silod serve --backend kubernetes` is one program: the REST API, the database, the policy loop
+(`scheduler.service.SchedulerService`) and this admission controller. Workloads reach the one
+queue two ways:
 
-- `KubernetesBackend` implements `scheduler.backends.base.ClusterBackend` on the official
-  `kubernetes` client: it reads nodes and pods, accounts `nvidia.com/gpu`, places a job's pods as
-  a gang (all or none), records its decision in pod annotations *before* binding (a write-ahead
-  intent), binds through the pods/binding subresource, keeps the cache/IO annotations current and
-  reports finished/failed pods through `poll()`.
-- `KubernetesScheduler` is the pod-driven loop (`python -m scheduler.backends.kubernetes`): it
-  builds a `policies.types.Snapshot` from the pods each round, asks the shared
-  `scheduler.core.SchedulingCore` for the plan and executes it through the backend. There is no
-  Kubernetes-specific policy.
+- `POST /v1/jobs` with a `pod_template`: the service records the job and calls
+  `create_workload`, which creates a suspended batch/v1 Job named `silod-<id>` in the caller's
+  namespace (`<namespace-prefix><user>`), labelled `app.kubernetes.io/managed-by: silod`;
+- `kubectl apply` of a Job, JobSet or PyTorchJob labelled `silod.io/queue`: `poll()` finds it
+  and submits it to the service as a job of the namespace's tenant (its id is the service's id;
+  its name `<kind>.<name>.<uid>` ties it to that one object, so a re-created object with the
+  same name is a new job).
 
-All durable state lives in pod annotations (SiloD §6, "Fault tolerance"); a restarted scheduler
-reads them back: bound pods keep their allocation, a gang whose binding was interrupted is
-completed on the nodes it was promised, and nothing is bound twice.
+The service's rounds decide which jobs run; `start` places a job's pods (GPUs, node-local cache,
+the node's share of remote IO: `placement.place`) and admits the workload by writing a required
+node affinity into its pod templates and unsuspending it; `stop` suspends it again (its
+controller removes the pods; silod never deletes a user's pods or workloads). Whether a workload
+finished or failed comes from its controller's `status`; how far it got is silod's own estimate
+(SiloDPerf at its allocation x admitted time), never a number from an object the workload's
+owner can write.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from estimator import silod_perf
 from estimator.errors import UserError
-from policies.base import Policy
-from policies.estimators import Estimator
-from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
+from estimator.units import UnitError, parse_rate, parse_size
+from policies.types import ClusterCapacity
 from scheduler.backends.base import (
-    ClusterBackend, ClusterDescription, DatasetInfo, JobAllocation, JobEvent, JobSpec, NodeInfo,
+    ClusterBackend, ClusterDescription, JobAllocation, JobEvent, JobSpec, NodeInfo,
 )
-from scheduler.backends.kubernetes.contract import (
-    ANN_CACHE, ANN_IO, ANN_JOB_IO, ANN_NODE, ANN_SCHEDULED_AT, LABEL_JOB, SCHEDULER_NAME,
-    AnnotationError, allocation_annotations,
+from scheduler.backends.kubernetes.placement import NodeState, PodRequest, place, why_not
+from scheduler.backends.kubernetes.workloads import (
+    GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError,
+    admitted_object, parse_workload, rest_job_object, suspended_object,
 )
-from scheduler.backends.kubernetes.cluster import ClusterState, JobGroup, PodView, place_gang
-from scheduler.core import RoundPlan, SchedulingCore
 
 log = logging.getLogger("silod.kubernetes")
 
-COMPONENT = "silod-scheduler"
+NODE_ANN_CACHE = "silod.io/cache-capacity"  # bytes of local disk a node gives the dataset cache
+NODE_ANN_IO = "silod.io/remote-io"  # the node's share of the remote link (e.g. its NIC), bytes/s
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+INTAKE_NAME = re.compile(r"^(job|jobset|pytorchjob)\.(.+)\.([0-9a-f-]{36})$")
+REST_NAME = re.compile(r"^silod-([0-9]+)$")
 
 
-@dataclass(frozen=True, slots=True)
-class PodAllocation:
-    """What the annotations of one pod say the scheduler decided."""
+@dataclass
+class Admission:
+    """What silod granted an admitted workload (its own record; rebuilt from bound pods after a
+    restart)."""
 
-    node: str | None
-    cache_bytes: float | None
-    remote_io: float | None
+    nodes: dict[str, int]  # node -> GPUs placed there
+    dataset: str
+    cache_bytes: float
+    io_per_pod: float
+    pods_per_node: dict[str, int]
+    since: float
+    base_consumed: float
+    rate: float  # bytes/s the job progresses at under this allocation (SiloDPerf)
+    total: float
+    tenant: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class JobPlacement:
-    """A job's recorded decision, read back from its pods (the state a restart recovers)."""
+def node_mount_job(node: str, tenant: str, dataset: str) -> str:
+    """The data-manager job id of a node agent's mount of (tenant, dataset) on `node`; the agent
+    names its mounts the same way (fuse_client/agent/volumes.py, same format)."""
+    return f"node-{node}.{tenant}.{dataset}"
 
-    job_id: str
-    pods: Mapping[str, PodAllocation]  # pod key -> allocation
-    job_remote_io: float | None
-    scheduled_at: float | None
 
-    @property
-    def nodes(self) -> dict[str, str | None]:
-        return {k: v.node for k, v in self.pods.items()}
+@dataclass
+class _Ref:
+    kind: Kind
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass
+class _Seen:
+    problems: dict[str, str] = field(default_factory=dict)  # uid -> resourceVersion already reported
+
+
+def _api_exception() -> type[Exception]:
+    from kubernetes.client.exceptions import ApiException
+
+    return ApiException
 
 
 class KubernetesBackend(ClusterBackend):
-    """ClusterBackend over a `kubernetes.client.CoreV1Api`. One instance per scheduler process."""
-
     name = "kubernetes"
 
     def __init__(
         self,
-        api: Any,
+        api_client: Any,
         *,
-        capacity: ClusterCapacity | None = None,
-        namespace: str | None = None,
+        capacity: ClusterCapacity,
+        namespace_prefix: str = "",
+        default_queue: str = "default",
         clock: Callable[[], float] = time.time,
         request_timeout: float = 30.0,
     ):
-        self.api = api
+        from kubernetes import client
+
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
         self.capacity = capacity
-        self.namespace = namespace  # None: silod pods of every namespace
+        self.namespace_prefix = namespace_prefix
+        self.default_queue = default_queue
         self.clock = clock
-        self.request_timeout = request_timeout
-        self.state: ClusterState = ClusterState(nodes={}, pods=(), jobs={})
-        self._free: dict[str, int] = {}  # free GPUs per node, decremented as gangs are placed
-        self._tracked: dict[str, JobAllocation | None] = {}  # jobs we run (None = recovered)
-        self._deferred: dict[str, JobAllocation] = {}  # started, but the gang did not fit yet
-        self._progress: dict[str, float] = {}
+        self.timeout = request_timeout
+        self.service: Any = None  # the SchedulerService this backend feeds (attach)
+        self._lock = threading.RLock()
+        self._refs: dict[str, _Ref] = {}  # service job id -> workload
+        self._by_uid: dict[str, str] = {}  # workload uid -> service job id
+        self._admitted: dict[str, Admission] = {}
+        self._deferred: dict[str, tuple[JobSpec, JobAllocation]] = {}
         self._events: list[JobEvent] = []
-        self._reported: set[tuple[str, str]] = set()  # (pod key, message) already sent as Events
+        self._reported = _Seen()
+        self._kinds: dict[str, bool] = {}
+        self._kinds_checked = 0.0
+        self.workloads: dict[str, Workload] = {}  # uid -> parsed
+        self._objects: dict[str, dict[str, Any]] = {}  # uid -> raw object
+        self.nodes: list[NodeState] = []
+        self._bound: list[dict[str, Any]] = []
         self._recovered = False
-        self.bindings = 0  # successful binding calls by this instance (observability, tests)
+        self.storage: Any = None  # a data manager client: remote IO of the agents' node mounts
+        self._pushed_io: dict[str, float] = {}
+        self.elector: Any = None  # a LeaderElector when several replicas run (create_backend)
+        self.admissions = 0  # successful admissions (observability, tests)
+        self.suspensions = 0
+
+    # --- wiring ------------------------------------------------------------------------------
+
+    def attach(self, service: Any) -> None:
+        """Feed kubectl-created workloads into `service` (one queue for REST and kubectl)."""
+        self.service = service
+
+    def tenant_namespace(self, user: str) -> str:
+        ns = f"{self.namespace_prefix}{user}"
+        if not DNS_LABEL.match(ns):
+            raise UserError(f"user {user!r} has no valid Kubernetes namespace ({ns!r} is not a DNS label); use user"
+                            f" names of lowercase letters, digits and '-'")
+        return ns
+
+    def namespace_tenant(self, namespace: str) -> str | None:
+        if not namespace.startswith(self.namespace_prefix):
+            return None
+        return namespace[len(self.namespace_prefix):] or None
 
     # --- reading the cluster -------------------------------------------------------------------
 
-    def refresh(self) -> ClusterState:
-        """List nodes and pods (a consistent, level-triggered view; the watcher only wakes us)."""
-        t = self.request_timeout
-        nodes = self.api.list_node(_request_timeout=t).items
-        # Every pod bound to a node holds GPUs there, whichever scheduler placed it.
-        bound = self.api.list_pod_for_all_namespaces(
-            field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed", _request_timeout=t
-        ).items
-        # Our pods in every phase (finished ones tell us a job ended), with or without the job
-        # label (a pod without it gets an Event saying what is missing).
-        mine = f"spec.schedulerName={SCHEDULER_NAME}"
-        if self.namespace:
-            ours = self.api.list_namespaced_pod(self.namespace, field_selector=mine, _request_timeout=t).items
-        else:
-            ours = self.api.list_pod_for_all_namespaces(field_selector=mine, _request_timeout=t).items
-        # Re-check the selectors here: they are an optimisation, not something we rely on.
-        bound = [p for p in bound if p.spec and p.spec.node_name and (p.status is None or p.status.phase
-                                                                       not in ("Succeeded", "Failed"))]
-        ours = [p for p in ours if p.spec and p.spec.scheduler_name == SCHEDULER_NAME]
-        if self.namespace:
-            ours = [p for p in ours if p.metadata.namespace == self.namespace]
-        self.state = ClusterState.build(nodes, [*bound, *ours])
-        self._free = self.state.free_gpus()
-        self._report_problems(self.state)
-        if not self._recovered:
-            self._recover(self.state)
-        return self.state
+    def _available_kinds(self) -> list[Kind]:
+        """Job always; JobSet and PyTorchJob when their CRDs answer (re-checked every 5 minutes)."""
+        now = time.monotonic()
+        if not self._kinds or now - self._kinds_checked > 300:
+            self._kinds_checked = now
+            for kind in KINDS:
+                if kind == JOB:
+                    self._kinds[kind.kind] = True
+                    continue
+                try:
+                    self.custom.list_cluster_custom_object(kind.group, kind.version, kind.plural, limit=1,
+                                                           _request_timeout=self.timeout)
+                    self._kinds[kind.kind] = True
+                except _api_exception() as exc:
+                    if exc.status != 404:
+                        raise
+                    self._kinds[kind.kind] = False
+        return [k for k in KINDS if self._kinds.get(k.kind)]
 
-    def _report_problems(self, state: ClusterState) -> None:
-        for job in state.jobs.values():
-            for pod_key, message in job.errors:
-                self.report(pod_key, "SiloDInvalidSpec", message)
-        for pod_key in state.ignored:
-            self.report(pod_key, "SiloDNoJobLabel",
-                        f"pod {pod_key} has schedulerName {SCHEDULER_NAME} but no {LABEL_JOB} label; label it with"
-                        f" the job id (pods sharing the label are scheduled together)")
-        for node in state.nodes.values():
-            if node.error:
-                log.warning("node %s ignored for GPUs: %s", node.name, node.error)
+    def refresh(self) -> None:
+        t = self.timeout
+        nodes = self.core.list_node(_request_timeout=t).items
+        pods = self.api_client.sanitize_for_serialization(self.core.list_pod_for_all_namespaces(
+            field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed", _request_timeout=t).items)
+        workloads: dict[str, Workload] = {}
+        objects: dict[str, dict[str, Any]] = {}
+        for kind in self._available_kinds():
+            listed = self.custom.list_cluster_custom_object(kind.group, kind.version, kind.plural,
+                                                            label_selector=QUEUE_LABEL, _request_timeout=t)
+            for obj in listed.get("items") or []:
+                obj.setdefault("apiVersion", kind.api_version)
+                obj.setdefault("kind", kind.kind)
+                uid = obj["metadata"]["uid"]
+                try:
+                    wl = parse_workload(kind, obj)
+                except WorkloadError as exc:
+                    self._report(obj, kind, str(exc))
+                    continue
+                workloads[uid] = wl
+                objects[uid] = obj
+        with self._lock:
+            self._bound = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+            self.workloads, self._objects = workloads, objects
+            self.nodes = self._node_states(nodes)
+            if not self._recovered:
+                self._recover()
 
-    def _recover(self, state: ClusterState) -> None:
-        """After a (re)start: adopt every job the annotations say we placed."""
-        self._recovered = True
-        for job_id, job in state.jobs.items():
-            if any(s.node for s in job.states.values()) and not job.finished and not job.failed:
-                self._tracked.setdefault(job_id, None)
-                log.info("recovered job %s from pod annotations: %s", job_id, self.placement(job_id))
-
-    def placement(self, job_id: str) -> JobPlacement | None:
-        """The decision recorded on the job's pods, or None if nothing was recorded."""
-        job = self.state.jobs.get(job_id)
-        if job is None or not any(s.node for s in job.states.values()):
-            return None
-        pods = {k: PodAllocation(s.node, s.cache_bytes, s.remote_io) for k, s in job.states.items()}
-        job_io = next((s.job_remote_io for s in job.states.values() if s.job_remote_io is not None), None)
-        at = min((s.scheduled_at for s in job.states.values() if s.scheduled_at is not None), default=None)
-        return JobPlacement(job_id=job_id, pods=pods, job_remote_io=job_io, scheduled_at=at)
-
-    def placements(self) -> dict[str, JobPlacement]:
-        out = {}
-        for job_id in self.state.jobs:
-            p = self.placement(job_id)
-            if p is not None:
-                out[job_id] = p
+    def _node_states(self, nodes: list[Any]) -> list[NodeState]:
+        ready = []
+        for n in nodes:
+            conds = {c.type: c.status for c in (n.status.conditions or [])} if n.status else {}
+            if (n.spec and n.spec.unschedulable) or conds.get("Ready") != "True":
+                continue
+            alloc = (n.status.allocatable or {}) if n.status else {}
+            try:
+                gpus = int(str(alloc.get(GPU_RESOURCE, "0")))
+            except ValueError:
+                gpus = 0
+            if gpus > 0:
+                ready.append(n)
+        count = max(len(ready), 1)
+        used: dict[str, int] = {}
+        for p in self._bound:
+            used[p["spec"]["nodeName"]] = used.get(p["spec"]["nodeName"], 0) + _pod_gpus(p)
+        cache_used: dict[str, dict[str, float]] = {}
+        io_used: dict[str, float] = {}
+        reserved: dict[str, int] = {}
+        for job_id, adm in self._admitted.items():
+            bound_here = self._bound_gpus_of(job_id)
+            for node, g in adm.nodes.items():
+                reserved[node] = reserved.get(node, 0) + max(g - bound_here.get(node, 0), 0)
+                per = cache_used.setdefault(node, {})
+                per[adm.dataset] = max(per.get(adm.dataset, 0.0), adm.cache_bytes)
+                io_used[node] = io_used.get(node, 0.0) + adm.io_per_pod * adm.pods_per_node.get(node, 0)
+        out = []
+        for n in ready:
+            name = n.metadata.name
+            ann = n.metadata.annotations or {}
+            try:
+                cache = (parse_size(ann[NODE_ANN_CACHE], f"node {name} annotation {NODE_ANN_CACHE}")
+                         if ann.get(NODE_ANN_CACHE) else self.capacity.cache / count)
+                io = (parse_rate(ann[NODE_ANN_IO], f"node {name} annotation {NODE_ANN_IO}")
+                      if ann.get(NODE_ANN_IO) else self.capacity.remote_io / count)
+            except UnitError as exc:
+                log.warning("node %s ignored: %s", name, exc)
+                continue
+            gpus = int(str((n.status.allocatable or {}).get(GPU_RESOURCE, "0")))
+            out.append(NodeState(
+                name=name, hostname=(n.metadata.labels or {}).get(HOSTNAME_LABEL, name),
+                gpus_free=max(gpus - used.get(name, 0) - reserved.get(name, 0), 0), cache_capacity=cache,
+                cache_used=cache_used.get(name, {}), io_capacity=io, io_used=io_used.get(name, 0.0),
+                labels=dict(n.metadata.labels or {}),
+            ))
         return out
 
-    # --- ClusterBackend ------------------------------------------------------------------------
+    def _pods_of(self, job_id: str) -> list[dict[str, Any]]:
+        ref = self._refs.get(job_id)
+        if ref is None:
+            return []
+        out = []
+        for p in self._bound:
+            meta = p["metadata"]
+            if meta.get("namespace") != ref.namespace:
+                continue
+            owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+            labels = meta.get("labels") or {}
+            if ref.uid in owners or labels.get("jobset.sigs.k8s.io/jobset-name") == ref.name and ref.kind.kind == "JobSet" \
+                    or labels.get("training.kubeflow.org/job-name") == ref.name and ref.kind.kind == "PyTorchJob":
+                out.append(p)
+        return out
+
+    def _bound_gpus_of(self, job_id: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self._pods_of(job_id):
+            out[p["spec"]["nodeName"]] = out.get(p["spec"]["nodeName"], 0) + _pod_gpus(p)
+        return out
+
+    def _recover(self) -> None:
+        """After a (re)start: which service job is which workload, and what runs where."""
+        if self.service is None:
+            return  # not attached yet (the service describes the cluster before attach): later
+        self._recovered = True
+        from scheduler.service import ADMIN, Principal
+
+        admin = Principal(ADMIN, is_admin=True)
+        by_uid = {uid: wl for uid, wl in self.workloads.items()}
+        by_name = {(wl.namespace, wl.name, wl.kind.kind): wl for wl in self.workloads.values()}
+        for rec in self.service.list_jobs(admin, limit=1_000_000):
+            m = INTAKE_NAME.match(rec.name)
+            wl = None
+            if m and m.group(3) in by_uid:
+                wl = by_uid[m.group(3)]
+            elif rec.name and (ns := self._safe_namespace(rec.owner)):
+                wl = by_name.get((ns, f"silod-{rec.id}", "Job"))
+                if wl is not None and wl.rest_job_id != rec.id:
+                    wl = None
+            if wl is None:
+                continue
+            self._remember(rec.id, wl)
+            if rec.state == "running" and not wl.suspended and wl.phase == "active":
+                self._admitted[rec.id] = self._recovered_admission(rec, wl)
+
+    def _recovered_admission(self, rec: Any, wl: Workload) -> Admission:
+        nodes: dict[str, int] = {}
+        pods: dict[str, int] = {}
+        for p in self._pods_of(rec.id):
+            nodes[p["spec"]["nodeName"]] = nodes.get(p["spec"]["nodeName"], 0) + _pod_gpus(p)
+            pods[p["spec"]["nodeName"]] = pods.get(p["spec"]["nodeName"], 0) + 1
+        io = (rec.remote_io or 0.0) / max(wl.pods, 1)
+        # The cache this job's dataset holds is not in the record: estimate progress as if cold
+        # (min(f*, b)), which can only under-state it until the next admission.
+        rate = min(rec.ideal_throughput, rec.remote_io) if rec.remote_io else rec.ideal_throughput
+        return Admission(nodes=nodes, dataset=rec.dataset, cache_bytes=0.0, io_per_pod=io, pods_per_node=pods,
+                         since=self.clock(), base_consumed=rec.consumed_bytes, rate=rate, total=rec.total_bytes,
+                         tenant=self.namespace_tenant(wl.namespace) or "")
+
+    def _safe_namespace(self, user: str) -> str | None:
+        try:
+            return self.tenant_namespace(user)
+        except UserError:
+            return None
+
+    def _remember(self, job_id: str, wl: Workload) -> None:
+        self._refs[job_id] = _Ref(wl.kind, wl.namespace, wl.name, wl.uid)
+        self._by_uid[wl.uid] = job_id
+
+    # --- reporting -----------------------------------------------------------------------------
+
+    def _report(self, obj: dict[str, Any], kind: Kind, message: str, reason: str = "SiloDInvalidWorkload") -> None:
+        """A Warning Event on the workload, once per (object version, message)."""
+        meta = obj.get("metadata") or {}
+        key = f"{meta.get('uid')}:{meta.get('resourceVersion')}:{message}"
+        if key in self._reported.problems:
+            return
+        if len(self._reported.problems) > 10_000:  # bounded: old versions' reports are forgotten
+            self._reported.problems.clear()
+        self._reported.problems[key] = message
+        log.warning("%s %s/%s: %s", kind.kind, meta.get("namespace"), meta.get("name"), message)
+        from kubernetes import client
+
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name')}.", namespace=meta.get("namespace")),
+            involved_object=client.V1ObjectReference(api_version=kind.api_version, kind=kind.kind,
+                                                     name=meta.get("name"), namespace=meta.get("namespace"),
+                                                     uid=meta.get("uid")),
+            reason=reason, message=message[:1024], type="Warning", source=client.V1EventSource(component="silod"),
+        )
+        try:
+            self.core.create_namespaced_event(meta.get("namespace") or "default", event, _request_timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - an Event is best effort; the log line stays
+            log.debug("could not record an Event: %s", exc)
+
+    # --- intake of kubectl workloads -------------------------------------------------------------
+
+    def _intake(self) -> None:
+        if self.service is None:
+            return
+        from scheduler.service import NewJob, Principal, ServiceError
+
+        for uid, wl in list(self.workloads.items()):
+            if uid in self._by_uid or wl.phase != "active":
+                continue
+            if wl.rest_job_id is not None and REST_NAME.match(wl.name) and wl.kind == JOB:
+                continue  # a Job silod created for a REST job (mapped when created or recovered)
+            obj = self._objects[uid]
+            if not wl.suspended:
+                # Created running (no webhook): hold it until it is admitted, as Kueue does. Its
+                # controller removes the pods it already started; silod deletes nothing.
+                if not self._write(wl, suspended_object(wl.kind, obj)):
+                    continue
+                self.suspensions += 1
+            tenant = self.namespace_tenant(wl.namespace)
+            problem = None
+            if tenant is None:
+                problem = f"namespace {wl.namespace} does not belong to a silod tenant (prefix {self.namespace_prefix!r})"
+            elif wl.dataset is None:
+                problem = ("no dataset: add a volume `csi: {driver: silod.io, volumeAttributes: {dataset: NAME}}`"
+                           " to the pod template (or the annotation silod.io/dataset)")
+            elif wl.epochs is None:
+                problem = "missing annotation silod.io/epochs (passes over the dataset, e.g. \"3\")"
+            elif wl.ideal_throughput is None and wl.model is None:
+                problem = "give the annotation silod.io/ideal-throughput (e.g. 900MB/s) or silod.io/model"
+            elif wl.gpus < 1:
+                problem = f"its pods request no {GPU_RESOURCE}; silod schedules GPU workloads"
+            if problem:
+                self._report(obj, wl.kind, f"{wl.key}: {problem}")
+                continue
+            req = NewJob(name=f"{wl.kind.kind.lower()}.{wl.name[:63]}.{wl.uid}", gpus=wl.gpus, dataset=wl.dataset or "",
+                         epochs=wl.epochs, ideal_throughput=wl.ideal_throughput,
+                         model=None if wl.ideal_throughput is not None else wl.model,
+                         priority=self._priority(wl.priority_class))
+            try:
+                rec = self.service.submit_job(Principal(tenant or ""), req)
+            except ServiceError as exc:
+                self._report(obj, wl.kind, f"{wl.key}: {exc}")
+                continue
+            log.info("queued %s as job %s of %s", wl.key, rec.id, tenant)
+            self._remember(rec.id, wl)
+
+    def _priority(self, class_name: str | None) -> int:
+        """A PriorityClass's value (cluster-scoped, written by operators, not by workload
+        owners), scaled into the service's -1000..1000. Unknown or absent: 0."""
+        if not class_name:
+            return 0
+        try:
+            from kubernetes import client
+
+            pc = client.SchedulingV1Api(self.api_client).read_priority_class(class_name, _request_timeout=self.timeout)
+        except Exception:  # noqa: BLE001 - a missing class is the default priority, as for the kube-scheduler
+            return 0
+        value = int(pc.value or 0)
+        return max(-1000, min(1000, value // 1_000_000 if abs(value) >= 1_000_000 else value))
+
+    # --- REST-created Jobs ---------------------------------------------------------------------
+
+    def create_workload(self, job: Any, template: PodTemplate) -> None:
+        """Create the suspended Job for a REST submission `job` (a JobRecord) in its owner's
+        namespace. UserError (the job is then failed) when Kubernetes refuses it."""
+        ns = self.tenant_namespace(job.owner)
+        body = rest_job_object(job_id=job.id, name=job.name, namespace=ns, queue=self.default_queue, gpus=job.gpus,
+                               dataset=job.dataset, template=template)
+        try:
+            obj = self.custom.create_namespaced_custom_object("batch", "v1", ns, "jobs", body,
+                                                              _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status == 404:
+                raise UserError(f"namespace {ns} does not exist; an operator creates one namespace per tenant"
+                                f" (docs/kubernetes.md)") from None
+            if exc.status == 409:
+                raise UserError(f"a Job named silod-{job.id} already exists in namespace {ns}; delete it") from None
+            raise UserError(f"Kubernetes refused the Job for job {job.id}: HTTP {exc.status} {exc.reason}") from None
+        with self._lock:
+            wl = parse_workload(JOB, obj)
+            self.workloads[wl.uid] = wl
+            self._objects[wl.uid] = obj
+            self._remember(job.id, wl)
+
+    # --- ClusterBackend --------------------------------------------------------------------------
 
     def describe(self) -> ClusterDescription:
-        if not self.state.nodes:
-            self.refresh()
-        gpu_nodes = [n for n in self.state.nodes.values() if n.schedulable and n.gpus > 0]
-        default_cache = (self.capacity.cache / len(gpu_nodes)) if (self.capacity and gpu_nodes) else 0.0
-        nodes = tuple(
-            NodeInfo(name=n.name, gpus=n.gpus, cache=n.cache if n.cache is not None else default_cache,
-                     labels=dict(n.labels))
-            for n in gpu_nodes
+        if not self.nodes:
+            try:
+                self.refresh()
+            except Exception as exc:  # noqa: BLE001 - at startup every failure is the operator's to fix
+                host = getattr(getattr(self.api_client, "configuration", None), "host", "?")
+                raise UserError(f"cannot read the cluster from the Kubernetes API at {host}: "
+                                f"{type(exc).__name__}: {str(exc)[:300]}") from None
+        return ClusterDescription(
+            nodes=tuple(NodeInfo(name=n.name, gpus=n.gpus_free, cache=n.cache_capacity, labels=dict(n.labels))
+                        for n in self.nodes),
+            remote_io=self.capacity.remote_io,
         )
-        return ClusterDescription(nodes=nodes, remote_io=self.capacity.remote_io if self.capacity else 0.0)
+
+    def _workload_of(self, job_id: str) -> tuple[Workload, dict[str, Any]] | None:
+        ref = self._refs.get(job_id)
+        if ref is None or ref.uid not in self.workloads:
+            return None
+        return self.workloads[ref.uid], self._objects[ref.uid]
 
     def start(self, job: JobSpec, allocation: JobAllocation) -> None:
-        """Place and bind the job's pods (all or none). A gang that does not fit now (fragmented
-        nodes, pods not all created yet) is retried on every poll(); that is not a failure."""
-        job_id = self._resolve(job.job_id)
-        group = self.state.jobs.get(job_id)
-        if group is None:
-            self.refresh()
-            group = self.state.jobs.get(job_id)
-        if group is None:
-            raise UserError(
-                f"job {job.job_id}: no pods labelled {LABEL_JOB}={job_id.split('/', 1)[-1]} with schedulerName"
-                f" {SCHEDULER_NAME}; create the job's pods (see docs/kubernetes.md)"
-            )
-        self._tracked[job_id] = allocation
-        if not self._place_and_bind(group, allocation):
-            self._deferred[job_id] = allocation
+        with self._lock:
+            if self._workload_of(job.job_id) is None:
+                self.refresh()
+                self._adopt_rest_job(job)
+            if self._workload_of(job.job_id) is None:
+                raise UserError(f"job {job.job_id} has no Kubernetes workload (it was deleted, or it was submitted"
+                                f" without a pod_template); nothing to run")
+            if not self._admit(job, allocation):
+                self._deferred[job.job_id] = (job, allocation)
 
-    def stop(self, job_id: str) -> None:
-        """Delete the job's pods (their controller, e.g. a batch Job, recreates them pending)."""
-        job_id = self._resolve(job_id)
-        self._tracked.pop(job_id, None)
-        self._deferred.pop(job_id, None)
-        job = self.state.jobs.get(job_id)
-        if job is None:
-            return
-        from kubernetes.client.exceptions import ApiException
-
-        for pod in job.pods:
-            if pod.terminated or pod.deleting:
-                continue
-            try:
-                self.api.delete_namespaced_pod(pod.name, pod.namespace, _request_timeout=self.request_timeout)
-            except ApiException as exc:
-                if exc.status != 404:
-                    log.warning("could not delete pod %s of job %s: %s", pod.key, job_id, exc.reason)
-            else:
-                if pod.bound:
-                    self._free[pod.node_name] = self._free.get(pod.node_name, 0) + pod.gpus  # type: ignore[index]
-
-    def poll(self) -> list[JobEvent]:
-        self.refresh()
-        now = self.clock()
-        for job_id, allocation in list(self._deferred.items()):
-            group = self.state.jobs.get(job_id)
-            if group is None or group.failed or group.finished:
-                self._deferred.pop(job_id)
-            elif group.running or self._place_and_bind(group, allocation):
-                self._deferred.pop(job_id)
-        for job_id in list(self._tracked):
-            group = self.state.jobs.get(job_id)
-            if group is None:
-                self._tracked.pop(job_id)
-                self._events.append(JobEvent(job_id, "failed", time=now, message="all pods of the job were deleted"))
-                continue
-            consumed = max((s.consumed_bytes for s in group.states.values() if s.consumed_bytes is not None),
-                           default=None)
-            if group.failed:
-                bad = next(p for p in group.pods if p.phase == "Failed")
-                self._tracked.pop(job_id)
-                self._events.append(JobEvent(job_id, "failed", consumed, now, f"pod {bad.key} failed"))
-            elif group.finished:
-                self._tracked.pop(job_id)
-                self._events.append(JobEvent(job_id, "finished", consumed, now, "all pods succeeded"))
-            elif group.partially_bound and job_id not in self._deferred:
-                # A gang whose binding was interrupted (scheduler crash): finish it where promised.
-                if not self._place_and_bind(group, self._tracked[job_id]):
-                    self._deferred[job_id] = self._tracked[job_id] or _recorded_allocation(group)
-            elif consumed is not None and consumed != self._progress.get(job_id):
-                self._progress[job_id] = consumed
-                self._events.append(JobEvent(job_id, "progress", consumed, now))
-        events, self._events = self._events, []
-        return events
-
-    def running_jobs(self) -> set[str]:
-        """Jobs we placed whose pods still run, including jobs recovered from pod annotations
-        after a restart, by the ids the service gave `start` (namespace prefix of `_resolve`
-        removed)."""
-        if not self._recovered:
-            self.refresh()
-        prefix = f"{self.namespace or 'default'}/"
-        out = set()
-        for job_id in self._tracked:
-            group = self.state.jobs.get(job_id)
-            if job_id in self._deferred or group is None or group.finished or group.failed:
-                continue
-            out.add(job_id[len(prefix):] if job_id.startswith(prefix) else job_id)
-        return out
-
-    # --- extras the scheduler loop uses ----------------------------------------------------------
-
-    def update_allocation(self, job_id: str, allocation: JobAllocation) -> bool:
-        """Rewrite a running job's cache/IO annotations if they changed. True when patched."""
-        job = self.state.jobs.get(self._resolve(job_id))
-        if job is None or not job.bound_pods:
-            return False
-        changed = False
-        for pod in job.pods:
-            if pod.terminated or not pod.bound:
-                continue
-            state = job.states.get(pod.key)
-            want = self._allocation_patch(job, pod, allocation, node=pod.node_name,
-                                          scheduled_at=state.scheduled_at if state else None)
-            have = {k: pod.annotations.get(k) for k in want}
-            if want != have:
-                self._patch_annotations(pod, want)
-                changed = True
-        return changed
-
-    def report(self, pod_key: str, reason: str, message: str, *, warning: bool = True) -> None:
-        """Log and send a Kubernetes Event about a pod, once per distinct message."""
-        if (pod_key, message) in self._reported:
-            return
-        self._reported.add((pod_key, message))
-        (log.warning if warning else log.info)("%s: %s", reason, message)
-        namespace, name = pod_key.split("/", 1)
-        pod = next((p for p in self.state.pods if p.key == pod_key), None)
-        from kubernetes import client
-
-        now = datetime.now(UTC)
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:12]}", namespace=namespace),
-            involved_object=client.V1ObjectReference(api_version="v1", kind="Pod", name=name, namespace=namespace,
-                                                     uid=(pod.uid if pod and pod.uid else None)),
-            reason=reason, message=message[:1024], type="Warning" if warning else "Normal",
-            source=client.V1EventSource(component=COMPONENT), reporting_component=COMPONENT,
-            reporting_instance=COMPONENT, first_timestamp=now, last_timestamp=now, count=1,
-        )
+    def _fresh(self, wl: Workload) -> tuple[Workload, dict[str, Any]] | None:
+        """The workload as the API server has it now (its controller and owner change it)."""
         try:
-            self.api.create_namespaced_event(namespace, event, _request_timeout=self.request_timeout)
-        except Exception as exc:  # noqa: BLE001 - an Event is best effort; the log line stays
-            log.warning("could not record event for %s: %s", pod_key, exc)
-
-    # --- placement and binding -------------------------------------------------------------------
-
-    def _resolve(self, job_id: str) -> str:
-        if "/" in job_id:
-            return job_id
-        return f"{self.namespace or 'default'}/{job_id}"
-
-    def _intended_nodes(self, group: JobGroup) -> dict[str, str] | None:
-        """Nodes recorded on unbound pods by an interrupted binding, if they are still valid."""
-        intent = {p.key: s.node for p in group.unbound_pods if (s := group.states.get(p.key)) and s.node}
-        if not intent:
-            return None
-        if len(intent) != len(group.unbound_pods):
-            return None
-        free = dict(self._free)
-        for pod in group.unbound_pods:
-            node = self.state.nodes.get(intent[pod.key])
-            if node is None or not node.admits(pod.node_selector, pod.tolerations) or free.get(node.name, 0) < pod.gpus:
-                log.warning("job %s: recorded node %s for pod %s is no longer usable; placing again",
-                            group.job_id, intent[pod.key], pod.key)
+            obj = self.custom.get_namespaced_custom_object(wl.kind.group, wl.kind.version, wl.namespace,
+                                                           wl.kind.plural, wl.name, _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status == 404:
                 return None
-            free[node.name] -= pod.gpus
-        return intent  # type: ignore[return-value]
+            raise
+        if obj["metadata"].get("uid") != wl.uid:
+            return None  # deleted and re-created under the same name: another workload
+        try:
+            parsed = parse_workload(wl.kind, obj)
+        except WorkloadError as exc:
+            self._report(obj, wl.kind, str(exc))
+            return None
+        self.workloads[wl.uid], self._objects[wl.uid] = parsed, obj
+        return parsed, obj
 
-    def _place_and_bind(self, group: JobGroup, allocation: JobAllocation | None) -> bool:
-        if group.errors or group.request is None or not group.complete or group.failed or group.finished:
+    def _adopt_rest_job(self, job: JobSpec) -> None:
+        """The Job of a REST submission that another replica (or an earlier process) created: it
+        is `silod-<id>` in the owner's namespace, labelled with the id; the name and namespace
+        are what make it ours (an owner can copy labels, not take a name in another namespace)."""
+        ns = self._safe_namespace(job.owner)
+        for wl in self.workloads.values():
+            if (wl.kind == JOB and wl.namespace == ns and wl.name == f"silod-{job.job_id}"
+                    and wl.rest_job_id == job.job_id):
+                self._remember(job.job_id, wl)
+
+    def _admit(self, job: JobSpec, allocation: JobAllocation) -> bool:
+        found = self._workload_of(job.job_id)
+        if found is None or (fresh := self._fresh(found[0])) is None:
             return False
-        todo = group.unbound_pods
-        if not todo:
-            return True
-        placement = self._intended_nodes(group)
-        if placement is None:
-            placement = place_gang(todo, self.state.nodes, self._free)
-        if placement is None:
-            need = sum(p.gpus for p in todo)
-            self.report(todo[0].key, "SiloDWaitingForGPUs",
-                        f"job {group.job_id}: its {len(todo)} pod(s) need {need} GPUs that do not fit on the free"
-                        f" nodes now; it stays pending", warning=False)
+        wl, obj = fresh
+        if wl.phase != "active":
+            return True  # finished already; poll() reports it
+        cache = float(allocation.cache_bytes or 0.0)
+        io_total = float(allocation.remote_io or 0.0)
+        io_per_pod = io_total / max(wl.pods, 1)
+        pods = [PodRequest(key, gpus, sel) for key, gpus, sel in wl.pod_list()]
+        where = place(pods, self.nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod)
+        if where is None:
+            self._report(obj, wl.kind, f"{wl.key} waits for placement: "
+                         + why_not(pods, self.nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod),
+                         reason="SiloDWaitingForPlacement")
             return False
-        at = self.clock()
-        existing = [s.scheduled_at for s in group.states.values() if s.scheduled_at is not None]
-        at = min(existing) if existing else at
-        if allocation is None:
-            allocation = _recorded_allocation(group)
-        # 1) intent first: if we crash between the bindings, a restart finishes the same gang.
-        for pod in todo:
-            self._patch_annotations(pod, self._allocation_patch(group, pod, allocation, node=placement[pod.key],
-                                                                scheduled_at=at))
-        # 2) bind every pod of the gang.
-        for pod in todo:
-            self._bind(pod, placement[pod.key])
-            self._free[placement[pod.key]] -= pod.gpus
-        log.info("job %s: bound %d pod(s): %s", group.job_id, len(todo), placement)
+        host = {n.name: n.hostname for n in self.nodes}
+        hostnames = sorted({host[n] for n in where.values()})
+        if not self._write(wl, admitted_object(wl.kind, obj, hostnames)):
+            return False
+        nodes: dict[str, int] = {}
+        per_node: dict[str, int] = {}
+        gpus_of = {p.key: p.gpus for p in pods}
+        for key, n in where.items():
+            nodes[n] = nodes.get(n, 0) + gpus_of[key]
+            per_node[n] = per_node.get(n, 0) + 1
+        rate = job.ideal_throughput
+        if allocation.remote_io is not None and allocation.cache_bytes is not None:
+            rate = float(silod_perf(job.ideal_throughput, allocation.remote_io, allocation.cache_bytes,
+                                    job.dataset.size))
+        self._admitted[job.job_id] = Admission(
+            nodes=nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
+            since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes,
+            tenant=self.namespace_tenant(wl.namespace) or "")
+        self.admissions += 1
+        self.nodes = self._node_states_from_cache()
+        log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
         return True
 
-    def _allocation_patch(self, group: JobGroup, pod: PodView, allocation: JobAllocation | None, *,
-                          node: str | None, scheduled_at: float | None) -> dict[str, str | None]:
-        cache = allocation.cache_bytes if allocation else None
-        job_io = allocation.remote_io if allocation else None
-        pod_io = None
-        if job_io is not None:
-            live = [p for p in group.pods if not p.terminated] or list(group.pods)
-            total_gpus = sum(p.gpus for p in live)
-            # The paper splits a job's remote IO over its pods proportionally; by GPUs, so that a
-            # pod's share follows the data it consumes (equal shares for equal pods).
-            pod_io = job_io * (pod.gpus / total_gpus if total_gpus else 1 / len(live))
-        return allocation_annotations(node=node, cache_bytes=cache, pod_io=pod_io, job_io=job_io,
-                                      scheduled_at=scheduled_at)
+    def _node_states_from_cache(self) -> list[NodeState]:
+        nodes = self.core.list_node(_request_timeout=self.timeout).items
+        return self._node_states(nodes)
 
-    def _patch_annotations(self, pod: PodView, annotations: Mapping[str, str | None]) -> None:
-        body = {"metadata": {"annotations": dict(annotations)}}
-        self.api.patch_namespaced_pod(pod.name, pod.namespace, body, _content_type="application/merge-patch+json",
-                                      _request_timeout=self.request_timeout)
-
-    def _bind(self, pod: PodView, node: str) -> None:
-        """POST pods/{name}/binding.
-
-        The API server answers a binding with a `Status`, not a `Binding`, and the generated client
-        fails to deserialise it as V1Binding even though the pod *was* bound (kubernetes-client/
-        python#547, #825). We therefore skip deserialisation (`_preload_content=False`): a 2xx
-        is success, and errors still arrive as ApiException. A 409 means the pod is already bound:
-        fine if it is bound where we wanted (a retried call), an error otherwise.
-        """
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
-
-        body = client.V1Binding(
-            api_version="v1", kind="Binding",
-            metadata=client.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
-            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
-        )
+    def _write(self, wl: Workload, new: dict[str, Any]) -> bool:
+        """Replace the workload with `new` (carrying the resourceVersion we read: a concurrent
+        change is a 409 and we retry with fresh state next poll, never overwrite it)."""
         try:
-            resp = self.api.create_namespaced_pod_binding(pod.name, pod.namespace, body, _preload_content=False,
-                                                          _request_timeout=self.request_timeout)
-            resp.release_conn() if hasattr(resp, "release_conn") else None
-            self.bindings += 1
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            current = self.api.read_namespaced_pod(pod.name, pod.namespace, _request_timeout=self.request_timeout)
-            where = current.spec.node_name if current.spec else None
-            if where != node:
-                self.report(pod.key, "SiloDBindConflict",
-                            f"pod {pod.key} is already bound to {where}, not {node}; leaving it there")
+            got = self.custom.replace_namespaced_custom_object(
+                wl.kind.group, wl.kind.version, wl.namespace, wl.kind.plural, wl.name, new,
+                _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status in (404, 409):
+                log.info("%s changed or vanished while being updated (%s); retrying with fresh state", wl.key, exc.status)
+                return False
+            if exc.status == 422:
+                self._report(new, wl.kind, f"{wl.key}: Kubernetes refused silod's update: {exc.body!s:.500}")
+                return False
+            raise
+        parsed = parse_workload(wl.kind, got)
+        self.workloads[parsed.uid] = parsed
+        self._objects[parsed.uid] = got
+        return True
 
+    def stop(self, job_id: str) -> None:
+        with self._lock:
+            self._deferred.pop(job_id, None)
+            self._admitted.pop(job_id, None)
+            found = self._workload_of(job_id)
+            if found is None:
+                return
+            wl, obj = found
+            if wl.phase != "active":
+                return
+            if self._cancelled_rest_job(job_id, wl):
+                try:  # silod's own Job for a cancelled REST job: remove it (and, by GC, its pods)
+                    self.custom.delete_namespaced_custom_object("batch", "v1", wl.namespace, "jobs", wl.name,
+                                                                body={"propagationPolicy": "Background"},
+                                                                _request_timeout=self.timeout)
+                except _api_exception() as exc:
+                    if exc.status != 404:
+                        raise
+                return
+            if not wl.suspended and self._write(wl, suspended_object(wl.kind, obj)):
+                self.suspensions += 1
+                log.info("suspended %s (job %s)", wl.key, job_id)
+            elif not wl.suspended:
+                self.refresh()  # stale: try once more with the fresh object
+                found = self._workload_of(job_id)
+                if found and not found[0].suspended and self._write(found[0], suspended_object(found[0].kind, found[1])):
+                    self.suspensions += 1
 
-def _recorded_allocation(group: JobGroup) -> JobAllocation:
-    cache = next((s.cache_bytes for s in group.states.values() if s.cache_bytes is not None), None)
-    job_io = next((s.job_remote_io for s in group.states.values() if s.job_remote_io is not None), None)
-    return JobAllocation(job_id=group.job_id, gpus=group.gpus, gpu_share=1.0, cache_bytes=cache, remote_io=job_io)
+    def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
+        if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
+            return False
+        from scheduler.service import ADMIN, Principal
 
+        try:
+            return self.service.get_job(Principal(ADMIN, is_admin=True), job_id).state == "cancelled"
+        except UserError:
+            return False
 
-# --- the pod-driven scheduling loop ----------------------------------------------------------------
-
-DatasetResolver = Callable[[str], float]  # dataset name -> bytes (catalog); raises UserError
-ModelResolver = Callable[[str, int], float]  # (model, gpus) -> f* bytes/s; raises UserError
-
-
-def _catalog_dataset_size(name: str) -> float:
-    try:
-        from traces.catalog import lookup_dataset
-    except ImportError:
-        raise UserError(f"dataset {name!r} has no silod.io/dataset-size and no catalog is installed") from None
-    return lookup_dataset(name).size
-
-
-def _catalog_ideal(model: str, gpus: int) -> float:
-    try:
-        from traces.catalog import ideal_throughput
-    except ImportError:
-        raise UserError(f"model {model!r} needs a catalog; give silod.io/ideal-throughput instead") from None
-    return ideal_throughput(model, gpus)
-
-
-@dataclass
-class RoundReport:
-    time: float
-    plan: RoundPlan | None
-    started: list[str] = field(default_factory=list)
-    updated: list[str] = field(default_factory=list)
-    stopped: list[str] = field(default_factory=list)
-    events: list[JobEvent] = field(default_factory=list)
-    skipped: str = ""  # why no plan was made this round
-
-
-class KubernetesScheduler:
-    """One scheduling loop for pods with schedulerName silod, driven by the shared core."""
-
-    def __init__(
-        self,
-        backend: KubernetesBackend,
-        policy: Policy,
-        estimator: Estimator,
-        *,
-        cache: float,
-        remote_io: float,
-        preempt: bool = False,
-        dataset_size: DatasetResolver = _catalog_dataset_size,
-        ideal_throughput: ModelResolver = _catalog_ideal,
-    ):
-        self.backend = backend
-        self.core = SchedulingCore(policy, estimator)
-        self.cache = cache
-        self.remote_io = remote_io
-        self.preempt = preempt
-        self._dataset_size = dataset_size
-        self._ideal = ideal_throughput
-        self._last_round: float | None = None
-        self._recovered_planner = False
-        self.wake = threading.Event()
-
-    def _cluster_capacity(self, state: ClusterState) -> ClusterCapacity | None:
-        gpus = state.total_gpus - state.foreign_gpus()
-        if gpus < 1:
-            return None
-        per_node = max((n.gpus for n in state.nodes.values() if n.schedulable), default=1) or 1
-        declared = [n.cache for n in state.nodes.values() if n.schedulable and n.gpus > 0 and n.cache is not None]
-        cache = sum(declared) if declared else self.cache  # node annotations win over the flag
-        return ClusterCapacity(gpus=gpus, cache=cache, remote_io=self.remote_io, gpus_per_node=per_node)
-
-    def _job_view(self, job: JobGroup, now: float) -> tuple[JobView, DatasetView, JobSpec]:
-        req = job.request
-        assert req is not None
-        size = req.dataset_size if req.dataset_size is not None else self._dataset_size(req.dataset)
-        ideal = req.ideal_throughput if req.ideal_throughput is not None else self._ideal(req.model or "", job.gpus)
-        total = req.epochs * size
-        placement = self.backend.placement(job.job_id)
-        consumed = max((s.consumed_bytes for s in job.states.values() if s.consumed_bytes is not None), default=None)
-        if consumed is None and placement is not None and placement.scheduled_at is not None and job.running:
-            # No progress reported by the data plane: estimate it from the recorded allocation.
-            alloc = next(iter(placement.pods.values()))
-            io = placement.job_remote_io
-            rate = ideal if io is None or alloc.cache_bytes is None else float(
-                silod_perf(ideal, io, alloc.cache_bytes, size))
-            consumed = max(now - placement.scheduled_at, 0.0) * rate
-        consumed = min(consumed or 0.0, total)
-        remaining = max(total - consumed, 1.0)
-        view = JobView(
-            job_id=job.job_id, gpus=max(job.gpus, 1), dataset=req.dataset, ideal_throughput=ideal,
-            remaining_bytes=remaining, submit_time=0.0, running=job.running or job.partially_bound,
-            priority=req.priority,
-        )
-        spec = JobSpec(
-            job_id=job.job_id, name=job.job_id.split("/", 1)[1], owner=job.namespace, gpus=job.gpus,
-            dataset=DatasetInfo(name=req.dataset, uri=req.dataset_uri, size=size), ideal_throughput=ideal,
-            total_bytes=total, consumed_bytes=consumed, model=req.model, epochs=req.epochs,
-        )
-        return view, DatasetView(req.dataset, size), spec
-
-    def snapshot(self, state: ClusterState, now: float) -> tuple[Snapshot | None, dict[str, JobSpec], str]:
-        capacity = self._cluster_capacity(state)
-        if capacity is None:
-            return None, {}, "no schedulable GPUs (no node offers nvidia.com/gpu that other pods do not hold)"
-        views: list[JobView] = []
-        datasets: dict[str, DatasetView] = {}
-        specs: dict[str, JobSpec] = {}
-        for job in state.jobs.values():
-            if job.errors or job.request is None or job.finished or job.failed:
-                continue
-            if job.pending and not job.complete:
-                continue  # the gang is not all there yet
-            try:
-                view, dataset, spec = self._job_view(job, now)
-            except UserError as exc:
-                self.backend.report(job.pods[0].key, "SiloDInvalidSpec", str(exc))
-                continue
-            if job.pending and view.gpus > state.total_gpus:
-                self.backend.report(job.pods[0].key, "SiloDTooLarge",
-                                    f"job {job.job_id} asks for {view.gpus} GPUs; the cluster has {state.total_gpus}")
-                continue
-            if job.pending and view.gpus > capacity.gpus:
-                self.backend.report(job.pods[0].key, "SiloDWaitingForGPUs",
-                                    f"job {job.job_id}: {view.gpus} GPUs requested, {capacity.gpus} not held by other"
-                                    f" schedulers' pods; it stays pending", warning=False)
-                continue
-            views.append(view)
-            datasets.setdefault(dataset.name, dataset)
-            specs[job.job_id] = spec
-        # Arrival order: the job's oldest pod creationTimestamp (durable across restarts), then id.
-        created = {j.job_id: j.created for j in state.jobs.values()}
-        views.sort(key=lambda v: (created.get(v.job_id) is None, created.get(v.job_id) or 0.0, v.job_id))
-        views = [_with_submit(v, i) for i, v in enumerate(views)]
-        return Snapshot(time=now, jobs=tuple(views), datasets=datasets, capacity=capacity), specs, ""
-
-    def _recover_planner(self, snapshot: Snapshot, now: float) -> None:
-        """Give recovered running jobs the GPU time the annotations say they already had."""
-        self._recovered_planner = True
-        for job in snapshot.jobs:
-            placement = self.backend.placement(job.job_id)
-            if job.running and placement and placement.scheduled_at is not None:
-                held = max(now - placement.scheduled_at, 0.0)
-                self.core.planner.received[job.job_id] = held
-                self.core.planner.active[job.job_id] = held
-
-    def run_once(self) -> RoundReport:
-        backend = self.backend
-        events = backend.poll()  # refreshes the state, finishes interrupted gangs, reports
-        now = backend.clock()
-        for ev in events:
-            if ev.kind in ("finished", "failed"):
-                self.core.forget(ev.job_id)
-            log.info("job %s %s %s", ev.job_id, ev.kind, ev.message)
-        state = backend.state
-        snapshot, specs, why = self.snapshot(state, now)
-        report = RoundReport(time=now, plan=None, events=events, skipped=why)
-        if snapshot is None or not snapshot.jobs:
-            report.skipped = why or "no jobs"
-            self._last_round = now
-            return report
-        if not self._recovered_planner:
-            self._recover_planner(snapshot, now)
-        plan = self.core.plan(snapshot)
-        report.plan = plan
-        running = {j.job_id for j in snapshot.jobs if j.running}
-        chosen = set(plan.running)
-        for job in snapshot.jobs:
-            allocation = JobAllocation(
-                job_id=job.job_id, gpus=job.gpus, gpu_share=plan.allocation.gpu_share.get(job.job_id, 0.0),
-                cache_bytes=None if plan.cache is None else plan.cache.get(job.dataset, 0.0),
-                remote_io=None if plan.remote_io is None else plan.remote_io.get(job.job_id, 0.0),
-            )
-            if job.job_id in running and job.job_id not in chosen and self.preempt:
-                backend.stop(job.job_id)
-                report.stopped.append(job.job_id)
-            elif job.job_id in running:
-                if plan.remote_io is not None and job.job_id not in plan.remote_io:
-                    # Kept running without preemption although not chosen: keep its recorded IO.
+    def poll(self) -> list[JobEvent]:
+        with self._lock:
+            self.refresh()
+            self._intake()
+            for job_id, (spec, alloc) in list(self._deferred.items()):
+                found = self._workload_of(job_id)
+                if found is None or found[0].phase != "active" or self._admit(spec, alloc):
+                    self._deferred.pop(job_id, None)
+            now = self.clock()
+            for job_id, ref in list(self._refs.items()):
+                wl = self.workloads.get(ref.uid)
+                adm = self._admitted.get(job_id)
+                if wl is None:
+                    if job_id in self._admitted or job_id in self._deferred:
+                        self._events.append(JobEvent(job_id, "failed", time=now,
+                                                     message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
+                    self._admitted.pop(job_id, None)
+                    self._deferred.pop(job_id, None)
+                    self._forget(job_id)
                     continue
-                if backend.update_allocation(job.job_id, allocation):
-                    report.updated.append(job.job_id)
-            elif job.job_id in chosen:
-                before = backend.bindings
-                backend.start(specs[job.job_id], allocation)
-                if backend.bindings > before:
-                    report.started.append(job.job_id)
-        if self._last_round is not None:
-            self.core.record(snapshot, plan, max(now - self._last_round, 0.0))
-        self._last_round = now
-        return report
+                if wl.phase == "finished":
+                    self._events.append(JobEvent(job_id, "finished", None, now, wl.message))
+                    self._admitted.pop(job_id, None)
+                    self._forget(job_id)
+                elif wl.phase == "failed":
+                    self._events.append(JobEvent(job_id, "failed", None, now, f"{wl.key}: {wl.message}"))
+                    self._admitted.pop(job_id, None)
+                    self._forget(job_id)
+                elif adm is not None and adm.rate > 0:
+                    # silod's own estimate; capped below the total: only the controller says "done".
+                    done = min(adm.base_consumed + adm.rate * max(now - adm.since, 0.0), 0.99 * adm.total)
+                    self._events.append(JobEvent(job_id, "progress", done, now))
+            self._push_node_io()
+            events, self._events = self._events, []
+            return events
 
-    def run_forever(self, interval: float, stop: threading.Event, min_gap: float = 1.0) -> None:
-        """Rounds every `interval` seconds, or sooner (but at most one per `min_gap` seconds) when
-        the watcher sees a pod or node change. API errors are logged and retried next round;
-        they never end the loop."""
-        while not stop.is_set():
-            began = time.monotonic()
+    def close(self) -> None:
+        _close_quietly(self.storage)
+        _close_quietly(self.api_client)
+
+    def node_io(self) -> dict[str, float]:
+        """Remote IO each node mount may use: the sum, over the jobs admitted on the node that
+        read the dataset, of their per-pod IO times their pods there."""
+        out: dict[str, float] = {}
+        for adm in self._admitted.values():
+            for node, pods in adm.pods_per_node.items():
+                key = node_mount_job(node, adm.tenant, adm.dataset)
+                out[key] = out.get(key, 0.0) + adm.io_per_pod * pods
+        return out
+
+    def _push_node_io(self) -> None:
+        """Send changed node-mount IO to the data manager (0 for mounts no admitted job uses).
+        A failure is retried on the next poll; the scheduling carries on."""
+        if self.storage is None:
+            return
+        want = self.node_io()
+        for key in set(self._pushed_io) - set(want):
+            want[key] = 0.0
+        for key, rate in sorted(want.items()):
+            if self._pushed_io.get(key) == rate:
+                continue
             try:
-                report = self.run_once()
-                if report.started or report.stopped:
-                    log.info("round: started %s stopped %s", report.started, report.stopped)
-            except Exception:  # noqa: BLE001 - keep scheduling through transient API failures
-                log.exception("scheduling round failed; retrying")
-            self.wake.wait(max(interval - (time.monotonic() - began), 0.0))
-            self.wake.clear()
-            # Coalesce bursts of changes (a gang's pods are created together; busy clusters churn).
-            stop.wait(max(min_gap - (time.monotonic() - began), 0.2))
+                self.storage.allocate_remote_io(key, rate)
+            except Exception as exc:  # noqa: BLE001 - the data manager may be down; retry next poll
+                log.warning("data manager: remote IO of %s not pushed: %s", key, exc)
+                continue
+            if rate == 0.0:
+                self._pushed_io.pop(key, None)
+            else:
+                self._pushed_io[key] = rate
+
+    def _forget(self, job_id: str) -> None:
+        ref = self._refs.pop(job_id, None)
+        if ref is not None:
+            self._by_uid[ref.uid] = job_id  # keep: a finished workload is never queued again
+
+    def running_jobs(self) -> set[str]:
+        with self._lock:
+            if not self._recovered:
+                self.refresh()
+            return {job_id for job_id, ref in self._refs.items()
+                    if (wl := self.workloads.get(ref.uid)) is not None and not wl.suspended and wl.phase == "active"}
 
 
-def _with_submit(view: JobView, index: int) -> JobView:
-    """Policies only compare submit times; use the rank in arrival order (creationTimestamp)."""
-    return JobView(job_id=view.job_id, gpus=view.gpus, dataset=view.dataset, ideal_throughput=view.ideal_throughput,
-                   remaining_bytes=view.remaining_bytes, submit_time=float(index), running=view.running,
-                   priority=view.priority)
+def _close_quietly(obj: Any) -> None:
+    closer = getattr(obj, "close", None)
+    if callable(closer):
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 - shutting down
+            log.debug("close failed", exc_info=True)
 
 
-class Watcher:
-    """Watches pods and nodes and sets `wake` on every change, so a new gang or a finished pod is
-    acted on without waiting for the next round. Correctness never depends on it: every round
-    re-lists (level-triggered)."""
+def _pod_gpus(pod: dict[str, Any]) -> int:
+    from scheduler.backends.kubernetes.workloads import pod_gpus
 
-    def __init__(self, api: Any, wake: threading.Event, *, read_timeout: float = 60.0):
-        self.api = api
-        self.wake = wake
-        self.read_timeout = read_timeout
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._watches: list[Any] = []
-
-    def start(self) -> None:
-        for name, fn in (("pods", self.api.list_pod_for_all_namespaces), ("nodes", self.api.list_node)):
-            t = threading.Thread(target=self._run, args=(fn,), name=f"silod-watch-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _run(self, fn: Callable[..., Any]) -> None:
-        from kubernetes import watch
-
-        while not self._stop.is_set():
-            w = watch.Watch()
-            self._watches.append(w)
-            try:
-                for _event in w.stream(fn, _request_timeout=(5, self.read_timeout)):
-                    self.wake.set()
-                    if self._stop.is_set():
-                        break
-            except Exception as exc:  # noqa: BLE001 - timeouts, 410 Gone, connection resets: re-watch
-                if not self._stop.is_set():
-                    log.debug("watch ended (%s); restarting", exc)
-                    self._stop.wait(1.0)
-            finally:
-                w.stop()
-                self._watches.remove(w)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        for w in list(self._watches):
-            w.stop()
-        for t in self._threads:
-            t.join(timeout)
-
-
-__all__ = [
-    "ANN_CACHE", "ANN_IO", "ANN_JOB_IO", "ANN_NODE", "ANN_SCHEDULED_AT", "AnnotationError", "JobPlacement",
-    "KubernetesBackend", "KubernetesScheduler", "PodAllocation", "RoundReport", "Watcher",
-]
+    try:
+        return pod_gpus((pod.get("spec") or {}), "pod")
+    except WorkloadError:
+        return 0

@@ -1,0 +1,146 @@
+"""Who may talk to the data manager: bearer tokens with two roles, checked (like the scheduler's
+API) before a body is read, with the same 1 MiB body cap.
+
+- the **scheduler** token (SILOD_DM_SCHEDULER_TOKEN): allocations, declarations, job deletion,
+  status; everything;
+- the **agent** token (SILOD_DM_AGENT_TOKEN), held by the node agents / FUSE clients: only
+  register a client, heartbeat it, unregister it (and read its own allocation in the answer).
+  An agent cannot set anyone's cache or remote IO.
+
+`/healthz` is open; `/metrics` is open unless SILOD_DM_METRICS_TOKEN is set. Clients send
+their token from SILOD_DM_TOKEN (datamanager.client, fuse_client.manager_link).
+
+Without any token configured the data manager runs unauthenticated, and `silod datamanager`
+then refuses to listen on anything but a loopback address (see datamanager/cli.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+DEFAULT_MAX_BODY = 1 << 20  # allocations and heartbeats are a few hundred bytes
+
+SCHEDULER_TOKEN_ENV = "SILOD_DM_SCHEDULER_TOKEN"
+AGENT_TOKEN_ENV = "SILOD_DM_AGENT_TOKEN"
+METRICS_TOKEN_ENV = "SILOD_DM_METRICS_TOKEN"
+CLIENT_TOKEN_ENV = "SILOD_DM_TOKEN"  # what clients send
+
+# (method, path) an agent token may call.
+_AGENT_ROUTES = (
+    ("POST", re.compile(r"^/v1/clients$")),
+    ("PUT", re.compile(r"^/v1/clients/[^/]+/heartbeat$")),
+    ("DELETE", re.compile(r"^/v1/clients/[^/]+$")),
+)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` once a streamed body passes the cap (FastAPI passes it through as 413)."""
+
+    def __init__(self, limit: int):
+        super().__init__(status_code=413, detail=f"request body larger than {limit} bytes")
+
+
+async def send_json(send: Any, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    import json
+
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class DataManagerAuth:
+    scheduler_digest: bytes | None = None
+    agent_digest: bytes | None = None
+    metrics_digest: bytes | None = None
+
+    @classmethod
+    def from_tokens(cls, scheduler: str | None, agent: str | None, metrics: str | None = None) -> DataManagerAuth:
+        for name, tok in (("scheduler", scheduler), ("agent", agent), ("metrics", metrics)):
+            if tok is not None and len(tok) < 16:
+                raise ValueError(f"the data manager's {name} token is shorter than 16 characters")
+        if scheduler and agent and scheduler == agent:
+            raise ValueError("the scheduler and agent tokens of the data manager must differ")
+        return cls(*(None if t is None else _digest(t) for t in (scheduler, agent, metrics)))
+
+    @classmethod
+    def from_env(cls) -> DataManagerAuth:
+        return cls.from_tokens(os.environ.get(SCHEDULER_TOKEN_ENV) or None, os.environ.get(AGENT_TOKEN_ENV) or None,
+                               os.environ.get(METRICS_TOKEN_ENV) or None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheduler_digest is not None or self.agent_digest is not None
+
+    def role(self, token: str) -> str | None:
+        d = _digest(token)
+        if self.scheduler_digest is not None and hmac.compare_digest(d, self.scheduler_digest):
+            return "scheduler"
+        if self.agent_digest is not None and hmac.compare_digest(d, self.agent_digest):
+            return "agent"
+        if self.metrics_digest is not None and hmac.compare_digest(d, self.metrics_digest):
+            return "metrics"
+        return None
+
+
+def allowed(role: str, method: str, path: str) -> bool:
+    if role == "scheduler":
+        return True
+    if role == "agent":
+        return any(method == m and rx.match(path) for m, rx in _AGENT_ROUTES)
+    if role == "metrics":
+        return path == "/metrics"
+    return False
+
+
+class DataManagerGuard:
+    def __init__(self, app: Any, auth: DataManagerAuth, max_body: int = DEFAULT_MAX_BODY):
+        self.app = app
+        self.auth = auth
+        self.max_body = max_body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope.get("path", ""), scope.get("method", "GET")
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        public = path == "/healthz" or (path == "/metrics" and self.auth.metrics_digest is None)
+        if self.auth.enabled and not public:
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            role = self.auth.role(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+            if role is None:
+                await send_json(send, 401, {"detail": "missing or invalid bearer token"}, [(b"www-authenticate", b"Bearer")])
+                return
+            if not allowed(role, method, path):
+                await send_json(send, 403, {"detail": f"the {role} token may not call {method} {path}"})
+                return
+        length = headers.get(b"content-length")
+        if length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
+            await send_json(send, 413, {"detail": f"request body larger than {self.max_body} bytes"})
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge(self.max_body)
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -1,0 +1,70 @@
+"""`silod agent`: the node agent (DaemonSet on GPU nodes), registered by scheduler/cli.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from estimator.errors import UserError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def agent(
+        socket: Annotated[Path, typer.Option("--socket", help="CSI unix socket kubelet connects to")] =
+            Path("/var/lib/kubelet/plugins/silod.io/csi.sock"),
+        state_dir: Annotated[Path, typer.Option("--state-dir", help="node-local mounts, cache and volume records")] =
+            Path("/var/lib/silod"),
+        node: Annotated[str | None, typer.Option("--node", help="node name [default: $NODE_NAME]")] = None,
+        datasets: Annotated[Path | None, typer.Option("--datasets", help="YAML catalog: datasets: [{tenant, name, uri}]")] = None,
+        scheduler: Annotated[str | None, typer.Option("--scheduler", help="silod scheduler URL to look datasets up"
+                                                      " (token from $SILOD_AGENT_TOKEN)")] = None,
+        manager: Annotated[str | None, typer.Option("--manager", help="data manager URL (cache/IO allocations)")] = None,
+        kubelet_dir: Annotated[Path, typer.Option("--kubelet-dir", help="target paths must be under it")] =
+            Path("/var/lib/kubelet"),
+        namespace_prefix: Annotated[str, typer.Option("--namespace-prefix", help="tenant T's namespace is PREFIX+T")] = "",
+        idle_unmount: Annotated[float, typer.Option("--idle-unmount", help="seconds a dataset mount outlives its last"
+                                                    " pod (a resumed job reuses it)")] = 60.0,
+        log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    ) -> None:
+        """Serve the CSI Identity and Node services for the silod.io driver on this node."""
+        import logging
+        import signal
+        import sys
+        import threading
+
+        from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
+        from fuse_client.agent.server import Agent
+        from fuse_client.agent.volumes import VolumeManager
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        node = node or os.environ.get("NODE_NAME")
+        if not node:
+            raise UserError("no node name: pass --node or set NODE_NAME (the DaemonSet sets it from spec.nodeName)")
+        if (datasets is None) == (scheduler is None):
+            raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
+        if scheduler is not None:
+            token = os.environ.get("SILOD_AGENT_TOKEN")
+            if not token:
+                raise UserError("--scheduler needs the agent's token in $SILOD_AGENT_TOKEN")
+            resolver = SchedulerResolver(scheduler, token)
+        else:
+            resolver = CatalogResolver(datasets)  # type: ignore[arg-type]
+        silod = [str(Path(sys.executable).parent / "silod")]
+        if not Path(silod[0]).exists():
+            silod = [sys.executable, "-c", "from scheduler.cli import main; main()"]
+        volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
+                                idle_unmount_s=idle_unmount)
+        server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
+        repaired = server.start()
+        typer.echo(f"silod agent on {node}: CSI driver silod.io at unix://{socket}; restored {len(repaired)} volume(s)",
+                   err=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        # Published volumes stay recorded: the next agent on this node restores them.
+        server.stop(unmount_all=False)

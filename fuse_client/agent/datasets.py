@@ -1,0 +1,107 @@
+"""Which dataset a pod may mount: (namespace, dataset name) -> where its data is.
+
+The namespace comes from kubelet (the `csi.storage.k8s.io/pod.namespace` volume context of a
+driver with podInfoOnMount), never from the pod's own words; a namespace belongs to one tenant
+(`<prefix><tenant>`), and a tenant mounts only its own datasets. Two sources:
+
+- `CatalogResolver`: a YAML file an operator maintains (a ConfigMap in the DaemonSet),
+  `datasets: [{tenant, name, uri, cache_size?}]`;
+- `SchedulerResolver`: the silod scheduler's REST API (`GET /v1/datasets/{name}`) with the
+  agent's token; the dataset must be registered by the tenant that owns the namespace.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from estimator.errors import UserError
+from estimator.units import UnitError, parse_size
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_CATALOG_BYTES = 4 * 1024 * 1024
+
+
+class DatasetDenied(UserError):
+    """The pod's tenant may not mount this dataset (or it does not exist for that tenant)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetSource:
+    tenant: str
+    name: str
+    uri: str
+    cache_size: int | None = None  # bytes; None = whatever the data manager allocates
+
+
+class DatasetResolver(Protocol):
+    def resolve(self, tenant: str, name: str) -> DatasetSource: ...
+
+
+def check_name(value: str, what: str) -> str:
+    if not NAME_RE.match(value or "") or ".." in value:
+        raise DatasetDenied(f"{what} {value!r} is not a valid silod name (letters, digits, '.', '_', '-')")
+    return value
+
+
+class CatalogResolver:
+    def __init__(self, path: Path):
+        import yaml
+
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"--datasets {str(path)!r}: {exc.strerror}") from None
+        if len(raw) > MAX_CATALOG_BYTES:
+            raise UserError(f"--datasets {str(path)!r} is larger than 4 MiB")
+        try:
+            doc = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"--datasets {str(path)!r} is not YAML: {exc}") from None
+        entries = doc.get("datasets") if isinstance(doc, dict) else None
+        if not isinstance(entries, list):
+            raise UserError(f"--datasets {str(path)!r} needs a top-level list `datasets:` of {{tenant, name, uri}}")
+        self.entries: dict[tuple[str, str], DatasetSource] = {}
+        for i, e in enumerate(entries):
+            where = f"--datasets {path} entry {i}"
+            if not isinstance(e, dict) or not all(isinstance(e.get(k), str) for k in ("tenant", "name", "uri")):
+                raise UserError(f"{where}: needs string fields tenant, name and uri")
+            size = None
+            if e.get("cache_size") is not None:
+                try:
+                    size = int(parse_size(str(e["cache_size"]), f"{where} cache_size"))
+                except UnitError as exc:
+                    raise UserError(str(exc)) from None
+            src = DatasetSource(check_name(e["tenant"], f"{where} tenant"), check_name(e["name"], f"{where} name"),
+                                e["uri"], size)
+            self.entries[(src.tenant, src.name)] = src
+
+    def resolve(self, tenant: str, name: str) -> DatasetSource:
+        src = self.entries.get((tenant, name))
+        if src is None:
+            raise DatasetDenied(f"tenant {tenant} has no dataset {name!r} in the agent's catalog")
+        return src
+
+
+class SchedulerResolver:
+    def __init__(self, url: str, token: str, timeout: float = 10.0):
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+
+    def resolve(self, tenant: str, name: str) -> DatasetSource:
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.url}/v1/datasets/{name}", params={"owner": tenant},
+                          headers={"Authorization": f"Bearer {self.token}"}, timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise UserError(f"cannot reach the silod scheduler at {self.url}: {exc}") from None
+        if r.status_code == 404:
+            raise DatasetDenied(f"tenant {tenant} has no dataset {name!r} registered in silod")
+        if r.status_code >= 400:
+            raise UserError(f"the silod scheduler answered HTTP {r.status_code} for dataset {name!r}")
+        body: dict[str, Any] = r.json()
+        if body.get("owner") != tenant:
+            raise DatasetDenied(f"dataset {name!r} belongs to another tenant than {tenant}")
+        return DatasetSource(tenant, name, str(body["uri"]))

@@ -1,0 +1,132 @@
+"""The CSI Identity and Node services over gRPC on a unix socket (kubelet's side of the agent).
+
+Only the RPCs a node-only, stage-less driver needs: GetPluginInfo, GetPluginCapabilities, Probe,
+NodeGetCapabilities, NodeGetInfo, NodePublishVolume, NodeUnpublishVolume. Errors use the gRPC
+codes the CSI spec names: INVALID_ARGUMENT for a missing field or a bad attribute,
+PERMISSION_DENIED when the pod's tenant may not read the dataset, NOT_FOUND for an unknown
+dataset, INTERNAL when the node cannot mount.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from estimator.errors import UserError
+from fuse_client.agent.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
+from fuse_client.agent.datasets import DatasetDenied, DatasetResolver, check_name
+from fuse_client.agent.volumes import MountError, VolumeManager
+
+log = logging.getLogger("silod.agent")
+
+POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
+POD_NAME = "csi.storage.k8s.io/pod.name"
+VERSION = "0.1.0"
+MAX_ID = 1024
+
+
+class IdentityService(csi_pb2_grpc.IdentityServicer):
+    def __init__(self, ready: Callable[[], bool] = lambda: True):
+        self.ready = ready
+
+    def GetPluginInfo(self, request, context):  # noqa: N802 - gRPC method names
+        return csi_pb2.GetPluginInfoResponse(name=DRIVER_NAME, vendor_version=VERSION)
+
+    def GetPluginCapabilities(self, request, context):  # noqa: N802
+        return csi_pb2.GetPluginCapabilitiesResponse()  # node plugin only: no controller service
+
+    def Probe(self, request, context):  # noqa: N802
+        from google.protobuf import wrappers_pb2
+
+        return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=bool(self.ready())))
+
+
+class NodeService(csi_pb2_grpc.NodeServicer):
+    def __init__(self, node: str, volumes: VolumeManager, resolver: DatasetResolver, namespace_prefix: str = ""):
+        self.node = node
+        self.volumes = volumes
+        self.resolver = resolver
+        self.namespace_prefix = namespace_prefix
+
+    def NodeGetCapabilities(self, request, context):  # noqa: N802
+        return csi_pb2.NodeGetCapabilitiesResponse()  # no staging, no stats
+
+    def NodeGetInfo(self, request, context):  # noqa: N802
+        return csi_pb2.NodeGetInfoResponse(node_id=self.node)
+
+    def NodePublishVolume(self, request, context):  # noqa: N802
+        vid, target = request.volume_id, request.target_path
+        if not vid or len(vid) > MAX_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        if not target or len(target) > 4096:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
+        if not request.HasField("volume_capability") or request.volume_capability.HasField("block"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "silod volumes are filesystem (mount) volumes")
+        ctx = dict(request.volume_context)
+        namespace = ctx.get(POD_NAMESPACE, "")
+        if not namespace:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {POD_NAMESPACE} in the volume context: the CSIDriver"
+                                                            f" object must set podInfoOnMount: true")
+        if not namespace.startswith(self.namespace_prefix) or len(namespace) == len(self.namespace_prefix):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"namespace {namespace} belongs to no silod tenant")
+        tenant = namespace[len(self.namespace_prefix):]
+        try:
+            dataset = check_name(ctx.get("dataset", ""), "volumeAttributes.dataset")
+            src = self.resolver.resolve(tenant, dataset)
+            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""))
+        except DatasetDenied as exc:
+            code = grpc.StatusCode.NOT_FOUND if "no dataset" in str(exc) else grpc.StatusCode.PERMISSION_DENIED
+            if "not a valid" in str(exc):
+                code = grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(exc))
+        except MountError as exc:
+            log.error("publish %s: %s", vid, exc)
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except UserError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return csi_pb2.NodePublishVolumeResponse()
+
+    def NodeUnpublishVolume(self, request, context):  # noqa: N802
+        if not request.volume_id or not request.target_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id and target_path are required")
+        try:
+            self.volumes.check_target(request.target_path)
+            self.volumes.unpublish(request.volume_id, request.target_path)
+        except UserError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except MountError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        return csi_pb2.NodeUnpublishVolumeResponse()
+
+
+class Agent:
+    """The gRPC server on `socket` plus the node's volumes; `start()` restores the previous
+    agent's volumes before answering kubelet."""
+
+    def __init__(self, socket: Path, node: str, volumes: VolumeManager, resolver: DatasetResolver,
+                 namespace_prefix: str = "", workers: int = 4):
+        self.socket = socket
+        self.volumes = volumes
+        self.node_service = NodeService(node, volumes, resolver, namespace_prefix)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+        csi_pb2_grpc.add_IdentityServicer_to_server(IdentityService(), self.server)
+        csi_pb2_grpc.add_NodeServicer_to_server(self.node_service, self.server)
+
+    def start(self) -> list[str]:
+        repaired = self.volumes.recover()
+        self.socket.parent.mkdir(parents=True, exist_ok=True)
+        if self.socket.exists():
+            self.socket.unlink()  # a previous agent's socket
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        self.server.start()
+        os.chmod(self.socket, 0o600)  # kubelet (root) only
+        return repaired
+
+    def stop(self, unmount_all: bool = False) -> None:
+        self.server.stop(grace=5).wait()
+        self.volumes.close(unmount_all=unmount_all)

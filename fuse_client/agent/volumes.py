@@ -1,0 +1,305 @@
+"""The node's dataset mounts and the pods' bind mounts of them (what the CSI Node service does).
+
+- One FUSE mount (`silod mount --allow-other`, a child process) per (tenant, dataset) on the
+  node, at `<state>/mounts/<tenant>/<dataset>`, caching into `<state>/cache/<tenant>` (on the
+  node's disk: it survives agent restarts, so a restarted agent serves cached items without
+  fetching them again). It lives while at least one published volume uses it.
+- Per published volume, a read-only bind mount of that FUSE mount at kubelet's target path.
+- `<state>/volumes.json` records the published volumes, so that a restarted agent re-creates
+  the dataset mounts and repairs the pods' bind mounts (a bind of a dead FUSE mount answers
+  ENOTCONN) instead of leaving running pods without data.
+
+Only this module runs mount(8); the agent is the only privileged silod component.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from estimator.errors import UserError
+from fuse_client.agent.datasets import DatasetSource
+
+log = logging.getLogger("silod.agent")
+
+
+def mount_job_id(node: str, tenant: str, dataset: str) -> str:
+    """The data-manager job id of this node's mount of (tenant, dataset): the scheduler's
+    Kubernetes backend allocates remote IO to it (scheduler/backends/kubernetes/backend.py,
+    node_mount_job: same format), the sum over the jobs admitted on the node that read it."""
+    return f"node-{node}.{tenant}.{dataset}"
+
+
+class MountError(Exception):
+    """The node could not mount or bind (an operator's problem: FUSE, disk, permissions)."""
+
+
+@dataclass
+class VolumeRecord:
+    volume_id: str
+    target: str
+    tenant: str
+    dataset: str
+    uri: str
+    cache_size: int | None
+    namespace: str
+    pod: str
+
+
+def _run(*args: str) -> None:
+    r = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise MountError(f"{' '.join(args)}: {r.stderr.strip() or r.stdout.strip() or f'exit {r.returncode}'}")
+
+
+def is_mountpoint(path: Path) -> bool:
+    try:
+        return os.path.ismount(path)
+    except OSError:
+        return False
+
+
+def healthy(path: Path) -> bool:
+    """A mount that answers (a dead FUSE daemon leaves ENOTCONN behind)."""
+    try:
+        os.listdir(path)
+        return is_mountpoint(path)
+    except OSError:
+        return False
+
+
+def unmount(path: Path) -> None:
+    """Unmount; lazily when busy (a pod still has a file open), so the target can go away."""
+    try:
+        _run("umount", str(path))
+    except MountError:
+        _run("umount", "-l", str(path))
+
+
+class VolumeManager:
+    def __init__(self, state_dir: Path, node: str, *, silod: list[str], kubelet_dir: Path,
+                 manager_url: str | None = None, mount_timeout: float = 30.0, idle_unmount_s: float = 60.0):
+        self.state_dir = state_dir
+        self.node = node
+        self.silod = silod
+        self.kubelet_dir = kubelet_dir.resolve()
+        self.manager_url = manager_url
+        self.mount_timeout = mount_timeout
+        # A dataset mount outlives its last volume this long: a preempted job resumed by the next
+        # Gavel round (or the next job on the dataset) reuses it instead of starting a new one.
+        self.idle_unmount_s = idle_unmount_s
+        self._idle: dict[tuple[str, str], threading.Timer] = {}
+        self.lock = threading.RLock()
+        self.volumes: dict[str, VolumeRecord] = {}
+        self.procs: dict[tuple[str, str], subprocess.Popen] = {}
+        (state_dir / "mounts").mkdir(parents=True, exist_ok=True)
+        (state_dir / "cache").mkdir(parents=True, exist_ok=True)
+        os.chmod(state_dir / "cache", 0o700)  # cached data is read through mounts only
+
+    # --- state -----------------------------------------------------------------------------------
+
+    @property
+    def _state_file(self) -> Path:
+        return self.state_dir / "volumes.json"
+
+    def _save(self) -> None:
+        tmp = self._state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: asdict(v) for k, v in sorted(self.volumes.items())}, indent=1))
+        os.replace(tmp, self._state_file)
+
+    def recover(self) -> list[str]:
+        """After a restart: re-create the dataset mounts of recorded volumes and repair their bind
+        mounts. Returns the volume ids repaired; a volume whose target is gone is forgotten."""
+        if not self._state_file.exists():
+            return []
+        try:
+            recorded = {k: VolumeRecord(**v) for k, v in json.loads(self._state_file.read_text()).items()}
+        except (ValueError, TypeError) as exc:
+            log.error("ignoring unreadable %s: %s", self._state_file, exc)
+            return []
+        repaired = []
+        with self.lock:
+            for vid, rec in recorded.items():
+                target = Path(rec.target)
+                if not target.exists():
+                    continue
+                self.volumes[vid] = rec
+                try:
+                    src = self._dataset_mount(DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size))
+                    if not healthy(target):
+                        if is_mountpoint(target) or not _listable(target):
+                            unmount(target)
+                        self._bind(src, target)
+                    repaired.append(vid)
+                except (MountError, UserError) as exc:
+                    log.error("volume %s (%s/%s): could not restore after restart: %s", vid, rec.tenant, rec.dataset, exc)
+            self._save()
+        return repaired
+
+    # --- dataset mounts --------------------------------------------------------------------------
+
+    def mount_path(self, tenant: str, dataset: str) -> Path:
+        return self.state_dir / "mounts" / tenant / dataset
+
+    def cache_dir(self, tenant: str) -> Path:
+        return self.state_dir / "cache" / tenant
+
+    def _dataset_mount(self, src: DatasetSource) -> Path:
+        path = self.mount_path(src.tenant, src.name)
+        key = (src.tenant, src.name)
+        proc = self.procs.get(key)
+        if proc is not None and proc.poll() is None and healthy(path):
+            return path
+        if is_mountpoint(path) or (path.exists() and not _listable(path)):
+            unmount(path)  # a leftover of a dead mount process
+        path.mkdir(parents=True, exist_ok=True)
+        stats = self.state_dir / "mounts" / src.tenant / f"{src.name}.stats.json"
+        cmd = [*self.silod, "mount", str(path), "--source", src.uri, "--dataset", src.name,
+               "--job", mount_job_id(self.node, src.tenant, src.name), "--cache-dir", str(self.cache_dir(src.tenant)),
+               "--stats-file", str(stats), "--allow-other"]
+        if src.cache_size is not None:
+            cmd += ["--cache-size", str(src.cache_size)]
+        if self.manager_url:
+            cmd += ["--manager", self.manager_url]
+        log_path = self.state_dir / "mounts" / src.tenant / f"{src.name}.log"
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[key] = proc
+        deadline = time.monotonic() + self.mount_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-600:]
+                raise MountError(f"silod mount of {src.tenant}/{src.name} exited with {proc.returncode}: {tail.strip()}")
+            if is_mountpoint(path):
+                return path
+            time.sleep(0.05)
+        proc.kill()
+        raise MountError(f"silod mount of {src.tenant}/{src.name} did not come up in {self.mount_timeout:.0f}s")
+
+    def _release(self, tenant: str, dataset: str) -> None:
+        """Unmount a dataset no published volume uses any more, after `idle_unmount_s` (its cache
+        stays on disk either way)."""
+        if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
+            return
+        if self.idle_unmount_s > 0:
+            old = self._idle.pop((tenant, dataset), None)
+            if old is not None:
+                old.cancel()
+            timer = threading.Timer(self.idle_unmount_s, self._release_now, args=(tenant, dataset))
+            timer.daemon = True
+            self._idle[(tenant, dataset)] = timer
+            timer.start()
+            return
+        self._release_now(tenant, dataset)
+
+    def _release_now(self, tenant: str, dataset: str) -> None:
+        with self.lock:
+            self._idle.pop((tenant, dataset), None)
+            if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
+                return  # published again meanwhile
+            path = self.mount_path(tenant, dataset)
+            proc = self.procs.pop((tenant, dataset), None)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # silod mount unmounts itself on SIGTERM
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            if is_mountpoint(path):
+                unmount(path)
+
+    # --- bind mounts -------------------------------------------------------------------------------
+
+    def _bind(self, source: Path, target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        _run("mount", "--bind", str(source), str(target))
+        try:
+            _run("mount", "-o", "remount,bind,ro,nosuid,nodev", str(target))
+        except MountError:
+            unmount(target)  # never leave a writable bind behind
+            raise
+
+    def check_target(self, target: str) -> Path:
+        path = Path(target)
+        if not path.is_absolute():
+            raise UserError(f"target_path {target!r} is not absolute")
+        resolved = path.parent.resolve() / path.name
+        if self.kubelet_dir not in resolved.parents:
+            raise UserError(f"target_path {target!r} is outside the kubelet directory {self.kubelet_dir}")
+        return resolved
+
+    def publish(self, volume_id: str, target: str, src: DatasetSource, namespace: str, pod: str) -> None:
+        path = self.check_target(target)
+        with self.lock:
+            have = self.volumes.get(volume_id)
+            if have is not None:
+                if have.target != str(path) or (have.tenant, have.dataset) != (src.tenant, src.name):
+                    raise UserError(f"volume {volume_id} is already published at {have.target} for "
+                                    f"{have.tenant}/{have.dataset}")
+                if healthy(path):
+                    return  # idempotent repeat
+            source = self._dataset_mount(src)
+            if is_mountpoint(path):
+                unmount(path)
+            self._bind(source, path)
+            self.volumes[volume_id] = VolumeRecord(volume_id, str(path), src.tenant, src.name, src.uri,
+                                                   src.cache_size, namespace, pod)
+            self._save()
+            log.info("published %s/%s for pod %s/%s at %s", src.tenant, src.name, namespace, pod, path)
+
+    def unpublish(self, volume_id: str, target: str) -> None:
+        path = Path(target)
+        with self.lock:
+            rec = self.volumes.get(volume_id)
+            if is_mountpoint(path) or (path.exists() and not _listable(path)):
+                unmount(path)
+            try:
+                path.rmdir()  # CSI: the SP removes the target it created
+            except OSError:
+                pass
+            if rec is None:
+                return  # idempotent: unknown or already unpublished
+            del self.volumes[volume_id]
+            self._save()
+            self._release(rec.tenant, rec.dataset)
+            log.info("unpublished %s (%s/%s) from %s", volume_id, rec.tenant, rec.dataset, path)
+
+    def close(self, unmount_all: bool = False) -> None:
+        """Stop serving. Without `unmount_all` the records stay, for the next agent to restore."""
+        with self.lock:
+            for timer in self._idle.values():
+                timer.cancel()
+            self._idle.clear()
+            if unmount_all:
+                for vid, rec in list(self.volumes.items()):
+                    self.unpublish(vid, rec.target)
+            for (tenant, dataset), proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                path = self.mount_path(tenant, dataset)
+                if is_mountpoint(path):
+                    try:
+                        unmount(path)
+                    except MountError as exc:
+                        log.warning("%s", exc)
+            self.procs.clear()
+
+
+def _listable(path: Path) -> bool:
+    try:
+        os.listdir(path)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,417 @@
+"""Workloads silod admits on Kubernetes: batch/v1 Job, JobSet and Kubeflow PyTorchJob.
+
+Kueue's pattern: a workload opts in with the label `silod.io/queue` and is created suspended
+(by its owner, or by a mutating webhook); silod admits it by writing its placement into the pod
+templates (a required node affinity on the chosen nodes) and unsuspending it, and preempts it by
+suspending it again. The workload's own controller (the Job controller, the JobSet or training
+operator) then creates or deletes the pods; silod never deletes a user's pods.
+
+Everything here is pure: objects are the API server's JSON (dicts) in, typed `Workload`s and new
+object bodies out, so parsing and patching are tested without a server.
+
+What silod reads from a workload is the owner's *request* (GPUs in the pod templates, the
+dataset in the CSI volume, f*/epochs annotations), exactly as it reads a REST body. It never
+reads *state* from it: progress, consumption and the admission record live in silod's database
+and memory, and `status` (written only by the workload's controller) is the only source of
+"finished" and "failed".
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from estimator.errors import UserError
+from estimator.units import UnitError, parse_rate
+
+PREFIX = "silod.io/"
+QUEUE_LABEL = PREFIX + "queue"  # opt-in: the queue a workload waits in
+JOB_ID_LABEL = PREFIX + "job-id"  # on Jobs silod created for REST submissions: the REST job id
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "silod"
+ANN_IDEAL = PREFIX + "ideal-throughput"  # f* at the workload's GPUs, e.g. 900MB/s
+ANN_MODEL = PREFIX + "model"  # catalog model instead of f*
+ANN_EPOCHS = PREFIX + "epochs"  # passes over the dataset
+ANN_DATASET = PREFIX + "dataset"  # when the data comes through a PVC rather than an inline volume
+ANN_ADMITTED = PREFIX + "admitted-nodes"  # written by silod: the nodes of the current admission
+CSI_DRIVER = "silod.io"
+GPU_RESOURCE = "nvidia.com/gpu"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+class WorkloadError(UserError):
+    """A workload silod cannot admit as written; the message names the object, field and fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    group: str
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+JOB = Kind("batch", "v1", "jobs", "Job")
+JOBSET = Kind("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet")
+PYTORCHJOB = Kind("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob")
+KINDS = (JOB, JOBSET, PYTORCHJOB)
+KIND_BY_NAME = {k.kind: k for k in KINDS}
+
+
+@dataclass(frozen=True, slots=True)
+class PodSet:
+    """Pods made from one template: `count` pods of `gpus` GPUs each."""
+
+    name: str
+    count: int
+    gpus: int
+    node_selector: Mapping[str, str]
+    path: tuple[str | int, ...]  # where the pod template (with .spec) sits in the object
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    kind: Kind
+    namespace: str
+    name: str
+    uid: str
+    resource_version: str
+    queue: str
+    suspended: bool
+    pod_sets: tuple[PodSet, ...]
+    dataset: str | None
+    ideal_throughput: float | None
+    model: str | None
+    epochs: float | None
+    priority_class: str | None
+    created: float
+    phase: str  # active | finished | failed
+    message: str  # why it finished or failed, from its controller's status
+    rest_job_id: str | None  # set on Jobs silod created for a REST submission
+    admitted_nodes: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind.kind}/{self.namespace}/{self.name}"
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.count * p.gpus for p in self.pod_sets)
+
+    @property
+    def pods(self) -> int:
+        return sum(p.count for p in self.pod_sets)
+
+    def pod_list(self) -> list[tuple[str, int, Mapping[str, str]]]:
+        """One (pod name, GPUs, nodeSelector) per pod, for placement."""
+        return [(f"{self.key}/{ps.name}-{i}", ps.gpus, ps.node_selector)
+                for ps in self.pod_sets for i in range(ps.count)]
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+def _get(obj: Any, *path: str | int, default: Any = None) -> Any:
+    for p in path:
+        if isinstance(p, int):
+            if not isinstance(obj, list) or p >= len(obj):
+                return default
+            obj = obj[p]
+        else:
+            if not isinstance(obj, Mapping) or p not in obj:
+                return default
+            obj = obj[p]
+    return obj
+
+
+def _quantity_gpus(value: Any, where: str) -> int:
+    text = str(value).strip()
+    if text.endswith("m") and text[:-1].isdigit():
+        milli = int(text[:-1])
+        if milli % 1000:
+            raise WorkloadError(f"{where} = {text!r}: GPUs are whole devices")
+        return milli // 1000
+    if not text.isdigit():
+        raise WorkloadError(f"{where} = {text!r} is not a whole number of GPUs")
+    return int(text)
+
+
+def pod_gpus(pod_spec: Mapping[str, Any], where: str) -> int:
+    """GPUs one pod asks for: the containers' sum, or the largest init container if larger."""
+    def of(c: Mapping[str, Any], what: str) -> int:
+        res = c.get("resources") or {}
+        for source in ("requests", "limits"):  # requests win; limits imply requests
+            if GPU_RESOURCE in (res.get(source) or {}):
+                return _quantity_gpus(res[source][GPU_RESOURCE], f"{where} {what} {c.get('name')} {GPU_RESOURCE}")
+        return 0
+    app = sum(of(c, "container") for c in pod_spec.get("containers") or [])
+    init = max((of(c, "init container") for c in pod_spec.get("initContainers") or []), default=0)
+    return max(app, init)
+
+
+def template_datasets(pod_spec: Mapping[str, Any]) -> list[str]:
+    """Datasets named by silod CSI inline volumes in a pod spec."""
+    out = []
+    for v in pod_spec.get("volumes") or []:
+        csi = v.get("csi") if isinstance(v, Mapping) else None
+        if isinstance(csi, Mapping) and csi.get("driver") == CSI_DRIVER:
+            name = (csi.get("volumeAttributes") or {}).get("dataset")
+            if name:
+                out.append(str(name))
+    return out
+
+
+def _count(value: Any, where: str, default: int = 1) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise WorkloadError(f"{where} = {value!r} must be a whole number >= 0")
+    return value
+
+
+def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str) -> list[PodSet]:
+    spec = obj.get("spec") or {}
+    sets: list[PodSet] = []
+
+    def add(name: str, count: int, path: tuple[str | int, ...]) -> None:
+        template = _get(obj, *path) or {}
+        pod_spec = template.get("spec") or {}
+        sets.append(PodSet(name=name, count=count, gpus=pod_gpus(pod_spec, f"{where} {name}"),
+                           node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path))
+
+    if kind == JOB:
+        add("main", _count(spec.get("parallelism"), f"{where} spec.parallelism"), ("spec", "template"))
+    elif kind == JOBSET:
+        for i, rj in enumerate(spec.get("replicatedJobs") or []):
+            replicas = _count(rj.get("replicas"), f"{where} replicatedJobs[{i}].replicas")
+            par = _count(_get(rj, "template", "spec", "parallelism"), f"{where} replicatedJobs[{i}] parallelism")
+            add(str(rj.get("name") or i), replicas * par, ("spec", "replicatedJobs", i, "template", "spec", "template"))
+    elif kind == PYTORCHJOB:
+        for role in sorted((spec.get("pytorchReplicaSpecs") or {})):
+            rs = spec["pytorchReplicaSpecs"][role] or {}
+            add(role, _count(rs.get("replicas"), f"{where} {role}.replicas"), ("spec", "pytorchReplicaSpecs", role, "template"))
+    else:  # pragma: no cover - KINDS is closed
+        raise WorkloadError(f"{where}: kind {kind.kind} is not supported")
+    return sets
+
+
+def _suspend_path(kind: Kind) -> tuple[str, ...]:
+    return ("spec", "runPolicy", "suspend") if kind == PYTORCHJOB else ("spec", "suspend")
+
+
+def _phase(kind: Kind, obj: Mapping[str, Any]) -> tuple[str, str]:
+    done = {"Job": ("Complete", "Failed"), "JobSet": ("Completed", "Failed"),
+            "PyTorchJob": ("Succeeded", "Failed")}[kind.kind]
+    for cond in _get(obj, "status", "conditions", default=[]) or []:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") == done[0]:
+            return "finished", str(cond.get("message") or cond.get("reason") or "completed")
+        if cond.get("type") == done[1]:
+            return "failed", str(cond.get("message") or cond.get("reason") or "failed")
+    return "active", ""
+
+
+def _timestamp(value: Any) -> float:
+    if not value:
+        return 0.0
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def parse_workload(kind: Kind, obj: Mapping[str, Any]) -> Workload:
+    """A typed view of one workload object. WorkloadError when it cannot be admitted as written."""
+    meta = obj.get("metadata") or {}
+    ns, name = meta.get("namespace") or "default", meta.get("name") or ""
+    where = f"{kind.kind} {ns}/{name}"
+    labels = meta.get("labels") or {}
+    ann = meta.get("annotations") or {}
+    sets = _pod_sets(kind, obj, where)
+    datasets: list[str] = []
+    for ps in sets:
+        for d in template_datasets(_get(obj, *ps.path, "spec") or {}):
+            if d not in datasets:
+                datasets.append(d)
+    if not datasets and ann.get(ANN_DATASET):
+        datasets = [str(ann[ANN_DATASET])]
+    if len(datasets) > 1:
+        raise WorkloadError(f"{where} reads datasets {datasets}; silod schedules one dataset per workload")
+    ideal = None
+    if ann.get(ANN_IDEAL):
+        try:
+            ideal = parse_rate(str(ann[ANN_IDEAL]), f"{where} annotation {ANN_IDEAL}")
+        except UnitError as exc:
+            raise WorkloadError(str(exc)) from None
+    epochs = None
+    if ann.get(ANN_EPOCHS):
+        try:
+            epochs = float(ann[ANN_EPOCHS])
+        except ValueError:
+            raise WorkloadError(f"{where} annotation {ANN_EPOCHS}={ann[ANN_EPOCHS]!r} is not a number") from None
+        if not math.isfinite(epochs) or epochs <= 0:
+            raise WorkloadError(f"{where} annotation {ANN_EPOCHS} must be > 0")
+    first_spec = (_get(obj, *sets[0].path, "spec") or {}) if sets else {}
+    phase, message = _phase(kind, obj)
+    admitted = tuple(n for n in str(ann.get(ANN_ADMITTED) or "").split(",") if n)
+    return Workload(
+        kind=kind, namespace=ns, name=name, uid=str(meta.get("uid") or ""),
+        resource_version=str(meta.get("resourceVersion") or ""), queue=str(labels.get(QUEUE_LABEL) or ""),
+        suspended=bool(_get(obj, *_suspend_path(kind), default=False)), pod_sets=tuple(sets),
+        dataset=datasets[0] if datasets else None, ideal_throughput=ideal, model=ann.get(ANN_MODEL) or None,
+        epochs=epochs, priority_class=first_spec.get("priorityClassName") or None,
+        created=_timestamp(meta.get("creationTimestamp")), phase=phase, message=message,
+        rest_job_id=labels.get(JOB_ID_LABEL) if labels.get(MANAGED_BY_LABEL) == MANAGED_BY else None,
+        admitted_nodes=admitted,
+    )
+
+
+# --- writing: admission and preemption ----------------------------------------------------------
+
+def _set(obj: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    for p in path[:-1]:
+        obj = obj[p] if isinstance(p, int) else obj.setdefault(p, {})
+    obj[path[-1]] = value
+
+
+def _our_expression(hostnames: Sequence[str]) -> dict[str, Any]:
+    return {"key": HOSTNAME_LABEL, "operator": "In", "values": sorted(hostnames)}
+
+
+def _strip_ours(pod_spec: dict[str, Any], hostnames: Sequence[str]) -> None:
+    """Remove the node-affinity expression an earlier admission added (and nothing else)."""
+    ours = _our_expression(hostnames)
+    required = _get(pod_spec, "affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution")
+    if not isinstance(required, dict):
+        return
+    terms = []
+    for term in required.get("nodeSelectorTerms") or []:
+        exprs = [e for e in term.get("matchExpressions") or [] if e != ours]
+        if exprs or term.get("matchFields"):
+            terms.append({**term, "matchExpressions": exprs} if exprs else {k: v for k, v in term.items()
+                                                                             if k != "matchExpressions"})
+    if terms:
+        required["nodeSelectorTerms"] = terms
+        return
+    node_aff = pod_spec["affinity"]["nodeAffinity"]
+    node_aff.pop("requiredDuringSchedulingIgnoredDuringExecution", None)
+    if not node_aff:
+        pod_spec["affinity"].pop("nodeAffinity")
+    if not pod_spec["affinity"]:
+        pod_spec.pop("affinity")
+
+
+def admitted_object(kind: Kind, obj: Mapping[str, Any], hostnames: Sequence[str]) -> dict[str, Any]:
+    """The workload, unsuspended, with every pod template required onto `hostnames`.
+
+    The expression is ANDed into each of the owner's node-selector terms (the pods must satisfy
+    the owner's constraints *and* land on the nodes silod chose); the nodes are recorded in an
+    annotation so that a later suspension removes exactly this expression."""
+    new = copy.deepcopy(dict(obj))
+    wl = parse_workload(kind, new)
+    for ps in wl.pod_sets:
+        pod_spec = _get(new, *ps.path, "spec")
+        if wl.admitted_nodes:
+            _strip_ours(pod_spec, wl.admitted_nodes)
+        required = (pod_spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+                    .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
+        terms = required.get("nodeSelectorTerms") or [{}]
+        required["nodeSelectorTerms"] = [
+            {**t, "matchExpressions": [*(t.get("matchExpressions") or []), _our_expression(hostnames)]} for t in terms
+        ]
+    new.setdefault("metadata", {}).setdefault("annotations", {})[ANN_ADMITTED] = ",".join(sorted(hostnames))
+    _set(new, _suspend_path(kind), False)
+    return new
+
+
+def suspended_object(kind: Kind, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The workload suspended again; its controller deletes the running pods (silod deletes
+    nothing). The placement stays in the templates for now: Kubernetes accepts changes to a
+    Job's scheduling directives only while it is *already* suspended and its controller has
+    cleared status.startTime, so the next admission replaces it (`admitted_object` strips the
+    expression the annotation records)."""
+    new = copy.deepcopy(dict(obj))
+    _set(new, _suspend_path(kind), True)
+    return new
+
+
+# --- Jobs silod creates for REST submissions ---------------------------------------------------
+
+RESTRICTED_CONTAINER_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PodTemplate:
+    """What a REST caller may say about the pods of its job (nothing that grants privilege)."""
+
+    image: str
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    pods: int = 1
+    data_path: str = "/data"
+    run_as_user: int = 1000
+
+
+def rest_job_object(*, job_id: str, name: str, namespace: str, queue: str, gpus: int, dataset: str,
+                    template: PodTemplate, service_account: str | None = None) -> dict[str, Any]:
+    """The batch/v1 Job silod creates for `POST /v1/jobs` with a pod template: created suspended,
+    labelled and named by silod (`silod-<id>`), pods that pass Pod Security "restricted", the
+    dataset mounted read-only through the silod CSI driver."""
+    if gpus % template.pods:
+        raise WorkloadError(f"gpus = {gpus} does not split evenly over pod_template.pods = {template.pods}")
+    per_pod = gpus // template.pods
+    resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
+    if per_pod:
+        resources["requests"][GPU_RESOURCE] = resources["limits"][GPU_RESOURCE] = str(per_pod)
+    if template.cpu:
+        resources["requests"]["cpu"] = template.cpu
+    if template.memory:
+        resources["requests"]["memory"] = resources["limits"]["memory"] = template.memory
+    container: dict[str, Any] = {
+        "name": "train", "image": template.image, "resources": {k: v for k, v in resources.items() if v},
+        "securityContext": copy.deepcopy(RESTRICTED_CONTAINER_CONTEXT),
+        "volumeMounts": [{"name": "dataset", "mountPath": template.data_path, "readOnly": True}],
+        "env": [{"name": "SILOD_JOB_ID", "value": job_id}, {"name": "SILOD_DATA", "value": template.data_path},
+                *({"name": k, "value": v} for k, v in sorted((template.env or {}).items()))],
+    }
+    if template.command:
+        container["command"] = list(template.command)
+    if template.args:
+        container["args"] = list(template.args)
+    labels = {QUEUE_LABEL: queue, JOB_ID_LABEL: job_id, MANAGED_BY_LABEL: MANAGED_BY}
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "securityContext": {"runAsNonRoot": True, "runAsUser": template.run_as_user,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [{"name": "dataset", "csi": {"driver": CSI_DRIVER, "readOnly": True,
+                                                "volumeAttributes": {"dataset": dataset}}}],
+    }
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": f"silod-{job_id}", "namespace": namespace, "labels": labels,
+                     "annotations": {PREFIX + "job-name": name}},
+        "spec": {
+            "suspend": True, "parallelism": template.pods, "completions": template.pods,
+            "completionMode": "Indexed", "backoffLimit": 0,
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        },
+    }

@@ -1,0 +1,82 @@
+"""The data manager's trust boundary: who may set allocations (the scheduler's token), what a
+node agent's token may do (its own clients only), bodies before authentication, and the CLI's
+refusal to listen beyond loopback without tokens."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from fastapi.testclient import TestClient
+
+from datamanager.app import create_app
+from datamanager.auth import DataManagerAuth
+from datamanager.client import DataManagerClient, DataManagerError
+
+from dataplane_helpers import silod_cmd  # noqa: I001 - sibling test helper
+
+SCHED = "scheduler-token-0123456789"
+AGENT = "agent-token-0123456789abc"
+H_SCHED = {"Authorization": f"Bearer {SCHED}"}
+H_AGENT = {"Authorization": f"Bearer {AGENT}"}
+REG = {"client_id": "n1-j1-1", "node": "n1", "dataset": "coco", "job": "j1"}
+
+
+@pytest.fixture
+def client(tmp_path):  # type: ignore[no-untyped-def]
+    (tmp_path / "state").mkdir()
+    app = create_app(tmp_path / "state", DataManagerAuth.from_tokens(SCHED, AGENT))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_allocations_need_the_scheduler_token(client: TestClient) -> None:
+    for headers in ({}, {"Authorization": "Bearer guess-guess-guess"}, H_AGENT):
+        r = client.put("/v1/datasets/coco/cache", json={"bytes": 1e9}, headers=headers)
+        assert r.status_code in (401, 403), (headers, r.status_code)
+        r = client.put("/v1/jobs/j1/remote-io", json={"bytes_per_s": 1e9}, headers=headers)
+        assert r.status_code in (401, 403)
+        assert client.get("/v1/status", headers=headers).status_code in (401, 403)
+    assert client.put("/v1/datasets/coco/cache", json={"bytes": 1e9}, headers=H_AGENT).status_code == 403
+    assert client.put("/v1/datasets/coco", json={}, headers=H_SCHED).status_code == 200
+    assert client.put("/v1/datasets/coco/cache", json={"bytes": 1e9}, headers=H_SCHED).status_code == 200
+    assert client.get("/v1/status", headers=H_SCHED).json()["datasets"]["coco"]["allocated_bytes"] == 1e9
+    assert client.get("/healthz").status_code == 200
+
+
+def test_agent_token_registers_and_heartbeats_its_clients_only(client: TestClient) -> None:
+    client.put("/v1/datasets/coco", json={}, headers=H_SCHED)
+    assert client.put("/v1/datasets/coco/cache", json={"bytes": 5e9}, headers=H_SCHED).status_code == 200
+    r = client.post("/v1/clients", json=REG, headers=H_AGENT)
+    assert r.status_code == 200 and r.json()["allocation"]["cache_bytes"] == 5e9
+    assert client.put("/v1/clients/n1-j1-1/heartbeat", json={"stats": {}}, headers=H_AGENT).status_code == 200
+    assert client.post("/v1/clients", json=REG).status_code == 401
+    assert client.delete("/v1/jobs/j1", headers=H_AGENT).status_code == 403
+    assert client.delete("/v1/clients/n1-j1-1", headers=H_AGENT).status_code == 200
+
+
+def test_big_body_without_token_is_401_and_with_token_413(client: TestClient) -> None:
+    big = b"x" * (2 << 20)
+    r = client.put("/v1/datasets/coco/cache", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 401
+    r = client.put("/v1/datasets/coco/cache", content=big, headers={**H_SCHED, "Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_typed_client_sends_its_token(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "state").mkdir()
+    app = create_app(tmp_path / "state", DataManagerAuth.from_tokens(SCHED, AGENT))
+    with TestClient(app, base_url="http://dm") as tc:
+        dm = DataManagerClient("http://dm", transport=tc._transport, token=SCHED)
+        assert dm.allocate_cache_size("imagenet", 1e9).cache_bytes == 1e9
+        monkeypatch.setenv("SILOD_DM_TOKEN", AGENT)
+        agent = DataManagerClient("http://dm", transport=tc._transport)
+        with pytest.raises(DataManagerError):
+            agent.allocate_cache_size("imagenet", 2e9)
+
+
+def test_cli_refuses_unauthenticated_non_loopback(tmp_path) -> None:
+    env_cmd = [*silod_cmd(), "datamanager", "--listen", "0.0.0.0:7999", "--state", str(tmp_path / "s")]
+    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in __import__("os").environ.items() if not k.startswith("SILOD_DM_")})
+    assert proc.returncode == 2 and "loopback" in proc.stderr and "Traceback" not in proc.stderr

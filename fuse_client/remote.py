@@ -7,6 +7,10 @@ directory by the links of its index page).
 
 Datasets are immutable while mounted, so the listing (names, sizes) is read from the store once
 at mount time and kept in memory; this is also what makes `ls` and `stat` on the mount free.
+
+Retries: silod's `RetryPolicy` (breaker.py) is the only retry loop. The S3 and HTTP clients are
+configured to try once with connect/read timeouts within the per-open deadline, so a dead
+remote costs one deadline per open, not nested client retries (~31 s per open before).
 """
 
 from __future__ import annotations
@@ -19,14 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from estimator.errors import UserError
+from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, chunk_size_for
 
 log = logging.getLogger(__name__)
-
-# Remote errors are retried this many times in total, sleeping BACKOFF_S * 2**attempt in between
-# (0.2 s, 0.4 s, 0.8 s); after that the read fails with EIO.
-FETCH_ATTEMPTS = 4
-BACKOFF_S = 0.2
 
 
 class RemoteFetchError(OSError):
@@ -70,17 +70,34 @@ class DatasetListing:
         return listing
 
 
+def single_try_options(url: str, policy: RetryPolicy) -> dict:
+    """fsspec options that make the remote's client try once, with timeouts inside the deadline."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    timeout = policy.client_timeout_s
+    if scheme in ("s3", "s3a"):
+        return {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                  "connect_timeout": timeout, "read_timeout": timeout}}
+    if scheme in ("http", "https"):
+        import aiohttp
+
+        return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, connect=timeout, sock_read=timeout)}}
+    return {}
+
+
 class RemoteStore:
     """An fsspec file system rooted at the dataset URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, policy: RetryPolicy | None = None) -> None:
         import fsspec
 
         self.url = url
+        self.policy = policy or RetryPolicy()
         try:
-            self.fs, root = fsspec.core.url_to_fs(url)
+            self.fs, root = fsspec.core.url_to_fs(url, **single_try_options(url, self.policy))
         except (ValueError, ImportError) as exc:
             raise UserError(f"--source {url!r} is not a URL silod can read ({exc}); use a local directory, file://, s3:// or http(s)://") from exc
+        if hasattr(self.fs, "retries"):
+            self.fs.retries = 1  # s3fs retries some errors itself (5 by default); ours are the only ones
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.root = root.rstrip("/") if self.protocol not in ("http", "https") else root
 
@@ -152,28 +169,49 @@ class RemoteStore:
         on_remote_bytes: Callable[[int], None],
         reset: Callable[[], None],
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        on_error: Callable[[Exception], None] = lambda exc: None,
     ) -> int:
         """Stream the whole item through `write(data, offset)`, paying tokens before each chunk.
 
         Returns the CRC-32 of the content. On an error the partial output is discarded with
-        `reset()` and the fetch restarts; after FETCH_ATTEMPTS failures RemoteFetchError is raised.
+        `reset()` and the fetch restarts, up to `policy.attempts` tries, and only while the
+        remote has delivered something within the last `policy.deadline_s` (token waits do
+        not count); then RemoteFetchError (EIO) is raised.
         """
+        policy = self.policy
         last: Exception | None = None
-        for attempt in range(FETCH_ATTEMPTS):
+        progress = [clock()]  # last time the remote delivered data (or we finished a token wait)
+        for attempt in range(policy.attempts):
             if attempt:
                 reset()
-                sleep(BACKOFF_S * 2 ** (attempt - 1))
+                pause = policy.backoff(attempt)
+                if clock() + pause - progress[0] > policy.deadline_s:
+                    break
+                sleep(pause)
             try:
-                return self._fetch_once(entry, write, throttle, on_remote_bytes)
+                return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock)
             except InterruptedError:
                 raise
+            except FileNotFoundError as exc:
+                last = exc
+                log.warning("fetching %s (attempt %d/%d) failed: %s", entry.path, attempt + 1, policy.attempts, exc)
             except Exception as exc:
                 last = exc
-                log.warning("fetching %s (attempt %d/%d) failed: %s", entry.path, attempt + 1, FETCH_ATTEMPTS, exc)
+                on_error(exc)
+                log.warning("fetching %s (attempt %d/%d) failed: %s: %s", entry.path, attempt + 1, policy.attempts, type(exc).__name__, exc)
+            if clock() - progress[0] > policy.deadline_s:
+                break
         reset()
-        raise RemoteFetchError(5, f"remote store keeps failing for {entry.path!r}: {last}")
+        raise RemoteFetchError(5, f"remote store {self.url} keeps failing for {entry.path!r}: {type(last).__name__}: {last}")
 
-    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes) -> int:
+    def probe(self, entry: FileEntry) -> None:
+        """One cheap request that needs the remote to answer (read one byte of `entry`)."""
+        with self._open(entry.path, 64 * 1024) as f:
+            if entry.size and not f.read(1):
+                raise IOError(f"{entry.path!r} is empty, the listing says {entry.size} bytes")
+
+    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock) -> int:
         crc, offset = 0, 0
         chunk = chunk_size_for(throttle.rate)
         with self._open(entry.path, chunk) as f:
@@ -181,8 +219,11 @@ class RemoteStore:
                 # Re-read the rate every chunk so that a new allocation changes the chunk size too.
                 chunk = chunk_size_for(throttle.rate)
                 want = min(chunk, entry.size - offset)
+                before = clock()
                 throttle.acquire(want)
+                progress[0] += clock() - before  # waiting for our own tokens is not the remote's fault
                 data = f.read(want)
+                progress[0] = clock()
                 if not data:
                     raise IOError(f"{entry.path!r} ended at {offset} bytes, the listing says {entry.size}")
                 on_remote_bytes(len(data))

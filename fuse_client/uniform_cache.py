@@ -5,6 +5,10 @@ items on first read until the dataset's allocation c is full and then never evic
 cached items is a uniform random sample of the dataset, so every epoch hits c/d of its bytes.
 Shrinking the allocation must keep that property, so eviction picks *random* items, not LRU
 ones (LRU would evict exactly the items the current epoch is about to need).
+
+The rules are a `CachePolicy`: the on-disk cache (cache_store.py) owns the index, the
+counters and the crash safety, and asks its policy only "admit this item?" and "which items go
+when the allocation shrinks?". Another policy (e.g. LRU for irregular jobs) plugs in there.
 """
 
 from __future__ import annotations
@@ -12,12 +16,25 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
 class CachedItem:
     key: str
     size: int
+
+
+class CachePolicy(Protocol):
+    """What the on-disk cache asks a caching policy. Pure: no I/O, no clock."""
+
+    name: str
+
+    def should_admit(self, cached_bytes: int, item_size: int, allocation_bytes: int) -> bool: ...
+
+    def choose_evictions(
+        self, items: Sequence[CachedItem], allocation_bytes: int, rng: random.Random | None = None
+    ) -> list[CachedItem]: ...
 
 
 def should_admit(cached_bytes: int, item_size: int, allocation_bytes: int) -> bool:
@@ -47,3 +64,18 @@ def choose_evictions(
         victims.append(item)
         freed += item.size
     return victims
+
+
+@dataclass(frozen=True)
+class UniformPolicy:
+    """SiloD's uniform caching: admit while it fits, never evict except random items on a shrink."""
+
+    name: str = "uniform"
+
+    def should_admit(self, cached_bytes: int, item_size: int, allocation_bytes: int) -> bool:
+        return should_admit(cached_bytes, item_size, allocation_bytes)
+
+    def choose_evictions(
+        self, items: Sequence[CachedItem], allocation_bytes: int, rng: random.Random | None = None
+    ) -> list[CachedItem]:
+        return choose_evictions(items, allocation_bytes, rng)

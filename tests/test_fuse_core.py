@@ -13,6 +13,7 @@ import pytest
 
 from estimator.errors import UserError
 from fuse_client.accounting import EpochBitset, JobAccounting
+from fuse_client.breaker import RetryPolicy
 from fuse_client.cache_store import DatasetCache, file_crc32, item_key
 from fuse_client.dataplane import ItemResolver
 from fuse_client.names import validate_name
@@ -181,27 +182,156 @@ def test_shared_allocation_is_enforced_across_instances(tmp_path):
     assert len([p for p in (tmp_path / "ds" / "items").glob("*/*")]) == 1
 
 
-def test_recovery_drops_corrupt_unindexed_and_staging(tmp_path):
+def _crash(cache: DatasetCache) -> None:
+    """What kill -9 leaves: the process's descriptors close, the clean-unmount step never runs."""
+    os.close(cache._alive_fd)
+    cache._alive_fd = None
+
+
+def _disk_items(cache: DatasetCache) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in cache.items_dir.glob("*/*")}
+
+
+def test_clean_remount_trusts_the_index_and_checks_nothing(tmp_path):
     cache = DatasetCache(tmp_path, "ds")
     assert cache.attach().ran
     for i in range(3):
         path, crc = _stage(cache, item_key(f"k{i}"), bytes([i]) * 5000)
         assert cache.publish(item_key(f"k{i}"), path, 5000, crc)
-    cache.detach()
-    # Damage: flip a byte of k1, add a file nobody indexed, leave a staging file behind.
+    assert cache.detach()  # the last mount marks the index clean
+    (cache.staging_dir / "left.over").write_bytes(b"partial")
+    fresh = DatasetCache(tmp_path, "ds")
+    report = fresh.attach()
+    assert report.ran and report.clean and report.verified == 0 and report.removed_staging == 1
+    assert not fresh.verify_pending and fresh.usage().items_cached == 3
+    # While mounted the index is unclean: a crash now must not be mistaken for a clean stop.
+    _crash(fresh)
+    again = DatasetCache(tmp_path, "ds")
+    assert not again.attach().clean and again.verify_pending
+
+
+def test_detach_of_one_of_two_mounts_does_not_mark_clean(tmp_path):
+    a, b = DatasetCache(tmp_path, "ds"), DatasetCache(tmp_path, "ds")
+    a.attach()
+    assert not b.attach().ran
+    assert not a.detach()  # b is still alive
+    _crash(b)
+    assert not DatasetCache(tmp_path, "ds").attach().clean
+
+
+def test_crash_recovery_repairs_only_items_in_flight_then_verifies_lazily(tmp_path):
+    cache = DatasetCache(tmp_path, "ds")
+    cache.attach()
+    for i in range(4):
+        path, crc = _stage(cache, item_key(f"k{i}"), bytes([i]) * 5000)
+        assert cache.publish(item_key(f"k{i}"), path, 5000, crc)
+    # Died between the rename into items/ and the commit of an admission:
+    path, _ = _stage(cache, item_key("torn"), b"t" * 700)
+    cache._journal([item_key("torn")])
+    os.rename(path, cache.item_path(item_key("torn")))
+    # Died between an eviction's unlink and its commit:
+    cache._journal([item_key("k3")])
+    cache.item_path(item_key("k3")).unlink()
+    # Bit rot in an item that was not in flight, and a staging leftover:
     p1 = cache.item_path(item_key("k1"))
     data = bytearray(p1.read_bytes())
     data[100] ^= 0xFF
     p1.write_bytes(bytes(data))
-    cache.item_path(item_key("unindexed")).write_bytes(b"junk")
     (cache.staging_dir / "left.over").write_bytes(b"partial")
+    _crash(cache)
+
     fresh = DatasetCache(tmp_path, "ds")
     report = fresh.attach()
-    assert report.ran and report.verified == 2 and report.dropped_corrupt == 1 and report.dropped_unindexed == 1
-    assert fresh.open_cached(item_key("k1")) is None and fresh.usage().items_cached == 2
+    assert report.ran and not report.clean and report.journaled == 2
+    assert report.dropped_unindexed == 1 and report.dropped_missing_rows == 1 and report.verified == 0
+    assert not fresh.item_path(item_key("torn")).exists()
+    assert fresh.usage().items_cached == 3 and fresh.usage().cached_bytes == 15000
     assert not any(fresh.staging_dir.iterdir())
-    # A second live instance does not run recovery (it would race the first one's writes).
-    assert not DatasetCache(tmp_path, "ds").attach().ran
+    # k1 was not in flight, so recovery did not read it; the first hit (or the background
+    # verifier) checks it and drops it.
+    assert fresh.verify_pending
+    fd = fresh.open_cached(item_key("k1"))
+    assert fd is not None and not fresh.verify_item(item_key("k1"), fd)
+    os.close(fd)
+    assert fresh.open_cached(item_key("k1")) is None
+    last, checked, dropped = fresh.verify_batch("", 100)
+    assert checked == 2 and dropped == 0 and fresh.verify_batch(last)[0] is None
+    fresh.finish_verification()
+    assert not DatasetCache(tmp_path, "ds").refresh_verify_pending()
+    assert fresh.usage() == DatasetCache(tmp_path, "ds").usage()
+    assert sum(_disk_items(fresh).values()) == fresh.usage().cached_bytes == 10000
+
+
+def test_counters_equal_the_sum_on_disk_after_random_admissions_and_evictions(tmp_path):
+    rng = random.Random(7)
+    cache = DatasetCache(tmp_path, "ds")
+    cache.attach()
+    for step in range(300):
+        if rng.random() < 0.08:
+            cache.set_allocation(rng.randrange(0, 400_000))
+        else:
+            key = item_key(f"k{rng.randrange(400)}")
+            size = rng.randrange(0, 9000)
+            path, crc = _stage(cache, key, os.urandom(size))
+            if not cache.publish(key, path, size, crc):
+                path.unlink()
+        if step % 50 == 0:
+            cache.set_allocation(2**62)
+        usage = cache.usage()
+        on_disk = _disk_items(cache)
+        assert usage.cached_bytes == sum(on_disk.values()) and usage.items_cached == len(on_disk)
+        assert usage.cached_bytes <= max(usage.allocation_bytes, 0) or usage.allocation_bytes >= 2**62
+
+
+_CHURN = """
+import os, random, sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from fuse_client.cache_store import DatasetCache, file_crc32, item_key
+cache = DatasetCache(sys.argv[1], "ds")
+cache.attach()
+rng = random.Random(int(sys.argv[4]))
+print("ready", flush=True)
+while True:
+    if rng.random() < 0.05:
+        cache.set_allocation(rng.randrange(50_000, 600_000))
+        continue
+    key = item_key(f"k{rng.randrange(2000)}")
+    size = rng.randrange(1, 6000)
+    fd, path = cache.new_staging_file(key)
+    os.pwrite(fd, os.urandom(size), 0)
+    crc = file_crc32(fd, size)
+    os.close(fd)
+    if not cache.publish(key, path, size, crc):
+        path.unlink()
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_counters_equal_the_sum_on_disk_after_kill9_in_the_middle_of_admissions(tmp_path, seed):
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", _CHURN, str(tmp_path), str(repo), str(repo / "tests"), str(seed * 10 + i)],
+                              stdout=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    time.sleep(1.5 + seed * 0.37)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    cache = DatasetCache(tmp_path, "ds")
+    report = cache.attach()
+    assert report.ran and not report.clean
+    rows = dict(cache._db().execute("SELECT key, size FROM items"))
+    on_disk = _disk_items(cache)
+    assert on_disk == rows  # no file without a row, no row without a file, sizes agree
+    usage = cache.usage()
+    assert usage.cached_bytes == sum(on_disk.values()) and usage.items_cached == len(on_disk) > 0
+    assert usage.cached_bytes <= usage.allocation_bytes
+    assert not any(cache.staging_dir.iterdir())
+    assert not (tmp_path / "ds" / "locks").exists()
 
 
 # -- the resolver (fetch path) without a mount -------------------------------------------------
@@ -231,7 +361,7 @@ def test_resolver_hits_after_admission_and_counts_remote_bytes(tmp_path):
 def test_remote_error_is_retried_then_eio_and_nothing_enters_the_cache(tmp_path, monkeypatch):
     ds = make_dataset(tmp_path / "src", n_files=3)
     resolver, listing = _resolver(tmp_path, ds.root)
-    monkeypatch.setattr("fuse_client.remote.BACKOFF_S", 0.01)
+    resolver.store.policy = RetryPolicy(backoff_s=0.01)
     calls = []
     real_open = resolver.store._open
 

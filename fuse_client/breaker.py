@@ -29,7 +29,7 @@ class RetryPolicy:
     attempts: int = 4  # tries per open, including the first
     backoff_s: float = 0.2  # sleep backoff_s * 2**k before retry k+1
     deadline_s: float = 5.0  # an open fails once the remote has delivered nothing for this long
-    connect_timeout_s: float = 2.0  # handed to the remote client (capped by the deadline)
+    connect_timeout_s: float = 2.0  # handed to the remote client (capped at half the deadline)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -43,7 +43,7 @@ class RetryPolicy:
     @property
     def client_timeout_s(self) -> float:
         """Connect/read timeout for one request of the remote's client."""
-        return max(0.1, min(self.connect_timeout_s, self.deadline_s))
+        return max(0.1, min(self.connect_timeout_s, self.deadline_s / 2))
 
 
 class BreakerState(str, Enum):

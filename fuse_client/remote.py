@@ -186,7 +186,8 @@ class RemoteStore:
             if attempt:
                 reset()
                 pause = policy.backoff(attempt)
-                if clock() + pause - progress[0] > policy.deadline_s:
+                # Start another try only if it can time out (client timeout) within the deadline.
+                if clock() + pause + policy.client_timeout_s - progress[0] > policy.deadline_s:
                     break
                 sleep(pause)
             try:

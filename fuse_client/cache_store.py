@@ -4,9 +4,10 @@ Layout under `<cache-dir>/<dataset>/`:
 
     index.sqlite      items(key, size, crc32); meta(allocation_bytes, cached_bytes,
                       items_cached, clean, verify_pending); journal(key): items whose file is
-                      being renamed in or unlinked right now. WAL mode
+                      being evicted right now. WAL mode
     items/ab/<key>    complete, verified item files; presence here means "cached"
-    staging/          items being fetched (never served by name, never counted)
+    staging/          items being fetched or admitted (never served by name, never counted);
+                      `<key>.<pid>.<thread>.<rand>`, so the name says which item it is
     transient/        fetched items that were not admitted, kept only while jobs of other
                       processes that waited for the same fetch pick them up
     fetch.lock        one file of byte-range locks: per-item single flight across processes
@@ -22,10 +23,12 @@ insert), not a sum over the index. The hit path does not touch SQLite at all: it
 `items/ab/<key>`, because a file only ever appears there by an atomic rename of a complete,
 checksummed file, done inside the admitting transaction.
 
-Crash safety without re-reading the cache: every rename into items/ and every eviction unlink
-is preceded by a committed journal row for its key and followed by the transaction that
-deletes it. A clean unmount of the last mount sets `clean`; the next mount then trusts the
-index and serves at once. After a crash, recovery fixes only the journaled keys (the items in
+Crash safety without re-reading the cache: an admission links its staging file into items/
+inside its transaction and removes the staging name after the commit, so the staging names
+left by a crash are exactly the admissions in flight. Every eviction unlink is preceded by a
+committed journal row for its key and followed by the transaction that deletes it. A clean
+unmount of the last mount sets `clean`; the next mount then trusts the index and serves at
+once. After a crash, recovery fixes only the staging names and journaled keys (the items in
 flight when it died), rebuilds the counters, and sets `verify_pending`: every mount then
 checksums each item on its first hit (and the recovering mount verifies the rest in the
 background), so a torn file is never served.
@@ -247,27 +250,37 @@ class DatasetCache:
             self._local.db = None
         return marked
 
-    def _remove_leftovers(self) -> int:
-        removed = 0
-        for d in (self.staging_dir, self.transient_dir):
-            for entry in os.scandir(d):
+    def _remove_leftovers(self, db: sqlite3.Connection) -> tuple[int, int]:
+        """Remove staging and transient files; a staging file whose key has no index row may
+        have been linked into items/ by an admission that never committed: unlink that too."""
+        removed = unindexed = 0
+        for entry in os.scandir(self.staging_dir):
+            key = entry.name.split(".", 1)[0]
+            if len(key) == 40 and db.execute("SELECT 1 FROM items WHERE key = ?", (key,)).fetchone() is None:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed += 1
+                    os.unlink(self.item_path(key))
+                    unindexed += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+        for entry in os.scandir(self.transient_dir):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
         legacy_locks = self.root / "locks"  # per-item lock files of earlier versions
         if legacy_locks.is_dir():
             shutil.rmtree(legacy_locks, ignore_errors=True)
-        return removed
+        return removed, unindexed
 
     def _recover(self) -> RecoveryReport:
         t0 = time.monotonic()
-        removed_staging = self._remove_leftovers()
         with self._tx() as db:
+            removed_staging, unindexed = self._remove_leftovers(db)
             clean = self._meta(db, "clean") == 1
             self._set_meta(db, "clean", 0)
             if clean:
                 return RecoveryReport(ran=True, clean=True, removed_staging=removed_staging, seconds=time.monotonic() - t0)
-            verified = corrupt = unindexed = missing = 0
+            verified = corrupt = missing = 0
             journaled = [k for (k,) in db.execute("SELECT key FROM journal")]
             for key in journaled:
                 row = db.execute("SELECT size, crc FROM items WHERE key = ?", (key,)).fetchone()
@@ -385,15 +398,15 @@ class DatasetCache:
         return fd, path
 
     def publish(self, key: str, staging: Path, size: int, crc: int) -> bool:
-        """Admit a completely fetched item if the policy says so (O(1) in the index size).
+        """Admit a completely fetched item if the policy says so: one transaction, O(log n).
 
-        The rename into items/ happens inside the transaction that records the checksum and
-        the counters, so no other process can evict or count the item half-way; the key is
-        journaled first, so a crash between rename and commit is repaired by recovery.
+        The staging file is hard-linked into items/ inside the transaction that records the
+        checksum and the counters, so no other process can evict or count the item half-way.
+        The staging file is the journal: it is removed only after the commit, so a crash
+        between link and commit leaves `staging/<key>.*` behind and recovery unlinks the
+        unindexed `items/<key>`. On success the staging name is gone; on refusal it is kept.
         """
-        self._journal([key])
         with self._tx() as db:
-            db.execute("DELETE FROM journal WHERE key = ?", (key,))
             if db.execute("SELECT 1 FROM items WHERE key = ?", (key,)).fetchone() is not None:
                 return False
             cached = self._meta(db, "cached_bytes")
@@ -401,8 +414,16 @@ class DatasetCache:
                 return False
             db.execute("INSERT INTO items VALUES (?, ?, ?)", (key, size, crc))
             self._add_counters(db, size, 1)
-            os.rename(staging, self.item_path(key))
-            return True
+            target = self.item_path(key)
+            try:
+                os.link(staging, target)
+            except FileExistsError:
+                # An unindexed leftover (e.g. a crash of a mount that did not run recovery yet).
+                os.unlink(target)
+                os.link(staging, target)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        return True
 
     def keep_transient(self, key: str, staging: Path) -> None:
         """Expose a not-admitted item to the processes waiting for it (marked in fetch.lock)."""

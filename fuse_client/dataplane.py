@@ -206,7 +206,7 @@ class ItemResolver:
                     self._remote_failed(entry, exc)
                 raise
             self.breaker.record_success()
-            admitted = self.cache.publish(key, staging, entry.size, crc)
+            admitted = self.cache.publish(key, staging, entry.size, crc)  # removes the staging name
             if admitted:
                 self._mark_verified(entry)
             else:

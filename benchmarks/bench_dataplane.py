@@ -226,11 +226,43 @@ def serve_http(root: Path, port: int = 0, latency_s: float = 0.02) -> http.serve
     return server
 
 
+class HttpServerProcess:
+    """The remote in its own process, so that it does not share a GIL with the readers."""
+
+    def __init__(self, root: Path, latency_s: float, port: int = 0) -> None:
+        import subprocess
+
+        port = port or _free_port()
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}/"
+        self.p = subprocess.Popen([sys.executable, __file__, "--serve-http", str(root), str(port), str(latency_s)])
+        deadline = time.time() + 20
+        while True:
+            try:
+                urllib.request.urlopen(self.url, timeout=1).read()
+                return
+            except OSError:
+                if time.time() > deadline or self.p.poll() is not None:
+                    raise RuntimeError("HTTP server did not start")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_s: float = 0.02) -> dict:
     src = work / f"remote-src-{n}"
     rels = make_many(src, n, item_size)
-    server = serve_http(src, latency_s=latency_s)
-    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    server = HttpServerProcess(src, latency_s)
+    url = server.url
     try:
         sample = rels[:]
         random.Random(2).shuffle(sample)
@@ -252,8 +284,7 @@ def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_
         finally:
             proc.stop()
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
     r = {"items": n, "sample": len(sample), "latency_ms": latency_s * 1000, "threads": threads,
          "files_per_s": fps, "remote_direct_files_per_s": direct, "ratio": fps / direct, "target": ">= 0.8x the remote's own rate"}
     print(f"  latency-bound HTTP remote ({latency_s * 1000:.0f} ms/GET, {threads} readers): mount {fps:.0f} files/s, "
@@ -334,9 +365,8 @@ def bench_dead(work: Path, deadline: float, threshold: int, probe: float) -> dic
     rels = make_many(src, 400, 20_000)
     out = {"open_deadline_s": deadline, "breaker_threshold": threshold, "probe_interval_s": probe}
     for mode in ("refused", "hang"):
-        server = serve_http(src, latency_s=0.0)
-        port = server.server_address[1]
-        url = f"http://127.0.0.1:{port}/"
+        server = HttpServerProcess(src, 0.0)
+        port, url = server.port, server.url
         cache = work / "dead-cache"
         shutil.rmtree(cache, ignore_errors=True)
         proc, stats = mount(url, work / "mnt-dead", cache, "dead", "--open-deadline", str(deadline),
@@ -345,8 +375,7 @@ def bench_dead(work: Path, deadline: float, threshold: int, probe: float) -> dic
         try:
             for rel in rels[:20]:
                 (proc.mnt / rel).read_bytes()
-            server.shutdown()
-            server.server_close()
+            server.stop()
             if mode == "hang":
                 hole = _blackhole(port)
             failures, durations, i = 0, [], 20
@@ -371,7 +400,7 @@ def bench_dead(work: Path, deadline: float, threshold: int, probe: float) -> dic
             cached_fps = 20 / (time.perf_counter() - t0)
             if hole is not None:
                 hole.close()
-            server = serve_http(src, port=port, latency_s=0.0)
+            server = HttpServerProcess(src, 0.0, port=port)
             back = time.perf_counter()
             while True:
                 try:
@@ -385,8 +414,7 @@ def bench_dead(work: Path, deadline: float, threshold: int, probe: float) -> dic
             recovery = time.perf_counter() - back
         finally:
             proc.stop()
-            server.shutdown()
-            server.server_close()
+            server.stop()
         out[mode] = r = {"failed_opens_until_breaker_open": failures, "max_failed_open_s": max(durations),
                          "mean_failed_open_s": statistics.mean(durations), "ratio_max_open_to_deadline": max(durations) / deadline,
                          "cached_reads_while_down_per_s": cached_fps, "recovery_s": recovery,
@@ -496,6 +524,7 @@ def _quiet_read(path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve-http", nargs=3, metavar=("ROOT", "PORT", "LATENCY"), help=argparse.SUPPRESS)
     ap.add_argument("--only", action="append", choices=["miss", "remote", "hits", "dead", "remount", "stall"])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/silod-bench"))
     ap.add_argument("--json", type=Path, default=REPO / "out" / "bench_dataplane.json")
@@ -512,6 +541,10 @@ def main() -> None:
     ap.add_argument("--probe", type=float, default=1.0)
     ap.add_argument("--remount-items", type=int, default=100_000)
     args = ap.parse_args()
+    if args.serve_http:
+        root, port, latency = args.serve_http
+        serve_http(Path(root), int(port), float(latency))
+        threading.Event().wait()
     which = args.only or ["miss", "remote", "hits", "dead", "remount", "stall"]
     args.workdir.mkdir(parents=True, exist_ok=True)
     results: dict = {"host": {"cpus": os.cpu_count(), "kernel": os.uname().release}}

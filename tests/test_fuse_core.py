@@ -430,3 +430,39 @@ def test_concurrent_misses_of_one_item_are_fetched_once(tmp_path):
 def test_item_key_is_flat_and_stable():
     assert item_key("a/b.jpg") == item_key("a/b.jpg") != item_key("a/c.jpg")
     assert "/" not in item_key("../../etc/passwd")
+
+
+def test_unmount_wakes_opens_whose_fetch_never_started(tmp_path):
+    """With every fetch worker busy, queued misses must not hang when the mount closes."""
+    ds = make_dataset(tmp_path / "src", n_files=6, min_size=50_000, max_size=50_000)
+    store = RemoteStore(str(ds.root))
+    listing = store.list()
+    cache = DatasetCache(tmp_path / "cache", "ds")
+    throttle = Throttle(0.0)  # paused: fetches block on tokens
+    resolver = ItemResolver(store, cache, throttle, JobAccounting(len(listing.files)), fetch_workers=2)
+    errors = []
+
+    def open_one(entry):
+        try:
+            resolver.resolve(entry)
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(e,)) for e in listing.files.values()]
+    for t in threads:
+        t.start()
+    wait = time.monotonic() + 5
+    while resolver.fetches_running() < 2 and time.monotonic() < wait:
+        time.sleep(0.01)
+    assert resolver.fetches_running() == 2  # two running, four queued behind them
+    throttle.close()
+    resolver.close()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 6
+    wait = time.monotonic() + 5
+    while resolver.fetches_running() and time.monotonic() < wait:
+        time.sleep(0.01)
+    assert resolver.fetches_running() == 0 and cache.usage().items_cached == 0
+    assert not any(cache.staging_dir.iterdir())

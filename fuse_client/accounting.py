@@ -12,6 +12,7 @@ the dataset's cached bytes to give the job's effective cache.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -64,10 +65,7 @@ class LatencyHistogram:
     count: int = 0
 
     def observe(self, seconds: float) -> None:
-        i = 0
-        while i < len(LATENCY_BUCKETS_S) and seconds > LATENCY_BUCKETS_S[i]:
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1  # first bound >= seconds
         self.sum_s += seconds
         self.count += 1
 

@@ -466,3 +466,17 @@ def test_unmount_wakes_opens_whose_fetch_never_started(tmp_path):
         time.sleep(0.01)
     assert resolver.fetches_running() == 0 and cache.usage().items_cached == 0
     assert not any(cache.staging_dir.iterdir())
+
+
+def test_latency_histogram_buckets_are_upper_bounds_and_cumulative():
+    from fuse_client.accounting import LATENCY_BUCKETS_S, LatencyHistogram
+
+    h = LatencyHistogram()
+    for v in (0.0, 0.00005, 0.00006, 1.0, 1.0001, 60.0):
+        h.observe(v)
+    out = h.export()
+    le = dict((str(b), c) for b, c in out["buckets"])
+    assert le[str(0.00005)] == 2 and le[str(0.0001)] == 3 and le[str(1.0)] == 4 and le[str(2.5)] == 5
+    assert out["buckets"][-1] == ["+Inf", 6] and out["count"] == 6 and len(out["buckets"]) == len(LATENCY_BUCKETS_S) + 1
+    assert abs(out["sum_s"] - 62.00021) < 1e-9
+    assert h.quantile(0.5) == 0.0001 and h.quantile(1.0) == float("inf")

@@ -317,9 +317,22 @@ def run_mount(cfg: MountConfig) -> int:
     from fuse_client.remote import RemoteStore
     from fuse_client.token_bucket import Throttle
 
+    from fuse_client import listing_snapshot
+
     throttle = Throttle(cfg.io_rate)
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s))
-    listing = store.list()
+    snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
+    listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
+    if listing is not None:
+        try:
+            # Our own credentials must still reach the source before we trust an old listing.
+            store.probe(next(iter(listing.files.values())))
+        except Exception as exc:
+            log.info("not using the listing snapshot of %s: %s", cfg.source, exc)
+            listing = None
+    listed_now = listing is None
+    if listed_now:
+        listing = store.list()
     # Only now, with every input checked, touch the local disk.
     try:
         cfg.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -357,6 +370,8 @@ def run_mount(cfg: MountConfig) -> int:
     control.start()
     if link is not None:
         link.start()
+    threading.Thread(target=_refresh_snapshot, args=(store, snapshot, cfg.source, listing, listed_now),
+                     name="silod-listing", daemon=True).start()
     def fuse_main() -> None:
         mfusepy.FUSE(
             fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
@@ -384,6 +399,21 @@ def run_mount(cfg: MountConfig) -> int:
             log.info("cache of %s marked clean", cfg.dataset)
         cache.close()
     return 0
+
+
+def _refresh_snapshot(store, path: Path, source: str, serving, listed_now: bool) -> None:
+    """Save the listing for the next mount; if we started from a snapshot, list again first."""
+    from fuse_client import listing_snapshot
+
+    try:
+        current = serving if listed_now else store.list()
+        if not listed_now and not listing_snapshot.same(serving, current):
+            log.warning("the source %s changed since the last mount (%d items now, %d served); this mount keeps "
+                        "the listing it started with, the next mount sees the change", source, len(current.files), len(serving.files))
+        if listed_now or not listing_snapshot.same(serving, current):
+            listing_snapshot.save(path, source, current)
+    except Exception as exc:
+        log.warning("could not refresh the listing snapshot of %s: %s", source, exc)
 
 
 def _wait_until(predicate, timeout: float) -> bool:

@@ -176,3 +176,38 @@ def test_bad_tuning_flags_exit_2(tmp_path):
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, (flag, r.stderr)
     assert not (tmp_path / "cache").exists()
+
+
+def test_remount_starts_from_the_listing_snapshot_and_notices_a_changed_source(tmp_path):
+    ds = make_dataset(tmp_path / "remote", n_files=30, seed=15)
+    cache = tmp_path / "cache"
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache) as m:
+        read_epoch(m.mountpoint, ds, seed=1)
+        wait_until(lambda: (cache / "ds" / "listing.json").exists(), 5.0, message="snapshot saved")
+    (ds.root / "class0" / "new-item.bin").write_bytes(b"n" * 1000)
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, "--log-level", "INFO") as m:
+        # Started from the snapshot: the new file is not there for this mount; the change is logged.
+        assert not (m.mountpoint / "class0" / "new-item.bin").exists()
+        assert m.fresh_stats()["items_total"] == 30
+        wait_until(lambda: "changed since the last mount" in m.log(), 5.0, message="change noticed")
+        read_epoch(m.mountpoint, ds, seed=2)
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache) as m:
+        assert (m.mountpoint / "class0" / "new-item.bin").read_bytes() == b"n" * 1000
+        assert m.fresh_stats()["items_total"] == 31
+
+
+def test_a_snapshot_does_not_let_a_mount_skip_reaching_the_source(tmp_path):
+    import shutil
+    import subprocess
+
+    from dataplane_helpers import silod_cmd
+
+    ds = make_dataset(tmp_path / "remote", n_files=5, seed=16)
+    cache = tmp_path / "cache"
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache) as m:
+        read_epoch(m.mountpoint, ds, seed=1)
+        wait_until(lambda: (cache / "ds" / "listing.json").exists(), 5.0, message="snapshot saved")
+    shutil.rmtree(ds.root)  # the source is gone (or no longer readable with these credentials)
+    r = subprocess.run([*silod_cmd(), "mount", str(tmp_path / "mnt"), "--source", str(ds.root), "--dataset", "ds",
+                        "--job", "j", "--cache-dir", str(cache)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and str(ds.root) in r.stderr and "Traceback" not in r.stderr

@@ -51,10 +51,13 @@ def load(path: Path, source: str) -> DatasetListing | None:
 
 
 def save(path: Path, source: str, listing: DatasetListing) -> None:
-    """Write atomically (temp file + rename): a reader sees the old or the new snapshot."""
+    """Write atomically (temp file + rename): a reader sees the old or the new snapshot.
+
+    The temp file goes to staging/, which crash recovery empties, so a mount that exits
+    while writing leaves nothing behind for long."""
     entries = sorted(listing.files.values(), key=lambda e: e.index)
     body = {"format": FORMAT, "source": source, "paths": [e.path for e in entries], "sizes": [e.size for e in entries]}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.parent / "staging" / f"listing.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(body, f, separators=(",", ":"))
     os.replace(tmp, path)

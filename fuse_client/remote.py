@@ -16,6 +16,7 @@ remote costs one deadline per open, not nested client retries (~31 s per open be
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 import time
 import zlib
@@ -136,14 +137,14 @@ class RemoteStore:
         return DatasetListing.from_sizes(sizes)
 
     def _list_local(self) -> dict[str, int]:
-        """A local (or NFS) directory, walked with scandir: ~7x faster than fsspec's find, which
-        builds an info dict per file; that is most of a remount's time for 100k+ items.
-        Symlinks are followed, as fsspec does."""
-        import os
-
+        """A local (or NFS) directory, walked with scandir: about 2x faster than fsspec's find,
+        which builds an info dict per file (most of a remount's time at 100k+ items). Symlinks
+        are followed, as fsspec does; a directory reached twice (a symlink cycle) is walked once."""
         if not os.path.isdir(self.root):
             raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
         sizes: dict[str, int] = {}
+        root_stat = os.stat(self.root)
+        seen = {(root_stat.st_dev, root_stat.st_ino)}
         pending = [("", self.root)]
         while pending:
             rel_dir, path = pending.pop()
@@ -151,7 +152,10 @@ class RemoteStore:
                 for entry in entries:
                     rel = f"{rel_dir}{entry.name}"
                     if entry.is_dir():
-                        pending.append((rel + "/", entry.path))
+                        st = entry.stat()
+                        if (st.st_dev, st.st_ino) not in seen:
+                            seen.add((st.st_dev, st.st_ino))
+                            pending.append((rel + "/", entry.path))
                     elif entry.is_file():
                         sizes[rel] = entry.stat().st_size
         return sizes

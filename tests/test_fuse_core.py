@@ -480,3 +480,16 @@ def test_latency_histogram_buckets_are_upper_bounds_and_cumulative():
     assert out["buckets"][-1] == ["+Inf", 6] and out["count"] == 6 and len(out["buckets"]) == len(LATENCY_BUCKETS_S) + 1
     assert abs(out["sum_s"] - 62.00021) < 1e-9
     assert h.quantile(0.5) == 0.0001 and h.quantile(1.0) == float("inf")
+
+
+def test_local_listing_follows_symlinks_once_and_matches_the_tree(tmp_path):
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "x.bin").write_bytes(b"x" * 10)
+    (src / "top.bin").write_bytes(b"t" * 3)
+    (src / "a" / "loop").symlink_to(src)  # a cycle must not hang the mount
+    (src / "link.bin").symlink_to(src / "top.bin")
+    listing = RemoteStore(str(src)).list()
+    assert {p: e.size for p, e in listing.files.items()} == {"a/b/x.bin": 10, "top.bin": 3, "link.bin": 3}
+    assert sorted(listing.dirs[""]) == ["a", "link.bin", "top.bin"] and listing.dirs["a/b"] == ["x.bin"]
+    assert [listing.files[p].index for p in sorted(listing.files)] == [0, 1, 2]

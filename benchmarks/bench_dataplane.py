@@ -282,7 +282,8 @@ def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_
 
         # The reference is measured before and after the mount's run (other items, same server)
         # and averaged, because the load of a shared machine drifts during the run.
-        others = [r for r in rels if r not in set(sample)][: len(sample) // 2]
+        measured = set(sample)
+        others = [r for r in rels if r not in measured][: len(sample) // 2]
         direct_before = direct_rate(others)
         cache = work / "remote-cache"
         shutil.rmtree(cache, ignore_errors=True)

@@ -39,9 +39,9 @@ The caching *policy* (which item to admit, which to evict) is a `CachePolicy`
 `LruPolicy` (lru_cache.py, for irregular jobs); this module is only the mechanics. A policy
 that `uses_recency` gets the hits noted in memory (a dict store on the hit path, no I/O) and
 stamped on the item files' mtimes every control tick and before victims are chosen. A policy
-that `evicts_to_admit` has its victims' rows and counters removed inside the admitting
-transaction, so the counted bytes never exceed the allocation; their files are journaled in
-that same transaction and unlinked right after the commit.
+that `evicts_to_admit` chooses victims from a read snapshot, journals them like any eviction,
+and has them removed (rows, counters, files) in the transaction that admits the item, so the
+cached bytes never exceed the allocation, in the index or on disk.
 """
 
 from __future__ import annotations
@@ -427,7 +427,7 @@ class DatasetCache:
 
     def publish(self, key: str, staging: Path, size: int, crc: int) -> bool:
         """Admit a completely fetched item if the policy says so: one transaction, O(log n)
-        while the item fits (an LRU eviction at admission reads the index once per batch).
+        while the item fits.
 
         The staging file is hard-linked into items/ inside the transaction that records the
         checksum and the counters, so no other process can evict or count the item half-way.
@@ -435,57 +435,79 @@ class DatasetCache:
         between link and commit leaves `staging/<key>.*` behind and recovery unlinks the
         unindexed `items/<key>`. On success the staging name is gone; on refusal it is kept.
 
-        If the item does not fit and the policy evicts to admit (LRU), the victims' rows and
-        counters go in this same transaction, so no other mount ever sees the dataset over its
-        allocation; their keys are journaled in it too and their files unlinked after the
-        commit (`_unlink_evicted`), so a crash in between leaves journaled keys without rows,
-        which recovery unlinks.
+        If the item does not fit and the policy evicts to admit (LRU), see `_evict_and_admit`.
         """
-        victims: list[CachedItem] = []
         with self._tx() as db:
             if db.execute("SELECT 1 FROM items WHERE key = ?", (key,)).fetchone() is not None:
                 return False
             cached = self._meta(db, "cached_bytes")
             allocation = self._meta(db, "allocation_bytes")
-            if not self.policy.should_admit(cached, size, allocation):
-                policy = self.refresh_policy()  # fresh: another mount may have switched the mode
-                if not policy.evicts_to_admit(size, allocation):
-                    return False
-                victims = policy.admission_victims(self._policy_items(db, policy), allocation, size)
-                if cached - sum(v.size for v in victims) + size > allocation:
-                    return False  # the policy could not make room; admit nothing, evict nothing
-                self._remove_rows(db, victims)
-            db.execute("INSERT INTO items VALUES (?, ?, ?)", (key, size, crc))
-            self._add_counters(db, size, 1)
-            target = self.item_path(key)
-            try:
-                os.link(staging, target)
-            except FileExistsError:
-                # An unindexed leftover (e.g. a crash of a mount that did not run recovery yet).
-                os.unlink(target)
-                os.link(staging, target)
+            fits = self.policy.should_admit(cached, size, allocation)
+            if fits:
+                self._admit(db, key, staging, size, crc)
+        if not fits:
+            return self._evict_and_admit(key, staging, size, crc)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(staging)
-        if victims:
-            self._unlink_evicted([v.key for v in victims])
         return True
 
-    def _remove_rows(self, db: sqlite3.Connection, victims: list[CachedItem]) -> None:
-        """Inside a transaction: drop the victims' rows and counts and journal their keys."""
-        db.executemany("INSERT OR IGNORE INTO journal VALUES (?)", [(v.key,) for v in victims])
-        for item in victims:
-            if db.execute("DELETE FROM items WHERE key = ?", (item.key,)).rowcount:
-                self._add_counters(db, -item.size, -1)
+    def _admit(self, db: sqlite3.Connection, key: str, staging: Path, size: int, crc: int) -> None:
+        """Inside a transaction: the row, the counters and the link into items/."""
+        db.execute("INSERT INTO items VALUES (?, ?, ?)", (key, size, crc))
+        self._add_counters(db, size, 1)
+        target = self.item_path(key)
+        try:
+            os.link(staging, target)
+        except FileExistsError:
+            # An unindexed leftover (e.g. a crash of a mount that did not run recovery yet).
+            os.unlink(target)
+            os.link(staging, target)
 
-    def _unlink_evicted(self, keys: list[str]) -> None:
-        """Unlink the files of journaled, row-less keys and clear their journal rows. A key
-        admitted again meanwhile (another mount) has a row again: its new file stays."""
-        with self._tx() as db:
-            for key in keys:
-                if db.execute("SELECT 1 FROM items WHERE key = ?", (key,)).fetchone() is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.item_path(key))
-            db.executemany("DELETE FROM journal WHERE key = ?", [(k,) for k in keys])
+    def _evict_and_admit(self, key: str, staging: Path, size: int, crc: int, attempts: int = 3) -> bool:
+        """Eviction at admission (a policy that `evicts_to_admit`, i.e. LRU).
+
+        The policy chooses victims from a read snapshot of the index and the items' stamps (the
+        O(n) part, once per batch of evictions, outside any write lock); their keys are
+        journaled in a committed row, like every eviction. Then one transaction re-checks the
+        room, removes the victims (rows, counters, files) and admits the item, so no mount ever
+        sees the dataset over its allocation, in the index or on disk. If other mounts changed
+        the cache in between so that the victims no longer make room, nothing is evicted and
+        the choice is made again (a few times; then the item is not admitted).
+        """
+        for _ in range(attempts):
+            db = self._db()
+            allocation = self._meta(db, "allocation_bytes")
+            policy = self.refresh_policy()  # fresh: another mount may have switched the mode
+            if not policy.evicts_to_admit(size, allocation):
+                return False
+            victims = policy.admission_victims(self._policy_items(db, policy), allocation, size)
+            if victims:
+                self._journal([v.key for v in victims])
+            admitted = False
+            with self._tx() as db:
+                if db.execute("SELECT 1 FROM items WHERE key = ?", (key,)).fetchone() is not None:
+                    db.executemany("DELETE FROM journal WHERE key = ?", [(v.key,) for v in victims])
+                    return False  # another mount admitted it meanwhile
+                present = [v for v in victims
+                           if db.execute("SELECT 1 FROM items WHERE key = ?", (v.key,)).fetchone() is not None]
+                cached = self._meta(db, "cached_bytes")
+                allocation = self._meta(db, "allocation_bytes")
+                if self.policy.should_admit(cached - sum(v.size for v in present), size, allocation):
+                    for item in present:
+                        db.execute("DELETE FROM items WHERE key = ?", (item.key,))
+                        self._add_counters(db, -item.size, -1)
+                        # Unlinked inside the transaction (journaled above): a reader that has
+                        # the fd keeps reading; a new open sees ENOENT and treats it as a miss.
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self.item_path(item.key))
+                    self._admit(db, key, staging, size, crc)
+                    admitted = True
+                db.executemany("DELETE FROM journal WHERE key = ?", [(v.key,) for v in victims])
+            if admitted:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staging)
+                return True
+        return False
 
     def keep_transient(self, key: str, staging: Path) -> None:
         """Expose a not-admitted item to the processes waiting for it (marked in fetch.lock)."""

@@ -63,6 +63,9 @@ def register(app: typer.Typer) -> None:
 
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        from scheduler.outputs import ensure_writable_dir
+
+        ensure_writable_dir(out, "--out")
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
                                        defaults=DEFAULT_CLUSTER)
@@ -102,10 +105,9 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--workers {workers} must be >= 1")
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create --out {out}: {exc.strerror}; choose a writable directory") from None
+        from scheduler.outputs import ensure_writable_dir
+
+        ensure_writable_dir(out, "--out")
         headlines = []
         for n in names:
             payload = EXPERIMENTS[n](runner, out, capacity)

@@ -36,6 +36,11 @@ LARGE_CLUSTER = dict(gpus=400, gpus_per_node=4, cache=100 * TB, remote_io=4 * GB
 #: Gavel/Philly VC traces are too lightly loaded for a 400-GPU cluster to queue (see README).
 SYNTHETIC_JOBS = 2000
 SYNTHETIC_INTERARRIVAL_S = 300.0
+#: The sweeps (Figs. 14a, 14b, 15) run dozens of simulations: half the jobs at twice the arrival
+#: rate, so the queue builds up as in the 2,000-job trace. (The first 600 jobs of that trace at
+#: its own rate leave a 400-GPU cluster unloaded: every point of a sweep came out the same.)
+SWEEP_JOBS = 1000
+SWEEP_INTERARRIVAL_S = 150.0
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 BASELINES = ("alluxio", "coordl", "quiver")
 
@@ -49,6 +54,7 @@ class TraceSource:
     seed: int
     sharing: float = 0.0
     micro: bool = False
+    interarrival_s: float = SYNTHETIC_INTERARRIVAL_S  # synthetic trace only
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ def build_trace(source: TraceSource) -> Trace:
         from traces.synthetic import generate_trace
 
         n = source.max_jobs or SYNTHETIC_JOBS
-        return generate_trace(n, mean_interarrival_s=SYNTHETIC_INTERARRIVAL_S, dataset_sharing=source.sharing, seed=source.seed + 1)
+        return generate_trace(n, mean_interarrival_s=source.interarrival_s, dataset_sharing=source.sharing, seed=source.seed + 1)
     from traces.loader import TraceFormat, load_trace
 
     path = Path(source.path)
@@ -131,10 +137,20 @@ class ExperimentRunner:
     def trace(self, sharing: float = 0.0) -> Trace:
         return build_trace(replace(self.source, sharing=sharing))
 
+    def for_sweeps(self) -> ExperimentRunner:
+        """The same runner on the sweeps' trace (SWEEP_JOBS at SWEEP_INTERARRIVAL_S), unless the
+        user chose the trace or its length."""
+        if self.source.path is not None or self.source.max_jobs is not None:
+            return self
+        sweeps = ExperimentRunner(None, SWEEP_JOBS, self.source.seed, self.round_s, self.resolution, self.show_progress, self.workers)
+        sweeps.source = replace(sweeps.source, interarrival_s=SWEEP_INTERARRIVAL_S)
+        return sweeps
+
     def describe(self, capacity: ClusterCapacity, sharing: float = 0.0) -> str:
         """Cluster and trace, for figure titles."""
         trace = self.trace(sharing)
-        origin = Path(self.source.path).name if self.source.path else "synthetic Philly-distribution trace"
+        origin = (Path(self.source.path).name if self.source.path
+                  else f"synthetic Philly-distribution trace (mean inter-arrival {self.source.interarrival_s:g} s)")
         return (f"{capacity.gpus} GPUs, {capacity.cache / TB:g} TB cache, {capacity.remote_io / GB:g} GB/s remote IO; "
                 f"{origin}, {len(trace)} jobs")
 
@@ -268,6 +284,7 @@ def experiment_fairness(runner: ExperimentRunner, out: Path, capacity: ClusterCa
 def _sweep(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity, experiment: str, x_key: str, xs: list[float],
            runs: list[Run], series_of: Callable[[Run], str], title: str, xlabel: str, sharing: float = 0.0) -> dict:
     """Run a sweep (runs ordered x-major), plot average JCT per series over x, save the JSON."""
+    runner = runner.for_sweeps()
     series: dict[str, list[float]] = {}
     for r in runner.run_all(runs):
         series.setdefault(series_of(r.run), []).append(r.summary["avg_jct_s"])

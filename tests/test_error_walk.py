@@ -179,3 +179,15 @@ def test_debug_shows_the_traceback(files):
         proc = subprocess.run([*SILOD, *argv], capture_output=True, text=True, timeout=60, env={**env, **extra_env})
         assert proc.returncode == 2
         assert "Traceback" in proc.stderr and "does-not-exist.csv" in proc.stderr.splitlines()[-1]
+
+
+def test_exit_codes_of_commands_reach_the_shell():
+    """Without standalone mode typer returns `raise typer.Exit(code)` as a value; `silod mount`
+    (the mount's exit status) and `silod demo` (jobs that did not finish) rely on it."""
+    code = ("import sys, typer; from scheduler.cli import app, main\n"
+            "@app.command('exit-three')\n"
+            "def exit_three() -> None:\n"
+            "    raise typer.Exit(3)\n"
+            "main(['exit-three'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr

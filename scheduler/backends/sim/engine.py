@@ -123,6 +123,14 @@ class Simulator:
             )
         if not trace.jobs:
             raise UserError("the trace has no jobs")
+        irregular = [j for j in trace.jobs if not j.access.regular]
+        if irregular:
+            j = irregular[0]
+            raise UserError(
+                f"job {j.job_id} has access={j.access.kind.value}: silod simulate models epoch reads only; curriculum and "
+                f"irregular reads (and the LRU partition they are scheduled in) are not simulated yet. Drop the access "
+                f"columns to simulate these jobs as epoch readers ({len(irregular)} such job(s))"
+            )
         self.trace = trace
         self.capacity = capacity
         self.config = config
@@ -263,20 +271,21 @@ class Simulator:
                 step_end = min(step_end, pending[next_arrival].submit_time)
             if self.core.estimator.manages_storage:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
-            caps, contended = self._io_caps(plan, running)
+            misses = {job.job_id: job.miss_ratio(self.cache) for job in running}
+            caps, contended = self._io_caps(plan, running, misses)
             managed = plan.remote_io is not None and cfg.manage_io
             for job in running:
                 # A finish always ends the step (its IO is re-divided); an epoch boundary only
                 # where the link is contended and the job's demand will change there.
-                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended))
+                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
             step_end = min(step_end, now + self._step_limit())
             dt = max(step_end - now, 1e-6)
 
             finished: list[SimJob] = []
             step_bytes = step_remote = 0.0
-            misses = {job.job_id: job.miss_ratio(self.cache) for job in running} if managed and contended else {}
+            watch = managed and contended
             for job, res in self._advance_all(running, now, dt, caps):
-                miss = misses.get(job.job_id)
+                miss = misses[job.job_id] if watch else None
                 if miss is not None and abs(job.miss_ratio(self.cache) - miss) > DEMAND_CHANGE:
                     # Its demand on a contended link changed: the policy re-divides the link
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
@@ -365,7 +374,7 @@ class Simulator:
                 heapq.heappush(clock, (t, i))
         return [(job, results[job.job_id]) for job in running]
 
-    def _io_caps(self, plan, running: list[SimJob]) -> tuple[dict[str, float], bool]:
+    def _io_caps(self, plan, running: list[SimJob], misses: dict[str, float]) -> tuple[dict[str, float], bool]:
         """Remote IO per running job for this step, and whether the link is contended.
 
         Managed (SiloD): the policy's caps, with work conservation: a job holds no more than it
@@ -374,7 +383,7 @@ class Simulator:
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
-        demands = {j.job_id: j.ideal * j.miss_ratio(self.cache) for j in running}
+        demands = {j.job_id: j.ideal * misses[j.job_id] for j in running}
         contended = sum(demands.values()) > total * (1 - 1e-9)
         if plan.remote_io is not None and self.config.manage_io:
             floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}

@@ -95,26 +95,27 @@ class SimJob:
         self.read_mask[:] = False
         self.unread_cached = cache.visible_chunks(self)
 
-    def rate(self, io_cap: float, cache: SimCacheSystem) -> float:
+    def rate(self, io_cap: float, cache: SimCacheSystem, miss: float | None = None) -> float:
         """Eq. 4 with the measured miss ratio: min(f*, b / m)."""
-        m = self.miss_ratio(cache)
+        m = self.miss_ratio(cache) if miss is None else miss
         if m <= 1e-12:
             return self.ideal
         return min(self.ideal, io_cap / m) if io_cap > 0 else 0.0
 
-    def seconds_to_event(self, io_cap: float, cache: SimCacheSystem, epoch_matters: bool = True) -> float:
+    def seconds_to_event(self, io_cap: float, cache: SimCacheSystem, epoch_matters: bool = True, miss: float | None = None) -> float:
         """Time until the job finishes or, if `epoch_matters`, reaches an epoch boundary where
         its miss ratio (so its demand on the link) will change, at its current rate."""
-        r = self.rate(io_cap, cache)
+        m = self.miss_ratio(cache) if miss is None else miss
+        r = self.rate(io_cap, cache, m)
         if r <= 0:
             return math.inf
-        left = self.remaining
+        left = self.total_bytes - self.consumed
         if epoch_matters:
             k = self.dataset.n_chunks
             # What the next epoch will see: the cache now plus what this epoch's misses admit.
             misses_left = (k - self.looked) - self.unread_cached
             next_miss = 1.0 - (cache.visible_chunks(self) + min(cache.room(self), misses_left)) / k
-            if abs(next_miss - self.miss_ratio(cache)) > DEMAND_CHANGE:
+            if abs(next_miss - m) > DEMAND_CHANGE:
                 left = min(left, (k - self.pos) * self.dataset.chunk_size)
         return max(left, 0.0) / r
 

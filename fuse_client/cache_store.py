@@ -214,6 +214,10 @@ class DatasetCache:
     def item_path(self, key: str) -> Path:
         return self.items_dir / key[:2] / key
 
+    def _item_str(self, key: str) -> str:
+        # A str, not a Path: building a Path per item was 2/3 of an LRU victim scan.
+        return f"{self._items_prefix}{key[:2]}/{key}"
+
     # -- lifetime and recovery ---------------------------------------------------------------
 
     def attach(self) -> RecoveryReport:
@@ -573,7 +577,7 @@ class DatasetCache:
         if not policy.uses_recency:
             return [CachedItem(k, s) for k, s in rows]
         self.flush_recency()
-        return lru_cache.stamp(rows, self.item_path)
+        return lru_cache.stamp(rows, self._item_str)
 
     # -- cache mode (uniform | lru): which policy ----------------------------------------------
 
@@ -608,7 +612,7 @@ class DatasetCache:
     def flush_recency(self) -> int:
         """Write this process's noted hits to the items' stamps (every control tick, before
         choosing victims and at detach); returns how many items were stamped."""
-        return self.recency.flush(self.item_path)
+        return self.recency.flush(self._item_str)
 
     def usage(self) -> CacheUsage:
         """O(1): the counters kept with the index."""

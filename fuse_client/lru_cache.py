@@ -118,7 +118,7 @@ def policy_for(mode: CacheMode) -> CachePolicy:
     return LruPolicy() if CacheMode(mode) is CacheMode.LRU else UniformPolicy()
 
 
-def stamp(keys_and_sizes: Sequence[tuple[str, int]], item_path: Callable[[str], Path]) -> list[StampedItem]:
+def stamp(keys_and_sizes: Sequence[tuple[str, int]], item_path: Callable[[str], str | Path]) -> list[StampedItem]:
     """Each indexed item with its recency; an item whose file is gone sorts first (stamp 0)."""
     out = []
     for key, size in keys_and_sizes:
@@ -140,7 +140,7 @@ class RecencyLog:
     def note(self, key: str) -> None:
         self._noted[key] = time.time_ns()  # one dict store: atomic under the GIL
 
-    def flush(self, item_path: Callable[[str], Path]) -> int:
+    def flush(self, item_path: Callable[[str], str | Path]) -> int:
         """Stamp every noted item (gone ones are skipped); returns how many were stamped."""
         with self._flush_lock:
             noted, self._noted = self._noted, {}

@@ -7,8 +7,76 @@ state, nothing goes stale when a client disappears, and several apps can live in
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# Histogram buckets a client may report (fuse_client.accounting.LATENCY_BUCKETS_S has 17 + Inf).
+_MAX_BUCKETS = 64
+
+
+def _number(value) -> float | None:
+    """A finite, non-negative number from a client's stats, or None (stats are untrusted input)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _histogram(value) -> tuple[list[tuple[str, float]], float] | None:
+    """Validated Prometheus buckets [(le, cumulative)] and sum from a stats histogram, or None."""
+    if not isinstance(value, dict) or not isinstance(value.get("buckets"), list):
+        return None
+    buckets: list[tuple[str, float]] = []
+    last = 0.0
+    for pair in value["buckets"][:_MAX_BUCKETS]:
+        if not isinstance(pair, list) or len(pair) != 2:
+            return None
+        le, count = pair
+        count = _number(count)
+        if count is None or count < last:
+            return None
+        if le == "+Inf":
+            buckets.append(("+Inf", count))
+            break
+        le = _number(le)
+        if le is None:
+            return None
+        buckets.append((repr(float(le)), count))
+        last = count
+    total = _number(value.get("sum_s"))
+    if not buckets or buckets[-1][0] != "+Inf" or total is None:
+        return None
+    return buckets, total
+
+
+def _data_plane_metrics(clients: list[dict]):
+    """Per mount (node, dataset, job): bytes by kind, open latency, remote errors, breaker state."""
+    labels = ["node", "dataset", "job"]
+    read = CounterMetricFamily("silod_job_read_bytes", "Bytes the job read through its mount, by where they came from.", labels=[*labels, "source"])
+    remote = CounterMetricFamily("silod_job_remote_fetched_bytes", "Bytes the job's mount fetched from the remote store.", labels=labels)
+    errors = CounterMetricFamily("silod_job_remote_errors", "Failed remote requests of the job's mount (each retry and probe counts).", labels=labels)
+    failed = CounterMetricFamily("silod_job_failed_opens", "Opens answered with EIO (remote failures and circuit-breaker rejections).", labels=labels)
+    breaker = GaugeMetricFamily("silod_remote_breaker_open", "1 while the mount's circuit breaker for its remote is open (opens of uncached items fail fast).", labels=labels)
+    latency = HistogramMetricFamily("silod_job_open_latency_seconds", "Latency of opens through the mount, hits and misses apart.", labels=[*labels, "result"])
+    for c in clients:
+        stats = c.get("stats") or {}
+        if not isinstance(stats, dict):
+            continue
+        key = [str(c.get("node")), str(c.get("dataset")), str(c.get("job"))]
+        for source in ("hit", "miss"):
+            if (v := _number(stats.get(f"{source}_bytes"))) is not None:
+                read.add_metric([*key, source], v)
+            if (h := _histogram(stats.get(f"open_latency_{source}"))) is not None:
+                latency.add_metric([*key, source], buckets=h[0], sum_value=h[1])
+        for family, name in ((remote, "remote_bytes"), (errors, "remote_errors"), (failed, "failed_opens")):
+            if (v := _number(stats.get(name))) is not None:
+                family.add_metric(key, v)
+        state = stats.get("remote_breaker_state")
+        if state in ("open", "closed"):
+            breaker.add_metric(key, 1.0 if state == "open" else 0.0)
+    yield from (read, remote, errors, failed, breaker, latency)
 
 
 class _StateCollector:
@@ -47,6 +115,7 @@ class _StateCollector:
         live = GaugeMetricFamily("silod_clients_live", "FUSE clients that sent a heartbeat recently.")
         live.add_metric([], sum(1 for c in status["clients"] if c["live"]))
         yield live
+        yield from _data_plane_metrics(status["clients"])
 
 
 def render_metrics(store) -> tuple[bytes, str]:

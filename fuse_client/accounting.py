@@ -12,6 +12,7 @@ the dataset's cached bytes to give the job's effective cache.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +50,45 @@ class EpochBitset:
         self.count = 0
 
 
+# Open latency buckets (seconds, upper bounds): 50 us .. 10 s, so a page-cache hit, a local
+# miss and a remote stall each land in their own decade.
+LATENCY_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Counts of open latencies per bucket (Prometheus style: cumulative `le` buckets on export)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    sum_s: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1  # first bound >= seconds
+        self.sum_s += seconds
+        self.count += 1
+
+    def export(self) -> dict:
+        """{"buckets": [[le, cumulative count], ..., ["+Inf", count]], "sum_s", "count"}."""
+        buckets, running = [], 0
+        for bound, n in zip([*LATENCY_BUCKETS_S, "+Inf"], self.counts):
+            running += n
+            buckets.append([bound, running])
+        return {"buckets": buckets, "sum_s": self.sum_s, "count": self.count}
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding the q-quantile (None without observations)."""
+        if not self.count:
+            return None
+        target, running = q * self.count, 0
+        for bound, n in zip([*LATENCY_BUCKETS_S, float("inf")], self.counts):
+            running += n
+            if running >= target:
+                return bound
+        return float("inf")
+
+
 @dataclass
 class StatsSnapshot:
     """What the stats file and the heartbeat report. Field names are the contract's."""
@@ -66,6 +106,10 @@ class StatsSnapshot:
     ineffective_cached_bytes: int
     throughput_bytes_per_s: float
     remote_rate_bytes_per_s: float
+    remote_errors: int
+    failed_opens: int
+    open_latency_hit: dict
+    open_latency_miss: dict
 
 
 @dataclass
@@ -101,6 +145,10 @@ class JobAccounting:
     shared_fetches: int = 0
     epoch: int = 0
     ineffective_cached_bytes: int = 0
+    remote_errors: int = 0  # failed attempts to read from the remote (each retry counts)
+    failed_opens: int = 0  # opens answered with EIO (remote failures and breaker rejections)
+    latency_hit: LatencyHistogram = field(default_factory=LatencyHistogram)
+    latency_miss: LatencyHistogram = field(default_factory=LatencyHistogram)
     bitset: EpochBitset = field(init=False)
     _read_rate: _Rate = field(default_factory=_Rate)
     _remote_rate: _Rate = field(default_factory=_Rate)
@@ -137,6 +185,19 @@ class JobAccounting:
             else:
                 self.miss_bytes += nbytes
 
+    def open_finished(self, seconds: float, hit: bool) -> None:
+        """Latency of one open, from the FUSE request to a ready descriptor."""
+        with self._lock:
+            (self.latency_hit if hit else self.latency_miss).observe(seconds)
+
+    def remote_error(self) -> None:
+        with self._lock:
+            self.remote_errors += 1
+
+    def open_failed(self) -> None:
+        with self._lock:
+            self.failed_opens += 1
+
     def bytes_fetched(self, nbytes: int) -> None:
         with self._lock:
             self.remote_bytes += nbytes
@@ -163,4 +224,8 @@ class JobAccounting:
                 ineffective_cached_bytes=self.ineffective_cached_bytes,
                 throughput_bytes_per_s=self._read_rate.update(read, now),
                 remote_rate_bytes_per_s=self._remote_rate.update(self.remote_bytes, now),
+                remote_errors=self.remote_errors,
+                failed_opens=self.failed_opens,
+                open_latency_hit=self.latency_hit.export(),
+                open_latency_miss=self.latency_miss.export(),
             )

@@ -26,6 +26,11 @@ def register(app: typer.Typer) -> None:
         manager: Optional[str] = typer.Option(None, "--manager", help="Data manager URL; allocations are then pulled from it every 0.5 s."),
         stats_file: Optional[Path] = typer.Option(None, "--stats-file", help="JSON stats, rewritten atomically twice a second."),
         kernel_cache: bool = typer.Option(True, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (re-reads at page-cache speed; a kept item is accounted as read in full at open)."),
+        fuse_threads: int = typer.Option(128, "--fuse-threads", help="Most FUSE worker threads (libfuse's max_threads); size it for the data loader's parallelism so slow misses never block hits."),
+        fetch_workers: int = typer.Option(16, "--fetch-workers", help="Most remote fetches in flight at once (a pool separate from the FUSE threads)."),
+        open_deadline: float = typer.Option(5.0, "--open-deadline", help="Seconds an open may wait for a remote that delivers nothing (connect, first byte, stalls, retries) before it fails with EIO; token waits do not count."),
+        breaker_threshold: int = typer.Option(5, "--breaker-threshold", help="Consecutive failed opens after which opens of uncached items fail at once with EIO until the remote answers a probe."),
+        probe_interval: float = typer.Option(1.0, "--probe-interval", help="Seconds between probes of a remote whose circuit breaker is open."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
         allow_other: bool = typer.Option(False, "--allow-other", help="Let other users read the mount (the node agent bind-mounts it into pods; needs root)."),
     ) -> None:
@@ -55,5 +60,10 @@ def register(app: typer.Typer) -> None:
             kernel_cache=kernel_cache,
             cache_mode=mode,
             allow_other=allow_other,
+            fuse_threads=fuse_threads,
+            fetch_workers=fetch_workers,
+            open_deadline_s=open_deadline,
+            breaker_threshold=breaker_threshold,
+            probe_interval_s=probe_interval,
         )
         raise typer.Exit(run_mount(cfg))

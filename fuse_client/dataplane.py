@@ -1,8 +1,13 @@
 """Turn "job J opens item X" into a local file descriptor: cache hit, shared fetch, or remote fetch.
 
-This is the one place that combines the shared cache, the remote store, the job's token bucket
-and its accounting. It knows nothing about FUSE, so it is tested directly as well as through
-real mounts.
+This is the one place that combines the shared cache, the remote store, the job's token bucket,
+the circuit breaker and its accounting. It knows nothing about FUSE, so it is tested directly as
+well as through real mounts.
+
+Threads: a hit is served on the calling (FUSE worker) thread and never waits for anything but
+its own open(2). A miss joins the item's flight (single_flight.py); the flight's leader runs in
+a separate fetch pool, so the number of concurrent remote fetches is bounded independently of
+the FUSE worker threads, and misses of different items never wait for each other.
 """
 
 from __future__ import annotations
@@ -10,14 +15,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fuse_client.accounting import JobAccounting
+from fuse_client.breaker import CircuitBreaker, RemoteUnavailable
 from fuse_client.cache_store import DatasetCache, item_key
-from fuse_client.remote import FileEntry, RemoteStore
+from fuse_client.remote import FileEntry, RemoteFetchError, RemoteStore
+from fuse_client.single_flight import Flight, Flights
 from fuse_client.token_bucket import Throttle
 
 log = logging.getLogger(__name__)
+
+DEFAULT_FETCH_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -29,49 +41,173 @@ class LocalItem:
     hit: bool
 
 
+@dataclass
+class _LeaderResult:
+    fd: int
+    source: str  # "cache" (admitted by another process meanwhile), "transient" or "remote"
+    admitted: bool = False
+
+
 class ItemResolver:
-    def __init__(self, store: RemoteStore, cache: DatasetCache, throttle: Throttle, accounting: JobAccounting) -> None:
+    def __init__(
+        self,
+        store: RemoteStore,
+        cache: DatasetCache,
+        throttle: Throttle,
+        accounting: JobAccounting,
+        breaker: CircuitBreaker | None = None,
+        fetch_workers: int = DEFAULT_FETCH_WORKERS,
+    ) -> None:
+        if fetch_workers < 1:
+            raise ValueError(f"fetch workers must be >= 1, got {fetch_workers}")
         self.store = store
         self.cache = cache
         self.throttle = throttle
         self.accounting = accounting
+        self.breaker = breaker or CircuitBreaker(store.url)
+        self.flights = Flights()
+        self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="silod-fetch")
         self._keys: dict[str, str] = {}  # item path -> cache key; sha1 per open is measurable
+        # After a crash every cached item is checksummed on its first hit (one bit per item).
+        self._verified = bytearray((accounting.num_items + 7) // 8)
+        self._prober: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._active = 0  # leaders running in the pool (drained before the index is marked clean)
+        self._active_lock = threading.Lock()
+
+    def close(self) -> None:
+        """At unmount: stop the prober, cancel queued fetches and wake the opens waiting for them.
+
+        Running fetches end on their own (the throttle is closed first, so they raise
+        InterruptedError at their next chunk) and finish their flights."""
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.flights.abort_all(InterruptedError("unmounting"))
+
+    def fetches_running(self) -> int:
+        with self._active_lock:
+            return self._active
+
+    # -- the open path -----------------------------------------------------------------------
 
     def resolve(self, entry: FileEntry) -> LocalItem:
         """Return a LocalItem for `entry`, fetching it (once per node) if it is not cached.
 
-        Raises RemoteFetchError (an OSError with errno EIO) if the store keeps failing; nothing
-        partial is ever admitted, because only a complete, checksummed file is renamed into the
-        cache.
+        Raises RemoteFetchError / RemoteUnavailable (OSErrors with errno EIO) if the remote
+        fails; nothing partial is ever admitted, because only a complete, checksummed file is
+        renamed into the cache.
         """
+        t0 = time.perf_counter()
         key = self._keys.get(entry.path)
         if key is None:
             key = self._keys[entry.path] = item_key(entry.path)
         fd = self.cache.open_cached(key)
+        if fd is not None and self.cache.verify_pending and not self._check(entry, key, fd):
+            fd = None
         if fd is not None:
             self.accounting.item_opened(entry.index, hit=True)
+            self.accounting.open_finished(time.perf_counter() - t0, hit=True)
             return LocalItem(fd, entry, hit=True)
-
-        # Mark ourselves as waiting *before* queueing on the lock, so that a job already fetching
-        # this item keeps its copy for us even if the cache has no room for it.
-        mark = self.cache.add_waiter(key)
         try:
-            with self.cache.fetch_lock(key):
-                mark.unlink(missing_ok=True)
-                fd = self.cache.open_cached(key)
-                if fd is not None:  # another job fetched and admitted it while we waited
-                    self.accounting.item_opened(entry.index, hit=True)
-                    return LocalItem(fd, entry, hit=True)
-                fd = self.cache.take_transient(key)
-                if fd is not None:  # another job fetched it while we waited; not admitted
-                    self.accounting.item_opened(entry.index, hit=False, shared_fetch=True)
-                    return LocalItem(fd, entry, hit=False)
-                return self._fetch(entry, key)
-        finally:
-            mark.unlink(missing_ok=True)
+            item = self._miss(entry, key)
+        except OSError:
+            self.accounting.open_failed()
+            raise
+        self.accounting.open_finished(time.perf_counter() - t0, hit=item.hit)
+        return item
 
-    def _fetch(self, entry: FileEntry, key: str) -> LocalItem:
+    def _check(self, entry: FileEntry, key: str, fd: int) -> bool:
+        byte, mask = entry.index >> 3, 1 << (entry.index & 7)
+        if self._verified[byte] & mask:
+            return True
+        if self.cache.verify_item(key, fd):
+            self._verified[byte] |= mask
+            return True
+        os.close(fd)
+        return False
+
+    def _miss(self, entry: FileEntry, key: str) -> LocalItem:
+        self.breaker.check()  # fail at once while the remote is known to be down
+        flight, leader = self.flights.join(key)
+        if leader:
+            result: list[_LeaderResult] = []
+            try:
+                self._pool.submit(self._lead, flight, entry, key, result)
+            except RuntimeError as exc:  # the pool is shut down: we are unmounting
+                self.flights.finish(flight, error=InterruptedError(str(exc)))
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            r = result[0]
+            if r.source == "cache":
+                self.accounting.item_opened(entry.index, hit=True)
+                return LocalItem(r.fd, entry, hit=True)
+            shared = r.source == "transient"
+            self.accounting.item_opened(entry.index, hit=False, shared_fetch=shared,
+                                        admitted_size=entry.size if r.admitted else 0)
+            return LocalItem(r.fd, entry, hit=False)
+        flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        if flight.admitted:
+            fd = self.cache.open_cached(key)
+            if fd is not None:
+                self.accounting.item_opened(entry.index, hit=True)
+                return LocalItem(fd, entry, hit=True)
+            return self._miss(entry, key)  # evicted in between (a shrink): try again
+        self.accounting.item_opened(entry.index, hit=False, shared_fetch=True)
+        return LocalItem(flight.fds.pop(), entry, hit=False)
+
+    # -- the flight leader (fetch pool) ------------------------------------------------------
+
+    def _lead(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
+        with self._active_lock:
+            self._active += 1
+        try:
+            self._lead_flight(flight, entry, key, result)
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+    def _lead_flight(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
+        locks = self.cache.locks
+        try:
+            if not locks.try_acquire(key):
+                # Another process fetches this item: wait for it, marked, so that it keeps a
+                # copy for us even if the cache has no room for it.
+                locks.mark_waiting(key)
+                try:
+                    locks.acquire(key)
+                finally:
+                    locks.unmark_waiting(key)
+            try:
+                r = self._lead_locked(entry, key)
+            finally:
+                locks.release(key)
+        except BaseException as exc:
+            self.flights.finish(flight, error=exc)
+            return
+        result.append(r)
+        self.flights.finish(flight, admitted=r.source == "cache" or r.admitted, fd=r.fd)
+
+    def _lead_locked(self, entry: FileEntry, key: str) -> _LeaderResult:
+        fd = self.cache.open_cached(key)
+        if fd is not None:  # another process fetched and admitted it while we waited
+            return _LeaderResult(fd, "cache")
+        fd = self.cache.take_transient(key)
+        if fd is not None:  # another process fetched it while we waited; not admitted
+            return _LeaderResult(fd, "transient")
+        self.breaker.check()
+        return self._fetch(entry, key)
+
+    def _fetch(self, entry: FileEntry, key: str) -> _LeaderResult:
         fd, staging = self.cache.new_staging_file(key)
+        errors: list[Exception] = []
+
+        def on_error(exc: Exception) -> None:
+            errors.append(exc)
+            self.accounting.remote_error()
+
         try:
 
             def write(data: bytes, offset: int) -> None:
@@ -83,16 +219,51 @@ class ItemResolver:
             def reset() -> None:
                 os.ftruncate(fd, 0)
 
-            crc = self.store.fetch(entry, write, self.throttle, self.accounting.bytes_fetched, reset)
-            admitted = self.cache.publish(key, staging, entry.size, crc)
-            if not admitted:
-                if self.cache.has_waiters(key):
+            try:
+                crc = self.store.fetch(entry, write, self.throttle, self.accounting.bytes_fetched, reset, on_error=on_error)
+            except RemoteFetchError as exc:
+                if errors:  # the remote failed (not just "no such object"): count it against it
+                    self._remote_failed(entry, exc)
+                raise
+            self.breaker.record_success()
+            admitted = self.cache.publish(key, staging, entry.size, crc)  # removes the staging name
+            if admitted:
+                self._mark_verified(entry)
+            else:
+                if self.cache.locks.others_waiting(key):
                     self.cache.keep_transient(key, staging)
                 staging.unlink(missing_ok=True)  # our fd keeps the data alive for this open
-            self.accounting.item_opened(entry.index, hit=False, admitted_size=entry.size if admitted else 0)
-            return LocalItem(fd, entry, hit=False)
+            return _LeaderResult(fd, "remote", admitted)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 staging.unlink()
             raise
+
+    def _mark_verified(self, entry: FileEntry) -> None:
+        self._verified[entry.index >> 3] |= 1 << (entry.index & 7)
+
+    # -- circuit breaker ---------------------------------------------------------------------
+
+    def _remote_failed(self, entry: FileEntry, exc: Exception) -> None:
+        if self.breaker.record_failure(str(exc), time.monotonic()):
+            log.error("remote %s failed %d opens in a row (last error: %s); circuit breaker open: opens of "
+                      "uncached items fail with EIO at once, cached items are still served; probing every %.1f s",
+                      self.store.url, self.breaker.threshold, exc, self.breaker.probe_interval_s)
+            self._prober = threading.Thread(target=self._probe_until_up, args=(entry,), name="silod-probe", daemon=True)
+            self._prober.start()
+
+    def _probe_until_up(self, entry: FileEntry) -> None:
+        while not self._closed.wait(self.breaker.probe_interval_s):
+            try:
+                self.store.probe(entry)
+            except Exception as exc:
+                self.accounting.remote_error()
+                log.debug("probe of %s failed: %s", self.store.url, exc)
+                continue
+            if self.breaker.close():
+                log.warning("remote %s answers again; circuit breaker closed, fetches resume", self.store.url)
+            return
+
+
+__all__ = ["ItemResolver", "LocalItem", "RemoteUnavailable"]

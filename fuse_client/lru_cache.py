@@ -1,4 +1,4 @@
-"""LRU caching for irregular jobs (SiloD §6, §7.4): the rules, the recency stamps, the mode file.
+"""LRU caching for irregular jobs (SiloD §6, §7.4): the policy, the recency stamps, the mode file.
 
 A dataset's cache is either `uniform` (SiloD's default, fuse_client/uniform_cache.py) or `lru`.
 Uniform caching relies on each item being read once per epoch in random order; a job that reads
@@ -6,10 +6,12 @@ otherwise (curriculum learning samples the easy items again and again) is better
 where a newly cached item helps at once. The scheduler puts datasets that only irregular jobs
 read in LRU mode, inside the irregular partition's cache budget (scheduler/partition.py).
 
-LRU here:
+LRU here is a `CachePolicy` (uniform_cache.py) that the on-disk cache (cache_store.py) plugs in
+when the dataset's mode is `lru`. It:
 - admits every fetched item that fits in the allocation at all, and **evicts at admission**:
-  the least recently used items go, inside the admitting transaction, so the cached bytes never
-  exceed the allocation (not even for a moment, not with several mounts admitting at once);
+  the least recently used items go, inside the admitting transaction (their rows and the
+  counters; their files right after the commit, journaled like every eviction), so the counted
+  cached bytes never exceed the allocation (not with several mounts admitting at once either);
 - evicts in small batches (LRU_BATCH_FRACTION of the allocation below what the new item needs),
   because choosing victims reads every item's stamp, and a full cache would otherwise do that on
   every miss;
@@ -31,12 +33,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+
+from fuse_client.uniform_cache import CachedItem, CachePolicy, UniformPolicy
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +62,8 @@ def parse_mode(value: str, what: str = "--cache-mode") -> CacheMode:
         raise ValueError(f"{what} {value!r} is not a cache mode; use one of: {', '.join(m.value for m in CacheMode)}") from None
 
 
-@dataclass(frozen=True)
-class StampedItem:
-    key: str
-    size: int
-    last_used_ns: int  # the item file's mtime: admission or last hit
+#: An indexed item with its recency (`last_used_ns`: the item file's mtime, admission or last hit).
+StampedItem = CachedItem
 
 
 def choose_lru_evictions(items: Sequence[StampedItem], target_bytes: int, slack_bytes: int = 0) -> list[StampedItem]:
@@ -89,7 +91,34 @@ def admission_victims(items: Sequence[StampedItem], allocation_bytes: int, item_
     return choose_lru_evictions(items, allocation_bytes - item_size, int(allocation_bytes * LRU_BATCH_FRACTION))
 
 
-def stamp(keys_and_sizes: Sequence[tuple[str, int]], item_path: Callable[[str], Path]) -> list[StampedItem]:
+@dataclass(frozen=True)
+class LruPolicy:
+    """The CachePolicy of a dataset in `lru` mode. Pure: the store supplies the stamps."""
+
+    name: str = CacheMode.LRU.value
+    uses_recency: bool = True
+
+    def should_admit(self, cached_bytes: int, item_size: int, allocation_bytes: int) -> bool:
+        return cached_bytes + item_size <= allocation_bytes
+
+    def evicts_to_admit(self, item_size: int, allocation_bytes: int) -> bool:
+        return item_size <= allocation_bytes  # an item larger than the allocation never fits
+
+    def admission_victims(self, items: Sequence[CachedItem], allocation_bytes: int, item_size: int) -> list[CachedItem]:
+        return admission_victims(items, allocation_bytes, item_size)
+
+    def choose_evictions(
+        self, items: Sequence[CachedItem], allocation_bytes: int, rng: random.Random | None = None
+    ) -> list[CachedItem]:
+        return choose_lru_evictions(items, allocation_bytes)
+
+
+def policy_for(mode: CacheMode) -> CachePolicy:
+    """The caching policy of a dataset cache in `mode`."""
+    return LruPolicy() if CacheMode(mode) is CacheMode.LRU else UniformPolicy()
+
+
+def stamp(keys_and_sizes: Sequence[tuple[str, int]], item_path: Callable[[str], str | Path]) -> list[StampedItem]:
     """Each indexed item with its recency; an item whose file is gone sorts first (stamp 0)."""
     out = []
     for key, size in keys_and_sizes:
@@ -111,7 +140,7 @@ class RecencyLog:
     def note(self, key: str) -> None:
         self._noted[key] = time.time_ns()  # one dict store: atomic under the GIL
 
-    def flush(self, item_path: Callable[[str], Path]) -> int:
+    def flush(self, item_path: Callable[[str], str | Path]) -> int:
         """Stamp every noted item (gone ones are skipped); returns how many were stamped."""
         with self._flush_lock:
             noted, self._noted = self._noted, {}
@@ -151,11 +180,13 @@ __all__ = [
     "LRU_BATCH_FRACTION",
     "MODE_FILE",
     "CacheMode",
+    "LruPolicy",
     "RecencyLog",
     "StampedItem",
     "admission_victims",
     "choose_lru_evictions",
     "parse_mode",
+    "policy_for",
     "read_mode",
     "stamp",
     "write_mode",

@@ -1,7 +1,12 @@
 """`silod mount`: wire listing, cache, throttle, accounting and the manager link to a FUSE mount.
 
 Threads of a mount process:
-- `silod-fuse-loop` runs libfuse's loop, whose worker threads run the FUSE operations (fs.py);
+- `silod-fuse-loop` runs libfuse's loop, whose worker threads (up to --fuse-threads) run the
+  FUSE operations (fs.py); a hit is served entirely on its worker thread;
+- `silod-fetch-*` (up to --fetch-workers) run remote fetches, one per item in flight
+  (dataplane.py), so misses never occupy the threads that serve hits;
+- `silod-verify` (only after a crash) checksums the cached items in the background;
+- `silod-probe` (only while the circuit breaker is open) asks the remote until it answers;
 - the main thread waits for SIGINT/SIGTERM and unmounts cleanly (see `_serve`);
 - `silod-control` applies allocation changes (eviction) and writes the stats file twice a second;
 - `silod-manager-link` (with --manager) heartbeats and pulls the allocation.
@@ -32,6 +37,9 @@ from fuse_client.names import validate_name
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
+# Default FUSE worker threads: a data loader with 8-16 workers per GPU and 8 GPUs has up to ~128
+# opens in flight; a slow miss occupies a thread until its fetch completes.
+DEFAULT_FUSE_THREADS = 128
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,11 @@ class MountConfig:
     node: str = socket.gethostname()
     cache_mode: CacheMode | None = None  # None: leave the node's mode for the dataset as it is
     allow_other: bool = False  # the node agent's mounts: pods of other uids read them through bind mounts
+    fuse_threads: int = DEFAULT_FUSE_THREADS
+    fetch_workers: int = 16
+    open_deadline_s: float = 5.0
+    breaker_threshold: int = 5
+    probe_interval_s: float = 1.0
 
 
 def validate_mountpoint(path: Path) -> None:
@@ -87,6 +100,8 @@ class ControlLoop:
         self._thread: threading.Thread | None = None
         self.link = None  # the ManagerLink with --manager; its `connected` goes into the stats
         self.recovery: RecoveryReport | None = None
+        self.breaker = None  # the resolver's CircuitBreaker, reported in the stats
+        self.verifier: BackgroundVerifier | None = None
         self._last_sweep = 0.0
 
     # Called by ManagerLink with what the manager says; None fields keep the current value.
@@ -147,8 +162,21 @@ class ControlLoop:
             job=self.cfg.job,
             dataset_bytes=self.dataset_bytes,
             manager_connected=None if self.link is None else self.link.connected,
+            cache_verify_pending=self.cache.verify_pending,
+            cache_verified_items=None if self.verifier is None else self.verifier.checked,
             updated_at=time.time(),
         )
+        if self.breaker is not None:
+            out.update(
+                remote_breaker_state=self.breaker.state.value,
+                remote_breaker_opened_total=self.breaker.times_opened,
+                remote_breaker_rejected_opens=self.breaker.rejected,
+                remote_consecutive_failures=self.breaker.consecutive_failures,
+                remote_last_error=self.breaker.last_error or None,
+            )
+        if self.recovery is not None:
+            out.update(recovery_clean=self.recovery.clean if self.recovery.ran else None,
+                       recovery_seconds=self.recovery.seconds)
         return out
 
     def write_stats(self) -> None:
@@ -162,6 +190,8 @@ class ControlLoop:
 
     def tick(self) -> None:
         try:
+            if self.cache.verify_pending:
+                self.cache.refresh_verify_pending()  # another mount may have finished verifying
             self.apply_cache_allocation()
             now = time.time()
             if now - self._last_sweep > 5:
@@ -186,6 +216,45 @@ class ControlLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+class BackgroundVerifier:
+    """After a crash: checksum every cached item once, in key order, then clear verify_pending.
+
+    Hits verify their own item first (dataplane.py), so this only bounds how long the cache
+    stays in the post-crash state; progress is in the stats (`cache_verified_items`).
+    """
+
+    def __init__(self, cache: DatasetCache, batch: int = 256) -> None:
+        self.cache = cache
+        self.batch = batch
+        self.checked = 0
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="silod-verify", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        after = ""
+        try:
+            while not self._stop.is_set():
+                last, checked, dropped = self.cache.verify_batch(after, self.batch)
+                self.checked += checked
+                self.dropped += dropped
+                if last is None:
+                    self.cache.finish_verification()
+                    log.info("cache of %s verified after a crash: %d items checked, %d dropped",
+                             self.cache.root.name, self.checked, self.dropped)
+                    return
+                after = last
+        except Exception:
+            log.exception("background verification of the cache failed; hits keep verifying lazily")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _unmount(mountpoint: Path) -> None:
@@ -238,10 +307,24 @@ def _serve(fuse_main, mountpoint: Path, on_signal) -> None:
         raise error[0]
 
 
+def validate_tuning(cfg: MountConfig) -> None:
+    if not 1 <= cfg.fuse_threads <= 4096:
+        raise UserError(f"--fuse-threads {cfg.fuse_threads}: must be between 1 and 4096")
+    if not 1 <= cfg.fetch_workers <= 1024:
+        raise UserError(f"--fetch-workers {cfg.fetch_workers}: must be between 1 and 1024")
+    if not (0 < cfg.open_deadline_s <= 3600):
+        raise UserError(f"--open-deadline {cfg.open_deadline_s}: must be > 0 and <= 3600 seconds")
+    if not 1 <= cfg.breaker_threshold <= 10_000:
+        raise UserError(f"--breaker-threshold {cfg.breaker_threshold}: must be between 1 and 10000")
+    if not (0 < cfg.probe_interval_s <= 3600):
+        raise UserError(f"--probe-interval {cfg.probe_interval_s}: must be > 0 and <= 3600 seconds")
+
+
 def run_mount(cfg: MountConfig) -> int:
     """Mount and serve until unmounted or signalled. Raises UserError on bad input before mounting."""
     validate_name(cfg.dataset, "--dataset")
     validate_name(cfg.job, "--job")
+    validate_tuning(cfg)
     validate_mountpoint(cfg.mountpoint)
     check_fuse_available()
     if cfg.stats_file is not None and not cfg.stats_file.parent.is_dir():
@@ -249,6 +332,7 @@ def run_mount(cfg: MountConfig) -> int:
 
     import mfusepy
 
+    from fuse_client.breaker import CircuitBreaker, RetryPolicy
     from fuse_client.dataplane import ItemResolver
     from fuse_client.fs import SilodFS
     from fuse_client.manager_link import ClientRegistration, ManagerLink
@@ -256,12 +340,26 @@ def run_mount(cfg: MountConfig) -> int:
     from fuse_client.token_bucket import Throttle
     from fuse_client.uri_policy import ENV as ALLOWED_URIS_ENV, UriPolicy
 
+    from fuse_client import listing_snapshot
+
     if os.environ.get(ALLOWED_URIS_ENV):  # the operator's allow-list, with the host resolved now
         UriPolicy.from_env().check(cfg.source, resolve=True)
     throttle = Throttle(cfg.io_rate)
     # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
-    store = RemoteStore(cfg.source, credential=SourceCredential.from_env(), anonymous=os.environ.get(ANONYMOUS_ENV) == "1")
-    listing = store.list()
+    store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),
+                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1")
+    snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
+    listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
+    if listing is not None:
+        try:
+            # Our own credentials must still reach the source before we trust an old listing.
+            store.probe(next(iter(listing.files.values())))
+        except Exception as exc:
+            log.info("not using the listing snapshot of %s: %s", cfg.source, exc)
+            listing = None
+    listed_now = listing is None
+    if listed_now:
+        listing = store.list()
     # Only now, with every input checked, touch the local disk.
     try:
         cfg.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -269,8 +367,9 @@ def run_mount(cfg: MountConfig) -> int:
         raise UserError(f"--cache-dir {str(cfg.cache_dir)!r} cannot be created: {exc.strerror}") from exc
     cache = DatasetCache(cfg.cache_dir, cfg.dataset)
     recovery = cache.attach()
-    if recovery.ran and (recovery.dropped_corrupt or recovery.dropped_unindexed):
-        log.warning("cache recovery: %s", recovery)
+    if recovery.ran and not recovery.clean:
+        log.warning("cache of %s was not unmounted cleanly: repaired %d items in flight, verifying the rest "
+                    "lazily and in the background (%s)", cfg.dataset, recovery.journaled, recovery)
     accounting = JobAccounting(num_items=len(listing.files))
     control = ControlLoop(cfg, cache, accounting, throttle, listing.total_bytes)
     control.recovery = recovery
@@ -287,27 +386,69 @@ def run_mount(cfg: MountConfig) -> int:
         control.link = link
         link.register()
 
-    resolver = ItemResolver(store, cache, throttle, accounting)
+    breaker = CircuitBreaker(cfg.source, threshold=cfg.breaker_threshold, probe_interval_s=cfg.probe_interval_s)
+    resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers)
+    control.breaker = breaker
+    if recovery.ran and cache.verify_pending:
+        control.verifier = BackgroundVerifier(cache)
+        control.verifier.start()
     fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache)
     control.tick()
     control.start()
     if link is not None:
         link.start()
+    threading.Thread(target=_refresh_snapshot, args=(store, snapshot, cfg.source, listing, listed_now),
+                     name="silod-listing", daemon=True).start()
     def fuse_main() -> None:
         mfusepy.FUSE(
             fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
             fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
             **({"allow_other": True} if cfg.allow_other else {}),
+            # libfuse starts a worker per request while none is idle, up to max_threads
+            # (default 10: ten slow misses would stall every hit behind them).
+            max_threads=cfg.fuse_threads, max_idle_threads=min(cfg.fuse_threads, 32),
         )
 
     try:
         _serve(fuse_main, cfg.mountpoint, throttle.close)
     finally:
         throttle.close()
+        resolver.close()
         control.stop()
+        if control.verifier is not None:
+            control.verifier.stop()
         if link is not None:
             link.stop()
         control.write_stats()
-        cache.detach()
+        # Mark the index clean only once no fetch can still touch it (they abort on the closed
+        # throttle within the open deadline); otherwise the next mount repairs the journal.
+        drained = _wait_until(lambda: resolver.fetches_running() == 0, cfg.open_deadline_s + 1)
+        if cache.detach(clean=drained):
+            log.info("cache of %s marked clean", cfg.dataset)
+        cache.close()
     return 0
+
+
+def _refresh_snapshot(store, path: Path, source: str, serving, listed_now: bool) -> None:
+    """Save the listing for the next mount; if we started from a snapshot, list again first."""
+    from fuse_client import listing_snapshot
+
+    try:
+        current = serving if listed_now else store.list()
+        if not listed_now and not listing_snapshot.same(serving, current):
+            log.warning("the source %s changed since the last mount (%d items now, %d served); this mount keeps "
+                        "the listing it started with, the next mount sees the change", source, len(current.files), len(serving.files))
+        if listed_now or not listing_snapshot.same(serving, current):
+            listing_snapshot.save(path, source, current)
+    except Exception as exc:
+        log.warning("could not refresh the listing snapshot of %s: %s", source, exc)
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 

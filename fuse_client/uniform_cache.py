@@ -5,6 +5,11 @@ items on first read until the dataset's allocation c is full and then never evic
 cached items is a uniform random sample of the dataset, so every epoch hits c/d of its bytes.
 Shrinking the allocation must keep that property, so eviction picks *random* items, not LRU
 ones (LRU would evict exactly the items the current epoch is about to need).
+
+The rules are a `CachePolicy`: the on-disk cache (cache_store.py) owns the index, the
+counters and the crash safety, and asks its policy only "admit this item?", "may evicting make
+room for it, and which items then?" and "which items go when the allocation shrinks?". LRU for
+irregular jobs (lru_cache.py) is the other policy; a dataset's mode picks one.
 """
 
 from __future__ import annotations
@@ -12,12 +17,43 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
 class CachedItem:
     key: str
     size: int
+    #: When the item was last used (admitted or hit), in ns; filled in by the store only for a
+    #: policy with `uses_recency` (it costs a stat per item), 0 otherwise.
+    last_used_ns: int = 0
+
+
+class CachePolicy(Protocol):
+    """What the on-disk cache asks a caching policy. Pure: no I/O, no clock."""
+
+    name: str  # the dataset's cache mode that selects this policy (lru_cache.CacheMode)
+    #: The store notes hits (in memory, off the hit path's I/O) and hands the policy each
+    #: item's `last_used_ns` when it asks for victims.
+    uses_recency: bool
+
+    def should_admit(self, cached_bytes: int, item_size: int, allocation_bytes: int) -> bool:
+        """Admit without evicting anything?"""
+        ...
+
+    def evicts_to_admit(self, item_size: int, allocation_bytes: int) -> bool:
+        """When `should_admit` refuses: may evicting cached items make room for this one?"""
+        ...
+
+    def admission_victims(self, items: Sequence[CachedItem], allocation_bytes: int, item_size: int) -> list[CachedItem]:
+        """Items to evict, in the admitting transaction, so that `item_size` more bytes fit."""
+        ...
+
+    def choose_evictions(
+        self, items: Sequence[CachedItem], allocation_bytes: int, rng: random.Random | None = None
+    ) -> list[CachedItem]:
+        """Items to evict so that the rest fit in a (shrunk) allocation."""
+        ...
 
 
 def should_admit(cached_bytes: int, item_size: int, allocation_bytes: int) -> bool:
@@ -47,3 +83,25 @@ def choose_evictions(
         victims.append(item)
         freed += item.size
     return victims
+
+
+@dataclass(frozen=True)
+class UniformPolicy:
+    """SiloD's uniform caching: admit while it fits, never evict except random items on a shrink."""
+
+    name: str = "uniform"
+    uses_recency: bool = False
+
+    def should_admit(self, cached_bytes: int, item_size: int, allocation_bytes: int) -> bool:
+        return should_admit(cached_bytes, item_size, allocation_bytes)
+
+    def evicts_to_admit(self, item_size: int, allocation_bytes: int) -> bool:
+        return False  # a full uniform cache keeps its random sample: evicting would bias it
+
+    def admission_victims(self, items: Sequence[CachedItem], allocation_bytes: int, item_size: int) -> list[CachedItem]:
+        return []
+
+    def choose_evictions(
+        self, items: Sequence[CachedItem], allocation_bytes: int, rng: random.Random | None = None
+    ) -> list[CachedItem]:
+        return choose_evictions(items, allocation_bytes, rng)

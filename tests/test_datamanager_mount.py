@@ -94,3 +94,54 @@ def test_rate_changes_apply_within_a_second_and_survive_a_manager_outage(tmp_pat
             wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 30e6, 2.0, message="rate after restart")
     finally:
         dm.kill()
+
+
+def test_metrics_show_per_job_bytes_open_latency_and_breaker_state(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ds = make_dataset(tmp_path / "remote", n_files=30, seed=9)
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            read_epoch(m.mountpoint, ds, seed=1)  # misses
+            read_epoch(m.mountpoint, ds, seed=2)  # hits
+            s = m.fresh_stats()
+            assert s["open_latency_miss"]["count"] == 30 and s["open_latency_hit"]["count"] == 30
+
+            def scraped():
+                fams = {f.name: f for f in text_string_to_metric_families(httpx.get(dm.url + "/metrics").text)}
+                samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in fams.values() for x in f.samples}
+                key = (("dataset", "ds"), ("job", "job1"), ("node", s["node"] if "node" in s else next(iter(
+                    httpx.get(dm.url + "/v1/status").json()["nodes"]))))
+                hit = samples.get(("silod_job_read_bytes_total", tuple(sorted((*key, ("source", "hit"))))))
+                return (hit == ds.total) and (samples, key)
+
+            samples, key = wait_until(scraped, 3.0, message="metrics carry the mount's stats")
+            lab = lambda *extra: tuple(sorted((*key, *extra)))
+            assert samples[("silod_job_read_bytes_total", lab(("source", "miss")))] == ds.total
+            assert samples[("silod_job_remote_fetched_bytes_total", lab())] == ds.total
+            assert samples[("silod_remote_breaker_open", lab())] == 0
+            assert samples[("silod_job_remote_errors_total", lab())] == 0
+            assert samples[("silod_job_open_latency_seconds_count", lab(("result", "hit")))] == 30
+            assert samples[("silod_job_open_latency_seconds_count", lab(("result", "miss")))] == 30
+            assert samples[("silod_job_open_latency_seconds_bucket", lab(("le", "+Inf"), ("result", "hit")))] == 30
+    finally:
+        dm.kill()
+
+
+def test_a_client_reporting_garbage_stats_cannot_break_metrics(tmp_path):
+    """Stats come from FUSE clients, i.e. from the nodes: the exposition validates every value."""
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        reg = {"client_id": "evil", "node": "n1", "dataset": "ds", "job": "j", "source": "/x", "mountpoint": "/m", "pid": 1}
+        assert httpx.post(dm.url + "/v1/clients", json=reg).status_code == 200
+        garbage = {"hit_bytes": "lots", "miss_bytes": -5, "remote_bytes": "inf", "remote_errors": True,
+                   "remote_breaker_state": "<script>", "open_latency_hit": {"buckets": [[1, 9], [2, 3], ["+Inf", 1]], "sum_s": 1},
+                   "open_latency_miss": {"buckets": [["+Inf", 1]] * 1000, "sum_s": "x"}}
+        assert httpx.put(dm.url + "/v1/clients/evil/heartbeat", json={"stats": garbage}).status_code == 200
+        r = httpx.get(dm.url + "/metrics")
+        assert r.status_code == 200
+        assert 'job="j"' not in r.text.split("silod_job_read_bytes")[1].split("# HELP")[0]
+        assert "silod_job_open_latency_seconds_bucket" not in r.text
+    finally:
+        dm.kill()

@@ -13,6 +13,7 @@ import pytest
 
 from estimator.errors import UserError
 from fuse_client.accounting import EpochBitset, JobAccounting
+from fuse_client.breaker import RetryPolicy
 from fuse_client.cache_store import DatasetCache, file_crc32, item_key
 from fuse_client.dataplane import ItemResolver
 from fuse_client.names import validate_name
@@ -181,27 +182,163 @@ def test_shared_allocation_is_enforced_across_instances(tmp_path):
     assert len([p for p in (tmp_path / "ds" / "items").glob("*/*")]) == 1
 
 
-def test_recovery_drops_corrupt_unindexed_and_staging(tmp_path):
+def _crash(cache: DatasetCache) -> None:
+    """What kill -9 leaves: the process's descriptors close, the clean-unmount step never runs."""
+    os.close(cache._alive_fd)
+    cache._alive_fd = None
+
+
+def _disk_items(cache: DatasetCache) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in cache.items_dir.glob("*/*")}
+
+
+def test_clean_remount_trusts_the_index_and_checks_nothing(tmp_path):
     cache = DatasetCache(tmp_path, "ds")
     assert cache.attach().ran
     for i in range(3):
         path, crc = _stage(cache, item_key(f"k{i}"), bytes([i]) * 5000)
         assert cache.publish(item_key(f"k{i}"), path, 5000, crc)
-    cache.detach()
-    # Damage: flip a byte of k1, add a file nobody indexed, leave a staging file behind.
+    assert cache.detach()  # the last mount marks the index clean
+    (cache.staging_dir / "left.over").write_bytes(b"partial")
+    fresh = DatasetCache(tmp_path, "ds")
+    report = fresh.attach()
+    assert report.ran and report.clean and report.verified == 0 and report.removed_staging == 1
+    assert not fresh.verify_pending and fresh.usage().items_cached == 3
+    # While mounted the index is unclean: a crash now must not be mistaken for a clean stop.
+    _crash(fresh)
+    again = DatasetCache(tmp_path, "ds")
+    assert not again.attach().clean and again.verify_pending
+
+
+def test_detach_of_one_of_two_mounts_does_not_mark_clean(tmp_path):
+    a, b = DatasetCache(tmp_path, "ds"), DatasetCache(tmp_path, "ds")
+    a.attach()
+    assert not b.attach().ran
+    assert not a.detach()  # b is still alive
+    _crash(b)
+    assert not DatasetCache(tmp_path, "ds").attach().clean
+
+
+def test_crash_recovery_repairs_only_items_in_flight_then_verifies_lazily(tmp_path):
+    cache = DatasetCache(tmp_path, "ds")
+    cache.attach()
+    for i in range(4):
+        path, crc = _stage(cache, item_key(f"k{i}"), bytes([i]) * 5000)
+        assert cache.publish(item_key(f"k{i}"), path, 5000, crc)
+    # Died between the link into items/ and the commit of an admission:
+    path, _ = _stage(cache, item_key("torn"), b"t" * 700)
+    os.link(path, cache.item_path(item_key("torn")))
+    # Died between an eviction's unlink and its commit:
+    cache._journal([item_key("k3")])
+    cache.item_path(item_key("k3")).unlink()
+    # Bit rot in an item that was not in flight, and a staging leftover:
     p1 = cache.item_path(item_key("k1"))
     data = bytearray(p1.read_bytes())
     data[100] ^= 0xFF
     p1.write_bytes(bytes(data))
-    cache.item_path(item_key("unindexed")).write_bytes(b"junk")
     (cache.staging_dir / "left.over").write_bytes(b"partial")
+    # A fetch that was refused admission and whose item another mount then admitted: the
+    # staging name must not make recovery unlink the (indexed) item.
+    leftover, _ = _stage(cache, item_key("k0"), b"x" * 10)
+    _crash(cache)
+
     fresh = DatasetCache(tmp_path, "ds")
     report = fresh.attach()
-    assert report.ran and report.verified == 2 and report.dropped_corrupt == 1 and report.dropped_unindexed == 1
-    assert fresh.open_cached(item_key("k1")) is None and fresh.usage().items_cached == 2
+    assert report.ran and not report.clean and report.journaled == 1
+    assert report.dropped_unindexed == 1 and report.dropped_missing_rows == 1 and report.verified == 0
+    assert not fresh.item_path(item_key("torn")).exists()
+    assert fresh.usage().items_cached == 3 and fresh.usage().cached_bytes == 15000
     assert not any(fresh.staging_dir.iterdir())
-    # A second live instance does not run recovery (it would race the first one's writes).
-    assert not DatasetCache(tmp_path, "ds").attach().ran
+    # k1 was not in flight, so recovery did not read it; the first hit (or the background
+    # verifier) checks it and drops it.
+    assert fresh.verify_pending
+    fd = fresh.open_cached(item_key("k1"))
+    assert fd is not None and not fresh.verify_item(item_key("k1"), fd)
+    os.close(fd)
+    assert fresh.open_cached(item_key("k1")) is None
+    last, checked, dropped = fresh.verify_batch("", 100)
+    assert checked == 2 and dropped == 0 and fresh.verify_batch(last)[0] is None
+    fresh.finish_verification()
+    assert not DatasetCache(tmp_path, "ds").refresh_verify_pending()
+    assert fresh.usage() == DatasetCache(tmp_path, "ds").usage()
+    assert sum(_disk_items(fresh).values()) == fresh.usage().cached_bytes == 10000
+
+
+def test_counters_equal_the_sum_on_disk_after_random_admissions_and_evictions(tmp_path):
+    rng = random.Random(7)
+    cache = DatasetCache(tmp_path, "ds")
+    cache.attach()
+    for step in range(300):
+        if rng.random() < 0.08:
+            cache.set_allocation(rng.randrange(0, 400_000))
+        else:
+            key = item_key(f"k{rng.randrange(400)}")
+            size = rng.randrange(0, 9000)
+            path, crc = _stage(cache, key, os.urandom(size))
+            if not cache.publish(key, path, size, crc):
+                path.unlink()
+        if step % 50 == 0:
+            cache.set_allocation(2**62)
+        usage = cache.usage()
+        on_disk = _disk_items(cache)
+        assert usage.cached_bytes == sum(on_disk.values()) and usage.items_cached == len(on_disk)
+        assert usage.cached_bytes <= max(usage.allocation_bytes, 0) or usage.allocation_bytes >= 2**62
+
+
+_CHURN = """
+import os, random, sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from fuse_client.cache_store import DatasetCache, file_crc32, item_key
+cache = DatasetCache(sys.argv[1], "ds")
+cache.attach()
+rng = random.Random(int(sys.argv[4]))
+print("ready", flush=True)
+while True:
+    if rng.random() < 0.05:
+        cache.set_allocation(rng.randrange(50_000, 600_000))
+        continue
+    key = item_key(f"k{rng.randrange(2000)}")
+    size = rng.randrange(1, 6000)
+    fd, path = cache.new_staging_file(key)
+    os.pwrite(fd, os.urandom(size), 0)
+    crc = file_crc32(fd, size)
+    os.close(fd)
+    if not cache.publish(key, path, size, crc):
+        path.unlink()
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_counters_equal_the_sum_on_disk_after_kill9_in_the_middle_of_admissions(tmp_path, seed):
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", _CHURN, str(tmp_path), str(repo), str(repo / "tests"), str(seed * 10 + i)],
+                              stdout=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    time.sleep(1.5 + seed * 0.37)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    cache = DatasetCache(tmp_path, "ds")
+    report = cache.attach()
+    assert report.ran and not report.clean
+    rows = dict(cache._db().execute("SELECT key, size FROM items"))
+    on_disk = _disk_items(cache)
+    assert on_disk == rows  # no file without a row, no row without a file, sizes agree
+    usage = cache.usage()
+    assert usage.cached_bytes == sum(on_disk.values()) and usage.items_cached == len(on_disk) > 0
+    # Killed between recording a smaller allocation and evicting down to it: the mount's next
+    # tick evicts; counters stay exact through that too.
+    cache.enforce_allocation()
+    usage = cache.usage()
+    assert usage.cached_bytes <= usage.allocation_bytes
+    assert usage.cached_bytes == sum(_disk_items(cache).values())
+    assert not any(cache.staging_dir.iterdir())
+    assert not (tmp_path / "ds" / "locks").exists()
 
 
 # -- the resolver (fetch path) without a mount -------------------------------------------------
@@ -231,13 +368,13 @@ def test_resolver_hits_after_admission_and_counts_remote_bytes(tmp_path):
 def test_remote_error_is_retried_then_eio_and_nothing_enters_the_cache(tmp_path, monkeypatch):
     ds = make_dataset(tmp_path / "src", n_files=3)
     resolver, listing = _resolver(tmp_path, ds.root)
-    monkeypatch.setattr("fuse_client.remote.BACKOFF_S", 0.01)
+    resolver.store.policy = RetryPolicy(backoff_s=0.01)
     calls = []
     real_open = resolver.store._open
 
-    def flaky_open(rel, chunk):
+    def flaky_open(rel, chunk, size=None):
         calls.append(rel)
-        f = real_open(rel, chunk)
+        f = real_open(rel, chunk, size)
         f.read = lambda n, _r=f.read: (_ for _ in ()).throw(ConnectionResetError("peer reset"))
         return f
 
@@ -251,8 +388,8 @@ def test_remote_error_is_retried_then_eio_and_nothing_enters_the_cache(tmp_path,
     # A transient error that clears up is retried transparently.
     fails = iter([True, False])
 
-    def once_flaky(rel, chunk):
-        f = real_open(rel, chunk)
+    def once_flaky(rel, chunk, size=None):
+        f = real_open(rel, chunk, size)
         if next(fails, False):
             f.read = lambda n: (_ for _ in ()).throw(TimeoutError("slow"))
         return f
@@ -293,3 +430,66 @@ def test_concurrent_misses_of_one_item_are_fetched_once(tmp_path):
 def test_item_key_is_flat_and_stable():
     assert item_key("a/b.jpg") == item_key("a/b.jpg") != item_key("a/c.jpg")
     assert "/" not in item_key("../../etc/passwd")
+
+
+def test_unmount_wakes_opens_whose_fetch_never_started(tmp_path):
+    """With every fetch worker busy, queued misses must not hang when the mount closes."""
+    ds = make_dataset(tmp_path / "src", n_files=6, min_size=50_000, max_size=50_000)
+    store = RemoteStore(str(ds.root))
+    listing = store.list()
+    cache = DatasetCache(tmp_path / "cache", "ds")
+    throttle = Throttle(0.0)  # paused: fetches block on tokens
+    resolver = ItemResolver(store, cache, throttle, JobAccounting(len(listing.files)), fetch_workers=2)
+    errors = []
+
+    def open_one(entry):
+        try:
+            resolver.resolve(entry)
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(e,)) for e in listing.files.values()]
+    for t in threads:
+        t.start()
+    wait = time.monotonic() + 5
+    while resolver.fetches_running() < 2 and time.monotonic() < wait:
+        time.sleep(0.01)
+    assert resolver.fetches_running() == 2  # two running, four queued behind them
+    throttle.close()
+    resolver.close()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 6
+    wait = time.monotonic() + 5
+    while resolver.fetches_running() and time.monotonic() < wait:
+        time.sleep(0.01)
+    assert resolver.fetches_running() == 0 and cache.usage().items_cached == 0
+    assert not any(cache.staging_dir.iterdir())
+
+
+def test_latency_histogram_buckets_are_upper_bounds_and_cumulative():
+    from fuse_client.accounting import LATENCY_BUCKETS_S, LatencyHistogram
+
+    h = LatencyHistogram()
+    for v in (0.0, 0.00005, 0.00006, 1.0, 1.0001, 60.0):
+        h.observe(v)
+    out = h.export()
+    le = dict((str(b), c) for b, c in out["buckets"])
+    assert le[str(0.00005)] == 2 and le[str(0.0001)] == 3 and le[str(1.0)] == 4 and le[str(2.5)] == 5
+    assert out["buckets"][-1] == ["+Inf", 6] and out["count"] == 6 and len(out["buckets"]) == len(LATENCY_BUCKETS_S) + 1
+    assert abs(out["sum_s"] - 62.00021) < 1e-9
+    assert h.quantile(0.5) == 0.0001 and h.quantile(1.0) == float("inf")
+
+
+def test_local_listing_follows_symlinks_once_and_matches_the_tree(tmp_path):
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "x.bin").write_bytes(b"x" * 10)
+    (src / "top.bin").write_bytes(b"t" * 3)
+    (src / "a" / "loop").symlink_to(src)  # a cycle must not hang the mount
+    (src / "link.bin").symlink_to(src / "top.bin")
+    listing = RemoteStore(str(src)).list()
+    assert {p: e.size for p, e in listing.files.items()} == {"a/b/x.bin": 10, "top.bin": 3, "link.bin": 3}
+    assert sorted(listing.dirs[""]) == ["a", "link.bin", "top.bin"] and listing.dirs["a/b"] == ["x.bin"]
+    assert [listing.files[p].index for p in sorted(listing.files)] == [0, 1, 2]

@@ -201,3 +201,130 @@ def test_data_manager_stores_the_mode_validates_it_and_keeps_it_across_restarts(
     with TestClient(create_app(tmp_path)) as restarted:
         assert restarted.get("/v1/datasets/ds").json()["cache_mode"] == "lru"
         assert restarted.get("/v1/status").json()["datasets"]["ds"]["cache_mode"] == "lru"
+
+
+# -- LRU as a CachePolicy of the scale-out cache (counters, journal, recovery) -------------------
+
+
+def test_the_mode_selects_the_cache_policy(tmp_path):
+    from fuse_client.lru_cache import LruPolicy, policy_for
+    from fuse_client.uniform_cache import CachedItem, UniformPolicy
+
+    cache = DatasetCache(tmp_path, "ds")
+    assert isinstance(cache.policy, UniformPolicy) and not cache.policy.evicts_to_admit(1, 10)
+    cache.set_mode(CacheMode.LRU)
+    assert isinstance(cache.policy, LruPolicy) and cache.policy.uses_recency
+    assert LruPolicy().evicts_to_admit(10, 10) and not LruPolicy().evicts_to_admit(11, 10)
+    assert isinstance(policy_for(CacheMode.UNIFORM), UniformPolicy)
+    # LRU shrinks by recency whatever the rng; uniform's choice is random.
+    items = [CachedItem("old", 10, 1), CachedItem("new", 10, 2)]
+    assert [v.key for v in LruPolicy().choose_evictions(items, 10, random.Random(1))] == ["old"]
+
+
+def test_a_crash_inside_an_evicting_admission_is_repaired_from_the_journal(tmp_path, monkeypatch):
+    cache = DatasetCache(tmp_path, "ds")
+    cache.attach()
+    cache.set_allocation(300)
+    cache.set_mode(CacheMode.LRU)
+    for i, name in enumerate("abc"):
+        assert _put(cache, name, 100)
+        _stamp(cache, name, (i + 1) * 1_000_000_000)
+
+    def die(*args, **kwargs):
+        raise OSError("power cut")  # after the victims' files are unlinked, before the commit
+
+    monkeypatch.setattr(cache, "_admit", die)
+    with pytest.raises(OSError, match="power cut"):
+        _put(cache, "d", 100)
+    # The transaction rolled back: `a`'s row is back but its file is gone; the journal says so.
+    assert not cache.item_path(item_key("a")).exists()
+    with cache._tx() as db:
+        assert [k for (k,) in db.execute("SELECT key FROM journal")] == [item_key("a")]
+    assert not cache.detach(clean=True)  # a journal left behind: never marked clean
+    restarted = DatasetCache(tmp_path, "ds")
+    report = restarted.attach()
+    assert report.ran and not report.clean and report.dropped_missing_rows == 1
+    usage = restarted.usage()
+    assert usage.cached_bytes == 200 and usage.items_cached == 2
+    assert sum(p.stat().st_size for p in restarted.items_dir.glob("*/*")) == 200
+    assert _put(restarted, "d", 100) and restarted.usage().cached_bytes == 300
+
+
+def test_verification_reads_are_not_uses_and_unmount_stamps_the_last_hits(tmp_path):
+    cache = DatasetCache(tmp_path, "ds")
+    cache.set_mode(CacheMode.LRU)
+    assert _put(cache, "a", 100) and _put(cache, "b", 100)
+    _stamp(cache, "a", 5)
+    _stamp(cache, "b", 5)
+    last, checked, dropped = cache.verify_batch("")
+    assert last is not None and checked == 2 and dropped == 0
+    assert cache.flush_recency() == 0  # the background verification after a crash made nothing recent
+    os.close(cache.open_cached(item_key("b")))  # a hit the control tick has not stamped yet
+    cache.detach()
+    assert os.stat(cache.item_path(item_key("a"))).st_mtime_ns == 5
+    assert os.stat(cache.item_path(item_key("b"))).st_mtime_ns > 5
+
+
+def test_mounts_admitting_at_once_never_exceed_the_allocation_on_disk(tmp_path):
+    """Four cache instances (one per mount process) admit under LRU concurrently while a
+    sampler sums the item files on disk: never above the allocation, always equal to the
+    counters, and the counters equal the rows at the end."""
+    import threading
+
+    allocation = 2_000
+    DatasetCache(tmp_path, "ds").set_allocation(allocation)
+    DatasetCache(tmp_path, "ds").set_mode(CacheMode.LRU)
+    stop = threading.Event()
+    worst = [0]
+    errors: list[BaseException] = []
+
+    def sample() -> None:
+        # Every change to items/ happens inside a write transaction, so a scan made while holding
+        # the write lock is a snapshot (a scan without it can count an evicted item and the item
+        # admitted in its place).
+        observer = DatasetCache(tmp_path, "ds")
+        while not stop.is_set():
+            with observer._tx() as db:
+                total = sum(p.stat().st_size for p in observer.items_dir.glob("*/*"))
+                assert total == observer._meta(db, "cached_bytes")
+            worst[0] = max(worst[0], total)
+            stop.wait(0.003)  # let the writers in (SQLite's busy wait is not fair)
+
+    def mount(n: int) -> None:
+        try:
+            cache = DatasetCache(tmp_path, "ds")
+            rng = random.Random(n)
+            for i in range(60):
+                _put(cache, f"m{n}-{i}", rng.randint(50, 300))
+                if i % 5 == 0:
+                    fd = cache.open_cached(item_key(f"m{n}-{rng.randrange(i + 1)}"))
+                    if fd is not None:
+                        os.close(fd)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def sample_or_report() -> None:
+        try:
+            sample()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    sampler = threading.Thread(target=sample_or_report)
+    sampler.start()
+    mounts = [threading.Thread(target=mount, args=(n,)) for n in range(4)]
+    for t in mounts:
+        t.start()
+    for t in mounts:
+        t.join(120)
+    stop.set()
+    sampler.join(10)
+    assert not errors, errors
+    assert 0 < worst[0] <= allocation
+    cache = DatasetCache(tmp_path, "ds")
+    with cache._tx() as db:
+        rows = db.execute("SELECT COALESCE(SUM(size), 0), COUNT(*) FROM items").fetchone()
+        assert db.execute("SELECT COUNT(*) FROM journal").fetchone()[0] == 0
+    usage = cache.usage()
+    assert (usage.cached_bytes, usage.items_cached) == tuple(rows)
+    assert usage.cached_bytes == sum(p.stat().st_size for p in cache.items_dir.glob("*/*"))
+    assert allocation - 300 < usage.cached_bytes <= allocation  # it filled up and kept turning over

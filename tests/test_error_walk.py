@@ -91,6 +91,11 @@ CASES: list[tuple[str, list[str], int, str]] = [
                                  "--out", "{root}/exp2"], 2, "binary.bin"),
     ("experiment-unwritable-out", ["experiment", "micro", "--quiet", "--out", UNWRITABLE], 2, "--out"),
     # mount
+    # agent (the CSI node agent)
+    ("agent-bad-idle-unmount", ["agent", "--idle-unmount", "soon"], 2, "--idle-unmount"),
+    ("agent-no-dataset-source", ["agent", "--node", "n1", "--state-dir", "{state}"], 2, "--datasets FILE or --scheduler URL"),
+    ("agent-nonexistent-datasets", ["agent", "--node", "n1", "--state-dir", "{state}", "--datasets", "{missing}"], 2, "does-not-exist.csv"),
+    ("agent-binary-datasets", ["agent", "--node", "n1", "--state-dir", "{state}", "--datasets", "{bin}"], 2, "binary.bin"),
     ("mount-missing-source", ["mount", "{mnt}", "--dataset", "d1", "--job", "j1", "--cache-dir", "{cache}"], 2, "--source"),
     ("mount-bad-cache-size", [*MOUNT, "--cache-size", "lots"], 2, "--cache-size 'lots'"),
     ("mount-io-rate-out-of-range", [*MOUNT, "--io-rate", "1e30"], 2, "10TB/s"),

@@ -213,7 +213,11 @@ class Catalogue:
 
     def get_dataset(self, who: Principal, name: str, owner: str | None = None) -> DatasetRecord:
         with self.sessions() as s:
-            d = self._visible_dataset(s, who, name, owner)
+            if owner is not None and who.user in self.config.node_agents:
+                # A node agent mounts a tenant's dataset for that tenant's pods: read-only lookup.
+                d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+            else:
+                d = self._visible_dataset(s, who, name, owner)
             if d is None:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
             return self._dataset_record(s, d)

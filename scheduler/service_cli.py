@@ -141,6 +141,7 @@ def build_api_service(
     irregular_share: str | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
+    node_agents: list[str] | None = None,
     backend: str | None = None,
     backend_opts: dict[str, str] | None = None,
     state_dir: Path | str | None = None,
@@ -162,7 +163,7 @@ def build_api_service(
         irregular_share=irregular_share,
     )
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota())
+                           default_quota=default_quota or TenantQuota(), node_agents=frozenset(node_agents or ()))
     workloads = None
     if backend == "kubernetes":
         from scheduler.backends.base import BackendConfig, load_backend
@@ -235,6 +236,7 @@ def build_service(
     backend_opts: dict[str, str] | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
+    node_agents: list[str] | None = None,
 ):  # type: ignore[no-untyped-def]
     """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it).
 
@@ -273,6 +275,7 @@ def build_service(
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+        node_agents=frozenset(node_agents or ()),
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
@@ -397,6 +400,7 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
+        node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset (repeatable)")] = None,
         default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
@@ -427,7 +431,7 @@ def register(app: typer.Typer) -> None:
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
             irregular_share=irregular_share, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
-            allowed_uris=allow_uri, default_quota=parse_quota(default_quota),
+            allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
         )
         # Check everything once, here, so that a mistake is one clear error before any process
         # starts: the schedule side (backend, cluster, policy) and the database (migrated here).

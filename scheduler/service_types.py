@@ -248,6 +248,9 @@ class ServiceConfig:
     poll_seconds: float = 1.0  # how often the backend is polled for events between rounds
     min_event_gap_s: float = 2.0  # event-triggered rounds at most this often (bursts coalesce)
     gpu_speed: float = 1.0  # multiplies catalog f* (per V100) for this cluster's GPUs
+    #: Users whose tokens belong to node agents (`silod serve --node-agent USER`): they may read
+    #: any tenant's dataset record (to mount it for that tenant's pods), and nothing else more.
+    node_agents: frozenset[str] = frozenset()
 
 
 

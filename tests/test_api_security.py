@@ -443,3 +443,21 @@ def test_database_stopped_and_restarted_gives_json_503_then_recovers(private_pg,
         assert c.post("/v1/jobs", json={**JOB, "name": "after"}, headers=H_ALICE).status_code == 201
         assert c.get("/healthz").status_code == 200
     service.close()
+
+
+def test_a_node_agent_looks_up_any_tenants_dataset_and_nothing_more(tmp_path) -> None:
+    # bob's token belongs to a node agent here (`silod serve --node-agent bob`): he may read
+    # alice's dataset record to mount it for her pods, but not run a job on it; alice may not
+    # read bob's datasets.
+    app, service = make_app(f"sqlite:///{tmp_path / 'agent.db'}", tmp_path, run_loop=False, node_agents=["bob"])
+    try:
+        with TestClient(app) as c:
+            assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+            name = IMAGENET["name"]
+            assert c.get(f"/v1/datasets/{name}", params={"owner": "alice"}, headers=H_BOB).status_code == 200
+            job = {**JOB, "dataset_owner": "alice"}
+            assert c.post("/v1/jobs", json=job, headers=H_BOB).status_code == 404
+            assert c.post("/v1/datasets", json=IMAGENET, headers=H_BOB).status_code == 201
+            assert c.get(f"/v1/datasets/{name}", params={"owner": "bob"}, headers=H_ALICE).status_code == 404
+    finally:
+        service.close()

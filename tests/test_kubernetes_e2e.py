@@ -68,7 +68,8 @@ def world(tmp_path):
         service = build_service(db=f"sqlite:///{tmp_path / 'silod.db'}", backend="kubernetes", policy="gavel",
                                 round_s=4.0, gpus="4", gpus_per_node="4", cache="1GB", remote_io="1GB/s",
                                 state_dir=tmp_path / "state", backend_opts={"server": cluster.url},
-                                allowed_uris=[f"file://{tmp_path / 'remote'}/"])  # the operator allows the local dataset
+                                allowed_uris=[f"file://{tmp_path / 'remote'}/"],  # the operator allows the local dataset
+                                node_agents=["agent"])  # the agent's token looks up alice's dataset to mount it
         service.config = dataclasses.replace(service.config, poll_seconds=0.2, min_event_gap_s=0.5)
         import uvicorn
 

@@ -201,7 +201,7 @@ def main() -> None:
     ap.add_argument("--clients", default="16,64,256")
     ap.add_argument("--seconds", type=float, default=8.0, help="per measurement")
     ap.add_argument("--workers", type=int, default=2, help="uvicorn workers, for silod and the bare app alike")
-    ap.add_argument("--out", type=Path, default=Path("bench_api.json"))
+    ap.add_argument("--out", type=Path, default=Path("out/bench_api.json"))
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("benchmarks/bench_api.py needs wrk (apt-get install wrk)")

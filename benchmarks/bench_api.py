@@ -216,7 +216,7 @@ def main() -> None:
         bare, bare_url = start_bare(tmp, tmp / "bare.db", args.workers)
         try:
             get_path = f"/v1/jobs/{args.active // 2}"
-            for what, path, post in (("POST /v1/jobs", "/v1/jobs", True), (f"GET /v1/jobs/{{id}}", get_path, False)):
+            for what, path, post in (("POST /v1/jobs", "/v1/jobs", True), ("GET /v1/jobs/{id}", get_path, False)):
                 for n in clients:
                     s = wrk(silod_url, path, n, args.seconds, USER_TOKEN, tmp, post)
                     b = wrk(bare_url, path, n, args.seconds, "unused", tmp, post)
@@ -264,6 +264,7 @@ def main() -> None:
                     p.wait(timeout=30)
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     os.killpg(p.pid, 9)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
 

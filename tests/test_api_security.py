@@ -346,8 +346,11 @@ def test_round_keeps_each_tenant_within_its_quota_and_priority_orders_its_jobs(c
     for h in (H_ALICE, H_BOB):
         client.post("/v1/datasets", json=IMAGENET, headers=h)
     client.put("/v1/quotas/alice", json={"gpus": 3, "running_jobs": 2}, headers=H_ADMIN)
-    low = [client.post("/v1/jobs", json={**JOB, "gpus": 1, "name": f"a{i}"}, headers=H_ALICE).json()["id"] for i in range(3)]
-    high = client.post("/v1/jobs", json={**JOB, "gpus": 1, "name": "urgent", "priority": 10}, headers=H_ALICE).json()["id"]
+    # A tenant may only lower a priority (above 0 is the admin's: priority orders admission).
+    assert client.post("/v1/jobs", json={**JOB, "gpus": 1, "name": "x", "priority": 10}, headers=H_ALICE).status_code == 403
+    low = [client.post("/v1/jobs", json={**JOB, "gpus": 1, "name": f"a{i}", "priority": -10}, headers=H_ALICE).json()["id"]
+           for i in range(3)]
+    high = client.post("/v1/jobs", json={**JOB, "gpus": 1, "name": "urgent"}, headers=H_ALICE).json()["id"]
     r = client.post("/v1/rounds", headers=H_ADMIN).json()
     assert set(r["running"]) == {high, low[0]}  # 8 GPUs free, but alice may hold 2 jobs; priority first
     bob = client.post("/v1/jobs", json={**JOB, "gpus": 4, "name": "b"}, headers=H_BOB).json()["id"]

@@ -207,24 +207,24 @@ def test_scheduler_sets_the_mode_through_the_data_manager(tmp_path, s3_dataset):
     service = build_service(db=f"sqlite:///{tmp_path / 's.db'}", backend="null", policy="fifo", round_s=360, gpus="4",
                             cache="10MB", remote_io="100MB/s", datamanager=dm.url, state_dir=tmp_path / "state")
     try:
-        admin = Principal("admin", True)
-        service.register_dataset(admin, NewDataset("s3ds", url, float(ds.total)))
-        service.register_dataset(admin, NewDataset("plain", "s3://b/plain", 1e6))
+        # Datasets belong to the tenant submitting the jobs; the data manager knows them by key.
+        s3ds = service.register_dataset(Principal("u"), NewDataset("s3ds", url, float(ds.total)))[0].key
+        plain = service.register_dataset(Principal("u"), NewDataset("plain", "s3://b/plain", 1e6))[0].key
         cl = AccessPattern.curriculum_learning(0.25, 2.0, 10, 8)
         service.submit_job(Principal("u"), NewJob("cl", 1, "s3ds", epochs=2.0, ideal_throughput=1e6, access=cl))
         service.submit_job(Principal("u"), NewJob("r", 1, "plain", epochs=2.0, ideal_throughput=1e6))
         result = service.run_round("test")
-        assert result.plan.allocation.partition.lru_datasets == {"s3ds"}
+        assert result.plan.allocation.partition.lru_datasets == {s3ds}
         with DataManagerClient(dm.url) as client:
             status = client.status()
-        assert status["datasets"]["s3ds"]["cache_mode"] == "lru"
-        assert status["datasets"]["plain"]["cache_mode"] == "uniform"
-        lru_bytes = status["datasets"]["s3ds"]["allocated_bytes"]
+        assert status["datasets"][s3ds]["cache_mode"] == "lru"
+        assert status["datasets"][plain]["cache_mode"] == "uniform"
+        lru_bytes = status["datasets"][s3ds]["allocated_bytes"]
         assert 0 < lru_bytes <= result.plan.allocation.partition.irregular_cache
-        with mounted(tmp_path / "mnt", url, "s3ds", "job1", tmp_path / "cache", "--manager", dm.url, env=env) as m:
+        with mounted(tmp_path / "mnt", url, s3ds, "job1", tmp_path / "cache", "--manager", dm.url, env=env) as m:
             s = wait_until(lambda: (st := m.stats())["cache_mode"] == "lru" and st, 3.0, message="mode pulled")
             assert s["cache_allocation_bytes"] == lru_bytes
-            with Sampler(tmp_path / "cache", "s3ds", m.stats_file) as sampler:
+            with Sampler(tmp_path / "cache", s3ds, m.stats_file) as sampler:
                 read_epoch(m.mountpoint, ds, seed=4)
             assert max(max(a, b, c or 0) for a, b, c in sampler.samples) <= lru_bytes
     finally:

@@ -101,6 +101,10 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("mount-unwritable-stats-file", [*MOUNT, "--stats-file", UNWRITABLE], 2, "--stats-file"),
     ("mount-unwritable-cache-dir", [*MOUNT[:-1], UNWRITABLE], 2, "--cache-dir"),
     # datamanager
+    # agent (the Kubernetes node agent)
+    ("agent-missing-datasets-file", ["agent", "--datasets", "/nonexistent/catalog.yaml", "--socket", "{state}/csi.sock",
+                                     "--state-dir", "{state}/agent", "--node", "n1"], 2, "--datasets"),
+    ("agent-bad-idle-unmount", ["agent", "--idle-unmount", "abc"], 2, "--idle-unmount"),
     ("datamanager-missing-state", ["datamanager"], 2, "--state"),
     ("datamanager-bad-listen", ["datamanager", "--state", "{state}", "--listen", "everywhere"], 2, "--listen"),
     ("datamanager-binary-file-as-state", ["datamanager", "--state", "{bin}"], 2, "--state"),

@@ -72,7 +72,8 @@ def test_scheduler_deployment_two_replicas_lease_probes_pdb_and_secret():
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" and c["livenessProbe"]
     assert "--backend-opt=leader-election=true" in c["args"] and "--backend=kubernetes" in c["args"]
     secret_keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-    assert secret_keys == {"admin-token", "database-url"}
+    # token-key: one HMAC key for the stored tokens across replicas; dm-scheduler-token: the data manager.
+    assert secret_keys == {"admin-token", "database-url", "token-key", "dm-scheduler-token"}
     assert set(find("Secret", "silod-secrets")["stringData"]) >= secret_keys | {"agent-token", "tokens"}
     pdb = find("PodDisruptionBudget", "silod-scheduler")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
@@ -159,3 +160,15 @@ def test_the_restricted_checker_rejects_a_privileged_pod():
     spec["volumes"].append({"name": "host", "hostPath": {"path": "/var/lib/silod"}})
     problems = pod_security_violations({"metadata": {"name": "p"}, "spec": spec}, "restricted")
     assert any("privileged" in p for p in problems) and any("hostPath" in p for p in problems)
+
+
+def test_data_manager_and_agent_carry_the_data_manager_tokens():
+    """Without both tokens `silod datamanager` refuses to listen beyond loopback; the agent's
+    FUSE clients talk to it with the agent role, and its probes use the open /healthz."""
+    dm = find("StatefulSet", "silod-datamanager")["spec"]["template"]["spec"]["containers"][0]
+    keys = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in dm["env"]}
+    assert keys == {"SILOD_DM_SCHEDULER_TOKEN": "dm-scheduler-token", "SILOD_DM_AGENT_TOKEN": "dm-agent-token"}
+    assert dm["readinessProbe"]["httpGet"]["path"] == dm["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    agent = find("DaemonSet", "silod-agent")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "SILOD_DM_TOKEN", "valueFrom": {"secretKeyRef": {"name": "silod-secrets", "key": "dm-agent-token"}}} in agent["env"]
+    assert set(find("Secret", "silod-secrets")["stringData"]) >= {"dm-scheduler-token", "dm-agent-token", "token-key"}

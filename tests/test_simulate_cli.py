@@ -118,6 +118,8 @@ def test_bad_flags_give_clear_errors(tmp_path, args, expected):
         (["matrix", "--max-jobs", "0"], "--max-jobs 0 must be >= 1"),
         (["matrix", "--remote-io", "fast"], "--remote-io"),
         (["matrix", "--trace", "/nonexistent.trace"], "not found"),
+        (["micro", "--workers", "0"], "--workers 0 must be >= 1"),
+        (["micro", "--workers", "two"], "--workers"),
     ],
 )
 def test_bad_experiment_input_gives_clear_errors(tmp_path, args, expected):

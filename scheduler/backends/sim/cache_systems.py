@@ -167,11 +167,16 @@ class SimCacheSystem(ABC):
         return None
 
 
-def _mark_read_uniform(job: SimJob, cached: np.ndarray, chunks: np.ndarray) -> np.ndarray:
-    hits = cached[chunks]
+def _access_uniform(job: SimJob, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Look `chunks` up in a uniform domain (mark them read, count the hits) and admit the
+    misses while it has room; returns (hits, chunks admitted)."""
+    if dom is None:
+        job.read_mask[chunks] = True
+        return np.zeros(chunks.size, dtype=bool), chunks[:0]
+    hits = dom.cached[chunks]
     job.read_mask[chunks] = True
     job.unread_cached -= int(np.count_nonzero(hits))
-    return hits
+    return hits, (dom.admit(chunks[~hits]) if dom.filling else chunks[:0])
 
 
 class SiloDCache(SimCacheSystem):
@@ -215,13 +220,8 @@ class SiloDCache(SimCacheSystem):
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
 
     def access(self, job, chunks):
-        dom = self.domains.get(job.dataset.name)
-        if dom is None:
-            job.read_mask[chunks] = True
-            return np.zeros(chunks.size, dtype=bool)
-        hits = _mark_read_uniform(job, dom.cached, chunks)
-        if dom.filling:
-            self._changed(job.dataset.name, dom.admit(chunks[~hits]), +1)
+        hits, admitted = _access_uniform(job, self.domains.get(job.dataset.name), chunks)
+        self._changed(job.dataset.name, admitted, +1)
         return hits
 
     def cached_bytes(self):
@@ -305,14 +305,7 @@ class CoorDLCache(SimCacheSystem):
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
 
     def access(self, job, chunks):
-        dom = self.domains.get(job.job_id)
-        if dom is None:
-            job.read_mask[chunks] = True
-            return np.zeros(chunks.size, dtype=bool)
-        hits = _mark_read_uniform(job, dom.cached, chunks)
-        if dom.filling:
-            dom.admit(chunks[~hits])  # private: nobody else's hit ratio moves
-        return hits
+        return _access_uniform(job, self.domains.get(job.job_id), chunks)[0]  # private: nobody else's ratio moves
 
     def cached_bytes(self):
         out: dict[str, float] = {}

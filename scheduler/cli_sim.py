@@ -14,7 +14,8 @@ SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gp
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
 
 
-def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int, progress_label: str | None = None):
+def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
+                   progress_label: str | None = None, partition: bool = True):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
     from policies.registry import estimator_for, get_policy
     from scheduler.backends.sim.cache_systems import CACHE_SYSTEMS
@@ -23,7 +24,7 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
     if cache_system not in CACHE_SYSTEMS:
         raise UserError(f"unknown cache system {cache_system!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
     pol = get_policy(policy)
-    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed)
+    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition)
     if progress_label is None:
         return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -47,6 +48,7 @@ def register(app: typer.Typer) -> None:
         remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
         gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
         irregular_share: Annotated[Optional[str], typer.Option(help="pin the irregular jobs' partition to this fraction of cache and remote IO [default: by demand, every round]")] = None,
+        irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
         policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
         round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
@@ -71,7 +73,7 @@ def register(app: typer.Typer) -> None:
                                        defaults=DEFAULT_CLUSTER)
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
-                                None if quiet else f"{policy}/{cache_system}")
+                                None if quiet else f"{policy}/{cache_system}", partition=irregular_partition)
         summary = write_outputs(result, out, policy, cache_system, {"trace": str(trace), "gpu_speed": speed})
         _print_summary(summary, out)
 

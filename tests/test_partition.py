@@ -274,17 +274,19 @@ def test_simulate_takes_the_flag_and_a_mixed_trace(tmp_path):
     trace.write_text(MIXED_TRACE)
     base = [sys.executable, "-m", "scheduler", "simulate", "--trace", str(trace), "--gpus", "4", "--cache", "300GB",
             "--remote-io", "200MB/s", "--quiet"]
-    # The simulator does not model curriculum or irregular reads yet: it says so, naming the job.
+    # Curriculum job b reads a dataset outside the catalog: its item size is needed, and asked for.
     refused = subprocess.run([*base, "--policy", "gavel", "--irregular-share", "0.3", "--out", str(tmp_path / "o")],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr
-    assert "job b has access=curriculum" in refused.stderr and "not simulated yet" in refused.stderr
-    regular = tmp_path / "regular.csv"
-    regular.write_text("\n".join(line.rsplit(",", 5)[0] for line in MIXED_TRACE.strip().splitlines()) + "\n")
-    ok = subprocess.run([*base[:5], str(regular), *base[6:], "--policy", "gavel", "--irregular-share", "0.3", "--out", str(tmp_path / "o")],
-                        capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stderr
-    assert json.loads((tmp_path / "o" / "summary.json").read_text())["jobs"] == 4
+    assert "job b is a curriculum job on dataset 'd2'" in refused.stderr and "item_size" in refused.stderr
+    sized = tmp_path / "sized.csv"
+    lines = MIXED_TRACE.strip().splitlines()
+    sized.write_text("\n".join([lines[0] + ",item_size"] + [line + ("," + "110KB" if line.startswith("b,") else ",") for line in lines[1:]]) + "\n")
+    for extra in ([], ["--no-irregular-partition"]):
+        ok = subprocess.run([*base[:5], str(sized), *base[6:], "--policy", "gavel", "--irregular-share", "0.3", *extra,
+                             "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads((tmp_path / "o" / "summary.json").read_text())["jobs"] == 4
     bad = subprocess.run([*base, "--irregular-share", "1.5", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--irregular-share 1.5 must be in [0, 1]" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -5,7 +5,9 @@
 `duration` (seconds at ideal speed) may replace `epochs`; empty dataset_size and
 ideal_throughput are filled from the catalog. Optional columns `access` (epoch | curriculum |
 irregular) and, for curriculum, `starting_percent`, `alpha`, `step`, `batch` say how the job
-reads (estimator/access.py); without them every job is `epoch`. Every problem is reported with file, line and
+reads (estimator/access.py); without them every job is `epoch`. Optional `item_size` (bytes per
+item of the row's dataset) lets the simulator count a curriculum job's items and iterations;
+catalog datasets have one. Every problem is reported with file, line and
 column, and what to write instead.
 """
 
@@ -25,6 +27,7 @@ from traces.model import Trace, TraceJob
 REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_size", "ideal_throughput")
 COLUMNS = (*REQUIRED, "epochs")
 ACCESS_COLUMNS = ("access", *CURRICULUM_FIELDS)  # optional; see estimator/access.py
+ITEM_SIZE = "item_size"  # optional: bytes per item of the row's dataset
 MAX_GPUS_PER_JOB = MAX_GPUS
 
 
@@ -82,6 +85,7 @@ def _read_rows(path: Path, handle: TextIO) -> Trace:
         raise _fail(path, 1, None, f"missing column(s) {', '.join(missing)}; the header must be {','.join(COLUMNS)}")
     jobs: list[TraceJob] = []
     sizes: dict[str, float] = {}
+    item_sizes: dict[str, float] = {}
     seen_ids: set[str] = set()
     for row in reader:
         line = reader.line_num
@@ -89,11 +93,28 @@ def _read_rows(path: Path, handle: TextIO) -> Trace:
             raise _fail(path, line, None, f"more fields than the {len(header)} columns of the header")
         if all(not (v or "").strip() for v in row.values()):
             continue
-        jobs.append(_parse_row(row, path, line, sizes, seen_ids))
+        job = _parse_row(row, path, line, sizes, seen_ids)
+        _item_size(row.get(ITEM_SIZE), job.dataset, sizes[job.dataset], path, line, item_sizes)
+        jobs.append(job)
     if not jobs:
         raise TraceError(f"{path}: no jobs; add at least one row after the header")
     jobs.sort(key=lambda j: (j.submit_time, j.job_id))
-    return Trace(tuple(jobs), sizes, source=str(path))
+    return Trace(tuple(jobs), sizes, source=str(path), item_sizes=item_sizes)
+
+
+def _item_size(text: str | None, dataset: str, dataset_size: float, path: Path, line: int, known: dict[str, float]) -> None:
+    text = (text or "").strip()
+    if not text:
+        return
+    try:
+        size = parse_size(text, ITEM_SIZE)
+    except UnitError as exc:
+        raise _fail(path, line, ITEM_SIZE, str(exc)) from None
+    if not 0 < size <= dataset_size:
+        raise _fail(path, line, ITEM_SIZE, f"{size:.0f} B must be > 0 and at most the dataset's {dataset_size:.0f} B (bytes per item, e.g. 110KB)")
+    if dataset in known and not math.isclose(known[dataset], size, rel_tol=1e-9):
+        raise _fail(path, line, ITEM_SIZE, f"dataset {dataset!r} was given item size {known[dataset]:.0f} B on an earlier line; one dataset has one item size")
+    known[dataset] = size
 
 
 def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, float], seen: set[str]) -> TraceJob:
@@ -175,12 +196,16 @@ def _ideal(text: str, model: str, gpus: int, path: Path, line: int) -> float:
 def write_csv_trace(trace: Trace, path: str | Path) -> None:
     # The access columns only when a job needs them, so all-epoch traces keep the plain header.
     with_access = any(not j.access.regular for j in trace.jobs)
+    with_items = bool(trace.item_sizes)
     with Path(path).open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow((*COLUMNS, *ACCESS_COLUMNS) if with_access else COLUMNS)
+        writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ())))
         for j in trace.jobs:
             row = [j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
                    f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"]
             if with_access:
                 row += ["" if v is None else (f"{v!r}" if isinstance(v, float) else v) for v in j.access.fields().values()]
+            if with_items:
+                item = trace.item_sizes.get(j.dataset)
+                row.append("" if item is None else f"{item!r}")
             writer.writerow(row)

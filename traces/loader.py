@@ -28,5 +28,5 @@ def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_j
     if max_jobs is not None:
         from traces.model import Trace
 
-        trace = Trace(trace.jobs[:max_jobs], trace.dataset_sizes, trace.source)
+        trace = Trace(trace.jobs[:max_jobs], trace.dataset_sizes, trace.source, trace.notes, trace.item_sizes)
     return trace

@@ -33,9 +33,13 @@ class Trace:
     dataset_sizes: Mapping[str, float]  # bytes per dataset name
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: Bytes per item of the datasets whose item size was given (trace column `item_size`); the
+    #: simulator needs it for curriculum jobs, whose pacing counts items and iterations.
+    item_sizes: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dataset_sizes", MappingProxyType(dict(self.dataset_sizes)))
+        object.__setattr__(self, "item_sizes", MappingProxyType(dict(self.item_sizes)))
 
     def __len__(self) -> int:
         return len(self.jobs)

@@ -26,6 +26,18 @@ The model, item by item:
             a dataset that does not fit the space left gets nothing; chosen ones fill uniformly.
 - GPUs: FIFO in arrival order, a job starts when all its GPUs are free (later jobs that fit
   start first), and keeps them until it finishes.
+- Curriculum jobs (SiloD §7.4, Eq. 10) have no epochs: the n-th item a job looks up is drawn
+  uniformly from the g easiest items, g = floor(min(start * alpha^floor(i/step), 1) * N) (at
+  least 1), at iteration i = n // batch; items are numbered easiest first. Their per-pass hit
+  ratios are taken every N look-ups.
+- Irregular partition (silod, `partition=True`): datasets read only by curriculum jobs are LRU
+  caches, each limited to its share of the partition's cache; the partition gets the fraction
+  s = (sum of f* of the running curriculum jobs) / (sum of f* of all running jobs) of the cache
+  and the link; its cache is split among its datasets in proportion to the f* of their running
+  readers (capped at the dataset, the rest to the others), its link max-min among its jobs by
+  demand f* x (1 - cached/size). Regular jobs get the rest by the rule below. With
+  `partition=False` curriculum jobs are planned like any other job by that rule (their miss
+  ratio is that of the eligible items).
 - SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
   cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
   only the readers with more than one pass left, since an item cached now helps from the next
@@ -48,7 +60,8 @@ class RefJob:
     gpus: int
     dataset: str
     ideal: float  # f*, bytes/s
-    epochs: float
+    epochs: float  # work: items read = epochs x items of the dataset
+    curriculum: tuple | None = None  # (starting_percent, alpha, step, batch) or None
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class RefScenario:
     link: float  # bytes/s
     system: str  # silod | alluxio | coordl | quiver
     window: int = 32  # loader look-ahead, items
+    partition: bool = True  # silod: curriculum jobs in the irregular partition (LRU)
 
 
 @dataclass
@@ -92,6 +106,12 @@ class _Run:
     looked_now: int = 0
     remote: float = 0.0
     start: float = 0.0
+
+    def eligible(self, n: int) -> int:
+        """How many of the easiest items the n-th look-up of a curriculum job draws from."""
+        start, alpha, step, batch = self.spec.curriculum
+        frac = min(start * alpha ** ((n // batch) // step), 1.0)
+        return max(1, min(self.n_items, int(math.floor(frac * self.n_items * (1 + 1e-12)))))
 
     def epoch_order(self) -> None:
         self.order = list(range(self.n_items))
@@ -127,6 +147,49 @@ class _Uniform:
                     r.unread_cached += 1
 
 
+class _Lru:
+    """LRU cache of one dataset with a limit (the irregular partition)."""
+
+    def __init__(self):
+        self.items: OrderedDict = OrderedDict()
+        self.limit = 0
+        self.readers: list = []
+
+    def set_limit(self, n: int) -> None:
+        self.limit = max(0, n)
+        while len(self.items) > self.limit:
+            self.items.popitem(last=False)
+
+    def admit(self, item) -> None:
+        if self.limit <= 0:
+            return
+        if item in self.items:
+            self.items.move_to_end(item)
+            return
+        self.items[item] = None
+        while len(self.items) > self.limit:
+            self.items.popitem(last=False)
+
+
+def _max_min(demands: dict, total: float) -> dict:
+    """Max-min fair split of `total` by demand (water-filling)."""
+    give = {k: 0.0 for k in demands}
+    left = total
+    want = {k: v for k, v in demands.items() if v > 0}
+    while want and left > 1e-12:
+        each = left / len(want)
+        small = {k: v for k, v in want.items() if v <= each}
+        if not small:
+            for k in want:
+                give[k] += each
+            break
+        for k, v in small.items():
+            give[k] += v
+            left -= v
+            del want[k]
+    return give
+
+
 def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
     rng = random.Random(seed)
     pending = sorted(sc.jobs, key=lambda j: (j.submit, j.job_id))
@@ -138,7 +201,7 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
     free_gpus = sc.gpus
     now = 0.0
     queue: list[RefJob] = []
-    uniform: dict = {}  # dataset (or job id for coordl) -> _Uniform
+    uniform: dict = {}  # dataset (or job id for coordl) -> _Uniform (or _Lru: irregular partition)
     lru: OrderedDict = OrderedDict()  # (dataset, item) -> None, least recent first
     lru_bytes = 0.0
     item_size = {d: sc.dataset_bytes[d] / sc.dataset_items[d] for d in sc.dataset_bytes}
@@ -153,6 +216,8 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
     def touch(run: _Run, item) -> None:
         if sc.system == "alluxio":
             lru.move_to_end((run.spec.dataset, item))
+        elif isinstance(uniform.get(run.spec.dataset), _Lru):
+            uniform[run.spec.dataset].items.move_to_end(item)
 
     def admit(run: _Run, item) -> None:
         nonlocal lru_bytes
@@ -180,48 +245,100 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
         looked up yet, plus the miss in flight; at an epoch's end, the cached share of the whole
         dataset (what the next epoch will see)."""
         u = uniform.get(run.spec.dataset)
+        if run.spec.curriculum is not None:
+            g = run.eligible(run.looked)
+            return 0.0 if u is None else sum(1 for i in u.items if i < g) / g
         in_flight = 1 if run.fetching is not None else 0
         if not run.unread and not in_flight:
             return 0.0 if u is None or run.looked >= run.total else len(u.items) / run.n_items
         return run.unread_cached / (len(run.unread) + in_flight)
 
+    def plan_regular(regular: list, cache: float, link: float) -> dict:
+        """Cache limits and IO caps of the regular jobs (FIFO form of SiloD's allocation)."""
+        # Greedy by cache efficiency, with delayed effectiveness: bytes already cached save
+        # f*/d for every reader; bytes still to be cached only for readers that will read
+        # the dataset again after this epoch (more than one pass of work left).
+        eff_cached: dict = {}
+        eff_new: dict = {}
+        for r in regular:
+            ds = r.spec.dataset
+            e = r.spec.ideal / sc.dataset_bytes[ds]
+            eff_cached[ds] = eff_cached.get(ds, 0.0) + e
+            eff_new[ds] = eff_new.get(ds, 0.0) + (e if r.total - r.consumed > r.n_items else 0.0)
+        pieces = []  # (efficiency, dataset, bytes)
+        for ds in eff_cached:
+            have = min(len(uniform[ds].items) * item_size[ds], sc.dataset_bytes[ds]) if ds in uniform else 0.0
+            pieces.append((eff_cached[ds], ds, have))
+            pieces.append((eff_new[ds], ds, sc.dataset_bytes[ds] - have))
+        give: dict = {ds: 0.0 for ds in eff_cached}
+        left = cache
+        for e, ds, nbytes in sorted(pieces, key=lambda p: (-p[0], p[1])):
+            take = min(left, nbytes)
+            give[ds] += take
+            left -= take
+        for ds, nbytes in give.items():
+            u = uniform.get(ds)
+            if not isinstance(u, _Uniform):  # new, or leaving the irregular partition
+                old, u = u, _Uniform(rng)
+                uniform[ds] = u
+                if old is not None:
+                    u.items = set(old.items)
+            u.readers = [r for r in regular if r.spec.dataset == ds]
+            u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
+        caps, left = {}, link
+        for r in sorted(regular, key=lambda r: (r.spec.submit, r.spec.job_id)):
+            want = r.spec.ideal * (1.0 - rest_hit_ratio(r))
+            caps[r.spec.job_id] = min(want, left)
+            left -= caps[r.spec.job_id]
+        return caps
+
+    def plan_irregular(irregular: list, lru_ds: set, cache: float, link: float) -> dict:
+        """LRU limits of the irregular partition's datasets and IO caps of its jobs."""
+        rate: dict = {}
+        for r in irregular:
+            if r.spec.dataset in lru_ds:
+                rate[r.spec.dataset] = rate.get(r.spec.dataset, 0.0) + r.spec.ideal
+        give = {ds: 0.0 for ds in rate}
+        left, open_ = cache, set(rate)
+        while open_ and left > 1e-6:
+            total = sum(rate[d] for d in open_)
+            full = {d for d in open_ if left * rate[d] / total >= sc.dataset_bytes[d] - give[d]}
+            if not full:
+                for d in open_:
+                    give[d] += left * rate[d] / total
+                break
+            for d in full:
+                left -= sc.dataset_bytes[d] - give[d]
+                give[d] = sc.dataset_bytes[d]
+            open_ -= full
+        for ds, nbytes in give.items():
+            u = uniform.get(ds)
+            if not isinstance(u, _Lru):  # new, or joining the irregular partition
+                old, u = u, _Lru()
+                uniform[ds] = u
+                for i in sorted(old.items) if old is not None else ():
+                    u.items[i] = None
+            u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
+        demand = {}
+        for r in irregular:
+            u = uniform.get(r.spec.dataset)
+            cached = len(u.items) if u is not None else 0
+            demand[r.spec.job_id] = r.spec.ideal * (1.0 - min(cached / r.n_items, 1.0))
+        return _max_min(demand, link)
+
     def allocate_storage() -> dict:
         """Cache limits (uniform systems) and IO caps (silod); returns job id -> cap or None."""
         if sc.system == "silod":
-            # Greedy by cache efficiency, with delayed effectiveness: bytes already cached save
-            # f*/d for every reader; bytes still to be cached only for readers that will read
-            # the dataset again after this epoch (more than one pass of work left).
-            eff_cached: dict = {}
-            eff_new: dict = {}
-            for r in running:
-                ds = r.spec.dataset
-                e = r.spec.ideal / sc.dataset_bytes[ds]
-                eff_cached[ds] = eff_cached.get(ds, 0.0) + e
-                eff_new[ds] = eff_new.get(ds, 0.0) + (e if r.total - r.consumed > r.n_items else 0.0)
-            pieces = []  # (efficiency, dataset, bytes)
-            for ds in eff_cached:
-                have = min(len(uniform[ds].items) * item_size[ds], sc.dataset_bytes[ds]) if ds in uniform else 0.0
-                pieces.append((eff_cached[ds], ds, have))
-                pieces.append((eff_new[ds], ds, sc.dataset_bytes[ds] - have))
-            give: dict = {ds: 0.0 for ds in eff_cached}
-            left = sc.cache
-            for e, ds, nbytes in sorted(pieces, key=lambda p: (-p[0], p[1])):
-                take = min(left, nbytes)
-                give[ds] += take
-                left -= take
-            for ds, nbytes in give.items():
-                u = uniform.setdefault(ds, _Uniform(rng))
-                u.readers = [r for r in running if r.spec.dataset == ds]
-                u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
+            irregular = [r for r in running if sc.partition and r.spec.curriculum is not None]
+            regular = [r for r in running if r not in irregular]
+            lru_ds = {r.spec.dataset for r in irregular} - {r.spec.dataset for r in regular}
+            share = sum(r.spec.ideal for r in irregular) / sum(r.spec.ideal for r in running) if irregular else 0.0
+            caps = plan_irregular(irregular, lru_ds, sc.cache * share, sc.link * share) if irregular else {}
+            caps.update(plan_regular(regular, sc.cache * (1 - share), sc.link * (1 - share)))
             for ds, u in uniform.items():
-                if ds not in eff_cached:
+                if ds not in lru_ds and not any(r.spec.dataset == ds for r in regular):
                     u.readers = []
                     u.set_limit(0)
-            caps, left = {}, sc.link
-            for r in sorted(running, key=lambda r: (r.spec.submit, r.spec.job_id)):
-                want = r.spec.ideal * (1.0 - rest_hit_ratio(r))
-                caps[r.spec.job_id] = min(want, left)
-                left -= caps[r.spec.job_id]
             return caps
         if sc.system == "quiver":
             benefit: dict = {}
@@ -259,10 +376,14 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
                 if run.looked > 0:
                     run.epoch_hits.append(run.hits_now / run.looked_now)
                 run.hits_now = run.looked_now = 0
-                run.epoch_order()
-                u = uniform.get(run.spec.dataset) if sc.system == "silod" else None
-                run.unread_cached = len(u.items) if u is not None else 0
-            item = run.order[pos]
+                if run.spec.curriculum is None:
+                    run.epoch_order()
+                    u = uniform.get(run.spec.dataset) if sc.system == "silod" else None
+                    run.unread_cached = len(u.items) if u is not None else 0
+            if run.spec.curriculum is not None:
+                item = run.rng.randrange(run.eligible(run.looked))
+            else:
+                item = run.order[pos]
             run.unread.discard(item)
             if sc.system == "silod" and cached(run, item):
                 run.unread_cached -= 1

@@ -13,6 +13,9 @@ concerns at once (`_changed`), so the reader always reads at the ratio the cache
 
 - silod:   uniform caching per dataset with the policy's allocation; admit on miss while the
            dataset is under its allocation, never evict otherwise; random eviction on shrink.
+           Datasets that only irregular jobs read (the irregular partition, §6) are LRU caches
+           instead, each within its allocation: every miss is admitted and the least recently
+           used chunks of that dataset are evicted at admission (and on shrink).
 - alluxio: one cluster-wide LRU cache, read-through: every miss is admitted and the least
            recently used chunks are evicted at admission, so it never holds more than its size.
 - coordl:  each running job caches uniformly into a private static share, its GPUs' share of
@@ -98,6 +101,66 @@ class UniformDomain:
         return self.count * self.dataset.chunk_size
 
 
+@dataclass(eq=False)
+class LruDomain:
+    """An LRU cache over one dataset's chunks with a limit (the irregular partition's datasets,
+    as the mount's `--cache-mode lru` keeps them)."""
+
+    dataset: SimDataset
+    cached: np.ndarray = field(init=False)
+    count: int = 0
+    limit_chunks: int = 0
+    order: OrderedDict = field(default_factory=OrderedDict)  # chunk -> None, least recent first
+
+    def __post_init__(self) -> None:
+        self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
+
+    @classmethod
+    def from_cached(cls, dataset: SimDataset, cached: np.ndarray, limit_chunks: int) -> LruDomain:
+        """A dataset switching to LRU keeps what it holds (recency unknown: in chunk order)."""
+        dom = cls(dataset)
+        for c in np.flatnonzero(cached).tolist():
+            dom.order[c] = None
+        dom.cached[:] = cached
+        dom.count = int(np.count_nonzero(cached))
+        dom.limit_chunks = limit_chunks
+        return dom
+
+    def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
+        """Set the allocation; returns the chunks evicted to fit it (least recently used)."""
+        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
+        return self._evict()
+
+    def _evict(self) -> np.ndarray:
+        victims = []
+        while self.count > self.limit_chunks:
+            c, _ = self.order.popitem(last=False)
+            self.cached[c] = False
+            self.count -= 1
+            victims.append(c)
+        return np.array(victims, dtype=np.int64)
+
+    def touch(self, chunk: int) -> None:
+        self.order.move_to_end(chunk)
+
+    def admit_one(self, chunk: int) -> np.ndarray:
+        """Admit a missed chunk (if the allocation holds one at all); returns the victims."""
+        if self.limit_chunks <= 0 or self.cached[chunk]:
+            return np.zeros(0, dtype=np.int64)
+        self.cached[chunk] = True
+        self.count += 1
+        self.order[chunk] = None
+        return self._evict()
+
+    @property
+    def filling(self) -> bool:
+        return self.count < self.limit_chunks
+
+    @property
+    def cached_bytes(self) -> float:
+        return self.count * self.dataset.chunk_size
+
+
 class SimCacheSystem(ABC):
     name: str
     #: Whether the cached set changes under a reader as other chunks are read (LRU evicts at
@@ -134,8 +197,10 @@ class SimCacheSystem(ABC):
 
     # ----------------------------------------------------------------- interface
     @abstractmethod
-    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence[SimJob], datasets: Mapping[str, SimDataset], now: float = 0.0) -> None:
-        """Take the round's cache allocation (None for unmanaged baselines) and running jobs."""
+    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence[SimJob], datasets: Mapping[str, SimDataset],
+                   now: float = 0.0, lru_datasets: frozenset[str] = frozenset()) -> None:
+        """Take the round's cache allocation (None for unmanaged baselines) and running jobs;
+        `lru_datasets` are the irregular partition's (only systems that take allocations use it)."""
 
     @abstractmethod
     def cached_mask(self, job: SimJob) -> np.ndarray:
@@ -150,6 +215,10 @@ class SimCacheSystem(ABC):
     def cached_bytes(self) -> dict[str, float]:
         """Bytes cached per dataset name (only non-zero entries)."""
 
+    def volatile_for(self, job: SimJob) -> bool:
+        """Whether the chunks cached for `job` move while it reads (LRU evictions)."""
+        return self.volatile
+
     def visible_chunks(self, job: SimJob) -> int:
         """Chunks of `job`'s dataset cached for it now (the start of an epoch sees them all)."""
         return int(np.count_nonzero(self.cached_mask(job)))
@@ -161,9 +230,10 @@ class SimCacheSystem(ABC):
     def job_stopped(self, job: SimJob) -> None:
         """`job` finished or was descheduled."""
 
-    def filling_shared_bytes(self) -> float | None:
-        """Size of the smallest domain that several readers share while it fills (their hit
-        ratios then move with each other's admissions); None if there is none."""
+    def volatile_bytes(self) -> float | None:
+        """Bytes whose cached state moves under the readers as others read: the smallest domain
+        that several readers share while it fills (their hit ratios move with each other's
+        admissions), or an LRU cache that evicts at every miss; None if there is none."""
         return None
 
 
@@ -184,19 +254,36 @@ class SiloDCache(SimCacheSystem):
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
-        self.domains: dict[str, UniformDomain] = {}
+        self.domains: dict[str, UniformDomain | LruDomain] = {}
 
-    def _domain(self, dataset: SimDataset) -> UniformDomain:
+    @property
+    def volatile(self) -> bool:  # type: ignore[override]
+        """LRU datasets read by several jobs: their reads must interleave in time."""
+        return any(isinstance(d, LruDomain) and len(self.readers.get(n, ())) > 1 for n, d in self.domains.items())
+
+    def volatile_for(self, job):
+        return isinstance(self.domains.get(job.dataset.name), LruDomain)
+
+    def _domain(self, dataset: SimDataset, lru: bool) -> UniformDomain | LruDomain:
         dom = self.domains.get(dataset.name)
         if dom is None:
-            dom = self.domains[dataset.name] = UniformDomain(dataset)
+            dom = self.domains[dataset.name] = LruDomain(dataset) if lru else UniformDomain(dataset)
+        elif lru and not isinstance(dom, LruDomain):
+            dom = self.domains[dataset.name] = LruDomain.from_cached(dataset, dom.cached, dom.limit_chunks)
+        elif not lru and isinstance(dom, LruDomain):
+            uniform = UniformDomain(dataset)
+            uniform.cached[:] = dom.cached
+            uniform.count, uniform.limit_chunks = dom.count, dom.limit_chunks
+            dom = self.domains[dataset.name] = uniform
         return dom
 
-    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
+        """`lru_datasets`: the irregular partition's datasets, LRU-cached within their allocation."""
         if cache_alloc is None:
             raise ValueError("the silod cache system needs a storage-managing policy (SiloD estimator)")
         for name, dom in list(self.domains.items()):
             new = cache_alloc.get(name, 0.0)
+            dom = self._domain(dom.dataset, name in lru_datasets)
             victims = dom.set_limit(new, self.rng)
             if victims.size:
                 self.evicted_bytes += victims.size * dom.dataset.chunk_size
@@ -205,7 +292,7 @@ class SiloDCache(SimCacheSystem):
                 del self.domains[name]
         for name, nbytes in cache_alloc.items():
             if nbytes > 0 and name in datasets and name not in self.domains:
-                self._domain(datasets[name]).set_limit(nbytes, self.rng)
+                self._domain(datasets[name], name in lru_datasets).set_limit(nbytes, self.rng)
 
     def cached_mask(self, job):
         dom = self.domains.get(job.dataset.name)
@@ -220,14 +307,37 @@ class SiloDCache(SimCacheSystem):
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
 
     def access(self, job, chunks):
-        hits, admitted = _access_uniform(job, self.domains.get(job.dataset.name), chunks)
-        self._changed(job.dataset.name, admitted, +1)
+        name = job.dataset.name
+        dom = self.domains.get(name)
+        if isinstance(dom, LruDomain):
+            return self._access_lru(job, dom, chunks)
+        hits, admitted = _access_uniform(job, dom, chunks)
+        self._changed(name, admitted, +1)
+        return hits
+
+    def _access_lru(self, job, dom: LruDomain, chunks: np.ndarray) -> np.ndarray:
+        name = job.dataset.name
+        hits = np.zeros(chunks.size, dtype=bool)
+        read = job.read_mask
+        for k, c in enumerate(chunks.tolist()):
+            read[c] = True
+            if dom.cached[c]:
+                hits[k] = True
+                job.unread_cached -= 1
+                dom.touch(c)
+                continue
+            victims = dom.admit_one(c)
+            if dom.cached[c]:
+                self._changed(name, np.array([c]), +1)
+            if victims.size:
+                self.evicted_bytes += victims.size * dom.dataset.chunk_size
+                self._changed(name, victims, -1)
         return hits
 
     def cached_bytes(self):
         return {n: d.cached_bytes for n, d in self.domains.items() if d.count}
 
-    def filling_shared_bytes(self):
+    def volatile_bytes(self):
         sizes = [d.dataset.size for n, d in self.domains.items() if d.filling and len(self.readers.get(n, ())) > 1]
         return min(sizes) if sizes else None
 
@@ -253,7 +363,7 @@ class QuiverCache(SiloDCache):
     def job_stopped(self, job):
         self.profiles.pop(job.job_id, None)
 
-    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         benefit: dict[str, float] = {}
         for job in running:
             benefit[job.dataset.name] = benefit.get(job.dataset.name, 0.0) + job.ideal * self._profile(job, now)
@@ -280,7 +390,7 @@ class CoorDLCache(SimCacheSystem):
     def key(self, job):
         return job.job_id
 
-    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         per_gpu = self.capacity / self.total_gpus
         for job in running:
             if job.job_id not in self.domains:
@@ -337,7 +447,7 @@ class AlluxioLRUCache(SimCacheSystem):
             self.datasets[dataset.name] = dataset
         return arr
 
-    def apply_plan(self, cache_alloc, running, datasets, now=0.0):
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         return None  # LRU takes no allocation: that is the point of the baseline
 
     def cached_mask(self, job):
@@ -386,6 +496,12 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def cached_bytes(self):
         return {n: self.counts[n] * self.datasets[n].chunk_size for n in self.cached if self.counts[n]}
+
+    def volatile_bytes(self):
+        return self.capacity
+
+    def room(self, job):
+        return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
 
 
 def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0) -> SimCacheSystem:

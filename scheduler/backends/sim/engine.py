@@ -5,6 +5,11 @@ job reads its dataset chunk by chunk (reader.py) through the chosen cache system
 (cache_systems.py). Decisions come from the same `SchedulingCore` the live service uses: the
 policy is asked for an Allocation when the set of jobs changes, and the round planner chooses
 who holds GPUs every round (Gavel-style time sharing).
+
+Irregular jobs (estimator/access.py) are scheduled in the irregular partition of cache and remote
+IO (scheduler/partition.py) and their datasets are LRU-cached there (cache system `silod`).
+Curriculum jobs read as reader.py describes; jobs that only say `irregular` read like epoch jobs
+(their real pattern is unknown), scheduled as irregular.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from estimator.access import AccessPattern
 from estimator.errors import UserError
 from policies.base import Policy
 from policies.estimators import Estimator
@@ -25,7 +31,8 @@ from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.backends.sim.cache_systems import SimCacheSystem, SimDataset, make_cache_system
 from scheduler.backends.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
 from scheduler.core import SchedulingCore, spread_spare_io
-from traces.model import Trace
+from traces.catalog import DATASETS
+from traces.model import Trace, TraceJob
 
 
 #: A step may let the link bring in at most 1/VOLATILE_STEPS of the bytes whose cached state
@@ -47,6 +54,9 @@ class SimConfig:
     #: False: the policy's cache allocations are enforced but its remote-IO allocations are not
     #: (the link is shared by demand), the "remote IO not allocated" run of Fig. 13.
     manage_io: bool = True
+    #: False: the scheduler is not told which jobs are irregular (every job is planned as a
+    #: regular one with SiloDPerf and uniform caching); jobs still read as they do.
+    partition: bool = True
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -123,14 +133,7 @@ class Simulator:
             )
         if not trace.jobs:
             raise UserError("the trace has no jobs")
-        irregular = [j for j in trace.jobs if not j.access.regular]
-        if irregular:
-            j = irregular[0]
-            raise UserError(
-                f"job {j.job_id} has access={j.access.kind.value}: silod simulate models epoch reads only; curriculum and "
-                f"irregular reads (and the LRU partition they are scheduled in) are not simulated yet. Drop the access "
-                f"columns to simulate these jobs as epoch readers ({len(irregular)} such job(s))"
-            )
+        self.item_sizes = {j.dataset: _item_size(trace, j) for j in trace.jobs if j.access.curriculum is not None}
         self.trace = trace
         self.capacity = capacity
         self.config = config
@@ -151,9 +154,11 @@ class Simulator:
     # ------------------------------------------------------------------ helpers
     def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
         measured = self.core.estimator.manages_storage
+        told = self.config.partition
         jobs = tuple(
             JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running,
-                    hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None)
+                    hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
+                    access=j.trace.access if told else AccessPattern.epoch())
             for j in active
         )
         needed = {j.dataset.name for j in active}
@@ -172,20 +177,27 @@ class Simulator:
         for job, r in zip(active, ref, strict=True):
             job.reference = float(r)
 
-    def _step_limit(self) -> float:
+    def _step_limit(self, running: list[SimJob], caps: dict[str, float]) -> float:
         """Longest step over which the cached set may be taken as fixed between two looks.
 
         LRU evicts at every admission and a shared dataset that fills moves its co-readers'
         hit ratios. Admissions cannot outrun the link, so a step during which the link can
         bring in at most 1/VOLATILE_STEPS of the volatile bytes keeps that change small.
+        A curriculum job whose cache still fills moves its own miss ratio (and so its demand on
+        the link) as it reads: its step brings in at most 1/VOLATILE_STEPS of its eligible set.
         """
         link = self.capacity.remote_io
         if link <= 0:
             return np.inf
-        volatile = self.capacity.cache if self.cache.volatile else self.cache.filling_shared_bytes()
-        if volatile is None or volatile <= 0:
-            return np.inf
-        return max(volatile / (VOLATILE_STEPS * link), 1e-3)
+        limit = np.inf
+        volatile = self.cache.volatile_bytes()
+        if volatile is not None and volatile > 0:
+            limit = volatile / (VOLATILE_STEPS * link)
+        for job in running:
+            if job.pacing is not None and caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
+                eligible = job.eligible_chunks() * job.dataset.chunk_size
+                limit = min(limit, eligible / (VOLATILE_STEPS * caps[job.job_id]))
+        return max(limit, 1e-3)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> SimResult:
@@ -221,7 +233,8 @@ class Simulator:
                 tj = pending[next_arrival]
                 ds = self.datasets[tj.dataset]
                 rng = np.random.default_rng(seed_seq.spawn(1)[0])
-                job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng)
+                job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng,
+                             pacing=tj.access.curriculum, item_size=self.item_sizes.get(tj.dataset, 0.0))
                 self.cache.register(job)
                 job.start_epoch_view(self.cache)
                 active.append(job)
@@ -261,7 +274,8 @@ class Simulator:
                         job.start_time = now
                     job.running = True
                 running = chosen
-                self.cache.apply_plan(plan.cache, running, self.datasets, now)
+                part = plan.allocation.partition
+                self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
 
             # Step: to the next round, arrival, or a running job's completion or epoch boundary
@@ -278,7 +292,7 @@ class Simulator:
                 # A finish always ends the step (its IO is re-divided); an epoch boundary only
                 # where the link is contended and the job's demand will change there.
                 step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
-            step_end = min(step_end, now + self._step_limit())
+            step_end = min(step_end, now + self._step_limit(running, caps))
             dt = max(step_end - now, 1e-6)
 
             finished: list[SimJob] = []
@@ -429,6 +443,20 @@ class Simulator:
             fairness_ratio=float("nan") if fairness is None else fairness,
             throughput=acc_bytes / acc_time if acc_time else 0.0,
         )
+
+
+def _item_size(trace: Trace, job: TraceJob) -> float:
+    """Bytes per item of a curriculum job's dataset: the trace's `item_size`, else the catalog's."""
+    size = trace.item_sizes.get(job.dataset)
+    if size is None and job.dataset in DATASETS:
+        size = DATASETS[job.dataset].item_size
+    if size is None:
+        raise UserError(
+            f"job {job.job_id} is a curriculum job on dataset {job.dataset!r}, whose item size is unknown: its pacing counts "
+            f"items and iterations. Add an item_size column to the trace (bytes per item, e.g. 110KB) or use a catalog "
+            f"dataset ({', '.join(sorted(DATASETS))})"
+        )
+    return size
 
 
 __all__ = ["JobRecord", "SimConfig", "SimResult", "Simulator", "TimelineRow"]

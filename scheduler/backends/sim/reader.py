@@ -16,6 +16,14 @@ job starts reading each of them, at the time it does.
 Where the cached set can move under the reader (LRU), it reads in short sub-steps of a few
 chunks and re-reads m after each; elsewhere m only changes at the job's own epoch boundary and
 when the engine tells it (a new step), and a sub-step runs to the epoch's end.
+
+Curriculum jobs (estimator/access.py, SiloD §7.4) have no epochs: at iteration i every item
+read is drawn uniformly from the g(i) easiest items, with replacement across batches. Items are
+sorted by difficulty, so the eligible items are a prefix of the dataset: the first
+e = g(i) x item_size / chunk_size chunks (the last one partly). A chunk's worth of reading is one
+draw from that prefix, weighted by how much of each chunk is eligible, looked up when reading
+reaches it; m = the uncached share of the eligible bytes, re-read after every draw and at every
+growth of the set. The iteration is the job's items read so far / batch.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from estimator.access import CurriculumPacing
 from scheduler.backends.sim.cache_systems import SimCacheSystem, SimDataset
 from traces.model import TraceJob
 
@@ -55,6 +64,8 @@ class SimJob:
     job_id: str = field(init=False)
     reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
     share: float = 0.0
+    pacing: CurriculumPacing | None = None  # curriculum jobs: their pacing function
+    item_size: float = 0.0  # bytes per item (curriculum jobs count items and iterations)
 
     def __post_init__(self) -> None:
         self.job_id = self.trace.job_id
@@ -73,9 +84,46 @@ class SimJob:
         """Called when the job becomes active: everything cached counts as unread."""
         self.unread_cached = cache.visible_chunks(self)
 
+    # ------------------------------------------------------------ curriculum
+    @property
+    def items(self) -> int:
+        return max(1, int(round(self.dataset.size / self.item_size)))
+
+    def iteration(self) -> float:
+        # The nudge puts a position a rounding error short of a growth boundary on it, so the
+        # eligible set and the next boundary (bytes_to_growth) always agree.
+        return self.consumed / (self.pacing.batch * self.item_size) * (1.0 + 1e-12)
+
+    def eligible_chunks(self) -> float:
+        """e: how many chunks the eligible items span now (the last one partly)."""
+        g = int(self.pacing.eligible_items(self.iteration(), self.items))
+        return min(g * self.item_size / self.dataset.chunk_size, float(self.dataset.n_chunks))
+
+    def bytes_to_growth(self) -> float:
+        """Bytes the job reads before its eligible set grows next (inf once it is whole)."""
+        p = self.pacing
+        i = self.iteration()
+        if p.fraction(i) >= 1.0:
+            return math.inf
+        boundary = (math.floor(i / p.step) + 1) * p.step
+        return max(boundary * p.batch * self.item_size - self.consumed, 0.0)
+
+    def curriculum_miss(self, mask: np.ndarray, e: float | None = None) -> float:
+        """The uncached share of the eligible bytes (`mask`: the chunks cached for the job)."""
+        e = self.eligible_chunks() if e is None else e
+        whole = int(e)
+        cached = float(np.count_nonzero(mask[:whole]))
+        if whole < self.dataset.n_chunks and e > whole and mask[whole]:
+            cached += e - whole
+        return min(max(1.0 - cached / e, 0.0), 1.0)
+
+    # ------------------------------------------------------------ both kinds
     def miss_ratio(self, cache: SimCacheSystem) -> float:
         """Miss ratio of what the job reads next: the uncached share of the chunks its epoch has
-        not looked up yet; at the epoch's very end, the next epoch's (all chunks unread)."""
+        not looked up yet; at the epoch's very end, the next epoch's (all chunks unread).
+        Curriculum: the uncached share of the eligible items."""
+        if self.pacing is not None:
+            return self.curriculum_miss(cache.cached_mask(self))
         left = self.dataset.n_chunks - self.looked
         if left <= 0:
             return 1.0 - cache.visible_chunks(self) / self.dataset.n_chunks
@@ -85,6 +133,8 @@ class SimJob:
         return 1.0 - self.miss_ratio(cache)
 
     def new_epoch(self, cache: SimCacheSystem) -> None:
+        """Epoch readers: a new permutation. Curriculum jobs: a pass-equivalent (a dataset's
+        worth of bytes) ends, and its hit ratio is recorded like an epoch's."""
         if self.epoch_read > 0:
             self.epoch_hit_ratios.append(1.0 - self.epoch_remote / self.epoch_read)
         self.epoch += 1
@@ -110,7 +160,9 @@ class SimJob:
         if r <= 0:
             return math.inf
         left = self.total_bytes - self.consumed
-        if epoch_matters:
+        if epoch_matters and self.pacing is not None:
+            left = min(left, self.bytes_to_growth())  # the eligible set grows: m jumps
+        elif epoch_matters:
             k = self.dataset.n_chunks
             # What the next epoch will see: the cache now plus what this epoch's misses admit.
             misses_left = (k - self.looked) - self.unread_cached
@@ -140,11 +192,13 @@ VOLATILE_SUBSTEP = 1 / 16
 def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:
     """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s);
     with `substeps`, stop after that many looks at the miss ratio (to interleave jobs)."""
+    if job.pacing is not None:
+        return _advance_curriculum(job, now, dt, io_cap, cache, substeps)
     result = StepResult()
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks
     ideal = job.ideal
-    substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile else k
+    substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile_for(job) else k
     t = 0.0
     while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
         if substeps is not None:
@@ -192,3 +246,74 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             return result
     result.elapsed = t
     return result
+
+
+def _advance_curriculum(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None) -> StepResult:
+    """`advance` for a curriculum job: reads are draws from the eligible prefix (module doc).
+    `job.pos` counts the draws' worth of reading done in the current pass-equivalent and
+    `job.looked` the draws looked up in it."""
+    result = StepResult()
+    s = job.dataset.chunk_size
+    k = job.dataset.n_chunks
+    t = 0.0
+    while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
+        if substeps is not None:
+            if substeps <= 0:
+                break
+            substeps -= 1
+        if job.pos >= k - 1e-9:
+            _next_pass(job)
+        e = job.eligible_chunks()
+        m = job.curriculum_miss(cache.cached_mask(job), e)
+        if cache.room(job) > 0:
+            # While the cache grows, a draw's misses are admitted as it reads them: on average
+            # m falls by m/e over the draw, so it is read at its midpoint value.
+            m *= 1.0 - 0.5 / max(e, 1.0)
+        m = 0.0 if m < 1e-12 else m
+        rate = job.ideal if m == 0.0 else (min(job.ideal, io_cap / m) if io_cap > 0 else 0.0)
+        if rate <= 0:
+            t = dt
+            break
+        p = job.pos
+        x_need = p + (job.total_bytes - job.consumed) / s
+        # One draw at a time: each admission moves m by up to 1/e, and a stale m overcharges.
+        x = min(p + rate * (dt - t) / s, x_need, float(k), math.floor(p + 1e-9) + 1, p + job.bytes_to_growth() / s)
+        if x <= p:
+            t = dt  # what is left of the step moves the position by less than float resolution
+            break
+        finishing = x >= x_need - 1e-9
+        last = min(k, math.ceil(x - (1e-12 if finishing else 1e-9)))
+        if last > job.looked:
+            chunks = np.minimum((job.rng.random(last - job.looked) * e).astype(np.int64), k - 1)
+            cache.access(job, chunks)
+            job.read_mask[chunks] = False  # with replacement: nothing is "read this epoch"
+            job.looked = last
+        done = (x - p) * s
+        missed = m * done
+        job.consumed += done
+        job.remote_bytes += missed
+        job.hit_bytes += done - missed
+        job.epoch_read += done
+        job.epoch_remote += missed
+        result.bytes_read += done
+        result.remote_bytes += missed
+        job.pos = x
+        t += done / rate
+        if finishing or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
+            job.consumed = job.total_bytes
+            if job.pos >= k - 1e-6:
+                _next_pass(job)
+            result.finished_at = now + t
+            result.elapsed = t
+            return result
+    result.elapsed = t
+    return result
+
+
+def _next_pass(job: SimJob) -> None:
+    if job.epoch_read > 0:
+        job.epoch_hit_ratios.append(1.0 - job.epoch_remote / job.epoch_read)
+    job.epoch += 1
+    job.pos = 0.0
+    job.looked = 0
+    job.epoch_remote = job.epoch_read = 0.0

@@ -7,6 +7,10 @@
     gpu-speed   Fig. 14b: Gavel, silod vs quiver (the paper's best baseline), GPUs 1x to 4x faster
     sharing     Fig. 15: FIFO, SJF, Gavel on silod, fraction of jobs sharing datasets 0..1
     micro       Table 6: the 8-V100 micro-benchmark (5 jobs, 2 TB cache, 200 MB/s)
+    curriculum  Fig. 16: curriculum learning, (a) the pacing functions at Step 50k and 75k,
+                (b) uniform vs LRU caching of one ResNet-50 job on ImageNet-22k, 5 repeats
+    irregular-mix  §6: 0-50% curriculum jobs in the trace; the two partitions vs planning every
+                job as regular vs everything under LRU, regular and irregular JCT apart
 
 A library: `silod experiment` (scheduler/cli_sim.py) calls it; it imports no CLI code.
 Simulations of one experiment run in worker processes; each experiment returns its payload
@@ -23,8 +27,12 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
+from estimator.access import AccessPattern
 from estimator.errors import UserError
 from policies.types import ClusterCapacity
+from traces.catalog import DATASETS, MODELS
 from traces.model import Trace, TraceJob
 
 GB = 1e9
@@ -55,6 +63,8 @@ class TraceSource:
     sharing: float = 0.0
     micro: bool = False
     interarrival_s: float = SYNTHETIC_INTERARRIVAL_S  # synthetic trace only
+    irregular: float = 0.0  # fraction of the jobs turned into curriculum jobs (irregular-mix)
+    curriculum_step: int | None = None  # the Fig. 16 single job, with this Step
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,10 @@ class Run:
     gpu_speed: float = 1.0
     dataset_sharing: float = 0.0
     manage_io: bool = True
+    partition: bool = True  # False: irregular jobs are planned as regular ones
+    irregular: float = 0.0  # fraction of curriculum jobs in the trace
+    curriculum_step: int | None = None  # Fig. 16: one curriculum job with this Step
+    seed: int | None = None  # a repeat's seed (default: the runner's)
 
 
 def micro_benchmark_trace() -> Trace:
@@ -85,8 +99,57 @@ def micro_benchmark_trace() -> Trace:
     return Trace(jobs, sizes, source="SiloD §7.1.1 micro-benchmark")
 
 
+#: Fig. 16 (§7.4): ResNet-50 on ImageNet-22k with the exponential pacing of Hacohen and
+#: Weinshall (starting_percent 0.04, alpha 1.9), batch 256, on 8 V100s. The paper gives neither
+#: the job's length nor its cluster; the work is set so that the job takes the paper's ~367 min
+#: at ideal speed, and the cluster holds half the dataset in cache with a link below f*.
+CURRICULUM_GPUS = 8
+CURRICULUM_PACE = dict(starting_percent=0.04, alpha=1.9, batch=256)
+CURRICULUM_IDEAL_MIN = 367.0
+CURRICULUM_CLUSTER = ClusterCapacity(gpus=8, cache=0.7 * TB, remote_io=400 * MB, gpus_per_node=8)
+CURRICULUM_STEPS = (50_000, 75_000)
+CURRICULUM_REPEATS = 5
+
+
+def curriculum_trace(step: int) -> Trace:
+    spec = MODELS["resnet50"]
+    data = DATASETS[spec.dataset]
+    f = spec.ideal_per_gpu * CURRICULUM_GPUS
+    passes = CURRICULUM_IDEAL_MIN * 60 * f / data.size
+    access = AccessPattern.curriculum_learning(step=step, **CURRICULUM_PACE)
+    job = TraceJob("resnet50-curriculum", 0.0, CURRICULUM_GPUS, spec.name, data.name, f, passes, access)
+    return Trace((job,), {data.name: data.size}, source=f"SiloD §7.4 curriculum job, Step {step}", item_sizes={data.name: data.item_size})
+
+
+def with_curriculum_jobs(trace: Trace, fraction: float, seed: int) -> Trace:
+    """`fraction` of the jobs (drawn with `seed`) become curriculum jobs: batch 256, starting
+    at 4% and growing 1.9x every Step iterations, Step set so that the whole dataset is eligible
+    halfway through the job (the pacing reaches it partway through training, as in Hacohen and
+    Weinshall). Item sizes come from the catalog dataset each job's copy was made from."""
+    if fraction <= 0:
+        return trace
+    rng = np.random.default_rng(seed + 7)
+    chosen = rng.random(len(trace.jobs)) < fraction
+    growths = 6  # 0.04 * 1.9^6 >= 1
+    jobs, items = [], dict(trace.item_sizes)
+    for job, pick in zip(trace.jobs, chosen, strict=True):
+        if pick:
+            base = DATASETS.get(job.dataset.split("/")[0])
+            item = base.item_size if base is not None else 110e3
+            items[job.dataset] = item
+            iterations = job.total_bytes(trace.dataset_sizes[job.dataset]) / (256 * item)
+            step = max(1, int(iterations / (2 * growths)))
+            job = replace(job, access=AccessPattern.curriculum_learning(0.04, 1.9, step, 256))
+        jobs.append(job)
+    return Trace(tuple(jobs), trace.dataset_sizes, trace.source + f", {fraction:.0%} curriculum", trace.notes, items)
+
+
 @lru_cache(maxsize=8)
 def build_trace(source: TraceSource) -> Trace:
+    if source.curriculum_step is not None:
+        return curriculum_trace(source.curriculum_step)
+    if source.irregular > 0:
+        return with_curriculum_jobs(build_trace(replace(source, irregular=0.0)), source.irregular, source.seed)
     if source.micro:
         return micro_benchmark_trace()
     if source.path is None:
@@ -107,6 +170,7 @@ class RunResult:
     run: Run
     summary: dict
     fairness: tuple[tuple[float, float], ...]  # (time s, Eq. 8 ratio) per timeline row
+    jct_by_kind: dict  # "regular" / "irregular" -> average JCT, s (kinds present only)
 
 
 def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int) -> RunResult:
@@ -115,12 +179,20 @@ def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int)
     from scheduler.backends.sim.engine import SimConfig, Simulator
     from scheduler.backends.sim.report import summarize
 
-    trace = build_trace(replace(source, sharing=run.dataset_sharing) if not source.micro else source)
-    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=source.seed, manage_io=run.manage_io)
+    seed = source.seed if run.seed is None else run.seed
+    if not source.micro:
+        source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step)
+    trace = build_trace(source)
+    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=seed, manage_io=run.manage_io,
+                       partition=run.partition)
     result = Simulator(trace, run.capacity, get_policy(run.policy), estimator_for(run.cache_system), run.cache_system, config).run()
     summary = summarize(result, run.policy, run.cache_system)
     fairness = tuple((row.time_s, row.fairness_ratio) for row in result.timeline if row.fairness_ratio == row.fairness_ratio)
-    return RunResult(run, summary, fairness)
+    kind = {j.job_id: "regular" if j.access.regular else "irregular" for j in trace.jobs}
+    jcts: dict[str, list[float]] = {}
+    for record in result.jobs:
+        jcts.setdefault(kind[record.job_id], []).append(record.jct_s)
+    return RunResult(run, summary, fairness, {k: float(np.mean(v)) for k, v in jcts.items()})
 
 
 class ExperimentRunner:
@@ -379,6 +451,115 @@ def experiment_micro(runner: ExperimentRunner, out: Path, capacity: ClusterCapac
     return payload
 
 
+
+
+def experiment_curriculum(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity | None = None) -> dict:
+    """Fig. 16: (a) the pacing functions; (b) one curriculum job under uniform and LRU caching.
+
+    Uniform: the job planned as a regular one (SiloDPerf, its dataset cached uniformly within
+    the allocation); LRU: the job in the irregular partition (its dataset LRU-cached), which is
+    what silod does with a curriculum job. Each bar is the mean of CURRICULUM_REPEATS seeds,
+    the error bar one standard deviation."""
+    from estimator.access import CurriculumPacing
+
+    cap = CURRICULUM_CLUSTER
+    modes = (("uniform", False), ("LRU", True))
+    runs = [Run(f"{name} step {step // 1000}k seed {k}", "fifo", "silod", cap, partition=part, curriculum_step=step, seed=runner.source.seed + k)
+            for step in CURRICULUM_STEPS for name, part in modes for k in range(CURRICULUM_REPEATS)]
+    results = runner.run_all(runs)
+    jct: dict[str, dict[str, list[float]]] = {}
+    for r in results:
+        mode = "LRU" if r.run.partition else "uniform"
+        jct.setdefault(f"{r.run.curriculum_step // 1000}k", {}).setdefault(mode, []).append(r.summary["avg_jct_s"] / 60)
+    spec = MODELS["resnet50"]
+    setup = (f"ResNet-50 on ImageNet-22k (1.36 TB, 110 KB items), {CURRICULUM_GPUS} V100s (f* {spec.ideal_per_gpu * CURRICULUM_GPUS / MB:.0f} MB/s), "
+             f"{cap.cache / TB:g} TB cache, {cap.remote_io / MB:g} MB/s remote IO; pacing starting_percent 0.04, alpha 1.9, batch 256; "
+             f"{CURRICULUM_IDEAL_MIN:g} min at ideal speed; {CURRICULUM_REPEATS} seeds per bar")
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    iterations = np.linspace(0, 400_000, 801)
+    for step in CURRICULUM_STEPS:
+        pace = CurriculumPacing(CURRICULUM_PACE["starting_percent"], CURRICULUM_PACE["alpha"], step, CURRICULUM_PACE["batch"])
+        axes[0].step(iterations / 1000, pace.fraction(iterations) * 100, where="post", label=f"Step {step // 1000}k")
+    axes[0].set_xlabel("iteration (thousands)")
+    axes[0].set_ylabel("eligible items (% of the dataset)")
+    axes[0].set_ylim(0, 105)
+    axes[0].set_title("(a) exponential pacing, g(i)/N")
+    axes[0].legend()
+    steps = list(jct)
+    for i, (name, _) in enumerate(modes):
+        means = [np.mean(jct[s][name]) for s in steps]
+        errs = [np.std(jct[s][name]) for s in steps]
+        axes[1].bar([x + (i - 0.5) * 0.35 for x in range(len(steps))], means, 0.35, yerr=errs, capsize=4, label=f"{name} cache")
+    axes[1].axhline(CURRICULUM_IDEAL_MIN, color="grey", lw=0.8, ls="--", label="ideal (no IO stall) = paper's ~367 min")
+    axes[1].set_xticks(range(len(steps)), [f"Step {s}" for s in steps])
+    axes[1].set_ylabel("JCT (min)")
+    axes[1].set_ylim(bottom=0)
+    axes[1].set_title("(b) uniform vs LRU cache")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Fig. 16: curriculum learning\n{setup}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "curriculum.png", dpi=120)
+    plt.close(fig)
+    summary = {s: {m: {"mean_min": float(np.mean(v)), "std_min": float(np.std(v)), "runs_min": v} for m, v in modes_.items()} for s, modes_ in jct.items()}
+    headline = [(f"Step {s}: JCT uniform / LRU (min, mean ± sd)",
+                 f"{v['uniform']['mean_min']:.0f} ± {v['uniform']['std_min']:.0f} / {v['LRU']['mean_min']:.0f} ± {v['LRU']['std_min']:.0f} "
+                 f"(LRU/uniform {v['LRU']['mean_min'] / v['uniform']['mean_min']:.3f}; paper ~367 / ~367)") for s, v in summary.items()]
+    payload = {"experiment": "curriculum", "setup": setup, "jct_min": summary, "paper_jct_min": 367, "headline": headline}
+    _save(out, "curriculum", payload)
+    return payload
+
+
+IRREGULAR_FRACTIONS = (0.0, 0.1, 0.25, 0.5)
+IRREGULAR_CONFIGS = (
+    ("partition", "silod", True),  # (a) silod: irregular jobs in their own LRU partition
+    ("all regular", "silod", False),  # (b) every job planned with SiloDPerf, uniform caches
+    ("all LRU", "alluxio", True),  # (c) one LRU cache, storage-unaware policy
+)
+
+
+def experiment_irregular_mix(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity, policy: str = "fifo") -> dict:
+    """§6: what the irregular partition buys and costs, on the sweeps' Philly-distribution trace
+    with 0-50% of its jobs turned into curriculum jobs (`with_curriculum_jobs`)."""
+    runner = runner.for_sweeps()
+    runs = [Run(f"{name} {x:.0%}", policy, system, capacity, partition=part, irregular=x)
+            for x in IRREGULAR_FRACTIONS for name, system, part in IRREGULAR_CONFIGS]
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for r in runner.run_all(runs):
+        name = next(n for n, s, p in IRREGULAR_CONFIGS if s == r.run.cache_system and p == r.run.partition)
+        row = {"all": r.summary["avg_jct_s"], **r.jct_by_kind}
+        table.setdefault(f"{r.run.irregular:.0%}", {})[name] = row
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fractions = list(table)
+    for ax, kind in zip(axes, ("all", "regular", "irregular"), strict=True):
+        for i, (name, _, _) in enumerate(IRREGULAR_CONFIGS):
+            ys = [table[f][name].get(kind, float("nan")) / 3600 for f in fractions]
+            ax.bar([x + (i - 1) * 0.27 for x in range(len(fractions))], ys, 0.27, label=name)
+        ax.set_xticks(range(len(fractions)), fractions)
+        ax.set_xlabel("curriculum jobs in the trace")
+        ax.set_ylabel("average JCT (h)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{kind} jobs")
+    axes[0].legend(fontsize=8)
+    setup = f"{policy.upper()}; {runner.describe(capacity)}"
+    fig.suptitle(f"Irregular jobs: two partitions vs all regular vs all LRU\n{setup}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "irregular_mix.png", dpi=120)
+    plt.close(fig)
+    headline = []
+    for f, rows in table.items():
+        p, reg, lru = rows["partition"], rows["all regular"], rows["all LRU"]
+        text = f"all {_hours(p['all'])} / {_hours(reg['all'])} / {_hours(lru['all'])}"
+        if "irregular" in p:
+            text += (f"; regular jobs {_hours(p['regular'])} / {_hours(reg['regular'])} / {_hours(lru['regular'])}"
+                     f"; curriculum jobs {_hours(p['irregular'])} / {_hours(reg['irregular'])} / {_hours(lru['irregular'])}")
+        headline.append((f"{f} curriculum: avg JCT partition / all regular / all LRU", text))
+    payload = {"experiment": "irregular-mix", "setup": setup, "avg_jct_s": table, "headline": headline}
+    _save(out, "irregular_mix", payload)
+    return payload
+
+
 EXPERIMENTS: dict[str, Callable] = {
     "matrix": experiment_matrix,
     "fairness": experiment_fairness,
@@ -386,4 +567,6 @@ EXPERIMENTS: dict[str, Callable] = {
     "gpu-speed": experiment_gpu_speed,
     "sharing": experiment_sharing,
     "micro": experiment_micro,
+    "curriculum": experiment_curriculum,
+    "irregular-mix": experiment_irregular_mix,
 }

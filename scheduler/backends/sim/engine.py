@@ -15,6 +15,7 @@ Curriculum jobs read as reader.py describes; jobs that only say `irregular` read
 from __future__ import annotations
 
 import heapq
+import math
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,11 @@ from scheduler.core import SchedulingCore, spread_spare_io
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
 
+
+#: Datasets read by curriculum jobs get at least this many chunks in their smallest eligible
+#: set (`--resolution` still sets the minimum), and at most MAX_CURRICULUM_CHUNKS chunks.
+CURRICULUM_MIN_CHUNKS = 64
+MAX_CURRICULUM_CHUNKS = 4096
 
 #: A step may let the link bring in at most 1/VOLATILE_STEPS of the bytes whose cached state
 #: moves under the readers (an LRU cache, a shared dataset that fills).
@@ -148,10 +154,21 @@ class Simulator:
         self.progress = progress
         self.datasets: dict[str, SimDataset] = {}
         for name, size in trace.dataset_sizes.items():
-            self.datasets[name] = SimDataset(name, float(size), max(1, int(config.resolution)), len(self.datasets))
+            chunks = max(1, int(config.resolution), self._curriculum_chunks(trace, name))
+            self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
 
     # ------------------------------------------------------------------ helpers
+    def _curriculum_chunks(self, trace: Trace, name: str) -> int:
+        """Chunks for a dataset curriculum jobs read: enough that their smallest eligible set
+        spans CURRICULUM_MIN_CHUNKS chunks (each draw admits a whole chunk, so a set of a few
+        chunks fills in lumps), at most one per item and MAX_CURRICULUM_CHUNKS."""
+        starts = [j.access.curriculum.starting_percent for j in trace.jobs if j.dataset == name and j.access.curriculum is not None]
+        if not starts:
+            return 0
+        items = int(trace.dataset_sizes[name] / self.item_sizes[name])
+        return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / min(starts))))
+
     def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
         measured = self.core.estimator.manages_storage
         told = self.config.partition

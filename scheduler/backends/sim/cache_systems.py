@@ -57,8 +57,9 @@ class SimDataset:
 
 
 @dataclass(eq=False)
-class UniformDomain:
-    """A uniform cache over one dataset's chunks with a limit (SiloD §2.2)."""
+class CacheDomain:
+    """One dataset's cached chunks within a limit (an allocation); subclasses say what to
+    admit and what to evict."""
 
     dataset: SimDataset
     cached: np.ndarray = field(init=False)
@@ -68,10 +69,31 @@ class UniformDomain:
     def __post_init__(self) -> None:
         self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
 
-    def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
-        """Set the allocation; returns the chunks evicted to fit it (random, as §2.2 says)."""
+    def _limit(self, nbytes: float) -> None:
         # A partial chunk cannot be cached: round down (resolution controls this error).
         self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
+
+    def take_over(self, other: CacheDomain) -> None:
+        """Keep what `other` held (a dataset switching between uniform and LRU caching)."""
+        self.cached[:] = other.cached
+        self.count, self.limit_chunks = other.count, other.limit_chunks
+
+    @property
+    def filling(self) -> bool:
+        return self.count < self.limit_chunks
+
+    @property
+    def cached_bytes(self) -> float:
+        return self.count * self.dataset.chunk_size
+
+
+@dataclass(eq=False)
+class UniformDomain(CacheDomain):
+    """A uniform cache over one dataset's chunks with a limit (SiloD §2.2)."""
+
+    def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
+        """Set the allocation; returns the chunks evicted to fit it (random, as §2.2 says)."""
+        self._limit(nbytes)
         excess = self.count - self.limit_chunks
         if excess <= 0:
             return np.zeros(0, dtype=np.int64)
@@ -92,43 +114,22 @@ class UniformDomain:
         self.count += int(fresh.size)
         return fresh
 
-    @property
-    def filling(self) -> bool:
-        return self.count < self.limit_chunks
-
-    @property
-    def cached_bytes(self) -> float:
-        return self.count * self.dataset.chunk_size
-
 
 @dataclass(eq=False)
-class LruDomain:
+class LruDomain(CacheDomain):
     """An LRU cache over one dataset's chunks with a limit (the irregular partition's datasets,
     as the mount's `--cache-mode lru` keeps them)."""
 
-    dataset: SimDataset
-    cached: np.ndarray = field(init=False)
-    count: int = 0
-    limit_chunks: int = 0
     order: OrderedDict = field(default_factory=OrderedDict)  # chunk -> None, least recent first
 
-    def __post_init__(self) -> None:
-        self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
-
-    @classmethod
-    def from_cached(cls, dataset: SimDataset, cached: np.ndarray, limit_chunks: int) -> LruDomain:
-        """A dataset switching to LRU keeps what it holds (recency unknown: in chunk order)."""
-        dom = cls(dataset)
-        for c in np.flatnonzero(cached).tolist():
-            dom.order[c] = None
-        dom.cached[:] = cached
-        dom.count = int(np.count_nonzero(cached))
-        dom.limit_chunks = limit_chunks
-        return dom
+    def take_over(self, other: CacheDomain) -> None:
+        super().take_over(other)
+        for c in np.flatnonzero(other.cached).tolist():  # recency unknown: chunk order
+            self.order[c] = None
 
     def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
         """Set the allocation; returns the chunks evicted to fit it (least recently used)."""
-        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
+        self._limit(nbytes)
         return self._evict()
 
     def _evict(self) -> np.ndarray:
@@ -151,14 +152,6 @@ class LruDomain:
         self.count += 1
         self.order[chunk] = None
         return self._evict()
-
-    @property
-    def filling(self) -> bool:
-        return self.count < self.limit_chunks
-
-    @property
-    def cached_bytes(self) -> float:
-        return self.count * self.dataset.chunk_size
 
 
 class SimCacheSystem(ABC):
@@ -254,7 +247,7 @@ class SiloDCache(SimCacheSystem):
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
-        self.domains: dict[str, UniformDomain | LruDomain] = {}
+        self.domains: dict[str, CacheDomain] = {}
 
     @property
     def volatile(self) -> bool:  # type: ignore[override]
@@ -264,17 +257,14 @@ class SiloDCache(SimCacheSystem):
     def volatile_for(self, job):
         return isinstance(self.domains.get(job.dataset.name), LruDomain)
 
-    def _domain(self, dataset: SimDataset, lru: bool) -> UniformDomain | LruDomain:
+    def _domain(self, dataset: SimDataset, lru: bool) -> CacheDomain:
+        kind = LruDomain if lru else UniformDomain
         dom = self.domains.get(dataset.name)
-        if dom is None:
-            dom = self.domains[dataset.name] = LruDomain(dataset) if lru else UniformDomain(dataset)
-        elif lru and not isinstance(dom, LruDomain):
-            dom = self.domains[dataset.name] = LruDomain.from_cached(dataset, dom.cached, dom.limit_chunks)
-        elif not lru and isinstance(dom, LruDomain):
-            uniform = UniformDomain(dataset)
-            uniform.cached[:] = dom.cached
-            uniform.count, uniform.limit_chunks = dom.count, dom.limit_chunks
-            dom = self.domains[dataset.name] = uniform
+        if type(dom) is not kind:
+            fresh = kind(dataset)
+            if dom is not None:
+                fresh.take_over(dom)
+            dom = self.domains[dataset.name] = fresh
         return dom
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):

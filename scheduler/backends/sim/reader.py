@@ -141,6 +141,8 @@ class SimJob:
         self.pos = 0.0
         self.looked = 0
         self.epoch_remote = self.epoch_read = 0.0
+        if self.pacing is not None:
+            return  # `pos` and `looked` count draws; there is no order to shuffle
         self.perm = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask[:] = False
         self.unread_cached = cache.visible_chunks(self)
@@ -192,12 +194,11 @@ VOLATILE_SUBSTEP = 1 / 16
 def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:
     """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s);
     with `substeps`, stop after that many looks at the miss ratio (to interleave jobs)."""
-    if job.pacing is not None:
-        return _advance_curriculum(job, now, dt, io_cap, cache, substeps)
     result = StepResult()
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks
     ideal = job.ideal
+    curriculum = job.pacing is not None
     substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile_for(job) else k
     t = 0.0
     while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
@@ -208,15 +209,26 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         if job.pos >= k - 1e-9:
             job.new_epoch(cache)
         p = job.pos
-        left = k - job.looked
-        m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)
+        if curriculum:
+            e = job.eligible_chunks()
+            m = job.curriculum_miss(cache.cached_mask(job), e)
+            if cache.room(job) > 0:
+                # While the cache grows, a draw's misses are admitted as it reads them: on
+                # average m falls by m/e over the draw, so it is read at its midpoint value.
+                m *= 1.0 - 0.5 / max(e, 1.0)
+            # One draw at a time (each admission moves m by up to 1/e), and never past a growth.
+            reach = min(math.floor(p + 1e-9) + 1, p + job.bytes_to_growth() / s)
+        else:
+            left = k - job.looked
+            m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)
+            reach = math.floor(p + 1e-9) + substep
         m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
         rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
         if rate <= 0:
             t = dt
             break  # every read left misses and there is no remote bandwidth: stalled
         x_need = p + (job.total_bytes - job.consumed) / s
-        x = min(p + rate * (dt - t) / s, x_need, float(k), math.floor(p + 1e-9) + substep)
+        x = min(p + rate * (dt - t) / s, x_need, float(k), reach)
         if x <= p:
             t = dt  # what is left of the step moves the position by less than float resolution
             break
@@ -224,7 +236,12 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         finishing = x >= x_need - 1e-9
         last = min(k, math.ceil(x - (1e-12 if finishing else 1e-9)))
         if last > job.looked:
-            cache.access(job, job.perm[job.looked:last])
+            if curriculum:
+                draws = np.minimum((job.rng.random(last - job.looked) * e).astype(np.int64), k - 1)
+                cache.access(job, draws)
+                job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
+            else:
+                cache.access(job, job.perm[job.looked:last])
             job.looked = last
         done = (x - p) * s
         missed = m * done
@@ -246,74 +263,3 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             return result
     result.elapsed = t
     return result
-
-
-def _advance_curriculum(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None) -> StepResult:
-    """`advance` for a curriculum job: reads are draws from the eligible prefix (module doc).
-    `job.pos` counts the draws' worth of reading done in the current pass-equivalent and
-    `job.looked` the draws looked up in it."""
-    result = StepResult()
-    s = job.dataset.chunk_size
-    k = job.dataset.n_chunks
-    t = 0.0
-    while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
-        if substeps is not None:
-            if substeps <= 0:
-                break
-            substeps -= 1
-        if job.pos >= k - 1e-9:
-            _next_pass(job)
-        e = job.eligible_chunks()
-        m = job.curriculum_miss(cache.cached_mask(job), e)
-        if cache.room(job) > 0:
-            # While the cache grows, a draw's misses are admitted as it reads them: on average
-            # m falls by m/e over the draw, so it is read at its midpoint value.
-            m *= 1.0 - 0.5 / max(e, 1.0)
-        m = 0.0 if m < 1e-12 else m
-        rate = job.ideal if m == 0.0 else (min(job.ideal, io_cap / m) if io_cap > 0 else 0.0)
-        if rate <= 0:
-            t = dt
-            break
-        p = job.pos
-        x_need = p + (job.total_bytes - job.consumed) / s
-        # One draw at a time: each admission moves m by up to 1/e, and a stale m overcharges.
-        x = min(p + rate * (dt - t) / s, x_need, float(k), math.floor(p + 1e-9) + 1, p + job.bytes_to_growth() / s)
-        if x <= p:
-            t = dt  # what is left of the step moves the position by less than float resolution
-            break
-        finishing = x >= x_need - 1e-9
-        last = min(k, math.ceil(x - (1e-12 if finishing else 1e-9)))
-        if last > job.looked:
-            chunks = np.minimum((job.rng.random(last - job.looked) * e).astype(np.int64), k - 1)
-            cache.access(job, chunks)
-            job.read_mask[chunks] = False  # with replacement: nothing is "read this epoch"
-            job.looked = last
-        done = (x - p) * s
-        missed = m * done
-        job.consumed += done
-        job.remote_bytes += missed
-        job.hit_bytes += done - missed
-        job.epoch_read += done
-        job.epoch_remote += missed
-        result.bytes_read += done
-        result.remote_bytes += missed
-        job.pos = x
-        t += done / rate
-        if finishing or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
-            job.consumed = job.total_bytes
-            if job.pos >= k - 1e-6:
-                _next_pass(job)
-            result.finished_at = now + t
-            result.elapsed = t
-            return result
-    result.elapsed = t
-    return result
-
-
-def _next_pass(job: SimJob) -> None:
-    if job.epoch_read > 0:
-        job.epoch_hit_ratios.append(1.0 - job.epoch_remote / job.epoch_read)
-    job.epoch += 1
-    job.pos = 0.0
-    job.looked = 0
-    job.epoch_remote = job.epoch_read = 0.0

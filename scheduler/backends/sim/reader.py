@@ -22,8 +22,8 @@ read is drawn uniformly from the g(i) easiest items, with replacement across bat
 sorted by difficulty, so the eligible items are a prefix of the dataset: the first
 e = g(i) x item_size / chunk_size chunks (the last one partly). A chunk's worth of reading is one
 draw from that prefix, weighted by how much of each chunk is eligible, looked up when reading
-reaches it; m = the uncached share of the eligible bytes, re-read after every draw and at every
-growth of the set. The iteration is the job's items read so far / batch.
+reaches it; m = the uncached share of the eligible bytes, re-read after every draw while the
+cache grows (every e/16 draws once it is full) and at every growth of the set. The iteration is the job's items read so far / batch.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class SimJob:
     share: float = 0.0
     pacing: CurriculumPacing | None = None  # curriculum jobs: their pacing function
     item_size: float = 0.0  # bytes per item (curriculum jobs count items and iterations)
+    _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for
+    _eligible: float = 0.0
+    _growth_at: float = math.inf
 
     def __post_init__(self) -> None:
         self.job_id = self.trace.job_id
@@ -94,19 +97,26 @@ class SimJob:
         # eligible set and the next boundary (bytes_to_growth) always agree.
         return self.consumed / (self.pacing.batch * self.item_size) * (1.0 + 1e-12)
 
+    def _pace(self) -> tuple[float, float]:
+        """(e, bytes consumed at the next growth), recomputed only when the pacing level
+        floor(i / step) changes: the eligible set is constant between growths."""
+        level = math.floor(self.iteration() / self.pacing.step)
+        if level != self._level:
+            p = self.pacing
+            g = int(p.eligible_items(level * p.step, self.items))
+            self._eligible = min(g * self.item_size / self.dataset.chunk_size, float(self.dataset.n_chunks))
+            whole = p.fraction(level * p.step) >= 1.0
+            self._growth_at = math.inf if whole else (level + 1) * p.step * p.batch * self.item_size
+            self._level = level
+        return self._eligible, self._growth_at
+
     def eligible_chunks(self) -> float:
         """e: how many chunks the eligible items span now (the last one partly)."""
-        g = int(self.pacing.eligible_items(self.iteration(), self.items))
-        return min(g * self.item_size / self.dataset.chunk_size, float(self.dataset.n_chunks))
+        return self._pace()[0]
 
     def bytes_to_growth(self) -> float:
         """Bytes the job reads before its eligible set grows next (inf once it is whole)."""
-        p = self.pacing
-        i = self.iteration()
-        if p.fraction(i) >= 1.0:
-            return math.inf
-        boundary = (math.floor(i / p.step) + 1) * p.step
-        return max(boundary * p.batch * self.item_size - self.consumed, 0.0)
+        return max(self._pace()[1] - self.consumed, 0.0)
 
     def curriculum_miss(self, mask: np.ndarray, e: float | None = None) -> float:
         """The uncached share of the eligible bytes (`mask`: the chunks cached for the job)."""
@@ -212,12 +222,18 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         if curriculum:
             e = job.eligible_chunks()
             m = job.curriculum_miss(cache.cached_mask(job), e)
-            if cache.room(job) > 0:
+            if m > 0.0 and cache.room(job) > 0:
                 # While the cache grows, a draw's misses are admitted as it reads them: on
-                # average m falls by m/e over the draw, so it is read at its midpoint value.
+                # average m falls by m/e over the draw, so it is read at its midpoint value;
+                # and m is re-read after every draw (each admission moves it by up to 1/e).
                 m *= 1.0 - 0.5 / max(e, 1.0)
-            # One draw at a time (each admission moves m by up to 1/e), and never past a growth.
-            reach = min(math.floor(p + 1e-9) + 1, p + job.bytes_to_growth() / s)
+                draws = 1
+            else:
+                # Every eligible item cached, or a full cache (misses replace cached eligible
+                # items under LRU, are not admitted under uniform): m holds until the set grows
+                # or another reader moves the cache; re-read it every e/16 draws.
+                draws = max(1, int(e * VOLATILE_SUBSTEP))
+            reach = min(math.floor(p + 1e-9) + draws, p + job.bytes_to_growth() / s)
         else:
             left = k - job.looked
             m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)

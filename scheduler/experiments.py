@@ -503,7 +503,7 @@ def experiment_curriculum(runner: ExperimentRunner, out: Path, capacity: Cluster
     plt.close(fig)
     summary = {s: {m: {"mean_min": float(np.mean(v)), "std_min": float(np.std(v)), "runs_min": v} for m, v in modes_.items()} for s, modes_ in jct.items()}
     headline = [(f"Step {s}: JCT uniform / LRU (min, mean ± sd)",
-                 f"{v['uniform']['mean_min']:.0f} ± {v['uniform']['std_min']:.0f} / {v['LRU']['mean_min']:.0f} ± {v['LRU']['std_min']:.0f} "
+                 f"{v['uniform']['mean_min']:.1f} ± {v['uniform']['std_min']:.1f} / {v['LRU']['mean_min']:.1f} ± {v['LRU']['std_min']:.1f} "
                  f"(LRU/uniform {v['LRU']['mean_min'] / v['uniform']['mean_min']:.3f}; paper ~367 / ~367)") for s, v in summary.items()]
     payload = {"experiment": "curriculum", "setup": setup, "jct_min": summary, "paper_jct_min": 367, "headline": headline}
     _save(out, "curriculum", payload)

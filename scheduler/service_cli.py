@@ -129,6 +129,16 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
     return opts
 
 
+def _agents(values: list[str] | None) -> dict[str, Any]:
+    from scheduler.service_types import ServiceError, parse_node_agents
+
+    try:
+        users, bound = parse_node_agents(values)
+    except ServiceError as exc:
+        raise UserError(str(exc)) from None
+    return {"node_agents": users, "agent_nodes": bound}
+
+
 def build_api_service(
     *,
     db: str,
@@ -163,7 +173,7 @@ def build_api_service(
         irregular_share=irregular_share,
     )
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), node_agents=frozenset(node_agents or ()))
+                           default_quota=default_quota or TenantQuota(), **_agents(node_agents))
     workloads = None
     if backend == "kubernetes":
         from scheduler.backends.base import BackendConfig, load_backend
@@ -275,7 +285,7 @@ def build_service(
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
-        node_agents=frozenset(node_agents or ()),
+        **_agents(node_agents),
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
@@ -400,7 +410,7 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
-        node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset (repeatable)")] = None,
+        node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,

@@ -28,6 +28,11 @@ def register(app: typer.Typer) -> None:
         namespace_prefix: Annotated[str, typer.Option("--namespace-prefix", help="tenant T's namespace is PREFIX+T")] = "",
         idle_unmount: Annotated[float, typer.Option("--idle-unmount", help="seconds a dataset mount outlives its last"
                                                     " pod (a resumed job reuses it)")] = 60.0,
+        report_interval: Annotated[float, typer.Option("--report-interval", help="seconds between consumption reports"
+                                                       " to --scheduler (0: do not report)")] = 10.0,
+        report_token_file: Annotated[Path | None, typer.Option("--report-token-file", help="this node's agent token"
+                                                               " (bound to the node: silod serve --node-agent USER=NODE),"
+                                                               " re-read at every report [default: $SILOD_AGENT_TOKEN]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Serve the CSI Identity and Node services for the silod.io driver on this node."""
@@ -59,7 +64,20 @@ def register(app: typer.Typer) -> None:
         volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
                                 idle_unmount_s=idle_unmount)
         server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
+        if report_interval < 0 or report_interval > 3600:
+            raise UserError(f"--report-interval {report_interval} must be between 0 and 3600 seconds")
+        reporter = None
+        if report_interval > 0 and scheduler is not None:
+            from fuse_client.agent.reporter import ConsumptionReporter, token_source
+
+            if report_token_file is not None and not report_token_file.is_file():
+                raise UserError(f"--report-token-file {str(report_token_file)!r} does not exist")
+            reporter = ConsumptionReporter(
+                node=node, mounts=volumes.mount_stats_files, state_file=state_dir / "consumption.json", url=scheduler,
+                token=token_source(report_token_file, os.environ.get("SILOD_AGENT_TOKEN")), interval_s=report_interval)
         repaired = server.start()
+        if reporter is not None:
+            reporter.start()
         typer.echo(f"silod agent on {node}: CSI driver silod.io at unix://{socket}; restored {len(repaired)} volume(s)",
                    err=True)
         stop = threading.Event()
@@ -67,4 +85,6 @@ def register(app: typer.Typer) -> None:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         # Published volumes stay recorded: the next agent on this node restores them.
+        if reporter is not None:
+            reporter.stop()
         server.stop(unmount_all=False)

@@ -26,6 +26,7 @@ log = logging.getLogger("silod.agent")
 
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_NAME = "csi.storage.k8s.io/pod.name"
+POD_UID = "csi.storage.k8s.io/pod.uid"
 VERSION = "0.1.0"
 MAX_ID = 1024
 
@@ -78,7 +79,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         try:
             dataset = check_name(ctx.get("dataset", ""), "volumeAttributes.dataset")
             src = self.resolver.resolve(tenant, dataset)
-            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""))
+            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""))
         except DatasetDenied as exc:
             code = grpc.StatusCode.NOT_FOUND if "no dataset" in str(exc) else grpc.StatusCode.PERMISSION_DENIED
             if "not a valid" in str(exc):

@@ -139,6 +139,32 @@ def _agents(values: list[str] | None) -> dict[str, Any]:
     return {"node_agents": users, "agent_nodes": bound}
 
 
+def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, client_ca: Path | None,
+                    backend: str):  # type: ignore[no-untyped-def]
+    """The admission webhook's HTTPS server (not started yet), or None without --webhook-listen."""
+    if listen is None:
+        if cert or key or client_ca:
+            raise UserError("--webhook-cert/--webhook-key/--webhook-client-ca need --webhook-listen HOST:PORT")
+        return None
+    if backend != "kubernetes":
+        raise UserError("--webhook-listen is for --backend kubernetes (it suspends Kubernetes workloads)")
+    if cert is None or key is None:
+        raise UserError("--webhook-listen needs --webhook-cert and --webhook-key: the API server calls webhooks over"
+                        " HTTPS only (docs/kubernetes.md: the webhook certificate)")
+    for flag, f in (("--webhook-cert", cert), ("--webhook-key", key), ("--webhook-client-ca", client_ca)):
+        if f is not None and not f.is_file():
+            raise UserError(f"{flag} {str(f)!r} does not exist")
+    from scheduler.backends.kubernetes.webhook import WebhookServer
+
+    host, port = parse_listen(listen)
+    try:
+        return WebhookServer(host, port, cert, key, client_ca)
+    except OSError as exc:
+        raise UserError(f"--webhook-listen {listen}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a bad certificate or key is the operator's to fix
+        raise UserError(f"--webhook-cert/--webhook-key: {exc}") from None
+
+
 def build_api_service(
     *,
     db: str,
@@ -415,6 +441,10 @@ def register(app: typer.Typer) -> None:
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
         tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
+        webhook_listen: Annotated[str | None, typer.Option("--webhook-listen", help="HOST:PORT of the mutating admission webhook (HTTPS; --backend kubernetes): suspends labelled workloads at creation")] = None,
+        webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
+        webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
+        webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Run the scheduler service: REST API under /v1, /docs, /healthz, /metrics."""
@@ -432,6 +462,7 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"TLS file {f} does not exist")
         if workers < 1 or workers > 64:
             raise UserError(f"--workers {workers} must be between 1 and 64")
+        webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir
         _prepare_state_dir(state_dir)
@@ -502,11 +533,16 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"  {workers} API worker(s) + 1 scheduling process", err=True)
         scheduler = _SchedulerSupervisor(multiprocessing.get_context("spawn"), build_kwargs, log_level)
         scheduler.start()
+        if webhook is not None:
+            webhook.start()
+            typer.echo(f"  admission webhook {webhook.url}", err=True)
         try:
             uvicorn.run("scheduler.api.worker:create_worker_app", factory=True, host=host, port=port,
                         workers=workers, log_level=log_level.lower(), access_log=False,
                         ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
+            if webhook is not None:
+                webhook.stop()
             scheduler.stop()
 
     @app.command()

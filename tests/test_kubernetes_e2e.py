@@ -69,7 +69,9 @@ def world(tmp_path):
                                 round_s=4.0, gpus="4", gpus_per_node="4", cache="1GB", remote_io="1GB/s",
                                 state_dir=tmp_path / "state", backend_opts={"server": cluster.url},
                                 allowed_uris=[f"file://{tmp_path / 'remote'}/"],  # the operator allows the local dataset
-                                node_agents=["agent"])  # the agent's token looks up alice's dataset to mount it
+                                # the agent's token looks up alice's dataset to mount it, and is bound to
+                                # node n1: its consumption reports count for n1's pods only
+                                node_agents=["agent=n1"])
         service.config = dataclasses.replace(service.config, poll_seconds=0.2, min_event_gap_s=0.5)
         import uvicorn
 
@@ -85,7 +87,7 @@ def world(tmp_path):
         agent_log = open(tmp_path / "agent.log", "ab")
         agent = subprocess.Popen(
             [*silod_cmd(), "agent", "--socket", str(sock), "--state-dir", str(tmp_path / "agent"), "--node", "n1",
-             "--scheduler", url, "--kubelet-dir", str(kubelet)],
+             "--scheduler", url, "--kubelet-dir", str(kubelet), "--report-interval", "0.5"],
             stdout=agent_log, stderr=subprocess.STDOUT, env={**os.environ, "SILOD_AGENT_TOKEN": AGENT})
         try:
             cluster.wait(sock.exists, what="the agent's socket")
@@ -100,13 +102,29 @@ def world(tmp_path):
                     force_unmount(Path(line.split()[1]))
 
 
-def read_volume(path: Path, ds) -> int:
-    n = 0
-    for rel, digest in ds.digests.items():
-        data = (path / rel).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == digest, rel
-        n += len(data)
-    return n
+READER = """
+import hashlib, json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+out = {}
+for rel in json.loads(sys.argv[2]):
+    out[rel] = hashlib.sha256((root / rel).read_bytes()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+def read_volume(cluster: EmulatedCluster, pod, path: Path, ds) -> int:  # type: ignore[no-untyped-def]
+    """The container reads every item through the published volume, as a process in the pod's
+    cgroup (so the node agent attributes the reads to the pod)."""
+    import json
+    import sys
+
+    done = cluster.run_in_pod(pod, [sys.executable, "-c", READER, str(path), json.dumps(sorted(ds.digests))])
+    if done.returncode != 0:
+        raise OSError(f"reader failed: {done.stderr[-300:]}")
+    got = json.loads(done.stdout)
+    assert got == ds.digests
+    return sum(ds.sizes[rel] for rel in got)
 
 
 def suspend_timeline(cluster: EmulatedCluster) -> list[tuple[str, bool]]:
@@ -141,6 +159,7 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
 
     runs: dict[str, int] = {rest_job: 0, "by-kubectl": 0}
     read: dict[str, int] = {}
+    full_reads: dict[str, int] = {rest_job: 0, "by-kubectl": 0}
     seen_pods: set[str] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -158,7 +177,8 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
                 path = cluster.volume_path(pod, vol)
                 assert path is not None
                 try:
-                    read[name] = read_volume(path, ds)  # the container reads its data through CSI
+                    read[name] = read_volume(cluster, pod, path, ds)  # the container reads its data through CSI
+                    full_reads[name] += 1
                 except OSError:
                     # Preempted while reading: the Job controller removed the pod and kubelet
                     # unpublished its volume, as a real container would be killed mid-epoch.
@@ -190,3 +210,19 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
     assert not [r for r in cluster.em.requests if r[0] == "DELETE"]
     rpcs = {c[0] for c in cluster.em.csi_calls}
     assert rpcs == {"NodePublishVolume", "NodeUnpublishVolume"}
+
+    # Trusted consumption: the agent measured what each job's pods read (attributed by their
+    # cgroup, reported with its node-bound token) and GET /v1/jobs/{id} shows it.
+    def measured(job_id: str) -> dict | None:
+        r = httpx.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {ALICE}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["measured"]
+    for job, name in ((jobs["by-rest"], rest_job), (kube, "by-kubectl")):
+        # Every complete read of a pod, at least (a pod preempted mid-read adds what it read).
+        want = full_reads[name] * ds.total
+        m = cluster.wait(lambda job=job, want=want: (m := measured(job.id)) and m["read_bytes"] >= want and m,
+                         timeout=30, what=lambda job=job: f"measured consumption of job {job.id}: {measured(job.id)}")
+        pods_read = runs[name]
+        assert m["read_bytes"] <= pods_read * ds.total  # never more than its pods read
+        assert m["read_bytes"] == m["hit_bytes"] + m["miss_bytes"]
+        assert m["hits"] + m["misses"] >= len(ds.digests) and 1 <= m["pods"] <= pods_read

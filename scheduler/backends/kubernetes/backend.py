@@ -133,7 +133,8 @@ class KubernetesBackend(ClusterBackend):
         self.workloads: dict[str, Workload] = {}  # uid -> parsed
         self._objects: dict[str, dict[str, Any]] = {}  # uid -> raw object
         self.nodes: list[NodeState] = []
-        self._bound: list[dict[str, Any]] = []
+        self._bound: list[dict[str, Any]] = []  # pods bound to a node that hold resources (not ended)
+        self._placed: list[dict[str, Any]] = []  # every pod bound to a node, ended ones included
         self._recovered = False
         self.storage: Any = None  # a data manager client: remote IO of the agents' node mounts
         self._pushed_io: dict[str, float] = {}
@@ -165,7 +166,7 @@ class KubernetesBackend(ClusterBackend):
             ref = self._refs.get(job_id)
             if ref is None:
                 continue
-            for pod in self._bound:
+            for pod in self._placed:
                 meta = pod.get("metadata") or {}
                 node = (pod.get("spec") or {}).get("nodeName")
                 if meta.get("namespace") != ref.namespace or node not in adm.nodes or not meta.get("uid"):
@@ -242,8 +243,10 @@ class KubernetesBackend(ClusterBackend):
     def refresh(self) -> None:
         t = self.timeout
         nodes = self.core.list_node(_request_timeout=t).items
+        # Bound pods, ended ones included: those hold no GPUs (_bound leaves them out) but a pod
+        # that read data and finished between two polls must still be attributed to its job.
         pods = self.api_client.sanitize_for_serialization(self.core.list_pod_for_all_namespaces(
-            field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed", _request_timeout=t).items)
+            field_selector="spec.nodeName!=", _request_timeout=t).items)
         workloads: dict[str, Workload] = {}
         objects: dict[str, dict[str, Any]] = {}
         for kind in self._available_kinds():
@@ -261,7 +264,9 @@ class KubernetesBackend(ClusterBackend):
                 workloads[uid] = wl
                 objects[uid] = obj
         with self._lock:
-            self._bound = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+            self._placed = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+            self._bound = [p for p in self._placed
+                           if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             self.workloads, self._objects = workloads, objects
             self.nodes = self._node_states(nodes)
             if not self._recovered:

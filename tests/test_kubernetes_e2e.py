@@ -89,10 +89,20 @@ def world(tmp_path):
             [*silod_cmd(), "agent", "--socket", str(sock), "--state-dir", str(tmp_path / "agent"), "--node", "n1",
              "--scheduler", url, "--kubelet-dir", str(kubelet), "--report-interval", "0.5"],
             stdout=agent_log, stderr=subprocess.STDOUT, env={**os.environ, "SILOD_AGENT_TOKEN": AGENT})
+        # The scheduler's admission webhook, installed as deploy/base's configuration.
+        from scheduler.backends.kubernetes.webhook import WebhookServer
+        from test_kubernetes_webhook import install_webhook
+        from tls_helpers import issue, make_ca
+
+        ca = make_ca(tmp_path / "pki", "webhook-ca")
+        serving = issue(ca, tmp_path / "pki", "webhook", dns=("silod-scheduler.silod-system.svc",))
+        webhook = WebhookServer("127.0.0.1", 0, serving.cert, serving.key).start()
+        install_webhook(cluster, {"ca": ca}, webhook)
         try:
             cluster.wait(sock.exists, what="the agent's socket")
             yield cluster, service, url, ds
         finally:
+            webhook.stop()
             server.should_exit = True
             thread.join(20)
             agent.terminate()
@@ -153,7 +163,8 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
         rest_id = r.json()["id"]
     rest_job = f"silod-{rest_id}"
     time.sleep(0.3)
-    manifest = kubectl_job("by-kubectl", gpus=4, dataset="ds", container=SAFE_CONTAINER)
+    # Created running, as most users write a Job: the webhook suspends it at creation.
+    manifest = kubectl_job("by-kubectl", gpus=4, dataset="ds", container=SAFE_CONTAINER, suspend=False)
     manifest["metadata"]["annotations"]["silod.io/ideal-throughput"] = "1MB/s"
     cluster.call(lambda em: em.create(em.resources[("batch", "jobs")], "alice", manifest))
 
@@ -196,6 +207,10 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
     cluster.wait(lambda: all(j.state == "finished" for j in service.list_jobs(admin)), what="the service to see both end")
     jobs = {j.name: j for j in service.list_jobs(admin)}
 
+    # The kubectl Job was created running and stored suspended (the webhook's patch), so its
+    # first pods came from silod's admission, not from its creation.
+    assert ("suspend.silod.io", "CREATE", "Job/by-kubectl", True) in cluster.em.webhook_calls
+    assert next(susp for name, susp in timeline if name == "by-kubectl") is True
     # Policy order: the REST job (submitted first) was admitted first, the kubectl one waited.
     admissions = [name for name, susp in timeline if not susp]
     assert admissions[0] == rest_job

@@ -1,4 +1,5 @@
-"""`silod agent`: the node agent (DaemonSet on GPU nodes), registered by scheduler/cli.py."""
+"""`silod agent`: the node agent (DaemonSet on GPU nodes), and `silod csi-controller`: the CSI
+Controller service (dynamic provisioning of silod PVCs); registered by scheduler/cli.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from estimator.errors import UserError
 
 
 def register(app: typer.Typer) -> None:
+    register_controller(app)
+
     @app.command()
     def agent(
         socket: Annotated[Path, typer.Option("--socket", help="CSI unix socket kubelet connects to")] =
@@ -88,3 +91,42 @@ def register(app: typer.Typer) -> None:
         if reporter is not None:
             reporter.stop()
         server.stop(unmount_all=False)
+
+
+def register_controller(app: typer.Typer) -> None:
+    @app.command("csi-controller")
+    def csi_controller(
+        socket: Annotated[Path, typer.Option("--socket", help="CSI unix socket the csi-provisioner sidecar connects to")] =
+            Path("/csi/csi.sock"),
+        datasets: Annotated[Path | None, typer.Option("--datasets", help="YAML catalog: datasets: [{tenant, name, uri}]")] = None,
+        scheduler: Annotated[str | None, typer.Option("--scheduler", help="silod scheduler URL to look datasets up"
+                                                      " (token from $SILOD_AGENT_TOKEN)")] = None,
+        namespace_prefix: Annotated[str, typer.Option("--namespace-prefix", help="tenant T's namespace is PREFIX+T")] = "",
+        log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    ) -> None:
+        """Serve the CSI Identity and Controller services (dynamic provisioning of silod PVCs)."""
+        import logging
+        import signal
+        import threading
+
+        from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
+        from fuse_client.agent.server import ControllerServer
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if (datasets is None) == (scheduler is None):
+            raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
+        if scheduler is not None:
+            token = os.environ.get("SILOD_AGENT_TOKEN")
+            if not token:
+                raise UserError("--scheduler needs a node-agent token (dataset look-ups) in $SILOD_AGENT_TOKEN")
+            resolver = SchedulerResolver(scheduler, token)
+        else:
+            resolver = CatalogResolver(datasets)  # type: ignore[arg-type]
+        server = ControllerServer(socket, resolver, namespace_prefix)
+        server.start()
+        typer.echo(f"silod csi-controller: CSI driver silod.io (Identity, Controller) at unix://{socket}", err=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        server.stop()

@@ -140,7 +140,7 @@ def _agents(values: list[str] | None) -> dict[str, Any]:
 
 
 def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, client_ca: Path | None,
-                    backend: str):  # type: ignore[no-untyped-def]
+                    backend: str, admitters: list[str] | None = None):  # type: ignore[no-untyped-def]
     """The admission webhook's HTTPS server (not started yet), or None without --webhook-listen."""
     if listen is None:
         if cert or key or client_ca:
@@ -158,7 +158,8 @@ def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, cli
 
     host, port = parse_listen(listen)
     try:
-        return WebhookServer(host, port, cert, key, client_ca)
+        default = f"system:serviceaccount:{os.environ.get('POD_NAMESPACE') or 'silod-system'}:silod-scheduler"
+        return WebhookServer(host, port, cert, key, client_ca, admitters=frozenset(admitters or [default]))
     except OSError as exc:
         raise UserError(f"--webhook-listen {listen}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 - a bad certificate or key is the operator's to fix
@@ -445,6 +446,7 @@ def register(app: typer.Typer) -> None:
         webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
         webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
         webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
+        webhook_admitter: Annotated[list[str] | None, typer.Option("--webhook-admitter", help="user (as the API server authenticates it) allowed to unsuspend queued workloads: silod's service account (repeatable) [default: system:serviceaccount:$POD_NAMESPACE:silod-scheduler, namespace silod-system when unset]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Run the scheduler service: REST API under /v1, /docs, /healthz, /metrics."""
@@ -462,7 +464,8 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"TLS file {f} does not exist")
         if workers < 1 or workers > 64:
             raise UserError(f"--workers {workers} must be between 1 and 64")
-        webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend)
+        webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
+                                  webhook_admitter)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir
         _prepare_state_dir(state_dir)

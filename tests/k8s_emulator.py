@@ -25,8 +25,10 @@ so that the backend cannot pass by relying on something a cluster would refuse:
   AdmissionReview v1 over HTTPS to the webhook Service (`webhook_services` maps a Service to an
   address; the server certificate is verified against caBundle for `<svc>.<ns>.svc`, and the
   emulator presents `webhook_client_cert` when set), applies the returned JSONPatch, and fails
-  the create on a denial or error unless failurePolicy is Ignore. namespaceSelector, UPDATE
-  reviews, reinvocation and validating webhooks are not emulated.
+  the create on a denial or error unless failurePolicy is Ignore; the same on UPDATE (replace and
+  patch, not status), with oldObject. userInfo.username is the user of the request's bearer token
+  (`users`; none: system:anonymous), or `acting_user` for a test's direct calls.
+  namespaceSelector, reinvocation and validating webhooks are not emulated.
 - Pod Security admission: pods in a namespace labelled `pod-security.kubernetes.io/enforce`
   = baseline|restricted are refused (403) when they break that level (privileged, host
   namespaces and ports, hostPath, added capabilities; for restricted also volume types,
@@ -45,7 +47,7 @@ so that the backend cannot pass by relying on something a cluster would refuse:
 NOT emulated: containers (a test plays the container: it reads the published volume, directly
 or through `run_in_pod`, and then sets the pod's phase with `finish_pod`), the JobSet and training-operator controllers (their
 CRDs can be "installed" so that silod's admission of those objects is exercised, but nothing
-creates their pods), RBAC and authentication, strategic-merge-patch list semantics (treated as
+creates their pods), RBAC and authentication (beyond the `users` token map admission reviews use), strategic-merge-patch list semantics (treated as
 JSON merge patch), garbage collection other than a Job's pods, graceful deletion.
 """
 
@@ -333,6 +335,10 @@ class Emulator:
     webhook_services: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     webhook_client_cert: tuple[str, str] | None = None
     webhook_calls: list[tuple[str, str, str, bool]] = field(default_factory=list)  # (webhook, op, object, patched)
+    # Authentication, as far as admission needs it: bearer token -> user name for HTTP requests
+    # (no token: system:anonymous); direct calls (a test playing kubectl) act as `acting_user`.
+    users: dict[str, str] = field(default_factory=dict)
+    acting_user: str = "kubectl-user"
 
     def __post_init__(self) -> None:
         for r in CORE:
@@ -430,6 +436,8 @@ class Emulator:
             new["status"] = copy.deepcopy(old.get("status") or {})
             for k in ("uid", "creationTimestamp", "namespace", "name"):
                 new.setdefault("metadata", {})[k] = old["metadata"].get(k)
+            new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+            new = self._mutating_admission(res, "UPDATE", new, old)
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + (new.get("spec") != old.get("spec"))
             new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
             if res.kind == "Job":
@@ -481,7 +489,7 @@ class Emulator:
                     "resource": {"group": res.group, "version": res.version, "resource": res.plural},
                     "requestKind": {"group": res.group, "version": res.version, "kind": res.kind},
                     "name": obj["metadata"].get("name", ""), "namespace": obj["metadata"].get("namespace", ""),
-                    "operation": operation, "userInfo": {"username": "emulated-user"},
+                    "operation": operation, "userInfo": {"username": self.acting_user},
                     "object": obj, "oldObject": old, "dryRun": False}}
                 name = str(wh.get("name"))
                 try:
@@ -833,6 +841,8 @@ class Server:
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         self.em.requests.append((request.method, request.path))
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        user = self.em.users.get(token.strip(), "system:anonymous") if scheme.lower() == "bearer" else "system:anonymous"
         try:
             res, ns, name, sub = self.route(request.path)
             q = request.query
@@ -844,22 +854,32 @@ class Server:
                     body = {"apiVersion": res.api_version, "kind": f"{res.kind}List",
                             "metadata": {"resourceVersion": str(self.em.rv)}, "items": copy.deepcopy(items)}
                 return aiohttp.web.json_response(body)
+            data = await request.json() if request.can_read_body and request.method != "GET" else None
             async with self.lock:
-                if request.method == "GET":
-                    return aiohttp.web.json_response(self.em.get(res, ns, name))
-                data = await request.json() if request.can_read_body else None
-                if request.method == "POST" and name is None:
-                    return aiohttp.web.json_response(self.em.create(res, ns, data or {}), status=201)
-                if request.method == "PUT" and name:
-                    return aiohttp.web.json_response(self.em.replace(res, ns, name, data or {}, status=sub == "status"))
-                if request.method == "PATCH" and name:
-                    return aiohttp.web.json_response(self.em.patch(res, ns, name, data, request.content_type,
-                                                                   status=sub == "status"))
-                if request.method == "DELETE" and name:
-                    return aiohttp.web.json_response(self.em.delete(res, ns, name))
+                with self._as(user):
+                    if request.method == "GET":
+                        return aiohttp.web.json_response(self.em.get(res, ns, name))
+                    if request.method == "POST" and name is None:
+                        return aiohttp.web.json_response(self.em.create(res, ns, data or {}), status=201)
+                    if request.method == "PUT" and name:
+                        return aiohttp.web.json_response(self.em.replace(res, ns, name, data or {}, status=sub == "status"))
+                    if request.method == "PATCH" and name:
+                        return aiohttp.web.json_response(self.em.patch(res, ns, name, data, request.content_type,
+                                                                       status=sub == "status"))
+                    if request.method == "DELETE" and name:
+                        return aiohttp.web.json_response(self.em.delete(res, ns, name))
             raise ApiError(405, "MethodNotAllowed", f"{request.method} is not supported here")
         except ApiError as exc:
             return exc.response()
+
+    @contextmanager
+    def _as(self, user: str) -> Iterator[None]:
+        """Admission sees the request's user (under the lock, so no other request interleaves)."""
+        kubectl, self.em.acting_user = self.em.acting_user, user
+        try:
+            yield
+        finally:
+            self.em.acting_user = kubectl
 
     async def watch(self, request: aiohttp.web.Request, res: Resource, ns: str | None) -> aiohttp.web.StreamResponse:
         q = request.query

@@ -30,6 +30,7 @@ from scheduler.api.auth import TokenStore, load_token_key
 from scheduler.service import ADMIN, Principal
 from scheduler.service_cli import build_service
 from test_kubernetes_admission import SAFE_CONTAINER, kubectl_job
+from test_kubernetes_webhook import SILOD_SA
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -65,9 +66,13 @@ def world(tmp_path):
     with EmulatedCluster(kubelet_root=kubelet, csi_sockets={"n1": str(sock)}) as cluster:
         cluster.add_namespace("alice", {"pod-security.kubernetes.io/enforce": "restricted"})
         cluster.add_node("n1", 4, cache="1GB", remote_io="1GB/s")
+        # silod talks to the API server as its service account (the webhook lets only it unsuspend).
+        cluster.call(lambda em: em.users.__setitem__("scheduler-sa-token", SILOD_SA))
+        (tmp_path / "sa-token").write_text("scheduler-sa-token\n")
         service = build_service(db=f"sqlite:///{tmp_path / 'silod.db'}", backend="kubernetes", policy="gavel",
                                 round_s=4.0, gpus="4", gpus_per_node="4", cache="1GB", remote_io="1GB/s",
-                                state_dir=tmp_path / "state", backend_opts={"server": cluster.url},
+                                state_dir=tmp_path / "state",
+                                backend_opts={"server": cluster.url, "token-file": str(tmp_path / "sa-token")},
                                 allowed_uris=[f"file://{tmp_path / 'remote'}/"],  # the operator allows the local dataset
                                 # the agent's token looks up alice's dataset to mount it, and is bound to
                                 # node n1: its consumption reports count for n1's pods only
@@ -96,7 +101,7 @@ def world(tmp_path):
 
         ca = make_ca(tmp_path / "pki", "webhook-ca")
         serving = issue(ca, tmp_path / "pki", "webhook", dns=("silod-scheduler.silod-system.svc",))
-        webhook = WebhookServer("127.0.0.1", 0, serving.cert, serving.key).start()
+        webhook = WebhookServer("127.0.0.1", 0, serving.cert, serving.key, admitters=frozenset({SILOD_SA})).start()
         install_webhook(cluster, {"ca": ca}, webhook)
         try:
             cluster.wait(sock.exists, what="the agent's socket")
@@ -211,6 +216,8 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
     # first pods came from silod's admission, not from its creation.
     assert ("suspend.silod.io", "CREATE", "Job/by-kubectl", True) in cluster.em.webhook_calls
     assert next(susp for name, susp in timeline if name == "by-kubectl") is True
+    # silod's admissions were UPDATE reviews of its own service account, and the webhook let them through.
+    assert ("suspend.silod.io", "UPDATE", "Job/by-kubectl", False) in cluster.em.webhook_calls
     # Policy order: the REST job (submitted first) was admitted first, the kubectl one waited.
     admissions = [name for name, susp in timeline if not susp]
     assert admissions[0] == rest_job

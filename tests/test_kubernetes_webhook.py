@@ -259,3 +259,93 @@ def test_serve_refuses_a_webhook_without_certificates(tmp_path):
     r = serve("--backend", "kubernetes", "--webhook-listen", "127.0.0.1:0", "--webhook-cert", str(tmp_path / "nope"),
               "--webhook-key", str(tmp_path / "nope"))
     assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr
+
+
+# --- UPDATE: only silod's admission unsuspends a queued workload --------------------------------
+
+SILOD_SA = "system:serviceaccount:silod-system:silod-scheduler"
+
+
+def update_review(old: dict, new: dict, user: str, **kw) -> dict:  # type: ignore[no-untyped-def]
+    body = review(new, op="UPDATE", **kw)
+    body["request"]["oldObject"] = old
+    body["request"]["userInfo"] = {"username": user}
+    return body
+
+
+@pytest.mark.parametrize("user,allowed", [("alice", False), ("system:anonymous", False), (SILOD_SA, True)])
+def test_unsuspending_a_queued_job_is_silods_alone(user, allowed):
+    old = kubectl_job("q", suspend=True)
+    new = kubectl_job("q", suspend=False)
+    answer = review_response(update_review(old, new, user), frozenset({SILOD_SA}))["response"]
+    assert answer["allowed"] is allowed and "patch" not in answer
+    if not allowed:
+        assert answer["status"]["code"] == 403 and "only silod's admission may unsuspend" in answer["status"]["message"]
+
+
+def test_other_updates_pass():
+    admitters = frozenset({SILOD_SA})
+    running, queued = kubectl_job("q", suspend=False), kubectl_job("q", suspend=True)
+    assert review_response(update_review(running, queued, "alice"), admitters)["response"]["allowed"]  # suspending
+    edited = copy.deepcopy(queued)
+    edited["metadata"]["annotations"]["note"] = "x"
+    assert review_response(update_review(queued, edited, "alice"), admitters)["response"]["allowed"]
+    plain_old, plain_new = copy.deepcopy(queued), copy.deepcopy(running)
+    for o in (plain_old, plain_new):
+        del o["metadata"]["labels"]["silod.io/queue"]
+    assert review_response(update_review(plain_old, plain_new, "alice"), admitters)["response"]["allowed"]
+    # Dropping the label in the same update does not help.
+    assert not review_response(update_review(queued, plain_new, "alice"), admitters)["response"]["allowed"]
+    ptj_old = {"metadata": {"name": "p", "labels": {"silod.io/queue": "q"}}, "spec": {"runPolicy": {"suspend": True}}}
+    ptj_new = {"metadata": {"name": "p", "labels": {"silod.io/queue": "q"}}, "spec": {"runPolicy": {"suspend": False}}}
+    assert not review_response(update_review(ptj_old, ptj_new, "alice", kind="PyTorchJob", group="kubeflow.org"),
+                               admitters)["response"]["allowed"]
+
+
+def test_through_the_api_server_the_owner_cannot_unsuspend_but_silod_admits(pki, tmp_path):
+    """The emulated API server sends UPDATE reviews with the request's user; silod's backend
+    talks to it with its service account's token, the owner as `alice`."""
+    from k8s_emulator import ApiError
+    from scheduler.service_cli import build_service
+
+    try:
+        from test_kubernetes_admission import ROOT, job_named, step
+    except ImportError:
+        from tests.test_kubernetes_admission import ROOT, job_named, step
+
+    server = WebhookServer("127.0.0.1", 0, pki["serving"].cert, pki["serving"].key,
+                           admitters=frozenset({SILOD_SA})).start()
+    try:
+        with EmulatedCluster() as cluster:
+            cluster.add_namespace("alice", RESTRICTED)
+            cluster.add_node("n1", 4)
+            cluster.call(lambda em: em.users.__setitem__("scheduler-sa-token", SILOD_SA))
+            install_webhook(cluster, pki, server)
+            (tmp_path / "sa-token").write_text("scheduler-sa-token\n")
+            service = build_service(db=f"sqlite:///{tmp_path / 'k.db'}", backend="kubernetes", policy="fifo",
+                                    round_s=360, gpus="4", gpus_per_node="4", cache="100GB", remote_io="1GB/s",
+                                    state_dir=tmp_path / "state",
+                                    backend_opts={"server": cluster.url, "token-file": str(tmp_path / "sa-token")})
+            try:
+                from scheduler.service_types import NewDataset, Principal
+
+                service.catalogue.register_dataset(Principal("alice"), NewDataset("imagenet", "s3://d/i", 10e9))
+                jobs = ("batch", "jobs")
+
+                def as_alice(em):  # type: ignore[no-untyped-def]
+                    em.acting_user = "alice"
+                    return em.create(em.resources[jobs], "alice", kubectl_job("mine", suspend=False))
+                assert cluster.call(as_alice)["spec"]["suspend"] is True
+                with pytest.raises(ApiError, match="only silod's admission may unsuspend"):
+                    cluster.call(lambda em: em.patch(em.resources[jobs], "alice", "mine", {"spec": {"suspend": False}},
+                                                     "application/merge-patch+json"))
+                assert not cluster.pods_of("alice", "mine")
+                service.apply_events(service.backend.poll())
+                step(service)  # silod's admission: an UPDATE by its service account
+                assert service.get_job(ROOT, job_named(service, "job.mine.").id).state == "running"
+                assert cluster.obj("jobs", "alice", "mine", group="batch")["spec"]["suspend"] is False
+                cluster.wait(lambda: cluster.pods_of("alice", "mine"), what="pods after silod's admission")
+            finally:
+                service.close()
+    finally:
+        server.stop()

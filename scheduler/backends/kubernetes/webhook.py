@@ -5,7 +5,9 @@ once, and silod can only suspend it on its next poll, after pods may have run. W
 server sends every CREATE of a labelled Job, JobSet or PyTorchJob (the
 MutatingWebhookConfiguration's objectSelector) here first, and we answer with a JSONPatch that
 sets `spec.suspend: true` (`spec.runPolicy.suspend` for a PyTorchJob), so no pod starts before
-silod admits it. The configuration is deploy/base/webhook.yaml (failurePolicy: Fail; see
+silod admits it. On UPDATE, unsuspending a queued workload is denied to everyone but silod's
+own identity (`--webhook-admitter`, the scheduler's service account), so its owner cannot
+start it past the queue either. The configuration is deploy/base/webhook.yaml (failurePolicy: Fail; see
 docs/kubernetes.md for why and for the certificate).
 
 Trust: the webhook decides nothing and stores nothing; its answer goes back only to the caller.
@@ -58,8 +60,29 @@ def _suspend_patch(kind: str, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [] if spec.get("suspend") is True else [{"op": "add", "path": "/spec/suspend", "value": True}]
 
 
-def review_response(body: Any) -> dict[str, Any]:
-    """The AdmissionReview answering `body` (the parsed request). BadReview when it is not one."""
+def _suspended(kind: str, obj: Any) -> bool:
+    spec = obj.get("spec") if isinstance(obj, Mapping) else None
+    if not isinstance(spec, Mapping):
+        return False
+    if kind == PYTORCHJOB.kind:
+        run = spec.get("runPolicy")
+        return isinstance(run, Mapping) and run.get("suspend") is True
+    return spec.get("suspend") is True
+
+
+def _labelled(obj: Any) -> bool:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    return isinstance(labels, Mapping) and QUEUE_LABEL in labels
+
+
+def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The AdmissionReview answering `body` (the parsed request). BadReview when it is not one.
+
+    CREATE of a labelled workload: patched suspended. UPDATE that unsuspends a workload that is
+    (or was) labelled: denied unless the requester (`request.userInfo.username`, the API server's
+    authenticated identity) is one of `admitters`, silod's own service account: only silod's
+    admission may start a queued workload's pods."""
     if not isinstance(body, Mapping) or body.get("apiVersion") != REVIEW_VERSION or body.get("kind") != "AdmissionReview":
         raise BadReview(f"expected an AdmissionReview of apiVersion {REVIEW_VERSION}")
     req = body.get("request")
@@ -73,8 +96,21 @@ def review_response(body: Any) -> dict[str, Any]:
     obj = req.get("object")
     response: dict[str, Any] = {"uid": uid, "allowed": True}
     known = KIND_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
-    if (known is not None and isinstance(kind, Mapping) and kind.get("group") == known.group
-            and req.get("operation") == "CREATE" and isinstance(obj, Mapping)):
+    ours = known is not None and isinstance(kind, Mapping) and kind.get("group") == known.group
+    old = req.get("oldObject")
+    if (ours and req.get("operation") == "UPDATE" and isinstance(obj, Mapping) and isinstance(old, Mapping)
+            and (_labelled(old) or _labelled(obj)) and _suspended(known.kind, old)
+            and not _suspended(known.kind, obj)):
+        user = req.get("userInfo")
+        name = user.get("username") if isinstance(user, Mapping) else None
+        if name not in admitters:
+            return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {
+                "uid": uid, "allowed": False, "status": {
+                    "code": 403, "reason": "Forbidden",
+                    "message": f"{kind_name} is queued in silod ({QUEUE_LABEL}): only silod's admission may unsuspend"
+                               f" it; wait for it to be admitted (silod jobs), or delete and re-create it without the"
+                               f" label"}}}
+    if ours and req.get("operation") == "CREATE" and isinstance(obj, Mapping):
         labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj.get("metadata"), Mapping) else None
         if isinstance(labels, Mapping) and QUEUE_LABEL in labels:
             patch = _suspend_patch(known.kind, obj)
@@ -88,8 +124,9 @@ def review_response(body: Any) -> dict[str, Any]:
 class WebhookApp:
     """ASGI: POST /mutate with an AdmissionReview; /healthz for probes."""
 
-    def __init__(self, max_body: int = DEFAULT_MAX_BODY):
+    def __init__(self, max_body: int = DEFAULT_MAX_BODY, admitters: frozenset[str] = frozenset()):
         self.max_body = max_body
+        self.admitters = admitters
         self.reviews = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -127,7 +164,7 @@ class WebhookApp:
             if not msg.get("more_body"):
                 break
         try:
-            answer = review_response(json.loads(b"".join(chunks)))
+            answer = review_response(json.loads(b"".join(chunks)), self.admitters)
         except (ValueError, RecursionError) as exc:  # JSON errors and BadReview
             await _reply(send, 400, {"detail": f"not an AdmissionReview: {str(exc)[:200]}"})
             return
@@ -147,14 +184,14 @@ class WebhookServer:
     API: another port, another certificate (the one the API server trusts through caBundle)."""
 
     def __init__(self, host: str, port: int, cert: Path, key: Path, client_ca: Path | None = None,
-                 max_body: int = DEFAULT_MAX_BODY):
+                 max_body: int = DEFAULT_MAX_BODY, admitters: frozenset[str] = frozenset()):
         import uvicorn
 
         # Load the pair now: a bad certificate or key is an error at start, not in a thread later.
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(cert), str(key))
         if client_ca is not None:
             ssl.create_default_context(cafile=str(client_ca))
-        self.app = WebhookApp(max_body)
+        self.app = WebhookApp(max_body, admitters)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))

@@ -98,3 +98,20 @@ def test_agent_report_flags_are_checked(tmp_path, extra, env, message):
                         "--socket", str(tmp_path / "csi.sock"), "--kubelet-dir", str(tmp_path), *args],
                        capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_pods_gone_for_a_day_are_forgotten(tmp_path):
+    from fuse_client.agent.reporter import FORGET_AFTER_S
+
+    a = tmp_path / "a.stats.json"
+    now = [1000.0]
+    r = ConsumptionReporter(node="n1", mounts=lambda: [a], state_file=tmp_path / "c.json", clock=lambda: now[0])
+    write_stats(a, "m1", {"old": 10, "live": 5})
+    assert set(r.collect()) == {"old", "live"}
+    write_stats(a, "m2", {"live": 7})  # a new mount process; "old" no longer listed
+    now[0] += FORGET_AFTER_S / 2
+    assert r.collect()["old"]["read_bytes"] == 10  # still reported (carried)
+    now[0] += FORGET_AFTER_S
+    write_stats(a, "m2", {"live": 9})
+    got = r.collect()
+    assert set(got) == {"live"} and got["live"]["read_bytes"] == 14

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +27,9 @@ log = logging.getLogger("silod.agent.report")
 
 COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
 MAX_STATS_BYTES = 16 * 1024 * 1024
+# A pod no stats file has listed for this long ended long ago, and the scheduler already holds its
+# last counters (they only rise): the agent stops reporting it and forgets it.
+FORGET_AFTER_S = 24 * 3600.0
 BATCH = 1000  # the scheduler's cap on pods per report
 
 
@@ -34,11 +38,13 @@ class _Seen:
     instance: str
     counters: dict[str, int]
     carried: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    seen_at: float = 0.0  # wall clock of the last stats file that listed the pod
 
 
 class ConsumptionReporter:
     def __init__(self, *, node: str, mounts: Callable[[], list[Path]], state_file: Path, url: str | None = None,
-                 token: Callable[[], str] | None = None, interval_s: float = 10.0, timeout_s: float = 10.0):
+                 token: Callable[[], str] | None = None, interval_s: float = 10.0, timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.time):
         self.node = node
         self.mounts = mounts
         self.state_file = state_file
@@ -46,6 +52,7 @@ class ConsumptionReporter:
         self.token = token
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.clock = clock
         self.seen: dict[str, _Seen] = {}  # "<stats file>|<pod uid>" -> last seen
         self.last_result: dict | None = None
         self.last_error: str | None = None
@@ -69,6 +76,7 @@ class ConsumptionReporter:
 
     def collect(self) -> dict[str, dict[str, int]]:
         """Cumulative counters per pod uid over every dataset mount of the node."""
+        now = self.clock()
         for path in self.mounts():
             try:
                 if path.stat().st_size > MAX_STATS_BYTES:
@@ -85,12 +93,15 @@ class ConsumptionReporter:
                 key = f"{path}|{uid}"
                 prev = self.seen.get(key)
                 if prev is None:
-                    self.seen[key] = _Seen(instance, counters)
+                    self.seen[key] = _Seen(instance, counters, seen_at=now)
                     continue
+                prev.seen_at = now
                 if prev.instance != instance:  # a new mount process: its counters started again at 0
                     prev.carried = {k: prev.carried[k] + prev.counters[k] for k in COUNTERS}
                     prev.instance = instance
                 prev.counters = counters
+        for key in [k for k, s in self.seen.items() if now - s.seen_at > FORGET_AFTER_S]:
+            del self.seen[key]
         totals: dict[str, dict[str, int]] = {}
         for key, s in self.seen.items():
             uid = key.rsplit("|", 1)[1]

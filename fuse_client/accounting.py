@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # Observed throughput is an exponentially weighted moving average with this time constant:
 # long enough to smooth per-item bursts, short enough to follow an allocation change.
@@ -134,6 +134,22 @@ class _Rate:
         return self.value
 
 
+# Distinct pods one mount keeps counters for; reads of further pods count as unattributed (a node
+# runs far fewer pods than this over a mount's lifetime).
+MAX_PODS = 4096
+
+
+@dataclass
+class PodCounters:
+    """What one pod read through this mount (the node agent reports these per pod)."""
+
+    read_bytes: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
 @dataclass
 class JobAccounting:
     num_items: int
@@ -152,6 +168,7 @@ class JobAccounting:
     bitset: EpochBitset = field(init=False)
     _read_rate: _Rate = field(default_factory=_Rate)
     _remote_rate: _Rate = field(default_factory=_Rate)
+    pods: dict[str, PodCounters] = field(default_factory=dict)  # pod uid -> counters (agent mounts)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -178,12 +195,39 @@ class JobAccounting:
                 self.bitset.clear()
                 self.ineffective_cached_bytes = 0
 
-    def bytes_read(self, nbytes: int, hit: bool) -> None:
+    def bytes_read(self, nbytes: int, hit: bool, pod: str = "") -> None:
         with self._lock:
             if hit:
                 self.hit_bytes += nbytes
             else:
                 self.miss_bytes += nbytes
+            if pod and (c := self._pod(pod)) is not None:
+                c.read_bytes += nbytes
+                if hit:
+                    c.hit_bytes += nbytes
+                else:
+                    c.miss_bytes += nbytes
+
+    def pod_opened(self, pod: str, hit: bool) -> None:
+        """An item opened by a process of pod `pod` (its uid, from the caller's cgroup)."""
+        if not pod:
+            return
+        with self._lock:
+            if (c := self._pod(pod)) is not None:
+                if hit:
+                    c.hits += 1
+                else:
+                    c.misses += 1
+
+    def _pod(self, pod: str) -> PodCounters | None:
+        c = self.pods.get(pod)
+        if c is None and len(self.pods) < MAX_PODS:
+            c = self.pods[pod] = PodCounters()
+        return c
+
+    def pod_snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {uid: asdict(c) for uid, c in self.pods.items()}
 
     def open_finished(self, seconds: float, hit: bool) -> None:
         """Latency of one open, from the FUSE request to a ready descriptor."""

@@ -33,6 +33,7 @@ def register(app: typer.Typer) -> None:
         probe_interval: float = typer.Option(1.0, "--probe-interval", help="Seconds between probes of a remote whose circuit breaker is open."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
         allow_other: bool = typer.Option(False, "--allow-other", help="Let other users read the mount (the node agent bind-mounts it into pods; needs root)."),
+        pod_stats: bool = typer.Option(False, "--pod-stats", help="Also count reads per pod (the calling process's kubepods cgroup) into the stats file's \"pods\" (the node agent's mounts)."),
     ) -> None:
         """Mount a dataset read-only with uniform (or LRU) caching and per-job remote-IO throttling."""
         import logging
@@ -60,6 +61,7 @@ def register(app: typer.Typer) -> None:
             kernel_cache=kernel_cache,
             cache_mode=mode,
             allow_other=allow_other,
+            pod_stats=pod_stats,
             fuse_threads=fuse_threads,
             fetch_workers=fetch_workers,
             open_deadline_s=open_deadline,

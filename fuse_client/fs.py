@@ -24,6 +24,7 @@ import mfusepy
 
 from fuse_client.dataplane import ItemResolver, LocalItem
 from fuse_client.fusebuf import enable_splice, pin_thread_state, reply_with_fd
+from fuse_client.pod_attribution import PodAttribution
 from fuse_client.remote import DatasetListing
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,17 @@ METADATA_TIMEOUT_S = 3600.0
 class _Handle:
     item: LocalItem
     count_reads: bool  # False when the whole item was accounted at open (kernel-cached hit)
+    pod: str = ""  # uid of the pod whose process opened it ("" outside any pod)
 
 
 class SilodFS(mfusepy.Operations):
     use_ns = True
 
-    def __init__(self, listing: DatasetListing, resolver: ItemResolver, kernel_cache: bool = True) -> None:
+    def __init__(self, listing: DatasetListing, resolver: ItemResolver, kernel_cache: bool = True,
+                 attribution: PodAttribution | None = None) -> None:
         self.listing = listing
+        # With an attribution (the node agent's mounts), bytes and hits are also counted per pod.
+        self.attribution = attribution
         self.resolver = resolver
         self.accounting = resolver.accounting
         self.kernel_cache = kernel_cache
@@ -104,7 +109,9 @@ class SilodFS(mfusepy.Operations):
         entry = self.listing.files.get(self._rel(path))
         if entry is None:
             raise mfusepy.FuseOSError(errno.ENOENT if self._rel(path) not in self.listing.dirs else errno.EISDIR)
+        pod = self.attribution.pod_of(mfusepy.fuse_get_context()[2]) if self.attribution is not None else ""
         item = self.resolver.resolve(entry)  # RemoteFetchError is an OSError(EIO): becomes -EIO
+        self.accounting.pod_opened(pod, item.hit)
         # Cached items never change, so the kernel may keep their pages across opens (re-reads
         # then never reach this process). Misses are never kept: the page cache would otherwise
         # act as a second, unaccounted cache and break the c/d hit ratio.
@@ -112,10 +119,10 @@ class SilodFS(mfusepy.Operations):
         if keep:
             # Reads served by the kernel are invisible to us, so a kept item is accounted as read
             # in full when it is opened (training reads every item whole).
-            self.accounting.bytes_read(entry.size, hit=True)
+            self.accounting.bytes_read(entry.size, hit=True, pod=pod)
         fh = next(self._next_fh)
         with self._lock:
-            self._handles[fh] = _Handle(item, count_reads=not keep)
+            self._handles[fh] = _Handle(item, count_reads=not keep, pod=pod)
         fi.fh = fh
         fi.keep_cache = 1 if keep else 0
         return 0
@@ -128,7 +135,7 @@ class SilodFS(mfusepy.Operations):
         item = handle.item
         n = max(0, min(size, item.entry.size - offset))
         if handle.count_reads:
-            self.accounting.bytes_read(n, item.hit)
+            self.accounting.bytes_read(n, item.hit, handle.pod)
         return reply_with_fd(bufpp, item.fd, n, offset)
 
     def release(self, path: str, fi) -> int:

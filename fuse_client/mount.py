@@ -33,6 +33,7 @@ from fuse_client.accounting import JobAccounting
 from fuse_client.cache_store import UNLIMITED_BYTES, DatasetCache, RecoveryReport
 from fuse_client.lru_cache import CacheMode
 from fuse_client.names import validate_name
+from fuse_client.pod_attribution import PodAttribution
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class MountConfig:
     cache_mode: CacheMode | None = None  # None: leave the node's mode for the dataset as it is
     allow_other: bool = False  # the node agent's mounts: pods of other uids read them through bind mounts
     fuse_threads: int = DEFAULT_FUSE_THREADS
+    pod_stats: bool = False  # count reads per pod (caller's cgroup) into the stats file's "pods"
     fetch_workers: int = 16
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
@@ -103,6 +105,9 @@ class ControlLoop:
         self.breaker = None  # the resolver's CircuitBreaker, reported in the stats
         self.verifier: BackgroundVerifier | None = None
         self._last_sweep = 0.0
+        # Identifies this mount process in the stats file: counters restart from 0 in a new one,
+        # which is how the node agent knows to carry the old totals over (agent/reporter.py).
+        self.instance = uuid.uuid4().hex
 
     # Called by ManagerLink with what the manager says; None fields keep the current value.
     def on_allocation(self, pulled) -> None:
@@ -165,7 +170,10 @@ class ControlLoop:
             cache_verify_pending=self.cache.verify_pending,
             cache_verified_items=None if self.verifier is None else self.verifier.checked,
             updated_at=time.time(),
+            instance=self.instance,
         )
+        if self.cfg.pod_stats:
+            out["pods"] = self.accounting.pod_snapshot()
         if self.breaker is not None:
             out.update(
                 remote_breaker_state=self.breaker.state.value,
@@ -392,7 +400,8 @@ def run_mount(cfg: MountConfig) -> int:
     if recovery.ran and cache.verify_pending:
         control.verifier = BackgroundVerifier(cache)
         control.verifier.start()
-    fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache)
+    fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache,
+                 attribution=PodAttribution() if cfg.pod_stats else None)
     control.tick()
     control.start()
     if link is not None:

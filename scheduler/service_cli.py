@@ -129,6 +129,43 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
     return opts
 
 
+def _agents(values: list[str] | None) -> dict[str, Any]:
+    from scheduler.service_types import ServiceError, parse_node_agents
+
+    try:
+        users, bound = parse_node_agents(values)
+    except ServiceError as exc:
+        raise UserError(str(exc)) from None
+    return {"node_agents": users, "agent_nodes": bound}
+
+
+def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, client_ca: Path | None,
+                    backend: str, admitters: list[str] | None = None):  # type: ignore[no-untyped-def]
+    """The admission webhook's HTTPS server (not started yet), or None without --webhook-listen."""
+    if listen is None:
+        if cert or key or client_ca:
+            raise UserError("--webhook-cert/--webhook-key/--webhook-client-ca need --webhook-listen HOST:PORT")
+        return None
+    if backend != "kubernetes":
+        raise UserError("--webhook-listen is for --backend kubernetes (it suspends Kubernetes workloads)")
+    if cert is None or key is None:
+        raise UserError("--webhook-listen needs --webhook-cert and --webhook-key: the API server calls webhooks over"
+                        " HTTPS only (docs/kubernetes.md: the webhook certificate)")
+    for flag, f in (("--webhook-cert", cert), ("--webhook-key", key), ("--webhook-client-ca", client_ca)):
+        if f is not None and not f.is_file():
+            raise UserError(f"{flag} {str(f)!r} does not exist")
+    from scheduler.backends.kubernetes.webhook import WebhookServer
+
+    host, port = parse_listen(listen)
+    try:
+        default = f"system:serviceaccount:{os.environ.get('POD_NAMESPACE') or 'silod-system'}:silod-scheduler"
+        return WebhookServer(host, port, cert, key, client_ca, admitters=frozenset(admitters or [default]))
+    except OSError as exc:
+        raise UserError(f"--webhook-listen {listen}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a bad certificate or key is the operator's to fix
+        raise UserError(f"--webhook-cert/--webhook-key: {exc}") from None
+
+
 def build_api_service(
     *,
     db: str,
@@ -163,7 +200,7 @@ def build_api_service(
         irregular_share=irregular_share,
     )
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), node_agents=frozenset(node_agents or ()))
+                           default_quota=default_quota or TenantQuota(), **_agents(node_agents))
     workloads = None
     if backend == "kubernetes":
         from scheduler.backends.base import BackendConfig, load_backend
@@ -275,7 +312,7 @@ def build_service(
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
-        node_agents=frozenset(node_agents or ()),
+        **_agents(node_agents),
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
@@ -400,11 +437,16 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
-        node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset (repeatable)")] = None,
+        node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
         tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
+        webhook_listen: Annotated[str | None, typer.Option("--webhook-listen", help="HOST:PORT of the mutating admission webhook (HTTPS; --backend kubernetes): suspends labelled workloads at creation")] = None,
+        webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
+        webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
+        webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
+        webhook_admitter: Annotated[list[str] | None, typer.Option("--webhook-admitter", help="user (as the API server authenticates it) allowed to unsuspend queued workloads: silod's service account (repeatable) [default: system:serviceaccount:$POD_NAMESPACE:silod-scheduler, namespace silod-system when unset]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Run the scheduler service: REST API under /v1, /docs, /healthz, /metrics."""
@@ -422,6 +464,8 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"TLS file {f} does not exist")
         if workers < 1 or workers > 64:
             raise UserError(f"--workers {workers} must be between 1 and 64")
+        webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
+                                  webhook_admitter)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir
         _prepare_state_dir(state_dir)
@@ -492,11 +536,16 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"  {workers} API worker(s) + 1 scheduling process", err=True)
         scheduler = _SchedulerSupervisor(multiprocessing.get_context("spawn"), build_kwargs, log_level)
         scheduler.start()
+        if webhook is not None:
+            webhook.start()
+            typer.echo(f"  admission webhook {webhook.url}", err=True)
         try:
             uvicorn.run("scheduler.api.worker:create_worker_app", factory=True, host=host, port=port,
                         workers=workers, log_level=log_level.lower(), access_log=False,
                         ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
+            if webhook is not None:
+                webhook.stop()
             scheduler.stop()
 
     @app.command()

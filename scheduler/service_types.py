@@ -251,6 +251,31 @@ class ServiceConfig:
     #: Users whose tokens belong to node agents (`silod serve --node-agent USER`): they may read
     #: any tenant's dataset record (to mount it for that tenant's pods), and nothing else more.
     node_agents: frozenset[str] = frozenset()
+    #: Node agents bound to one node (`--node-agent USER=NODE`): only these may report
+    #: consumption, and only for their node (scheduler/consumption.py).
+    agent_nodes: tuple[tuple[str, str], ...] = ()
+
+    def agent_node(self, user: str) -> str | None:
+        return dict(self.agent_nodes).get(user)
+
+
+def parse_node_agents(values: list[str] | None) -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
+    """`--node-agent USER` (any node; dataset look-ups only) or `USER=NODE` (also consumption
+    reports for NODE). Returns (users, ((user, node), ...))."""
+    users: set[str] = set()
+    bound: dict[str, str] = {}
+    for v in values or ():
+        user, sep, node = str(v).partition("=")
+        user, node = user.strip(), node.strip()
+        if not user or (sep and not node):
+            raise ServiceError(f"--node-agent {v!r}: give USER or USER=NODE", field="node_agent")
+        if user in bound and sep and bound[user] != node:
+            raise ServiceError(f"--node-agent {user} is bound to two nodes ({bound[user]}, {node}); one token user"
+                               f" per node", field="node_agent")
+        users.add(user)
+        if sep:
+            bound[user] = node
+    return frozenset(users), tuple(sorted(bound.items()))
 
 
 

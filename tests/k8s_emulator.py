@@ -20,6 +20,15 @@ so that the backend cannot pass by relying on something a cluster would refuse:
   while the Job is suspended and has not started (status.startTime unset); a Job controller
   that creates pods when the Job runs, deletes its active pods and clears startTime when it is
   suspended, counts succeeded/failed pods, and sets Complete or Failed (backoffLimit).
+- mutating admission webhooks: MutatingWebhookConfiguration objects are honoured on CREATE
+  (rules, objectSelector, failurePolicy, timeoutSeconds): the emulator sends a real
+  AdmissionReview v1 over HTTPS to the webhook Service (`webhook_services` maps a Service to an
+  address; the server certificate is verified against caBundle for `<svc>.<ns>.svc`, and the
+  emulator presents `webhook_client_cert` when set), applies the returned JSONPatch, and fails
+  the create on a denial or error unless failurePolicy is Ignore; the same on UPDATE (replace and
+  patch, not status), with oldObject. userInfo.username is the user of the request's bearer token
+  (`users`; none: system:anonymous), or `acting_user` for a test's direct calls.
+  namespaceSelector, reinvocation and validating webhooks are not emulated.
 - Pod Security admission: pods in a namespace labelled `pod-security.kubernetes.io/enforce`
   = baseline|restricted are refused (403) when they break that level (privileged, host
   namespaces and ports, hostPath, added capabilities; for restricted also volume types,
@@ -31,10 +40,14 @@ so that the backend cannot pass by relying on something a cluster would refuse:
   unix socket (NodePublishVolume before the pod runs, NodeUnpublishVolume when it ends or is
   deleted), with the volume context kubelet sends (pod name, namespace, uid, ephemeral).
 
-NOT emulated: containers (a test plays the container: it reads the published volume and then
-sets the pod's phase with `finish_pod`), the JobSet and training-operator controllers (their
+- the container runtime's cgroup placement, when a test runs a pod's "container" with
+  `run_in_pod`: the process runs in `/sys/fs/cgroup/pids/kubepods/pod<uid>` (kubelet's cgroupfs
+  layout), so the node agent's FUSE mounts attribute its reads to the pod as on a real node.
+
+NOT emulated: containers (a test plays the container: it reads the published volume, directly
+or through `run_in_pod`, and then sets the pod's phase with `finish_pod`), the JobSet and training-operator controllers (their
 CRDs can be "installed" so that silod's admission of those objects is exercised, but nothing
-creates their pods), RBAC and authentication, strategic-merge-patch list semantics (treated as
+creates their pods), RBAC and authentication (beyond the `users` token map admission reviews use), strategic-merge-patch list semantics (treated as
 JSON merge patch), garbage collection other than a Job's pods, graceful deletion.
 """
 
@@ -83,6 +96,8 @@ CORE = [
     Resource("batch", "v1", "jobs", "Job", True),
     Resource("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", False),
     Resource("coordination.k8s.io", "v1", "leases", "Lease", True),
+    Resource("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", "MutatingWebhookConfiguration",
+             False),
 ]
 JOBSET = Resource("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet", True)
 PYTORCHJOB = Resource("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob", True)
@@ -314,6 +329,16 @@ class Emulator:
     csi_calls: list[tuple[str, str, str]] = field(default_factory=list)  # (rpc, node, volume_id)
     failed_mounts: dict[str, str] = field(default_factory=dict)  # pod uid -> last error
     changed: asyncio.Event | None = None
+    # Mutating admission: where a webhook Service (namespace, name) answers (the stand-in for the
+    # cluster's Service DNS and proxy), and the client certificate (cert, key) the API server
+    # presents to webhooks (its AdmissionConfiguration kubeconfig), if any.
+    webhook_services: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+    webhook_client_cert: tuple[str, str] | None = None
+    webhook_calls: list[tuple[str, str, str, bool]] = field(default_factory=list)  # (webhook, op, object, patched)
+    # Authentication, as far as admission needs it: bearer token -> user name for HTTP requests
+    # (no token: system:anonymous); direct calls (a test playing kubectl) act as `acting_user`.
+    users: dict[str, str] = field(default_factory=dict)
+    acting_user: str = "kubectl-user"
 
     def __post_init__(self) -> None:
         for r in CORE:
@@ -384,6 +409,8 @@ class Emulator:
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = now_iso()
         meta["generation"] = 1
+        obj = self._mutating_admission(res, "CREATE", obj)
+        meta = obj["metadata"]
         if res.kind == "Pod":
             self._admit_pod(obj)
             obj.setdefault("status", {}).setdefault("phase", "Pending")
@@ -409,6 +436,8 @@ class Emulator:
             new["status"] = copy.deepcopy(old.get("status") or {})
             for k in ("uid", "creationTimestamp", "namespace", "name"):
                 new.setdefault("metadata", {})[k] = old["metadata"].get(k)
+            new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+            new = self._mutating_admission(res, "UPDATE", new, old)
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + (new.get("spec") != old.get("spec"))
             new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
             if res.kind == "Job":
@@ -442,6 +471,85 @@ class Emulator:
         return obj
 
     # --- admission and validation -----------------------------------------------------------
+
+    def _mutating_admission(self, res: Resource, operation: str, obj: dict[str, Any],
+                            old: dict[str, Any] | None = None) -> dict[str, Any]:
+        """As the API server: every webhook of every MutatingWebhookConfiguration whose rules and
+        objectSelector match gets an AdmissionReview v1 over HTTPS (server certificate checked
+        against its caBundle, for the Service's DNS name); its JSONPatch is applied; a denial, an
+        error or a wrong answer fails the request unless failurePolicy is Ignore."""
+        mwc = self.resources[("admissionregistration.k8s.io", "mutatingwebhookconfigurations")]
+        for cfg in self.list(mwc, None):
+            for wh in cfg.get("webhooks") or []:
+                if not webhook_matches(wh, res, operation, obj):
+                    continue
+                uid = str(uuid.uuid4())
+                review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                    "uid": uid, "kind": {"group": res.group, "version": res.version, "kind": res.kind},
+                    "resource": {"group": res.group, "version": res.version, "resource": res.plural},
+                    "requestKind": {"group": res.group, "version": res.version, "kind": res.kind},
+                    "name": obj["metadata"].get("name", ""), "namespace": obj["metadata"].get("namespace", ""),
+                    "operation": operation, "userInfo": {"username": self.acting_user},
+                    "object": obj, "oldObject": old, "dryRun": False}}
+                name = str(wh.get("name"))
+                try:
+                    answer = self._call_webhook(wh, review)
+                    resp = answer.get("response") or {}
+                    if answer.get("apiVersion") != "admission.k8s.io/v1" or resp.get("uid") != uid:
+                        raise ValueError("expected response.uid to match the request and apiVersion admission.k8s.io/v1")
+                    if not resp.get("allowed"):
+                        status = resp.get("status") or {}
+                        raise ApiError(int(status.get("code") or 400), "BadRequest",
+                                       f'admission webhook "{name}" denied the request: {status.get("message", "")}')
+                    patched = False
+                    if resp.get("patch"):
+                        if resp.get("patchType") != "JSONPatch":
+                            raise ValueError(f"unsupported patchType {resp.get('patchType')!r}")
+                        import base64
+
+                        obj = json_patch(obj, json.loads(base64.b64decode(resp["patch"])))
+                        patched = True
+                    self.webhook_calls.append((name, operation, f"{res.kind}/{obj['metadata'].get('name')}", patched))
+                except ApiError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - as the API server: the failure policy decides
+                    self.webhook_calls.append((name, operation, f"{res.kind}/{obj['metadata'].get('name')}", False))
+                    if wh.get("failurePolicy", "Fail") == "Ignore":
+                        continue
+                    raise ApiError(500, "InternalError",
+                                   f'Internal error occurred: failed calling webhook "{name}": {exc}') from None
+        return obj
+
+    def _call_webhook(self, wh: dict[str, Any], review: dict[str, Any]) -> dict[str, Any]:
+        import base64
+        import http.client
+        import socket
+        import ssl
+
+        cc = wh.get("clientConfig") or {}
+        svc = cc.get("service")
+        if not svc:
+            raise ValueError("only clientConfig.service is emulated")
+        addr = self.webhook_services.get((svc.get("namespace"), svc.get("name")))
+        if addr is None:
+            raise ValueError(f"service {svc.get('namespace')}/{svc.get('name')} has no endpoints")
+        ctx = ssl.create_default_context(cadata=base64.b64decode(cc.get("caBundle") or "").decode() or None)
+        if self.webhook_client_cert:
+            ctx.load_cert_chain(*self.webhook_client_cert)
+        host = f"{svc['name']}.{svc['namespace']}.svc"  # the name the serving certificate must carry
+        conn = http.client.HTTPSConnection(host, int(svc.get("port", 443)), context=ctx,
+                                           timeout=float(wh.get("timeoutSeconds", 10)))
+        conn._create_connection = lambda _addr, timeout=None, source=None: socket.create_connection(addr, timeout)  # type: ignore[attr-defined]
+        try:
+            conn.request("POST", svc.get("path") or "/", body=json.dumps(review).encode(),
+                         headers={"Content-Type": "application/json", "Accept": "application/json"})
+            r = conn.getresponse()
+            body = r.read(4 << 20)
+            if r.status != 200:
+                raise ValueError(f"the server responded with HTTP {r.status}: {body[:200]!r}")
+            return json.loads(body)
+        finally:
+            conn.close()
 
     def _admit_pod(self, pod: dict[str, Any]) -> None:
         ns = self.objects.get(("", "namespaces", "", pod["metadata"]["namespace"])) or {}
@@ -647,6 +755,31 @@ class Emulator:
                 self.replace(pods, pod["metadata"]["namespace"], pod["metadata"]["name"], pod, status=True)
 
 
+def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A metav1.LabelSelector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist)."""
+    if not selector:
+        return True
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": key not in labels or labels[key] not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def webhook_matches(wh: Mapping[str, Any], res: Resource, operation: str, obj: Mapping[str, Any]) -> bool:
+    def has(values: Any, value: str) -> bool:
+        return "*" in (values or []) or value in (values or [])
+    if not selector_matches(wh.get("objectSelector"), (obj.get("metadata") or {}).get("labels") or {}):
+        return False
+    return any(has(r.get("apiGroups"), res.group) and has(r.get("apiVersions"), res.version)
+               and has(r.get("resources"), res.plural) and has(r.get("operations"), operation)
+               for r in wh.get("rules") or [])
+
+
 def pod_gpus(spec: Mapping[str, Any]) -> int:
     total = 0
     for c in spec.get("containers") or []:
@@ -708,6 +841,8 @@ class Server:
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         self.em.requests.append((request.method, request.path))
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        user = self.em.users.get(token.strip(), "system:anonymous") if scheme.lower() == "bearer" else "system:anonymous"
         try:
             res, ns, name, sub = self.route(request.path)
             q = request.query
@@ -719,22 +854,32 @@ class Server:
                     body = {"apiVersion": res.api_version, "kind": f"{res.kind}List",
                             "metadata": {"resourceVersion": str(self.em.rv)}, "items": copy.deepcopy(items)}
                 return aiohttp.web.json_response(body)
+            data = await request.json() if request.can_read_body and request.method != "GET" else None
             async with self.lock:
-                if request.method == "GET":
-                    return aiohttp.web.json_response(self.em.get(res, ns, name))
-                data = await request.json() if request.can_read_body else None
-                if request.method == "POST" and name is None:
-                    return aiohttp.web.json_response(self.em.create(res, ns, data or {}), status=201)
-                if request.method == "PUT" and name:
-                    return aiohttp.web.json_response(self.em.replace(res, ns, name, data or {}, status=sub == "status"))
-                if request.method == "PATCH" and name:
-                    return aiohttp.web.json_response(self.em.patch(res, ns, name, data, request.content_type,
-                                                                   status=sub == "status"))
-                if request.method == "DELETE" and name:
-                    return aiohttp.web.json_response(self.em.delete(res, ns, name))
+                with self._as(user):
+                    if request.method == "GET":
+                        return aiohttp.web.json_response(self.em.get(res, ns, name))
+                    if request.method == "POST" and name is None:
+                        return aiohttp.web.json_response(self.em.create(res, ns, data or {}), status=201)
+                    if request.method == "PUT" and name:
+                        return aiohttp.web.json_response(self.em.replace(res, ns, name, data or {}, status=sub == "status"))
+                    if request.method == "PATCH" and name:
+                        return aiohttp.web.json_response(self.em.patch(res, ns, name, data, request.content_type,
+                                                                       status=sub == "status"))
+                    if request.method == "DELETE" and name:
+                        return aiohttp.web.json_response(self.em.delete(res, ns, name))
             raise ApiError(405, "MethodNotAllowed", f"{request.method} is not supported here")
         except ApiError as exc:
             return exc.response()
+
+    @contextmanager
+    def _as(self, user: str) -> Iterator[None]:
+        """Admission sees the request's user (under the lock, so no other request interleaves)."""
+        kubectl, self.em.acting_user = self.em.acting_user, user
+        try:
+            yield
+        finally:
+            self.em.acting_user = kubectl
 
     async def watch(self, request: aiohttp.web.Request, res: Resource, ns: str | None) -> aiohttp.web.StreamResponse:
         q = request.query
@@ -1001,6 +1146,34 @@ class EmulatedCluster:
             pod["status"]["phase"] = phase
             em.replace(res, namespace, name, pod, status=True)
         self.call(run)
+
+    def run_in_pod(self, pod: Mapping[str, Any], argv: list[str], timeout: float = 120.0) -> Any:
+        """Run `argv` as a container of `pod` would run: in the pod's cgroup (kubelet's cgroupfs
+        layout, `kubepods/pod<uid>`). Returns the CompletedProcess. Needs root and a writable
+        cgroup v1 `pids` hierarchy (or cgroup v2 at /sys/fs/cgroup)."""
+        import os
+        import subprocess
+
+        uid = pod["metadata"]["uid"]
+        base = Path("/sys/fs/cgroup/pids") if Path("/sys/fs/cgroup/pids").is_dir() else Path("/sys/fs/cgroup")
+        cg = base / "kubepods" / f"pod{uid}"
+        try:
+            cg.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeError(f"cannot create the pod's cgroup {cg}: {exc}; run_in_pod needs root and a writable"
+                               f" cgroup hierarchy") from None
+        procs = str(cg / "cgroup.procs")
+
+        def enter() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        try:
+            return subprocess.run(argv, preexec_fn=enter, capture_output=True, text=True, timeout=timeout)
+        finally:
+            try:
+                cg.rmdir()
+            except OSError:
+                pass
 
     def volume_path(self, pod: Mapping[str, Any], volume: str) -> Path | None:
         pub = self.em.published.get((pod["metadata"]["uid"], volume))

@@ -30,6 +30,7 @@ from scheduler.api.auth import TokenStore, load_token_key
 from scheduler.service import ADMIN, Principal
 from scheduler.service_cli import build_service
 from test_kubernetes_admission import SAFE_CONTAINER, kubectl_job
+from test_kubernetes_webhook import SILOD_SA
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -65,11 +66,17 @@ def world(tmp_path):
     with EmulatedCluster(kubelet_root=kubelet, csi_sockets={"n1": str(sock)}) as cluster:
         cluster.add_namespace("alice", {"pod-security.kubernetes.io/enforce": "restricted"})
         cluster.add_node("n1", 4, cache="1GB", remote_io="1GB/s")
+        # silod talks to the API server as its service account (the webhook lets only it unsuspend).
+        cluster.call(lambda em: em.users.__setitem__("scheduler-sa-token", SILOD_SA))
+        (tmp_path / "sa-token").write_text("scheduler-sa-token\n")
         service = build_service(db=f"sqlite:///{tmp_path / 'silod.db'}", backend="kubernetes", policy="gavel",
                                 round_s=4.0, gpus="4", gpus_per_node="4", cache="1GB", remote_io="1GB/s",
-                                state_dir=tmp_path / "state", backend_opts={"server": cluster.url},
+                                state_dir=tmp_path / "state",
+                                backend_opts={"server": cluster.url, "token-file": str(tmp_path / "sa-token")},
                                 allowed_uris=[f"file://{tmp_path / 'remote'}/"],  # the operator allows the local dataset
-                                node_agents=["agent"])  # the agent's token looks up alice's dataset to mount it
+                                # the agent's token looks up alice's dataset to mount it, and is bound to
+                                # node n1: its consumption reports count for n1's pods only
+                                node_agents=["agent=n1"])
         service.config = dataclasses.replace(service.config, poll_seconds=0.2, min_event_gap_s=0.5)
         import uvicorn
 
@@ -85,12 +92,22 @@ def world(tmp_path):
         agent_log = open(tmp_path / "agent.log", "ab")
         agent = subprocess.Popen(
             [*silod_cmd(), "agent", "--socket", str(sock), "--state-dir", str(tmp_path / "agent"), "--node", "n1",
-             "--scheduler", url, "--kubelet-dir", str(kubelet)],
+             "--scheduler", url, "--kubelet-dir", str(kubelet), "--report-interval", "0.5"],
             stdout=agent_log, stderr=subprocess.STDOUT, env={**os.environ, "SILOD_AGENT_TOKEN": AGENT})
+        # The scheduler's admission webhook, installed as deploy/base's configuration.
+        from scheduler.backends.kubernetes.webhook import WebhookServer
+        from test_kubernetes_webhook import install_webhook
+        from tls_helpers import issue, make_ca
+
+        ca = make_ca(tmp_path / "pki", "webhook-ca")
+        serving = issue(ca, tmp_path / "pki", "webhook", dns=("silod-scheduler.silod-system.svc",))
+        webhook = WebhookServer("127.0.0.1", 0, serving.cert, serving.key, admitters=frozenset({SILOD_SA})).start()
+        install_webhook(cluster, {"ca": ca}, webhook)
         try:
             cluster.wait(sock.exists, what="the agent's socket")
             yield cluster, service, url, ds
         finally:
+            webhook.stop()
             server.should_exit = True
             thread.join(20)
             agent.terminate()
@@ -100,13 +117,29 @@ def world(tmp_path):
                     force_unmount(Path(line.split()[1]))
 
 
-def read_volume(path: Path, ds) -> int:
-    n = 0
-    for rel, digest in ds.digests.items():
-        data = (path / rel).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == digest, rel
-        n += len(data)
-    return n
+READER = """
+import hashlib, json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+out = {}
+for rel in json.loads(sys.argv[2]):
+    out[rel] = hashlib.sha256((root / rel).read_bytes()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+def read_volume(cluster: EmulatedCluster, pod, path: Path, ds) -> int:  # type: ignore[no-untyped-def]
+    """The container reads every item through the published volume, as a process in the pod's
+    cgroup (so the node agent attributes the reads to the pod)."""
+    import json
+    import sys
+
+    done = cluster.run_in_pod(pod, [sys.executable, "-c", READER, str(path), json.dumps(sorted(ds.digests))])
+    if done.returncode != 0:
+        raise OSError(f"reader failed: {done.stderr[-300:]}")
+    got = json.loads(done.stdout)
+    assert got == ds.digests
+    return sum(ds.sizes[rel] for rel in got)
 
 
 def suspend_timeline(cluster: EmulatedCluster) -> list[tuple[str, bool]]:
@@ -135,12 +168,14 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
         rest_id = r.json()["id"]
     rest_job = f"silod-{rest_id}"
     time.sleep(0.3)
-    manifest = kubectl_job("by-kubectl", gpus=4, dataset="ds", container=SAFE_CONTAINER)
+    # Created running, as most users write a Job: the webhook suspends it at creation.
+    manifest = kubectl_job("by-kubectl", gpus=4, dataset="ds", container=SAFE_CONTAINER, suspend=False)
     manifest["metadata"]["annotations"]["silod.io/ideal-throughput"] = "1MB/s"
     cluster.call(lambda em: em.create(em.resources[("batch", "jobs")], "alice", manifest))
 
     runs: dict[str, int] = {rest_job: 0, "by-kubectl": 0}
     read: dict[str, int] = {}
+    full_reads: dict[str, int] = {rest_job: 0, "by-kubectl": 0}
     seen_pods: set[str] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -158,7 +193,8 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
                 path = cluster.volume_path(pod, vol)
                 assert path is not None
                 try:
-                    read[name] = read_volume(path, ds)  # the container reads its data through CSI
+                    read[name] = read_volume(cluster, pod, path, ds)  # the container reads its data through CSI
+                    full_reads[name] += 1
                 except OSError:
                     # Preempted while reading: the Job controller removed the pod and kubelet
                     # unpublished its volume, as a real container would be killed mid-epoch.
@@ -176,6 +212,12 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
     cluster.wait(lambda: all(j.state == "finished" for j in service.list_jobs(admin)), what="the service to see both end")
     jobs = {j.name: j for j in service.list_jobs(admin)}
 
+    # The kubectl Job was created running and stored suspended (the webhook's patch), so its
+    # first pods came from silod's admission, not from its creation.
+    assert ("suspend.silod.io", "CREATE", "Job/by-kubectl", True) in cluster.em.webhook_calls
+    assert next(susp for name, susp in timeline if name == "by-kubectl") is True
+    # silod's admissions were UPDATE reviews of its own service account, and the webhook let them through.
+    assert ("suspend.silod.io", "UPDATE", "Job/by-kubectl", False) in cluster.em.webhook_calls
     # Policy order: the REST job (submitted first) was admitted first, the kubectl one waited.
     admissions = [name for name, susp in timeline if not susp]
     assert admissions[0] == rest_job
@@ -190,3 +232,19 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
     assert not [r for r in cluster.em.requests if r[0] == "DELETE"]
     rpcs = {c[0] for c in cluster.em.csi_calls}
     assert rpcs == {"NodePublishVolume", "NodeUnpublishVolume"}
+
+    # Trusted consumption: the agent measured what each job's pods read (attributed by their
+    # cgroup, reported with its node-bound token) and GET /v1/jobs/{id} shows it.
+    def measured(job_id: str) -> dict | None:
+        r = httpx.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {ALICE}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["measured"]
+    for job, name in ((jobs["by-rest"], rest_job), (kube, "by-kubectl")):
+        # Every complete read of a pod, at least (a pod preempted mid-read adds what it read).
+        want = full_reads[name] * ds.total
+        m = cluster.wait(lambda job=job, want=want: (m := measured(job.id)) and m["read_bytes"] >= want and m,
+                         timeout=30, what=lambda job=job: f"measured consumption of job {job.id}: {measured(job.id)}")
+        pods_read = runs[name]
+        assert m["read_bytes"] <= pods_read * ds.total  # never more than its pods read
+        assert m["read_bytes"] == m["hit_bytes"] + m["miss_bytes"]
+        assert m["hits"] + m["misses"] >= len(ds.digests) and 1 <= m["pods"] <= pods_read

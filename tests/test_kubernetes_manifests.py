@@ -172,3 +172,28 @@ def test_data_manager_and_agent_carry_the_data_manager_tokens():
     agent = find("DaemonSet", "silod-agent")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "SILOD_DM_TOKEN", "valueFrom": {"secretKeyRef": {"name": "silod-secrets", "key": "dm-agent-token"}}} in agent["env"]
     assert set(find("Secret", "silod-secrets")["stringData"]) >= {"dm-scheduler-token", "dm-agent-token", "token-key"}
+
+
+def test_csi_controller_provisions_the_storage_class_and_the_webhook_suspends_labelled_workloads():
+    runner = typer.testing.CliRunner()
+    sc = find("StorageClass", "silod")
+    assert sc["provisioner"] == "silod.io" and find("CSIDriver", "silod.io")
+    dep = find("Deployment", "silod-csi-controller")["spec"]["template"]["spec"]
+    ctl, prov = dep["containers"]
+    assert runner.invoke(app, [*ctl["command"][1:], *ctl["args"], "--help"]).exit_code == 0
+    assert "--extra-create-metadata" in prov["args"]  # the PVC's namespace is the tenant
+    assert {m["mountPath"] for m in ctl["volumeMounts"]} == {m["mountPath"] for m in prov["volumeMounts"]}
+    assert not any(c.get("securityContext", {}).get("privileged") for c in dep["containers"])
+    rules = _rules("ClusterRole", "silod-csi-provisioner")
+    assert rules[("", "persistentvolumes")] >= {"create", "delete"} and ("", "secrets") not in rules
+    # The webhook: CREATE of labelled Jobs/JobSets/PyTorchJobs, served by the scheduler Service.
+    wh = find("MutatingWebhookConfiguration", "silod-suspend")["webhooks"][0]
+    assert wh["objectSelector"]["matchExpressions"] == [{"key": "silod.io/queue", "operator": "Exists"}]
+    assert wh["failurePolicy"] == "Fail" and wh["sideEffects"] == "None" and wh["admissionReviewVersions"] == ["v1"]
+    assert {(r["apiGroups"][0], r["resources"][0]) for r in wh["rules"]} == {
+        ("batch", "jobs"), ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs")}
+    svc = find("Service", "silod-scheduler")
+    port = next(p for p in svc["spec"]["ports"] if p["port"] == wh["clientConfig"]["service"]["port"])
+    c = find("Deployment", "silod-scheduler")["spec"]["template"]["spec"]["containers"][0]
+    assert any(p["name"] == port["targetPort"] and p["containerPort"] == 9443 for p in c["ports"])
+    assert "--webhook-listen=0.0.0.0:9443" in c["args"]

@@ -1,4 +1,5 @@
-"""`silod agent`: the node agent (DaemonSet on GPU nodes), registered by scheduler/cli.py."""
+"""`silod agent`: the node agent (DaemonSet on GPU nodes), and `silod csi-controller`: the CSI
+Controller service (dynamic provisioning of silod PVCs); registered by scheduler/cli.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from estimator.errors import UserError
 
 
 def register(app: typer.Typer) -> None:
+    register_controller(app)
+
     @app.command()
     def agent(
         socket: Annotated[Path, typer.Option("--socket", help="CSI unix socket kubelet connects to")] =
@@ -28,6 +31,11 @@ def register(app: typer.Typer) -> None:
         namespace_prefix: Annotated[str, typer.Option("--namespace-prefix", help="tenant T's namespace is PREFIX+T")] = "",
         idle_unmount: Annotated[float, typer.Option("--idle-unmount", help="seconds a dataset mount outlives its last"
                                                     " pod (a resumed job reuses it)")] = 60.0,
+        report_interval: Annotated[float, typer.Option("--report-interval", help="seconds between consumption reports"
+                                                       " to --scheduler (0: do not report)")] = 10.0,
+        report_token_file: Annotated[Path | None, typer.Option("--report-token-file", help="this node's agent token"
+                                                               " (bound to the node: silod serve --node-agent USER=NODE),"
+                                                               " re-read at every report [default: $SILOD_AGENT_TOKEN]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Serve the CSI Identity and Node services for the silod.io driver on this node."""
@@ -59,7 +67,20 @@ def register(app: typer.Typer) -> None:
         volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
                                 idle_unmount_s=idle_unmount)
         server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
+        if report_interval < 0 or report_interval > 3600:
+            raise UserError(f"--report-interval {report_interval} must be between 0 and 3600 seconds")
+        reporter = None
+        if report_interval > 0 and scheduler is not None:
+            from fuse_client.agent.reporter import ConsumptionReporter, token_source
+
+            if report_token_file is not None and not report_token_file.is_file():
+                raise UserError(f"--report-token-file {str(report_token_file)!r} does not exist")
+            reporter = ConsumptionReporter(
+                node=node, mounts=volumes.mount_stats_files, state_file=state_dir / "consumption.json", url=scheduler,
+                token=token_source(report_token_file, os.environ.get("SILOD_AGENT_TOKEN")), interval_s=report_interval)
         repaired = server.start()
+        if reporter is not None:
+            reporter.start()
         typer.echo(f"silod agent on {node}: CSI driver silod.io at unix://{socket}; restored {len(repaired)} volume(s)",
                    err=True)
         stop = threading.Event()
@@ -67,4 +88,45 @@ def register(app: typer.Typer) -> None:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         # Published volumes stay recorded: the next agent on this node restores them.
+        if reporter is not None:
+            reporter.stop()
         server.stop(unmount_all=False)
+
+
+def register_controller(app: typer.Typer) -> None:
+    @app.command("csi-controller")
+    def csi_controller(
+        socket: Annotated[Path, typer.Option("--socket", help="CSI unix socket the csi-provisioner sidecar connects to")] =
+            Path("/csi/csi.sock"),
+        datasets: Annotated[Path | None, typer.Option("--datasets", help="YAML catalog: datasets: [{tenant, name, uri}]")] = None,
+        scheduler: Annotated[str | None, typer.Option("--scheduler", help="silod scheduler URL to look datasets up"
+                                                      " (token from $SILOD_AGENT_TOKEN)")] = None,
+        namespace_prefix: Annotated[str, typer.Option("--namespace-prefix", help="tenant T's namespace is PREFIX+T")] = "",
+        log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    ) -> None:
+        """Serve the CSI Identity and Controller services (dynamic provisioning of silod PVCs)."""
+        import logging
+        import signal
+        import threading
+
+        from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
+        from fuse_client.agent.server import ControllerServer
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if (datasets is None) == (scheduler is None):
+            raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
+        if scheduler is not None:
+            token = os.environ.get("SILOD_AGENT_TOKEN")
+            if not token:
+                raise UserError("--scheduler needs a node-agent token (dataset look-ups) in $SILOD_AGENT_TOKEN")
+            resolver = SchedulerResolver(scheduler, token)
+        else:
+            resolver = CatalogResolver(datasets)  # type: ignore[arg-type]
+        server = ControllerServer(socket, resolver, namespace_prefix)
+        server.start()
+        typer.echo(f"silod csi-controller: CSI driver silod.io (Identity, Controller) at unix://{socket}", err=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        server.stop()

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from estimator.errors import UserError
+from fuse_client.agent.controller import CTX_NAMESPACE, ControllerService
 from fuse_client.agent.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
 from fuse_client.agent.datasets import DatasetDenied, DatasetResolver, check_name
 from fuse_client.agent.volumes import MountError, VolumeManager
@@ -26,19 +27,24 @@ log = logging.getLogger("silod.agent")
 
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_NAME = "csi.storage.k8s.io/pod.name"
+POD_UID = "csi.storage.k8s.io/pod.uid"
 VERSION = "0.1.0"
 MAX_ID = 1024
 
 
 class IdentityService(csi_pb2_grpc.IdentityServicer):
-    def __init__(self, ready: Callable[[], bool] = lambda: True):
+    def __init__(self, ready: Callable[[], bool] = lambda: True, controller: bool = False):
         self.ready = ready
+        self.controller = controller
 
     def GetPluginInfo(self, request, context):  # noqa: N802 - gRPC method names
         return csi_pb2.GetPluginInfoResponse(name=DRIVER_NAME, vendor_version=VERSION)
 
     def GetPluginCapabilities(self, request, context):  # noqa: N802
-        return csi_pb2.GetPluginCapabilitiesResponse()  # node plugin only: no controller service
+        if not self.controller:
+            return csi_pb2.GetPluginCapabilitiesResponse()  # the node plugin: no controller service
+        svc = csi_pb2.PluginCapability.Service(type=csi_pb2.PluginCapability.Service.CONTROLLER_SERVICE)
+        return csi_pb2.GetPluginCapabilitiesResponse(capabilities=[csi_pb2.PluginCapability(service=svc)])
 
     def Probe(self, request, context):  # noqa: N802
         from google.protobuf import wrappers_pb2
@@ -75,10 +81,15 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         if not namespace.startswith(self.namespace_prefix) or len(namespace) == len(self.namespace_prefix):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"namespace {namespace} belongs to no silod tenant")
         tenant = namespace[len(self.namespace_prefix):]
+        owner_ns = ctx.get(CTX_NAMESPACE)
+        if owner_ns is not None and owner_ns != namespace:
+            # A volume provisioned for a PVC of another namespace (controller.py): never theirs.
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"volume {vid} was provisioned for namespace {owner_ns},"
+                                                             f" not {namespace}")
         try:
             dataset = check_name(ctx.get("dataset", ""), "volumeAttributes.dataset")
             src = self.resolver.resolve(tenant, dataset)
-            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""))
+            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""))
         except DatasetDenied as exc:
             code = grpc.StatusCode.NOT_FOUND if "no dataset" in str(exc) else grpc.StatusCode.PERMISSION_DENIED
             if "not a valid" in str(exc):
@@ -130,3 +141,25 @@ class Agent:
     def stop(self, unmount_all: bool = False) -> None:
         self.server.stop(grace=5).wait()
         self.volumes.close(unmount_all=unmount_all)
+
+
+class ControllerServer:
+    """The CSI Identity and Controller services on `socket` (`silod csi-controller`, next to the
+    csi-provisioner sidecar)."""
+
+    def __init__(self, socket: Path, resolver: DatasetResolver, namespace_prefix: str = "", workers: int = 4):
+        self.socket = socket
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+        csi_pb2_grpc.add_IdentityServicer_to_server(IdentityService(controller=True), self.server)
+        csi_pb2_grpc.add_ControllerServicer_to_server(ControllerService(resolver, namespace_prefix), self.server)
+
+    def start(self) -> None:
+        self.socket.parent.mkdir(parents=True, exist_ok=True)
+        if self.socket.exists():
+            self.socket.unlink()
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        self.server.start()
+        os.chmod(self.socket, 0o600)
+
+    def stop(self) -> None:
+        self.server.stop(grace=5).wait()

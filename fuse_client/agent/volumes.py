@@ -51,6 +51,7 @@ class VolumeRecord:
     cache_size: int | None
     namespace: str
     pod: str
+    pod_uid: str = ""
 
 
 def _run(*args: str) -> None:
@@ -160,10 +161,10 @@ class VolumeManager:
         if is_mountpoint(path) or (path.exists() and not _listable(path)):
             unmount(path)  # a leftover of a dead mount process
         path.mkdir(parents=True, exist_ok=True)
-        stats = self.state_dir / "mounts" / src.tenant / f"{src.name}.stats.json"
+        stats = self.stats_file(src.tenant, src.name)
         cmd = [*self.silod, "mount", str(path), "--source", src.uri, "--dataset", src.name,
                "--job", mount_job_id(self.node, src.tenant, src.name), "--cache-dir", str(self.cache_dir(src.tenant)),
-               "--stats-file", str(stats), "--allow-other"]
+               "--stats-file", str(stats), "--allow-other", "--pod-stats"]
         if src.cache_size is not None:
             cmd += ["--cache-size", str(src.cache_size)]
         if self.manager_url:
@@ -236,7 +237,15 @@ class VolumeManager:
             raise UserError(f"target_path {target!r} is outside the kubelet directory {self.kubelet_dir}")
         return resolved
 
-    def publish(self, volume_id: str, target: str, src: DatasetSource, namespace: str, pod: str) -> None:
+    def stats_file(self, tenant: str, dataset: str) -> Path:
+        return self.state_dir / "mounts" / tenant / f"{dataset}.stats.json"
+
+    def mount_stats_files(self) -> list[Path]:
+        """The stats files of every dataset mount this agent has run (live or idle)."""
+        return sorted((self.state_dir / "mounts").glob("*/*.stats.json"))
+
+    def publish(self, volume_id: str, target: str, src: DatasetSource, namespace: str, pod: str,
+                pod_uid: str = "") -> None:
         path = self.check_target(target)
         with self.lock:
             have = self.volumes.get(volume_id)
@@ -251,7 +260,7 @@ class VolumeManager:
                 unmount(path)
             self._bind(source, path)
             self.volumes[volume_id] = VolumeRecord(volume_id, str(path), src.tenant, src.name, src.uri,
-                                                   src.cache_size, namespace, pod)
+                                                   src.cache_size, namespace, pod, pod_uid)
             self._save()
             log.info("published %s/%s for pod %s/%s at %s", src.tenant, src.name, namespace, pod, path)
 

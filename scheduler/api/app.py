@@ -32,6 +32,8 @@ from scheduler.api.schemas import (
     AllocationsOut,
     ChangeOut,
     ClusterOut,
+    ConsumptionIn,
+    ConsumptionOut,
     CredentialIn,
     CredentialOut,
     DatasetIn,
@@ -52,6 +54,7 @@ from scheduler.api.schemas import (
     UsageOut,
 )
 from scheduler.catalogue import NewCredential
+from scheduler.consumption import ConsumptionStore, PodReport
 from scheduler.service import SchedulerService
 from scheduler.service_types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
 
@@ -126,9 +129,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     )
     app.state.service = service
     app.state.tokens = tokens
-    app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body)
+    app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
+                       agent_node=service.config.agent_node if service is not None else None)
     registry = make_registry(service) if service is not None else None
     catalogue = service.catalogue if service is not None else None
+    consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
+                   if service is not None else None)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req: Request, exc: ServiceError) -> JSONResponse:
@@ -297,7 +303,28 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
     def get_job(job_id: str, who: Who) -> Any:
-        return _json(catalogue.get_job(who, job_id))
+        record = catalogue.get_job(who, job_id)
+        body = _record_dict(record)
+        m = consumption.measured([record.id]).get(record.id) if consumption is not None else None
+        body["measured"] = asdict(m) if m is not None else None
+        return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+    # ---- node agents
+
+    @app.post("/v1/agents/{node}/consumption", response_model=ConsumptionOut, responses=_ERRORS, tags=["agents"])
+    def report_consumption(node: Annotated[str, Path(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")],
+                           body: ConsumptionIn, who: Who) -> ConsumptionOut:
+        """A node agent's cumulative per-pod read counters. Only the agent whose token is bound to
+        `node` (`silod serve --node-agent USER=NODE`) may call it; counters only ever rise."""
+        bound = service.config.agent_node(who.user) if not who.is_admin else None
+        if bound is None:
+            raise ForbiddenError("only a node agent's token bound to a node (silod serve --node-agent USER=NODE) may"
+                                 " report consumption")
+        if bound != node:
+            raise ForbiddenError(f"this agent token is bound to node {bound}, not {node}")
+        result = consumption.record_report(node, who.user, [PodReport(**p.model_dump()) for p in body.pods])
+        return ConsumptionOut(accepted=result.accepted,
+                              ignored=[{"pod_uid": i.pod_uid, "reason": i.reason} for i in result.ignored])
 
     @app.delete("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
     def cancel_job(job_id: str, who: Who) -> Any:

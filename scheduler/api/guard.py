@@ -3,7 +3,8 @@ before any route, body parsing or validation runs.
 
 Order matters (Kubernetes' API server does the same): authentication first, from the
 `Authorization` header alone, so an anonymous client cannot make the server read, buffer or
-parse a single byte of its body (401); then the body cap, from `Content-Length` when given (413
+parse a single byte of its body (401); then, for the node agents' paths, whether the token is bound to that node (403); then the
+body cap, from `Content-Length` when given (413
 at once) and by counting while the body streams in otherwise (413 as soon as the cap is
 passed; nothing beyond it is held). Database trouble while looking a token up is the same JSON
 503 + Retry-After as everywhere else.
@@ -30,6 +31,8 @@ RETRY_AFTER_S = 5
 # Paths anyone may call: probes, the API description. /metrics is here unless a metrics token
 # is configured.
 PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -68,10 +71,14 @@ OUTAGE_HEADERS = [(b"retry-after", str(RETRY_AFTER_S).encode())]
 
 
 class RequestGuard:
-    def __init__(self, app: Any, tokens: TokenStore, max_body: int = DEFAULT_MAX_BODY):
+    def __init__(self, app: Any, tokens: TokenStore, max_body: int = DEFAULT_MAX_BODY,
+                 agent_node: Callable[[str], str | None] | None = None):
         self.app = app
         self.tokens = tokens
         self.max_body = max_body
+        # user -> the node its token is bound to (node agents): /v1/agents/{node}/... is theirs
+        # alone, refused (403) before a byte of the body is read.
+        self.agent_node = agent_node or (lambda _user: None)
 
     def _public(self, path: str) -> bool:
         return path in PUBLIC_PATHS or (path == "/metrics" and not self.tokens.protects_metrics)
@@ -113,6 +120,14 @@ class RequestGuard:
                 )
                 return
             scope.setdefault("state", {})["principal"] = who
+            if path.startswith(AGENT_PATH):
+                node = path[len(AGENT_PATH):].split("/", 1)[0]
+                bound = self.agent_node(who.user)
+                if bound is None or bound != node:
+                    await send_json(send, 403, {"detail": (
+                        "only the node agent whose token is bound to this node (silod serve --node-agent USER=NODE)"
+                        " may call it"), "field": None})
+                    return
         length = headers.get(b"content-length")
         if length is not None:
             if not length.strip().isdigit():

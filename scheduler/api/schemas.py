@@ -194,6 +194,54 @@ class JobIn(_Strict):
         return self
 
 
+class MeasuredOut(BaseModel):
+    read_bytes: int
+    hit_bytes: int
+    miss_bytes: int
+    hits: int
+    misses: int
+    pods: int = Field(description="pods that reported")
+    updated_at: float
+
+
+_COUNT = Annotated[int, Field(ge=0, le=2**62)]
+
+
+class PodConsumptionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pod_uid: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    read_bytes: _COUNT
+    hit_bytes: _COUNT
+    miss_bytes: _COUNT
+    hits: _COUNT
+    misses: _COUNT
+
+    @model_validator(mode="after")
+    def _sums(self) -> "PodConsumptionIn":
+        if self.read_bytes != self.hit_bytes + self.miss_bytes:
+            raise ValueError("read_bytes must equal hit_bytes + miss_bytes")
+        return self
+
+
+class ConsumptionIn(BaseModel):
+    """A node agent's cumulative per-pod counters (POST /v1/agents/{node}/consumption)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pods: list[PodConsumptionIn] = Field(max_length=1000)
+
+
+class IgnoredOut(BaseModel):
+    pod_uid: str
+    reason: str
+
+
+class ConsumptionOut(BaseModel):
+    accepted: int
+    ignored: list[IgnoredOut]
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -221,6 +269,9 @@ class JobOut(BaseModel):
     gpu_share: float
     remote_io: float | None
     access: AccessOut
+    measured: MeasuredOut | None = Field(
+        None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
+                          " report yet, or not a Kubernetes job)")
 
 
 class UsageOut(BaseModel):

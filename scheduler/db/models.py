@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from sqlalchemy import Boolean, Enum, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Boolean, Enum, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 # Stable constraint names, so migrations can refer to them on every database.
@@ -247,3 +247,39 @@ class Lease(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[float] = mapped_column(Float)
+
+
+class WorkloadPod(Base):
+    """A pod of a workload silod admitted, as the scheduling leader read it from the API server:
+    its uid, its node (spec.nodeName, set by the scheduler's binding) and its controller chain to
+    the admitted workload. Written only by the leader; the first attribution of a uid is kept
+    (a pod cannot move to another job). Node agents' consumption reports count only for these."""
+
+    __tablename__ = "workload_pods"
+
+    pod_uid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    node: Mapped[str] = mapped_column(String(253))
+    namespace: Mapped[str] = mapped_column(String(63))
+    name: Mapped[str] = mapped_column(String(253))
+    seen_at: Mapped[float] = mapped_column(Float)
+
+
+class PodConsumption(Base):
+    """What a node agent measured one pod read through the node's FUSE mounts (POST
+    /v1/agents/{node}/consumption). Counters are cumulative and only ever raised (max-merge): a
+    replayed or lower report changes nothing."""
+
+    __tablename__ = "pod_consumption"
+
+    node: Mapped[str] = mapped_column(String(253), primary_key=True)
+    pod_uid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    agent: Mapped[str] = mapped_column(String(64))  # the authenticated agent user that reported it
+    read_bytes: Mapped[int] = mapped_column(BigInteger)
+    hit_bytes: Mapped[int] = mapped_column(BigInteger)
+    miss_bytes: Mapped[int] = mapped_column(BigInteger)
+    hits: Mapped[int] = mapped_column(BigInteger)
+    misses: Mapped[int] = mapped_column(BigInteger)
+    first_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)

@@ -3,9 +3,9 @@
 `create_backend(config)` is what `scheduler.backends.base.load_backend("kubernetes", ...)` calls.
 Options (`silod serve --backend kubernetes --backend-opt KEY=VALUE`):
 
-- `server=URL`: talk to this API server URL without credentials (e.g. `kubectl proxy`'s
-  http://127.0.0.1:8001); otherwise in-cluster service-account credentials, else the kubeconfig
-  (`kubeconfig=FILE`, `context=NAME`);
+- `server=URL`: talk to this API server URL (e.g. `kubectl proxy`'s http://127.0.0.1:8001),
+  without credentials or with the bearer token in `token-file=FILE`; otherwise in-cluster
+  service-account credentials, else the kubeconfig (`kubeconfig=FILE`, `context=NAME`);
 - `namespace-prefix=P`: user U's jobs live in namespace P+U (default: no prefix);
 - `queue=NAME`: the queue label of Jobs created for REST submissions (default "default");
 - `leader-election=true`, `lease-namespace=NS`, `lease-name=NAME`, `identity=ID`, `lease-seconds=15`: only the holder
@@ -26,14 +26,25 @@ from scheduler.backends.kubernetes.workloads import PodTemplate, WorkloadError
 __all__ = ["KubernetesBackend", "LeaderElector", "PodTemplate", "WorkloadError", "create_backend", "load_api_client"]
 
 
-def load_api_client(server: str | None = None, kubeconfig: str | None = None, context: str | None = None) -> Any:
-    """An ApiClient: `server` without credentials, else in-cluster, else the kubeconfig."""
+def load_api_client(server: str | None = None, kubeconfig: str | None = None, context: str | None = None,
+                    token_file: str | None = None) -> Any:
+    """An ApiClient: `server` (with the bearer token of `token_file`, if any), else in-cluster,
+    else the kubeconfig."""
     from kubernetes import client, config
 
     if server:
         cfg = client.Configuration()
         cfg.host = server.rstrip("/")
+        if token_file:
+            try:
+                token = open(token_file).read().strip()
+            except OSError as exc:
+                raise UserError(f"--backend-opt token-file={token_file}: {exc.strerror}") from None
+            cfg.api_key = {"authorization": token}
+            cfg.api_key_prefix = {"authorization": "Bearer"}
         return client.ApiClient(cfg)
+    if token_file:
+        raise UserError("--backend-opt token-file needs --backend-opt server=URL")
     try:
         if kubeconfig:
             config.load_kube_config(config_file=kubeconfig, context=context)
@@ -52,12 +63,12 @@ def load_api_client(server: str | None = None, kubeconfig: str | None = None, co
 
 def create_backend(config: BackendConfig) -> KubernetesBackend:
     opts = dict(config.options)
-    known = {"server", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
+    known = {"server", "token-file", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
              "lease-name", "identity", "lease-seconds"}
     unknown = sorted(set(opts) - known)
     if unknown:
         raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
-    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"))
+    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
     backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
                                 default_queue=opts.get("queue") or "default")
     if config.datamanager_url:

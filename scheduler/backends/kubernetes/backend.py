@@ -16,9 +16,11 @@ The service's rounds decide which jobs run; `start` places a job's pods (GPUs, n
 the node's share of remote IO: `placement.place`) and admits the workload by writing a required
 node affinity into its pod templates and unsuspending it; `stop` suspends it again (its
 controller removes the pods; silod never deletes a user's pods or workloads). Whether a workload
-finished or failed comes from its controller's `status`; how far it got is silod's own estimate
-(SiloDPerf at its allocation x admitted time), never a number from an object the workload's
-owner can write.
+finished or failed comes from its controller's `status`; how far it got is what the node agents
+measured its pods read (scheduler/consumption.py: pods attributed by silod from the API
+server's controller chain, counters from node-bound agent tokens) once a report exists, and
+silod's own estimate (SiloDPerf at its allocation x admitted time) before; never a number from an
+object the workload's owner can write.
 """
 
 from __future__ import annotations
@@ -131,11 +133,14 @@ class KubernetesBackend(ClusterBackend):
         self.workloads: dict[str, Workload] = {}  # uid -> parsed
         self._objects: dict[str, dict[str, Any]] = {}  # uid -> raw object
         self.nodes: list[NodeState] = []
-        self._bound: list[dict[str, Any]] = []
+        self._bound: list[dict[str, Any]] = []  # pods bound to a node that hold resources (not ended)
+        self._placed: list[dict[str, Any]] = []  # every pod bound to a node, ended ones included
         self._recovered = False
         self.storage: Any = None  # a data manager client: remote IO of the agents' node mounts
         self._pushed_io: dict[str, float] = {}
         self.elector: Any = None  # a LeaderElector when several replicas run (create_backend)
+        self.consumption: Any = None  # ConsumptionStore over the service's database (attach)
+        self._job_parents: dict[str, str] = {}  # a JobSet's child Job uid -> its controller's uid
         self.admissions = 0  # successful admissions (observability, tests)
         self.suspensions = 0
 
@@ -144,6 +149,63 @@ class KubernetesBackend(ClusterBackend):
     def attach(self, service: Any) -> None:
         """Feed kubectl-created workloads into `service` (one queue for REST and kubectl)."""
         self.service = service
+        sessions = getattr(service, "sessions", None)
+        if sessions is not None:
+            from scheduler.consumption import ConsumptionStore
+
+            self.consumption = ConsumptionStore(sessions, getattr(service, "_write_lock", None))
+
+    def _admitted_pods(self) -> list[Any]:
+        """The bound pods of admitted workloads, attributed by the API server's record alone: the
+        pod's controller chain ends at the workload's uid, the pod is in the workload's namespace
+        and on a node of the admission (docs/kubernetes.md, "Trusted consumption")."""
+        from scheduler.consumption import AdmittedPod
+
+        out = []
+        for job_id, adm in self._admitted.items():
+            ref = self._refs.get(job_id)
+            if ref is None:
+                continue
+            for pod in self._placed:
+                meta = pod.get("metadata") or {}
+                node = (pod.get("spec") or {}).get("nodeName")
+                if meta.get("namespace") != ref.namespace or node not in adm.nodes or not meta.get("uid"):
+                    continue
+                if self._controlled_by(meta, ref):
+                    out.append(AdmittedPod(str(meta["uid"]), job_id, node, ref.namespace, str(meta.get("name") or "")))
+        return out
+
+    def _controlled_by(self, meta: dict[str, Any], ref: _Ref) -> bool:
+        owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
+        if owner is None:
+            return False
+        if owner.get("uid") == ref.uid:
+            return True  # Job -> pods, PyTorchJob -> pods
+        if ref.kind.kind != "JobSet" or owner.get("kind") != "Job" or owner.get("apiVersion") != "batch/v1":
+            return False
+        parent = self._job_parents.get(str(owner.get("uid")))
+        if parent is None:  # a JobSet's child Job: its own controller must be the JobSet
+            try:
+                job = self.custom.get_namespaced_custom_object("batch", "v1", ref.namespace, "jobs", owner.get("name"),
+                                                               _request_timeout=self.timeout)
+            except _api_exception():
+                return False
+            if job["metadata"].get("uid") != owner.get("uid"):
+                return False
+            ctl = next((o for o in job["metadata"].get("ownerReferences") or [] if o.get("controller")), {})
+            parent = self._job_parents[str(owner.get("uid"))] = str(ctl.get("uid") or "")
+        return parent == ref.uid
+
+    def _measured_progress(self) -> dict[str, float]:
+        """Measured bytes read per admitted job (jobs with at least one accepted report)."""
+        if self.consumption is None or not self._admitted:
+            return {}
+        try:
+            self.consumption.record_pods(self._admitted_pods())
+            return {j: float(m.read_bytes) for j, m in self.consumption.measured(self._admitted).items()}
+        except Exception as exc:  # noqa: BLE001 - a database hiccup: fall back to the estimate this poll
+            log.warning("consumption reports not read this poll: %s", exc)
+            return {}
 
     def tenant_namespace(self, user: str) -> str:
         ns = f"{self.namespace_prefix}{user}"
@@ -181,8 +243,10 @@ class KubernetesBackend(ClusterBackend):
     def refresh(self) -> None:
         t = self.timeout
         nodes = self.core.list_node(_request_timeout=t).items
+        # Bound pods, ended ones included: those hold no GPUs (_bound leaves them out) but a pod
+        # that read data and finished between two polls must still be attributed to its job.
         pods = self.api_client.sanitize_for_serialization(self.core.list_pod_for_all_namespaces(
-            field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed", _request_timeout=t).items)
+            field_selector="spec.nodeName!=", _request_timeout=t).items)
         workloads: dict[str, Workload] = {}
         objects: dict[str, dict[str, Any]] = {}
         for kind in self._available_kinds():
@@ -200,7 +264,9 @@ class KubernetesBackend(ClusterBackend):
                 workloads[uid] = wl
                 objects[uid] = obj
         with self._lock:
-            self._bound = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+            self._placed = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+            self._bound = [p for p in self._placed
+                           if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             self.workloads, self._objects = workloads, objects
             self.nodes = self._node_states(nodes)
             if not self._recovered:
@@ -609,6 +675,7 @@ class KubernetesBackend(ClusterBackend):
                 if found is None or found[0].phase != "active" or self._admit(spec, alloc):
                     self._deferred.pop(job_id, None)
             now = self.clock()
+            measured = self._measured_progress()
             for job_id, ref in list(self._refs.items()):
                 wl = self.workloads.get(ref.uid)
                 adm = self._admitted.get(job_id)
@@ -628,6 +695,9 @@ class KubernetesBackend(ClusterBackend):
                     self._events.append(JobEvent(job_id, "failed", None, now, f"{wl.key}: {wl.message}"))
                     self._admitted.pop(job_id, None)
                     self._forget(job_id)
+                elif adm is not None and job_id in measured:
+                    # What the agents measured its pods read; below the total: only the controller says "done".
+                    self._events.append(JobEvent(job_id, "progress", min(measured[job_id], 0.99 * adm.total), now))
                 elif adm is not None and adm.rate > 0:
                     # silod's own estimate; capped below the total: only the controller says "done".
                     done = min(adm.base_consumed + adm.rate * max(now - adm.since, 0.0), 0.99 * adm.total)

@@ -1,0 +1,167 @@
+"""Trusted consumption reports (POST /v1/agents/{node}/consumption), as attacks and on both
+databases: only a node agent whose token is bound to the node may report, only for pods silod
+attributed to a job on that node, and counters only ever rise. A real SQLite file and a real
+PostgreSQL server (tests/pg_fixture.py)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+
+from scheduler.api.app import create_app
+from scheduler.consumption import AdmittedPod, ConsumptionStore
+from scheduler.service_cli import build_service, make_token_store
+
+try:
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
+except ImportError:
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
+
+ADMIN = "admin-token-0123456789"
+TOKENS = {"alice": "alice-token-0001", "bob": "bob-token-00002", "agent-n1": "agent-n1-token-01",
+          "agent-n2": "agent-n2-token-02", "lookup": "lookup-agent-token"}
+H = {u: {"Authorization": f"Bearer {t}"} for u, t in TOKENS.items()}
+
+
+def counters(read: int, hit: int | None = None, hits: int = 1, misses: int = 1) -> dict[str, int]:
+    hit = read // 2 if hit is None else hit
+    return {"read_bytes": read, "hit_bytes": hit, "miss_bytes": read - hit, "hits": hits, "misses": misses}
+
+
+@pytest.fixture
+def world(db_url, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    (tmp_path / "tokens").write_text("".join(f"{u}:{t}\n" for u, t in TOKENS.items()))
+    service = build_service(db=db_url, backend="null", policy="fifo", round_s=360, gpus="8", gpus_per_node="4",
+                            cache="200GB", remote_io="1GB/s", state_dir=tmp_path / "state",
+                            node_agents=["agent-n1=n1", "agent-n2=n2", "lookup"])
+    monkeypatch.setenv("SILOD_ADMIN_TOKEN", ADMIN)
+    tokens = make_token_store(service.engine, tmp_path / "state", tmp_path / "tokens")
+    app = create_app(service, tokens, run_loop=False, max_body=64 * 1024)
+    with TestClient(app) as client:
+        r = client.post("/v1/datasets", json={"name": "ds", "uri": "s3://b/ds", "size": "10GB"}, headers=H["alice"])
+        assert r.status_code == 201, r.text
+        r = client.post("/v1/jobs", json={"name": "j", "gpus": 1, "dataset": "ds", "epochs": 1,
+                                          "ideal_throughput": "100MB/s"}, headers=H["alice"])
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        # The scheduling leader's record, from the API server: which pods belong to the job, where.
+        store = ConsumptionStore(service.sessions)
+        pods = {"a": str(uuid.uuid4()), "b": str(uuid.uuid4())}
+        store.record_pods([AdmittedPod(pods["a"], job_id, "n1", "alice", "j-0"),
+                           AdmittedPod(pods["b"], job_id, "n2", "alice", "j-1")])
+        yield client, job_id, pods, store
+    service.close()
+
+
+def report(client, node: str, who: str, pods: dict[str, dict[str, int]]):  # type: ignore[no-untyped-def]
+    return client.post(f"/v1/agents/{node}/consumption", headers=H[who],
+                       json={"pods": [{"pod_uid": u, **c} for u, c in pods.items()]})
+
+
+def measured(client, job_id: str, who: str = "alice"):  # type: ignore[no-untyped-def]
+    r = client.get(f"/v1/jobs/{job_id}", headers=H[who])
+    assert r.status_code == 200, r.text
+    return r.json()["measured"]
+
+
+def test_reports_raise_counters_monotonically_and_get_job_shows_them(world):
+    client, job_id, pods, _ = world
+    assert measured(client, job_id) is None
+    r = report(client, "n1", "agent-n1", {pods["a"]: counters(1000, hits=3, misses=2)})
+    assert r.status_code == 200 and r.json() == {"accepted": 1, "ignored": []}, r.text
+    m = measured(client, job_id)
+    assert (m["read_bytes"], m["hit_bytes"], m["miss_bytes"], m["hits"], m["misses"], m["pods"]) == (1000, 500, 500, 3, 2, 1)
+    # A replayed or lower report (e.g. an old one re-sent, or a restarted mount) moves nothing back.
+    assert report(client, "n1", "agent-n1", {pods["a"]: counters(400, hits=1, misses=1)}).status_code == 200
+    assert measured(client, job_id)["read_bytes"] == 1000
+    assert report(client, "n1", "agent-n1", {pods["a"]: counters(3000, hits=9, misses=2)}).status_code == 200
+    assert report(client, "n2", "agent-n2", {pods["b"]: counters(500)}).status_code == 200
+    m = measured(client, job_id)
+    assert (m["read_bytes"], m["hits"], m["pods"]) == (3500, 10, 2)
+    # Another tenant does not see the job at all.
+    assert client.get(f"/v1/jobs/{job_id}", headers=H["bob"]).status_code == 404
+
+
+@pytest.mark.parametrize("who", ["alice", "bob", "lookup"])
+def test_tenants_and_unbound_agents_get_403(world, who):
+    client, job_id, pods, _ = world
+    r = report(client, "n1", who, {pods["a"]: counters(10**12)})
+    assert r.status_code == 403, r.text
+    assert measured(client, job_id) is None
+
+
+def test_admin_may_not_forge_measurements_either(world):
+    client, job_id, pods, _ = world
+    r = client.post("/v1/agents/n1/consumption", headers={"Authorization": f"Bearer {ADMIN}"},
+                    json={"pods": [{"pod_uid": pods["a"], **counters(10**12)}]})
+    assert r.status_code == 403
+
+
+def test_an_agent_cannot_inflate_another_nodes_counters(world):
+    client, job_id, pods, _ = world
+    assert report(client, "n2", "agent-n2", {pods["b"]: counters(100)}).status_code == 200
+    # Posting as the other node: refused outright.
+    assert report(client, "n2", "agent-n1", {pods["b"]: counters(10**12)}).status_code == 403
+    # Reporting the other node's pod as its own: ignored, with the reason.
+    r = report(client, "n1", "agent-n1", {pods["b"]: counters(10**12)})
+    assert r.status_code == 200 and r.json()["accepted"] == 0
+    assert "runs on node n2, not n1" in r.json()["ignored"][0]["reason"]
+    assert measured(client, job_id)["read_bytes"] == 100
+
+
+def test_unknown_pods_are_ignored_with_a_reason(world):
+    client, job_id, pods, _ = world
+    stranger = str(uuid.uuid4())
+    r = report(client, "n1", "agent-n1", {stranger: counters(10**9), pods["a"]: counters(10)})
+    assert r.status_code == 200
+    assert r.json()["accepted"] == 1
+    assert r.json()["ignored"][0]["pod_uid"] == stranger
+    assert "not a pod of a workload silod admitted" in r.json()["ignored"][0]["reason"]
+    assert measured(client, job_id)["read_bytes"] == 10
+
+
+def test_a_pod_keeps_its_first_job(world):
+    client, job_id, pods, store = world
+    assert store.record_pods([AdmittedPod(pods["a"], "999", "n2", "bob", "evil")]) == 0
+    assert report(client, "n1", "agent-n1", {pods["a"]: counters(10)}).json()["accepted"] == 1
+
+
+@pytest.mark.parametrize("body", [
+    {"pods": [{"pod_uid": "not-a-uid", **counters(1)}]},
+    {"pods": [{"pod_uid": str(uuid.uuid4()), "read_bytes": 10, "hit_bytes": 1, "miss_bytes": 1, "hits": 0, "misses": 0}]},
+    {"pods": [{"pod_uid": str(uuid.uuid4()), **counters(-5, hit=0)}]},
+    {"pods": [{"pod_uid": str(uuid.uuid4()), **counters(2**63, hit=0)}]},
+    {"pods": [{"pod_uid": str(uuid.uuid4()), **counters(1), "node": "n2"}]},
+    {"pods": [{"pod_uid": str(uuid.uuid4()), **counters(1)}] * 1001},
+    {"pod": []},
+])
+def test_malformed_reports_are_422(world, body):
+    client, job_id, _, _ = world
+    r = client.post("/v1/agents/n1/consumption", headers=H["agent-n1"], json=body)
+    assert r.status_code in (413, 422), r.text
+    assert measured(client, job_id) is None
+
+
+def test_body_cap_and_no_body_read_before_authorisation(world):
+    client, _, _, _ = world
+    big = b'{"pods": [' + b" " * (70 * 1024) + b"]}"
+    r = client.post("/v1/agents/n1/consumption", headers={**H["agent-n1"], "content-type": "application/json"},
+                    content=big)
+    assert r.status_code == 413
+    # A tenant is refused from the headers alone, whatever the body is.
+    r = client.post("/v1/agents/n1/consumption", headers={**H["alice"], "content-type": "application/json"},
+                    content=b"{not json")
+    assert r.status_code == 403
+
+
+def test_node_agent_binding_is_checked():
+    from scheduler.service_types import ServiceError, parse_node_agents
+
+    assert parse_node_agents(["a=n1", "b"]) == (frozenset({"a", "b"}), (("a", "n1"),))
+    with pytest.raises(ServiceError, match="two nodes"):
+        parse_node_agents(["a=n1", "a=n2"])
+    with pytest.raises(ServiceError, match="USER=NODE"):
+        parse_node_agents(["a="])

@@ -98,16 +98,10 @@ class ItemResolver:
         renamed into the cache.
         """
         t0 = time.perf_counter()
-        key = self._keys.get(entry.path)
-        if key is None:
-            key = self._keys[entry.path] = item_key(entry.path)
-        fd = self.cache.open_cached(key)
-        if fd is not None and self.cache.verify_pending and not self._check(entry, key, fd):
-            fd = None
-        if fd is not None:
-            self.accounting.item_opened(entry.index, hit=True)
-            self.accounting.open_finished(time.perf_counter() - t0, hit=True)
-            return LocalItem(fd, entry, hit=True)
+        hit = self.resolve_cached(entry, t0)
+        if hit is not None:
+            return hit
+        key = self._key(entry)
         try:
             item = self._miss(entry, key)
         except OSError:
@@ -115,6 +109,27 @@ class ItemResolver:
             raise
         self.accounting.open_finished(time.perf_counter() - t0, hit=item.hit)
         return item
+
+    def resolve_cached(self, entry: FileEntry, t0: float | None = None) -> LocalItem | None:
+        """The hit path alone (never waits for the remote or another open): a LocalItem of the
+        cached `entry`, accounted as a hit, or None when it is not cached."""
+        if t0 is None:
+            t0 = time.perf_counter()
+        key = self._key(entry)
+        fd = self.cache.open_cached(key)
+        if fd is not None and self.cache.verify_pending and not self._check(entry, key, fd):
+            fd = None
+        if fd is None:
+            return None
+        self.accounting.item_opened(entry.index, hit=True)
+        self.accounting.open_finished(time.perf_counter() - t0, hit=True)
+        return LocalItem(fd, entry, hit=True)
+
+    def _key(self, entry: FileEntry) -> str:
+        key = self._keys.get(entry.path)
+        if key is None:
+            key = self._keys[entry.path] = item_key(entry.path)
+        return key
 
     def _check(self, entry: FileEntry, key: str, fd: int) -> bool:
         byte, mask = entry.index >> 3, 1 << (entry.index & 7)

@@ -40,6 +40,7 @@ STATS_INTERVAL_S = 0.5
 # Default FUSE worker threads: a data loader with 8-16 workers per GPU and 8 GPUs has up to ~128
 # opens in flight; a slow miss occupies a thread until its fetch completes.
 DEFAULT_FUSE_THREADS = 128
+BACKENDS = ("auto", "raw", "libfuse")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class MountConfig:
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
     probe_interval_s: float = 1.0
+    fuse_backend: str = "auto"  # auto | raw | libfuse (see fuse_client/frontend.py)
+    passthrough: bool = True  # raw backend: open cached items in FUSE passthrough mode
 
 
 def validate_mountpoint(path: Path) -> None:
@@ -102,6 +105,7 @@ class ControlLoop:
         self.recovery: RecoveryReport | None = None
         self.breaker = None  # the resolver's CircuitBreaker, reported in the stats
         self.verifier: BackgroundVerifier | None = None
+        self.frontend = None  # the serving front end (frontend.Frontend), reported in the stats
         self._last_sweep = 0.0
 
     # Called by ManagerLink with what the manager says; None fields keep the current value.
@@ -174,6 +178,8 @@ class ControlLoop:
                 remote_consecutive_failures=self.breaker.consecutive_failures,
                 remote_last_error=self.breaker.last_error or None,
             )
+        if self.frontend is not None:
+            out.update(self.frontend.stats())
         if self.recovery is not None:
             out.update(recovery_clean=self.recovery.clean if self.recovery.ran else None,
                        recovery_seconds=self.recovery.seconds)
@@ -318,6 +324,8 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--breaker-threshold {cfg.breaker_threshold}: must be between 1 and 10000")
     if not (0 < cfg.probe_interval_s <= 3600):
         raise UserError(f"--probe-interval {cfg.probe_interval_s}: must be > 0 and <= 3600 seconds")
+    if cfg.fuse_backend not in BACKENDS:
+        raise UserError(f"--fuse-backend {cfg.fuse_backend!r}: must be one of {', '.join(BACKENDS)}")
 
 
 def run_mount(cfg: MountConfig) -> int:
@@ -330,11 +338,10 @@ def run_mount(cfg: MountConfig) -> int:
     if cfg.stats_file is not None and not cfg.stats_file.parent.is_dir():
         raise UserError(f"--stats-file {str(cfg.stats_file)!r}: directory {str(cfg.stats_file.parent)!r} does not exist")
 
-    import mfusepy
-
     from fuse_client.breaker import CircuitBreaker, RetryPolicy
     from fuse_client.dataplane import ItemResolver
-    from fuse_client.fs import SilodFS
+    from fuse_client.frontend import Frontend
+    from fuse_client.operations import DatasetOperations
     from fuse_client.manager_link import ClientRegistration, ManagerLink
     from fuse_client.remote import ANONYMOUS_ENV, RemoteStore, SourceCredential
     from fuse_client.token_bucket import Throttle
@@ -392,26 +399,21 @@ def run_mount(cfg: MountConfig) -> int:
     if recovery.ran and cache.verify_pending:
         control.verifier = BackgroundVerifier(cache)
         control.verifier.start()
-    fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache)
-    control.tick()
-    control.start()
-    if link is not None:
-        link.start()
-    threading.Thread(target=_refresh_snapshot, args=(store, snapshot, cfg.source, listing, listed_now),
-                     name="silod-listing", daemon=True).start()
-    def fuse_main() -> None:
-        mfusepy.FUSE(
-            fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
-            fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
-            **({"allow_other": True} if cfg.allow_other else {}),
-            # libfuse starts a worker per request while none is idle, up to max_threads
-            # (default 10: ten slow misses would stall every hit behind them).
-            max_threads=cfg.fuse_threads, max_idle_threads=min(cfg.fuse_threads, 32),
-        )
-
+    ops = DatasetOperations(listing, resolver, kernel_cache=cfg.kernel_cache)
+    frontend = Frontend(cfg, ops, cache.root)
+    control.frontend = frontend
     try:
-        _serve(fuse_main, cfg.mountpoint, throttle.close)
+        frontend.prepare()  # the raw backend mounts here (and may fall back); libfuse mounts in serve()
+        log.info("serving %s with the %s front end", cfg.mountpoint, frontend.describe())
+        control.tick()
+        control.start()
+        if link is not None:
+            link.start()
+        threading.Thread(target=_refresh_snapshot, args=(store, snapshot, cfg.source, listing, listed_now),
+                         name="silod-listing", daemon=True).start()
+        _serve(frontend.serve, cfg.mountpoint, throttle.close)
     finally:
+        frontend.close()
         throttle.close()
         resolver.close()
         control.stop()

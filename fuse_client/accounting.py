@@ -178,6 +178,20 @@ class JobAccounting:
                 self.bitset.clear()
                 self.ineffective_cached_bytes = 0
 
+    def hit_opened(self, index: int, seconds: float, nbytes_read: int = 0) -> None:
+        """item_opened(hit=True) + open_finished(hit=True) [+ bytes_read(hit=True)] under one
+        lock acquisition: this is the hot path of cached reads."""
+        with self._lock:
+            bits = self.bitset
+            bits.set(index)
+            self.hits += 1
+            self.hit_bytes += nbytes_read
+            self.latency_hit.observe(seconds)
+            if bits.full():
+                self.epoch += 1
+                bits.clear()
+                self.ineffective_cached_bytes = 0
+
     def bytes_read(self, nbytes: int, hit: bool) -> None:
         with self._lock:
             if hit:

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from fuse_client.dataplane import ItemResolver, LocalItem
 from fuse_client.remote import DatasetListing, FileEntry
@@ -48,8 +49,7 @@ class FsStats:
     files: int
 
 
-@dataclass(frozen=True)
-class OpenFile:
+class OpenFile(NamedTuple):
     fh: int
     item: LocalItem
     mode: OpenMode
@@ -128,10 +128,11 @@ class DatasetOperations:
 
     def open_if_cached(self, entry: FileEntry, passthrough: bool = False) -> OpenFile | None:
         """The hit path alone: never waits for the remote; None when `entry` is not cached."""
-        item = self.resolver.resolve_cached(entry)
-        return None if item is None else self._register(item, passthrough)
+        whole = passthrough or self.kernel_cache  # a hit is then read by the kernel: account it now
+        item = self.resolver.resolve_cached(entry, read_whole=whole)
+        return None if item is None else self._register(item, passthrough, accounted=whole)
 
-    def _register(self, item: LocalItem, passthrough: bool) -> OpenFile:
+    def _register(self, item: LocalItem, passthrough: bool, accounted: bool = False) -> OpenFile:
         if item.hit and passthrough:
             mode = OpenMode.PASSTHROUGH
         elif item.hit and self.kernel_cache:
@@ -140,22 +141,21 @@ class DatasetOperations:
             # Misses are never kept by the kernel: the page cache would otherwise act as a
             # second, unaccounted cache and break the c/d hit ratio.
             mode = OpenMode.DAEMON
-        if mode is not OpenMode.DAEMON:
+        if mode is not OpenMode.DAEMON and not accounted:
             # Reads the kernel serves itself never reach us, so such an open is accounted as a
             # read of the whole item when it is opened (training reads every item whole). This
             # over-counts a job that opens a cached item and reads only part of it.
             self.accounting.bytes_read(item.entry.size, hit=True)
         fh = next(self._next_fh)
         handle = OpenFile(fh, item, mode)
-        with self._lock:
-            self._handles[fh] = handle
-            c = self.counters
-            if mode is OpenMode.PASSTHROUGH:
-                c.passthrough_opens += 1
-            elif mode is OpenMode.KERNEL_CACHE:
-                c.kernel_cache_opens += 1
-            else:
-                c.daemon_opens += 1
+        self._handles[fh] = handle  # one dict store: atomic under the GIL
+        c = self.counters
+        if mode is OpenMode.PASSTHROUGH:
+            c.passthrough_opens += 1
+        elif mode is OpenMode.KERNEL_CACHE:
+            c.kernel_cache_opens += 1
+        else:
+            c.daemon_opens += 1
         return handle
 
     def handle(self, fh: int) -> OpenFile:
@@ -175,8 +175,7 @@ class DatasetOperations:
         return item.fd, n
 
     def release(self, fh: int) -> OpenFile | None:
-        with self._lock:
-            handle = self._handles.pop(fh, None)
+        handle = self._handles.pop(fh, None)  # atomic under the GIL
         if handle is not None:
             os.close(handle.item.fd)
         return handle

@@ -272,43 +272,49 @@ def _unmount(mountpoint: Path) -> None:
             continue
 
 
-class _Stop(Exception):
-    pass
-
-
 def _serve(fuse_main, mountpoint: Path, on_signal) -> None:
-    """Run libfuse's loop in a worker thread and handle SIGINT/SIGTERM in Python's main thread.
+    """Run the FUSE loop in a worker thread and handle SIGINT/SIGTERM in Python's main thread.
 
     libfuse installs its own SIGINT/SIGTERM handlers only where the disposition is SIG_DFL and
     only stops its loop when the signal happens to hit the thread blocked in the loop; a worker
     blocked in a throttled fetch would also keep it alive. So: Python handlers (installed first,
     so libfuse leaves them alone) wake blocked fetches and unmount; unmounting ends the loop.
+    With files still open the unmount is lazy and the loop serves them until they are closed.
+
+    The handler only records the signal: an exception raised by a signal handler inside
+    Thread.join marks the joined thread as finished although it still runs (CPython 3.11's
+    `_wait_for_tstate_lock`), which made this process exit under its still-open files.
     """
     error: list[BaseException] = []
+    done = threading.Event()
+    received: list[int] = []
 
     def run() -> None:
         try:
             fuse_main()
         except BaseException as exc:  # surfaced in the main thread below
             error.append(exc)
+        finally:
+            done.set()
 
     def handler(signum, frame) -> None:
-        raise _Stop(signal.Signals(signum).name)
+        received.append(signum)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=run, name="silod-fuse-loop")
     thread.start()
+    handled = 0
     try:
-        while thread.is_alive():
-            try:
-                thread.join(0.2)
-            except _Stop as stop:
-                log.info("received %s; unmounting %s", stop, mountpoint)
+        while not done.wait(0.1):
+            if len(received) > handled:
+                handled = len(received)
+                log.info("received %s; unmounting %s", signal.Signals(received[-1]).name, mountpoint)
                 on_signal()
                 _unmount(mountpoint)
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+    thread.join()
     if error:
         raise error[0]
 

@@ -34,7 +34,7 @@ class OpenMode(Enum):
 
     DAEMON = "daemon"  # every read reaches this process (misses; --no-kernel-cache)
     KERNEL_CACHE = "kernel_cache"  # page cache kept across opens (hits); a cold page still reaches us
-    PASSTHROUGH = "passthrough"  # the kernel reads the cache file itself (hits, raw backend only)
+    PASSTHROUGH = "passthrough"  # the kernel reads the local file itself (raw backend only)
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,10 @@ class DatasetOperations:
         return None if item is None else self._register(item, passthrough, accounted=whole)
 
     def _register(self, item: LocalItem, passthrough: bool, accounted: bool = False) -> OpenFile:
-        if item.hit and passthrough:
+        if passthrough:
+            # Misses too: their descriptor is a complete local file by now (fetched whole at
+            # open). Besides saving the reads, this is required: the kernel refuses (EIO) a
+            # non-passthrough open of an inode another process holds open in passthrough mode.
             mode = OpenMode.PASSTHROUGH
         elif item.hit and self.kernel_cache:
             mode = OpenMode.KERNEL_CACHE
@@ -144,8 +147,8 @@ class DatasetOperations:
         if mode is not OpenMode.DAEMON and not accounted:
             # Reads the kernel serves itself never reach us, so such an open is accounted as a
             # read of the whole item when it is opened (training reads every item whole). This
-            # over-counts a job that opens a cached item and reads only part of it.
-            self.accounting.bytes_read(item.entry.size, hit=True)
+            # over-counts a job that opens an item and reads only part of it.
+            self.accounting.bytes_read(item.entry.size, hit=item.hit)
         fh = next(self._next_fh)
         handle = OpenFile(fh, item, mode)
         self._handles[fh] = handle  # one dict store: atomic under the GIL

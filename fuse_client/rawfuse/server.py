@@ -14,6 +14,10 @@ Threads:
   waits for the fetch (dataplane.py's single flight and fetch pool) and then replies; so a
   hit never waits behind a miss.
 
+With passthrough every open is a passthrough open, misses included (an item is fetched whole
+before its open returns, so its local file is complete): the kernel refuses a non-passthrough
+open of an inode that is open in passthrough mode elsewhere, and reads never reach us anyway.
+
 Inodes are static (the listing is immutable while mounted): node 1 is the root, the other
 directories follow, file i of the listing is node `file_base + i`. FORGET is therefore a no-op.
 """
@@ -275,6 +279,7 @@ class RawFuseServer:
             self.start()
         for t in self._threads:
             t.join()
+            log.debug("FUSE reader %s ended", t.name)
         self._shutdown()
 
     def abort(self) -> None:
@@ -319,6 +324,7 @@ class RawFuseServer:
                     continue
                 if exc.errno != errno.ENODEV:  # ENODEV: unmounted
                     log.error("reading /dev/fuse failed: %s", exc)
+                log.debug("FUSE reader on fd %d stops: %s", fd, exc)
                 return
             if n < 40:  # p.IN_HEADER.size
                 continue
@@ -344,6 +350,7 @@ class RawFuseServer:
                 log.exception("FUSE request %s failed", names.get(opcode, opcode))
                 self._reply_error(fd, unique, errno.EIO)
             if opcode == p.DESTROY:
+                log.debug("FUSE_DESTROY: the kernel is done with this file system")
                 return
 
     def _handlers(self) -> dict:
@@ -536,14 +543,7 @@ class RawFuseServer:
                 return
             self._reply(fd, unique, p.OPEN_OUT.pack(handle.fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, backing_id))
             return
-        if handle.mode is OpenMode.KERNEL_CACHE:
-            flags = p.FOPEN_KEEP_CACHE
-        elif self._passthrough:
-            # An inode open in passthrough mode refuses concurrent page-cached opens (and vice
-            # versa); a direct-I/O open takes no part in that, so a miss never conflicts.
-            flags = p.FOPEN_DIRECT_IO
-        else:
-            flags = 0
+        flags = p.FOPEN_KEEP_CACHE if handle.mode is OpenMode.KERNEL_CACHE else 0
         self._reply(fd, unique, p.OPEN_OUT.pack(handle.fh, flags, 0))
 
     def _read(self, fd: int, unique: int, view, out: bytearray, out_view: memoryview) -> None:

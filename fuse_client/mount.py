@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ STATS_INTERVAL_S = 0.5
 # opens in flight; a slow miss occupies a thread until its fetch completes.
 DEFAULT_FUSE_THREADS = 128
 BACKENDS = ("auto", "raw", "libfuse")
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -336,6 +338,10 @@ def validate_tuning(cfg: MountConfig) -> None:
 
 def run_mount(cfg: MountConfig) -> int:
     """Mount and serve until unmounted or signalled. Raises UserError on bad input before mounting."""
+    # Every open is a hand-off between threads (FUSE reader, open pool, fetch pool, fsspec's
+    # I/O loop); a thread woken for one waits for the GIL up to the switch interval (5 ms by
+    # default) whenever another holds it, and a miss crosses several such hand-offs.
+    sys.setswitchinterval(float(os.environ.get("SILOD_SWITCH_INTERVAL", GIL_SWITCH_INTERVAL_S)))
     validate_name(cfg.dataset, "--dataset")
     validate_name(cfg.job, "--job")
     validate_tuning(cfg)

@@ -265,7 +265,10 @@ def _free_port() -> int:
 
 
 def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_s: float = 0.05) -> dict:
-    src = work / f"remote-src-{n}"
+    # The miss section's datasets are reused when they match (1.28M files take minutes to create).
+    src = work / f"miss-src-{n}"
+    if not (src / f".complete-{n}-{item_size}").exists():
+        src = work / (f"remote-src-{n}" if item_size == 20_000 else f"remote-src-{n}-{item_size}")
     rels = make_many(src, n, item_size)
     server = HttpServerProcess(src, latency_s)
     url = server.url
@@ -594,6 +597,8 @@ def main() -> None:
     ap.add_argument("--item-size", type=int, default=2048, help="bytes per item in the miss-path datasets")
     ap.add_argument("--sample", type=int, default=3000, help="misses measured per dataset size")
     ap.add_argument("--remote-items", type=int, default=4000)
+    ap.add_argument("--remote-item-size", type=int, default=20_000,
+                    help="bytes per item of the HTTP remote (2048 with 1280000 items reuses the miss section's dataset)")
     ap.add_argument("--small-count", type=int, default=4000)
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--backends", default="raw,libfuse", help="FUSE front ends to compare (silod mount --fuse-backend)")
@@ -615,7 +620,7 @@ def main() -> None:
         print("epoch-1 miss path:", flush=True)
         results["miss"] = bench_miss(args.workdir, [int(x) for x in args.sizes.split(",")], args.item_size, args.sample)
     if "remote" in which:
-        results["remote"] = bench_remote(args.workdir, args.remote_items, 20_000)
+        results["remote"] = bench_remote(args.workdir, args.remote_items, args.remote_item_size)
     if "hits" in which:
         results["hits"] = bench_hits(args.workdir, args.small_count, args.procs, args.large_mb, args.large_count,
                                      args.backends.split(","))

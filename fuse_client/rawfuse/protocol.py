@@ -94,6 +94,7 @@ ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
 ENTRY_OUT = struct.Struct("<QQQQII" + ATTR.format[1:])
 ATTR_OUT = struct.Struct("<QII" + ATTR.format[1:])  # attr_valid attr_valid_nsec dummy, then ATTR
 OPEN_IN = struct.Struct("<II")  # flags open_flags
+OPEN_REPLY = struct.Struct("<IiQQIi")  # OUT_HEADER + OPEN_OUT in one pack (the hot path)
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
 READ_IN = struct.Struct("<QQIIQII")  # fh offset size read_flags lock_owner flags padding
 RELEASE_IN = struct.Struct("<QIIQ")  # fh flags release_flags lock_owner
@@ -107,7 +108,7 @@ IOCTL_IN = struct.Struct("<QIIQII")  # fh flags cmd arg in_size out_size
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding
 
 for _s, _size in ((IN_HEADER, 40), (OUT_HEADER, 16), (INIT_OUT, 64), (ATTR, 88), (ENTRY_OUT, 128), (ATTR_OUT, 104),
-                  (OPEN_OUT, 16), (READ_IN, 40), (RELEASE_IN, 24), (STATFS_OUT, 80), (DIRENT, 24), (IOCTL_IN, 32),
+                  (OPEN_OUT, 16), (OPEN_REPLY, 32), (READ_IN, 40), (RELEASE_IN, 24), (STATFS_OUT, 80), (DIRENT, 24), (IOCTL_IN, 32),
                   (BACKING_MAP, 16)):
     assert _s.size == _size, (_s.format, _s.size, _size)
 

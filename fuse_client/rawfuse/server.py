@@ -49,6 +49,9 @@ DEFAULT_READERS = int(os.environ.get("SILOD_RAW_READERS", "1"))
 # priority (root only; ignored otherwise).
 NICE = int(os.environ.get("SILOD_RAW_NICE", "-10"))
 _TIMEOUT_S = int(METADATA_TIMEOUT_S)
+_OPEN_REPLY = p.OPEN_REPLY.pack
+_OUT_HEADER = p.OUT_HEADER.pack
+_RELEASE_IN = p.RELEASE_IN.unpack_from
 BLKSIZE = 128 * 1024  # st_blksize: buffered readers read in chunks of this size
 
 
@@ -166,6 +169,7 @@ class RawFuseServer:
         self.readers = max(1, readers)
         self.backing_dir = backing_dir
         self.inodes = _Inodes(ops)
+        self._files, self._file_base = self.inodes.files, self.inodes.file_base
         self.counters = RawCounters()
         self.negotiated: Negotiated | None = None
         self._fd = -1
@@ -485,13 +489,15 @@ class RawFuseServer:
     # -- data --------------------------------------------------------------------------------
 
     def _open(self, fd: int, unique: int, nodeid: int, view) -> None:
-        entry = self.inodes.file(nodeid)
+        # The hot path of every cached read: kept to a few calls on purpose.
+        i = nodeid - self._file_base
+        entry = self._files[i] if 0 <= i < len(self._files) else None
         if entry is None:
             if self.inodes.dir_path(nodeid) is not None:
                 raise IsADirectoryError(errno.EISDIR, "is a directory")
             raise FileNotFoundError(errno.ENOENT, "unknown node")
-        flags = p.OPEN_IN.unpack_from(view, p.IN_HEADER.size)[0]
-        self.ops.check_flags(flags)
+        if p.OPEN_IN.unpack_from(view, 40)[0] & os.O_ACCMODE:
+            raise OSError(errno.EROFS, "read-only file system")
         handle = self.ops.open_if_cached(entry, passthrough=self._passthrough)
         if handle is not None:
             self._reply_open(fd, unique, nodeid, handle)
@@ -526,8 +532,8 @@ class RawFuseServer:
             return
         try:
             self._reply_open(fd, unique, nodeid, handle)
-        except Exception:
-            self.ops.release(handle.fh)
+        except Exception:  # after the backing id was taken: release both
+            self._release_handle(nodeid, handle.fh)
             log.exception("replying to the open of %s failed", entry.path)
 
     def _reply_open(self, fd: int, unique: int, nodeid: int, handle: OpenFile) -> None:
@@ -539,12 +545,17 @@ class RawFuseServer:
                 self.counters.backing_open_failures += 1
                 log.warning("FUSE_DEV_IOC_BACKING_OPEN failed for %s (%s); serving its reads here",
                             handle.item.entry.path, exc)
-                self._reply(fd, unique, p.OPEN_OUT.pack(handle.fh, 0, 0))
-                return
-            self._reply(fd, unique, p.OPEN_OUT.pack(handle.fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, backing_id))
-            return
-        flags = p.FOPEN_KEEP_CACHE if handle.mode is OpenMode.KERNEL_CACHE else 0
-        self._reply(fd, unique, p.OPEN_OUT.pack(handle.fh, flags, 0))
+                backing_id, flags = 0, 0
+            else:
+                flags = p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH
+        else:
+            backing_id, flags = 0, p.FOPEN_KEEP_CACHE if handle.mode is OpenMode.KERNEL_CACHE else 0
+        try:
+            os.write(fd, _OPEN_REPLY(32, 0, unique, handle.fh, flags, backing_id))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):  # the opener was interrupted / unmounted
+                raise
+            self._release_handle(nodeid, handle.fh)
 
     def _read(self, fd: int, unique: int, view, out: bytearray, out_view: memoryview) -> None:
         fh, offset, size = p.READ_IN.unpack_from(view, p.IN_HEADER.size)[:3]
@@ -560,11 +571,17 @@ class RawFuseServer:
                 raise
 
     def _release(self, fd: int, unique: int, nodeid: int, view) -> None:
-        fh = p.RELEASE_IN.unpack_from(view, p.IN_HEADER.size)[0]
+        self._release_handle(nodeid, _RELEASE_IN(view, 40)[0])
+        try:
+            os.write(fd, _OUT_HEADER(16, 0, unique))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+
+    def _release_handle(self, nodeid: int, fh: int) -> None:
         handle = self.ops.release(fh)
         if handle is not None and handle.mode is OpenMode.PASSTHROUGH:
             self._backing.release(nodeid)
-        self._reply(fd, unique)
 
     def _interrupt(self, fd: int, unique: int, nodeid: int, view) -> None:
         target = p.INTERRUPT_IN.unpack_from(view, p.IN_HEADER.size)[0]

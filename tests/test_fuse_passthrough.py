@@ -252,3 +252,36 @@ def test_fuse_backend_flag_is_validated(tmp_path):
                         "--job", "j", "--cache-dir", str(tmp_path / "c"), "--fuse-backend", "kernel"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--fuse-backend 'kernel'" in r.stderr + r.stdout and "auto" in r.stderr + r.stdout
+
+
+def test_an_interrupted_miss_open_returns_eintr_at_once_and_the_mount_keeps_serving(tmp_path):
+    require_raw()
+    import sys
+
+    ds = make_dataset(tmp_path / "remote", n_files=3, seed=7)
+    rels = sorted(ds.sizes)
+    # --io-rate 0: a miss waits for tokens that never come, until the opener is interrupted.
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--fuse-backend", "raw",
+                 "--io-rate", "0") as m:
+        code = (
+            "import os, signal, sys\n"
+            "class Stop(Exception): pass\n"
+            "def h(*a): raise Stop()\n"
+            "signal.signal(signal.SIGUSR1, h)\n"
+            "print('opening', flush=True)\n"
+            "try:\n"
+            f"    os.open({str(m.mountpoint / rels[0])!r}, os.O_RDONLY)\n"
+            "except Stop:\n"
+            "    print('interrupted', flush=True); sys.exit(0)\n"
+            "sys.exit(3)\n"
+        )
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "opening"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGUSR1)
+        assert child.wait(5) == 0 and child.stdout.read().strip() == "interrupted"
+        assert time.monotonic() - t0 < 2.0
+        s = _stats_after(m, lambda s: s["fuse_interrupted_opens"] >= 1)
+        assert s["fuse_interrupted_opens"] == 1
+        assert os.listdir(m.mountpoint / rels[1].split("/")[0])  # still serving

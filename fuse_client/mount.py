@@ -341,7 +341,7 @@ def run_mount(cfg: MountConfig) -> int:
     # Every open is a hand-off between threads (FUSE reader, open pool, fetch pool, fsspec's
     # I/O loop); a thread woken for one waits for the GIL up to the switch interval (5 ms by
     # default) whenever another holds it, and a miss crosses several such hand-offs.
-    sys.setswitchinterval(float(os.environ.get("SILOD_SWITCH_INTERVAL", GIL_SWITCH_INTERVAL_S)))
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     validate_name(cfg.dataset, "--dataset")
     validate_name(cfg.job, "--job")
     validate_tuning(cfg)

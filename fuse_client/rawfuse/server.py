@@ -226,7 +226,7 @@ class RawFuseServer:
             self._reply_error(self._fd, unique, errno.EPROTO)
             raise RawFuseError(f"kernel FUSE protocol {major}.{minor} is older than 7.{p.MIN_KERNEL_MINOR}; "
                                "use --fuse-backend libfuse")
-        want = p.ASYNC_READ | p.MAX_PAGES | p.DO_READDIRPLUS | p.PARALLEL_DIROPS | p.INIT_EXT | p.SPLICE_WRITE
+        want = p.ASYNC_READ | p.MAX_PAGES | p.DO_READDIRPLUS | p.PARALLEL_DIROPS | p.INIT_EXT
         depth = 0
         if self.want_passthrough:
             want |= p.PASSTHROUGH

@@ -163,7 +163,8 @@ def mount(src: str, mnt: Path, cache: Path, dataset: str, *extra: str, timeout: 
 # -- 1. miss path at scale ---------------------------------------------------------------------
 
 
-def bench_miss(work: Path, sizes: list[int], item_size: int, sample: int, threads: int = 16) -> dict:
+def bench_miss(work: Path, sizes: list[int], item_size: int, sample: int, threads: int = 16,
+               backend: str = "auto") -> dict:
     runs = []
     for n in sizes:
         src = work / f"miss-src-{n}"
@@ -179,7 +180,7 @@ def bench_miss(work: Path, sizes: list[int], item_size: int, sample: int, thread
         misses = order[int(0.4 * n):][:sample]
         seed_cache(cache, "miss", src, seeded, allocation=int(0.5 * n) * item_size)
         t0 = time.perf_counter()
-        proc, stats = mount(str(src), work / "mnt-miss", cache, "miss")
+        proc, stats = mount(str(src), work / "mnt-miss", cache, "miss", "--fuse-backend", backend)
         mount_s = time.perf_counter() - t0
         try:
             cpu0 = cpu_seconds(proc.p.pid)
@@ -195,7 +196,7 @@ def bench_miss(work: Path, sizes: list[int], item_size: int, sample: int, thread
                "ratio_to_source": fps / direct, "misses_counted": st["misses"], "remote_bytes": st["remote_bytes"],
                "mount_s": mount_s, "dataset_created_s": created_s}
         runs.append(run)
-        print(f"  miss path, {n:>8} items ({len(seeded)} cached): {fps:7.0f} files/s through the mount, "
+        print(f"  [{backend}] miss path, {n:>8} items ({len(seeded)} cached): {fps:7.0f} files/s through the mount, "
               f"{run['cpu_ms_per_miss']:.2f} CPU ms/miss, source directly {direct:7.0f} files/s, ratio {fps / direct:.3f}"
               f"  (mount+list {mount_s:.1f} s)", flush=True)
     base = runs[0]["files_per_s"]
@@ -609,7 +610,8 @@ def main() -> None:
     results: dict = {"host": {"cpus": os.cpu_count(), "kernel": os.uname().release}}
     if "miss" in which:
         print("epoch-1 miss path:", flush=True)
-        results["miss"] = bench_miss(args.workdir, [int(x) for x in args.sizes.split(",")], args.item_size, args.sample)
+        results["miss"] = {b: bench_miss(args.workdir, [int(x) for x in args.sizes.split(",")], args.item_size, args.sample,
+                                         backend=b) for b in args.backends.split(",")}
     if "remote" in which:
         results["remote"] = bench_remote(args.workdir, args.remote_items, args.remote_item_size)
     if "hits" in which:

@@ -126,6 +126,13 @@ class DatasetOperations:
         """
         return self._register(self.resolver.resolve(entry), passthrough)
 
+    @property
+    def hits_may_block(self) -> bool:
+        """True while cached items are checksummed on their first hit (after a crash): a hit may
+        then read a whole item before it is served, so callers keep it off threads that must not
+        block."""
+        return self.resolver.cache.verify_pending
+
     def open_if_cached(self, entry: FileEntry, passthrough: bool = False) -> OpenFile | None:
         """The hit path alone: never waits for the remote; None when `entry` is not cached."""
         whole = passthrough or self.kernel_cache  # a hit is then read by the kernel: account it now

@@ -498,10 +498,12 @@ class RawFuseServer:
             raise FileNotFoundError(errno.ENOENT, "unknown node")
         if p.OPEN_IN.unpack_from(view, 40)[0] & os.O_ACCMODE:
             raise OSError(errno.EROFS, "read-only file system")
-        handle = self.ops.open_if_cached(entry, passthrough=self._passthrough)
-        if handle is not None:
-            self._reply_open(fd, unique, nodeid, handle)
-            return
+        ops = self.ops
+        if not ops.hits_may_block:  # after a crash a first hit checksums its item: open pool
+            handle = ops.open_if_cached(entry, passthrough=self._passthrough)
+            if handle is not None:
+                self._reply_open(fd, unique, nodeid, handle)
+                return
         # A miss may wait for the remote: answer it from the open pool, never on this thread.
         with self._pending_lock:
             self._pending[unique] = _PendingOpen(fd)

@@ -195,6 +195,20 @@ class JobAccounting:
                 self.bitset.clear()
                 self.ineffective_cached_bytes = 0
 
+    def hit_opened(self, index: int, seconds: float, nbytes_read: int = 0) -> None:
+        """item_opened(hit=True) + open_finished(hit=True) [+ bytes_read(hit=True)] under one
+        lock acquisition: this is the hot path of cached reads."""
+        with self._lock:
+            bits = self.bitset
+            bits.set(index)
+            self.hits += 1
+            self.hit_bytes += nbytes_read
+            self.latency_hit.observe(seconds)
+            if bits.full():
+                self.epoch += 1
+                bits.clear()
+                self.ineffective_cached_bytes = 0
+
     def bytes_read(self, nbytes: int, hit: bool, pod: str = "") -> None:
         with self._lock:
             if hit:
@@ -208,16 +222,20 @@ class JobAccounting:
                 else:
                     c.miss_bytes += nbytes
 
-    def pod_opened(self, pod: str, hit: bool) -> None:
-        """An item opened by a process of pod `pod` (its uid, from the caller's cgroup)."""
+    def pod_opened(self, pod: str, hit: bool, nbytes: int = 0) -> None:
+        """An item opened by a process of pod `pod` (its uid, from the caller's cgroup);
+        `nbytes`: the bytes of it already accounted as read at open (kernel-served reads)."""
         if not pod:
             return
         with self._lock:
             if (c := self._pod(pod)) is not None:
                 if hit:
                     c.hits += 1
+                    c.hit_bytes += nbytes
                 else:
                     c.misses += 1
+                    c.miss_bytes += nbytes
+                c.read_bytes += nbytes
 
     def _pod(self, pod: str) -> PodCounters | None:
         c = self.pods.get(pod)

@@ -32,6 +32,8 @@ def register(app: typer.Typer) -> None:
         breaker_threshold: int = typer.Option(5, "--breaker-threshold", help="Consecutive failed opens after which opens of uncached items fail at once with EIO until the remote answers a probe."),
         probe_interval: float = typer.Option(1.0, "--probe-interval", help="Seconds between probes of a remote whose circuit breaker is open."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),
+        fuse_backend: str = typer.Option("auto", "--fuse-backend", help="auto: the raw /dev/fuse server with FUSE passthrough (cached items read by the kernel itself) when running as root on Linux >= 6.9 and the kernel negotiates it, else libfuse; raw: always the raw server (root); libfuse: mfusepy over the system libfuse."),
+        passthrough: bool = typer.Option(True, "--passthrough/--no-passthrough", help="Raw backend: open cached items in FUSE passthrough mode (reads bypass this process; each such open is accounted as a read of the whole item)."),
         allow_other: bool = typer.Option(False, "--allow-other", help="Let other users read the mount (the node agent bind-mounts it into pods; needs root)."),
         pod_stats: bool = typer.Option(False, "--pod-stats", help="Also count reads per pod (the calling process's kubepods cgroup) into the stats file's \"pods\" (the node agent's mounts)."),
     ) -> None:
@@ -67,5 +69,7 @@ def register(app: typer.Typer) -> None:
             open_deadline_s=open_deadline,
             breaker_threshold=breaker_threshold,
             probe_interval_s=probe_interval,
+            fuse_backend=fuse_backend,
+            passthrough=passthrough,
         )
         raise typer.Exit(run_mount(cfg))

@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +42,8 @@ STATS_INTERVAL_S = 0.5
 # Default FUSE worker threads: a data loader with 8-16 workers per GPU and 8 GPUs has up to ~128
 # opens in flight; a slow miss occupies a thread until its fetch completes.
 DEFAULT_FUSE_THREADS = 128
+BACKENDS = ("auto", "raw", "libfuse")
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class MountConfig:
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
     probe_interval_s: float = 1.0
+    fuse_backend: str = "auto"  # auto | raw | libfuse (see fuse_client/frontend.py)
+    passthrough: bool = True  # raw backend: open cached items in FUSE passthrough mode
 
 
 def validate_mountpoint(path: Path) -> None:
@@ -104,6 +109,7 @@ class ControlLoop:
         self.recovery: RecoveryReport | None = None
         self.breaker = None  # the resolver's CircuitBreaker, reported in the stats
         self.verifier: BackgroundVerifier | None = None
+        self.frontend = None  # the serving front end (frontend.Frontend), reported in the stats
         self._last_sweep = 0.0
         # Identifies this mount process in the stats file: counters restart from 0 in a new one,
         # which is how the node agent knows to carry the old totals over (agent/reporter.py).
@@ -182,6 +188,8 @@ class ControlLoop:
                 remote_consecutive_failures=self.breaker.consecutive_failures,
                 remote_last_error=self.breaker.last_error or None,
             )
+        if self.frontend is not None:
+            out.update(self.frontend.stats())
         if self.recovery is not None:
             out.update(recovery_clean=self.recovery.clean if self.recovery.ran else None,
                        recovery_seconds=self.recovery.seconds)
@@ -274,43 +282,49 @@ def _unmount(mountpoint: Path) -> None:
             continue
 
 
-class _Stop(Exception):
-    pass
-
-
 def _serve(fuse_main, mountpoint: Path, on_signal) -> None:
-    """Run libfuse's loop in a worker thread and handle SIGINT/SIGTERM in Python's main thread.
+    """Run the FUSE loop in a worker thread and handle SIGINT/SIGTERM in Python's main thread.
 
     libfuse installs its own SIGINT/SIGTERM handlers only where the disposition is SIG_DFL and
     only stops its loop when the signal happens to hit the thread blocked in the loop; a worker
     blocked in a throttled fetch would also keep it alive. So: Python handlers (installed first,
     so libfuse leaves them alone) wake blocked fetches and unmount; unmounting ends the loop.
+    With files still open the unmount is lazy and the loop serves them until they are closed.
+
+    The handler only records the signal: an exception raised by a signal handler inside
+    Thread.join marks the joined thread as finished although it still runs (CPython 3.11's
+    `_wait_for_tstate_lock`), which made this process exit under its still-open files.
     """
     error: list[BaseException] = []
+    done = threading.Event()
+    received: list[int] = []
 
     def run() -> None:
         try:
             fuse_main()
         except BaseException as exc:  # surfaced in the main thread below
             error.append(exc)
+        finally:
+            done.set()
 
     def handler(signum, frame) -> None:
-        raise _Stop(signal.Signals(signum).name)
+        received.append(signum)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=run, name="silod-fuse-loop")
     thread.start()
+    handled = 0
     try:
-        while thread.is_alive():
-            try:
-                thread.join(0.2)
-            except _Stop as stop:
-                log.info("received %s; unmounting %s", stop, mountpoint)
+        while not done.wait(0.1):
+            if len(received) > handled:
+                handled = len(received)
+                log.info("received %s; unmounting %s", signal.Signals(received[-1]).name, mountpoint)
                 on_signal()
                 _unmount(mountpoint)
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+    thread.join()
     if error:
         raise error[0]
 
@@ -326,10 +340,16 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--breaker-threshold {cfg.breaker_threshold}: must be between 1 and 10000")
     if not (0 < cfg.probe_interval_s <= 3600):
         raise UserError(f"--probe-interval {cfg.probe_interval_s}: must be > 0 and <= 3600 seconds")
+    if cfg.fuse_backend not in BACKENDS:
+        raise UserError(f"--fuse-backend {cfg.fuse_backend!r}: must be one of {', '.join(BACKENDS)}")
 
 
 def run_mount(cfg: MountConfig) -> int:
     """Mount and serve until unmounted or signalled. Raises UserError on bad input before mounting."""
+    # Every open is a hand-off between threads (FUSE reader, open pool, fetch pool, fsspec's
+    # I/O loop); a thread woken for one waits for the GIL up to the switch interval (5 ms by
+    # default) whenever another holds it, and a miss crosses several such hand-offs.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     validate_name(cfg.dataset, "--dataset")
     validate_name(cfg.job, "--job")
     validate_tuning(cfg)
@@ -338,11 +358,10 @@ def run_mount(cfg: MountConfig) -> int:
     if cfg.stats_file is not None and not cfg.stats_file.parent.is_dir():
         raise UserError(f"--stats-file {str(cfg.stats_file)!r}: directory {str(cfg.stats_file.parent)!r} does not exist")
 
-    import mfusepy
-
     from fuse_client.breaker import CircuitBreaker, RetryPolicy
     from fuse_client.dataplane import ItemResolver
-    from fuse_client.fs import SilodFS
+    from fuse_client.frontend import Frontend
+    from fuse_client.operations import DatasetOperations
     from fuse_client.manager_link import ClientRegistration, ManagerLink
     from fuse_client.remote import ANONYMOUS_ENV, RemoteStore, SourceCredential
     from fuse_client.token_bucket import Throttle
@@ -400,27 +419,22 @@ def run_mount(cfg: MountConfig) -> int:
     if recovery.ran and cache.verify_pending:
         control.verifier = BackgroundVerifier(cache)
         control.verifier.start()
-    fs = SilodFS(listing, resolver, kernel_cache=cfg.kernel_cache,
-                 attribution=PodAttribution() if cfg.pod_stats else None)
-    control.tick()
-    control.start()
-    if link is not None:
-        link.start()
-    threading.Thread(target=_refresh_snapshot, args=(store, snapshot, cfg.source, listing, listed_now),
-                     name="silod-listing", daemon=True).start()
-    def fuse_main() -> None:
-        mfusepy.FUSE(
-            fs, str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
-            fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
-            **({"allow_other": True} if cfg.allow_other else {}),
-            # libfuse starts a worker per request while none is idle, up to max_threads
-            # (default 10: ten slow misses would stall every hit behind them).
-            max_threads=cfg.fuse_threads, max_idle_threads=min(cfg.fuse_threads, 32),
-        )
-
+    ops = DatasetOperations(listing, resolver, kernel_cache=cfg.kernel_cache,
+                            attribution=PodAttribution() if cfg.pod_stats else None)
+    frontend = Frontend(cfg, ops, cache.root)
+    control.frontend = frontend
     try:
-        _serve(fuse_main, cfg.mountpoint, throttle.close)
+        frontend.prepare()  # the raw backend mounts here (and may fall back); libfuse mounts in serve()
+        log.info("serving %s with the %s front end", cfg.mountpoint, frontend.describe())
+        control.tick()
+        control.start()
+        if link is not None:
+            link.start()
+        threading.Thread(target=_refresh_snapshot, args=(store, snapshot, cfg.source, listing, listed_now),
+                         name="silod-listing", daemon=True).start()
+        _serve(frontend.serve, cfg.mountpoint, throttle.close)
     finally:
+        frontend.close()
         throttle.close()
         resolver.close()
         control.stop()

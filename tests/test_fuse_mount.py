@@ -20,16 +20,32 @@ pytestmark = pytest.mark.fuse
 CONTRACT_KEYS = {"remote_bytes", "hit_bytes", "miss_bytes", "cached_bytes", "items_cached", "read_bytes"}
 
 
+# Both FUSE front ends serve the same operations; the crash-safety and caching contracts are
+# checked on each (raw = the /dev/fuse server with passthrough, what `auto` picks as root on
+# Linux >= 6.9; libfuse = mfusepy over the system libfuse).
+BACKENDS = ["raw", "libfuse"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "raw" and os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("the raw FUSE backend needs root")
+        pytest.skip("the raw FUSE backend needs root")
+    return request.param
+
+
 @pytest.fixture
 def dataset(tmp_path):
     return make_dataset(tmp_path / "remote", n_files=240, seed=1)  # ~4.8 MB, 240 items
 
 
-def test_uniform_caching_epoch_two_reads_one_minus_c_over_d_remotely(tmp_path, dataset):
+def test_uniform_caching_epoch_two_reads_one_minus_c_over_d_remotely(tmp_path, dataset, backend):
     d = dataset.total
     allocation = int(0.4 * d)
     cache = tmp_path / "cache"
-    with mounted(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache, "--cache-size", str(allocation)) as m:
+    with mounted(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache, "--cache-size", str(allocation),
+                 "--fuse-backend", backend) as m:
         read_epoch(m.mountpoint, dataset, seed=1)
         s1 = m.fresh_stats()
         assert set(s1) >= CONTRACT_KEYS
@@ -98,9 +114,9 @@ def test_remote_fetches_are_throttled_and_hits_are_not(tmp_path):
         assert s["hit_bytes"] == ds.total and s["remote_bytes"] == ds.total
 
 
-def test_kill9_then_restart_drops_corrupt_items_and_never_serves_them(tmp_path, dataset):
+def test_kill9_then_restart_drops_corrupt_items_and_never_serves_them(tmp_path, dataset, backend):
     cache = tmp_path / "cache"
-    m = start_mount(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache)
+    m = start_mount(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache, "--fuse-backend", backend)
     try:
         read_epoch(m.mountpoint, dataset, seed=1)
         m.proc.send_signal(signal.SIGKILL)
@@ -114,7 +130,7 @@ def test_kill9_then_restart_drops_corrupt_items_and_never_serves_them(tmp_path, 
     data[len(data) // 2] ^= 0x55  # bit rot / torn write
     victim.write_bytes(bytes(data))
     (cache / "ds" / "staging" / "half-written.tmp").write_bytes(b"partial")
-    with mounted(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache) as m2:
+    with mounted(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache, "--fuse-backend", backend) as m2:
         read_epoch(m2.mountpoint, dataset, seed=2)  # verifies every byte against the source
         s = m2.fresh_stats()
         assert s["remote_bytes"] == dataset.sizes[victim_rel]  # only the dropped item is refetched
@@ -123,10 +139,10 @@ def test_kill9_then_restart_drops_corrupt_items_and_never_serves_them(tmp_path, 
     assert not (cache / "ds" / "staging" / "half-written.tmp").exists()
 
 
-def test_remote_error_gives_eio_and_nothing_partial_is_cached(tmp_path, dataset):
+def test_remote_error_gives_eio_and_nothing_partial_is_cached(tmp_path, dataset, backend):
     cache = tmp_path / "cache"
     gone = sorted(dataset.sizes)[3]
-    with mounted(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache) as m:
+    with mounted(tmp_path / "mnt", str(dataset.root), "ds", "job1", cache, "--fuse-backend", backend) as m:
         (dataset.root / gone).unlink()  # the store loses the object after listing
         t0 = time.monotonic()
         with pytest.raises(OSError) as info:
@@ -192,9 +208,10 @@ def test_mount_is_read_only_and_lists_the_store(tmp_path, dataset):
         assert not (m.mountpoint / "missing.bin").exists()
 
 
-def test_sigint_unmounts_cleanly_even_with_a_throttled_read_in_flight(tmp_path):
+def test_sigint_unmounts_cleanly_even_with_a_throttled_read_in_flight(tmp_path, backend):
     ds = make_dataset(tmp_path / "remote", n_files=1, min_size=2_000_000, max_size=2_000_000)
-    m = start_mount(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--io-rate", "100KB/s")
+    m = start_mount(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--io-rate", "100KB/s",
+                    "--fuse-backend", backend)
     try:
         reader = subprocess.Popen(["cat", str(m.mountpoint / next(iter(ds.sizes)))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)

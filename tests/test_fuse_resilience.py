@@ -48,8 +48,12 @@ def test_concurrent_misses_of_one_item_in_one_mount_fetch_it_once(tmp_path):
         assert s["misses"] + s["hits"] == 8 and s["items_cached"] == 1
 
 
-@pytest.mark.parametrize("fuse_threads, hits_served", [(128, True), (4, False)])
-def test_hits_are_served_while_misses_stall(tmp_path, fuse_threads, hits_served):
+@pytest.mark.parametrize("backend, fuse_threads, hits_served", [
+    ("libfuse", 128, True),
+    ("libfuse", 4, False),  # the control: libfuse runs hits and misses on the same worker threads
+    ("raw", 4, True),  # the raw front end answers hits on its reader thread, misses in its open pool
+])
+def test_hits_are_served_while_misses_stall(tmp_path, backend, fuse_threads, hits_served):
     ds = make_dataset(tmp_path / "remote", n_files=40, seed=12)
     rels = sorted(ds.sizes)
     cache = tmp_path / "cache"
@@ -57,7 +61,7 @@ def test_hits_are_served_while_misses_stall(tmp_path, fuse_threads, hits_served)
         for rel in rels[:5]:
             (m.mountpoint / rel).read_bytes()  # cached
     # --io-rate 0 pauses remote fetches: every miss stalls until unmount.
-    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, "--io-rate", "0",
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, "--io-rate", "0", "--fuse-backend", backend,
                  "--fuse-threads", str(fuse_threads), "--no-kernel-cache") as m:
         stalled: dict = {}
         for rel in rels[10:30]:

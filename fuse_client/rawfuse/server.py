@@ -1,0 +1,621 @@
+"""A FUSE server over /dev/fuse in Python, serving the shared DatasetOperations.
+
+Why it exists: libfuse 3.14 (Debian bookworm) predates FUSE passthrough (Linux 6.9, protocol
+7.40), and mfusepy binds whatever libfuse is installed. Speaking the protocol ourselves lets an
+OPEN of a cached item answer FOPEN_PASSTHROUGH with a backing id registered by the
+FUSE_DEV_IOC_BACKING_OPEN ioctl: the kernel then reads (and mmaps) the cache file itself and no
+READ of that open ever reaches this process.
+
+Threads:
+- `silod-raw-N` (a few) each read requests from their own cloned /dev/fuse fd and answer
+  everything that cannot block on their own: metadata from the in-memory listing, opens of
+  cached items, reads of open items (a pread of a local file), releases;
+- an open that misses the cache is handed to `silod-rawopen-*` (up to --fuse-threads), which
+  waits for the fetch (dataplane.py's single flight and fetch pool) and then replies; so a
+  hit never waits behind a miss.
+
+With passthrough every open is a passthrough open, misses included (an item is fetched whole
+before its open returns, so its local file is complete): the kernel refuses a non-passthrough
+open of an inode that is open in passthrough mode elsewhere, and reads never reach us anyway.
+
+Inodes are static (the listing is immutable while mounted): node 1 is the root, the other
+directories follow, file i of the listing is node `file_base + i`. FORGET is therefore a no-op.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fuse_client.operations import METADATA_TIMEOUT_S, DatasetOperations, OpenFile, OpenMode
+from fuse_client.rawfuse import device
+from fuse_client.rawfuse import protocol as p
+from fuse_client.remote import FileEntry
+
+log = logging.getLogger(__name__)
+
+# Reader threads: every request of a cached open is a few microseconds of Python, so more threads
+# only contend for the GIL (measured on 2 cores: 1 thread 12k opens/s, 2 threads 9.8k, 4 threads
+# 6k); anything that can block (a miss) leaves the reader thread for the open pool.
+DEFAULT_READERS = int(os.environ.get("SILOD_RAW_READERS", "1"))
+# The reader thread is the one serial stage between all of a job's data-loader processes and
+# their files; on a busy node it should not queue behind them for a CPU. Negative = higher
+# priority (root only; ignored otherwise).
+NICE = int(os.environ.get("SILOD_RAW_NICE", "-10"))
+_TIMEOUT_S = int(METADATA_TIMEOUT_S)
+_OPEN_REPLY = p.OPEN_REPLY.pack
+_OUT_HEADER = p.OUT_HEADER.pack
+_RELEASE_IN = p.RELEASE_IN.unpack_from
+BLKSIZE = 128 * 1024  # st_blksize: buffered readers read in chunks of this size
+
+
+class RawFuseError(RuntimeError):
+    pass
+
+
+@dataclass
+class Negotiated:
+    kernel_minor: int
+    kernel_flags: int
+    flags: int
+    max_stack_depth: int
+
+    @property
+    def passthrough(self) -> bool:
+        return bool(self.flags & p.PASSTHROUGH)
+
+
+@dataclass
+class RawCounters:
+    """Requests by opcode name, for the stats file and the tests."""
+
+    requests: dict[int, int] = field(default_factory=dict)  # by opcode
+    interrupted_opens: int = 0
+    backing_open_failures: int = 0
+
+
+class _Inodes:
+    def __init__(self, ops: DatasetOperations) -> None:
+        listing = ops.listing
+        self.dir_paths: list[str] = ["", ""] + sorted(d for d in listing.dirs if d)  # [0] unused
+        self.dir_ids = {path: i for i, path in enumerate(self.dir_paths) if i}
+        self.file_base = len(self.dir_paths)
+        self.files: list[FileEntry | None] = [None] * len(listing.files)
+        for entry in listing.files.values():
+            self.files[entry.index] = entry
+        self.listing = listing
+
+    def file(self, nodeid: int) -> FileEntry | None:
+        i = nodeid - self.file_base
+        return self.files[i] if 0 <= i < len(self.files) else None
+
+    def dir_path(self, nodeid: int) -> str | None:
+        return self.dir_paths[nodeid] if 1 <= nodeid < self.file_base else None
+
+    def child(self, parent: str, name: str) -> tuple[int, FileEntry | None] | None:
+        rel = f"{parent}/{name}" if parent else name
+        entry = self.listing.files.get(rel)
+        if entry is not None:
+            return self.file_base + entry.index, entry
+        dir_id = self.dir_ids.get(rel)
+        if dir_id is not None:
+            return dir_id, None
+        return None
+
+
+class _BackingFiles:
+    """One backing id per inode while any passthrough open of it exists.
+
+    The kernel binds an inode to one backing file for as long as passthrough opens of it are
+    open (a second, different backing id for the same inode is refused with EBUSY), and looks
+    the id up after our OPEN reply is written; so an id lives from the first open of an inode
+    to its last RELEASE."""
+
+    def __init__(self, dev_fd: int) -> None:
+        self.dev_fd = dev_fd
+        self._ids: dict[int, list[int]] = {}  # nodeid -> [backing id, opens]
+        self._lock = threading.Lock()
+
+    def acquire(self, nodeid: int, fd: int) -> int:
+        with self._lock:
+            slot = self._ids.get(nodeid)
+            if slot is not None:
+                slot[1] += 1
+                return slot[0]
+            backing_id = device.backing_open(self.dev_fd, fd)
+            self._ids[nodeid] = [backing_id, 1]
+            return backing_id
+
+    def release(self, nodeid: int) -> None:
+        with self._lock:
+            slot = self._ids.get(nodeid)
+            if slot is None:
+                return
+            slot[1] -= 1
+            if slot[1] == 0:
+                del self._ids[nodeid]
+                try:
+                    device.backing_close(self.dev_fd, slot[0])
+                except OSError as exc:
+                    log.warning("closing backing id %d failed: %s", slot[0], exc)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+@dataclass
+class _PendingOpen:
+    fd: int
+    interrupted: bool = False
+
+
+class RawFuseServer:
+    """Mounts `ops` at `mountpoint` over /dev/fuse and serves it until unmounted."""
+
+    def __init__(self, ops: DatasetOperations, mountpoint: Path, fsname: str, *, passthrough: bool = True,
+                 allow_other: bool = False, readers: int = DEFAULT_READERS, open_threads: int = 128,
+                 backing_dir: Path | None = None) -> None:
+        self.ops = ops
+        self.mountpoint = mountpoint
+        self.fsname = fsname
+        self.want_passthrough = passthrough
+        self.allow_other = allow_other
+        self.readers = max(1, readers)
+        self.backing_dir = backing_dir
+        self.inodes = _Inodes(ops)
+        self._files, self._file_base = self.inodes.files, self.inodes.file_base
+        self.counters = RawCounters()
+        self.negotiated: Negotiated | None = None
+        self._fd = -1
+        self._fds: list[int] = []
+        self._threads: list[threading.Thread] = []
+        self._open_pool = ThreadPoolExecutor(open_threads, thread_name_prefix="silod-rawopen")
+        self._pending: dict[int, _PendingOpen] = {}
+        self._pending_lock = threading.Lock()
+        self._backing: _BackingFiles | None = None
+        self._passthrough = False
+        self._stopped = threading.Event()
+        self._mtime = ops.mtime_ns // 1_000_000_000
+        self._mtime_ns = ops.mtime_ns % 1_000_000_000
+
+    # -- mount and handshake -----------------------------------------------------------------
+
+    def mount(self) -> Negotiated:
+        """mount(2), answer INIT, check that passthrough really works; no reader thread yet.
+
+        Raises device.RawFuseUnavailable if this process cannot mount over /dev/fuse."""
+        self._fd = device.open_device()
+        try:
+            device.mount(self._fd, self.mountpoint, self.fsname, "silod", self.allow_other)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        try:
+            self.negotiated = self._handshake()
+            self._backing = _BackingFiles(self._fd)
+            self._passthrough = self.negotiated.passthrough and self._backing_works()
+        except BaseException:
+            self.abort()
+            raise
+        return self.negotiated
+
+    @property
+    def passthrough(self) -> bool:
+        """True when cached items are opened in passthrough mode."""
+        return self._passthrough
+
+    def _handshake(self) -> Negotiated:
+        buf = bytearray(p.REQUEST_BUFFER)
+        n = os.readv(self._fd, [buf])
+        length, opcode, unique, _nodeid, *_ = p.IN_HEADER.unpack_from(buf, 0)
+        if opcode != p.INIT or n < p.IN_HEADER.size + 16:
+            raise RawFuseError(f"expected FUSE_INIT from the kernel, got opcode {opcode}")
+        major, minor, max_readahead, flags = p.INIT_IN.unpack_from(buf, p.IN_HEADER.size)[:4]
+        flags2 = 0
+        if flags & p.INIT_EXT and n >= p.IN_HEADER.size + p.INIT_IN.size:
+            flags2 = p.INIT_IN.unpack_from(buf, p.IN_HEADER.size)[4]
+        offered = flags | (flags2 << 32)
+        if major != p.KERNEL_MAJOR or minor < p.MIN_KERNEL_MINOR:
+            self._reply_error(self._fd, unique, errno.EPROTO)
+            raise RawFuseError(f"kernel FUSE protocol {major}.{minor} is older than 7.{p.MIN_KERNEL_MINOR}; "
+                               "use --fuse-backend libfuse")
+        want = p.ASYNC_READ | p.MAX_PAGES | p.DO_READDIRPLUS | p.PARALLEL_DIROPS | p.INIT_EXT
+        depth = 0
+        if self.want_passthrough:
+            want |= p.PASSTHROUGH
+            depth = device.stack_depth_for(self.backing_dir or Path("/"))
+        agreed = want & offered
+        if not agreed & p.PASSTHROUGH:
+            depth = 0
+        reply = p.INIT_OUT.pack(p.KERNEL_MAJOR, min(minor, p.OUR_MINOR), max_readahead, agreed & 0xFFFFFFFF,
+                                64, 48, p.MAX_WRITE, 1, 256, 0, agreed >> 32, depth)
+        self._reply(self._fd, unique, reply)
+        return Negotiated(minor, offered, agreed, depth)
+
+    def _backing_works(self) -> bool:
+        """Register and drop one backing file in the cache directory: proves the ioctl is allowed
+        (CAP_SYS_ADMIN) and the cache's file system is not stacked too deep."""
+        probe_dir = self.backing_dir or Path("/tmp")
+        path = probe_dir / f".passthrough-probe-{os.getpid()}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            log.warning("passthrough probe: cannot create %s: %s", path, exc)
+            return False
+        try:
+            backing_id = device.backing_open(self._fd, fd)
+            device.backing_close(self._fd, backing_id)
+            return True
+        except OSError as exc:
+            log.warning("the kernel refused a passthrough backing file in %s (%s); cached reads go through "
+                        "this process", probe_dir, exc)
+            return False
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the reader threads (on cloned fds when the kernel allows it)."""
+        self._fds = [self._fd]
+        for _ in range(self.readers - 1):
+            try:
+                self._fds.append(device.clone(self._fd))
+            except OSError as exc:  # old kernels: share the one fd
+                log.info("FUSE_DEV_IOC_CLONE failed (%s); reader threads share one fd", exc)
+                self._fds.append(self._fd)
+        for i, fd in enumerate(self._fds):
+            t = threading.Thread(target=self._loop, args=(fd,), name=f"silod-raw-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def serve_forever(self) -> None:
+        """Start the readers and block until the file system is unmounted (or the connection aborted)."""
+        if not self._threads:
+            self.start()
+        for t in self._threads:
+            t.join()
+            log.debug("FUSE reader %s ended", t.name)
+        self._shutdown()
+
+    def abort(self) -> None:
+        """Drop the mount without serving (e.g. passthrough not available under --fuse-backend auto)."""
+        device.unmount(self.mountpoint, lazy=True)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._open_pool.shutdown(wait=False, cancel_futures=True)
+        for fd in set(self._fds) | ({self._fd} if self._fd >= 0 else set()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds, self._fd = [], -1
+
+    def _loop(self, fd: int) -> None:
+        if NICE:
+            try:  # see NICE
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            except OSError:
+                pass
+        buf = bytearray(p.REQUEST_BUFFER)
+        view = memoryview(buf)
+        out = bytearray(1 << 20)  # READ replies are assembled here (max_pages 256 = 1 MiB)
+        out_view = memoryview(out)
+        handlers = self._handlers()
+        counts = self.counters.requests
+        names = p.OPCODE_NAMES
+        unpack_header = p.IN_HEADER.unpack_from
+        readv = os.readv
+        open_fast, release_fast = self._open, self._release
+        OPEN, RELEASE, READ = p.OPEN, p.RELEASE, p.READ
+        while True:
+            try:
+                n = readv(fd, [buf])
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):  # ENOENT: the request was interrupted
+                    continue
+                if exc.errno != errno.ENODEV:  # ENODEV: unmounted
+                    log.error("reading /dev/fuse failed: %s", exc)
+                log.debug("FUSE reader on fd %d stops: %s", fd, exc)
+                return
+            if n < 40:  # p.IN_HEADER.size
+                continue
+            _len, opcode, unique, nodeid = unpack_header(buf, 0)[:4]
+            counts[opcode] = counts.get(opcode, 0) + 1
+            try:
+                # The two requests of every cached open first, without a dictionary look-up.
+                if opcode == OPEN:
+                    open_fast(fd, unique, nodeid, view)
+                elif opcode == RELEASE:
+                    release_fast(fd, unique, nodeid, view)
+                elif opcode == READ:
+                    self._read(fd, unique, view, out, out_view)
+                else:
+                    handler = handlers.get(opcode)
+                    if handler is not None:
+                        handler(fd, unique, nodeid, view)
+                    elif opcode not in (p.FORGET, p.BATCH_FORGET):  # static inodes; FORGET has no reply
+                        self._reply_error(fd, unique, errno.ENOSYS)
+            except OSError as exc:
+                self._reply_error(fd, unique, exc.errno or errno.EIO)
+            except Exception:
+                log.exception("FUSE request %s failed", names.get(opcode, opcode))
+                self._reply_error(fd, unique, errno.EIO)
+            if opcode == p.DESTROY:
+                log.debug("FUSE_DESTROY: the kernel is done with this file system")
+                return
+
+    def _handlers(self) -> dict:
+        return {
+            p.LOOKUP: self._lookup, p.GETATTR: self._getattr, p.OPEN: self._open, p.READ: self._read,
+            p.RELEASE: self._release, p.OPENDIR: self._opendir, p.READDIR: self._readdir,
+            p.READDIRPLUS: self._readdirplus, p.RELEASEDIR: self._ok, p.STATFS: self._statfs,
+            p.FLUSH: self._nosys, p.INTERRUPT: self._interrupt, p.DESTROY: self._ok, p.IOCTL: self._ioctl,
+            p.GETXATTR: self._nosys, p.LISTXATTR: self._nosys, p.ACCESS: self._nosys,
+        }
+
+    # -- replies -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _reply(fd: int, unique: int, payload: bytes | bytearray | memoryview = b"") -> None:
+        try:
+            os.writev(fd, [p.OUT_HEADER.pack(p.OUT_HEADER.size + len(payload), 0, unique), payload])
+        except OSError as exc:
+            # ENOENT: the request was interrupted and is gone; ENODEV: unmounted meanwhile.
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+
+    @staticmethod
+    def _reply_error(fd: int, unique: int, err: int) -> None:
+        try:
+            os.write(fd, p.OUT_HEADER.pack(p.OUT_HEADER.size, -err, unique))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("error reply %d for request %d failed: %s", err, unique, exc)
+
+    def _ok(self, fd: int, unique: int, nodeid: int, view) -> None:
+        self._reply(fd, unique)
+
+    def _nosys(self, fd: int, unique: int, nodeid: int, view) -> None:
+        # The kernel remembers ENOSYS for FLUSH, GETXATTR, LISTXATTR and ACCESS and stops asking.
+        self._reply_error(fd, unique, errno.ENOSYS)
+
+    def _ioctl(self, fd: int, unique: int, nodeid: int, view) -> None:
+        # Python's buffered open() asks isatty() (TCGETS) once per file. The kernel forwards every
+        # ioctl on a FUSE file and does not remember ENOSYS for it (it turns it into ENOTTY), so
+        # the cheapest answer is this one, on the reader thread without touching anything else.
+        self._reply_error(fd, unique, errno.ENOTTY)
+
+    # -- metadata ----------------------------------------------------------------------------
+
+    def _entry_out(self, nodeid: int, entry: FileEntry | None) -> bytes:
+        return p.ENTRY_OUT.pack(nodeid, 0, _TIMEOUT_S, _TIMEOUT_S, 0, 0, *self._attr_fields(nodeid, entry))
+
+    def _attr_fields(self, nodeid: int, entry: FileEntry | None) -> tuple:
+        t, tn = self._mtime, self._mtime_ns
+        if entry is None:
+            return (nodeid, 0, 0, t, t, t, tn, tn, tn, p.S_IFDIR | 0o555, 2, 0, 0, 0, BLKSIZE, 0)
+        size = entry.size
+        return (nodeid, size, (size + 511) // 512, t, t, t, tn, tn, tn, p.S_IFREG | 0o444, 1, 0, 0, 0, BLKSIZE, 0)
+
+    def _lookup(self, fd: int, unique: int, nodeid: int, view) -> None:
+        parent = self.inodes.dir_path(nodeid)
+        if parent is None:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        raw = bytes(view[p.IN_HEADER.size:_request_end(view)])
+        name = raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        found = self.inodes.child(parent, name)
+        if found is None:
+            # A zero node id with a timeout is a negative entry the kernel keeps (unlike ENOENT).
+            self._reply(fd, unique, p.ENTRY_OUT.pack(0, 0, _TIMEOUT_S, 0, 0, 0, *([0] * 16)))
+            return
+        child_id, entry = found
+        self._reply(fd, unique, self._entry_out(child_id, entry))
+
+    def _node(self, nodeid: int) -> FileEntry | None:
+        """The file entry of `nodeid`, None for a directory; ENOENT for an unknown node."""
+        entry = self.inodes.file(nodeid)
+        if entry is None and self.inodes.dir_path(nodeid) is None:
+            raise FileNotFoundError(errno.ENOENT, "unknown node")
+        return entry
+
+    def _getattr(self, fd: int, unique: int, nodeid: int, view) -> None:
+        entry = self._node(nodeid)
+        self._reply(fd, unique, p.ATTR_OUT.pack(_TIMEOUT_S, 0, 0, *self._attr_fields(nodeid, entry)))
+
+    def _statfs(self, fd: int, unique: int, nodeid: int, view) -> None:
+        st = self.ops.statfs()
+        self._reply(fd, unique, p.STATFS_OUT.pack((st.total_bytes + 4095) // 4096, 0, 0, st.files, 0, 4096, 255, 4096, 0))
+
+    def _opendir(self, fd: int, unique: int, nodeid: int, view) -> None:
+        if self.inodes.dir_path(nodeid) is None:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        # The listing never changes while mounted: let the kernel cache directory contents.
+        self._reply(fd, unique, p.OPEN_OUT.pack(0, p.FOPEN_CACHE_DIR | p.FOPEN_KEEP_CACHE, 0))
+
+    def _readdir(self, fd: int, unique: int, nodeid: int, view) -> None:
+        self._readdir_common(fd, unique, nodeid, view, plus=False)
+
+    def _readdirplus(self, fd: int, unique: int, nodeid: int, view) -> None:
+        self._readdir_common(fd, unique, nodeid, view, plus=True)
+
+    def _readdir_common(self, fd: int, unique: int, nodeid: int, view, plus: bool) -> None:
+        path = self.inodes.dir_path(nodeid)
+        if path is None:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        _fh, offset, size = p.READ_IN.unpack_from(view, p.IN_HEADER.size)[:3]
+        children = self.ops.list_dir(path)
+        out = bytearray()
+        i = offset
+        total = len(children) + 2
+        while i < total:
+            if i == 0:
+                name, child_id, entry, dtype = ".", nodeid, None, p.DT_DIR
+            elif i == 1:
+                name, child_id, entry, dtype = "..", 0, None, p.DT_DIR
+            else:
+                name = children[i - 2]
+                child_id, entry = self.inodes.child(path, name)
+                dtype = p.DT_DIR if entry is None else p.DT_REG
+            raw = name.encode("utf-8", "surrogateescape")
+            rec = p.dirent_size(len(raw))
+            if plus:
+                rec += p.ENTRY_OUT.size
+            if len(out) + rec > size:
+                break
+            if plus:
+                if i < 2:  # the kernel skips "." and ".."; no attributes, no lookup count
+                    out += p.ENTRY_OUT.pack(0, 0, 0, 0, 0, 0, *([0] * 16))
+                else:
+                    out += self._entry_out(child_id, entry)
+            out += p.DIRENT.pack(child_id or p.ROOT_ID, i + 1, len(raw), dtype)
+            out += raw
+            out += b"\0" * (p.dirent_size(len(raw)) - p.DIRENT.size - len(raw))
+            i += 1
+        self._reply(fd, unique, out)
+
+    # -- data --------------------------------------------------------------------------------
+
+    def _open(self, fd: int, unique: int, nodeid: int, view) -> None:
+        # The hot path of every cached read: kept to a few calls on purpose.
+        i = nodeid - self._file_base
+        entry = self._files[i] if 0 <= i < len(self._files) else None
+        if entry is None:
+            if self.inodes.dir_path(nodeid) is not None:
+                raise IsADirectoryError(errno.EISDIR, "is a directory")
+            raise FileNotFoundError(errno.ENOENT, "unknown node")
+        if p.OPEN_IN.unpack_from(view, 40)[0] & os.O_ACCMODE:
+            raise OSError(errno.EROFS, "read-only file system")
+        ops = self.ops
+        pid = p.IN_HEADER.unpack_from(view, 0)[6] if ops.attribution is not None else 0  # per-pod counts
+        if not ops.hits_may_block:  # after a crash a first hit checksums its item: open pool
+            handle = ops.open_if_cached(entry, passthrough=self._passthrough, pid=pid)
+            if handle is not None:
+                self._reply_open(fd, unique, nodeid, handle)
+                return
+        # A miss may wait for the remote: answer it from the open pool, never on this thread.
+        with self._pending_lock:
+            self._pending[unique] = _PendingOpen(fd)
+        try:
+            self._open_pool.submit(self._open_slow, fd, unique, nodeid, entry, pid)
+        except RuntimeError:  # shutting down
+            with self._pending_lock:
+                self._pending.pop(unique, None)
+            raise OSError(errno.EIO, "unmounting") from None
+
+    def _open_slow(self, fd: int, unique: int, nodeid: int, entry: FileEntry, pid: int = 0) -> None:
+        handle = error = None
+        try:
+            handle = self.ops.open(entry, passthrough=self._passthrough, pid=pid)
+        except OSError as exc:
+            error = exc.errno or errno.EIO
+        except Exception:
+            log.exception("open of %s failed", entry.path)
+            error = errno.EIO
+        with self._pending_lock:
+            pending = self._pending.pop(unique, None)
+        if pending is not None and pending.interrupted:  # the opener gave up and got EINTR
+            if handle is not None:
+                self.ops.release(handle.fh)
+            return
+        if error is not None:
+            self._reply_error(fd, unique, error)
+            return
+        try:
+            self._reply_open(fd, unique, nodeid, handle)
+        except Exception:  # after the backing id was taken: release both
+            self._release_handle(nodeid, handle.fh)
+            log.exception("replying to the open of %s failed", entry.path)
+
+    def _reply_open(self, fd: int, unique: int, nodeid: int, handle: OpenFile) -> None:
+        if handle.mode is OpenMode.PASSTHROUGH:
+            try:
+                backing_id = self._backing.acquire(nodeid, handle.item.fd)
+            except OSError as exc:
+                # Still correct without passthrough (the open was accounted in full already).
+                self.counters.backing_open_failures += 1
+                log.warning("FUSE_DEV_IOC_BACKING_OPEN failed for %s (%s); serving its reads here",
+                            handle.item.entry.path, exc)
+                backing_id, flags = 0, 0
+            else:
+                flags = p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH
+        else:
+            backing_id, flags = 0, p.FOPEN_KEEP_CACHE if handle.mode is OpenMode.KERNEL_CACHE else 0
+        try:
+            os.write(fd, _OPEN_REPLY(32, 0, unique, handle.fh, flags, backing_id))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):  # the opener was interrupted / unmounted
+                raise
+            self._release_handle(nodeid, handle.fh)
+
+    def _read(self, fd: int, unique: int, view, out: bytearray, out_view: memoryview) -> None:
+        fh, offset, size = p.READ_IN.unpack_from(view, p.IN_HEADER.size)[:3]
+        src, n = self.ops.read_span(fh, size, offset)
+        if n > len(out) - p.OUT_HEADER.size:
+            n = len(out) - p.OUT_HEADER.size
+        got = os.preadv(src, [out_view[p.OUT_HEADER.size:p.OUT_HEADER.size + n]], offset) if n else 0
+        p.OUT_HEADER.pack_into(out, 0, p.OUT_HEADER.size + got, 0, unique)
+        try:
+            os.write(fd, out_view[:p.OUT_HEADER.size + got])
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+
+    def _release(self, fd: int, unique: int, nodeid: int, view) -> None:
+        self._release_handle(nodeid, _RELEASE_IN(view, 40)[0])
+        try:
+            os.write(fd, _OUT_HEADER(16, 0, unique))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+
+    def _release_handle(self, nodeid: int, fh: int) -> None:
+        handle = self.ops.release(fh)
+        if handle is not None and handle.mode is OpenMode.PASSTHROUGH:
+            self._backing.release(nodeid)
+
+    def _interrupt(self, fd: int, unique: int, nodeid: int, view) -> None:
+        target = p.INTERRUPT_IN.unpack_from(view, p.IN_HEADER.size)[0]
+        with self._pending_lock:
+            pending = self._pending.get(target)
+            if pending is None or pending.interrupted:
+                return  # already answered (or not an open we wait on): nothing to do, no reply
+            pending.interrupted = True
+        self.counters.interrupted_opens += 1
+        # The fetch goes on (and may be admitted for the next reader); the opener gets EINTR.
+        self._reply_error(pending.fd, target, errno.EINTR)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {
+            "fuse_requests": {p.OPCODE_NAMES.get(op, str(op)): n for op, n in list(self.counters.requests.items())},
+            "fuse_backing_files": 0 if self._backing is None else len(self._backing),
+            "fuse_interrupted_opens": self.counters.interrupted_opens,
+            "fuse_backing_open_failures": self.counters.backing_open_failures,
+        }
+
+
+def _request_end(view) -> int:
+    return p.IN_HEADER.unpack_from(view, 0)[0]
+
+
+def wait_mounted(path: Path, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.ismount(path):
+            return True
+        time.sleep(0.01)
+    return False

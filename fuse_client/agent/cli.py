@@ -44,7 +44,6 @@ def register(app: typer.Typer) -> None:
         import sys
         import threading
 
-        from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
         from fuse_client.agent.server import Agent
         from fuse_client.agent.volumes import VolumeManager
 
@@ -52,15 +51,7 @@ def register(app: typer.Typer) -> None:
         node = node or os.environ.get("NODE_NAME")
         if not node:
             raise UserError("no node name: pass --node or set NODE_NAME (the DaemonSet sets it from spec.nodeName)")
-        if (datasets is None) == (scheduler is None):
-            raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
-        if scheduler is not None:
-            token = os.environ.get("SILOD_AGENT_TOKEN")
-            if not token:
-                raise UserError("--scheduler needs the agent's token in $SILOD_AGENT_TOKEN")
-            resolver = SchedulerResolver(scheduler, token)
-        else:
-            resolver = CatalogResolver(datasets)  # type: ignore[arg-type]
+        resolver = _dataset_resolver(datasets, scheduler)
         silod = [str(Path(sys.executable).parent / "silod")]
         if not Path(silod[0]).exists():
             silod = [sys.executable, "-c", "from scheduler.cli import main; main()"]
@@ -109,19 +100,10 @@ def register_controller(app: typer.Typer) -> None:
         import signal
         import threading
 
-        from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
         from fuse_client.agent.server import ControllerServer
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if (datasets is None) == (scheduler is None):
-            raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
-        if scheduler is not None:
-            token = os.environ.get("SILOD_AGENT_TOKEN")
-            if not token:
-                raise UserError("--scheduler needs a node-agent token (dataset look-ups) in $SILOD_AGENT_TOKEN")
-            resolver = SchedulerResolver(scheduler, token)
-        else:
-            resolver = CatalogResolver(datasets)  # type: ignore[arg-type]
+        resolver = _dataset_resolver(datasets, scheduler)
         server = ControllerServer(socket, resolver, namespace_prefix)
         server.start()
         typer.echo(f"silod csi-controller: CSI driver silod.io (Identity, Controller) at unix://{socket}", err=True)
@@ -130,3 +112,17 @@ def register_controller(app: typer.Typer) -> None:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         server.stop()
+
+
+def _dataset_resolver(datasets, scheduler):  # type: ignore[no-untyped-def]
+    """Dataset names resolved from a catalog file, or from the scheduler with the agent's token."""
+    from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
+
+    if (datasets is None) == (scheduler is None):
+        raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
+    if scheduler is None:
+        return CatalogResolver(datasets)
+    token = os.environ.get("SILOD_AGENT_TOKEN")
+    if not token:
+        raise UserError("--scheduler needs the agent's token (dataset look-ups) in $SILOD_AGENT_TOKEN")
+    return SchedulerResolver(scheduler, token)

@@ -37,6 +37,14 @@ READ_ONLY_MODES = {csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_READER_ONLY,
 MAX_NAME = 128
 
 
+def tenant_of_namespace(namespace: str, prefix: str, context) -> str:  # type: ignore[no-untyped-def]
+    """The tenant whose namespace is `namespace` (tenant T's namespace is prefix + T); aborts the
+    gRPC call with PERMISSION_DENIED for a namespace of no tenant."""
+    if not namespace.startswith(prefix) or len(namespace) == len(prefix):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"namespace {namespace} belongs to no silod tenant")
+    return namespace[len(prefix):]
+
+
 def volume_id(namespace: str, dataset: str, name: str) -> str:
     return f"{VOLUME_PREFIX}{namespace}:{dataset}:{name}"
 
@@ -84,9 +92,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         if not namespace:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {PVC_NAMESPACE} parameter: run the csi-provisioner"
                                                             f" sidecar with --extra-create-metadata")
-        if not namespace.startswith(self.namespace_prefix) or len(namespace) == len(self.namespace_prefix):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"namespace {namespace} belongs to no silod tenant")
-        tenant = namespace[len(self.namespace_prefix):]
+        tenant = tenant_of_namespace(namespace, self.namespace_prefix, context)
         try:
             dataset = check_name(params.get(PARAM_DATASET) or params.get(PVC_NAME, ""), "dataset (StorageClass"
                                  " parameter `dataset`, else the PVC's name)")

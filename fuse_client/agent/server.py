@@ -18,7 +18,11 @@ from pathlib import Path
 import grpc
 
 from estimator.errors import UserError
-from fuse_client.agent.controller import CTX_NAMESPACE, ControllerService
+from fuse_client.agent.controller import (
+    CTX_NAMESPACE,
+    ControllerService,
+    tenant_of_namespace,
+)
 from fuse_client.agent.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
 from fuse_client.agent.datasets import DatasetDenied, DatasetResolver, check_name
 from fuse_client.agent.volumes import MountError, VolumeManager
@@ -78,9 +82,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         if not namespace:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {POD_NAMESPACE} in the volume context: the CSIDriver"
                                                             f" object must set podInfoOnMount: true")
-        if not namespace.startswith(self.namespace_prefix) or len(namespace) == len(self.namespace_prefix):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"namespace {namespace} belongs to no silod tenant")
-        tenant = namespace[len(self.namespace_prefix):]
+        tenant = tenant_of_namespace(namespace, self.namespace_prefix, context)
         owner_ns = ctx.get(CTX_NAMESPACE)
         if owner_ns is not None and owner_ns != namespace:
             # A volume provisioned for a PVC of another namespace (controller.py): never theirs.

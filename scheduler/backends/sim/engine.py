@@ -153,21 +153,25 @@ class Simulator:
             raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
         self.progress = progress
         self.datasets: dict[str, SimDataset] = {}
+        starts: dict[str, float] = {}  # smallest starting_percent of each dataset's curriculum readers
+        for j in trace.jobs:
+            if j.access.curriculum is not None:
+                starts[j.dataset] = min(starts.get(j.dataset, 1.0), j.access.curriculum.starting_percent)
         for name, size in trace.dataset_sizes.items():
-            chunks = max(1, int(config.resolution), self._curriculum_chunks(trace, name))
+            chunks = max(1, int(config.resolution), self._curriculum_chunks(trace, name, starts.get(name)))
             self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
 
     # ------------------------------------------------------------------ helpers
-    def _curriculum_chunks(self, trace: Trace, name: str) -> int:
-        """Chunks for a dataset curriculum jobs read: enough that their smallest eligible set
-        spans CURRICULUM_MIN_CHUNKS chunks (each draw admits a whole chunk, so a set of a few
-        chunks fills in lumps), at most one per item and MAX_CURRICULUM_CHUNKS."""
-        starts = [j.access.curriculum.starting_percent for j in trace.jobs if j.dataset == name and j.access.curriculum is not None]
-        if not starts:
+    def _curriculum_chunks(self, trace: Trace, name: str, start: float | None) -> int:
+        """Chunks for a dataset curriculum jobs read (`start`: their smallest starting_percent,
+        None if none does): enough that the smallest eligible set spans CURRICULUM_MIN_CHUNKS
+        chunks (each draw admits a whole chunk, so a set of a few chunks fills in lumps), at most
+        one per item and MAX_CURRICULUM_CHUNKS."""
+        if start is None:
             return 0
         items = int(trace.dataset_sizes[name] / self.item_sizes[name])
-        return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / min(starts))))
+        return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / start)))
 
     def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
         measured = self.core.estimator.manages_storage

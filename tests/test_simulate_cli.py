@@ -37,9 +37,20 @@ def test_default_simulation_writes_the_contract_outputs(tmp_path):
     assert timeline[0].startswith("time_s,running_jobs") and len(timeline) > 2
 
 
+def _shared_traces() -> Path:
+    """The Gavel/Philly traces are not copied into the repository; they live in shared/ beside
+    it, or beside the repository this one was cloned from (a clone made elsewhere, e.g. /tmp)."""
+    repo = Path(__file__).resolve().parents[1]
+    candidates = [repo.parent / "shared" / "traces"]
+    origin = subprocess.run(["git", "-C", str(repo), "config", "--get", "remote.origin.url"], capture_output=True, text=True)
+    url = origin.stdout.strip().removeprefix("file://")
+    if origin.returncode == 0 and url.startswith("/"):
+        candidates.append(Path(url).resolve().parent / "shared" / "traces")
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
 def test_gavel_trace_with_cluster_file(tmp_path):
-    # The Gavel/Philly traces are not copied into the repository; they live in shared/ beside it.
-    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "gavel-msr" / "23dbec.trace"
+    trace = _shared_traces() / "gavel-msr" / "23dbec.trace"
     assert trace.is_file(), f"{trace} missing: the project expects ../shared/traces beside the repository"
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("gpus: 32\ngpus_per_node: 4\ncache: 8TB\nremote_io: 2Gbps\n")

@@ -405,6 +405,17 @@ class DatasetCache:
             self.recency.note(key)
         return fd
 
+    def still_cached(self, key: str, fd: int) -> bool:
+        """Whether `fd`, a descriptor of the cached item `key` opened earlier, is still in the
+        cache, noted as a use like open_cached. Evictions unlink the item's only name, so a link
+        count of 0 means it was evicted (by this or another process) since: one fstat, no path
+        walk, for front ends that keep descriptors of hot items across opens."""
+        if os.fstat(fd).st_nlink == 0:
+            return False
+        if self._note_hits:
+            self.recency.note(key)
+        return True
+
     def _open_item(self, key: str) -> int | None:
         """Open a cached item without counting it as a use (verification reads)."""
         try:

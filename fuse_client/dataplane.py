@@ -126,6 +126,15 @@ class ItemResolver:
         self.accounting.hit_opened(entry.index, time.perf_counter() - t0, entry.size if read_whole else 0)
         return LocalItem(fd, entry, True)
 
+    def resolve_held(self, entry: FileEntry, fd: int, read_whole: bool = False) -> LocalItem | None:
+        """resolve_cached for a descriptor of the cached item the caller kept from an earlier
+        open (`fd` stays the caller's): None when the item has been evicted since."""
+        t0 = time.perf_counter()
+        if not self.cache.still_cached(self._key(entry), fd):
+            return None
+        self.accounting.hit_opened(entry.index, time.perf_counter() - t0, entry.size if read_whole else 0)
+        return LocalItem(fd, entry, True)
+
     def _key(self, entry: FileEntry) -> str:
         key = self._keys.get(entry.path)
         if key is None:

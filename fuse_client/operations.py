@@ -55,6 +55,7 @@ class OpenFile(NamedTuple):
     item: LocalItem
     mode: OpenMode
     pod: str = ""  # uid of the pod whose process opened it ("" outside any pod, or not counted)
+    borrowed: bool = False  # item.fd belongs to the front end (open_held), not to this handle
 
     @property
     def count_reads(self) -> bool:
@@ -146,10 +147,18 @@ class DatasetOperations:
         item = self.resolver.resolve_cached(entry, read_whole=whole)
         return None if item is None else self._register(item, passthrough, accounted=whole, pod=self._pod(pid))
 
+    def open_held(self, entry: FileEntry, fd: int, pid: int = 0) -> OpenFile | None:
+        """A passthrough hit on `fd`, a descriptor of the cached item the front end kept from an
+        earlier open (and keeps: release does not close it); None when the item was evicted
+        since. Accounted like open_if_cached(passthrough=True)."""
+        item = self.resolver.resolve_held(entry, fd, read_whole=True)
+        return None if item is None else self._register(item, True, accounted=True, pod=self._pod(pid), borrowed=True)
+
     def _pod(self, pid: int) -> str:
         return self.attribution.pod_of(pid) if self.attribution is not None and pid > 0 else ""
 
-    def _register(self, item: LocalItem, passthrough: bool, accounted: bool = False, pod: str = "") -> OpenFile:
+    def _register(self, item: LocalItem, passthrough: bool, accounted: bool = False, pod: str = "",
+                  borrowed: bool = False) -> OpenFile:
         if passthrough:
             # Misses too: their descriptor is a complete local file by now (fetched whole at
             # open). Besides saving the reads, this is required: the kernel refuses (EIO) a
@@ -170,7 +179,7 @@ class DatasetOperations:
         if pod:
             self.accounting.pod_opened(pod, item.hit, whole)
         fh = next(self._next_fh)
-        handle = OpenFile(fh, item, mode, pod)
+        handle = OpenFile(fh, item, mode, pod, borrowed)
         self._handles[fh] = handle  # one dict store: atomic under the GIL
         c = self.counters
         if mode is OpenMode.PASSTHROUGH:
@@ -199,7 +208,7 @@ class DatasetOperations:
 
     def release(self, fh: int) -> OpenFile | None:
         handle = self._handles.pop(fh, None)  # atomic under the GIL
-        if handle is not None:
+        if handle is not None and not handle.borrowed:
             os.close(handle.item.fd)
         return handle
 
@@ -211,6 +220,8 @@ class DatasetOperations:
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
         for h in handles:
+            if h.borrowed:
+                continue
             try:
                 os.close(h.item.fd)
             except OSError:

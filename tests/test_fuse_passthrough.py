@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane_helpers import force_unmount, make_dataset, mounted, read_epoch, start_mount, wait_until
+from dataplane_helpers import force_unmount, item_files, make_dataset, mounted, read_epoch, start_mount, wait_until
 
 pytestmark = pytest.mark.fuse
 
@@ -86,7 +86,74 @@ def test_passthrough_reads_of_cached_items_never_reach_the_daemon(tmp_path):
         assert _reads(s2) == 0 and s2["read_requests"] == 0
         # ...so they are accounted at open, as whole items.
         assert s2["hit_bytes"] == ds.total + ds.sizes[rel]
-        assert s2["fuse_backing_files"] == 0 and s2["open_handles"] == 0  # every backing id closed at release
+        # Misses' backing ids closed at release; the 24 cached items' ids are kept for re-opens.
+        assert s2["open_handles"] == 0
+        assert s2["fuse_backing_files"] == s2["fuse_backing_files_kept_idle"] == 24
+
+
+def _deleted_fds(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").endswith(" (deleted)")
+        except OSError:
+            pass
+    return n
+
+
+def test_kept_backing_files_serve_reopens_and_never_count_an_evicted_item_as_a_hit(tmp_path):
+    """Re-opens of cached items use the backing file kept since the last open (no open(2), no
+    ioctl); an item evicted by another process meanwhile is a miss again, and its kept
+    descriptor is closed by the sweep so its disk space is freed."""
+    require_passthrough()
+    from fuse_client.cache_store import DatasetCache
+
+    ds = make_dataset(tmp_path / "remote", n_files=40, min_size=20_000, max_size=60_000, seed=5)
+    cache = tmp_path / "cache"
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, "--fuse-backend", "raw") as m:
+        read_epoch(m.mountpoint, ds, seed=1)  # misses: not kept
+        read_epoch(m.mountpoint, ds, seed=2)  # hits: opened from the cache, then kept
+        s2 = _stats_after(m, lambda s: s["hits"] == 40)
+        assert s2["fuse_kept_opens"] == 0 and s2["fuse_backing_files_kept_idle"] == 40
+        read_epoch(m.mountpoint, ds, seed=3)  # re-opens: every one from a kept backing file
+        s3 = _stats_after(m, lambda s: s["hits"] == 80)
+        assert s3["fuse_kept_opens"] == 40 and _reads(s3) == 0
+        assert s3["hit_bytes"] == 2 * ds.total
+
+        # Another mount of the dataset shrinks the shared cache: random evictions by unlink.
+        other = DatasetCache(cache, "ds")
+        other.set_allocation(ds.total // 2)
+        cached = {p.name for p in item_files(cache, "ds")}
+        assert 0 < len(cached) < 40
+        # The sweep closes the kept descriptors of the evicted items (their space is freed)...
+        wait_until(lambda: _deleted_fds(m.proc.pid) == 0 or None, 6.0, message="kept descriptors of evicted items closed")
+        s4 = m.fresh_stats()
+        assert s4["fuse_backing_files_kept_idle"] == len(cached)
+        read_epoch(m.mountpoint, ds, seed=4)  # ...and an evicted item is never a hit again
+        s5 = _stats_after(m, lambda s: s["hits"] + s["misses"] == 160)
+        assert s5["hits"] - s3["hits"] == len(cached)
+        assert s5["fuse_kept_opens"] - s3["fuse_kept_opens"] == len(cached)
+        assert s5["misses"] - s3["misses"] == 40 - len(cached)
+
+
+def test_an_item_evicted_between_sweeps_is_reopened_as_a_miss(tmp_path):
+    """The fstat at every kept re-open, not the sweep, decides hit or miss: evict and re-open at
+    once (no sweep ran in between)."""
+    require_passthrough()
+    from fuse_client.cache_store import DatasetCache
+
+    ds = make_dataset(tmp_path / "remote", n_files=30, min_size=20_000, max_size=60_000, seed=6)
+    cache = tmp_path / "cache"
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, "--fuse-backend", "raw",
+                 env={"SILOD_RAW_KEEP_BACKING": "8"}) as m:
+        read_epoch(m.mountpoint, ds, seed=1)
+        read_epoch(m.mountpoint, ds, seed=2)
+        s2 = _stats_after(m, lambda s: s["hits"] == 30)
+        assert s2["fuse_backing_files_kept_idle"] == 8  # SILOD_RAW_KEEP_BACKING bounds them, least recent dropped
+        DatasetCache(cache, "ds").set_allocation(0)  # every item evicted
+        read_epoch(m.mountpoint, ds, seed=3)
+        s3 = _stats_after(m, lambda s: s["hits"] + s["misses"] == 90)
+        assert s3["hits"] == 30 and s3["misses"] == 60  # no hit in epoch 3
 
 
 def test_without_passthrough_the_same_reads_reach_the_daemon(tmp_path):

@@ -51,6 +51,10 @@ def _histogram(value) -> tuple[list[tuple[str, float]], float] | None:
     return buckets, total
 
 
+_OPEN_MODES = ("passthrough", "kernel_cache", "daemon")  # FrontendCounters.<mode>_opens in the stats
+_BACKENDS = ("raw", "libfuse")
+
+
 def _data_plane_metrics(clients: list[dict]):
     """Per mount (node, dataset, job): bytes by kind, open latency, remote errors, breaker state."""
     labels = ["node", "dataset", "job"]
@@ -60,6 +64,11 @@ def _data_plane_metrics(clients: list[dict]):
     failed = CounterMetricFamily("silod_job_failed_opens", "Opens answered with EIO (remote failures and circuit-breaker rejections).", labels=labels)
     breaker = GaugeMetricFamily("silod_remote_breaker_open", "1 while the mount's circuit breaker for its remote is open (opens of uncached items fail fast).", labels=labels)
     latency = HistogramMetricFamily("silod_job_open_latency_seconds", "Latency of opens through the mount, hits and misses apart.", labels=[*labels, "result"])
+    # How the kernel serves the mount's reads: passthrough and kernel-cache opens are read by the
+    # kernel (accounted whole at open); daemon opens and READ requests go through the mount process.
+    opens = CounterMetricFamily("silod_job_opens", "Opens through the mount by how the kernel serves their reads (passthrough: the kernel reads the cached file itself).", labels=[*labels, "mode"])
+    reads = CounterMetricFamily("silod_job_fuse_read_requests", "READ requests that reached the mount process (0 for passthrough opens).", labels=labels)
+    frontend = GaugeMetricFamily("silod_mount_info", "1 per mount, labelled with its FUSE front end (raw or libfuse) and whether passthrough is on.", labels=[*labels, "fuse_backend", "passthrough"])
     for c in clients:
         stats = c.get("stats") or {}
         if not isinstance(stats, dict):
@@ -70,13 +79,19 @@ def _data_plane_metrics(clients: list[dict]):
                 read.add_metric([*key, source], v)
             if (h := _histogram(stats.get(f"open_latency_{source}"))) is not None:
                 latency.add_metric([*key, source], buckets=h[0], sum_value=h[1])
-        for family, name in ((remote, "remote_bytes"), (errors, "remote_errors"), (failed, "failed_opens")):
+        for mode in _OPEN_MODES:
+            if (v := _number(stats.get(f"{mode}_opens"))) is not None:
+                opens.add_metric([*key, mode], v)
+        backend, passthrough = stats.get("fuse_backend"), stats.get("passthrough")
+        if backend in _BACKENDS and isinstance(passthrough, bool):
+            frontend.add_metric([*key, backend, str(passthrough).lower()], 1.0)
+        for family, name in ((remote, "remote_bytes"), (errors, "remote_errors"), (failed, "failed_opens"), (reads, "read_requests")):
             if (v := _number(stats.get(name))) is not None:
                 family.add_metric(key, v)
         state = stats.get("remote_breaker_state")
         if state in ("open", "closed"):
             breaker.add_metric(key, 1.0 if state == "open" else 0.0)
-    yield from (read, remote, errors, failed, breaker, latency)
+    yield from (read, remote, errors, failed, breaker, latency, opens, reads, frontend)
 
 
 class _StateCollector:

@@ -125,6 +125,13 @@ def test_metrics_show_per_job_bytes_open_latency_and_breaker_state(tmp_path):
             assert samples[("silod_job_open_latency_seconds_count", lab(("result", "hit")))] == 30
             assert samples[("silod_job_open_latency_seconds_count", lab(("result", "miss")))] == 30
             assert samples[("silod_job_open_latency_seconds_bucket", lab(("le", "+Inf"), ("result", "hit")))] == 30
+            # How the kernel served them, as the stats file says (passthrough on this kernel, as root).
+            s = m.fresh_stats()
+            modes = {mode: samples.get(("silod_job_opens_total", lab(("mode", mode)))) for mode in ("passthrough", "kernel_cache", "daemon")}
+            assert modes == {mode: s[f"{mode}_opens"] for mode in modes} and sum(modes.values()) == 60
+            assert samples[("silod_job_fuse_read_requests_total", lab())] == s["read_requests"]
+            info = lab(("fuse_backend", s["fuse_backend"]), ("passthrough", str(s["passthrough"]).lower()))
+            assert samples[("silod_mount_info", info)] == 1
     finally:
         dm.kill()
 
@@ -137,11 +144,13 @@ def test_a_client_reporting_garbage_stats_cannot_break_metrics(tmp_path):
         assert httpx.post(dm.url + "/v1/clients", json=reg).status_code == 200
         garbage = {"hit_bytes": "lots", "miss_bytes": -5, "remote_bytes": "inf", "remote_errors": True,
                    "remote_breaker_state": "<script>", "open_latency_hit": {"buckets": [[1, 9], [2, 3], ["+Inf", 1]], "sum_s": 1},
-                   "open_latency_miss": {"buckets": [["+Inf", 1]] * 1000, "sum_s": "x"}}
+                   "open_latency_miss": {"buckets": [["+Inf", 1]] * 1000, "sum_s": "x"},
+                   "passthrough_opens": "many", "daemon_opens": -1, "read_requests": [1], "fuse_backend": "x\"}", "passthrough": "yes"}
         assert httpx.put(dm.url + "/v1/clients/evil/heartbeat", json={"stats": garbage}).status_code == 200
         r = httpx.get(dm.url + "/metrics")
         assert r.status_code == 200
         assert 'job="j"' not in r.text.split("silod_job_read_bytes")[1].split("# HELP")[0]
         assert "silod_job_open_latency_seconds_bucket" not in r.text
+        assert 'job="j"' not in r.text  # nor any other family: every value was refused
     finally:
         dm.kill()

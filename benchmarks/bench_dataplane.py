@@ -16,9 +16,10 @@
             mount's CPU per miss, because on a 2-core machine the mount, the server and the
             readers share the CPU.
 3. hits     cached 110 KB files with 8 reader *processes* through the mount vs the cache directory
-            directly; large cached files (1 reader) through the mount vs directly. Each for both
-            FUSE front ends (--backends raw,libfuse: the raw /dev/fuse server with passthrough,
-            and libfuse), with the READ requests that still reached the daemon.
+            directly; large cached files (1 reader) through the mount vs directly. Each for every
+            front end in --backends (default raw,raw-nokeep,libfuse: the raw /dev/fuse server with
+            passthrough, the same without kept backing files, libfuse), with the mount's CPU per
+            file and the READ requests that still reached the daemon.
 4. dead     the remote dies: time for an open to fail (vs --open-deadline), opens until the breaker
             opens, time until reads succeed again after the remote is back (vs --probe-interval);
             for a remote that refuses connections and one that accepts but never answers.
@@ -330,26 +331,34 @@ def bench_hits(work: Path, count: int, procs: int, large_mb: int, large_count: i
     small: dict = {"files": count, "file_size": 110_000, "reader_processes": procs,
                    "target": ">= 17k files/s and >= 0.25x direct", "load_avg_before": os.getloadavg()}
     for backend in backends:
-        proc, stats = silod_mount(src, work / "mnt-hits", cache, "hits", "--fuse-backend", backend)
+        # raw-nokeep: the raw server without kept backing files (every open registers one), the
+        # comparison that shows what keeping them saves.
+        env = {"SILOD_RAW_KEEP_BACKING": "0"} if backend == "raw-nokeep" else None
+        proc, stats = silod_mount(src, work / "mnt-hits", cache, "hits", "--fuse-backend", backend.split("-")[0], env=env)
         try:
             read_all(proc.mnt, rels, 8)  # epoch 1 fills the cache (epoch 2+ of the first backend)
             item_rels = [str(p.relative_to(items)) for p in items.glob("*/*")]
             # Mount and direct passes alternate, best of three each: the load drifts meanwhile.
-            mount_runs, direct_runs = [], []
+            mount_runs, direct_runs, cpu_us = [], [], []
             for _ in range(3):
+                cpu0 = cpu_seconds(proc.p.pid)
                 mount_runs.append(read_all_procs(proc.mnt, rels, procs, passes=1))
+                cpu_us.append(1e6 * (cpu_seconds(proc.p.pid) - cpu0) / len(rels))
                 direct_runs.append(read_all_procs(items, item_rels, procs, passes=1))
             time.sleep(0.6)
             st = json.loads(stats.read_text())
         finally:
             proc.stop()
-        small[backend] = r = {"backend": _backend_label(st), "mount_files_per_s": max(mount_runs),
+        label = _backend_label(st) + (" (no kept backing files)" if backend == "raw-nokeep" else "")
+        small[backend] = r = {"backend": label, "mount_files_per_s": max(mount_runs),
                               "direct_files_per_s": max(direct_runs), "mount_runs": mount_runs, "direct_runs": direct_runs,
+                              "mount_cpu_us_per_file": min(cpu_us), "kept_opens": st.get("fuse_kept_opens"),
                               "read_requests": st.get("read_requests"), "passthrough_opens": st.get("passthrough_opens")}
         r["ratio"] = r["mount_files_per_s"] / r["direct_files_per_s"]
         print(f"  cached 110 KB files, {procs} reader processes, {r['backend']}: mount {r['mount_files_per_s']:.0f} files/s, "
               f"cache dir directly {r['direct_files_per_s']:.0f} files/s (best of 3 alternating passes each), ratio {r['ratio']:.2f} "
-              f"(target >= 17000 and >= 0.25); READ requests that reached the daemon: {r['read_requests']}", flush=True)
+              f"(target >= 17000 and >= 0.25); mount CPU {r['mount_cpu_us_per_file']:.0f} us per file; "
+              f"READ requests that reached the daemon: {r['read_requests']}", flush=True)
     small["load_avg_after"] = os.getloadavg()
     print(f"  load average (1 min) before/after: {small['load_avg_before'][0]:.2f} / {small['load_avg_after'][0]:.2f}", flush=True)
 
@@ -366,7 +375,7 @@ def bench_hits(work: Path, count: int, procs: int, large_mb: int, large_count: i
         return nbytes / (time.perf_counter() - t0) / 1e9
 
     large: dict = {"files": large_count, "file_MiB": large_mb, "target": ">= 0.9x direct"}
-    for backend in backends:
+    for backend in [b for b in backends if b != "raw-nokeep"]:
         proc, stats = silod_mount(lsrc, work / "mnt-large", lcache, "large", "--fuse-backend", backend)
         try:
             big(proc.mnt, lrels)  # epoch 1 (or a re-read)
@@ -593,7 +602,8 @@ def main() -> None:
                     help="bytes per item of the HTTP remote (2048 with 1280000 items reuses the miss section's dataset)")
     ap.add_argument("--small-count", type=int, default=4000)
     ap.add_argument("--procs", type=int, default=8)
-    ap.add_argument("--backends", default="raw,libfuse", help="FUSE front ends to compare (silod mount --fuse-backend)")
+    ap.add_argument("--backends", default="raw,raw-nokeep,libfuse",
+                    help="FUSE front ends to compare (silod mount --fuse-backend; raw-nokeep: raw without kept backing files)")
     ap.add_argument("--large-mb", type=int, default=256)
     ap.add_argument("--large-count", type=int, default=4)
     ap.add_argument("--deadline", type=float, default=5.0)
@@ -611,7 +621,7 @@ def main() -> None:
     if "miss" in which:
         print("epoch-1 miss path:", flush=True)
         results["miss"] = {b: bench_miss(args.workdir, [int(x) for x in args.sizes.split(",")], args.item_size, args.sample,
-                                         backend=b) for b in args.backends.split(",")}
+                                         backend=b) for b in args.backends.split(",") if b != "raw-nokeep"}
     if "remote" in which:
         results["remote"] = bench_remote(args.workdir, args.remote_items, args.remote_item_size)
     if "hits" in which:

@@ -114,12 +114,12 @@ def unmount(path: Path) -> None:
 
 
 class Proc:
-    def __init__(self, args: list[str], mnt: Path, ready=None, timeout: float = 60) -> None:
+    def __init__(self, args: list[str], mnt: Path, ready=None, timeout: float = 60, env: dict | None = None) -> None:
         unmount(mnt)
         mnt.mkdir(parents=True, exist_ok=True)
         self.mnt = mnt
         self.log = open(mnt.parent / f"{mnt.name}.log", "w")
-        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.time() + timeout
         while not (os.path.ismount(mnt) and (ready is None or ready())):
             if self.p.poll() is not None or time.time() > deadline:
@@ -143,11 +143,11 @@ class Proc:
         unmount(self.mnt)
 
 
-def silod_mount(src: Path, mnt: Path, cache: Path, dataset: str, *extra: str) -> tuple[Proc, Path]:
+def silod_mount(src: Path, mnt: Path, cache: Path, dataset: str, *extra: str, env: dict | None = None) -> tuple[Proc, Path]:
     stats = mnt.parent / f"{mnt.name}.stats.json"
     stats.unlink(missing_ok=True)
     proc = Proc([*silod(), "mount", str(mnt), "--source", str(src), "--dataset", dataset, "--job", "bench",
-                 "--cache-dir", str(cache), "--stats-file", str(stats), *extra], mnt, ready=stats.exists)
+                 "--cache-dir", str(cache), "--stats-file", str(stats), *extra], mnt, ready=stats.exists, env=env)
     return proc, stats
 
 

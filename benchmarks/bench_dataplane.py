@@ -528,11 +528,17 @@ def bench_remount(work: Path, n: int) -> dict:
     RemoteStore(str(src)).list()
     out["listing_s"] = time.perf_counter() - t0
     out["target"] = "clean remount of a 100k-item cache: first read in < 1 s"
-    for label in ("clean", "after_kill9"):
+    # "clean" is the first mount of the seeded cache (no listing snapshot yet: it lists the
+    # source); "clean_again" is the remount a job sees after a clean unmount (snapshot saved).
+    labels = {"clean": "clean, first mount: lists the source", "clean_again": "clean remount",
+              "after_kill9": "remount after kill -9"}
+    for label, text in labels.items():
         r = out[label]
-        print(f"  remount of {n} cached items ({label}): index ready in {r['recovery_s'] * 1000:.1f} ms "
-              f"(clean={r['recovery_clean']}), mount ready {r['mount_ready_s']:.2f} s (listing the source alone: "
-              f"{out['listing_s']:.2f} s), first read {r['first_read_after_ready_s'] * 1000:.1f} ms after", flush=True)
+        r["first_read_end_to_end_s"] = r["mount_ready_s"] + r["first_read_after_ready_s"]
+        print(f"  {text}, {n} cached items: index ready in {r['recovery_s'] * 1000:.1f} ms (clean={r['recovery_clean']}), "
+              f"mount ready {r['mount_ready_s']:.2f} s after `silod mount` started (listing the source alone: {out['listing_s']:.2f} s), "
+              f"first read {r['first_read_after_ready_s'] * 1000:.1f} ms after that: {r['first_read_end_to_end_s']:.2f} s end to end "
+              f"(target < 1 s)", flush=True)
     return out
 
 

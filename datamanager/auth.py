@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.exceptions import HTTPException
+from http_guard import capped_receive, send_json
 
 DEFAULT_MAX_BODY = 1 << 20  # allocations and heartbeats are a few hundred bytes
 
@@ -38,23 +38,6 @@ _AGENT_ROUTES = (
     ("PUT", re.compile(r"^/v1/clients/[^/]+/heartbeat$")),
     ("DELETE", re.compile(r"^/v1/clients/[^/]+$")),
 )
-
-
-class BodyTooLarge(HTTPException):
-    """Raised from `receive` once a streamed body passes the cap (FastAPI passes it through as 413)."""
-
-    def __init__(self, limit: int):
-        super().__init__(status_code=413, detail=f"request body larger than {limit} bytes")
-
-
-async def send_json(send: Any, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    import json
-
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": payload})
 
 
 def _digest(token: str) -> bytes:
@@ -132,15 +115,4 @@ class DataManagerGuard:
         if length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
             await send_json(send, 413, {"detail": f"request body larger than {self.max_body} bytes"})
             return
-        received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise BodyTooLarge(self.max_body)
-            return message
-
-        await self.app(scope, limited_receive, send)
+        await self.app(scope, capped_receive(receive, self.max_body), send)

@@ -12,13 +12,14 @@ passed; nothing beyond it is held). Database trouble while looking a token up is
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
-from starlette.exceptions import HTTPException
+
+from http_guard import BodyTooLarge, capped_receive, send_json
+from http_guard.body import Receive, Send
 
 from scheduler.api.auth import TokenStore
 from scheduler.service_types import Principal
@@ -35,25 +36,6 @@ PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc"
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
 
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-class BodyTooLarge(HTTPException):
-    """Raised from `receive` once a streamed body passes the cap. An HTTPException, so FastAPI's
-    body reader lets it through unchanged and its handler answers 413."""
-
-    def __init__(self, limit: int):
-        super().__init__(status_code=413, detail=f"request body larger than {limit} bytes")
-
-
-async def send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
-    payload = json.dumps(body).encode()
-    await send({
-        "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers],
-    })
-    await send({"type": "http.response.body", "body": payload})
 
 
 def is_database_outage(exc: BaseException) -> bool:
@@ -136,17 +118,7 @@ class RequestGuard:
             if int(length) > self.max_body:
                 await send_json(send, 413, {"detail": f"request body larger than {self.max_body} bytes", "field": None})
                 return
-        received = 0
         started = False
-
-        async def limited_receive() -> dict[str, Any]:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise BodyTooLarge(self.max_body)
-            return message
 
         async def tracking_send(message: dict[str, Any]) -> None:
             nonlocal started
@@ -155,7 +127,7 @@ class RequestGuard:
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, capped_receive(receive, self.max_body), tracking_send)
         except BodyTooLarge as exc:
             if started:
                 raise

@@ -12,7 +12,8 @@ Threads:
   cached items, reads of open items (a pread of a local file), releases;
 - an open that misses the cache is handed to `silod-rawopen-*` (up to --fuse-threads), which
   waits for the fetch (dataplane.py's single flight and fetch pool) and then replies; so a
-  hit never waits behind a miss.
+  hit never waits behind a miss;
+- `silod-raw-sweep` closes kept backing files of items evicted since (see _BackingFiles).
 
 With passthrough every open is a passthrough open, misses included (an item is fetched whole
 before its open returns, so its local file is complete): the kernel refuses a non-passthrough

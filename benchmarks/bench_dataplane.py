@@ -14,7 +14,9 @@
             that answers each GET after 50 ms (an object store's first byte), 16 readers.
             Reference: the same GETs with 16 threads straight from the server. Also printed: the
             mount's CPU per miss, because on a 2-core machine the mount, the server and the
-            readers share the CPU.
+            readers share the CPU, the listing time and the mount's memory. The server's
+            directory indexes are nginx's JSON autoindex (--remote-index json, so 1.28M items list
+            in one GET per directory) or an HTML page (html: a HEAD per item).
 3. hits     cached 110 KB files with 8 reader *processes* through the mount vs the cache directory
             directly; large cached files (1 reader) through the mount vs directly. Each for every
             front end in --backends (default raw,raw-nokeep,libfuse: the raw /dev/fuse server with
@@ -57,7 +59,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+sys.path.insert(0, str(REPO / "tests"))
+
 from bench_fuse import MiB, Proc, make_files, silod, silod_mount  # noqa: E402
+from json_index_server import json_index_handler  # noqa: E402
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -228,8 +233,11 @@ class _SlowHandler(http.server.SimpleHTTPRequestHandler):
         super().do_GET()
 
 
-def serve_http(root: Path, port: int = 0, latency_s: float = 0.02) -> http.server.ThreadingHTTPServer:
-    handler = type("H", (_SlowHandler,), {"latency_s": latency_s})
+def serve_http(root: Path, port: int = 0, latency_s: float = 0.02, index: str = "json") -> http.server.ThreadingHTTPServer:
+    # index "json": directory indexes as nginx's `autoindex_format json` (names and sizes, one
+    # GET per directory); "html": Python's HTML index, which costs the mount a HEAD per item.
+    handler = json_index_handler(_SlowHandler) if index == "json" else _SlowHandler
+    handler = type("H", (handler,), {"latency_s": latency_s})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=str(root)))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -239,13 +247,13 @@ def serve_http(root: Path, port: int = 0, latency_s: float = 0.02) -> http.serve
 class HttpServerProcess:
     """The remote in its own process, so that it does not share a GIL with the readers."""
 
-    def __init__(self, root: Path, latency_s: float, port: int = 0) -> None:
+    def __init__(self, root: Path, latency_s: float, port: int = 0, index: str = "json") -> None:
         import subprocess
 
         port = port or _free_port()
         self.port = port
         self.url = f"http://127.0.0.1:{port}/"
-        self.p = subprocess.Popen([sys.executable, __file__, "--serve-http", str(root), str(port), str(latency_s)])
+        self.p = subprocess.Popen([sys.executable, __file__, "--serve-http", str(root), str(port), str(latency_s), index])
         deadline = time.time() + 20
         while True:
             try:
@@ -268,18 +276,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_s: float = 0.05) -> dict:
+def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_s: float = 0.05, index: str = "json",
+                 sample_size: int = 1500) -> dict:
     # The miss section's datasets are reused when they match (1.28M files take minutes to create).
     src = work / f"miss-src-{n}"
     if not (src / f".complete-{n}-{item_size}").exists():
         src = work / (f"remote-src-{n}" if item_size == 20_000 else f"remote-src-{n}-{item_size}")
     rels = make_many(src, n, item_size)
-    server = HttpServerProcess(src, latency_s)
+    server = HttpServerProcess(src, latency_s, index=index)
     url = server.url
     try:
         sample = rels[:]
         random.Random(2).shuffle(sample)
-        sample = sample[: min(len(sample), 1500)]
+        sample = sample[: min(len(sample), sample_size)]
 
         def get(rel: str) -> int:
             with urllib.request.urlopen(url + rel) as r:
@@ -298,11 +307,14 @@ def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_
         direct_before = direct_rate(others)
         cache = work / "remote-cache"
         shutil.rmtree(cache, ignore_errors=True)
+        t0 = time.perf_counter()
         proc, stats = mount(url, work / "mnt-remote", cache, "remote", "--cache-size", str(n * item_size // 2))
+        mount_s = time.perf_counter() - t0  # mostly listing the source
         try:
             cpu0 = cpu_seconds(proc.p.pid)
             fps = read_all(proc.mnt, sample, threads)
             cpu_ms = 1000 * (cpu_seconds(proc.p.pid) - cpu0) / len(sample)
+            rss_mb = proc.rss_mb()
         finally:
             proc.stop()
         direct_after = direct_rate(others)
@@ -311,10 +323,12 @@ def bench_remote(work: Path, n: int, item_size: int, threads: int = 16, latency_
         server.stop()
     r = {"items": n, "sample": len(sample), "latency_ms": latency_s * 1000, "threads": threads,
          "files_per_s": fps, "remote_direct_files_per_s": direct, "remote_direct_before": direct_before,
-         "remote_direct_after": direct_after, "ratio": fps / direct, "cpu_ms_per_miss": cpu_ms,
-         "target": ">= 0.8x the remote's own rate"}
-    print(f"  latency-bound HTTP remote ({latency_s * 1000:.0f} ms/GET, {threads} readers): mount {fps:.0f} files/s, "
-          f"remote directly {direct:.0f} files/s (before {direct_before:.0f}, after {direct_after:.0f}), ratio {fps / direct:.2f} (target >= 0.8), {cpu_ms:.2f} CPU ms/miss", flush=True)
+         "remote_direct_after": direct_after, "ratio": fps / direct, "cpu_ms_per_miss": cpu_ms, "index": index,
+         "mount_s": mount_s, "mount_rss_mb": rss_mb, "item_size": item_size, "target": ">= 0.8x the remote's own rate"}
+    print(f"  latency-bound HTTP remote, {n} items of {item_size} B ({latency_s * 1000:.0f} ms/GET, {threads} readers, {index} "
+          f"directory indexes): mount ready in {mount_s:.1f} s (listing), {rss_mb:.0f} MB RSS; misses {fps:.0f} files/s, "
+          f"remote directly {direct:.0f} files/s (before {direct_before:.0f}, after {direct_after:.0f}), ratio {fps / direct:.2f} "
+          f"(target >= 0.8), {cpu_ms:.2f} CPU ms/miss", flush=True)
     return r
 
 
@@ -596,7 +610,7 @@ def _quiet_read(path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--serve-http", nargs=3, metavar=("ROOT", "PORT", "LATENCY"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve-http", nargs=4, metavar=("ROOT", "PORT", "LATENCY", "INDEX"), help=argparse.SUPPRESS)
     ap.add_argument("--only", action="append", choices=["miss", "remote", "hits", "dead", "remount", "stall"])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/silod-bench"))
     ap.add_argument("--json", type=Path, default=REPO / "out" / "bench_dataplane.json")
@@ -604,6 +618,9 @@ def main() -> None:
     ap.add_argument("--item-size", type=int, default=2048, help="bytes per item in the miss-path datasets")
     ap.add_argument("--sample", type=int, default=3000, help="misses measured per dataset size")
     ap.add_argument("--remote-items", type=int, default=4000)
+    ap.add_argument("--remote-index", choices=["json", "html"], default="json",
+                    help="directory indexes of the remote: nginx's JSON autoindex (sizes included) or an HTML page (a HEAD per item)")
+    ap.add_argument("--remote-sample", type=int, default=1500, help="uncached items read through the mount")
     ap.add_argument("--remote-item-size", type=int, default=20_000,
                     help="bytes per item of the HTTP remote (2048 with 1280000 items reuses the miss section's dataset)")
     ap.add_argument("--small-count", type=int, default=4000)
@@ -618,8 +635,8 @@ def main() -> None:
     ap.add_argument("--remount-items", type=int, default=100_000)
     args = ap.parse_args()
     if args.serve_http:
-        root, port, latency = args.serve_http
-        serve_http(Path(root), int(port), float(latency))
+        root, port, latency, index = args.serve_http
+        serve_http(Path(root), int(port), float(latency), index)
         threading.Event().wait()
     which = args.only or ["miss", "remote", "hits", "dead", "remount", "stall"]
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -629,7 +646,8 @@ def main() -> None:
         results["miss"] = {b: bench_miss(args.workdir, [int(x) for x in args.sizes.split(",")], args.item_size, args.sample,
                                          backend=b) for b in args.backends.split(",") if b != "raw-nokeep"}
     if "remote" in which:
-        results["remote"] = bench_remote(args.workdir, args.remote_items, args.remote_item_size)
+        results["remote"] = bench_remote(args.workdir, args.remote_items, args.remote_item_size, index=args.remote_index,
+                                         sample_size=args.remote_sample)
     if "hits" in which:
         results["hits"] = bench_hits(args.workdir, args.small_count, args.procs, args.large_mb, args.large_count,
                                      args.backends.split(","))

@@ -3,7 +3,8 @@
 Supported URLs: a local directory (`/data/x` or `file:///data/x`), `s3://bucket/prefix` (s3fs;
 the endpoint comes from the usual AWS settings, e.g. `AWS_ENDPOINT_URL`, or fsspec's
 `FSSPEC_S3_ENDPOINT_URL`), and `http(s)://host/dir/` (fsspec's HTTP file system, which lists a
-directory by the links of its index page).
+directory by the links of its index page, one HEAD per item for its size; or, when the server
+sends nginx's JSON indexes, one GET per directory: http_index.py).
 
 Datasets are immutable while mounted, so the listing (names, sizes) is read from the store once
 at mount time and kept in memory; this is also what makes `ls` and `stat` on the mount free.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from estimator.errors import UserError
+from fuse_client import http_index
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, chunk_size_for
 
@@ -226,6 +228,9 @@ class RemoteStore:
 
     def _list_http(self) -> dict[str, int]:
         base = self.root.rstrip("/") + "/"
+        first = self.fs.cat_file(base)
+        if http_index.looks_like_json_index(first):
+            return self._list_http_json(base, first)
         sizes: dict[str, int] = {}
         pending = [base]
         while pending:
@@ -246,6 +251,23 @@ class RemoteStore:
                 if size is None:
                     raise UserError(f"--source {self.url!r}: the server reports no size for {name!r}")
                 sizes[rel] = int(size)
+        return sizes
+
+    def _list_http_json(self, base: str, first: bytes) -> dict[str, int]:
+        """A server with JSON directory indexes (nginx `autoindex_format json`): one GET per
+        directory. Paths are kept URL-encoded, as the links of an HTML index give them, so the
+        mount shows the same names whichever index the server sends."""
+        sizes: dict[str, int] = {}
+        pending: list[tuple[str, bytes | None]] = [(base, first)]
+        while pending:
+            url, body = pending.pop()
+            if body is None:
+                body = self.fs.cat_file(url)
+            for entry in http_index.parse_json_index(body, url, self.url):
+                if entry.is_dir:
+                    pending.append((f"{url}{entry.url_name}/", None))
+                else:
+                    sizes[f"{url[len(base):]}{entry.url_name}"] = entry.size
         return sizes
 
     def _open(self, rel: str, chunk: int, size: int | None = None):

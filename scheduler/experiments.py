@@ -125,7 +125,8 @@ def with_curriculum_jobs(trace: Trace, fraction: float, seed: int) -> Trace:
     """`fraction` of the jobs (drawn with `seed`) become curriculum jobs: batch 256, starting
     at 4% and growing 1.9x every Step iterations, Step set so that the whole dataset is eligible
     halfway through the job (the pacing reaches it partway through training, as in Hacohen and
-    Weinshall). Item sizes come from the catalog dataset each job's copy was made from."""
+    Weinshall). Item sizes: the trace's own (`item_size` column) where it gives one, else the
+    catalog dataset's that each job's copy was made from, else ImageNet's 110 KB."""
     if fraction <= 0:
         return trace
     rng = np.random.default_rng(seed + 7)
@@ -134,9 +135,10 @@ def with_curriculum_jobs(trace: Trace, fraction: float, seed: int) -> Trace:
     jobs, items = [], dict(trace.item_sizes)
     for job, pick in zip(trace.jobs, chosen, strict=True):
         if pick:
-            base = DATASETS.get(job.dataset.split("/")[0])
-            item = base.item_size if base is not None else 110e3
-            items[job.dataset] = item
+            item = items.get(job.dataset)
+            if item is None:
+                base = DATASETS.get(job.dataset.split("/")[0])
+                item = items[job.dataset] = base.item_size if base is not None else 110e3
             iterations = job.total_bytes(trace.dataset_sizes[job.dataset]) / (256 * item)
             step = max(1, int(iterations / (2 * growths)))
             job = replace(job, access=AccessPattern.curriculum_learning(0.04, 1.9, step, 256))

@@ -175,3 +175,21 @@ def test_irregular_partition_holds_in_simulation(tmp_path):
     assert isinstance(sim.cache.domains.get("d2"), LruDomain)
     for row in result.timeline:
         assert row.cache_cached <= capacity.cache * (1 + 1e-9)
+
+
+def test_curriculum_mix_keeps_the_traces_own_item_sizes():
+    """with_curriculum_jobs (the irregular-mix experiment) paces a job by the item size the trace
+    gives for its dataset; only datasets without one take the catalog's (or 110 KB)."""
+    from scheduler.experiments import with_curriculum_jobs
+    from traces.model import Trace, TraceJob
+
+    jobs = tuple(TraceJob(f"j{i}", float(i), 1, "ResNet-50", ds, 100e6, 2.0)
+                 for i, ds in enumerate(["given", "no-size", "given", "no-size"]))
+    trace = Trace(jobs, {"given": 100e9, "no-size": 100e9}, item_sizes={"given": 4e6})
+    mixed = with_curriculum_jobs(trace, 1.0, seed=0)
+    assert all(j.access.kind == "curriculum" for j in mixed.jobs)
+    assert mixed.item_sizes == {"given": 4e6, "no-size": 110e3}
+    step = {j.dataset: j.access.curriculum.step for j in mixed.jobs}
+    # Step = iterations / 12, iterations = 2 x 100 GB / (256 x item): 36x more items at 110 KB.
+    assert step["given"] == int(2 * 100e9 / (256 * 4e6) / 12)
+    assert step["no-size"] == int(2 * 100e9 / (256 * 110e3) / 12)

@@ -345,10 +345,8 @@ def bench_hits(work: Path, count: int, procs: int, large_mb: int, large_count: i
     small: dict = {"files": count, "file_size": 110_000, "reader_processes": procs,
                    "target": ">= 17k files/s and >= 0.25x direct", "load_avg_before": os.getloadavg()}
     for backend in backends:
-        # raw-nokeep: the raw server without kept backing files (every open registers one), the
-        # comparison that shows what keeping them saves.
-        env = {"SILOD_RAW_KEEP_BACKING": "0"} if backend == "raw-nokeep" else None
-        proc, stats = silod_mount(src, work / "mnt-hits", cache, "hits", "--fuse-backend", backend.split("-")[0], env=env)
+        proc, stats = silod_mount(src, work / "mnt-hits", cache, "hits", *_frontend_args(backend),
+                                  env=_FRONTEND_ENV.get(backend))
         try:
             read_all(proc.mnt, rels, 8)  # epoch 1 fills the cache (epoch 2+ of the first backend)
             item_rels = [str(p.relative_to(items)) for p in items.glob("*/*")]
@@ -390,7 +388,7 @@ def bench_hits(work: Path, count: int, procs: int, large_mb: int, large_count: i
 
     large: dict = {"files": large_count, "file_MiB": large_mb, "target": ">= 0.9x direct"}
     for backend in [b for b in backends if b != "raw-nokeep"]:
-        proc, stats = silod_mount(lsrc, work / "mnt-large", lcache, "large", "--fuse-backend", backend)
+        proc, stats = silod_mount(lsrc, work / "mnt-large", lcache, "large", *_frontend_args(backend))
         try:
             big(proc.mnt, lrels)  # epoch 1 (or a re-read)
             # Mount and direct passes alternate, best of three each: the load drifts meanwhile.
@@ -410,6 +408,18 @@ def bench_hits(work: Path, count: int, procs: int, large_mb: int, large_count: i
         print(f"  cached {large_mb} MiB files, 1 reader, {r['backend']}: mount {r['mount_GBps']:.2f} GB/s, directly "
               f"{r['direct_GBps']:.2f} GB/s (best of 3 alternating passes each), ratio {r['ratio']:.2f} (target >= 0.9)", flush=True)
     return {"small": small, "large": large}
+
+
+# Front-end variants the hits section compares (--backends): raw-nokeep is the raw server without
+# kept backing files (every open registers one: what keeping them saves); raw-nopassthrough is
+# the raw server as on kernels without passthrough (reads reach it; page cache kept for hits).
+_FRONTEND_ENV = {"raw-nokeep": {"SILOD_RAW_KEEP_BACKING": "0"}}
+
+
+def _frontend_args(backend: str) -> list[str]:
+    if backend == "raw-nopassthrough":
+        return ["--fuse-backend", "raw", "--no-passthrough"]
+    return ["--fuse-backend", backend.split("-")[0]]
 
 
 def _backend_label(stats: dict) -> str:
@@ -626,7 +636,8 @@ def main() -> None:
     ap.add_argument("--small-count", type=int, default=4000)
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--backends", default="raw,raw-nokeep,libfuse",
-                    help="FUSE front ends to compare (silod mount --fuse-backend; raw-nokeep: raw without kept backing files)")
+                    help="FUSE front ends to compare (silod mount --fuse-backend; raw-nokeep: raw without kept backing "
+                         "files; raw-nopassthrough: raw as on kernels without passthrough)")
     ap.add_argument("--large-mb", type=int, default=256)
     ap.add_argument("--large-count", type=int, default=4)
     ap.add_argument("--deadline", type=float, default=5.0)
@@ -644,7 +655,7 @@ def main() -> None:
     if "miss" in which:
         print("epoch-1 miss path:", flush=True)
         results["miss"] = {b: bench_miss(args.workdir, [int(x) for x in args.sizes.split(",")], args.item_size, args.sample,
-                                         backend=b) for b in args.backends.split(",") if b != "raw-nokeep"}
+                                         backend=b) for b in args.backends.split(",") if b in ("raw", "libfuse")}
     if "remote" in which:
         results["remote"] = bench_remote(args.workdir, args.remote_items, args.remote_item_size, index=args.remote_index,
                                          sample_size=args.remote_sample)

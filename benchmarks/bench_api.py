@@ -52,8 +52,8 @@ BARE_APP = textwrap.dedent(
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel
     from sqlalchemy import insert, select
-    from scheduler.db.engine import make_engine
-    from scheduler.db.models import Job, JobState
+    from scheduler.service.db.engine import make_engine
+    from scheduler.service.db.models import Job, JobState
 
     engine = make_engine(os.environ["BARE_DB"])
     app = FastAPI()
@@ -122,8 +122,8 @@ def prepare_db(path: Path, active: int) -> None:
     (bulk-inserted: the benchmark measures requests, not the preload)."""
     from sqlalchemy import insert
 
-    from scheduler.db import open_database
-    from scheduler.db.models import Dataset, Job, JobState
+    from scheduler.service.db import open_database
+    from scheduler.service.db.models import Dataset, Job, JobState
 
     engine = open_database(f"sqlite:///{path}")
     now = time.time()

@@ -31,7 +31,7 @@ from estimator.access import EPOCH, IRREGULAR  # noqa: E402
 from fuse_client.cache_store import DatasetCache, file_crc32, item_key  # noqa: E402
 from fuse_client.lru_cache import CacheMode  # noqa: E402
 from policies import ClusterCapacity, DatasetView, JobView, SiloDEstimator, Snapshot, get_policy  # noqa: E402
-from scheduler.partition import allocate_partitioned  # noqa: E402
+from scheduler.core.partition import allocate_partitioned  # noqa: E402
 
 ITEM = 4096
 

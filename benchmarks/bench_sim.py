@@ -30,8 +30,8 @@ CHILD = r"""
 import resource, sys, json, time
 sys.path.insert(0, {root!r})
 from traces.synthetic import generate_trace
-from scheduler.cli_sim import run_simulation
-from scheduler.cluster import load_cluster
+from scheduler.sim.cli import run_simulation
+from scheduler.core.cluster import load_cluster
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = {n}
 trace = generate_trace(n, mean_interarrival_s=1210.0, seed=3)  # same load at every size
@@ -57,7 +57,7 @@ def main() -> None:
 
     from concurrent.futures import ProcessPoolExecutor
 
-    from scheduler.experiments import CACHE_SYSTEMS, Run, TraceSource, _capacity, simulate_run
+    from scheduler.sim.experiments import CACHE_SYSTEMS, Run, TraceSource, _capacity, simulate_run
 
     results: dict = {"matrix": {}, "growth": [], "memory": {}}
     if not args.skip_matrix:

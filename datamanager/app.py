@@ -37,7 +37,7 @@ from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS, parse_rate, parse_size
-from fuse_client.names import validate_name
+from contract.names import validate_name
 
 log = logging.getLogger("silod.datamanager")
 
@@ -87,11 +87,11 @@ def _workers(value: int | None) -> int | None:
 
 
 def _check_uri(uri: str) -> None:
-    """The operator's allow-list (fuse_client.uri_policy), when SILOD_ALLOWED_URIS is set: the
+    """The operator's allow-list (contract.uri_policy), when SILOD_ALLOWED_URIS is set: the
     data manager records sources, it does not read them, so without the variable it accepts any."""
     import os
 
-    from fuse_client.uri_policy import ENV, UriPolicy
+    from contract.uri_policy import ENV, UriPolicy
 
     if os.environ.get(ENV):
         UriPolicy.from_env().check(uri)

@@ -13,7 +13,7 @@ whether that holds with its access pattern:
 - ``irregular``: the job only says that it breaks the assumption (any other pattern).
 
 Jobs that are not ``epoch`` are *irregular*: the scheduling core places them in the second
-partition of cache and remote IO (scheduler/partition.py), where the storage-unaware estimator
+partition of cache and remote IO (scheduler/core/partition.py), where the storage-unaware estimator
 and an LRU cache are used instead of SiloDPerf and uniform caching.
 
 This module is pure (no I/O) and lives in the shared kernel so that traces, policies, the

@@ -4,7 +4,7 @@ A dataset's cache is either `uniform` (SiloD's default, fuse_client/uniform_cach
 Uniform caching relies on each item being read once per epoch in random order; a job that reads
 otherwise (curriculum learning samples the easy items again and again) is better served by LRU,
 where a newly cached item helps at once. The scheduler puts datasets that only irregular jobs
-read in LRU mode, inside the irregular partition's cache budget (scheduler/partition.py).
+read in LRU mode, inside the irregular partition's cache budget (scheduler/core/partition.py).
 
 LRU here is a `CachePolicy` (uniform_cache.py) that the on-disk cache (cache_store.py) plugs in
 when the dataset's mode is `lru`. It:

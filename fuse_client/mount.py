@@ -33,7 +33,7 @@ from estimator.errors import UserError
 from fuse_client.accounting import JobAccounting
 from fuse_client.cache_store import UNLIMITED_BYTES, DatasetCache, RecoveryReport
 from fuse_client.lru_cache import CacheMode
-from fuse_client.names import validate_name
+from contract.names import validate_name
 from fuse_client.pod_attribution import PodAttribution
 
 log = logging.getLogger(__name__)
@@ -363,9 +363,10 @@ def run_mount(cfg: MountConfig) -> int:
     from fuse_client.frontend import Frontend
     from fuse_client.operations import DatasetOperations
     from fuse_client.manager_link import ClientRegistration, ManagerLink
-    from fuse_client.remote import ANONYMOUS_ENV, RemoteStore, SourceCredential
+    from contract.credentials import ANONYMOUS_ENV, SourceCredential
+    from fuse_client.remote import RemoteStore
     from fuse_client.token_bucket import Throttle
-    from fuse_client.uri_policy import ENV as ALLOWED_URIS_ENV, UriPolicy
+    from contract.uri_policy import ENV as ALLOWED_URIS_ENV, UriPolicy
 
     from fuse_client import listing_snapshot
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from estimator.errors import UserError
+from contract.credentials import SourceCredential
 from fuse_client import http_index
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, chunk_size_for
@@ -78,42 +79,6 @@ class DatasetListing:
 
 
 SUPPORTED_SCHEMES = ("", "file", "s3", "http", "https")  # "": a local directory
-
-
-# How a tenant's credential reaches a mount process: environment variables set by the backend
-# for that process only (never a command-line argument, which other users can read in /proc).
-CREDENTIAL_ENV = {
-    "access_key_id": "SILOD_SOURCE_ACCESS_KEY_ID",
-    "secret_access_key": "SILOD_SOURCE_SECRET_ACCESS_KEY",
-    "endpoint_url": "SILOD_SOURCE_ENDPOINT_URL",
-    "region": "SILOD_SOURCE_REGION",
-}
-ANONYMOUS_ENV = "SILOD_SOURCE_ANONYMOUS"  # "1": read s3 anonymously, never with ambient credentials
-
-
-@dataclass(frozen=True)
-class SourceCredential:
-    """A tenant's credential for its dataset's store. The secret never appears in a repr."""
-
-    access_key_id: str
-    secret_access_key: str = field(repr=False)
-    endpoint_url: str | None = None
-    region: str | None = None
-
-    def to_env(self) -> dict[str, str]:
-        return {CREDENTIAL_ENV[k]: v for k, v in (("access_key_id", self.access_key_id),
-                ("secret_access_key", self.secret_access_key), ("endpoint_url", self.endpoint_url),
-                ("region", self.region)) if v}
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "SourceCredential | None":
-        import os
-
-        env = dict(os.environ) if env is None else env
-        key, secret = env.get(CREDENTIAL_ENV["access_key_id"]), env.get(CREDENTIAL_ENV["secret_access_key"])
-        if not key or not secret:
-            return None
-        return cls(key, secret, env.get(CREDENTIAL_ENV["endpoint_url"]) or None, env.get(CREDENTIAL_ENV["region"]) or None)
 
 
 def storage_options(url: str, credential: SourceCredential | None, anonymous: bool = False) -> dict:

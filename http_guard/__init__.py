@@ -1,4 +1,4 @@
-"""ASGI plumbing the two HTTP services share (the scheduler API's guard, scheduler/api/guard.py,
+"""ASGI plumbing the two HTTP services share (the scheduler API's guard, scheduler/service/api/guard.py,
 and the data manager's auth middleware, datamanager/auth.py): a request body capped while it
 streams in, and JSON replies sent before any route runs. No policy lives here: each service
 decides who may call what and answers its own status codes."""

@@ -32,7 +32,7 @@ class JobView:
     #: already read, so this is below c/d while a cache fills (delayed effectiveness).
     hit_ratio_now: float | None = None
     #: How the job reads (§6): `epoch` jobs are regular and planned with SiloDPerf; any other
-    #: pattern is irregular and scheduled in the second partition (scheduler/partition.py).
+    #: pattern is irregular and scheduled in the second partition (scheduler/core/partition.py).
     access: AccessPattern = EPOCH
 
     @property
@@ -63,7 +63,7 @@ class ClusterCapacity:
     gpus_per_node: int = 8
     #: Operator pin: fraction of cache and remote IO given to the irregular partition whenever
     #: both regular and irregular jobs are active; None = proportional to demand, every round
-    #: (scheduler/partition.py).
+    #: (scheduler/core/partition.py).
     irregular_share: float | None = None
 
     def __post_init__(self) -> None:
@@ -104,7 +104,7 @@ def _frozen(mapping: Mapping[str, float] | None) -> Mapping[str, float] | None:
 class StoragePartition:
     """How one round split cache and remote IO between regular and irregular jobs (§6).
 
-    Set on the Allocation by the partition wrapper (scheduler/partition.py) when irregular jobs
+    Set on the Allocation by the partition wrapper (scheduler/core/partition.py) when irregular jobs
     are active; policies never create or read it. GPUs are one pool: `*_gpus` are the GPU
     budgets (time-averaged GPUs) each partition's policy call was given.
     """
@@ -140,7 +140,7 @@ class Allocation:
     cache: Mapping[str, float] | None = None
     remote_io: Mapping[str, float] | None = None
     objective: float | None = field(default=None, compare=False)  # e.g. Gavel's min fairness ratio
-    partition: StoragePartition | None = field(default=None, compare=False)  # set by scheduler/partition.py
+    partition: StoragePartition | None = field(default=None, compare=False)  # set by scheduler/core/partition.py
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_share", MappingProxyType(dict(self.gpu_share)))

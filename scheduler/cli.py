@@ -46,10 +46,10 @@ def _global_options(
 
 
 def _register_all() -> None:
-    from scheduler import cli_sim
+    from scheduler.sim import cli as cli_sim
 
     cli_sim.register(app)
-    for module_name in ("fuse_client.cli", "datamanager.cli", "scheduler.service_cli", "scheduler.demo",
+    for module_name in ("fuse_client.cli", "datamanager.cli", "scheduler.service.cli", "scheduler.demo",
                         "fuse_client.agent.cli"):
         try:
             module = __import__(module_name, fromlist=["register"])

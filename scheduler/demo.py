@@ -188,7 +188,7 @@ def render_table(title: str, rows: list[JobRow], wide: bool = False) -> Any:
 
 def _job_rows(service: Any, names: dict[str, str]) -> list[JobRow]:
     from estimator.units import format_rate, format_size
-    from scheduler.service import Principal
+    from scheduler.service.scheduler_process import Principal
 
     admin = Principal("admin", is_admin=True)
     cache = {c.dataset: c.bytes for c in service.allocations(admin).cache}
@@ -230,11 +230,11 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     from policies.registry import get_policy
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.backends.local import WorkConservingPusher
-    from scheduler.cluster import load_cluster
-    from scheduler.core import SchedulingCore
-    from scheduler.db import open_database
-    from scheduler.service import NewDataset, NewJob, Principal, SchedulerService, ServiceConfig
-    from scheduler.service_cli import make_pusher
+    from scheduler.core.cluster import load_cluster
+    from scheduler.core.planner import SchedulingCore
+    from scheduler.service.db import open_database
+    from scheduler.service.scheduler_process import NewDataset, NewJob, Principal, SchedulerService, ServiceConfig
+    from scheduler.service.cli import make_pusher
 
     run_dir = workdir / label
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -248,7 +248,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     ))
     pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
     # The demo's "remote store" is a local directory: the operator's allow-list names exactly it.
-    from fuse_client.uri_policy import UriPolicy
+    from contract.uri_policy import UriPolicy
 
     allowed = UriPolicy(("s3", "https", (workdir / "remote").as_uri() + "/"))
     config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0,

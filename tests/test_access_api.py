@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from estimator.access import EPOCH, IRREGULAR, AccessPattern
-from scheduler.api.app import create_app
-from scheduler.api.auth import TokenStore, load_token_key
-from scheduler.service import NewJob, Principal
-from scheduler.service_cli import build_service
+from scheduler.service.api.app import create_app
+from scheduler.service.api.auth import TokenStore, load_token_key
+from scheduler.service.scheduler_process import NewJob, Principal
+from scheduler.service.cli import build_service
 
 try:
     from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
@@ -89,7 +89,7 @@ def test_bad_access_is_422_naming_access_and_stores_nothing(app_client, access) 
 def test_python_api_takes_the_typed_pattern(db_url, tmp_path) -> None:
     service = _service(db_url, tmp_path)
     try:
-        from scheduler.service import NewDataset
+        from scheduler.service.scheduler_process import NewDataset
 
         # Datasets belong to a tenant: the tenant submitting the jobs registers them.
         d, _ = service.register_dataset(Principal("u"), NewDataset("d", "s3://b/d", 1e9))
@@ -115,7 +115,7 @@ def test_round_pushes_lru_mode_for_irregular_only_datasets(tmp_path) -> None:
     from datamanager.app import create_app as create_dm_app
     from datamanager.auth import DataManagerAuth
     from datamanager.client import DataManagerClient
-    from scheduler.service import NewDataset
+    from scheduler.service.scheduler_process import NewDataset
 
     sched_token, agent_token = "dm-scheduler-token-0123", "dm-agent-token-0123"
     (tmp_path / "dm").mkdir()

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from scheduler.api.app import create_app
-from scheduler.api.server import ServerThread
-from scheduler.service_cli import build_service, make_token_store
+from scheduler.service.api.app import create_app
+from scheduler.service.api.server import ServerThread
+from scheduler.service.cli import build_service, make_token_store
 
 try:
     from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401

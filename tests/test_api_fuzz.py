@@ -12,8 +12,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from scheduler.api.app import openapi_document
-from scheduler.api.server import ServerThread
+from scheduler.service.api.app import openapi_document
+from scheduler.service.api.server import ServerThread
 
 from test_api import H_ADMIN, H_ALICE, IMAGENET, JOB, make_app  # noqa: I001 - sibling test module
 

@@ -16,8 +16,8 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from scheduler.api.server import ServerThread
-from scheduler.db.models import ApiToken
+from scheduler.service.api.server import ServerThread
+from scheduler.service.db.models import ApiToken
 
 try:
     from test_api import ADMIN_TOKEN, H_ADMIN, H_ALICE, H_BOB, IMAGENET, JOB, TOKENS, make_app
@@ -325,7 +325,7 @@ def test_quota_at_submission_names_the_limit(client: TestClient) -> None:
 
 
 def test_10k_jobs_from_one_tenant_over_quota(tmp_path) -> None:
-    from scheduler.service_types import TenantQuota
+    from scheduler.service.types import TenantQuota
 
     app, service = make_app(f"sqlite:///{tmp_path / 'q.db'}", tmp_path, run_loop=False,
                             default_quota=TenantQuota(queued_jobs=100))

@@ -58,7 +58,7 @@ def test_gpu_counts_out_of_range_or_not_whole(value):
 
 
 def test_cluster_flags_use_the_bounds():
-    from scheduler.cluster import load_cluster
+    from scheduler.core.cluster import load_cluster
 
     with pytest.raises(UnitError, match="1EB"):
         load_cluster(gpus=8, cache="2EB", remote_io="1GB/s")
@@ -93,7 +93,7 @@ def test_binary_trace_is_a_clear_error(tmp_path):
 
 
 def test_rest_api_schemas_use_the_bounds():
-    from scheduler.api.schemas import DatasetIn, JobIn
+    from scheduler.service.api.schemas import DatasetIn, JobIn
 
     assert DatasetIn(name="d", uri="s3://b/d", size="1EB").size == 1e18
     with pytest.raises(ValidationError, match="1EB"):

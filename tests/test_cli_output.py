@@ -41,7 +41,7 @@ def test_demo_table_wide_shows_every_column():
 
 
 def test_default_state_dir_follows_xdg(monkeypatch, tmp_path):
-    from scheduler.service_cli import default_state_dir
+    from scheduler.service.cli import default_state_dir
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     assert default_state_dir() == tmp_path / "xdg" / "silod"
@@ -52,7 +52,7 @@ def test_default_state_dir_follows_xdg(monkeypatch, tmp_path):
 
 
 def test_serve_defaults_leave_nothing_in_the_current_directory(monkeypatch, tmp_path):
-    from scheduler.service_cli import build_service
+    from scheduler.service.cli import build_service
 
     cwd = tmp_path / "checkout"
     cwd.mkdir()
@@ -69,7 +69,7 @@ def test_serve_defaults_leave_nothing_in_the_current_directory(monkeypatch, tmp_
 
 def test_unwritable_state_dir_is_a_user_error(tmp_path):
     from estimator.errors import UserError
-    from scheduler.service_cli import build_service
+    from scheduler.service.cli import build_service
 
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -11,9 +11,9 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from scheduler.api.app import create_app
-from scheduler.consumption import AdmittedPod, ConsumptionStore
-from scheduler.service_cli import build_service, make_token_store
+from scheduler.service.api.app import create_app
+from scheduler.service.consumption import AdmittedPod, ConsumptionStore
+from scheduler.service.cli import build_service, make_token_store
 
 try:
     from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
@@ -158,7 +158,7 @@ def test_body_cap_and_no_body_read_before_authorisation(world):
 
 
 def test_node_agent_binding_is_checked():
-    from scheduler.service_types import ServiceError, parse_node_agents
+    from scheduler.service.types import ServiceError, parse_node_agents
 
     assert parse_node_agents(["a=n1", "b"]) == (frozenset({"a", "b"}), (("a", "n1"),))
     with pytest.raises(ServiceError, match="two nodes"):

@@ -20,7 +20,7 @@ from policies import (
     allocation_violations,
     get_policy,
 )
-from scheduler.core import RoundPlanner, SchedulingCore, io_caps_for_round, spread_spare_io
+from scheduler.core.planner import RoundPlanner, SchedulingCore, io_caps_for_round, spread_spare_io
 
 FAST = settings(max_examples=50, deadline=None)
 

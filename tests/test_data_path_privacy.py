@@ -12,8 +12,9 @@ import pytest
 
 from estimator.errors import UserError
 from fuse_client.cache_store import DatasetCache
-from fuse_client.remote import ANONYMOUS_ENV, SourceCredential, storage_options
-from fuse_client.uri_policy import UriPolicy, UriRejected
+from contract.credentials import ANONYMOUS_ENV, SourceCredential
+from fuse_client.remote import storage_options
+from contract.uri_policy import UriPolicy, UriRejected
 from scheduler.backends.base import DatasetInfo
 from scheduler.backends.local import source_env
 

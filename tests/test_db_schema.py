@@ -7,10 +7,10 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from scheduler.db import open_database
-from scheduler.db.models import AllocationChange, Base, CacheAllocationRow, JobAllocationRow
-from scheduler.service import NewDataset, NewJob, Principal
-from scheduler.service_cli import build_service
+from scheduler.service.db import open_database
+from scheduler.service.db.models import AllocationChange, Base, CacheAllocationRow, JobAllocationRow
+from scheduler.service.scheduler_process import NewDataset, NewJob, Principal
+from scheduler.service.cli import build_service
 
 try:
     from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
@@ -48,7 +48,7 @@ def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> Non
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-    from scheduler.db.engine import MIGRATIONS_DIR, make_engine
+    from scheduler.service.db.engine import MIGRATIONS_DIR, make_engine
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))

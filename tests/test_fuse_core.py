@@ -16,7 +16,7 @@ from fuse_client.accounting import EpochBitset, JobAccounting
 from fuse_client.breaker import RetryPolicy
 from fuse_client.cache_store import DatasetCache, file_crc32, item_key
 from fuse_client.dataplane import ItemResolver
-from fuse_client.names import validate_name
+from contract.names import validate_name
 from fuse_client.remote import RemoteFetchError, RemoteStore
 from fuse_client.token_bucket import Throttle, TokenBucket, chunk_size_for
 from fuse_client.uniform_cache import CachedItem, choose_evictions, should_admit

@@ -15,11 +15,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from k8s_emulator import JOBSET, EmulatedCluster
-from scheduler.api.app import create_app
+from scheduler.service.api.app import create_app
 from scheduler.backends.base import DatasetInfo, JobAllocation, JobSpec
-from scheduler.api.auth import TokenStore, load_token_key
-from scheduler.service import ADMIN, Principal
-from scheduler.service_cli import build_service
+from scheduler.service.api.auth import TokenStore, load_token_key
+from scheduler.service.scheduler_process import ADMIN, Principal
+from scheduler.service.cli import build_service
 
 ADMIN_TOKEN = "admin-token-0123456789"
 TOKENS = {"alice": "alice-token-0001", "bob": "bob-token-00002"}
@@ -362,7 +362,7 @@ def test_node_mount_remote_io_is_pushed_to_a_real_data_manager(cluster, tmp_path
         service = build_service(db=f"sqlite:///{tmp_path / 'io.db'}", backend="kubernetes", policy="fifo",
                                 round_s=360, gpus="8", gpus_per_node="4", cache="200GB", remote_io="1GB/s",
                                 state_dir=tmp_path / "s", datamanager=dm.url, backend_opts={"server": cluster.url})
-        from scheduler.service import NewDataset
+        from scheduler.service.scheduler_process import NewDataset
 
         service.register_dataset(Principal("alice"), NewDataset("imagenet", "s3://d/i", 10e9))
         create(cluster, kubectl_job("io", gpus=2))

@@ -10,8 +10,8 @@ import copy
 
 import pytest
 
-from scheduler.consumption import ConsumptionStore, PodReport
-from scheduler.db.models import WorkloadPod
+from scheduler.service.consumption import ConsumptionStore, PodReport
+from scheduler.service.db.models import WorkloadPod
 
 try:
     from test_kubernetes_admission import ROOT, cluster, create, job_named, kubectl_job, stack, step  # noqa: F401

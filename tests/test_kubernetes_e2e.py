@@ -25,10 +25,10 @@ import pytest
 
 from dataplane_helpers import force_unmount, make_dataset, require_fuse, silod_cmd
 from k8s_emulator import EmulatedCluster
-from scheduler.api.app import create_app
-from scheduler.api.auth import TokenStore, load_token_key
-from scheduler.service import ADMIN, Principal
-from scheduler.service_cli import build_service
+from scheduler.service.api.app import create_app
+from scheduler.service.api.auth import TokenStore, load_token_key
+from scheduler.service.scheduler_process import ADMIN, Principal
+from scheduler.service.cli import build_service
 from test_kubernetes_admission import SAFE_CONTAINER, kubectl_job
 from test_kubernetes_webhook import SILOD_SA
 

@@ -306,7 +306,7 @@ def test_through_the_api_server_the_owner_cannot_unsuspend_but_silod_admits(pki,
     """The emulated API server sends UPDATE reviews with the request's user; silod's backend
     talks to it with its service account's token, the owner as `alice`."""
     from k8s_emulator import ApiError
-    from scheduler.service_cli import build_service
+    from scheduler.service.cli import build_service
 
     try:
         from test_kubernetes_admission import ROOT, job_named, step
@@ -327,7 +327,7 @@ def test_through_the_api_server_the_owner_cannot_unsuspend_but_silod_admits(pki,
                                     state_dir=tmp_path / "state",
                                     backend_opts={"server": cluster.url, "token-file": str(tmp_path / "sa-token")})
             try:
-                from scheduler.service_types import NewDataset, Principal
+                from scheduler.service.types import NewDataset, Principal
 
                 service.catalogue.register_dataset(Principal("alice"), NewDataset("imagenet", "s3://d/i", 10e9))
                 jobs = ("batch", "jobs")

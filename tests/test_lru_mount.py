@@ -199,8 +199,8 @@ def test_scheduler_sets_the_mode_through_the_data_manager(tmp_path, s3_dataset):
     """A curriculum job alone on its dataset: the service pushes `lru` for it (and `uniform` for a
     dataset a regular job reads), the data manager stores it, and the mount switches."""
     from datamanager.client import DataManagerClient
-    from scheduler.service import NewDataset, NewJob, Principal
-    from scheduler.service_cli import build_service
+    from scheduler.service.scheduler_process import NewDataset, NewJob, Principal
+    from scheduler.service.cli import build_service
 
     ds, url, env = s3_dataset
     dm = start_datamanager(tmp_path / "dm-state")

@@ -1,4 +1,4 @@
-"""The regular/irregular partitions around the policy (scheduler/partition.py): hand-computed
+"""The regular/irregular partitions around the policy (scheduler/core/partition.py): hand-computed
 splits, the capacities on random instances for every policy (plug-ins included), and the
 cluster settings that pin the split."""
 
@@ -12,9 +12,9 @@ from estimator.access import EPOCH, IRREGULAR, AccessPattern
 from estimator.errors import UserError
 from policies import ClusterCapacity, DatasetView, JobView, SiloDEstimator, Snapshot, VanillaEstimator, allocation_violations, get_policy
 from policies.registry import BUILTIN_POLICIES
-from scheduler.cluster import load_cluster
-from scheduler.core import SchedulingCore
-from scheduler.partition import allocate_partitioned, lru_datasets, partition_share, partition_violations, proportional_fill
+from scheduler.core.cluster import load_cluster
+from scheduler.core.planner import SchedulingCore
+from scheduler.core.partition import allocate_partitioned, lru_datasets, partition_share, partition_violations, proportional_fill
 
 try:
     from test_policies import installed_plugin  # noqa: F401  (fixture)
@@ -293,7 +293,7 @@ def test_simulate_takes_the_flag_and_a_mixed_trace(tmp_path):
 
 
 def test_serve_builds_its_cluster_with_the_pin(tmp_path):
-    from scheduler.service_cli import build_service
+    from scheduler.service.cli import build_service
 
     service = build_service(db=f"sqlite:///{tmp_path / 's.db'}", backend="null", policy="fifo", round_s=360, gpus="8",
                             cache="1TB", remote_io="1GB/s", irregular_share="0.25", state_dir=tmp_path / "state")

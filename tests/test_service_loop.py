@@ -11,9 +11,9 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler.backends.base import JobEvent
-from scheduler.db.models import AllocationChange, Job, Round
-from scheduler.service import ConflictError, ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError
-from scheduler.service_cli import build_service
+from scheduler.service.db.models import AllocationChange, Job, Round
+from scheduler.service.scheduler_process import ConflictError, ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError
+from scheduler.service.cli import build_service
 
 try:
     from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from scheduler import control
-from scheduler.db import open_database
-from scheduler.db.models import Lease
+from scheduler.service import control
+from scheduler.service.db import open_database
+from scheduler.service.db.models import Lease
 
 from dataplane_helpers import silod_cmd  # noqa: I001 - sibling test helper
 

@@ -1,6 +1,6 @@
 """Curriculum jobs and the irregular partition in `silod simulate`, checked by hand and against
 the independent item-level model (tests/reference/itemsim.py), which shares no code with
-scheduler/backends/sim.
+scheduler/sim.
 
 Each scenario runs through the real command. Per job: JCT within 5% of the item-level model
 (the issue's bound); the hit ratio of every dataset's worth of reads within 4 points (the
@@ -161,8 +161,8 @@ def test_irregular_partition_holds_in_simulation(tmp_path):
     bytes stay within the cluster, and an irregular job's dataset is LRU-cached."""
     from policies.registry import estimator_for, get_policy
     from policies.types import ClusterCapacity
-    from scheduler.backends.sim.cache_systems import LruDomain
-    from scheduler.backends.sim.engine import SimConfig, Simulator
+    from scheduler.sim.cache_systems import LruDomain
+    from scheduler.sim.engine import SimConfig, Simulator
     from traces.csv_trace import load_csv_trace
 
     trace_path = tmp_path / "t.csv"
@@ -180,7 +180,7 @@ def test_irregular_partition_holds_in_simulation(tmp_path):
 def test_curriculum_mix_keeps_the_traces_own_item_sizes():
     """with_curriculum_jobs (the irregular-mix experiment) paces a job by the item size the trace
     gives for its dataset; only datasets without one take the catalog's (or 110 KB)."""
-    from scheduler.experiments import with_curriculum_jobs
+    from scheduler.sim.experiments import with_curriculum_jobs
     from traces.model import Trace, TraceJob
 
     jobs = tuple(TraceJob(f"j{i}", float(i), 1, "ResNet-50", ds, 100e6, 2.0)

@@ -13,7 +13,7 @@ import pytest
 
 from policies import ClusterCapacity, get_policy
 from policies.registry import estimator_for
-from scheduler.backends.sim.engine import SimConfig, Simulator
+from scheduler.sim.engine import SimConfig, Simulator
 from traces.model import Trace, TraceJob
 
 GB = 1e9

@@ -1,6 +1,6 @@
 """`silod simulate` against an independent item-level model (tests/reference/itemsim.py).
 
-The reference shares no code with scheduler/backends/sim: it simulates every item of every
+The reference shares no code with scheduler/sim: it simulates every item of every
 dataset, a loader prefetching a bounded window ahead of the GPU, and caches acting per item.
 Each scenario runs through the real command (`silod simulate`, default resolution) and is
 compared per job: JCT within 5%, and the hit ratio of every complete epoch within 3 points.

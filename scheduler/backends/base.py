@@ -1,6 +1,6 @@
 """The interface between the scheduling service and the machines that run jobs.
 
-The service (scheduler/service.py) decides *what* runs with which resources; a backend makes it
+The service (scheduler/service/scheduler_process.py) decides *what* runs with which resources; a backend makes it
 happen on some cluster (local processes, Kubernetes pods) and reports back what the jobs did.
 The contract is deliberately small so that backends stay independent of the database, the API
 and the policies:
@@ -37,7 +37,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from estimator.errors import UserError
-from fuse_client.remote import SourceCredential
+from contract.credentials import SourceCredential
 from policies.types import ClusterCapacity
 
 BACKEND_NAMES = ("local", "kubernetes")

@@ -86,7 +86,7 @@ SERVICE_SECRETS = ("SILOD_ADMIN_TOKEN", "SILOD_TOKEN_KEY", "SILOD_METRICS_TOKEN"
 def source_env(dataset: DatasetInfo) -> dict[str, str]:
     """Environment for the job's mount: the dataset owner's credential, or anonymous s3 reads,
     so the data path never reads a tenant's dataset with this machine's own credentials."""
-    from fuse_client.remote import ANONYMOUS_ENV, CREDENTIAL_ENV
+    from contract.credentials import ANONYMOUS_ENV, CREDENTIAL_ENV
 
     env = {name: "" for name in CREDENTIAL_ENV.values()}  # nothing inherited from the service
     # The service's own secrets never reach a job's processes: its admin and HMAC keys, its
@@ -482,7 +482,7 @@ class WorkConservingPusher:
         return self.inner.status()
 
     def rebalance(self) -> dict[str, float]:
-        from scheduler.core import spread_spare_io
+        from scheduler.core.planner import spread_spare_io
 
         demands = self.backend.io_demands()
         with self._lock:

@@ -41,6 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.stats_file import REPORTED_FIELDS
+
 MOUNT_TIMEOUT_S = 60.0
 STATUS_INTERVAL_S = 0.5
 THROUGHPUT_WINDOW_S = 3.0
@@ -170,10 +172,7 @@ class Worker:
             "throughput": tput,
             "io_demand": self.io_demand,
             "hit_ratio": (st.get("hit_bytes", 0) / read) if read else None,
-            "mount": {k: st.get(k) for k in (
-                "remote_bytes", "hit_bytes", "miss_bytes", "cached_bytes", "items_cached", "read_bytes",
-                "cache_allocation_bytes", "io_rate_bytes_per_s", "manager_connected",
-            )},
+            "mount": {k: st.get(k) for k in REPORTED_FIELDS},
             "epochs": epochs,
             "started_at": self.started_at,
             "finished_at": self.finished_at,

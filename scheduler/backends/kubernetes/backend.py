@@ -1,7 +1,7 @@
 """The Kubernetes backend: admission of Job/JobSet/PyTorchJob workloads by suspension.
 
 `silod serve --backend kubernetes` is one program: the REST API, the database, the policy loop
-(`scheduler.service.SchedulerService`) and this admission controller. Workloads reach the one
+(`scheduler.service.scheduler_process.SchedulerService`) and this admission controller. Workloads reach the one
 queue two ways:
 
 - `POST /v1/jobs` with a `pod_template`: the service records the job and calls
@@ -17,7 +17,7 @@ the node's share of remote IO: `placement.place`) and admits the workload by wri
 node affinity into its pod templates and unsuspending it; `stop` suspends it again (its
 controller removes the pods; silod never deletes a user's pods or workloads). Whether a workload
 finished or failed comes from its controller's `status`; how far it got is what the node agents
-measured its pods read (scheduler/consumption.py: pods attributed by silod from the API
+measured its pods read (scheduler/service/consumption.py: pods attributed by silod from the API
 server's controller chain, counters from node-bound agent tokens) once a report exists, and
 silod's own estimate (SiloDPerf at its allocation x admitted time) before; never a number from an
 object the workload's owner can write.
@@ -151,7 +151,7 @@ class KubernetesBackend(ClusterBackend):
         self.service = service
         sessions = getattr(service, "sessions", None)
         if sessions is not None:
-            from scheduler.consumption import ConsumptionStore
+            from scheduler.service.consumption import ConsumptionStore
 
             self.consumption = ConsumptionStore(sessions, getattr(service, "_write_lock", None))
 
@@ -159,7 +159,7 @@ class KubernetesBackend(ClusterBackend):
         """The bound pods of admitted workloads, attributed by the API server's record alone: the
         pod's controller chain ends at the workload's uid, the pod is in the workload's namespace
         and on a node of the admission (docs/kubernetes.md, "Trusted consumption")."""
-        from scheduler.consumption import AdmittedPod
+        from scheduler.service.consumption import AdmittedPod
 
         out = []
         for job_id, adm in self._admitted.items():
@@ -347,7 +347,7 @@ class KubernetesBackend(ClusterBackend):
         if self.service is None:
             return  # not attached yet (the service describes the cluster before attach): later
         self._recovered = True
-        from scheduler.service import ADMIN, Principal
+        from scheduler.service.types import ADMIN, Principal
 
         admin = Principal(ADMIN, is_admin=True)
         by_uid = {uid: wl for uid, wl in self.workloads.items()}
@@ -422,7 +422,7 @@ class KubernetesBackend(ClusterBackend):
     def _intake(self) -> None:
         if self.service is None:
             return
-        from scheduler.service import NewJob, Principal, ServiceError
+        from scheduler.service.types import NewJob, Principal, ServiceError
 
         for uid, wl in list(self.workloads.items()):
             if uid in self._by_uid or wl.phase != "active":
@@ -659,7 +659,7 @@ class KubernetesBackend(ClusterBackend):
     def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
         if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
             return False
-        from scheduler.service import ADMIN, Principal
+        from scheduler.service.types import ADMIN, Principal
 
         try:
             return self.service.get_job(Principal(ADMIN, is_admin=True), job_id).state == "cancelled"

@@ -1,0 +1,33 @@
+"""Dataset names and job ids as both planes spell them: their validation (`silod mount`, the data
+manager API) and the storage key, a tenant's dataset's one name outside the scheduler's database.
+
+Names become directory names in the cache and path segments in URLs, so anything that could
+escape a directory (`/`, `..`) or confuse a URL is rejected with a message naming the input.
+"""
+
+from __future__ import annotations
+
+import re
+
+from estimator.errors import UserError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_HELP = "use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit (no '/' and no '..')"
+
+
+def validate_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+        raise UserError(f"{what} {value!r} is not a valid name; {NAME_HELP}")
+    return value
+
+
+def storage_key(dataset_id: int, name: str) -> str:
+    """The dataset's name outside the database (policy snapshots, the data manager, cache
+    directories, backends): names are unique per tenant only, so two tenants' `imagenet` must
+    not share a cache. The id prefix makes the key unique (and a valid name) even when cut."""
+    return f"d{dataset_id}-{name}"[:128]
+
+
+def dataset_id_of_key(key: str) -> int | None:
+    head = key.split("-", 1)[0]
+    return int(head[1:]) if head.startswith("d") and head[1:].isdigit() else None

@@ -1,0 +1,166 @@
+"""The scheduling core shared by every backend (simulator, local cluster, Kubernetes).
+
+One round, as explicit stages (after Blox): the backend hands in an immutable Snapshot; the
+policy decides an Allocation with the estimator -- inside the regular and irregular partitions
+of cache and remote IO when irregular jobs are active (scheduler/core/partition.py); the validator
+checks it; the round planner
+turns GPU shares into the set of jobs that hold GPUs this round; the IO stage turns the
+allocation into per-job remote-IO caps for the round. The backend then executes the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+import numpy as np
+
+from policies.base import Policy
+from policies.estimators import Estimator, VanillaEstimator
+from policies.storage import max_min_share
+from policies.types import Allocation, Snapshot
+from policies.validation import validate_allocation
+from scheduler.core.partition import allocate_partitioned
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    time: float
+    allocation: Allocation
+    running: tuple[str, ...]  # jobs that hold all their GPUs during this round
+    cache: Mapping[str, float] | None  # bytes per dataset; None = the cache system decides
+    remote_io: Mapping[str, float] | None  # bytes/s cap per running job; None = shared link
+
+    @property
+    def manages_storage(self) -> bool:
+        return self.cache is not None
+
+
+@dataclass
+class RoundPlanner:
+    """Gavel's round-based mechanism: a job whose received GPU time lags its share runs first.
+
+    priority_j = share_j / (time run / time active); a job that has not run yet has infinite
+    priority. Jobs are taken in descending priority while their whole GPU count fits, so a
+    policy that gives 0/1 shares gets exactly the jobs it chose.
+    """
+
+    received: dict[str, float] = field(default_factory=dict)  # seconds holding GPUs
+    active: dict[str, float] = field(default_factory=dict)  # seconds since the job was first seen
+
+    def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
+        free = snapshot.capacity.gpus
+        candidates = []
+        for job in snapshot.jobs:
+            share = allocation.gpu_share.get(job.job_id, 0.0)
+            if share <= 0.0:
+                continue
+            got = self.received.get(job.job_id, 0.0)
+            seen = self.active.get(job.job_id, 0.0)
+            fraction = got / seen if seen > 0 else 0.0
+            priority = np.inf if fraction <= 0 else share / fraction
+            full = share >= 1.0 - 1e-9
+            # Full-share jobs first (their policy chose them outright), then by lag, then age.
+            candidates.append((not full, -priority, -share, job.submit_time, job.job_id, job.gpus))
+        candidates.sort()
+        chosen: list[str] = []
+        for *_, job_id, gpus in candidates:
+            if gpus <= free:
+                chosen.append(job_id)
+                free -= gpus
+        return tuple(chosen)
+
+    def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
+        live = {j.job_id for j in snapshot.jobs}
+        for job_id in live:
+            self.active[job_id] = self.active.get(job_id, 0.0) + seconds
+        for job_id in running:
+            self.received[job_id] = self.received.get(job_id, 0.0) + seconds
+
+    def forget(self, job_id: str) -> None:
+        self.received.pop(job_id, None)
+        self.active.pop(job_id, None)
+
+
+def io_caps_for_round(allocation: Allocation, running: tuple[str, ...], total_io: float) -> dict[str, float] | None:
+    """Per-job remote-IO caps while running this round.
+
+    Time-shared allocations are averages: the jobs that happen to run together may ask for more
+    than the link has, so caps are scaled down to fit.
+    """
+    if allocation.remote_io is None:
+        return None
+    caps = np.array([allocation.remote_io.get(j, 0.0) for j in running], dtype=float)
+    total = float(caps.sum())
+    if total > total_io > 0:
+        caps *= total_io / total
+    return dict(zip(running, caps.tolist(), strict=True))
+
+
+def spread_spare_io(caps: Mapping[str, float], demands: Mapping[str, float], total_io: float) -> dict[str, float]:
+    """Work conservation: IO the allocation leaves unused goes, max-min fair, to jobs that could
+    use more than their cap right now (e.g. while their cache is still warming up)."""
+    ids = list(caps)
+    base = np.array([caps[j] for j in ids], dtype=float)
+    extra_want = np.maximum(np.array([demands.get(j, 0.0) for j in ids], dtype=float) - base, 0.0)
+    spare = total_io - float(base.sum())
+    if spare <= 0 or not extra_want.any():
+        return dict(caps)
+    return dict(zip(ids, (base + max_min_share(extra_want, spare)).tolist(), strict=True))
+
+
+def priority_order(snapshot: Snapshot) -> Snapshot:
+    """The priority rule: policies see every job of a higher `priority` as having arrived before
+    every job of a lower one (arrival order is kept within a priority). FIFO and greedy hence
+    admit by priority, then arrival; SJF and Gavel order by their own objective and use arrival
+    to break ties. Running jobs are not preempted for priority by policies that never preempt.
+    Without priorities (all equal) the snapshot is returned unchanged."""
+    if len({j.priority for j in snapshot.jobs}) <= 1:
+        return snapshot
+    order = sorted(snapshot.jobs, key=lambda j: (-j.priority, j.submit_time, j.job_id))
+    rank = {j.job_id: float(i) for i, j in enumerate(order)}
+    jobs = tuple(replace(j, submit_time=rank[j.job_id]) for j in snapshot.jobs)
+    return replace(snapshot, jobs=jobs)
+
+
+class SchedulingCore:
+    """Policy + estimators + round planner. Pure: backends own clocks, I/O and state.
+
+    `estimator` plans regular jobs; `irregular_estimator` (default: the storage-unaware one)
+    is what the policy gets for irregular jobs inside their partition.
+    """
+
+    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None):
+        self.policy = policy
+        self.estimator = estimator
+        self.irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
+        self.planner = RoundPlanner()
+
+    def decide(self, snapshot: Snapshot) -> Allocation:
+        """Ask the policy (around the partitions, when irregular jobs are active), and refuse any
+        allocation that breaks a capacity."""
+        allocation = allocate_partitioned(snapshot, self.policy, self.estimator, self.irregular_estimator)
+        return validate_allocation(snapshot, allocation)
+
+    def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
+        """Who holds GPUs this round, and their IO caps, for an allocation already decided."""
+        running = self.planner.choose(snapshot, allocation)
+        return RoundPlan(
+            time=snapshot.time,
+            allocation=allocation,
+            running=running,
+            cache=None if allocation.cache is None else MappingProxyType(dict(allocation.cache)),
+            remote_io=io_caps_for_round(allocation, running, snapshot.capacity.remote_io),
+        )
+
+    def plan(self, snapshot: Snapshot) -> RoundPlan:
+        """decide + plan_round, for backends that re-decide every round."""
+        snapshot = priority_order(snapshot)
+        return self.plan_round(snapshot, self.decide(snapshot))
+
+    def record(self, snapshot: Snapshot, plan: RoundPlan, seconds: float) -> None:
+        self.planner.record(snapshot, plan.running, seconds)
+
+    def forget(self, job_id: str) -> None:
+        self.planner.forget(job_id)

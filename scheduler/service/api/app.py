@@ -1,0 +1,387 @@
+"""FastAPI application: routes translate HTTP to `SchedulerService` calls and back, nothing more.
+
+Every error a client can cause is a 4xx with a JSON body `{"detail": ..., "field": ...}` (or
+FastAPI's validation list, which names the field in `loc`); an unexpected exception is a 500
+that the tests (including a schemathesis fuzzer) treat as a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from estimator.access import EPOCH, AccessPattern
+from estimator.errors import UserError
+from policies.registry import available_policies
+from scheduler.service.api.auth import TokenStore, check_tenant
+from scheduler.service.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
+from scheduler.service.api.metrics import make_registry, metrics_response
+from scheduler.service.api.schemas import (
+    AllocationsOut,
+    ChangeOut,
+    ClusterOut,
+    ConsumptionIn,
+    ConsumptionOut,
+    CredentialIn,
+    CredentialOut,
+    DatasetIn,
+    DatasetOut,
+    ErrorOut,
+    HealthOut,
+    JobIn,
+    JobOut,
+    NewTokenOut,
+    NodeOut,
+    PolicyIn,
+    PolicyOut,
+    QuotaIn,
+    QuotaOut,
+    RoundOut,
+    TokenIn,
+    TokenOut,
+    UsageOut,
+)
+from scheduler.service.catalogue import NewCredential
+from scheduler.service.consumption import ConsumptionStore, PodReport
+from scheduler.service.scheduler_process import SchedulerService
+from scheduler.service.types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
+
+log = logging.getLogger("silod.api")
+
+_bearer = HTTPBearer(auto_error=False, description="a token from the admin API or --tokens FILE, or the admin token")
+
+_ERRORS = {
+    401: {"model": ErrorOut, "description": "missing, invalid, revoked or expired bearer token"},
+    403: {"model": ErrorOut, "description": "not allowed for this token (admin only, or beyond your quota)"},
+    404: {"model": ErrorOut, "description": "not found (or another tenant's object)"},
+    409: {"model": ErrorOut, "description": "conflict with the current state"},
+    413: {"model": ErrorOut, "description": "request body larger than the cap"},
+    503: {"model": ErrorOut, "description": "database unavailable; see Retry-After"},
+}
+
+
+async def principal(request: Request, _creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    """The caller, as the RequestGuard middleware authenticated it before the body was read.
+    (`_creds` only documents the scheme in OpenAPI.) Async: no thread-pool hop for it."""
+    who = request.scope.get("state", {}).get("principal")
+    if not isinstance(who, Principal):  # the guard lets no request through without one
+        raise HTTPException(status_code=401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return who
+
+
+Who = Annotated[Principal, Depends(principal)]
+OwnerQ = Annotated[str | None, Query(max_length=64, description="the owning tenant, for a dataset shared with you")]
+
+
+def _record_dict(record: Any) -> dict[str, Any]:
+    out = asdict(record)
+    access = getattr(record, "access", None)
+    if isinstance(access, AccessPattern):  # JobOut.access: flat {"kind", "starting_percent", ...}
+        fields = access.fields()
+        out["access"] = {"kind": fields.pop("access"), **fields}
+    return out
+
+
+def _json(records: Any, status_code: int = 200) -> Response:
+    """The hottest routes answer with their records serialised directly: the records are typed
+    dataclasses matching the declared response model (OpenAPI), so validating them again per
+    request would only cost time."""
+    body = [_record_dict(r) for r in records] if isinstance(records, list) else _record_dict(records)
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status_code, media_type="application/json")
+
+
+def _admin(who: Principal, what: str) -> None:
+    if not who.is_admin:
+        raise ForbiddenError(f"only an admin token may {what}")
+
+
+def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = True,
+               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """The API over `service`. With run_loop, the scheduling loop runs for the app's lifetime."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if run_loop:
+            service.start()
+        try:
+            yield
+        finally:
+            if run_loop:
+                service.stop()
+
+    app = FastAPI(
+        title="silod scheduler",
+        version="1",
+        description="Co-schedules GPUs, dataset cache and remote IO. Authenticate with `Authorization: Bearer TOKEN`.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.tokens = tokens
+    app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
+                       agent_node=service.config.agent_node if service is not None else None)
+    registry = make_registry(service) if service is not None else None
+    catalogue = service.catalogue if service is not None else None
+    consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
+                   if service is not None else None)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_req: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"detail": str(exc), "field": exc.field})
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the offending input, which may be NaN/Infinity (not JSON:
+        # the error response itself would fail with a 500) or megabytes long. Keep loc and msg.
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        field = next((e["loc"][-1] for e in errors if len(e["loc"]) > 1), None)
+        return JSONResponse(status_code=422, content={"detail": errors, "field": field})
+
+    @app.exception_handler(UserError)
+    async def _user_error(_req: Request, exc: UserError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": str(exc), "field": None})
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
+        # A bug: logged with its traceback here, answered without one (no internals leak).
+        log.error("unhandled error", exc_info=exc)
+        return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database_error(_req: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # An unreachable database is the one documented 5xx: JSON, with Retry-After. The pool
+        # pings connections before use, so the service recovers by itself when it is back.
+        if is_database_outage(exc):
+            log.warning("database unavailable: %s", type(exc).__name__)
+            return JSONResponse(status_code=503, content=OUTAGE_BODY, headers={"Retry-After": str(RETRY_AFTER_S)})
+        log.error("database error", exc_info=exc)
+        return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
+
+    # ---- health and metrics (no token: probes and Prometheus scrape without one)
+
+    @app.get("/healthz", response_model=HealthOut, tags=["ops"])
+    def healthz() -> HealthOut | JSONResponse:
+        try:
+            with service.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except Exception as exc:  # a health check reports, it does not raise; nor does it echo internals
+            log.warning("health check: database unavailable: %s", type(exc).__name__)
+            return JSONResponse(status_code=503, content={"status": "unhealthy", "database": "unavailable"},
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        return HealthOut(status="ok", database="ok")
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    def metrics() -> Response:
+        body, content_type = metrics_response(registry)
+        return Response(content=body, media_type=content_type)
+
+    # ---- tokens (admin)
+
+    @app.post("/v1/tokens", response_model=NewTokenOut, status_code=201, responses=_ERRORS, tags=["tokens"])
+    def create_token(body: TokenIn, who: Who) -> NewTokenOut:
+        """Admin: a new token for a tenant; the plain token is in this answer only."""
+        _admin(who, "create tokens")
+        now = time.time()
+        expires = None if body.expires_in_s is None else now + body.expires_in_s
+        record, token = tokens.create(body.owner, is_admin=body.admin, expires_at=expires, label=body.label, now=now)
+        return NewTokenOut(**TokenOut.model_validate(record).model_dump(), token=token)
+
+    @app.get("/v1/tokens", response_model=list[TokenOut], responses=_ERRORS, tags=["tokens"])
+    def list_tokens(who: Who) -> list[TokenOut]:
+        _admin(who, "list tokens")
+        return [TokenOut.model_validate(t) for t in tokens.list()]
+
+    @app.delete("/v1/tokens/{token_id}", response_model=TokenOut, responses=_ERRORS, tags=["tokens"])
+    def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**62)], who: Who) -> TokenOut:
+        """Admin: revoke a token; it stops working within the token cache's TTL (2 s) everywhere."""
+        _admin(who, "revoke tokens")
+        return TokenOut.model_validate(tokens.revoke(token_id))
+
+    # ---- quotas
+
+    @app.get("/v1/quotas/{tenant}", response_model=QuotaOut, responses=_ERRORS, tags=["quotas"])
+    def get_quota(tenant: Annotated[str, Path(max_length=64)], who: Who) -> QuotaOut:
+        if tenant != who.user and not who.is_admin:
+            raise NotFoundError(f"no quota visible for {tenant!r}", field="tenant")
+        q = catalogue.quota(tenant)
+        return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
+
+    @app.put("/v1/quotas/{tenant}", response_model=QuotaOut, responses=_ERRORS, tags=["quotas"])
+    def set_quota(tenant: Annotated[str, Path(max_length=64)], body: QuotaIn, who: Who) -> QuotaOut:
+        """Admin: a tenant's limits (omitted or null: no limit)."""
+        check_tenant(tenant, "tenant")
+        q = catalogue.set_quota(who, tenant, TenantQuota(body.gpus, body.cache_bytes, body.running_jobs, body.queued_jobs))
+        return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
+
+    # ---- credentials (per tenant; the secret is never returned)
+
+    @app.post("/v1/credentials", response_model=CredentialOut, status_code=201, responses=_ERRORS, tags=["credentials"])
+    def add_credential(body: CredentialIn, who: Who) -> CredentialOut:
+        req = NewCredential(body.name, body.access_key_id, body.secret_access_key, body.endpoint_url, body.region, body.kind)
+        return CredentialOut.model_validate(catalogue.add_credential(who, req))
+
+    @app.get("/v1/credentials", response_model=list[CredentialOut], responses=_ERRORS, tags=["credentials"])
+    def list_credentials(who: Who) -> list[CredentialOut]:
+        return [CredentialOut.model_validate(c) for c in catalogue.list_credentials(who)]
+
+    @app.delete("/v1/credentials/{name}", status_code=204, responses=_ERRORS, tags=["credentials"])
+    def delete_credential(name: str, who: Who) -> Response:
+        catalogue.delete_credential(who, name)
+        return Response(status_code=204)
+
+    # ---- datasets
+
+    @app.post("/v1/datasets", response_model=DatasetOut, status_code=201, responses=_ERRORS, tags=["datasets"])
+    def register_dataset(body: DatasetIn, who: Who, response: Response) -> DatasetOut:
+        record, created = catalogue.register_dataset(
+            who, NewDataset(body.name, body.uri, body.size, body.item_count, body.credential))
+        if not created:
+            response.status_code = 200
+        return DatasetOut.model_validate(record)
+
+    @app.get("/v1/datasets", response_model=list[DatasetOut], responses=_ERRORS, tags=["datasets"])
+    def list_datasets(who: Who) -> list[DatasetOut]:
+        return [DatasetOut.model_validate(d) for d in catalogue.list_datasets(who)]
+
+    @app.get("/v1/datasets/{name}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    def get_dataset(name: str, who: Who, owner: OwnerQ = None) -> DatasetOut:
+        return DatasetOut.model_validate(catalogue.get_dataset(who, name, owner))
+
+    @app.put("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    def grant_dataset(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
+        """Share your dataset with another tenant: its jobs may read it (with your credential, into the same cache)."""
+        return DatasetOut.model_validate(catalogue.grant(who, name, tenant, owner))
+
+    @app.delete("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    def revoke_dataset_grant(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
+        return DatasetOut.model_validate(catalogue.revoke_grant(who, name, tenant, owner))
+
+    # ---- jobs
+
+    @app.post("/v1/jobs", response_model=JobOut, status_code=201, responses=_ERRORS, tags=["jobs"])
+    def submit_job(
+        body: JobIn, who: Who, response: Response,
+        idempotency_key: Annotated[str | None, Header(max_length=128, pattern=r"^[\x21-\x7e]+$",
+                                                      description="retry-safe: the same key and body return the same job")] = None,
+    ) -> Any:
+        if body.priority > 0 and not who.is_admin:
+            # Priority orders admission (scheduler/core/planner.py): raising it is the operator's call.
+            raise ForbiddenError("only the admin may give a job a priority above 0; users may lower theirs")
+        req = NewJob(
+            name=body.name, gpus=body.gpus, dataset=body.dataset, epochs=body.epochs, steps=body.steps,
+            step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
+            priority=body.priority, dataset_owner=body.dataset_owner,
+            access=body.access.pattern() if body.access is not None else EPOCH,
+            pod_template=body.pod_template.to_template() if body.pod_template else None,
+        )
+        record, created = catalogue.submit_job(who, req, idempotency_key)
+        return _json(record, 201 if created else 200)
+
+    @app.get("/v1/jobs", response_model=list[JobOut], responses=_ERRORS, tags=["jobs"])
+    def list_jobs(
+        who: Who,
+        state: Annotated[str | None, Query(max_length=32, description="a state, or 'active'")] = None,
+        owner: Annotated[str | None, Query(max_length=128, description="admin only: one tenant's jobs")] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+        offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
+    ) -> Any:
+        # The records go straight to FastAPI's response validation (from_attributes): validating
+        # them here as well would do the work twice on the hottest endpoint.
+        return _json(catalogue.list_jobs(who, state, owner, limit, offset))
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
+    def get_job(job_id: str, who: Who) -> Any:
+        record = catalogue.get_job(who, job_id)
+        body = _record_dict(record)
+        m = consumption.measured([record.id]).get(record.id) if consumption is not None else None
+        body["measured"] = asdict(m) if m is not None else None
+        return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+    # ---- node agents
+
+    @app.post("/v1/agents/{node}/consumption", response_model=ConsumptionOut, responses=_ERRORS, tags=["agents"])
+    def report_consumption(node: Annotated[str, Path(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")],
+                           body: ConsumptionIn, who: Who) -> ConsumptionOut:
+        """A node agent's cumulative per-pod read counters. Only the agent whose token is bound to
+        `node` (`silod serve --node-agent USER=NODE`) may call it; counters only ever rise."""
+        bound = service.config.agent_node(who.user) if not who.is_admin else None
+        if bound is None:
+            raise ForbiddenError("only a node agent's token bound to a node (silod serve --node-agent USER=NODE) may"
+                                 " report consumption")
+        if bound != node:
+            raise ForbiddenError(f"this agent token is bound to node {bound}, not {node}")
+        result = consumption.record_report(node, who.user, [PodReport(**p.model_dump()) for p in body.pods])
+        return ConsumptionOut(accepted=result.accepted,
+                              ignored=[{"pod_uid": i.pod_uid, "reason": i.reason} for i in result.ignored])
+
+    @app.delete("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
+    def cancel_job(job_id: str, who: Who) -> Any:
+        return catalogue.cancel_job(who, job_id)
+
+    # ---- cluster, allocations, policy, rounds
+
+    @app.get("/v1/cluster", response_model=ClusterOut, responses=_ERRORS, tags=["cluster"])
+    def cluster(who: Who) -> ClusterOut:
+        c = service.cluster()
+        return ClusterOut(
+            backend=c.backend,
+            nodes=[NodeOut(name=n.name, gpus=n.gpus, cache=n.cache, labels=dict(n.labels)) for n in c.description.nodes],
+            gpus=UsageOut(total=c.capacity.gpus, used=c.gpus_used),
+            cache=UsageOut(total=c.capacity.cache, used=c.cache_used),
+            remote_io=UsageOut(total=c.capacity.remote_io, used=c.remote_io_used),
+            jobs=dict(c.jobs_by_state),
+            datamanager=c.datamanager,
+            last_round_time=c.last_round_time,
+            last_push_error=c.last_push_error,
+        )
+
+    @app.get("/v1/allocations", response_model=AllocationsOut, responses=_ERRORS, tags=["cluster"])
+    def allocations(who: Who) -> AllocationsOut:
+        return AllocationsOut.model_validate(service.allocations(who))
+
+    @app.get("/v1/allocations/history", response_model=list[ChangeOut], responses=_ERRORS, tags=["cluster"])
+    def allocation_history(
+        who: Who,
+        subject: Annotated[str | None, Query(max_length=128, description="a job id or dataset name")] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> list[ChangeOut]:
+        return [ChangeOut.model_validate(c) for c in service.allocation_history(who, subject, limit)]
+
+    @app.get("/v1/policy", response_model=PolicyOut, responses=_ERRORS, tags=["policy"])
+    def get_policy(who: Who) -> PolicyOut:
+        return PolicyOut(name=service.policy_name, available=available_policies())
+
+    @app.put("/v1/policy", response_model=PolicyOut, responses=_ERRORS, tags=["policy"])
+    def set_policy(body: PolicyIn, who: Who) -> PolicyOut:
+        return PolicyOut(name=service.set_policy(who, body.name), available=available_policies())
+
+    @app.post("/v1/rounds", response_model=RoundOut, responses=_ERRORS, tags=["policy"])
+    def run_round(who: Who) -> RoundOut:
+        """Admin: run a scheduling round now (otherwise rounds run on the timer and on events)."""
+        if not who.is_admin:
+            raise ForbiddenError("only the admin may force a round")
+        r = service.run_round("api")
+        return RoundOut(
+            round_id=r.round_id, reason=r.reason, active=r.active, running=list(r.running),
+            started=list(r.started), stopped=list(r.stopped), changes=r.changes, duration_s=r.duration_s,
+        )
+
+    return app
+
+
+def openapi_document() -> dict:
+    """The OpenAPI document without a running service (docs generation, schema-driven tests):
+    the routes only touch the service when a request arrives, so none is needed here."""
+    return create_app(None, TokenStore(None, b"openapi-document-key"), run_loop=False).openapi()  # type: ignore[arg-type]

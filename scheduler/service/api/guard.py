@@ -1,0 +1,134 @@
+"""The API's front door, as raw ASGI middleware: who is calling, then how much they may send,
+before any route, body parsing or validation runs.
+
+Order matters (Kubernetes' API server does the same): authentication first, from the
+`Authorization` header alone, so an anonymous client cannot make the server read, buffer or
+parse a single byte of its body (401); then, for the node agents' paths, whether the token is bound to that node (403); then the
+body cap, from `Content-Length` when given (413
+at once) and by counting while the body streams in otherwise (413 as soon as the cap is
+passed; nothing beyond it is held). Database trouble while looking a token up is the same JSON
+503 + Retry-After as everywhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from http_guard import BodyTooLarge, capped_receive, send_json
+from http_guard.body import Receive, Send
+
+from scheduler.service.api.auth import TokenStore
+from scheduler.service.types import Principal
+
+log = logging.getLogger("silod.api")
+
+DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a job or dataset is a few hundred bytes
+RETRY_AFTER_S = 5
+
+# Paths anyone may call: probes, the API description. /metrics is here unless a metrics token
+# is configured.
+PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
+
+Scope = dict[str, Any]
+
+
+def is_database_outage(exc: BaseException) -> bool:
+    """A database that cannot be reached (connection refused, dropped, pool exhausted), as
+    opposed to a bug in a query."""
+    from sqlalchemy.exc import DBAPIError, OperationalError, TimeoutError as PoolTimeout
+
+    if isinstance(exc, (OperationalError, PoolTimeout)):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+OUTAGE_BODY = {"detail": "the database is unavailable; retry later", "field": None}
+OUTAGE_HEADERS = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+
+
+class RequestGuard:
+    def __init__(self, app: Any, tokens: TokenStore, max_body: int = DEFAULT_MAX_BODY,
+                 agent_node: Callable[[str], str | None] | None = None):
+        self.app = app
+        self.tokens = tokens
+        self.max_body = max_body
+        # user -> the node its token is bound to (node agents): /v1/agents/{node}/... is theirs
+        # alone, refused (403) before a byte of the body is read.
+        self.agent_node = agent_node or (lambda _user: None)
+
+    def _public(self, path: str) -> bool:
+        return path in PUBLIC_PATHS or (path == "/metrics" and not self.tokens.protects_metrics)
+
+    async def _principal(self, token: str) -> Principal | None:
+        hit, who = self.tokens.cached(token)
+        if hit:
+            return who
+        # A cache miss reads the database: off the event loop, one thread hop per token per TTL.
+        return await anyio.to_thread.run_sync(self.tokens.authenticate, token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        if not self._public(path):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            token = token.strip()
+            who: Principal | None = None
+            if scheme.lower() == "bearer" and token:
+                if path == "/metrics" and self.tokens.is_metrics_token(token):
+                    who = Principal("metrics")
+                else:
+                    try:
+                        who = await self._principal(token)
+                    except Exception as exc:
+                        if not is_database_outage(exc):
+                            raise
+                        log.warning("token lookup failed, database unavailable: %s", type(exc).__name__)
+                        await send_json(send, 503, OUTAGE_BODY, OUTAGE_HEADERS)
+                        return
+            if who is None or (path == "/metrics" and not (who.is_admin or who.user == "metrics")):
+                await send_json(
+                    send, 401, {"detail": "missing or invalid bearer token (Authorization: Bearer TOKEN)", "field": None},
+                    [(b"www-authenticate", b"Bearer")],
+                )
+                return
+            scope.setdefault("state", {})["principal"] = who
+            if path.startswith(AGENT_PATH):
+                node = path[len(AGENT_PATH):].split("/", 1)[0]
+                bound = self.agent_node(who.user)
+                if bound is None or bound != node:
+                    await send_json(send, 403, {"detail": (
+                        "only the node agent whose token is bound to this node (silod serve --node-agent USER=NODE)"
+                        " may call it"), "field": None})
+                    return
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                await send_json(send, 400, {"detail": "invalid Content-Length", "field": None})
+                return
+            if int(length) > self.max_body:
+                await send_json(send, 413, {"detail": f"request body larger than {self.max_body} bytes", "field": None})
+                return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive(receive, self.max_body), tracking_send)
+        except BodyTooLarge as exc:
+            if started:
+                raise
+            await send_json(send, 413, {"detail": exc.detail, "field": None})

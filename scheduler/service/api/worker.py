@@ -1,0 +1,27 @@
+"""The ASGI app of one `silod serve` API worker (uvicorn imports it by name, once per worker
+process): an ApiService over the database, the same routes as in-process, no scheduling loop.
+`silod serve` passes its checked options in SILOD_SERVE_WORKER_CONFIG."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from fastapi import FastAPI
+
+
+def create_worker_app() -> FastAPI:
+    from scheduler.service.api.app import create_app
+    from scheduler.service.cli import WORKER_CONFIG_ENV, build_api_service, make_token_store, parse_quota
+
+    raw = os.environ.get(WORKER_CONFIG_ENV)
+    if not raw:
+        raise RuntimeError(f"{WORKER_CONFIG_ENV} is not set: run API workers through `silod serve`")
+    cfg = json.loads(raw)
+    build = dict(cfg["build"])
+    if build.get("cluster_file"):
+        build["cluster_file"] = Path(build["cluster_file"])
+    service = build_api_service(**build, default_quota=parse_quota(cfg.get("default_quota")))
+    tokens = make_token_store(service.engine, Path(cfg["state_dir"]), None, require_any=False)
+    return create_app(service, tokens, run_loop=False, max_body=int(cfg["max_body"]))

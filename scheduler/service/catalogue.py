@@ -1,0 +1,519 @@
+"""The catalogue: datasets, their grants and credentials, jobs, quotas and idempotency keys, per
+tenant. Every object-level check lives here, so the API layer cannot forget one:
+
+- a tenant sees, reads and cancels only its own jobs; another tenant's job is reported missing
+  (404: its existence is not theirs to know); the admin sees all;
+- dataset names are unique per tenant; another tenant's dataset is reachable only through an
+  explicit grant by its owner (404 otherwise, the same answer as for a name nobody uses);
+- a dataset's URI must pass the operator's allow-list (contract.uri_policy) and its
+  credential must belong to the dataset's owner;
+- a submission is checked against the tenant's quota (403 when the job alone exceeds it, 429
+  when the tenant has too many jobs waiting) and may carry an Idempotency-Key.
+
+The scheduling loop does not use this module; it reads the same tables for its snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from estimator.errors import UserError
+from contract.names import storage_key
+from scheduler.service.db.models import (
+    ACTIVE_STATES,
+    Credential,
+    Dataset,
+    DatasetGrant,
+    IdempotencyKey,
+    Job,
+    JobAllocationRow,
+    JobState,
+    Quota,
+)
+from scheduler.service.types import (
+    MAX_BYTES,
+    ConflictError,
+    DatasetRecord,
+    ForbiddenError,
+    JobRecord,
+    NewDataset,
+    NewJob,
+    NotFoundError,
+    Principal,
+    ServiceConfig,
+    ServiceError,
+    TenantQuota,
+    access_columns,
+    access_from_row,
+    check_name,
+)
+from traces.catalog import lookup_model
+
+
+class QuotaExceeded(ServiceError):
+    status = 429
+
+
+class BadUri(ServiceError):
+    """A dataset URI (or credential endpoint) the operator's allow-list refuses."""
+
+    status = 400
+
+
+@dataclass(frozen=True, slots=True)
+class NewCredential:
+    name: str
+    access_key_id: str
+    secret_access_key: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    kind: str = "s3"
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialRecord:
+    """What the API shows of a credential: never the secret."""
+
+    name: str
+    owner: str
+    kind: str
+    access_key_id: str
+    endpoint_url: str | None
+    region: str | None
+    created_at: float
+
+
+# Built once: a statement built per call with .values() costs more to cache-key than to run.
+_INSERT_JOB = Job.__table__.insert().returning(Job.__table__.c.id)
+
+
+def parse_job_id(job_id: str) -> int | None:
+    # Ids are decimal integers; anything else cannot exist (404, not 422: ids are opaque).
+    if not job_id.isascii() or not job_id.isdigit() or len(job_id) > 18:
+        return None
+    return int(job_id)
+
+
+_RECORD_COLUMNS = (
+    Job.id, Job.name, Job.owner, Job.gpus, Dataset.name, Dataset.owner, Job.model, Job.ideal_throughput, Job.epochs,
+    Job.steps, Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
+    Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
+    JobAllocationRow.remote_io, Job.access, Job.curriculum_starting_percent, Job.curriculum_alpha,
+    Job.curriculum_step, Job.curriculum_batch,
+)
+
+
+_JOB_QUERY = (select(*_RECORD_COLUMNS).join(Dataset, Job.dataset_id == Dataset.id)
+              .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id))
+_GET_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"))
+# Another tenant's job is not found: the owner is part of the lookup, not a check after it.
+_GET_OWN_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"), Job.owner == bindparam("owner"))
+
+
+def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
+    return JobRecord(
+        id=str(r[0]), name=r[1], owner=r[2], gpus=r[3], dataset=r[4], dataset_owner=r[5], model=r[6],
+        ideal_throughput=r[7], epochs=r[8], steps=r[9], step_bytes=r[10], total_bytes=r[11], consumed_bytes=r[12],
+        remaining_bytes=max(r[11] - r[12], 0.0), priority=r[13], state=JobState(r[14]).value, submit_time=r[15],
+        start_time=r[16], finish_time=r[17], message=r[18], allocated_gpus=r[19] or 0, gpu_share=r[20] or 0.0,
+        remote_io=r[21], access=access_from_row(*r[22:27]),
+    )
+
+
+class Catalogue:
+    def __init__(self, sessions: sessionmaker, config: ServiceConfig, write_lock: threading.RLock,
+                 trigger: Callable[[str], None], workloads: Any = None):
+        self.sessions = sessions
+        self.config = config
+        self._write_lock = write_lock
+        self._trigger = trigger
+        # A backend that creates a job's workload from its pod_template (Kubernetes), else None.
+        self.workloads = workloads if callable(getattr(workloads, "create_workload", None)) else None
+
+    # ------------------------------------------------------------------ datasets
+
+    def _dataset_record(self, s: Session, d: Dataset) -> DatasetRecord:
+        cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
+        grants = tuple(s.scalars(select(DatasetGrant.grantee).where(DatasetGrant.dataset_id == d.id)
+                                 .order_by(DatasetGrant.grantee)))
+        return DatasetRecord(d.name, d.uri, d.size, d.item_count, d.owner, d.created_at, storage_key(d.id, d.name),
+                             cred.name if cred else None, grants)
+
+    def _visible_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset | None:
+        """The dataset `owner/name` if `who` may use it: its owner, a grantee, or the admin."""
+        owner = owner or who.user
+        d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+        if d is None or who.is_admin or d.owner == who.user:
+            return d
+        granted = s.get(DatasetGrant, (d.id, who.user))
+        return d if granted is not None else None
+
+    def _usable_dataset(self, s: Session, who: Principal, name: str, owner: str | None):  # type: ignore[no-untyped-def]
+        """`_visible_dataset` as plain columns (id, name, owner, size): the submission path."""
+        owner = owner or who.user
+        d = s.execute(select(Dataset.id, Dataset.name, Dataset.owner, Dataset.size)
+                      .where(Dataset.owner == owner, Dataset.name == name)).first()
+        if d is None or who.is_admin or d.owner == who.user:
+            return d
+        granted = s.execute(select(DatasetGrant.grantee).where(DatasetGrant.dataset_id == d.id,
+                                                               DatasetGrant.grantee == who.user)).first()
+        return d if granted is not None else None
+
+    def register_dataset(self, who: Principal, req: NewDataset) -> tuple[DatasetRecord, bool]:
+        """Register a dataset of the caller's tenant; re-registering identical fields is a no-op
+        (returns created=False), different fields a 409."""
+        check_name(req.name, "name")
+        if not (0 < req.size <= MAX_BYTES) or not math.isfinite(req.size):
+            raise ServiceError(f"size {req.size!r} must be > 0 and <= 1e21 bytes", field="size")
+        try:
+            self.config.uri_policy.check(req.uri)
+        except UserError as exc:
+            raise BadUri(str(exc), field="uri") from None
+        with self._write_lock, self.sessions.begin() as s:
+            cred_id = None
+            if req.credential is not None:
+                cred_id = s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.credential))
+                if cred_id is None:
+                    raise NotFoundError(f"no credential named {req.credential!r}; create it with POST /v1/credentials",
+                                        field="credential")
+            existing = s.scalar(select(Dataset).where(Dataset.owner == who.user, Dataset.name == req.name))
+            if existing is not None:
+                same = (existing.uri, existing.size, existing.item_count, existing.credential_id) == (
+                    req.uri, req.size, req.item_count, cred_id)
+                if not same:
+                    raise ConflictError(f"dataset {req.name!r} is already registered with different fields", field="name")
+                return self._dataset_record(s, existing), False
+            row = Dataset(
+                name=req.name, uri=req.uri, size=float(req.size), item_count=req.item_count,
+                owner=who.user, created_at=time.time(), credential_id=cred_id,
+            )
+            s.add(row)
+            s.flush()
+            return self._dataset_record(s, row), True
+
+    def list_datasets(self, who: Principal) -> list[DatasetRecord]:
+        """Own datasets and those granted to the caller (the admin: all)."""
+        with self.sessions() as s:
+            q = select(Dataset).order_by(Dataset.owner, Dataset.name)
+            if not who.is_admin:
+                granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
+                q = q.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
+            return [self._dataset_record(s, d) for d in s.scalars(q)]
+
+    def get_dataset(self, who: Principal, name: str, owner: str | None = None) -> DatasetRecord:
+        with self.sessions() as s:
+            if owner is not None and who.user in self.config.node_agents:
+                # A node agent mounts a tenant's dataset for that tenant's pods: read-only lookup.
+                d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+            else:
+                d = self._visible_dataset(s, who, name, owner)
+            if d is None:
+                raise NotFoundError(f"no dataset named {name!r}", field="name")
+            return self._dataset_record(s, d)
+
+    def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
+        owner = owner or who.user
+        if owner != who.user and not who.is_admin:
+            raise NotFoundError(f"no dataset named {name!r}", field="name")  # grants are the owner's to give
+        d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+        if d is None:
+            raise NotFoundError(f"no dataset named {name!r}", field="name")
+        return d
+
+    def grant(self, who: Principal, name: str, grantee: str, owner: str | None = None) -> DatasetRecord:
+        """Let `grantee` run jobs on the caller's dataset `name`."""
+        check_name(grantee, "grantee")
+        with self._write_lock, self.sessions.begin() as s:
+            d = self._own_dataset(s, who, name, owner)
+            if grantee != d.owner and s.get(DatasetGrant, (d.id, grantee)) is None:
+                s.add(DatasetGrant(dataset_id=d.id, grantee=grantee, created_at=time.time()))
+                s.flush()
+            return self._dataset_record(s, d)
+
+    def revoke_grant(self, who: Principal, name: str, grantee: str, owner: str | None = None) -> DatasetRecord:
+        """Take a grant back. Jobs the grantee already submitted keep running (they were admitted
+        with the grant); new submissions are refused."""
+        with self._write_lock, self.sessions.begin() as s:
+            d = self._own_dataset(s, who, name, owner)
+            row = s.get(DatasetGrant, (d.id, grantee))
+            if row is None:
+                raise NotFoundError(f"dataset {name!r} is not shared with {grantee!r}", field="grantee")
+            s.delete(row)
+            s.flush()
+            return self._dataset_record(s, d)
+
+    # ------------------------------------------------------------------ credentials
+
+    def add_credential(self, who: Principal, req: NewCredential) -> CredentialRecord:
+        check_name(req.name, "name")
+        if req.kind != "s3":
+            raise ServiceError(f"credential kind {req.kind!r} is not supported; use 's3'", field="kind")
+        if req.endpoint_url is not None:
+            # The data path connects there with the tenant's keys: the same allow-list as
+            # dataset URIs (https to a public host, or a prefix the operator listed).
+            try:
+                self.config.uri_policy.check(req.endpoint_url.rstrip("/") + "/")
+            except UserError as exc:
+                raise BadUri(f"endpoint_url: {exc}", field="endpoint_url") from None
+        with self._write_lock, self.sessions.begin() as s:
+            if s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.name)) is not None:
+                raise ConflictError(f"credential {req.name!r} already exists; delete it first to replace it", field="name")
+            row = Credential(owner=who.user, name=req.name, kind=req.kind, access_key_id=req.access_key_id,
+                             secret_access_key=req.secret_access_key, endpoint_url=req.endpoint_url, region=req.region,
+                             created_at=time.time())
+            s.add(row)
+            s.flush()
+            return _credential_record(row)
+
+    def list_credentials(self, who: Principal) -> list[CredentialRecord]:
+        with self.sessions() as s:
+            q = select(Credential).order_by(Credential.owner, Credential.name)
+            if not who.is_admin:
+                q = q.where(Credential.owner == who.user)
+            return [_credential_record(c) for c in s.scalars(q)]
+
+    def delete_credential(self, who: Principal, name: str) -> None:
+        with self._write_lock, self.sessions.begin() as s:
+            row = s.scalar(select(Credential).where(Credential.owner == who.user, Credential.name == name))
+            if row is None:
+                raise NotFoundError(f"no credential named {name!r}", field="name")
+            if s.scalar(select(func.count()).select_from(Dataset).where(Dataset.credential_id == row.id)):
+                raise ConflictError(f"credential {name!r} is used by a dataset", field="name")
+            s.delete(row)
+
+    # ------------------------------------------------------------------ quotas
+
+    def quota(self, tenant: str) -> TenantQuota:
+        with self.sessions() as s:
+            return self._quota(s, tenant)
+
+    def _quota(self, s: Session, tenant: str) -> TenantQuota:
+        row = s.execute(select(Quota.gpus, Quota.cache_bytes, Quota.running_jobs, Quota.queued_jobs)
+                        .where(Quota.tenant == tenant)).first()
+        if row is None:
+            return self.config.default_quota
+        return TenantQuota(*row)
+
+    def set_quota(self, who: Principal, tenant: str, quota: TenantQuota) -> TenantQuota:
+        if not who.is_admin:
+            raise ForbiddenError("only the admin may set quotas")
+        with self._write_lock, self.sessions.begin() as s:
+            row = s.get(Quota, tenant)
+            if row is None:
+                s.add(Quota(tenant=tenant, **{k: getattr(quota, k) for k in TenantQuota.FIELDS}))
+            else:
+                for k in TenantQuota.FIELDS:
+                    setattr(row, k, getattr(quota, k))
+        self._trigger("quota")
+        return quota
+
+    # ------------------------------------------------------------------ jobs
+
+    def _throughput(self, req: NewJob) -> float:
+        if req.ideal_throughput is not None:
+            ideal = float(req.ideal_throughput)
+            if not (0 < ideal <= MAX_BYTES):
+                raise ServiceError("ideal_throughput must be > 0 and <= 1e21 bytes/s", field="ideal_throughput")
+            return ideal
+        if req.model is not None:
+            try:
+                spec = lookup_model(req.model)
+            except UserError as exc:
+                raise ServiceError(str(exc), field="model") from exc
+            return spec.ideal_per_gpu * req.gpus * self.config.gpu_speed
+        raise ServiceError("give ideal_throughput (bytes/s, e.g. \"114MB/s\") or a catalog model", field="ideal_throughput")
+
+    def submit_job(self, who: Principal, req: NewJob, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """A new queued job (created=True), or with a known Idempotency-Key and the same request,
+        the job that key created (created=False). The same key with another request is a 409."""
+        check_name(req.name, "name")
+        if req.pod_template is not None and self.workloads is None:
+            raise ServiceError("pod_template needs a backend that creates workloads (silod serve --backend kubernetes)",
+                               field="pod_template")
+        check_name(req.dataset, "dataset")
+        cap = self.config.capacity
+        if req.gpus < 1:
+            raise ServiceError(f"gpus = {req.gpus}; a job needs at least 1 GPU", field="gpus")
+        if req.gpus > cap.gpus:
+            raise ServiceError(f"gpus = {req.gpus} but the cluster has only {cap.gpus} GPUs", field="gpus")
+        ideal = self._throughput(req)
+        digest = hashlib.sha256(json.dumps(asdict(req), sort_keys=True).encode()).hexdigest() if idempotency_key else ""
+        for _attempt in range(2):  # a concurrent request with the same key wins the insert: read its job
+            try:
+                return self._submit(who, req, ideal, idempotency_key, digest)
+            except IntegrityError:
+                if idempotency_key is None:
+                    raise
+        raise ConflictError("the Idempotency-Key is being used by a concurrent request; retry", field="Idempotency-Key")
+
+    def _submit(self, who: Principal, req: NewJob, ideal: float, key: str | None, digest: str) -> tuple[JobRecord, bool]:
+        with self._write_lock, self.sessions.begin() as s:
+            if key is not None:
+                known = s.get(IdempotencyKey, (who.user, key))
+                if known is not None:
+                    if known.request_hash != digest:
+                        raise ConflictError("this Idempotency-Key was used with a different request body",
+                                            field="Idempotency-Key")
+                    return self.get_job(who, str(known.job_id)), False
+            ds = self._usable_dataset(s, who, req.dataset, req.dataset_owner)
+            if ds is None:
+                raise NotFoundError(f"unknown dataset {req.dataset!r}; register it first with POST /v1/datasets"
+                                    " (another tenant's dataset needs its grant and dataset_owner)", field="dataset")
+            if req.epochs is not None and req.steps is None:
+                if not (0 < req.epochs <= 1e6):
+                    raise ServiceError("epochs must be > 0 and <= 1e6", field="epochs")
+                total = req.epochs * ds.size
+            elif req.steps is not None and req.step_bytes is not None and req.epochs is None:
+                total = req.steps * req.step_bytes
+            else:
+                raise ServiceError("give either epochs, or steps together with step_bytes", field="epochs")
+            if not (0 < total <= MAX_BYTES):
+                raise ServiceError(f"the job would read {total:.3g} bytes; must be > 0 and <= 1e21", field="epochs")
+            self._check_quota(s, who, req)
+            now = time.time()
+            values = dict(
+                name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
+                ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
+                total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
+                submit_time=now, start_time=None, finish_time=None, message="", **access_columns(req.access),
+            )
+            # Core insert, not an ORM object: attaching a Job to its Dataset would load the
+            # dataset's whole job collection (thousands of rows) on every submission.
+            jid = s.connection().execute(_INSERT_JOB, values).scalar_one()
+            if key is not None:
+                s.execute(insert(IdempotencyKey).values(owner=who.user, key=key, request_hash=digest, job_id=jid,
+                                                       created_at=now))
+            record = JobRecord(
+                id=str(jid), name=req.name, owner=who.user, gpus=req.gpus, dataset=ds.name, dataset_owner=ds.owner,
+                model=req.model, ideal_throughput=ideal, epochs=req.epochs, steps=req.steps,
+                step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
+                priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
+                finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
+                access=req.access,
+            )
+        if req.pod_template is not None:
+            self._create_workload(record, req.pod_template)
+        self._trigger("submit")
+        return record, True
+
+    def _create_workload(self, record: JobRecord, template: Any) -> None:
+        """Backends that run pods from a template (Kubernetes) create the job's workload now (the
+        scheduling process adopts it by name); a refusal fails the job and is the caller's error."""
+        try:
+            self.workloads.create_workload(record, template)
+            return
+        except UserError as exc:
+            message = str(exc)
+        with self._write_lock, self.sessions.begin() as s:
+            job = s.get(Job, int(record.id))
+            if job is not None and JobState(job.state).active:
+                job.state = JobState.FAILED
+                job.finish_time = time.time()
+                job.message = message[:2000]
+        self._trigger("submit")
+        raise ServiceError(message, field="pod_template")
+
+    def _check_quota(self, s: Session, who: Principal, req: NewJob) -> None:
+        q = self._quota(s, who.user)
+        if q.gpus is not None and req.gpus > q.gpus:
+            raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
+        if q.queued_jobs is not None:
+            waiting = s.scalar(select(func.count()).select_from(Job).where(Job.owner == who.user,
+                                                                          Job.state == JobState.QUEUED)) or 0
+            if waiting >= q.queued_jobs:
+                raise QuotaExceeded(
+                    f"you have {waiting} queued jobs, the quota queued_jobs is {q.queued_jobs}; "
+                    "wait for some to start or cancel some", field="queued_jobs",
+                )
+
+    @staticmethod
+    def _job_record(j: Job) -> JobRecord:
+        a = j.allocation
+        return JobRecord(
+            id=str(j.id), name=j.name, owner=j.owner, gpus=j.gpus, dataset=j.dataset.name,
+            dataset_owner=j.dataset.owner, model=j.model,
+            ideal_throughput=j.ideal_throughput, epochs=j.epochs, steps=j.steps, step_bytes=j.step_bytes,
+            total_bytes=j.total_bytes, consumed_bytes=j.consumed_bytes,
+            remaining_bytes=max(j.total_bytes - j.consumed_bytes, 0.0), priority=j.priority,
+            state=JobState(j.state).value, submit_time=j.submit_time, start_time=j.start_time,
+            finish_time=j.finish_time, message=j.message,
+            allocated_gpus=a.gpus if a else 0, gpu_share=a.gpu_share if a else 0.0,
+            remote_io=a.remote_io if a else None,
+            access=access_from_row(j.access, j.curriculum_starting_percent, j.curriculum_alpha, j.curriculum_step,
+                                   j.curriculum_batch),
+        )
+
+    def _load_job(self, s: Session, who: Principal, job_id: str) -> Job:
+        pk = parse_job_id(job_id)
+        job = s.get(Job, pk) if pk is not None else None
+        # Another tenant's job is reported as missing: its existence is not theirs to know.
+        if job is None or (not who.is_admin and job.owner != who.user):
+            raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
+        return job
+
+    def get_job(self, who: Principal, job_id: str) -> JobRecord:
+        pk = parse_job_id(job_id)
+        row = None
+        if pk is not None:
+            with self.sessions() as s:
+                if who.is_admin:
+                    row = s.execute(_GET_JOB, {"jid": pk}).first()
+                else:
+                    row = s.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
+        if row is None:
+            raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
+        return _row_record(row)
+
+    def list_jobs(
+        self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0
+    ) -> list[JobRecord]:
+        # Plain columns, not ORM objects: listing is the hottest read and ORM loading tripled its cost.
+        q = (
+            select(*_RECORD_COLUMNS)
+            .join(Dataset, Job.dataset_id == Dataset.id)
+            .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
+            .order_by(Job.id)
+        )
+        if not who.is_admin:
+            q = q.where(Job.owner == who.user)
+        elif owner is not None:
+            q = q.where(Job.owner == owner)
+        if state is not None:
+            if state == "active":
+                q = q.where(Job.state.in_(ACTIVE_STATES))
+            else:
+                try:
+                    q = q.where(Job.state == JobState(state))
+                except ValueError:
+                    valid = ", ".join([*(s.value for s in JobState), "active"])
+                    raise ServiceError(f"unknown state {state!r}; choose one of: {valid}", field="state") from None
+        q = q.limit(limit).offset(offset)
+        with self.sessions() as s:
+            return [_row_record(r) for r in s.execute(q)]
+
+    def cancel_job(self, who: Principal, job_id: str) -> JobRecord:
+        with self._write_lock, self.sessions.begin() as s:
+            job = self._load_job(s, who, job_id)
+            if not JobState(job.state).active:
+                raise ConflictError(f"job {job_id} is already {JobState(job.state).value}", field="job_id")
+            job.state = JobState.CANCELLED
+            job.finish_time = time.time()
+            job.message = f"cancelled by {who.user}"
+            record = self._job_record(job)
+        self._trigger("cancel")
+        return record
+
+
+def _credential_record(c: Credential) -> CredentialRecord:
+    return CredentialRecord(c.name, c.owner, c.kind, c.access_key_id, c.endpoint_url, c.region, c.created_at)

@@ -1,0 +1,645 @@
+"""`silod serve` (the scheduler service) and the thin API clients `silod submit|jobs|cancel|datasets`.
+
+FastAPI, uvicorn and SQLAlchemy are imported inside the commands, so `silod --help` and the
+simulator do not pay for them. Every user mistake is a UserError: `error: ...`, exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from estimator.errors import RuntimeFailure, UserError
+
+DEFAULT_SERVER = "http://127.0.0.1:8080"
+
+
+def default_state_dir() -> Path:
+    """Per-user state: $XDG_STATE_HOME/silod, else ~/.local/state/silod (XDG Base Directory spec).
+
+    Never the current directory: running `silod serve` in a checkout must not leave files in it.
+    """
+    xdg = os.environ.get("XDG_STATE_HOME", "").strip()
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
+    return base / "silod"
+
+
+def _prepare_state_dir(state_dir: Path) -> None:
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--state-dir {str(state_dir)!r} cannot be created ({exc.strerror}); give a writable directory") from None
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        raise UserError(f"--state-dir {str(state_dir)!r} is not writable; give a writable directory")
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
+        raise UserError(f"--listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8080 or 0.0.0.0:8080")
+    return host.strip("[]"), int(port)
+
+
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*$")
+
+
+def parse_duration(value: str, what: str = "--round") -> float:
+    """Seconds from `360`, `5s`, `6m`, `1h`, `500ms`."""
+    m = _DURATION_RE.match(value)
+    if not m:
+        raise UserError(f"{what} {value!r} is not a duration; write seconds or e.g. 5s, 6m, 1h")
+    scale = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}[m.group(2)]
+    seconds = float(m.group(1)) * scale
+    if not (0.05 <= seconds <= 86400):
+        raise UserError(f"{what} {value!r} must be between 50ms and 24h")
+    return seconds
+
+
+def make_pusher(url: str) -> Any:
+    """The data manager's client (datamanager.client), checked against the StoragePusher protocol."""
+    from scheduler.service.scheduler_process import StoragePusher
+
+    try:
+        import datamanager.client as dm_client
+    except ModuleNotFoundError as exc:
+        raise UserError(f"--datamanager needs datamanager.client, which is not available: {exc}") from exc
+    cls = getattr(dm_client, "DataManagerClient", None)
+    if cls is None:  # tolerate another class name as long as it has the three methods
+        candidates = [
+            obj for obj in vars(dm_client).values()
+            if isinstance(obj, type) and obj.__module__ == dm_client.__name__
+            and all(hasattr(obj, m) for m in ("allocate_cache_size", "allocate_remote_io", "status"))
+        ]
+        if not candidates:
+            raise UserError("datamanager.client has no client class with allocate_cache_size/allocate_remote_io/status")
+        cls = candidates[0]
+    pusher = cls(url)
+    if not isinstance(pusher, StoragePusher):
+        raise UserError(f"{cls.__name__} does not implement allocate_cache_size/allocate_remote_io/status")
+    return pusher
+
+
+def parse_quota(value: str | None) -> Any:
+    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
+    from estimator.units import parse_size
+    from scheduler.service.types import TenantQuota
+
+    if not value:
+        return TenantQuota()
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
+    out: dict[str, Any] = {}
+    for item in value.split(","):
+        key, sep, val = item.strip().partition("=")
+        if not sep or key not in names:
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
+        if key == "cache":
+            out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif val.strip().isdigit():
+            out[names[key]] = int(val)
+        else:
+            raise UserError(f"--default-quota {key}={val!r} must be a whole number >= 0")
+    return TenantQuota(**out)
+
+
+def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None, require_any: bool = True) -> Any:
+    """Tokens for `silod serve`: the admin token from the environment, the tokens file imported
+    into the database (revocable there), HMAC key from SILOD_TOKEN_KEY or state_dir/token.key."""
+    from scheduler.service.api.auth import ADMIN_TOKEN_ENV, METRICS_TOKEN_ENV, TokenStore, load_token_key
+
+    store = TokenStore(engine, load_token_key(state_dir), admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+                       metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
+    if tokens_file is not None:
+        store.import_file(tokens_file)
+    if require_any and not os.environ.get(ADMIN_TOKEN_ENV) and tokens_file is None and not store.list():
+        raise UserError(f"no API tokens: set {ADMIN_TOKEN_ENV} and/or pass --tokens FILE (lines 'user:token')")
+    return store
+
+
+def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
+    opts: dict[str, str] = {}
+    for item in values or []:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--backend-opt {item!r} must be KEY=VALUE")
+        opts[key.strip()] = val.strip()
+    return opts
+
+
+def _agents(values: list[str] | None) -> dict[str, Any]:
+    from scheduler.service.types import ServiceError, parse_node_agents
+
+    try:
+        users, bound = parse_node_agents(values)
+    except ServiceError as exc:
+        raise UserError(str(exc)) from None
+    return {"node_agents": users, "agent_nodes": bound}
+
+
+def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, client_ca: Path | None,
+                    backend: str, admitters: list[str] | None = None):  # type: ignore[no-untyped-def]
+    """The admission webhook's HTTPS server (not started yet), or None without --webhook-listen."""
+    if listen is None:
+        if cert or key or client_ca:
+            raise UserError("--webhook-cert/--webhook-key/--webhook-client-ca need --webhook-listen HOST:PORT")
+        return None
+    if backend != "kubernetes":
+        raise UserError("--webhook-listen is for --backend kubernetes (it suspends Kubernetes workloads)")
+    if cert is None or key is None:
+        raise UserError("--webhook-listen needs --webhook-cert and --webhook-key: the API server calls webhooks over"
+                        " HTTPS only (docs/kubernetes.md: the webhook certificate)")
+    for flag, f in (("--webhook-cert", cert), ("--webhook-key", key), ("--webhook-client-ca", client_ca)):
+        if f is not None and not f.is_file():
+            raise UserError(f"{flag} {str(f)!r} does not exist")
+    from scheduler.backends.kubernetes.webhook import WebhookServer
+
+    host, port = parse_listen(listen)
+    try:
+        default = f"system:serviceaccount:{os.environ.get('POD_NAMESPACE') or 'silod-system'}:silod-scheduler"
+        return WebhookServer(host, port, cert, key, client_ca, admitters=frozenset(admitters or [default]))
+    except OSError as exc:
+        raise UserError(f"--webhook-listen {listen}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a bad certificate or key is the operator's to fix
+        raise UserError(f"--webhook-cert/--webhook-key: {exc}") from None
+
+
+def build_api_service(
+    *,
+    db: str,
+    cluster_file: Path | None = None,
+    gpus: str | None = None,
+    gpus_per_node: str | None = None,
+    cache: str | None = None,
+    remote_io: str | None = None,
+    gpu_speed: str | None = None,
+    irregular_share: str | None = None,
+    allowed_uris: list[str] | None = None,
+    default_quota: Any = None,
+    node_agents: list[str] | None = None,
+    backend: str | None = None,
+    backend_opts: dict[str, str] | None = None,
+    state_dir: Path | str | None = None,
+    **_scheduler_only: Any,
+):  # type: ignore[no-untyped-def]
+    """The API worker's side (scheduler/service/api_process.py): catalogue and views, no backend, no rounds.
+    The schema must already be migrated (the serving process does it once, before workers start).
+    With the kubernetes backend it holds a second backend object used only to create a REST
+    job's Job from its pod_template (no polling, no leader election, no admission)."""
+    from contract.uri_policy import UriPolicy
+    from scheduler.service.api_process import ApiService
+    from scheduler.core.cluster import load_cluster
+    from scheduler.service.db.engine import make_engine
+    from scheduler.service.scheduler_process import ServiceConfig
+    from scheduler.service.types import TenantQuota
+
+    capacity, speed = load_cluster(
+        cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
+        irregular_share=irregular_share,
+    )
+    config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
+                           default_quota=default_quota or TenantQuota(), **_agents(node_agents))
+    workloads = None
+    if backend == "kubernetes":
+        from scheduler.backends.base import BackendConfig, load_backend
+
+        opts = {k: v for k, v in (backend_opts or {}).items() if k != "leader-election"}
+        workloads = load_backend(backend, BackendConfig(capacity=capacity, state_dir=Path(state_dir or default_state_dir()),
+                                                        options=opts))
+    return ApiService(make_engine(db), config, workloads=workloads)
+
+
+def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info") -> None:
+    """The scheduling process of `silod serve`: the backend, the data-manager pushes and the
+    rounds, apart from the API workers (no shared GIL). It takes the leader lease before
+    scheduling; SIGTERM stops it cleanly."""
+    import logging
+    import signal
+    import threading
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Requests first: when the API workers and a round compete for the CPU, the round waits
+    # (it is seconds long anyway; a request is milliseconds).
+    try:
+        os.nice(SCHEDULER_NICE)
+    except OSError:
+        pass
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        # `silod serve` killed with -9 cannot stop us: notice it, and stop, so that the next
+        # `silod serve` can take the leader lease (instead of an orphan renewing it for ever).
+        while not done.wait(1.0):
+            if os.getppid() != parent:
+                done.set()
+
+    threading.Thread(target=watch_parent, name="silod-parent-watch", daemon=True).start()
+    service = build_service(**build_kwargs)
+    try:
+        elector = getattr(service.backend, "elector", None)
+        if elector is None:
+            service.start()
+        else:
+            # Kubernetes with several replicas: schedule only while holding the Lease (the
+            # process exits when it loses it, and the supervisor starts it again as a candidate).
+            from scheduler.backends.kubernetes.leader import run_when_leading
+
+            run_when_leading(elector, service)
+        done.wait()
+    finally:
+        service.close()
+
+
+def build_service(
+    *,
+    db: str | None,
+    backend: str,
+    policy: str | None,
+    round_s: float,
+    cluster_file: Path | None = None,
+    gpus: str | None = None,
+    gpus_per_node: str | None = None,
+    cache: str | None = None,
+    remote_io: str | None = None,
+    gpu_speed: str | None = None,
+    irregular_share: str | None = None,
+    datamanager: str | None = None,
+    state_dir: Path | None = None,
+    backend_opts: dict[str, str] | None = None,
+    allowed_uris: list[str] | None = None,
+    default_quota: Any = None,
+    node_agents: list[str] | None = None,
+):  # type: ignore[no-untyped-def]
+    """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it).
+
+    `state_dir` defaults to default_state_dir(); `db` may be None for a SQLite file in it.
+    """
+    from policies.registry import available_policies
+    from scheduler.backends.base import BackendConfig, load_backend
+    from scheduler.core.cluster import load_cluster
+    from scheduler.service.db import open_database
+    from contract.uri_policy import UriPolicy
+    from scheduler.service.scheduler_process import SchedulerService, ServiceConfig
+    from scheduler.service.types import TenantQuota
+
+    if policy is not None and policy not in available_policies():
+        raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+    capacity, speed = load_cluster(
+        cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
+        irregular_share=irregular_share,
+    )
+    pusher = make_pusher(datamanager) if datamanager else None
+    state_dir = default_state_dir() if state_dir is None else state_dir
+    _prepare_state_dir(state_dir)
+    if db is None:
+        db = f"sqlite:///{state_dir / 'silod.db'}"
+    cluster_backend = load_backend(
+        backend, BackendConfig(capacity=capacity, state_dir=state_dir, datamanager_url=datamanager, options=backend_opts or {})
+    )
+    engine = open_database(db)
+    if pusher is not None and backend == "local":
+        from scheduler.backends.local import LocalBackend, WorkConservingPusher
+
+        if isinstance(cluster_backend, LocalBackend):
+            # Link capacity the policy's caps leave unused goes to running jobs that want more
+            # (e.g. while their cache fills), from the workers' measured demand.
+            pusher = WorkConservingPusher(pusher, cluster_backend, capacity.remote_io)
+    config = ServiceConfig(
+        capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
+        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+        **_agents(node_agents),
+    )
+    service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
+    if callable(attach):
+        attach(service)
+    return service
+
+
+# ---------------------------------------------------------------- HTTP client side
+
+
+def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-def]
+    import httpx
+
+    server = server or os.environ.get("SILOD_SERVER") or DEFAULT_SERVER
+    token = token or os.environ.get("SILOD_TOKEN")
+    if not token:
+        raise UserError("no API token: pass --token or set SILOD_TOKEN")
+    return httpx.Client(base_url=server, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
+
+
+def _call(server: str | None, token: str | None, method: str, path: str, **kwargs: Any) -> Any:
+    import httpx
+
+    with _client(server, token) as client:
+        try:
+            response = client.request(method, path, **kwargs)
+        except httpx.UnsupportedProtocol as exc:
+            raise UserError(f"--server {str(client.base_url)!r} is not an http(s) URL ({exc}); e.g. http://127.0.0.1:8080") from exc
+        except httpx.HTTPError as exc:
+            raise RuntimeFailure(f"cannot reach the silod server at {client.base_url}: {exc}; is `silod serve` running "
+                                 f"there? (set --server or SILOD_SERVER)") from exc
+    if response.status_code >= 500:
+        raise RuntimeFailure(f"{method} {path}: the server failed (HTTP {response.status_code}): {_error_text(response)}")
+    if response.status_code >= 400:
+        raise UserError(f"{method} {path}: HTTP {response.status_code}: {_error_text(response)}")
+    return response.json()
+
+
+def _error_text(response: Any) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    detail = body.get("detail") if isinstance(body, dict) else body
+    if isinstance(detail, list):  # FastAPI validation errors: name each field
+        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}" for e in detail)
+    return str(detail)
+
+
+ServerOpt = Annotated[str | None, typer.Option("--server", help="API base URL [env SILOD_SERVER, default http://127.0.0.1:8080]")]
+TokenOpt = Annotated[str | None, typer.Option("--token", help="bearer token [env SILOD_TOKEN]")]
+
+
+def _rate_or_number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+WORKER_CONFIG_ENV = "SILOD_SERVE_WORKER_CONFIG"
+SCHEDULER_NICE = 10  # the scheduling process's CPU priority below the API workers
+
+
+class _SchedulerSupervisor:
+    """Keeps the scheduling process alive while the API serves (restarted if it dies)."""
+
+    def __init__(self, ctx: Any, build_kwargs: dict[str, Any], log_level: str):
+        import threading
+
+        self.ctx, self.kwargs, self.log_level = ctx, build_kwargs, log_level
+        self.proc: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="silod-scheduler-supervisor", daemon=True)
+
+    def _spawn(self) -> None:
+        self.proc = self.ctx.Process(target=run_scheduler_process, args=(self.kwargs, self.log_level),
+                                     name="silod-scheduler")
+        self.proc.start()
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import logging
+
+        while not self._stop.wait(2.0):
+            if self.proc is not None and not self.proc.is_alive():
+                logging.getLogger("silod.serve").error(
+                    "the scheduling process exited (code %s); starting it again", self.proc.exitcode)
+                self._spawn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()  # SIGTERM: it closes the service and releases the lease
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        listen: Annotated[str, typer.Option(help="HOST:PORT to listen on")] = "127.0.0.1:8080",
+        db: Annotated[str | None, typer.Option(help="sqlite:///FILE or postgresql+psycopg://USER@HOST/DB [default: sqlite:///STATE_DIR/silod.db]")] = None,
+        backend: Annotated[str, typer.Option(help="where jobs run: local | kubernetes")] = "local",
+        gpus: Annotated[str | None, typer.Option(help="GPUs in the cluster")] = None,
+        gpus_per_node: Annotated[str | None, typer.Option("--gpus-per-node", help="GPUs per node")] = None,
+        cache: Annotated[str | None, typer.Option(help="cluster cache, e.g. 2TB")] = None,
+        remote_io: Annotated[str | None, typer.Option("--remote-io", help="remote storage bandwidth, e.g. 1GB/s")] = None,
+        gpu_speed: Annotated[str | None, typer.Option("--gpu-speed", help="GPU speed vs a V100 (scales catalog f*)")] = None,
+        cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys")] = None,
+        irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
+        policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
+        tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
+        datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
+        round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
+        workers: Annotated[int, typer.Option("--workers", help="API worker processes (the scheduling loop runs in one more)")] = 1,
+        state_dir: Annotated[Path | None, typer.Option("--state-dir", help="state of the backend (and the default SQLite db) [default: $XDG_STATE_HOME/silod or ~/.local/state/silod]")] = None,
+        backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
+        allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
+        node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
+        max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
+        tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
+        tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
+        webhook_listen: Annotated[str | None, typer.Option("--webhook-listen", help="HOST:PORT of the mutating admission webhook (HTTPS; --backend kubernetes): suspends labelled workloads at creation")] = None,
+        webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
+        webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
+        webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
+        webhook_admitter: Annotated[list[str] | None, typer.Option("--webhook-admitter", help="user (as the API server authenticates it) allowed to unsuspend queued workloads: silod's service account (repeatable) [default: system:serviceaccount:$POD_NAMESPACE:silod-scheduler, namespace silod-system when unset]")] = None,
+        log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    ) -> None:
+        """Run the scheduler service: REST API under /v1, /docs, /healthz, /metrics."""
+        import logging
+
+        from estimator.units import parse_size
+
+        host, port = parse_listen(listen)
+        round_s = parse_duration(round_)
+        body_cap = int(parse_size(max_body, what="--max-body"))
+        if (tls_cert is None) != (tls_key is None):
+            raise UserError("--tls-cert and --tls-key go together")
+        for f in (tls_cert, tls_key):
+            if f is not None and not f.is_file():
+                raise UserError(f"TLS file {f} does not exist")
+        if workers < 1 or workers > 64:
+            raise UserError(f"--workers {workers} must be between 1 and 64")
+        webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
+                                  webhook_admitter)
+        # Resolved once here, so the API workers and the scheduling process use the same paths.
+        state_dir = default_state_dir() if state_dir is None else state_dir
+        _prepare_state_dir(state_dir)
+        if db is None:
+            db = f"sqlite:///{state_dir / 'silod.db'}"
+        build_kwargs: dict[str, Any] = dict(
+            db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
+            gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
+            irregular_share=irregular_share, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
+        )
+        # Check everything once, here, so that a mistake is one clear error before any process
+        # starts: the schedule side (backend, cluster, policy) and the database (migrated here).
+        # (The backend itself is only built in the scheduling process: building it here too would
+        # make a second object adopt the local backend's running workers.)
+        import importlib
+
+        from scheduler.backends.base import BACKEND_NAMES
+        from scheduler.service.db import open_database
+
+        if backend not in BACKEND_NAMES and backend != "null":
+            raise UserError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKEND_NAMES)}")
+        try:
+            importlib.import_module(f"scheduler.backends.{backend}")
+        except ImportError as exc:
+            raise UserError(f"backend {backend!r} cannot be loaded: {exc}") from exc
+        if datamanager:
+            make_pusher(datamanager)
+        probe = build_api_service(**build_kwargs)  # cluster flags, URIs, quotas
+        try:
+            if probe.workloads is not None:
+                probe.workloads.describe()  # an unreachable Kubernetes API is one clear error here
+        finally:
+            probe.close()
+        engine = open_database(db)  # migrated once, before any worker starts
+        engine_url = engine.url.render_as_string(hide_password=True)
+        try:
+            from policies.registry import available_policies
+
+            if policy is not None and policy not in available_policies():
+                raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+            make_token_store(engine, state_dir, tokens)
+            from sqlalchemy.orm import sessionmaker
+
+            from scheduler.service import control
+
+            if policy is not None:  # the scheduling process reads it at start, the workers at once
+                control.write_setting(sessionmaker(engine), "policy", policy)
+            policy_name = control.read_setting(sessionmaker(engine), "policy") or "fifo"
+        finally:
+            engine.dispose()
+        import json
+        import multiprocessing
+
+        import uvicorn
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        os.environ[WORKER_CONFIG_ENV] = json.dumps({
+            "build": {k: (str(v) if isinstance(v, Path) else v) for k, v in build_kwargs.items()
+                      if k not in ("default_quota",)},
+            "default_quota": default_quota, "state_dir": str(state_dir), "max_body": body_cap,
+        })
+        scheme = "https" if tls_cert else "http"
+        # Short lines (a terminal may be 80 columns): where to reach it, then what it runs with.
+        typer.echo(f"silod serve: {scheme}://{host}:{port} (API docs at /docs)", err=True)
+        typer.echo(f"  db {engine_url}", err=True)
+        typer.echo(f"  backend {backend}, policy {policy_name}, round {round_s:g}s", err=True)
+        typer.echo(f"  {workers} API worker(s) + 1 scheduling process", err=True)
+        scheduler = _SchedulerSupervisor(multiprocessing.get_context("spawn"), build_kwargs, log_level)
+        scheduler.start()
+        if webhook is not None:
+            webhook.start()
+            typer.echo(f"  admission webhook {webhook.url}", err=True)
+        try:
+            uvicorn.run("scheduler.service.api.worker:create_worker_app", factory=True, host=host, port=port,
+                        workers=workers, log_level=log_level.lower(), access_log=False,
+                        ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+        finally:
+            if webhook is not None:
+                webhook.stop()
+            scheduler.stop()
+
+    @app.command()
+    def submit(
+        name: Annotated[str, typer.Option(help="job name")],
+        gpus: Annotated[int, typer.Option(help="GPUs the job needs")],
+        dataset: Annotated[str, typer.Option(help="a registered dataset")],
+        epochs: Annotated[float | None, typer.Option(help="passes over the dataset")] = None,
+        steps: Annotated[int | None, typer.Option(help="instead of --epochs, with --step-bytes")] = None,
+        step_bytes: Annotated[str | None, typer.Option("--step-bytes", help="bytes per step, e.g. 32MB")] = None,
+        ideal_throughput: Annotated[str | None, typer.Option("--ideal-throughput", help="f*, e.g. 114MB/s")] = None,
+        model: Annotated[str | None, typer.Option(help="catalog model instead of --ideal-throughput")] = None,
+        priority: Annotated[int, typer.Option()] = 0,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Submit a training job; prints its id."""
+        from estimator.units import parse_gpus, parse_rate, parse_size
+
+        parse_gpus(gpus, "--gpus")  # bad values fail here, before any network call
+        if step_bytes is not None:
+            parse_size(step_bytes, "--step-bytes")
+        if ideal_throughput is not None:
+            parse_rate(ideal_throughput, "--ideal-throughput")
+        body: dict[str, Any] = {"name": name, "gpus": gpus, "dataset": dataset, "priority": priority}
+        for key, value in (("epochs", epochs), ("steps", steps), ("model", model)):
+            if value is not None:
+                body[key] = value
+        if step_bytes is not None:
+            body["step_bytes"] = _rate_or_number(step_bytes)
+        if ideal_throughput is not None:
+            body["ideal_throughput"] = _rate_or_number(ideal_throughput)
+        job = _call(server, token, "POST", "/v1/jobs", json=body)
+        typer.echo(job["id"])
+
+    @app.command()
+    def jobs(
+        state: Annotated[str | None, typer.Option(help="filter: queued, running, finished, failed, cancelled, active")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+        wide: Annotated[bool, typer.Option("--wide", help="all columns (owner, dataset); wider than 80")] = False,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """List your jobs (all jobs with the admin token)."""
+        params = {"state": state} if state else {}
+        rows = _call(server, token, "GET", "/v1/jobs", params=params)
+        if as_json:
+            import json
+
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        from estimator.units import format_rate, format_size
+
+        # The default columns fit 80 columns; owner and dataset only with --wide.
+        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset"] if wide else []),
+                   "progress", "remote IO"]
+        table = Table(*columns)
+        for j in rows:
+            progress = j["consumed_bytes"] / j["total_bytes"] if j["total_bytes"] else 0.0
+            io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
+            cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
+                     "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
+                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io}
+            table.add_row(*(cells[c] for c in columns))
+        Console().print(table)
+
+    @app.command()
+    def cancel(
+        job_id: Annotated[str, typer.Argument(help="job id (from `silod submit` or `silod jobs`)")],
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Cancel a job."""
+        job = _call(server, token, "DELETE", f"/v1/jobs/{job_id}")
+        typer.echo(f"{job['id']} {job['state']}")
+
+    @app.command("dataset-add")
+    def dataset_add(
+        name: Annotated[str, typer.Argument(help="dataset name")],
+        uri: Annotated[str, typer.Option(help="remote source, e.g. s3://bucket/prefix")],
+        size: Annotated[str, typer.Option(help="bytes or with a unit, e.g. 143GB")],
+        item_count: Annotated[int | None, typer.Option("--item-count")] = None,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Register a dataset with the scheduler."""
+        from estimator.units import parse_size
+
+        parse_size(size, "--size")  # bad values fail here, before any network call
+        body: dict[str, Any] = {"name": name, "uri": uri, "size": _rate_or_number(size)}
+        if item_count is not None:
+            body["item_count"] = item_count
+        ds = _call(server, token, "POST", "/v1/datasets", json=body)
+        typer.echo(f"{ds['name']} {ds['size']:.0f} bytes")

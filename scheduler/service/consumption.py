@@ -1,0 +1,164 @@
+"""Trusted consumption: what node agents measured each pod of an admitted workload read.
+
+Who may say what (docs/kubernetes.md, "Trusted consumption"):
+
+- Which pods belong to which job is the scheduling leader's record (`workload_pods`), built from
+  the API server: a pod counts for a job only when its controller chain (ownerReferences with
+  `controller: true`, Pod -> Job [-> JobSet], Pod -> PyTorchJob) ends at the uid of a workload
+  silod admitted, in the workload's namespace, and the pod is bound to one of the nodes silod
+  placed that admission on. Labels and annotations, which the workload's owner can write at any
+  time, play no part; the first attribution of a pod uid is kept.
+- How much a pod read comes only from the node agent of the pod's node, authenticated by a token
+  bound to that node (`silod serve --node-agent USER=NODE`): a report about a pod on another node
+  is ignored, a report for another node is refused (403), and tenants' tokens are refused (403).
+- Counters are cumulative and only ever raised (per column `max`, in one UPDATE statement, so
+  concurrent reports from several API workers cannot lower them): a replayed, reordered or lower
+  report changes nothing.
+
+What a workload's owner can still do is make its pods really read more through the mount; the
+service believes any progress only up to what the job's f* allows since the last believed report
+(SchedulerService._plausible_progress), so that is no faster than running it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import case, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import sessionmaker
+
+from scheduler.service.db.models import PodConsumption, WorkloadPod
+
+COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
+MAX_PODS_PER_REPORT = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PodReport:
+    pod_uid: str
+    read_bytes: int
+    hit_bytes: int
+    miss_bytes: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedPod:
+    pod_uid: str
+    job_id: str
+    node: str
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    pod_uid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportResult:
+    accepted: int
+    ignored: tuple[Ignored, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """A job's measured consumption, summed over its pods on every node."""
+
+    read_bytes: int
+    hit_bytes: int
+    miss_bytes: int
+    hits: int
+    misses: int
+    pods: int
+    updated_at: float
+
+
+class ConsumptionStore:
+    def __init__(self, sessions: sessionmaker, write_lock: threading.RLock | None = None,
+                 clock=time.time) -> None:
+        self.sessions = sessions
+        self.lock = write_lock or threading.RLock()
+        self.clock = clock
+
+    # --- the leader's side -------------------------------------------------------------------
+
+    def record_pods(self, pods: Iterable[AdmittedPod]) -> int:
+        """Remember pods of admitted workloads; a uid already known keeps its first job."""
+        pods = list(pods)
+        if not pods:
+            return 0
+        now = self.clock()
+        added = 0
+        with self.lock, self.sessions.begin() as s:
+            known = set(s.scalars(select(WorkloadPod.pod_uid).where(WorkloadPod.pod_uid.in_([p.pod_uid for p in pods]))))
+            for p in pods:
+                if p.pod_uid in known:
+                    continue
+                s.add(WorkloadPod(pod_uid=p.pod_uid, job_id=int(p.job_id), node=p.node, namespace=p.namespace,
+                                  name=p.name, seen_at=now))
+                known.add(p.pod_uid)
+                added += 1
+        return added
+
+    # --- the agents' side (API workers) ---------------------------------------------------------
+
+    def record_report(self, node: str, agent: str, reports: Sequence[PodReport]) -> ReportResult:
+        now = self.clock()
+        ignored: list[Ignored] = []
+        accepted = 0
+        with self.lock:
+            with self.sessions() as s:
+                known = {w.pod_uid: w for w in s.scalars(
+                    select(WorkloadPod).where(WorkloadPod.pod_uid.in_([r.pod_uid for r in reports])))}
+            for r in reports:
+                w = known.get(r.pod_uid)
+                if w is None:
+                    ignored.append(Ignored(r.pod_uid, "not a pod of a workload silod admitted (or not seen by the"
+                                                      " scheduler yet: a later report, cumulative, counts it)"))
+                    continue
+                if w.node != node:
+                    ignored.append(Ignored(r.pod_uid, f"pod {w.namespace}/{w.name} runs on node {w.node}, not {node}"))
+                    continue
+                self._raise_counters(node, agent, w.job_id, r, now)
+                accepted += 1
+        return ReportResult(accepted, tuple(ignored))
+
+    def _raise_counters(self, node: str, agent: str, job_id: int, r: PodReport, now: float) -> None:
+        cols = {c: getattr(PodConsumption, c) for c in COUNTERS}
+        raise_ = {c: case((cols[c] < getattr(r, c), getattr(r, c)), else_=cols[c]) for c in COUNTERS}
+        stmt = (update(PodConsumption)
+                .where(PodConsumption.node == node, PodConsumption.pod_uid == r.pod_uid)
+                .values(**raise_, agent=agent, updated_at=now)
+                .execution_options(synchronize_session=False))
+        for _ in range(2):
+            with self.sessions.begin() as s:
+                if s.execute(stmt).rowcount:
+                    return
+            try:
+                with self.sessions.begin() as s:
+                    s.add(PodConsumption(node=node, pod_uid=r.pod_uid, job_id=job_id, agent=agent, first_at=now,
+                                         updated_at=now, **{c: getattr(r, c) for c in COUNTERS}))
+                return
+            except IntegrityError:
+                continue  # another worker inserted it meanwhile: raise its counters instead
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def measured(self, job_ids: Iterable[str]) -> dict[str, Measured]:
+        ids = [int(j) for j in job_ids if str(j).isdigit()]
+        if not ids:
+            return {}
+        q = (select(PodConsumption.job_id, *(func.sum(getattr(PodConsumption, c)) for c in COUNTERS),
+                    func.count(), func.max(PodConsumption.updated_at))
+             .where(PodConsumption.job_id.in_(ids)).group_by(PodConsumption.job_id))
+        with self.sessions() as s:
+            return {str(row[0]): Measured(*(int(v or 0) for v in row[1:6]), pods=int(row[6]), updated_at=float(row[7]))
+                    for row in s.execute(q)}

@@ -1,0 +1,159 @@
+"""The scheduling loop: when rounds run, and who runs them.
+
+Rounds run on a timer (the round length) and soon after an event (submit, cancel, finish,
+policy change; coalesced, at most every `min_event_gap_s`). Only the holder of the leader lease
+runs rounds (scheduler/service/control.py); a process that is not the leader keeps trying to take the
+lease and, once it has it, first recovers (`SchedulerService.recover`) and then schedules.
+
+Events come from the backend (`poll()`), from this process (`trigger`), and from API processes
+through the database: a changed activity signature (a submission or a cancel elsewhere), a
+changed policy setting, a forced-round request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from sqlalchemy.orm import sessionmaker
+
+from scheduler.backends.base import ClusterBackend, JobEvent
+from scheduler.service import control
+from scheduler.service.types import RoundResult, ServiceConfig
+
+log = logging.getLogger("silod.loop")
+
+LEASE_TTL_S = 15.0  # a leader that stops renewing (killed) is replaced after this long
+
+
+class RoundService(Protocol):
+    """What the loop drives: the scheduling process's service (scheduler_process.SchedulerService)."""
+
+    sessions: sessionmaker
+    config: ServiceConfig
+    backend: ClusterBackend
+    policy_name: str
+
+    def recover(self) -> None: ...
+
+    def apply_policy(self, name: str) -> None: ...
+
+    def apply_events(self, events: Iterable[JobEvent]) -> bool: ...
+
+    def run_round(self, reason: str = ...) -> RoundResult: ...
+
+
+class LoopRunner:
+    def __init__(self, service: RoundService):
+        self.service = service
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.is_leader = False
+        self._wake = threading.Event()
+        self._wake_reasons: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._signature: tuple | None = None
+
+    def trigger(self, reason: str) -> None:
+        """Ask for a round as soon as possible (coalesced with other pending requests)."""
+        self._wake_reasons.add(reason)
+        self._wake.set()
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="silod-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self.is_leader:
+            try:
+                control.release_lead(self.service.sessions, self.holder)
+            except Exception:  # the lease then simply expires
+                log.warning("could not release the leader lease")
+            self.is_leader = False
+
+    def _lead(self) -> bool:
+        """Take or renew the lease; recover on taking it."""
+        svc = self.service
+        leading = control.try_lead(svc.sessions, self.holder, LEASE_TTL_S)
+        if leading and not self.is_leader:
+            log.info("this process is the scheduling leader (%s)", self.holder)
+            svc.recover()
+            self._signature = None
+        elif not leading and self.is_leader:
+            log.warning("lost the leader lease; another process schedules now")
+        self.is_leader = leading
+        return leading
+
+    def _poll_control(self) -> list[str]:
+        """Events from API processes; returns forced-round requests to answer."""
+        svc = self.service
+        sig = control.activity_signature(svc.sessions)
+        if self._signature is not None and sig != self._signature:
+            self.trigger("submit")
+        self._signature = sig
+        stored = control.read_setting(svc.sessions, "policy")
+        if stored and stored != svc.policy_name:
+            svc.apply_policy(stored)
+            self.trigger("policy")
+        return control.pending_round_requests(svc.sessions)
+
+    def _run(self) -> None:
+        svc, cfg = self.service, self.service.config
+        next_round = time.monotonic()  # the first round runs at once
+        last_event_round = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            timeout = max(0.0, min(next_round - now, cfg.poll_seconds))
+            self._wake.wait(timeout)
+            if self._stop.is_set():
+                break
+            try:
+                if not self._lead():
+                    time.sleep(cfg.poll_seconds)
+                    continue
+                requests = self._poll_control()
+                if requests:
+                    result = svc.run_round("api")
+                    control.answer_round(svc.sessions, requests, round_summary(result))
+                    last_event_round = time.monotonic()
+                    continue
+                if svc.apply_events(svc.backend.poll()):
+                    self.trigger("finish")
+                now = time.monotonic()
+                reason = None
+                if now >= next_round:
+                    reason = "timer"
+                elif self._wake.is_set() and now - last_event_round >= cfg.min_event_gap_s:
+                    reason = ",".join(sorted(self._wake_reasons)) or "event"
+                elif self._wake.is_set():
+                    # Too soon after the last event round: sleep off the gap, then run.
+                    time.sleep(cfg.min_event_gap_s - (now - last_event_round))
+                    continue
+                if reason is None:
+                    continue
+                self._wake.clear()
+                self._wake_reasons.clear()
+                svc.run_round(reason)
+                last_event_round = time.monotonic()
+                if reason == "timer":
+                    next_round = last_event_round + cfg.round_seconds
+            except Exception:  # the loop must survive a bad round (or a database outage); the next one retries
+                log.exception("scheduling round failed")
+                time.sleep(min(cfg.poll_seconds, 1.0))
+
+
+def round_summary(r) -> dict:  # type: ignore[no-untyped-def]
+    return {"round_id": r.round_id, "reason": r.reason, "active": r.active, "running": list(r.running),
+            "started": list(r.started), "stopped": list(r.stopped), "changes": r.changes, "duration_s": r.duration_s}

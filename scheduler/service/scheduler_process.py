@@ -1,0 +1,465 @@
+"""The scheduling side of the service: a round over the database's jobs, driving a cluster
+backend (runs jobs) and the data manager (enforces cache and remote IO).
+
+One round, as explicit stages:
+  1. events   - apply what the backend reported (progress, bounded by f*; finished, failed);
+  2. snapshot - read the active jobs, their datasets and the quotas in one read transaction;
+                admit each tenant's jobs within its quota (quota_admission.py);
+  3. plan     - `SchedulingCore(policy, SiloDEstimator()).plan(snapshot)` (pure, no I/O);
+                then each tenant's cache within its quota;
+  4. persist  - diff against the stored allocation outside any transaction, write only the
+                changes (and one audit row per changed value) in one short transaction,
+                re-checking the states of the jobs it touches (round_persistence.py);
+  5. execute  - stop preempted/cancelled jobs, push cache and IO to the data manager
+                (storage_push.py), start newly chosen jobs.
+
+The parts around it have their own modules: the catalogue (datasets, grants, credentials,
+jobs, quotas, idempotency: catalogue.py), the loop and its leader lease (loop_runner.py,
+control.py), recovery after a restart (recovery.py), the read views (views.py). In
+`silod serve` this class lives in the scheduling process; API workers use api_service.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from sqlalchemy import Engine, delete, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from policies.estimators import SiloDEstimator
+from policies.registry import available_policies, get_policy
+from policies.types import DatasetView, JobView, Snapshot
+from scheduler.backends.base import ClusterBackend, JobEvent
+from scheduler.service import control
+from scheduler.service.catalogue import Catalogue, parse_job_id
+from scheduler.service.loop import LoopRunner
+from scheduler.service.recovery import recover
+from scheduler.service.storage_push import StoragePush
+from scheduler.service.views import ClusterStatus, ReadViews
+from scheduler.core.planner import RoundPlan, SchedulingCore
+from scheduler.service.db.models import (
+    ACTIVE_STATES,
+    AllocationChange,
+    Dataset,
+    Job,
+    JobState,
+    Quota,
+    Setting,
+)
+
+log = logging.getLogger("silod.service")
+
+PROGRESS_SLACK = 1.25  # a job reads at most its f*; 25% for clock skew and measurement noise
+PROGRESS_BURST_S = 2.0  # and a couple of seconds' worth that a report may lag behind
+
+from contract.names import dataset_id_of_key, storage_key
+from scheduler.service.types import (  # noqa: F401 - re-exported: callers import these from here
+    ADMIN, MAX_BYTES, ConflictError, ForbiddenError, NotFoundError, ServiceError, check_name,
+    StoragePusher, Principal, NewDataset, NewJob, DatasetRecord, JobRecord,
+    JobAllocationRecord, CacheAllocationRecord, AllocationsRecord, ChangeRecord, ClusterRecord, RoundResult,
+    ServiceConfig,
+    TenantQuota,
+    access_from_row,
+)
+from scheduler.service.quota_admission import TenantJob, admit, clamp_cache
+from scheduler.service.round_persistence import Pending, diff_round, read_current, write_round
+
+
+@dataclass(frozen=True, slots=True)
+class _RoundInput:
+    snapshot: Snapshot  # the jobs admitted within their tenants' quotas
+    held_back: tuple[JobView, ...]  # active jobs a quota keeps from running this round
+    dataset_owner: Mapping[str, str]  # storage key -> tenant charged for its cache
+    quotas: Mapping[str, TenantQuota]
+
+
+class SchedulerService(ReadViews):
+    def __init__(
+        self,
+        engine: Engine,
+        backend: ClusterBackend,
+        config: ServiceConfig,
+        pusher: StoragePusher | None = None,
+        datamanager_url: str | None = None,
+    ):
+        self.engine = engine
+        self.backend = backend
+        self.config = config
+        self.storage = StoragePush(pusher)
+        self.datamanager_url = datamanager_url
+        self.sessions = sessionmaker(engine, expire_on_commit=False)
+        self._write_lock = threading.RLock()
+        self._round_lock = threading.Lock()  # one round at a time (timer thread vs direct calls)
+        self._last_round: tuple[Snapshot, RoundPlan, float] | None = None
+        self._last_round_time: float | None = None
+        self.rounds_total = 0
+        self._progress_seen: dict[int, float] = {}  # job id -> when its progress was last believed
+        self.round_durations: list[float] = []  # recent, for /metrics
+        self._description = backend.describe()
+        name = config.policy or self._stored_policy() or "fifo"
+        self.core = SchedulingCore(get_policy(name), SiloDEstimator())
+        self.policy_name = name
+        self._save_setting("policy", name)
+        self.runner = LoopRunner(self)
+        self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger, workloads=backend)
+        self.publish_status()
+
+    @property
+    def pusher(self) -> StoragePusher | None:
+        return self.storage.pusher
+
+    @pusher.setter
+    def pusher(self, value: StoragePusher | None) -> None:  # tests swap the data manager
+        self.storage.pusher = value
+
+    @property
+    def last_push_error(self) -> str | None:
+        return self.storage.last_error
+
+    # ------------------------------------------------------------------ settings / policy
+
+    def _stored_policy(self) -> str | None:
+        with self.sessions() as s:
+            row = s.get(Setting, "policy")
+            return row.value if row and row.value in available_policies() else None
+
+    def _save_setting(self, key: str, value: str) -> None:
+        with self._write_lock, self.sessions.begin() as s:
+            row = s.get(Setting, key)
+            if row is None:
+                s.add(Setting(key=key, value=value))
+            else:
+                row.value = value
+
+    def set_policy(self, who: Principal, name: str) -> str:
+        if not who.is_admin:
+            raise ForbiddenError("only the admin may change the scheduling policy")
+        if name not in available_policies():
+            raise ServiceError(f"unknown policy {name!r}; choose one of: {', '.join(available_policies())}", field="name")
+        self.apply_policy(name)
+        self._save_setting("policy", name)  # other processes (and the next start) read it here
+        self.trigger("policy")
+        return name
+
+    def apply_policy(self, name: str) -> None:
+        """Use policy `name` from the next round on (also when another process set it)."""
+        if name not in available_policies():
+            log.warning("ignoring unknown stored policy %r", name)
+            return
+        policy = get_policy(name)
+        with self._round_lock:
+            # Keep the round planner: its record of GPU time received stays valid across policies.
+            self.core.policy = policy
+            self.policy_name = name
+
+    # ------------------------------------------------------------------ the catalogue (delegated)
+
+    def register_dataset(self, who: Principal, req: NewDataset) -> tuple[DatasetRecord, bool]:
+        return self.catalogue.register_dataset(who, req)
+
+    def list_datasets(self, who: Principal) -> list[DatasetRecord]:
+        return self.catalogue.list_datasets(who)
+
+    def get_dataset(self, who: Principal, name: str, owner: str | None = None) -> DatasetRecord:
+        return self.catalogue.get_dataset(who, name, owner)
+
+    def submit_job(self, who: Principal, req: NewJob, idempotency_key: str | None = None) -> JobRecord:
+        return self.catalogue.submit_job(who, req, idempotency_key)[0]
+
+    def get_job(self, who: Principal, job_id: str) -> JobRecord:
+        return self.catalogue.get_job(who, job_id)
+
+    def list_jobs(
+        self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0
+    ) -> list[JobRecord]:
+        return self.catalogue.list_jobs(who, state, owner, limit, offset)
+
+    def cancel_job(self, who: Principal, job_id: str) -> JobRecord:
+        return self.catalogue.cancel_job(who, job_id)
+
+    # ------------------------------------------------------------------ cluster / allocations (views.py)
+
+    def _status(self) -> ClusterStatus:
+        return ClusterStatus(self._description, self.backend.name, self.datamanager_url, self._last_round_time,
+                             self.last_push_error)
+
+    # ------------------------------------------------------------------ the loop
+
+    def trigger(self, reason: str) -> None:
+        """Ask for a round as soon as possible (coalesced with other pending requests)."""
+        self.runner.trigger(reason)
+
+    def start(self) -> None:
+        """Start the loop thread; it recovers once it holds the leader lease, then schedules."""
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop()
+
+    def recover(self) -> None:
+        """Make the backend run exactly what the database says (scheduler/service/recovery.py)."""
+        with self._write_lock:
+            recover(self.sessions, self.backend)
+
+    def apply_events(self, events: Iterable[JobEvent]) -> bool:
+        """Record backend events. True when a job finished or failed (a round should follow)."""
+        events = list(events)
+        if not events:
+            return False
+        ended = False
+        now = time.time()
+        with self._write_lock, self.sessions.begin() as s:
+            for ev in events:
+                pk = parse_job_id(ev.job_id)
+                job = s.get(Job, pk) if pk is not None else None
+                if job is None:
+                    log.warning("event for unknown job %r ignored", ev.job_id)
+                    continue
+                if ev.consumed_bytes is not None and math.isfinite(ev.consumed_bytes):
+                    # Cumulative and monotone: a repeated or reordered event never loses progress.
+                    reported = min(float(ev.consumed_bytes), job.total_bytes)
+                    if reported > job.consumed_bytes:
+                        job.consumed_bytes = self._plausible_progress(job, reported, now)
+                if not JobState(job.state).active:
+                    continue
+                if ev.kind == "finished":
+                    job.state = JobState.FINISHED
+                    job.finish_time = ev.time or time.time()
+                    job.consumed_bytes = job.total_bytes  # done; progress no longer orders anything
+                    job.message = ev.message
+                    ended = True
+                elif ev.kind == "failed":
+                    job.state = JobState.FAILED
+                    job.finish_time = ev.time or time.time()
+                    job.message = ev.message or "failed"
+                    ended = True
+        return ended
+
+    def _plausible_progress(self, job: Job, reported: float, now: float) -> float:
+        """Progress reports come from places a job's owner can write (a status file in the job's
+        directory, a pod's annotations), and remaining bytes order the SJF queue. So a report is
+        believed only up to what the job could have read since the last believed one at its f*
+        (`ideal_throughput`, the rate its GPUs consume data at best), times PROGRESS_SLACK, plus
+        PROGRESS_BURST_S seconds' worth for batching: a forged report cannot move a job ahead
+        faster than running it would. Time is the service's clock, never the report's."""
+        since = self._progress_seen.get(job.id, job.start_time)
+        if since is None:  # never started: nothing can have been read
+            log.warning("job %s: progress reported before it ever ran; ignored", job.id)
+            return job.consumed_bytes
+        limit = job.consumed_bytes + job.ideal_throughput * (max(now - since, 0.0) * PROGRESS_SLACK + PROGRESS_BURST_S)
+        self._progress_seen[job.id] = now
+        if reported > limit:
+            log.warning("job %s: reported %.0f bytes consumed, more than its f* allows (%.0f); capped", job.id, reported, limit)
+            return limit
+        return reported
+
+    def build_snapshot(self, now: float | None = None) -> Snapshot:
+        """An immutable view of the active jobs within their tenants' quotas, read in one transaction."""
+        return self._round_input(now).snapshot
+
+    def _round_input(self, now: float | None = None) -> _RoundInput:
+        now = time.time() if now is None else now
+        q = (
+            select(
+                Job.id, Job.gpus, Dataset.id, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
+                Job.submit_time, Job.state, Job.priority, Dataset.size, Job.owner, Job.access,
+                Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
+            )
+            .join(Dataset, Job.dataset_id == Dataset.id)
+            .where(Job.state.in_(ACTIVE_STATES))
+            .order_by(Job.submit_time, Job.id)
+        )
+        jobs: list[TenantJob] = []
+        sizes: dict[str, float] = {}
+        owners: dict[str, str] = {}
+        cached = self.measured_cache()
+        # One read transaction: the jobs, their datasets and the quotas are one consistent state.
+        with self.sessions() as s, s.begin():
+            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *access in s.execute(q):
+                ds = storage_key(ds_id, ds_name)
+                view = JobView(
+                    job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
+                    remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
+                    running=state == JobState.RUNNING, priority=prio, access=access_from_row(*access),
+                )
+                jobs.append(TenantJob(view, owner))
+                sizes[ds] = size
+            if jobs:
+                for ds_id, ds_name, ds_owner in s.execute(
+                    select(Dataset.id, Dataset.name, Dataset.owner).where(Dataset.id.in_({dataset_id_of_key(k) for k in sizes}))
+                ):
+                    owners[storage_key(ds_id, ds_name)] = ds_owner
+            quotas = {
+                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
+            }
+        admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        datasets = {
+            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else float(cached.get(v.dataset, 0.0)))
+            for v in admitted
+        }
+        snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
+        return _RoundInput(snapshot, tuple(held_back), owners, quotas)
+
+    def _enforce_cache_quota(self, plan: RoundPlan, inp: _RoundInput) -> RoundPlan:
+        if plan.cache is None:
+            return plan
+        clamped = clamp_cache(plan.cache, inp.dataset_owner, inp.quotas, self.config.default_quota)
+        if clamped == dict(plan.cache):
+            return plan
+        return dataclasses.replace(plan, cache=MappingProxyType(clamped))
+
+    def measured_cache(self) -> dict[str, float] | None:
+        """Bytes of each dataset in cache now, as the system measures them (`DatasetView.cached`).
+
+        From the data manager's `GET /v1/status` when one is configured (one call), else from
+        the backend if it can tell (`dataset_cached_bytes()`, e.g. the local backend's mounts),
+        else None: unknown, and policies then assume their allocations are filled. A dataset
+        missing from a measurement has nothing in cache (0), so a cold cache is planned as cold.
+        A data manager that cannot be reached, or answers without per-dataset figures, counts as
+        no measurement (the backend's is used)."""
+        if self.pusher is not None:
+            try:
+                measured = cached_bytes_from_status(self.pusher.status())
+            except Exception as exc:  # the round goes on; the push will report the outage too
+                log.warning("data manager status unavailable, cache fill unknown this round: %s", exc)
+                measured = None
+            if measured is not None:
+                return measured
+        probe = getattr(self.backend, "dataset_cached_bytes", None)
+        if callable(probe):
+            try:
+                return {str(k): float(v) for k, v in dict(probe()).items()}
+            except Exception:
+                log.exception("backend %s could not report cached bytes", self.backend.name)
+        return None
+
+    def run_round(self, reason: str = "manual") -> RoundResult:
+        """One scheduling round (see the module docstring). Safe to call from any thread."""
+        with self._round_lock:
+            t0 = time.perf_counter()
+            now = time.time()
+            if self._last_round is not None:
+                prev_snap, prev_plan, prev_time = self._last_round
+                self.core.record(prev_snap, prev_plan, max(now - prev_time, 0.0))
+            inp = self._round_input(now)
+            snapshot = inp.snapshot
+            plan = self._enforce_cache_quota(self.core.plan(snapshot), inp) if snapshot.jobs else None
+            pending, round_id, changes = self._persist(snapshot, plan, reason, now, t0, inp.held_back)
+            self._execute(pending)
+            self._last_round = (snapshot, plan, now) if plan is not None else None
+            self._last_round_time = now
+            duration = time.perf_counter() - t0
+            self.rounds_total += 1
+            self.round_durations = (self.round_durations + [duration])[-100:]
+            self.publish_status()
+            return RoundResult(
+                round_id=round_id, reason=reason, active=len(snapshot.jobs),
+                running=plan.running if plan else (), started=tuple(spec.job_id for spec, _ in pending.start),
+                stopped=tuple(pending.stop), changes=changes, duration_s=duration, plan=plan,
+            )
+
+    def publish_status(self) -> None:
+        """What only this process knows, for the API processes' /v1/cluster and /metrics."""
+        d = self._description
+        try:
+            control.publish_status(self.sessions, {
+                "backend": self.backend.name, "datamanager": self.datamanager_url,
+                "nodes": [{"name": n.name, "gpus": n.gpus, "cache": n.cache, "labels": dict(n.labels)} for n in d.nodes],
+                "last_round_time": self._last_round_time, "last_push_error": self.last_push_error,
+                "rounds_total": self.rounds_total,
+                "last_round_duration_s": self.round_durations[-1] if self.round_durations else 0.0,
+            })
+        except Exception:  # status is informational; the round itself is committed
+            log.exception("could not publish the scheduler status")
+
+    def _persist(
+        self, snapshot: Snapshot, plan: RoundPlan | None, reason: str, now: float, t0: float,
+        held_back: tuple[JobView, ...] = (),
+    ) -> tuple[Pending, int, int]:
+        """Read the persisted allocation, diff it against the plan, write only the changes in one
+        short transaction (scheduler/service/round_persistence.py)."""
+        jobs_now, cache_now = read_current(self.sessions)
+        diff = diff_round(snapshot, held_back, plan, jobs_now, cache_now, now)
+        with self._write_lock:
+            return write_round(
+                self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
+                running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
+                now=now, t0=t0,
+            )
+
+    def _execute(self, pending: Pending) -> None:
+        """Backend and data-manager actions for a committed round. Failures are recorded, not raised."""
+        for job_id in pending.stop:
+            try:
+                self.backend.stop(job_id)
+            except Exception:  # stop must be idempotent; a failing backend must not stop the loop
+                log.exception("backend failed to stop job %s", job_id)
+        self.storage.push(pending.cache, pending.io, pending.cache_mode)
+        failed: dict[str, str] = {}
+        for spec, alloc in pending.start:
+            try:
+                self.backend.start(spec, alloc)
+            except Exception as exc:  # the job fails, the service carries on
+                log.warning("backend failed to start job %s: %s", spec.job_id, exc)
+                failed[spec.job_id] = f"backend could not start the job: {exc}"
+        if failed:
+            self.apply_events(JobEvent(job_id, "failed", message=msg) for job_id, msg in failed.items())
+            self.trigger("finish")
+
+    def close(self) -> None:
+        self.stop()
+        try:
+            closer = getattr(self.pusher, "close", None)  # e.g. WorkConservingPusher's thread
+            if callable(closer):
+                try:
+                    closer()
+                except Exception:
+                    log.exception("closing the data-manager pusher")
+            self.backend.close()
+        finally:
+            self.engine.dispose()
+
+
+def cached_bytes_from_status(status: Any) -> dict[str, float] | None:
+    """Bytes in cache per dataset from the data manager's `GET /v1/status` (datamanager/state.py),
+    or None when the answer has no per-dataset figures.
+
+    A dataset's cache allocation applies to its cache on every node that mounts it, so the
+    filled part of the allocation is the fullest node's cache (`nodes.*.datasets.*.cached_bytes`),
+    not the sum over nodes (the same items cached on two nodes fill no more of it). Without the
+    per-node view, `datasets.*.cached_bytes_all_nodes` is used."""
+    if not isinstance(status, Mapping) or not isinstance(status.get("datasets"), Mapping):
+        return None
+    out: dict[str, float] = {}
+    nodes = status.get("nodes")
+    if isinstance(nodes, Mapping):
+        for node in nodes.values():
+            for name, entry in ((node or {}).get("datasets") or {}).items():
+                value = float((entry or {}).get("cached_bytes") or 0.0)
+                out[name] = max(out.get(name, 0.0), value)
+    else:
+        for name, entry in status["datasets"].items():
+            out[name] = float((entry or {}).get("cached_bytes_all_nodes") or 0.0)
+    for name in status["datasets"]:
+        out.setdefault(name, 0.0)  # known to the manager, mounted nowhere: nothing cached
+    return out
+
+
+def count_rows(engine: Engine, model: type) -> int:
+    """Rows in a table (tests and benchmarks)."""
+    with Session(engine) as s:
+        return int(s.scalar(select(func.count()).select_from(model)) or 0)
+
+
+def purge_audit(engine: Engine, before: float) -> int:
+    """Delete audit rows older than `before` (unix seconds); the trail otherwise grows forever."""
+    with Session(engine) as s, s.begin():
+        return s.execute(delete(AllocationChange).where(AllocationChange.time < before)).rowcount or 0

@@ -1,0 +1,290 @@
+"""The service's vocabulary: who calls (Principal), what they ask (NewDataset, NewJob), what they
+get back (records), its configuration, and the errors the API turns into status codes. Shared by
+the catalogue, the scheduling loop and the API; no I/O here."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from estimator.access import EPOCH, AccessPattern, parse_access
+from estimator.errors import UserError
+from policies.types import ClusterCapacity
+from scheduler.backends.base import ClusterDescription
+from scheduler.core.planner import RoundPlan
+from contract.uri_policy import UriPolicy
+
+MAX_BYTES = 1e21  # larger sizes are typos (a zettabyte dataset), not data
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ADMIN = "admin"
+
+
+# --- errors the API turns into status codes (all are UserErrors, so the CLI prints them) ---
+
+
+class ServiceError(UserError):
+    status = 422
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class NotFoundError(ServiceError):
+    status = 404
+
+
+class ConflictError(ServiceError):
+    status = 409
+
+
+class ForbiddenError(ServiceError):
+    status = 403
+
+
+def check_name(value: str, what: str) -> str:
+    """Names end up in paths (mount points, cache directories, pod names): no '/', no '..'."""
+    if not isinstance(value, str) or not NAME_RE.match(value) or ".." in value:
+        raise ServiceError(
+            f"{what} {value!r} is not a valid name: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '/' or '..'",
+            field=what,
+        )
+    return value
+
+
+# --- the data-manager edge ---
+
+
+@runtime_checkable
+class StoragePusher(Protocol):
+    """What the service needs from the data manager (datamanager.client implements it)."""
+
+    def allocate_cache_size(self, dataset: str, bytes: float) -> Any: ...  # noqa: A002 - the data manager's name
+
+    def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1) -> Any: ...
+
+    def status(self) -> Any: ...
+
+
+# --- inputs and outputs of the service layer ---
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    user: str
+    is_admin: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NewDataset:
+    name: str
+    uri: str
+    size: float
+    item_count: int | None = None
+    credential: str | None = None  # a credential of the same tenant (POST /v1/credentials)
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    name: str
+    gpus: int
+    dataset: str
+    epochs: float | None = None
+    steps: int | None = None
+    step_bytes: float | None = None
+    ideal_throughput: float | None = None
+    model: str | None = None
+    priority: int = 0
+    dataset_owner: str | None = None  # another tenant's dataset, shared by an explicit grant
+    access: AccessPattern = EPOCH  # how the job reads (estimator/access.py)
+    # The pods to run (backends that create workloads, i.e. Kubernetes: a workloads.PodTemplate).
+    pod_template: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetRecord:
+    name: str
+    uri: str
+    size: float
+    item_count: int | None
+    owner: str
+    created_at: float
+    key: str  # storage_key: its name in the data manager and the cache
+    credential: str | None = None
+    shared_with: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    id: str
+    name: str
+    owner: str
+    gpus: int
+    dataset: str
+    dataset_owner: str
+    model: str | None
+    ideal_throughput: float
+    epochs: float | None
+    steps: int | None
+    step_bytes: float | None
+    total_bytes: float
+    consumed_bytes: float
+    remaining_bytes: float
+    priority: int
+    state: str
+    submit_time: float
+    start_time: float | None
+    finish_time: float | None
+    message: str
+    allocated_gpus: int
+    gpu_share: float
+    remote_io: float | None
+    access: AccessPattern = EPOCH
+
+
+@dataclass(frozen=True, slots=True)
+class JobAllocationRecord:
+    job_id: str
+    owner: str
+    gpus: int
+    gpu_share: float
+    running: bool
+    remote_io: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAllocationRecord:
+    dataset: str
+    owner: str
+    key: str
+    bytes: float
+    size: float
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationsRecord:
+    round_id: int | None
+    time: float | None
+    policy: str
+    jobs: tuple[JobAllocationRecord, ...]
+    cache: tuple[CacheAllocationRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeRecord:
+    id: int
+    round_id: int | None
+    time: float
+    subject_kind: str
+    subject: str
+    resource: str
+    old_value: float | None
+    new_value: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterRecord:
+    description: ClusterDescription
+    capacity: ClusterCapacity
+    gpus_used: int
+    cache_used: float
+    remote_io_used: float
+    jobs_by_state: Mapping[str, int]
+    backend: str
+    datamanager: str | None
+    last_round_time: float | None
+    last_push_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    round_id: int
+    reason: str
+    active: int
+    running: tuple[str, ...]
+    started: tuple[str, ...]
+    stopped: tuple[str, ...]
+    changes: int
+    duration_s: float
+    plan: RoundPlan | None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """Limits of one tenant; None is no limit. `gpus`, `running_jobs` and `cache_bytes` bound what
+    the tenant holds at any time (the round admits its jobs within them); `queued_jobs` bounds
+    its waiting jobs at submission (429)."""
+
+    gpus: int | None = None
+    cache_bytes: float | None = None
+    running_jobs: int | None = None
+    queued_jobs: int | None = None
+
+    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    capacity: ClusterCapacity
+    default_quota: TenantQuota = field(default_factory=TenantQuota)  # tenants without their own
+    uri_policy: UriPolicy = field(default_factory=UriPolicy)  # which dataset URIs may be registered
+    policy: str | None = None  # None: the persisted policy, else fifo
+    round_seconds: float = 360.0
+    poll_seconds: float = 1.0  # how often the backend is polled for events between rounds
+    min_event_gap_s: float = 2.0  # event-triggered rounds at most this often (bursts coalesce)
+    gpu_speed: float = 1.0  # multiplies catalog f* (per V100) for this cluster's GPUs
+    #: Users whose tokens belong to node agents (`silod serve --node-agent USER`): they may read
+    #: any tenant's dataset record (to mount it for that tenant's pods), and nothing else more.
+    node_agents: frozenset[str] = frozenset()
+    #: Node agents bound to one node (`--node-agent USER=NODE`): only these may report
+    #: consumption, and only for their node (scheduler/service/consumption.py).
+    agent_nodes: tuple[tuple[str, str], ...] = ()
+
+    def agent_node(self, user: str) -> str | None:
+        return dict(self.agent_nodes).get(user)
+
+
+def parse_node_agents(values: list[str] | None) -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
+    """`--node-agent USER` (any node; dataset look-ups only) or `USER=NODE` (also consumption
+    reports for NODE). Returns (users, ((user, node), ...))."""
+    users: set[str] = set()
+    bound: dict[str, str] = {}
+    for v in values or ():
+        user, sep, node = str(v).partition("=")
+        user, node = user.strip(), node.strip()
+        if not user or (sep and not node):
+            raise ServiceError(f"--node-agent {v!r}: give USER or USER=NODE", field="node_agent")
+        if user in bound and sep and bound[user] != node:
+            raise ServiceError(f"--node-agent {user} is bound to two nodes ({bound[user]}, {node}); one token user"
+                               f" per node", field="node_agent")
+        users.add(user)
+        if sep:
+            bound[user] = node
+    return frozenset(users), tuple(sorted(bound.items()))
+
+
+
+
+# --- a job's access pattern in the jobs table (migration 0002_job_access_pattern) ---
+
+
+def access_columns(access: AccessPattern) -> dict[str, Any]:
+    """The Job columns that store an access pattern."""
+    c = access.curriculum
+    return {
+        "access": access.kind.value,
+        "curriculum_starting_percent": None if c is None else c.starting_percent,
+        "curriculum_alpha": None if c is None else c.alpha,
+        "curriculum_step": None if c is None else c.step,
+        "curriculum_batch": None if c is None else c.batch,
+    }
+
+
+def access_from_row(kind: str | None, starting_percent: Any, alpha: Any, step: Any, batch: Any) -> AccessPattern:
+    """The access pattern stored by access_columns (None or "epoch": the default)."""
+    if kind in (None, "epoch"):
+        return EPOCH
+    return parse_access(kind, starting_percent, alpha, step, batch)

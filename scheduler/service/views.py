@@ -1,0 +1,114 @@
+"""Read-only views over the service's tables (cluster usage, allocations, the audit trail),
+shared by the scheduling process (SchedulerService) and the API processes (ApiService)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import sessionmaker
+
+from contract.names import storage_key
+from scheduler.backends.base import ClusterDescription
+from scheduler.service.db.models import (
+    AllocationChange,
+    CacheAllocationRow,
+    Dataset,
+    DatasetGrant,
+    Job,
+    JobAllocationRow,
+    JobState,
+    Round,
+)
+from scheduler.service.types import (
+    AllocationsRecord,
+    CacheAllocationRecord,
+    ChangeRecord,
+    ClusterRecord,
+    ForbiddenError,
+    JobAllocationRecord,
+    Principal,
+    ServiceConfig,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    """What the scheduling process knows beyond the tables."""
+
+    description: ClusterDescription
+    backend: str
+    datamanager: str | None
+    last_round_time: float | None
+    last_push_error: str | None
+
+
+class ReadViews:
+    sessions: sessionmaker
+    config: ServiceConfig
+    policy_name: str
+
+    def _status(self) -> ClusterStatus:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ cluster / allocations
+
+    def cluster(self) -> ClusterRecord:
+        with self.sessions() as s:
+            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+            gpus_used = s.scalar(select(func.coalesce(func.sum(JobAllocationRow.gpus), 0))) or 0
+            io_used = s.scalar(
+                select(func.coalesce(func.sum(JobAllocationRow.remote_io), 0.0)).where(JobAllocationRow.running)
+            ) or 0.0
+            cache_used = s.scalar(select(func.coalesce(func.sum(CacheAllocationRow.bytes), 0.0))) or 0.0
+        st = self._status()
+        return ClusterRecord(
+            description=st.description,
+            capacity=self.config.capacity,
+            gpus_used=int(gpus_used),
+            cache_used=float(cache_used),
+            remote_io_used=float(io_used),
+            jobs_by_state={JobState(k).value: int(v) for k, v in counts.items()},
+            backend=st.backend,
+            datamanager=st.datamanager,
+            last_round_time=st.last_round_time,
+            last_push_error=st.last_push_error,
+        )
+
+    def allocations(self, who: Principal) -> AllocationsRecord:
+        with self.sessions() as s:
+            last = s.scalar(select(Round).order_by(Round.id.desc()).limit(1))
+            q = select(JobAllocationRow, Job.owner).join(Job).order_by(JobAllocationRow.job_id)
+            if not who.is_admin:
+                q = q.where(Job.owner == who.user)
+            jobs = tuple(
+                JobAllocationRecord(str(a.job_id), owner, a.gpus, a.gpu_share, a.running, a.remote_io)
+                for a, owner in s.execute(q)
+            )
+            cq = select(CacheAllocationRow.bytes, Dataset.id, Dataset.name, Dataset.owner, Dataset.size).join(Dataset)
+            if not who.is_admin:  # your datasets and those shared with you; others' names are not yours to see
+                granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
+                cq = cq.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
+            cache = tuple(
+                CacheAllocationRecord(name, owner, storage_key(did, name), b, size)
+                for b, did, name, owner, size in s.execute(cq.order_by(Dataset.name, Dataset.owner))
+            )
+        return AllocationsRecord(
+            round_id=last.id if last else None, time=last.time if last else None,
+            policy=self.policy_name, jobs=jobs, cache=cache,
+        )
+
+    def allocation_history(
+        self, who: Principal, subject: str | None = None, limit: int = 100
+    ) -> list[ChangeRecord]:
+        if not who.is_admin:
+            raise ForbiddenError("only the admin may read the allocation audit trail")
+        q = select(AllocationChange).order_by(AllocationChange.id.desc()).limit(limit)
+        if subject is not None:
+            q = q.where(AllocationChange.subject == subject)
+        with self.sessions() as s:
+            return [
+                ChangeRecord(c.id, c.round_id, c.time, c.subject_kind, c.subject, c.resource, c.old_value, c.new_value)
+                for c in s.scalars(q)
+            ]
+

@@ -1,0 +1,486 @@
+"""Cache systems of the simulator: SiloD's uniform cache and the paper's three baselines.
+
+State is kept per dataset chunk (a chunk is 1/resolution of a dataset; with resolution equal to
+the item count it is item level). A job *looks up* each chunk of its epoch when it starts
+reading it (`access`); the cache system answers hit or miss, admits what it decides to admit
+and evicts what it must, at that moment.
+
+Every reader keeps a count of the chunks that are cached and that it has not read yet in its
+epoch (`SimJob.unread_cached`): its expected hit ratio on the rest of the epoch, because the
+epoch's order is a uniform random permutation. Whatever changes the cached set — another job
+admitting, an LRU eviction, a shrinking allocation — updates the counts of the readers it
+concerns at once (`_changed`), so the reader always reads at the ratio the cache holds now.
+
+- silod:   uniform caching per dataset with the policy's allocation; admit on miss while the
+           dataset is under its allocation, never evict otherwise; random eviction on shrink.
+           Datasets that only irregular jobs read (the irregular partition, §6) are LRU caches
+           instead, each within its allocation: every miss is admitted and the least recently
+           used chunks of that dataset are evicted at admission (and on shrink).
+- alluxio: one cluster-wide LRU cache, read-through: every miss is admitted and the least
+           recently used chunks are evicted at admission, so it never holds more than its size.
+- coordl:  each running job caches uniformly into a private static share, its GPUs' share of
+           the cluster's cache; nothing is shared across jobs and a job's cache is lost when it
+           stops running.
+- quiver:  whole datasets only, ranked by benefit/cost (data rate gained per byte) from noisy
+           online profiles (each job re-profiled every 12 h); a dataset that does not fit gets
+           nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+import numpy as np
+
+from estimator.errors import UserError
+from scheduler.sim.types import CacheReader
+from scheduler.sim.types import SimDataset
+
+CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
+
+
+@dataclass(eq=False)
+class CacheDomain:
+    """One dataset's cached chunks within a limit (an allocation); subclasses say what to
+    admit and what to evict."""
+
+    dataset: SimDataset
+    cached: np.ndarray = field(init=False)
+    count: int = 0
+    limit_chunks: int = 0
+
+    def __post_init__(self) -> None:
+        self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
+
+    def _limit(self, nbytes: float) -> None:
+        # A partial chunk cannot be cached: round down (resolution controls this error).
+        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
+
+    def take_over(self, other: CacheDomain) -> None:
+        """Keep what `other` held (a dataset switching between uniform and LRU caching)."""
+        self.cached[:] = other.cached
+        self.count, self.limit_chunks = other.count, other.limit_chunks
+
+    @property
+    def filling(self) -> bool:
+        return self.count < self.limit_chunks
+
+    @property
+    def cached_bytes(self) -> float:
+        return self.count * self.dataset.chunk_size
+
+
+@dataclass(eq=False)
+class UniformDomain(CacheDomain):
+    """A uniform cache over one dataset's chunks with a limit (SiloD §2.2)."""
+
+    def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
+        """Set the allocation; returns the chunks evicted to fit it (random, as §2.2 says)."""
+        self._limit(nbytes)
+        excess = self.count - self.limit_chunks
+        if excess <= 0:
+            return np.zeros(0, dtype=np.int64)
+        victims = rng.choice(np.flatnonzero(self.cached), size=excess, replace=False)
+        self.cached[victims] = False
+        self.count -= excess
+        return victims
+
+    def admit(self, missed: np.ndarray) -> np.ndarray:
+        """Admit missed chunks while there is room; returns the ones admitted."""
+        room = self.limit_chunks - self.count
+        if room <= 0 or missed.size == 0:
+            return missed[:0]
+        fresh = missed[~self.cached[missed]]
+        if fresh.size > room:
+            fresh = fresh[:room]
+        self.cached[fresh] = True
+        self.count += int(fresh.size)
+        return fresh
+
+
+@dataclass(eq=False)
+class LruDomain(CacheDomain):
+    """An LRU cache over one dataset's chunks with a limit (the irregular partition's datasets,
+    as the mount's `--cache-mode lru` keeps them)."""
+
+    order: OrderedDict = field(default_factory=OrderedDict)  # chunk -> None, least recent first
+
+    def take_over(self, other: CacheDomain) -> None:
+        super().take_over(other)
+        for c in np.flatnonzero(other.cached).tolist():  # recency unknown: chunk order
+            self.order[c] = None
+
+    def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
+        """Set the allocation; returns the chunks evicted to fit it (least recently used)."""
+        self._limit(nbytes)
+        return self._evict()
+
+    def _evict(self) -> np.ndarray:
+        victims = []
+        while self.count > self.limit_chunks:
+            c, _ = self.order.popitem(last=False)
+            self.cached[c] = False
+            self.count -= 1
+            victims.append(c)
+        return np.array(victims, dtype=np.int64)
+
+    def touch(self, chunk: int) -> None:
+        self.order.move_to_end(chunk)
+
+    def admit_one(self, chunk: int) -> np.ndarray:
+        """Admit a missed chunk (if the allocation holds one at all); returns the victims."""
+        if self.limit_chunks <= 0 or self.cached[chunk]:
+            return np.zeros(0, dtype=np.int64)
+        self.cached[chunk] = True
+        self.count += 1
+        self.order[chunk] = None
+        return self._evict()
+
+
+class SimCacheSystem(ABC):
+    name: str
+    #: Whether the cached set changes under a reader as other chunks are read (LRU evicts at
+    #: every miss); the engine then keeps steps short enough for the change to be followed.
+    volatile = False
+
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        self.capacity = capacity
+        self.total_gpus = total_gpus
+        self.rng = np.random.default_rng(seed)
+        self.readers: dict[str, list[CacheReader]] = {}  # domain key -> active jobs reading it
+        self.evicted_bytes = 0.0  # bytes evicted to make room or on shrink (cache churn)
+
+    # ----------------------------------------------------------------- readers
+    def key(self, job: CacheReader) -> str:
+        """The cache domain a job reads through (its dataset; CoorDL: the job itself)."""
+        return job.dataset.name
+
+    def register(self, job: CacheReader) -> None:
+        self.readers.setdefault(self.key(job), []).append(job)
+
+    def unregister(self, job: CacheReader) -> None:
+        group = self.readers.get(self.key(job), [])
+        if job in group:
+            group.remove(job)
+
+    def _changed(self, key: str, chunks: np.ndarray, delta: int) -> None:
+        """`chunks` of domain `key` became cached (+1) or uncached (-1): readers that have not
+        read them yet in their epoch see a different rest-of-epoch hit ratio."""
+        if chunks.size == 0:
+            return
+        for job in self.readers.get(key, ()):
+            job.unread_cached += delta * int(np.count_nonzero(~job.read_mask[chunks]))
+
+    # ----------------------------------------------------------------- interface
+    @abstractmethod
+    def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence[CacheReader], datasets: Mapping[str, SimDataset],
+                   now: float = 0.0, lru_datasets: frozenset[str] = frozenset()) -> None:
+        """Take the round's cache allocation (None for unmanaged baselines) and running jobs;
+        `lru_datasets` are the irregular partition's (only systems that take allocations use it)."""
+
+    @abstractmethod
+    def cached_mask(self, job: CacheReader) -> np.ndarray:
+        """Which chunks of `job`'s dataset are cached for it right now (read-only view)."""
+
+    @abstractmethod
+    def access(self, job: CacheReader, chunks: np.ndarray) -> np.ndarray:
+        """`job` starts reading `chunks` (in this order, now): mark them read in its epoch,
+        admit and evict as the cache system does, and return which were hits."""
+
+    @abstractmethod
+    def cached_bytes(self) -> dict[str, float]:
+        """Bytes cached per dataset name (only non-zero entries)."""
+
+    def volatile_for(self, job: CacheReader) -> bool:
+        """Whether the chunks cached for `job` move while it reads (LRU evictions)."""
+        return self.volatile
+
+    def visible_chunks(self, job: CacheReader) -> int:
+        """Chunks of `job`'s dataset cached for it now (the start of an epoch sees them all)."""
+        return int(np.count_nonzero(self.cached_mask(job)))
+
+    def room(self, job: CacheReader) -> int:
+        """Chunks `job`'s misses may still add to what it sees cached (0 where unknown)."""
+        return 0
+
+    def job_stopped(self, job: CacheReader) -> None:
+        """`job` finished or was descheduled."""
+
+    def volatile_bytes(self) -> float | None:
+        """Bytes whose cached state moves under the readers as others read: the smallest domain
+        that several readers share while it fills (their hit ratios move with each other's
+        admissions), or an LRU cache that evicts at every miss; None if there is none."""
+        return None
+
+
+def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Look `chunks` up in a uniform domain (mark them read, count the hits) and admit the
+    misses while it has room; returns (hits, chunks admitted)."""
+    if dom is None:
+        job.read_mask[chunks] = True
+        return np.zeros(chunks.size, dtype=bool), chunks[:0]
+    hits = dom.cached[chunks]
+    job.read_mask[chunks] = True
+    job.unread_cached -= int(np.count_nonzero(hits))
+    return hits, (dom.admit(chunks[~hits]) if dom.filling else chunks[:0])
+
+
+class SiloDCache(SimCacheSystem):
+    name = "silod"
+
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        super().__init__(capacity, total_gpus, seed)
+        self.domains: dict[str, CacheDomain] = {}
+
+    @property
+    def volatile(self) -> bool:  # type: ignore[override]
+        """LRU datasets read by several jobs: their reads must interleave in time."""
+        return any(isinstance(d, LruDomain) and len(self.readers.get(n, ())) > 1 for n, d in self.domains.items())
+
+    def volatile_for(self, job):
+        return isinstance(self.domains.get(job.dataset.name), LruDomain)
+
+    def _domain(self, dataset: SimDataset, lru: bool) -> CacheDomain:
+        kind = LruDomain if lru else UniformDomain
+        dom = self.domains.get(dataset.name)
+        if type(dom) is not kind:
+            fresh = kind(dataset)
+            if dom is not None:
+                fresh.take_over(dom)
+            dom = self.domains[dataset.name] = fresh
+        return dom
+
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
+        """`lru_datasets`: the irregular partition's datasets, LRU-cached within their allocation."""
+        if cache_alloc is None:
+            raise ValueError("the silod cache system needs a storage-managing policy (SiloD estimator)")
+        for name, dom in list(self.domains.items()):
+            new = cache_alloc.get(name, 0.0)
+            dom = self._domain(dom.dataset, name in lru_datasets)
+            victims = dom.set_limit(new, self.rng)
+            if victims.size:
+                self.evicted_bytes += victims.size * dom.dataset.chunk_size
+                self._changed(name, victims, -1)
+            if dom.count == 0 and new <= 0:
+                del self.domains[name]
+        for name, nbytes in cache_alloc.items():
+            if nbytes > 0 and name in datasets and name not in self.domains:
+                self._domain(datasets[name], name in lru_datasets).set_limit(nbytes, self.rng)
+
+    def cached_mask(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return dom.cached if dom is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
+
+    def visible_chunks(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return dom.count if dom is not None else 0
+
+    def room(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
+
+    def access(self, job, chunks):
+        name = job.dataset.name
+        dom = self.domains.get(name)
+        if isinstance(dom, LruDomain):
+            return self._access_lru(job, dom, chunks)
+        hits, admitted = _access_uniform(job, dom, chunks)
+        self._changed(name, admitted, +1)
+        return hits
+
+    def _access_lru(self, job, dom: LruDomain, chunks: np.ndarray) -> np.ndarray:
+        name = job.dataset.name
+        hits = np.zeros(chunks.size, dtype=bool)
+        read = job.read_mask
+        for k, c in enumerate(chunks.tolist()):
+            read[c] = True
+            if dom.cached[c]:
+                hits[k] = True
+                job.unread_cached -= 1
+                dom.touch(c)
+                continue
+            victims = dom.admit_one(c)
+            if dom.cached[c]:
+                self._changed(name, np.array([c]), +1)
+            if victims.size:
+                self.evicted_bytes += victims.size * dom.dataset.chunk_size
+                self._changed(name, victims, -1)
+        return hits
+
+    def cached_bytes(self):
+        return {n: d.cached_bytes for n, d in self.domains.items() if d.count}
+
+    def volatile_bytes(self):
+        sizes = [d.dataset.size for n, d in self.domains.items() if d.filling and len(self.readers.get(n, ())) > 1]
+        return min(sizes) if sizes else None
+
+
+class QuiverCache(SiloDCache):
+    """Whole-dataset caching by noisy benefit/cost, on the uniform-cache mechanics."""
+
+    name = "quiver"
+    PROFILE_NOISE = 0.25  # sigma of the log-normal error of online latency profiles
+    REPROFILE_S = 12 * 3600.0  # how long a job's profile is trusted before it is measured again
+
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        super().__init__(capacity, total_gpus, seed)
+        self.profiles: dict[str, tuple[float, float]] = {}  # job id -> (measured at, noise factor)
+
+    def _profile(self, job, now: float) -> float:
+        measured = self.profiles.get(job.job_id)
+        if measured is None or now - measured[0] >= self.REPROFILE_S:
+            measured = (now, float(np.exp(self.rng.normal(0.0, self.PROFILE_NOISE))))
+            self.profiles[job.job_id] = measured
+        return measured[1]
+
+    def job_stopped(self, job):
+        self.profiles.pop(job.job_id, None)
+
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
+        benefit: dict[str, float] = {}
+        for job in running:
+            benefit[job.dataset.name] = benefit.get(job.dataset.name, 0.0) + job.ideal * self._profile(job, now)
+        ranked = sorted(benefit, key=lambda n: benefit[n] / datasets[n].size, reverse=True)
+        free = self.capacity
+        chosen: dict[str, float] = {}
+        for name in ranked:
+            size = datasets[name].size
+            if size <= free * (1 + 1e-12):
+                chosen[name] = size
+                free -= size
+        super().apply_plan(chosen, running, datasets, now)
+
+
+class CoorDLCache(SimCacheSystem):
+    """Per-job private uniform caches of a static size (the job's GPUs' share of local disk)."""
+
+    name = "coordl"
+
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        super().__init__(capacity, total_gpus, seed)
+        self.domains: dict[str, UniformDomain] = {}
+
+    def key(self, job):
+        return job.job_id
+
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
+        per_gpu = self.capacity / self.total_gpus
+        for job in running:
+            if job.job_id not in self.domains:
+                self.domains[job.job_id] = dom = UniformDomain(job.dataset)
+                dom.set_limit(per_gpu * job.gpus, self.rng)
+
+    def job_stopped(self, job):
+        dom = self.domains.pop(job.job_id, None)
+        if dom is not None and dom.count:
+            self._changed(job.job_id, np.flatnonzero(dom.cached), -1)
+
+    def cached_mask(self, job):
+        dom = self.domains.get(job.job_id)
+        return dom.cached if dom is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
+
+    def visible_chunks(self, job):
+        dom = self.domains.get(job.job_id)
+        return dom.count if dom is not None else 0
+
+    def room(self, job):
+        dom = self.domains.get(job.job_id)
+        return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
+
+    def access(self, job, chunks):
+        return _access_uniform(job, self.domains.get(job.job_id), chunks)[0]  # private: nobody else's ratio moves
+
+    def cached_bytes(self):
+        out: dict[str, float] = {}
+        for dom in self.domains.values():
+            if dom.count:
+                out[dom.dataset.name] = out.get(dom.dataset.name, 0.0) + dom.cached_bytes
+        return out
+
+
+class AlluxioLRUCache(SimCacheSystem):
+    """One cluster-wide LRU cache over all datasets' chunks, read-through, evicting at admission."""
+
+    name = "alluxio"
+    volatile = True
+
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        super().__init__(capacity, total_gpus, seed)
+        self.cached: dict[str, np.ndarray] = {}
+        self.counts: dict[str, int] = {}
+        self.datasets: dict[str, SimDataset] = {}
+        self.order: OrderedDict[tuple[str, int], float] = OrderedDict()  # least recent first -> chunk bytes
+        self.total_bytes = 0.0
+
+    def _array(self, dataset: SimDataset) -> np.ndarray:
+        arr = self.cached.get(dataset.name)
+        if arr is None:
+            arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
+            self.counts[dataset.name] = 0
+            self.datasets[dataset.name] = dataset
+        return arr
+
+    def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
+        return None  # LRU takes no allocation: that is the point of the baseline
+
+    def cached_mask(self, job):
+        arr = self.cached.get(job.dataset.name)
+        return arr if arr is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
+
+    def visible_chunks(self, job):
+        return self.counts.get(job.dataset.name, 0)
+
+    def access(self, job, chunks):
+        name = job.dataset.name
+        size = job.dataset.chunk_size
+        cached = self._array(job.dataset)
+        hits = np.zeros(chunks.size, dtype=bool)
+        order = self.order
+        read = job.read_mask
+        admit = size <= self.capacity
+        for k, c in enumerate(chunks.tolist()):
+            read[c] = True
+            key = (name, c)
+            if cached[c]:
+                hits[k] = True
+                job.unread_cached -= 1
+                order.move_to_end(key)
+                continue
+            if not admit:
+                continue
+            cached[c] = True
+            self.counts[name] += 1
+            order[key] = size
+            self.total_bytes += size
+            others = self.readers.get(name, ())
+            for other in others:
+                if other is not job and not other.read_mask[c]:
+                    other.unread_cached += 1
+            while self.total_bytes > self.capacity * (1 + 1e-12):
+                (victim_ds, victim), vsize = order.popitem(last=False)
+                self.cached[victim_ds][victim] = False
+                self.counts[victim_ds] -= 1
+                self.total_bytes -= vsize
+                self.evicted_bytes += vsize
+                for reader in self.readers.get(victim_ds, ()):
+                    if not reader.read_mask[victim]:
+                        reader.unread_cached -= 1
+        return hits
+
+    def cached_bytes(self):
+        return {n: self.counts[n] * self.datasets[n].chunk_size for n in self.cached if self.counts[n]}
+
+    def volatile_bytes(self):
+        return self.capacity
+
+    def room(self, job):
+        return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
+
+
+def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0) -> SimCacheSystem:
+    classes = {c.name: c for c in (SiloDCache, AlluxioLRUCache, CoorDLCache, QuiverCache)}
+    if name not in classes:
+        raise UserError(f"unknown cache system {name!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
+    return classes[name](capacity, total_gpus, seed)

@@ -1,0 +1,150 @@
+"""`silod simulate`, `silod experiment` and `silod trace`: the trace-driven simulator's commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from estimator.errors import UserError
+from traces.loader import TraceFormat, load_trace
+
+SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gpu.csv"
+DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
+
+
+def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
+                   progress_label: str | None = None, partition: bool = True):
+    """Build and run one simulation; shows a progress bar when `progress_label` is given."""
+    from policies.registry import estimator_for, get_policy
+    from scheduler.sim.cache_systems import CACHE_SYSTEMS
+    from scheduler.sim.engine import SimConfig, Simulator
+
+    if cache_system not in CACHE_SYSTEMS:
+        raise UserError(f"unknown cache system {cache_system!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
+    pol = get_policy(policy)
+    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition)
+    if progress_label is None:
+        return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(progress_label, total=1.0)
+        sim = Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config,
+                        progress=lambda frac: bar.update(task, completed=frac))
+        return sim.run()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def simulate(
+        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, or Gavel TSV with --format gavel)")] = SHIPPED_TRACE,
+        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV")] = TraceFormat.auto,
+        cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
+        gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
+        gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,
+        cache: Annotated[Optional[str], typer.Option(help="total cache, e.g. 24TB [default 24TB]")] = None,
+        remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
+        gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
+        irregular_share: Annotated[Optional[str], typer.Option(help="pin the irregular jobs' partition to this fraction of cache and remote IO [default: by demand, every round]")] = None,
+        irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
+        policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
+        cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
+        round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
+        resolution: Annotated[int, typer.Option(help="chunks per dataset (higher = closer to item level, slower)")] = 128,
+        dataset_sharing: Annotated[float, typer.Option(help="Gavel traces: fraction of jobs that share their family's dataset")] = 0.0,
+        max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs")] = None,
+        seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
+        out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
+        quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    ) -> None:
+        """Run one trace-driven simulation and write summary.json, jobs.csv and timeline.csv."""
+        from scheduler.sim.report import write_outputs
+        from scheduler.core.cluster import load_cluster
+
+        if max_jobs is not None and max_jobs < 1:
+            raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        from scheduler.outputs import ensure_writable_dir
+
+        ensure_writable_dir(out, "--out")
+        capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
+                                       remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
+                                       defaults=DEFAULT_CLUSTER)
+        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
+        result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
+                                None if quiet else f"{policy}/{cache_system}", partition=irregular_partition)
+        summary = write_outputs(result, out, policy, cache_system, {"trace": str(trace), "gpu_speed": speed})
+        _print_summary(summary, out)
+
+
+    @app.command()
+    def experiment(
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | micro | curriculum | irregular-mix | all")],
+        out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
+        trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
+        max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,
+        gpus: Annotated[Optional[str], typer.Option(help="GPUs [default 400]")] = None,
+        cache: Annotated[Optional[str], typer.Option(help="total cache [default 100TB]")] = None,
+        remote_io: Annotated[Optional[str], typer.Option(help="remote IO [default 4GB/s]")] = None,
+        round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
+        resolution: Annotated[int, typer.Option(help="chunks per dataset")] = 128,
+        seed: Annotated[int, typer.Option(help="random seed")] = 0,
+        quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
+        workers: Annotated[Optional[int], typer.Option(help="simulations run in parallel [default: min(2, CPUs)]")] = None,
+    ) -> None:
+        """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
+        from scheduler.core.cluster import load_cluster
+        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, ExperimentRunner
+
+        names = list(EXPERIMENTS) if name == "all" else [name]
+        unknown = [n for n in names if n not in EXPERIMENTS]
+        if unknown:
+            raise UserError(f"unknown experiment {unknown[0]!r}; choose one of: {', '.join(EXPERIMENTS)}, all")
+        if max_jobs is not None and max_jobs < 1:
+            raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        if workers is not None and workers < 1:
+            raise UserError(f"--workers {workers} must be >= 1")
+        capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
+        runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
+        from scheduler.outputs import ensure_writable_dir
+
+        ensure_writable_dir(out, "--out")
+        headlines = []
+        for n in names:
+            payload = EXPERIMENTS[n](runner, out, capacity)
+            typer.echo(f"{n}: wrote {out / (n.replace('-', '_') + '.json')} and .png")
+            headlines.append((n, payload.get("setup", ""), payload.get("headline", [])))
+        _print_headlines(headlines)
+
+
+def _print_headlines(headlines: list) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for name, setup, rows in headlines:
+        table = Table(title=f"{name}: {setup}", title_justify="left", show_header=False)
+        table.add_column("what", overflow="fold")
+        table.add_column("result", overflow="fold")
+        for what, value in rows:
+            table.add_row(what, value)
+        console.print(table)
+
+
+def _print_summary(summary: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['policy']} on {summary['cache_system']}: {summary['jobs']} jobs")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, label in (("avg_jct_s", "average JCT"), ("p50_jct_s", "median JCT"), ("p99_jct_s", "p99 JCT"), ("makespan_s", "makespan")):
+        table.add_row(label, f"{summary[key] / 3600:.2f} h")
+    table.add_row("fairness ratio (Eq. 8, time average)", f"{summary['avg_fairness_ratio']:.3f}")
+    table.add_row("GPU utilisation", f"{summary['gpu_utilization']:.1%}")
+    table.add_row("remote IO utilisation", f"{summary['remote_io_utilization']:.1%}")
+    table.add_row("simulation wall time", f"{summary['sim_wall_s']:.1f} s")
+    console = Console()
+    console.print(table)
+    console.print(f"wrote {out}/summary.json, jobs.csv, timeline.csv")

@@ -1,0 +1,484 @@
+"""The trace-driven simulator: a backend of the scheduling core.
+
+Event-driven over arrivals, completions and scheduling rounds; between two events every running
+job reads its dataset chunk by chunk (reader.py) through the chosen cache system
+(cache_systems.py). Decisions come from the same `SchedulingCore` the live service uses: the
+policy is asked for an Allocation when the set of jobs changes, and the round planner chooses
+who holds GPUs every round (Gavel-style time sharing).
+
+Irregular jobs (estimator/access.py) are scheduled in the irregular partition of cache and remote
+IO (scheduler/core/partition.py) and their datasets are LRU-cached there (cache system `silod`).
+Curriculum jobs read as reader.py describes; jobs that only say `irregular` read like epoch jobs
+(their real pattern is unknown), scheduled as irregular.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time as wallclock
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from estimator.access import AccessPattern
+from estimator.errors import UserError
+from policies.base import Policy
+from policies.estimators import Estimator
+from policies.gavel import GavelProblem, equal_share_throughput
+from policies.storage import max_min_share
+from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
+from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
+from scheduler.sim.types import SimDataset
+from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
+from scheduler.core.planner import SchedulingCore, spread_spare_io
+from traces.catalog import DATASETS
+from traces.model import Trace, TraceJob
+
+
+#: Datasets read by curriculum jobs get at least this many chunks in their smallest eligible
+#: set (`--resolution` still sets the minimum), and at most MAX_CURRICULUM_CHUNKS chunks.
+CURRICULUM_MIN_CHUNKS = 64
+MAX_CURRICULUM_CHUNKS = 4096
+
+#: A step may let the link bring in at most 1/VOLATILE_STEPS of the bytes whose cached state
+#: moves under the readers (an LRU cache, a shared dataset that fills).
+VOLATILE_STEPS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    round_s: float = 360.0
+    resolution: int = 128  # chunks per dataset; higher is closer to item level and slower
+    gpu_speed: float = 1.0  # multiplies every job's f*
+    seed: int = 0
+    timeline_interval_s: float = 3600.0
+    #: Without time sharing nothing changes between events except which jobs need the link's
+    #: spare capacity; that redistribution is refreshed at least this often.
+    io_refresh_s: float = 1800.0
+    max_sim_time_s: float = 10 * 365 * 86400.0
+    #: False: the policy's cache allocations are enforced but its remote-IO allocations are not
+    #: (the link is shared by demand), the "remote IO not allocated" run of Fig. 13.
+    manage_io: bool = True
+    #: False: the scheduler is not told which jobs are irregular (every job is planned as a
+    #: regular one with SiloDPerf and uniform caching); jobs still read as they do.
+    partition: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.round_s > 0:
+            raise UserError(f"round length {self.round_s} s must be > 0")
+        if self.resolution < 1:
+            raise UserError(f"resolution {self.resolution} must be >= 1 chunk per dataset")
+        if not self.gpu_speed > 0:
+            raise UserError(f"GPU speed {self.gpu_speed} must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    job_id: str
+    submit_s: float
+    start_s: float
+    finish_s: float
+    gpus: int
+    dataset: str
+    remote_bytes: float
+    hit_bytes: float
+    epoch_hit_ratios: tuple[float, ...] = ()  # hit ratio of each complete epoch
+
+    @property
+    def jct_s(self) -> float:
+        return self.finish_s - self.submit_s
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineRow:
+    time_s: float
+    running_jobs: int
+    queued_jobs: int
+    gpus_used: int
+    remote_io_used: float  # bytes/s, average since the previous row
+    remote_io_limit: float  # bytes/s, the cluster's link
+    cache_allocated: float  # bytes the policy allocated (or the cache system holds, unmanaged)
+    cache_cached: float  # bytes actually cached
+    cache_effective: float  # cached bytes that some running reader has not read yet this epoch
+    fairness_ratio: float  # Eq. 8, time average over the interval of min_j share_j x rate_j / ref_j
+    throughput: float  # bytes/s consumed by all jobs, average since the previous row
+
+
+@dataclass
+class SimResult:
+    jobs: list[JobRecord]
+    timeline: list[TimelineRow]
+    makespan_s: float
+    gpu_seconds_used: float
+    remote_bytes: float
+    fairness_time_avg: float
+    capacity: ClusterCapacity
+    sim_wall_s: float
+    steps: int
+    unfinished: list[str] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(
+        self,
+        trace: Trace,
+        capacity: ClusterCapacity,
+        policy: Policy,
+        estimator: Estimator,
+        cache_system: str | SimCacheSystem,
+        config: SimConfig = SimConfig(),
+        progress: Callable[[float], None] | None = None,
+    ):
+        too_big = [j for j in trace.jobs if j.num_gpus > capacity.gpus]
+        if too_big:
+            j = too_big[0]
+            raise UserError(
+                f"job {j.job_id} needs {j.num_gpus} GPUs but the cluster has {capacity.gpus}; "
+                f"raise --gpus or drop the job ({len(too_big)} such job(s))"
+            )
+        if not trace.jobs:
+            raise UserError("the trace has no jobs")
+        self.item_sizes = {j.dataset: _item_size(trace, j) for j in trace.jobs if j.access.curriculum is not None}
+        self.trace = trace
+        self.capacity = capacity
+        self.config = config
+        self.core = SchedulingCore(policy, estimator)
+        self.cache = (
+            make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed)
+            if isinstance(cache_system, str)
+            else cache_system
+        )
+        if self.cache.name == "silod" and not estimator.manages_storage:
+            raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
+        self.progress = progress
+        self.datasets: dict[str, SimDataset] = {}
+        starts: dict[str, float] = {}  # smallest starting_percent of each dataset's curriculum readers
+        for j in trace.jobs:
+            if j.access.curriculum is not None:
+                starts[j.dataset] = min(starts.get(j.dataset, 1.0), j.access.curriculum.starting_percent)
+        for name, size in trace.dataset_sizes.items():
+            chunks = max(1, int(config.resolution), self._curriculum_chunks(trace, name, starts.get(name)))
+            self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
+        self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
+
+    # ------------------------------------------------------------------ helpers
+    def _curriculum_chunks(self, trace: Trace, name: str, start: float | None) -> int:
+        """Chunks for a dataset curriculum jobs read (`start`: their smallest starting_percent,
+        None if none does): enough that the smallest eligible set spans CURRICULUM_MIN_CHUNKS
+        chunks (each draw admits a whole chunk, so a set of a few chunks fills in lumps), at most
+        one per item and MAX_CURRICULUM_CHUNKS."""
+        if start is None:
+            return 0
+        items = int(trace.dataset_sizes[name] / self.item_sizes[name])
+        return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / start)))
+
+    def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
+        measured = self.core.estimator.manages_storage
+        told = self.config.partition
+        jobs = tuple(
+            JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running,
+                    hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
+                    access=j.trace.access if told else AccessPattern.epoch())
+            for j in active
+        )
+        needed = {j.dataset.name for j in active}
+        if measured:
+            cached = self.cache.cached_bytes()
+            views = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
+        else:
+            views = {n: self.dataset_views[n] for n in needed}
+        return Snapshot(now, jobs, views, self.capacity)
+
+    def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
+        """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
+        if not active:
+            return
+        ref = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
+        for job, r in zip(active, ref, strict=True):
+            job.reference = float(r)
+
+    def _step_limit(self, running: list[SimJob], caps: dict[str, float]) -> float:
+        """Longest step over which the cached set may be taken as fixed between two looks.
+
+        LRU evicts at every admission and a shared dataset that fills moves its co-readers'
+        hit ratios. Admissions cannot outrun the link, so a step during which the link can
+        bring in at most 1/VOLATILE_STEPS of the volatile bytes keeps that change small.
+        A curriculum job whose cache still fills moves its own miss ratio (and so its demand on
+        the link) as it reads: its step brings in at most 1/VOLATILE_STEPS of its eligible set.
+        """
+        link = self.capacity.remote_io
+        if link <= 0:
+            return np.inf
+        limit = np.inf
+        volatile = self.cache.volatile_bytes()
+        if volatile is not None and volatile > 0:
+            limit = volatile / (VOLATILE_STEPS * link)
+        for job in running:
+            if job.pacing is not None and caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
+                eligible = job.eligible_chunks() * job.dataset.chunk_size
+                limit = min(limit, eligible / (VOLATILE_STEPS * caps[job.job_id]))
+        return max(limit, 1e-3)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> SimResult:
+        cfg = self.config
+        wall0 = wallclock.perf_counter()
+        seed_seq = np.random.SeedSequence(cfg.seed)
+        pending = list(self.trace.jobs)  # sorted by submit time
+        next_arrival = 0
+        active: list[SimJob] = []
+        records: list[JobRecord] = []
+        timeline: list[TimelineRow] = []
+        now = 0.0
+        need_decision = True
+        snapshot = None
+        allocation = None
+        plan = None
+        round_end = -np.inf
+        running: list[SimJob] = []
+        last_decision = -np.inf
+        gpu_seconds = 0.0
+        remote_total = 0.0
+        fairness_area = 0.0
+        fairness_time = 0.0
+        steps = 0
+        idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
+        next_sample = 0.0
+        acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
+        total_work = sum(j.total_bytes(self.trace.dataset_sizes[j.dataset]) for j in self.trace.jobs)
+        done_work = 0.0
+
+        while next_arrival < len(pending) or active:
+            while next_arrival < len(pending) and pending[next_arrival].submit_time <= now + 1e-9:
+                tj = pending[next_arrival]
+                ds = self.datasets[tj.dataset]
+                rng = np.random.default_rng(seed_seq.spawn(1)[0])
+                job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng,
+                             pacing=tj.access.curriculum, item_size=self.item_sizes.get(tj.dataset, 0.0))
+                self.cache.register(job)
+                job.start_epoch_view(self.cache)
+                active.append(job)
+                next_arrival += 1
+                need_decision = True
+            if not active:
+                now = pending[next_arrival].submit_time
+                continue
+            if now > cfg.max_sim_time_s:
+                break
+
+            # Caches fill as jobs read, which changes the IO a managed allocation should give:
+            # re-decide at least every io_refresh_s even without arrivals or completions.
+            if self.core.estimator.manages_storage and now - last_decision >= cfg.io_refresh_s:
+                need_decision = True
+            if need_decision:
+                last_decision = now
+                snapshot = self._snapshot(now, active)
+                allocation = self.core.decide(snapshot)
+                self._references(snapshot, active)
+                for job in active:
+                    job.share = allocation.gpu_share.get(job.job_id, 0.0)
+            time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
+            if need_decision or now >= round_end - 1e-9:
+                # Who holds GPUs changes only at round boundaries (and when the jobs change).
+                plan = self.core.plan_round(snapshot, allocation)
+                round_end = now + cfg.round_s if time_shared else np.inf
+                by_id = {j.job_id: j for j in active}
+                chosen = [by_id[i] for i in plan.running]
+                chosen_ids = set(plan.running)
+                for job in running:
+                    if job.job_id not in chosen_ids and job in active:
+                        job.running = False
+                        self.cache.job_stopped(job)
+                for job in chosen:
+                    if job.start_time is None:
+                        job.start_time = now
+                    job.running = True
+                running = chosen
+                part = plan.allocation.partition
+                self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
+            need_decision = False
+
+            # Step: to the next round, arrival, or a running job's completion or epoch boundary
+            # (where its miss ratio, so its demand, changes and the link is re-divided).
+            step_end = min(round_end, now + max(cfg.round_s, cfg.io_refresh_s))
+            if next_arrival < len(pending):
+                step_end = min(step_end, pending[next_arrival].submit_time)
+            if self.core.estimator.manages_storage:
+                step_end = min(step_end, last_decision + cfg.io_refresh_s)
+            misses = {job.job_id: job.miss_ratio(self.cache) for job in running}
+            caps, contended = self._io_caps(plan, running, misses)
+            managed = plan.remote_io is not None and cfg.manage_io
+            for job in running:
+                # A finish always ends the step (its IO is re-divided); an epoch boundary only
+                # where the link is contended and the job's demand will change there.
+                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
+            step_end = min(step_end, now + self._step_limit(running, caps))
+            dt = max(step_end - now, 1e-6)
+
+            finished: list[SimJob] = []
+            step_bytes = step_remote = 0.0
+            watch = managed and contended
+            for job, res in self._advance_all(running, now, dt, caps):
+                miss = misses[job.job_id] if watch else None
+                if miss is not None and abs(job.miss_ratio(self.cache) - miss) > DEMAND_CHANGE:
+                    # Its demand on a contended link changed: the policy re-divides the link
+                    # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
+                    need_decision = True
+                ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
+                job.last_rate = res.bytes_read / ran
+                step_bytes += res.bytes_read
+                step_remote += res.remote_bytes
+                if res.finished_at is not None:
+                    job.finish_time = res.finished_at
+                    finished.append(job)
+            fair = self._fairness(active)
+            if fair is not None:
+                fairness_area += fair * dt
+                fairness_time += dt
+                acc_fair += fair * dt
+                acc_fair_time += dt
+            self.core.record(snapshot, plan, dt)
+            steps += 1
+            gpu_seconds += sum(j.gpus for j in running) * dt
+            remote_total += step_remote
+            done_work += step_bytes
+            idle_steps = idle_steps + 1 if step_bytes <= 0 and next_arrival >= len(pending) else 0
+            if idle_steps > 1000:
+                break  # nothing can progress (e.g. no remote IO for a cold cache): report unfinished
+
+            acc_remote += step_remote
+            acc_bytes += step_bytes
+            acc_time += dt
+            if now + dt >= next_sample:
+                fr = acc_fair / acc_fair_time if acc_fair_time > 0 else None
+                timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr))
+                acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
+                next_sample = now + dt + cfg.timeline_interval_s
+
+            for job in finished:
+                active.remove(job)
+                running.remove(job)
+                job.running = False
+                self.cache.unregister(job)
+                self.cache.job_stopped(job)
+                self.core.forget(job.job_id)
+                records.append(
+                    JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
+                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios))
+                )
+                need_decision = True
+            now += dt
+            if self.progress is not None:
+                self.progress(min(done_work / total_work, 1.0) if total_work > 0 else 1.0)
+
+        makespan = max((r.finish_s for r in records), default=0.0)
+        return SimResult(
+            jobs=records,
+            timeline=timeline,
+            makespan_s=makespan,
+            gpu_seconds_used=gpu_seconds,
+            remote_bytes=remote_total,
+            fairness_time_avg=fairness_area / fairness_time if fairness_time > 0 else 0.0,
+            capacity=self.capacity,
+            sim_wall_s=wallclock.perf_counter() - wall0,
+            steps=steps,
+            unfinished=[j.job_id for j in active],
+        )
+
+    def _advance_all(self, running: list[SimJob], now: float, dt: float, caps: dict[str, float]):
+        """Advance every running job through the step. Where the cached set moves at every
+        miss (LRU), jobs advance interleaved in time, sub-step by sub-step, earliest first, so
+        that which chunk is least recently used follows the real order of accesses."""
+        if not self.cache.volatile or len(running) < 2:
+            return [(job, advance(job, now, dt, caps[job.job_id], self.cache)) for job in running]
+        results = {job.job_id: StepResult() for job in running}
+        clock = [(0.0, i) for i in range(len(running))]
+        heapq.heapify(clock)
+        while clock:
+            t, i = heapq.heappop(clock)
+            job = running[i]
+            part = advance(job, now + t, dt - t, caps[job.job_id], self.cache, substeps=1)
+            total = results[job.job_id]
+            total.bytes_read += part.bytes_read
+            total.remote_bytes += part.remote_bytes
+            t += max(part.elapsed, 0.0)
+            if part.finished_at is not None:
+                total.finished_at = part.finished_at
+            elif dt - t > 1e-9 * max(dt, 1.0) and part.elapsed > 0:
+                heapq.heappush(clock, (t, i))
+        return [(job, results[job.job_id]) for job in running]
+
+    def _io_caps(self, plan, running: list[SimJob], misses: dict[str, float]) -> tuple[dict[str, float], bool]:
+        """Remote IO per running job for this step, and whether the link is contended.
+
+        Managed (SiloD): the policy's caps, with work conservation: a job holds no more than it
+        can use now (f* times its miss ratio now), and what the caps leave goes max-min to the
+        jobs that could use more (e.g. in epoch 1, or when their data was evicted).
+        Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
+        """
+        total = self.capacity.remote_io
+        demands = {j.job_id: j.ideal * misses[j.job_id] for j in running}
+        contended = sum(demands.values()) > total * (1 - 1e-9)
+        if plan.remote_io is not None and self.config.manage_io:
+            floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
+            caps = spread_spare_io(floors, demands, total)
+        else:
+            ids = list(demands)
+            granted = max_min_share(np.array([demands[i] for i in ids], dtype=float), total)
+            caps = dict(zip(ids, granted.tolist(), strict=True))
+        if not contended:
+            # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
+            # rises within the step (a new epoch) is not held to the demand it had at its start.
+            caps = spread_spare_io(caps, {j.job_id: j.ideal for j in running}, total)
+        return caps, contended
+
+    @staticmethod
+    def _fairness(active: list[SimJob]) -> float | None:
+        """Eq. 8 now: min over active jobs of perf(j, R_j) / perf(j, R_equal), where perf(j, R_j)
+        is the job's share of GPU time times the throughput it reads at while it holds them."""
+        ratios = [j.share * j.last_rate / j.reference for j in active if j.reference > 0]
+        return min(ratios) if ratios else None
+
+    def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness) -> TimelineRow:
+        cached = self.cache.cached_bytes()
+        effective = 0.0
+        by_ds: dict[str, np.ndarray] = {}
+        for job in running:
+            mask = self.cache.cached_mask(job) & ~job.read_mask
+            prev = by_ds.get(job.dataset.name)
+            by_ds[job.dataset.name] = mask if prev is None else (prev | mask)
+        for name, mask in by_ds.items():
+            effective += float(mask.sum()) * self.datasets[name].chunk_size
+        allocated = float(sum(plan.cache.values())) if plan.cache is not None else float(sum(cached.values()))
+        return TimelineRow(
+            time_s=t,
+            running_jobs=len(running),
+            queued_jobs=len(active) - len(running),
+            gpus_used=sum(j.gpus for j in running),
+            remote_io_used=acc_remote / acc_time if acc_time else 0.0,
+            remote_io_limit=self.capacity.remote_io,
+            cache_allocated=allocated,
+            cache_cached=float(sum(cached.values())),
+            cache_effective=effective,
+            fairness_ratio=float("nan") if fairness is None else fairness,
+            throughput=acc_bytes / acc_time if acc_time else 0.0,
+        )
+
+
+def _item_size(trace: Trace, job: TraceJob) -> float:
+    """Bytes per item of a curriculum job's dataset: the trace's `item_size`, else the catalog's."""
+    size = trace.item_sizes.get(job.dataset)
+    if size is None and job.dataset in DATASETS:
+        size = DATASETS[job.dataset].item_size
+    if size is None:
+        raise UserError(
+            f"job {job.job_id} is a curriculum job on dataset {job.dataset!r}, whose item size is unknown: its pacing counts "
+            f"items and iterations. Add an item_size column to the trace (bytes per item, e.g. 110KB) or use a catalog "
+            f"dataset ({', '.join(sorted(DATASETS))})"
+        )
+    return size
+
+
+__all__ = ["JobRecord", "SimConfig", "SimResult", "Simulator", "TimelineRow"]

@@ -1,0 +1,574 @@
+"""The paper's experiments (§7), each a set of simulations, a JSON file and a PNG plot.
+
+    matrix      Fig. 12: FIFO, SJF, Gavel x silod, alluxio, coordl, quiver (400 GPUs, 4 GB/s)
+    fairness    Fig. 13: Eq. 8 fairness ratio over time under Gavel, the four cache systems,
+                and SiloD with its remote-IO allocation not enforced
+    bandwidth   Fig. 14a: FIFO, silod vs alluxio, remote IO from 1 to 10 GB/s
+    gpu-speed   Fig. 14b: Gavel, silod vs quiver (the paper's best baseline), GPUs 1x to 4x faster
+    sharing     Fig. 15: FIFO, SJF, Gavel on silod, fraction of jobs sharing datasets 0..1
+    micro       Table 6: the 8-V100 micro-benchmark (5 jobs, 2 TB cache, 200 MB/s)
+    curriculum  Fig. 16: curriculum learning, (a) the pacing functions at Step 50k and 75k,
+                (b) uniform vs LRU caching of one ResNet-50 job on ImageNet-22k, 5 repeats
+    irregular-mix  §6: 0-50% curriculum jobs in the trace; the two partitions vs planning every
+                job as regular vs everything under LRU, regular and irregular JCT apart
+
+A library: `silod experiment` (scheduler/sim/cli.py) calls it; it imports no CLI code.
+Simulations of one experiment run in worker processes; each experiment returns its payload
+(also written as JSON) with a `headline` the CLI prints as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from estimator.access import AccessPattern
+from estimator.errors import UserError
+from policies.types import ClusterCapacity
+from traces.catalog import DATASETS, MODELS
+from traces.model import Trace, TraceJob
+
+GB = 1e9
+TB = 1e12
+MB = 1e6
+
+LARGE_CLUSTER = dict(gpus=400, gpus_per_node=4, cache=100 * TB, remote_io=4 * GB)
+#: The paper's large-scale trace is generated from Philly's job-duration distribution (§7); the
+#: Gavel/Philly VC traces are too lightly loaded for a 400-GPU cluster to queue (see README).
+SYNTHETIC_JOBS = 2000
+SYNTHETIC_INTERARRIVAL_S = 300.0
+#: The sweeps (Figs. 14a, 14b, 15) run dozens of simulations: half the jobs at twice the arrival
+#: rate, so the queue builds up as in the 2,000-job trace. (The first 600 jobs of that trace at
+#: its own rate leave a 400-GPU cluster unloaded: every point of a sweep came out the same.)
+SWEEP_JOBS = 1000
+SWEEP_INTERARRIVAL_S = 150.0
+CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
+BASELINES = ("alluxio", "coordl", "quiver")
+
+
+@dataclass(frozen=True)
+class TraceSource:
+    """How to build a trace, so that worker processes build it themselves (deterministic)."""
+
+    path: str | None  # None: the synthetic Philly-distribution trace, or the micro-benchmark
+    max_jobs: int | None
+    seed: int
+    sharing: float = 0.0
+    micro: bool = False
+    interarrival_s: float = SYNTHETIC_INTERARRIVAL_S  # synthetic trace only
+    irregular: float = 0.0  # fraction of the jobs turned into curriculum jobs (irregular-mix)
+    curriculum_step: int | None = None  # the Fig. 16 single job, with this Step
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    policy: str
+    cache_system: str
+    capacity: ClusterCapacity
+    gpu_speed: float = 1.0
+    dataset_sharing: float = 0.0
+    manage_io: bool = True
+    partition: bool = True  # False: irregular jobs are planned as regular ones
+    irregular: float = 0.0  # fraction of curriculum jobs in the trace
+    curriculum_step: int | None = None  # Fig. 16: one curriculum job with this Step
+    seed: int | None = None  # a repeat's seed (default: the runner's)
+
+
+def micro_benchmark_trace() -> Trace:
+    """§7.1.1: four 1-GPU image jobs on four 1.3 TB datasets, one 4-GPU BERT on 20.9 TB.
+
+    Epochs are the paper's (13 for ResNet-50, 10 for EfficientNetB1, 0.07 for BERT, about
+    3,500 minutes each at ideal speed); BERT's rate is the 8 MB/s §7.1.1 gives for 4 GPUs.
+    """
+    jobs = (
+        TraceJob("resnet50-a", 0.0, 1, "resnet50", "images-a", 114 * MB, 13.0),
+        TraceJob("resnet50-b", 0.0, 1, "resnet50", "images-b", 114 * MB, 13.0),
+        TraceJob("efficientnetb1-a", 0.0, 1, "efficientnetb1", "images-c", 69 * MB, 10.0),
+        TraceJob("efficientnetb1-b", 0.0, 1, "efficientnetb1", "images-d", 69 * MB, 10.0),
+        TraceJob("bert", 0.0, 4, "bert", "web-search", 8 * MB, 0.07),
+    )
+    sizes = {"images-a": 1.3 * TB, "images-b": 1.3 * TB, "images-c": 1.3 * TB, "images-d": 1.3 * TB, "web-search": 20.9 * TB}
+    return Trace(jobs, sizes, source="SiloD §7.1.1 micro-benchmark")
+
+
+#: Fig. 16 (§7.4): ResNet-50 on ImageNet-22k with the exponential pacing of Hacohen and
+#: Weinshall (starting_percent 0.04, alpha 1.9), batch 256, on 8 V100s. The paper gives neither
+#: the job's length nor its cluster; the work is set so that the job takes the paper's ~367 min
+#: at ideal speed, and the cluster holds half the dataset in cache with a link below f*.
+CURRICULUM_GPUS = 8
+CURRICULUM_PACE = dict(starting_percent=0.04, alpha=1.9, batch=256)
+CURRICULUM_IDEAL_MIN = 367.0
+CURRICULUM_CLUSTER = ClusterCapacity(gpus=8, cache=0.7 * TB, remote_io=400 * MB, gpus_per_node=8)
+CURRICULUM_STEPS = (50_000, 75_000)
+CURRICULUM_REPEATS = 5
+
+
+def curriculum_trace(step: int) -> Trace:
+    spec = MODELS["resnet50"]
+    data = DATASETS[spec.dataset]
+    f = spec.ideal_per_gpu * CURRICULUM_GPUS
+    passes = CURRICULUM_IDEAL_MIN * 60 * f / data.size
+    access = AccessPattern.curriculum_learning(step=step, **CURRICULUM_PACE)
+    job = TraceJob("resnet50-curriculum", 0.0, CURRICULUM_GPUS, spec.name, data.name, f, passes, access)
+    return Trace((job,), {data.name: data.size}, source=f"SiloD §7.4 curriculum job, Step {step}", item_sizes={data.name: data.item_size})
+
+
+def with_curriculum_jobs(trace: Trace, fraction: float, seed: int) -> Trace:
+    """`fraction` of the jobs (drawn with `seed`) become curriculum jobs: batch 256, starting
+    at 4% and growing 1.9x every Step iterations, Step set so that the whole dataset is eligible
+    halfway through the job (the pacing reaches it partway through training, as in Hacohen and
+    Weinshall). Item sizes: the trace's own (`item_size` column) where it gives one, else the
+    catalog dataset's that each job's copy was made from, else ImageNet's 110 KB."""
+    if fraction <= 0:
+        return trace
+    rng = np.random.default_rng(seed + 7)
+    chosen = rng.random(len(trace.jobs)) < fraction
+    growths = 6  # 0.04 * 1.9^6 >= 1
+    jobs, items = [], dict(trace.item_sizes)
+    for job, pick in zip(trace.jobs, chosen, strict=True):
+        if pick:
+            item = items.get(job.dataset)
+            if item is None:
+                base = DATASETS.get(job.dataset.split("/")[0])
+                item = items[job.dataset] = base.item_size if base is not None else 110e3
+            iterations = job.total_bytes(trace.dataset_sizes[job.dataset]) / (256 * item)
+            step = max(1, int(iterations / (2 * growths)))
+            job = replace(job, access=AccessPattern.curriculum_learning(0.04, 1.9, step, 256))
+        jobs.append(job)
+    return Trace(tuple(jobs), trace.dataset_sizes, trace.source + f", {fraction:.0%} curriculum", trace.notes, items)
+
+
+@lru_cache(maxsize=8)
+def build_trace(source: TraceSource) -> Trace:
+    if source.curriculum_step is not None:
+        return curriculum_trace(source.curriculum_step)
+    if source.irregular > 0:
+        return with_curriculum_jobs(build_trace(replace(source, irregular=0.0)), source.irregular, source.seed)
+    if source.micro:
+        return micro_benchmark_trace()
+    if source.path is None:
+        from traces.synthetic import generate_trace
+
+        n = source.max_jobs or SYNTHETIC_JOBS
+        return generate_trace(n, mean_interarrival_s=source.interarrival_s, dataset_sharing=source.sharing, seed=source.seed + 1)
+    from traces.loader import TraceFormat, load_trace
+
+    path = Path(source.path)
+    if not path.is_file():
+        raise UserError(f"trace {path} not found; pass --trace (the Gavel/Philly traces live in ../shared/traces/gavel-msr)")
+    return load_trace(path, TraceFormat.auto, source.sharing, source.max_jobs, source.seed)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run: Run
+    summary: dict
+    fairness: tuple[tuple[float, float], ...]  # (time s, Eq. 8 ratio) per timeline row
+    jct_by_kind: dict  # "regular" / "irregular" -> average JCT, s (kinds present only)
+
+
+def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int) -> RunResult:
+    """One simulation (runs in a worker process)."""
+    from policies.registry import estimator_for, get_policy
+    from scheduler.sim.engine import SimConfig, Simulator
+    from scheduler.sim.report import summarize
+
+    seed = source.seed if run.seed is None else run.seed
+    if not source.micro:
+        source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step)
+    trace = build_trace(source)
+    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=seed, manage_io=run.manage_io,
+                       partition=run.partition)
+    result = Simulator(trace, run.capacity, get_policy(run.policy), estimator_for(run.cache_system), run.cache_system, config).run()
+    summary = summarize(result, run.policy, run.cache_system)
+    fairness = tuple((row.time_s, row.fairness_ratio) for row in result.timeline if row.fairness_ratio == row.fairness_ratio)
+    kind = {j.job_id: "regular" if j.access.regular else "irregular" for j in trace.jobs}
+    jcts: dict[str, list[float]] = {}
+    for record in result.jobs:
+        jcts.setdefault(kind[record.job_id], []).append(record.jct_s)
+    return RunResult(run, summary, fairness, {k: float(np.mean(v)) for k, v in jcts.items()})
+
+
+class ExperimentRunner:
+    """Runs an experiment's simulations on worker processes, with one progress display."""
+
+    def __init__(self, trace_path: Path | None, max_jobs: int | None, seed: int, round_s: float, resolution: int,
+                 show_progress: bool = True, workers: int | None = None):
+        self.source = TraceSource(str(trace_path) if trace_path is not None else None, max_jobs, seed)
+        self.round_s = round_s
+        self.resolution = resolution
+        self.show_progress = show_progress
+        self.workers = max(1, workers if workers is not None else min(2, os.cpu_count() or 1))
+
+    def trace(self, sharing: float = 0.0) -> Trace:
+        return build_trace(replace(self.source, sharing=sharing))
+
+    def for_sweeps(self) -> ExperimentRunner:
+        """The same runner on the sweeps' trace (SWEEP_JOBS at SWEEP_INTERARRIVAL_S), unless the
+        user chose the trace or its length."""
+        if self.source.path is not None or self.source.max_jobs is not None:
+            return self
+        sweeps = ExperimentRunner(None, SWEEP_JOBS, self.source.seed, self.round_s, self.resolution, self.show_progress, self.workers)
+        sweeps.source = replace(sweeps.source, interarrival_s=SWEEP_INTERARRIVAL_S)
+        return sweeps
+
+    def describe(self, capacity: ClusterCapacity, sharing: float = 0.0) -> str:
+        """Cluster and trace, for figure titles."""
+        trace = self.trace(sharing)
+        origin = (Path(self.source.path).name if self.source.path
+                  else f"synthetic Philly-distribution trace (mean inter-arrival {self.source.interarrival_s:g} s)")
+        return (f"{capacity.gpus} GPUs, {capacity.cache / TB:g} TB cache, {capacity.remote_io / GB:g} GB/s remote IO; "
+                f"{origin}, {len(trace)} jobs")
+
+    def run_all(self, runs: list[Run], micro: bool = False) -> list[RunResult]:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        source = replace(self.source, micro=True) if micro else self.source
+        if not micro:
+            self.trace()  # fail here, with the user's error, before starting workers
+        results: dict[int, RunResult] = {}
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      disable=not self.show_progress, transient=True) as bar:
+            task = bar.add_task("simulations", total=len(runs))
+            if self.workers == 1 or len(runs) == 1:
+                for i, run in enumerate(runs):
+                    bar.update(task, description=run.label)
+                    results[i] = simulate_run(run, source, self.round_s, self.resolution)
+                    bar.advance(task)
+            else:
+                with ProcessPoolExecutor(max_workers=self.workers) as pool:
+                    futures = {pool.submit(simulate_run, run, source, self.round_s, self.resolution): i for i, run in enumerate(runs)}
+                    for future in as_completed(futures):
+                        results[futures[future]] = future.result()
+                        bar.update(task, description=f"done: {runs[futures[future]].label}")
+                        bar.advance(task)
+        return [results[i] for i in range(len(runs))]
+
+
+def _capacity(**overrides) -> ClusterCapacity:
+    values = {**LARGE_CLUSTER, **overrides}
+    return ClusterCapacity(gpus=values["gpus"], cache=values["cache"], remote_io=values["remote_io"], gpus_per_node=values["gpus_per_node"])
+
+
+def _save(out: Path, name: str, payload: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h"
+
+
+def _best_baseline(table: dict, policy: str, key: str = "avg_jct_s") -> tuple[str, float]:
+    name = min(BASELINES, key=lambda c: table[f"{policy}/{c}"][key])
+    return name, table[f"{policy}/{name}"][key]
+
+
+#: SiloD §7.2 gives no per-policy numbers for Fig. 12, only: up to 7.4x on average JCT and
+#: 2.57x on makespan over the baselines, and up to 1.25x (JCT) / 1.31x (makespan) over Quiver.
+PAPER_FIG12 = "paper: up to 7.4x over any baseline, up to 1.25x over Quiver"
+
+
+def experiment_matrix(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    policies = ("fifo", "sjf", "gavel")
+    runs = [Run(f"{p}/{c}", p, c, capacity) for p in policies for c in CACHE_SYSTEMS]
+    table = {f"{r.run.policy}/{r.run.cache_system}": r.summary for r in runner.run_all(runs)}
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.2
+    for ax, key, title in ((axes[0], "avg_jct_s", "average JCT (h)"), (axes[1], "makespan_s", "makespan (h)")):
+        for i, system in enumerate(CACHE_SYSTEMS):
+            vals = [table[f"{p}/{system}"][key] / 3600 for p in policies]
+            ax.bar([x + i * width for x in range(len(policies))], vals, width, label=system)
+        ax.set_xticks([x + 1.5 * width for x in range(len(policies))], [p.upper() for p in policies])
+        ax.set_ylim(bottom=0)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle(f"Fig. 12: policies x cache systems\n{runner.describe(capacity)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "matrix.png", dpi=120)
+    plt.close(fig)
+    headline = []
+    for p in policies:
+        name, best = _best_baseline(table, p)
+        ours = table[f"{p}/silod"]["avg_jct_s"]
+        headline.append((f"{p.upper()}: SiloD avg JCT vs best baseline ({name})",
+                         f"{_hours(ours)} vs {_hours(best)} = {best / ours:.2f}x"))
+    headline.append(("Fig. 12 in the paper", PAPER_FIG12))
+    payload = {"experiment": "matrix", "setup": runner.describe(capacity), "runs": table, "headline": headline}
+    _save(out, "matrix", payload)
+    return payload
+
+
+PAPER_FIG13 = {"silod": 2.56, "coordl": 1.51, "alluxio": 1.39, "quiver": 1.35}
+FAIRNESS_DEFINITION = (
+    "Eq. 8: at every step, min over active jobs of perf(j, R_j) / perf(j, R_equal); perf(j, R_j) is the job's share of GPU "
+    "time times the throughput it reads at while running; R_equal divides GPUs, cache and remote IO equally among the "
+    "active jobs (SiloDPerf); avg = time average"
+)
+
+
+def experiment_fairness(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    runs = [Run(f"gavel/{c}", "gavel", c, capacity) for c in CACHE_SYSTEMS]
+    runs.append(Run("gavel/silod, remote IO not allocated", "gavel", "silod", capacity, manage_io=False))
+    results = runner.run_all(runs)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    averages = {}
+    for r in results:
+        key = r.run.cache_system if r.run.manage_io else "silod (IO not allocated)"
+        averages[key] = r.summary["avg_fairness_ratio"]
+        ax.plot([t / 86400 for t, _ in r.fairness], [v for _, v in r.fairness], label=f"{key} (avg {averages[key]:.2f})", lw=0.8)
+    ax.set_xlabel("time (days)")
+    ax.set_ylabel("fairness ratio (Eq. 8)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Fig. 13: fairness over time under Gavel\n{runner.describe(capacity)}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, FAIRNESS_DEFINITION, fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out / "fairness.png", dpi=120)
+    plt.close(fig)
+    drop = 1 - averages["silod (IO not allocated)"] / averages["silod"] if averages["silod"] > 0 else float("nan")
+    headline = [(f"Gavel fairness ratio, {k}", f"{v:.2f} (paper {PAPER_FIG13[k]:.2f})" if k in PAPER_FIG13 else f"{v:.2f}") for k, v in averages.items()]
+    headline.append(("fairness drop when remote IO is not allocated", f"{drop:.0%} (paper 31%, to 1.94)"))
+    payload = {"experiment": "fairness", "setup": runner.describe(capacity), "definition": FAIRNESS_DEFINITION,
+               "avg_fairness_ratio": averages, "paper": PAPER_FIG13, "io_not_allocated_drop": drop,
+               "jct_s": {k: r.summary["avg_jct_s"] for k, r in zip(averages, results, strict=True)}, "headline": headline}
+    _save(out, "fairness", payload)
+    return payload
+
+
+def _sweep(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity, experiment: str, x_key: str, xs: list[float],
+           runs: list[Run], series_of: Callable[[Run], str], title: str, xlabel: str, sharing: float = 0.0) -> dict:
+    """Run a sweep (runs ordered x-major), plot average JCT per series over x, save the JSON."""
+    runner = runner.for_sweeps()
+    series: dict[str, list[float]] = {}
+    for r in runner.run_all(runs):
+        series.setdefault(series_of(r.run), []).append(r.summary["avg_jct_s"])
+    name = experiment.replace("-", "_")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, ys in series.items():
+        ax.plot(xs, [y / 3600 for y in ys], marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("average JCT (h)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{title}\n{runner.describe(capacity, sharing)}", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+    plt.close(fig)
+    payload = {"experiment": experiment, "setup": runner.describe(capacity, sharing), x_key: xs, "avg_jct_s": series}
+    _save(out, name, payload)
+    return payload
+
+
+def experiment_bandwidth(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    rates = [1.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    runs = [Run(f"fifo/{c} @ {r:g} GB/s", "fifo", c, replace(capacity, remote_io=r * GB)) for r in rates for c in ("silod", "alluxio")]
+    payload = _sweep(runner, out, capacity, "bandwidth", "remote_io_gb_s", rates, runs, lambda r: r.cache_system,
+                     "Fig. 14a: FIFO, remote IO bandwidth (cluster IO varied)", "remote IO (GB/s)")
+    s, a = payload["avg_jct_s"]["silod"], payload["avg_jct_s"]["alluxio"]
+    payload["headline"] = [(f"FIFO at {r:g} GB/s: alluxio / silod avg JCT", f"{y / x:.2f}x") for r, x, y in zip(rates, s, a, strict=True)]
+    _save(out, "bandwidth", payload)
+    return payload
+
+
+def experiment_gpu_speed(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    speeds = [1.0, 2.0, 3.0, 4.0]
+    # The paper compares with Quiver, its best baseline under Gavel (§7.2).
+    runs = [Run(f"gavel/{c} x{s:g}", "gavel", c, capacity, gpu_speed=s) for s in speeds for c in ("silod", "quiver")]
+    payload = _sweep(runner, out, capacity, "gpu-speed", "gpu_speed", speeds, runs, lambda r: r.cache_system,
+                     "Fig. 14b: Gavel, GPU speed (every job's f* scaled)", "GPU speed (x V100)")
+    series = payload["avg_jct_s"]
+    headline = []
+    for i, s in enumerate(speeds):
+        headline.append((f"Gavel x{s:g}: quiver / silod avg JCT", f"{series['quiver'][i] / series['silod'][i]:.2f}x"
+                         + (" (paper 2.17x)" if s == 4.0 else "")))
+    payload["headline"] = headline
+    _save(out, "gpu_speed", payload)
+    return payload
+
+
+def experiment_sharing(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    fractions = [0.0, 0.25, 0.5, 0.75, 1.0]
+    runs = [Run(f"{p}/silod sharing {f:g}", p, "silod", capacity, dataset_sharing=f) for f in fractions for p in ("fifo", "sjf", "gavel")]
+    payload = _sweep(runner, out, capacity, "sharing", "fractions", fractions, runs, lambda r: r.policy,
+                     "Fig. 15: dataset sharing (SiloD)", "fraction of jobs sharing datasets")
+    payload["headline"] = [(f"{p.upper()} avg JCT, sharing 0 -> 1", f"{_hours(ys[0])} -> {_hours(ys[-1])} ({ys[0] / ys[-1]:.2f}x)")
+                           for p, ys in payload["avg_jct_s"].items()]
+    _save(out, "sharing", payload)
+    return payload
+
+
+PAPER_TABLE6_MIN = {  # SiloD Table 6, real V100 runs, minutes
+    "silod": {"avg_jct": 3366, "makespan": 3807},
+    "coordl": {"avg_jct": 4278, "makespan": 4870},
+    "alluxio": {"avg_jct": 4378, "makespan": 5080},
+    "quiver": {"avg_jct": 3609, "makespan": 3933},
+}
+
+
+def experiment_micro(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity | None = None) -> dict:
+    cap = ClusterCapacity(gpus=8, cache=2 * TB, remote_io=200 * MB, gpus_per_node=4)
+    runs = [Run(f"fifo/{c}", "fifo", c, cap) for c in CACHE_SYSTEMS]
+    payload = {"experiment": "micro", "setup": "8 V100s, 2 TB cache, 200 MB/s remote IO; SiloD §7.1.1 micro-benchmark, 5 jobs",
+               "ours_min": {}, "paper_min": PAPER_TABLE6_MIN}
+    for r in runner.run_all(runs, micro=True):
+        payload["ours_min"][r.run.cache_system] = {"avg_jct": r.summary["avg_jct_s"] / 60, "makespan": r.summary["makespan_s"] / 60}
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, key in zip(axes, ("avg_jct", "makespan"), strict=True):
+        xs = range(len(CACHE_SYSTEMS))
+        ax.bar([x - 0.2 for x in xs], [payload["ours_min"][c][key] for c in CACHE_SYSTEMS], 0.4, label="silod simulator")
+        ax.bar([x + 0.2 for x in xs], [PAPER_TABLE6_MIN[c][key] for c in CACHE_SYSTEMS], 0.4, label="paper (real V100)")
+        ax.set_xticks(list(xs), CACHE_SYSTEMS)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{key.replace('_', ' ')} (min)")
+    axes[0].legend()
+    fig.suptitle(f"Table 6: micro-benchmark\n{payload['setup']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "micro.png", dpi=120)
+    plt.close(fig)
+    payload["headline"] = [(f"{c}: avg JCT / makespan (min)", f"{v['avg_jct']:.0f} / {v['makespan']:.0f} (paper {PAPER_TABLE6_MIN[c]['avg_jct']} / {PAPER_TABLE6_MIN[c]['makespan']})")
+                           for c, v in payload["ours_min"].items()]
+    _save(out, "micro", payload)
+    return payload
+
+
+
+
+def experiment_curriculum(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity | None = None) -> dict:
+    """Fig. 16: (a) the pacing functions; (b) one curriculum job under uniform and LRU caching.
+
+    Uniform: the job planned as a regular one (SiloDPerf, its dataset cached uniformly within
+    the allocation); LRU: the job in the irregular partition (its dataset LRU-cached), which is
+    what silod does with a curriculum job. Each bar is the mean of CURRICULUM_REPEATS seeds,
+    the error bar one standard deviation."""
+    from estimator.access import CurriculumPacing
+
+    cap = CURRICULUM_CLUSTER
+    modes = (("uniform", False), ("LRU", True))
+    runs = [Run(f"{name} step {step // 1000}k seed {k}", "fifo", "silod", cap, partition=part, curriculum_step=step, seed=runner.source.seed + k)
+            for step in CURRICULUM_STEPS for name, part in modes for k in range(CURRICULUM_REPEATS)]
+    results = runner.run_all(runs)
+    jct: dict[str, dict[str, list[float]]] = {}
+    for r in results:
+        mode = "LRU" if r.run.partition else "uniform"
+        jct.setdefault(f"{r.run.curriculum_step // 1000}k", {}).setdefault(mode, []).append(r.summary["avg_jct_s"] / 60)
+    spec = MODELS["resnet50"]
+    setup = (f"ResNet-50 on ImageNet-22k (1.36 TB, 110 KB items), {CURRICULUM_GPUS} V100s (f* {spec.ideal_per_gpu * CURRICULUM_GPUS / MB:.0f} MB/s), "
+             f"{cap.cache / TB:g} TB cache, {cap.remote_io / MB:g} MB/s remote IO; pacing starting_percent 0.04, alpha 1.9, batch 256; "
+             f"{CURRICULUM_IDEAL_MIN:g} min at ideal speed; {CURRICULUM_REPEATS} seeds per bar")
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    iterations = np.linspace(0, 400_000, 801)
+    for step in CURRICULUM_STEPS:
+        pace = CurriculumPacing(CURRICULUM_PACE["starting_percent"], CURRICULUM_PACE["alpha"], step, CURRICULUM_PACE["batch"])
+        axes[0].step(iterations / 1000, pace.fraction(iterations) * 100, where="post", label=f"Step {step // 1000}k")
+    axes[0].set_xlabel("iteration (thousands)")
+    axes[0].set_ylabel("eligible items (% of the dataset)")
+    axes[0].set_ylim(0, 105)
+    axes[0].set_title("(a) exponential pacing, g(i)/N")
+    axes[0].legend()
+    steps = list(jct)
+    for i, (name, _) in enumerate(modes):
+        means = [np.mean(jct[s][name]) for s in steps]
+        errs = [np.std(jct[s][name]) for s in steps]
+        axes[1].bar([x + (i - 0.5) * 0.35 for x in range(len(steps))], means, 0.35, yerr=errs, capsize=4, label=f"{name} cache")
+    axes[1].axhline(CURRICULUM_IDEAL_MIN, color="grey", lw=0.8, ls="--", label="ideal (no IO stall) = paper's ~367 min")
+    axes[1].set_xticks(range(len(steps)), [f"Step {s}" for s in steps])
+    axes[1].set_ylabel("JCT (min)")
+    axes[1].set_ylim(bottom=0)
+    axes[1].set_title("(b) uniform vs LRU cache")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Fig. 16: curriculum learning\n{setup}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "curriculum.png", dpi=120)
+    plt.close(fig)
+    summary = {s: {m: {"mean_min": float(np.mean(v)), "std_min": float(np.std(v)), "runs_min": v} for m, v in modes_.items()} for s, modes_ in jct.items()}
+    headline = [(f"Step {s}: JCT uniform / LRU (min, mean ± sd)",
+                 f"{v['uniform']['mean_min']:.1f} ± {v['uniform']['std_min']:.1f} / {v['LRU']['mean_min']:.1f} ± {v['LRU']['std_min']:.1f} "
+                 f"(LRU/uniform {v['LRU']['mean_min'] / v['uniform']['mean_min']:.3f}; paper ~367 / ~367)") for s, v in summary.items()]
+    payload = {"experiment": "curriculum", "setup": setup, "jct_min": summary, "paper_jct_min": 367, "headline": headline}
+    _save(out, "curriculum", payload)
+    return payload
+
+
+IRREGULAR_FRACTIONS = (0.0, 0.1, 0.25, 0.5)
+IRREGULAR_CONFIGS = (
+    ("partition", "silod", True),  # (a) silod: irregular jobs in their own LRU partition
+    ("all regular", "silod", False),  # (b) every job planned with SiloDPerf, uniform caches
+    ("all LRU", "alluxio", True),  # (c) one LRU cache, storage-unaware policy
+)
+
+
+def experiment_irregular_mix(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity, policy: str = "fifo") -> dict:
+    """§6: what the irregular partition buys and costs, on the sweeps' Philly-distribution trace
+    with 0-50% of its jobs turned into curriculum jobs (`with_curriculum_jobs`)."""
+    runner = runner.for_sweeps()
+    runs = [Run(f"{name} {x:.0%}", policy, system, capacity, partition=part, irregular=x)
+            for x in IRREGULAR_FRACTIONS for name, system, part in IRREGULAR_CONFIGS]
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for r in runner.run_all(runs):
+        name = next(n for n, s, p in IRREGULAR_CONFIGS if s == r.run.cache_system and p == r.run.partition)
+        row = {"all": r.summary["avg_jct_s"], **r.jct_by_kind}
+        table.setdefault(f"{r.run.irregular:.0%}", {})[name] = row
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fractions = list(table)
+    for ax, kind in zip(axes, ("all", "regular", "irregular"), strict=True):
+        for i, (name, _, _) in enumerate(IRREGULAR_CONFIGS):
+            ys = [table[f][name].get(kind, float("nan")) / 3600 for f in fractions]
+            ax.bar([x + (i - 1) * 0.27 for x in range(len(fractions))], ys, 0.27, label=name)
+        ax.set_xticks(range(len(fractions)), fractions)
+        ax.set_xlabel("curriculum jobs in the trace")
+        ax.set_ylabel("average JCT (h)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{kind} jobs")
+    axes[0].legend(fontsize=8)
+    setup = f"{policy.upper()}; {runner.describe(capacity)}"
+    fig.suptitle(f"Irregular jobs: two partitions vs all regular vs all LRU\n{setup}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "irregular_mix.png", dpi=120)
+    plt.close(fig)
+    headline = []
+    for f, rows in table.items():
+        p, reg, lru = rows["partition"], rows["all regular"], rows["all LRU"]
+        text = f"all {_hours(p['all'])} / {_hours(reg['all'])} / {_hours(lru['all'])}"
+        if "irregular" in p:
+            text += (f"; regular jobs {_hours(p['regular'])} / {_hours(reg['regular'])} / {_hours(lru['regular'])}"
+                     f"; curriculum jobs {_hours(p['irregular'])} / {_hours(reg['irregular'])} / {_hours(lru['irregular'])}")
+        headline.append((f"{f} curriculum: avg JCT partition / all regular / all LRU", text))
+    payload = {"experiment": "irregular-mix", "setup": setup, "avg_jct_s": table, "headline": headline}
+    _save(out, "irregular_mix", payload)
+    return payload
+
+
+EXPERIMENTS: dict[str, Callable] = {
+    "matrix": experiment_matrix,
+    "fairness": experiment_fairness,
+    "bandwidth": experiment_bandwidth,
+    "gpu-speed": experiment_gpu_speed,
+    "sharing": experiment_sharing,
+    "micro": experiment_micro,
+    "curriculum": experiment_curriculum,
+    "irregular-mix": experiment_irregular_mix,
+}

@@ -1,0 +1,282 @@
+"""How one training job reads its dataset during a simulation step.
+
+Each epoch reads every chunk once in a fresh uniformly random order. Loading and computation
+are pipelined (SiloD §4): the loader fetches misses over the remote link while the GPU consumes,
+so the job reads at
+
+    rate = min(f*, b / m),   m = the miss ratio of what it is about to read.
+
+Because the order is a uniform random permutation, the next chunk is equally likely to be any
+chunk the epoch has not read yet, so m is the uncached share of the chunks not yet read, taken
+on the cache *as it is now* (`SimJob.unread_cached`, which the cache system keeps current as
+other jobs admit and as LRU evicts). Remote bytes are charged at m as the job reads, so time,
+rate and IO always agree; the chunks themselves are looked up (and admitted or evicted) when the
+job starts reading each of them, at the time it does.
+
+Where the cached set can move under the reader (LRU), it reads in short sub-steps of a few
+chunks and re-reads m after each; elsewhere m only changes at the job's own epoch boundary and
+when the engine tells it (a new step), and a sub-step runs to the epoch's end.
+
+Curriculum jobs (estimator/access.py, SiloD §7.4) have no epochs: at iteration i every item
+read is drawn uniformly from the g(i) easiest items, with replacement across batches. Items are
+sorted by difficulty, so the eligible items are a prefix of the dataset: the first
+e = g(i) x item_size / chunk_size chunks (the last one partly). A chunk's worth of reading is one
+draw from that prefix, weighted by how much of each chunk is eligible, looked up when reading
+reaches it; m = the uncached share of the eligible bytes, re-read after every draw while the
+cache grows (every e/16 draws once it is full) and at every growth of the set. The iteration is the job's items read so far / batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from estimator.access import CurriculumPacing
+from scheduler.sim.cache_systems import SimCacheSystem
+from scheduler.sim.types import SimDataset
+from traces.model import TraceJob
+
+
+@dataclass(eq=False)
+class SimJob:
+    trace: TraceJob
+    dataset: SimDataset
+    ideal: float  # f*, bytes/s, after GPU-speed scaling
+    total_bytes: float
+    rng: np.random.Generator
+    consumed: float = 0.0
+    perm: np.ndarray = field(init=False)
+    read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
+    looked: int = 0  # chunks of the current epoch looked up (a prefix of perm)
+    unread_cached: int = 0  # cached chunks not looked up yet this epoch
+    pos: float = 0.0  # chunks of the current epoch already read (fractional)
+    epoch: int = 0
+    start_time: float | None = None
+    finish_time: float | None = None
+    running: bool = False
+    remote_bytes: float = 0.0
+    hit_bytes: float = 0.0
+    epoch_remote: float = 0.0  # remote bytes in the current epoch
+    epoch_read: float = 0.0  # bytes read in the current epoch
+    epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
+    last_rate: float = 0.0  # bytes/s in the last step it ran
+    job_id: str = field(init=False)
+    reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
+    share: float = 0.0
+    pacing: CurriculumPacing | None = None  # curriculum jobs: their pacing function
+    item_size: float = 0.0  # bytes per item (curriculum jobs count items and iterations)
+    _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for
+    _eligible: float = 0.0
+    _growth_at: float = math.inf
+
+    def __post_init__(self) -> None:
+        self.job_id = self.trace.job_id
+        self.perm = self.rng.permutation(self.dataset.n_chunks)
+        self.read_mask = np.zeros(self.dataset.n_chunks, dtype=bool)
+
+    @property
+    def gpus(self) -> int:
+        return self.trace.num_gpus
+
+    @property
+    def remaining(self) -> float:
+        return max(self.total_bytes - self.consumed, 0.0)
+
+    def start_epoch_view(self, cache: SimCacheSystem) -> None:
+        """Called when the job becomes active: everything cached counts as unread."""
+        self.unread_cached = cache.visible_chunks(self)
+
+    # ------------------------------------------------------------ curriculum
+    @property
+    def items(self) -> int:
+        return max(1, int(round(self.dataset.size / self.item_size)))
+
+    def iteration(self) -> float:
+        # The nudge puts a position a rounding error short of a growth boundary on it, so the
+        # eligible set and the next boundary (bytes_to_growth) always agree.
+        return self.consumed / (self.pacing.batch * self.item_size) * (1.0 + 1e-12)
+
+    def _pace(self) -> tuple[float, float]:
+        """(e, bytes consumed at the next growth), recomputed only when the pacing level
+        floor(i / step) changes: the eligible set is constant between growths."""
+        level = math.floor(self.iteration() / self.pacing.step)
+        if level != self._level:
+            p = self.pacing
+            g = int(p.eligible_items(level * p.step, self.items))
+            self._eligible = min(g * self.item_size / self.dataset.chunk_size, float(self.dataset.n_chunks))
+            whole = p.fraction(level * p.step) >= 1.0
+            self._growth_at = math.inf if whole else (level + 1) * p.step * p.batch * self.item_size
+            self._level = level
+        return self._eligible, self._growth_at
+
+    def eligible_chunks(self) -> float:
+        """e: how many chunks the eligible items span now (the last one partly)."""
+        return self._pace()[0]
+
+    def bytes_to_growth(self) -> float:
+        """Bytes the job reads before its eligible set grows next (inf once it is whole)."""
+        return max(self._pace()[1] - self.consumed, 0.0)
+
+    def curriculum_miss(self, mask: np.ndarray, e: float | None = None) -> float:
+        """The uncached share of the eligible bytes (`mask`: the chunks cached for the job)."""
+        e = self.eligible_chunks() if e is None else e
+        whole = int(e)
+        cached = float(np.count_nonzero(mask[:whole]))
+        if whole < self.dataset.n_chunks and e > whole and mask[whole]:
+            cached += e - whole
+        return min(max(1.0 - cached / e, 0.0), 1.0)
+
+    # ------------------------------------------------------------ both kinds
+    def miss_ratio(self, cache: SimCacheSystem) -> float:
+        """Miss ratio of what the job reads next: the uncached share of the chunks its epoch has
+        not looked up yet; at the epoch's very end, the next epoch's (all chunks unread).
+        Curriculum: the uncached share of the eligible items."""
+        if self.pacing is not None:
+            return self.curriculum_miss(cache.cached_mask(self))
+        left = self.dataset.n_chunks - self.looked
+        if left <= 0:
+            return 1.0 - cache.visible_chunks(self) / self.dataset.n_chunks
+        return min(max(1.0 - self.unread_cached / left, 0.0), 1.0)
+
+    def hit_ratio_now(self, cache: SimCacheSystem) -> float:
+        return 1.0 - self.miss_ratio(cache)
+
+    def new_epoch(self, cache: SimCacheSystem) -> None:
+        """Epoch readers: a new permutation. Curriculum jobs: a pass-equivalent (a dataset's
+        worth of bytes) ends, and its hit ratio is recorded like an epoch's."""
+        if self.epoch_read > 0:
+            self.epoch_hit_ratios.append(1.0 - self.epoch_remote / self.epoch_read)
+        self.epoch += 1
+        self.pos = 0.0
+        self.looked = 0
+        self.epoch_remote = self.epoch_read = 0.0
+        if self.pacing is not None:
+            return  # `pos` and `looked` count draws; there is no order to shuffle
+        self.perm = self.rng.permutation(self.dataset.n_chunks)
+        self.read_mask[:] = False
+        self.unread_cached = cache.visible_chunks(self)
+
+    def rate(self, io_cap: float, cache: SimCacheSystem, miss: float | None = None) -> float:
+        """Eq. 4 with the measured miss ratio: min(f*, b / m)."""
+        m = self.miss_ratio(cache) if miss is None else miss
+        if m <= 1e-12:
+            return self.ideal
+        return min(self.ideal, io_cap / m) if io_cap > 0 else 0.0
+
+    def seconds_to_event(self, io_cap: float, cache: SimCacheSystem, epoch_matters: bool = True, miss: float | None = None) -> float:
+        """Time until the job finishes or, if `epoch_matters`, reaches an epoch boundary where
+        its miss ratio (so its demand on the link) will change, at its current rate."""
+        m = self.miss_ratio(cache) if miss is None else miss
+        r = self.rate(io_cap, cache, m)
+        if r <= 0:
+            return math.inf
+        left = self.total_bytes - self.consumed
+        if epoch_matters and self.pacing is not None:
+            left = min(left, self.bytes_to_growth())  # the eligible set grows: m jumps
+        elif epoch_matters:
+            k = self.dataset.n_chunks
+            # What the next epoch will see: the cache now plus what this epoch's misses admit.
+            misses_left = (k - self.looked) - self.unread_cached
+            next_miss = 1.0 - (cache.visible_chunks(self) + min(cache.room(self), misses_left)) / k
+            if abs(next_miss - m) > DEMAND_CHANGE:
+                left = min(left, (k - self.pos) * self.dataset.chunk_size)
+        return max(left, 0.0) / r
+
+
+#: A change of miss ratio at an epoch boundary below this does not re-divide the link.
+DEMAND_CHANGE = 0.05
+
+
+@dataclass
+class StepResult:
+    bytes_read: float = 0.0
+    remote_bytes: float = 0.0
+    finished_at: float | None = None
+    elapsed: float = 0.0  # seconds of the step used (less than dt only with `substeps`)
+
+
+#: LRU: the share of an epoch read between two looks at the miss ratio (the cached set moves
+#: at every miss, slowly against an epoch).
+VOLATILE_SUBSTEP = 1 / 16
+
+
+def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:
+    """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s);
+    with `substeps`, stop after that many looks at the miss ratio (to interleave jobs)."""
+    result = StepResult()
+    s = job.dataset.chunk_size
+    k = job.dataset.n_chunks
+    ideal = job.ideal
+    curriculum = job.pacing is not None
+    substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile_for(job) else k
+    t = 0.0
+    while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
+        if substeps is not None:
+            if substeps <= 0:
+                break
+            substeps -= 1
+        if job.pos >= k - 1e-9:
+            job.new_epoch(cache)
+        p = job.pos
+        if curriculum:
+            e = job.eligible_chunks()
+            m = job.curriculum_miss(cache.cached_mask(job), e)
+            if m > 0.0 and cache.room(job) > 0:
+                # While the cache grows, a draw's misses are admitted as it reads them: on
+                # average m falls by m/e over the draw, so it is read at its midpoint value;
+                # and m is re-read after every draw (each admission moves it by up to 1/e).
+                m *= 1.0 - 0.5 / max(e, 1.0)
+                draws = 1
+            else:
+                # Every eligible item cached, or a full cache (misses replace cached eligible
+                # items under LRU, are not admitted under uniform): m holds until the set grows
+                # or another reader moves the cache; re-read it every e/16 draws.
+                draws = max(1, int(e * VOLATILE_SUBSTEP))
+            reach = min(math.floor(p + 1e-9) + draws, p + job.bytes_to_growth() / s)
+        else:
+            left = k - job.looked
+            m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)
+            reach = math.floor(p + 1e-9) + substep
+        m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
+        rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
+        if rate <= 0:
+            t = dt
+            break  # every read left misses and there is no remote bandwidth: stalled
+        x_need = p + (job.total_bytes - job.consumed) / s
+        x = min(p + rate * (dt - t) / s, x_need, float(k), reach)
+        if x <= p:
+            t = dt  # what is left of the step moves the position by less than float resolution
+            break
+        # Chunks are looked up when reading reaches them: those started in [p, x).
+        finishing = x >= x_need - 1e-9
+        last = min(k, math.ceil(x - (1e-12 if finishing else 1e-9)))
+        if last > job.looked:
+            if curriculum:
+                draws = np.minimum((job.rng.random(last - job.looked) * e).astype(np.int64), k - 1)
+                cache.access(job, draws)
+                job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
+            else:
+                cache.access(job, job.perm[job.looked:last])
+            job.looked = last
+        done = (x - p) * s
+        missed = m * done
+        job.consumed += done
+        job.remote_bytes += missed
+        job.hit_bytes += done - missed
+        job.epoch_read += done
+        job.epoch_remote += missed
+        result.bytes_read += done
+        result.remote_bytes += missed
+        job.pos = x
+        t += done / rate
+        if finishing or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
+            job.consumed = job.total_bytes
+            if job.pos >= k - 1e-6:
+                job.new_epoch(cache)  # records the last epoch's hit ratio
+            result.finished_at = now + t
+            result.elapsed = t
+            return result
+    result.elapsed = t
+    return result

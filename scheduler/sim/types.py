@@ -1,0 +1,38 @@
+"""What the simulator's cache systems and readers know of each other.
+
+A cache system (cache_systems) answers a reading job's lookups and keeps its count of cached,
+unread chunks; a reader (reader.SimJob) advances through its epoch against a cache system. The
+cache system sees a job only through `CacheReader`, so the two modules do not import each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class SimDataset:
+    name: str
+    size: float
+    n_chunks: int
+    index: int  # position in the engine's dataset list
+
+    @property
+    def chunk_size(self) -> float:
+        return self.size / self.n_chunks
+
+
+class CacheReader(Protocol):
+    """A job as its cache system sees it (reader.SimJob is the one implementation)."""
+
+    job_id: str
+    dataset: SimDataset
+    ideal: float  # f*, bytes/s
+    read_mask: np.ndarray  # chunks looked up in the current epoch (the §6 bitset)
+    unread_cached: int  # cached chunks it has not looked up yet this epoch
+
+    @property
+    def gpus(self) -> int: ...

@@ -127,3 +127,17 @@ def test_every_policy_and_cache_system_finishes_every_job():
             for r in result.jobs:
                 ideal = 2.0 * 50 * GB / next(j.ideal_throughput for j in jobs if j.job_id == r.job_id)
                 assert r.jct_s >= ideal * (1 - 1e-6), (policy, system, r)
+
+
+@pytest.mark.parametrize("system, second_jct", [("silod", 1500.0), ("quiver", 1500.0), ("coordl", 1500.0), ("alluxio", 1000.0)])
+def test_idle_gap_applies_the_plan_at_the_last_completion(system, second_jct):
+    # f* = 100 MB/s, b = 50 MB/s, a 50 GB dataset, 60 GB of cache, 2 epochs. Job a alone:
+    # epoch 1 remote-bound, 50 GB / 50 MB/s = 1000 s, caching all of it; epoch 2 all hits at
+    # f*: 500 s; JCT 1500 s. It finishes at 1500 s, the cluster is idle until b (same dataset)
+    # arrives at 5000 s. The plan for no jobs holds no dataset: silod and quiver drop it (as
+    # they would with any other job still active), CoorDL's cache was a's own, so b reads cold
+    # again: 1500 s. Alluxio's LRU takes no plan and keeps it: 500 + 500 = 1000 s.
+    jobs = [one_job(2.0, job_id="a"), one_job(2.0, job_id="b", submit=5000.0)]
+    result = run(jobs, {"ds": 50 * GB}, cache=60 * GB, io=50 * MB, system=system)
+    assert jct(result, "a") == pytest.approx(1500.0, rel=REL)
+    assert jct(result, "b") == pytest.approx(second_jct, rel=REL)

@@ -208,11 +208,11 @@ class SimCacheSystem(ABC):
     def job_stopped(self, job: CacheReader) -> None:
         """`job` finished or was descheduled."""
 
-    def volatile_bytes(self) -> float | None:
-        """Bytes whose cached state moves under the readers as others read: the smallest domain
-        that several readers share while it fills (their hit ratios move with each other's
-        admissions), or an LRU cache that evicts at every miss; None if there is none."""
-        return None
+    def moves_under(self, job: CacheReader) -> bool:
+        """Whether other reads can change which of `job`'s unread chunks are cached while it
+        reads: an LRU evicting at admission, or a dataset it shares with other active readers
+        while it fills (their admissions are its hits)."""
+        return self.volatile_for(job)
 
 
 def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -312,9 +312,11 @@ class SiloDCache(SimCacheSystem):
     def cached_bytes(self):
         return {n: d.cached_bytes for n, d in self.domains.items() if d.count}
 
-    def volatile_bytes(self):
-        sizes = [d.dataset.size for n, d in self.domains.items() if d.filling and len(self.readers.get(n, ())) > 1]
-        return min(sizes) if sizes else None
+    def moves_under(self, job):
+        dom = self.domains.get(job.dataset.name)
+        if dom is None:
+            return False
+        return isinstance(dom, LruDomain) or (dom.filling and len(self.readers.get(job.dataset.name, ())) > 1)
 
 
 class QuiverCache(SiloDCache):
@@ -471,9 +473,6 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def cached_bytes(self):
         return {n: self.counts[n] * self.datasets[n].chunk_size for n in self.cached if self.counts[n]}
-
-    def volatile_bytes(self):
-        return self.capacity
 
     def room(self, job):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)

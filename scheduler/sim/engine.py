@@ -31,7 +31,7 @@ from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.types import SimDataset
-from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
+from scheduler.sim.reader import DEMAND_CHANGE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore, spread_spare_io
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -42,8 +42,8 @@ from traces.model import Trace, TraceJob
 CURRICULUM_MIN_CHUNKS = 64
 MAX_CURRICULUM_CHUNKS = 4096
 
-#: A step may let the link bring in at most 1/VOLATILE_STEPS of the bytes whose cached state
-#: moves under the readers (an LRU cache, a shared dataset that fills).
+#: A curriculum job's step may let the link bring in at most 1/VOLATILE_STEPS of its eligible
+#: set while its cache fills (its own admissions move its miss ratio).
 VOLATILE_STEPS = 16
 
 
@@ -64,6 +64,9 @@ class SimConfig:
     #: False: the scheduler is not told which jobs are irregular (every job is planned as a
     #: regular one with SiloDPerf and uniform caching); jobs still read as they do.
     partition: bool = True
+    #: The most a job's miss ratio may move within a step while the link is contended (the
+    #: link is re-divided between steps); halving it halves the step bound (see _step_limit).
+    demand_tolerance: float = 0.025
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -72,6 +75,8 @@ class SimConfig:
             raise UserError(f"resolution {self.resolution} must be >= 1 chunk per dataset")
         if not self.gpu_speed > 0:
             raise UserError(f"GPU speed {self.gpu_speed} must be > 0")
+        if not 0 < self.demand_tolerance <= 1:
+            raise UserError(f"demand tolerance {self.demand_tolerance} must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +205,18 @@ class Simulator:
             job.reference = float(r)
 
     def _step_limit(self, running: list[SimJob], caps: dict[str, float]) -> float:
-        """Longest step over which the cached set may be taken as fixed between two looks.
+        """Longest step over which every running job's demand on the link (f* x its miss ratio m)
+        may be taken as fixed: the link is re-divided between steps, so a job whose m rises
+        within a step (its unread chunks evicted by an LRU, or admitted by a co-reader of a
+        filling shared dataset) would otherwise be held to the share of its old demand.
 
-        LRU evicts at every admission and a shared dataset that fills moves its co-readers'
-        hit ratios. Admissions cannot outrun the link, so a step during which the link can
-        bring in at most 1/VOLATILE_STEPS of the volatile bytes keeps that change small.
+        Where the link could not serve every running job at f*, a step is bounded so that no
+        job's m can move by more than `demand_tolerance`. m is (cached unread chunks) / (unread
+        chunks); others' admissions and the evictions they cause change the numerator by at most
+        one chunk per chunk the link brings in, so over dt seconds |dm| <= link x dt / (bytes the
+        job has not read yet this epoch). Near an epoch's end the bound is taken on at least
+        VOLATILE_SUBSTEP of an epoch (the reader re-reads m at that grain anyway, and its epoch
+        boundary is an event of its own).
         A curriculum job whose cache still fills moves its own miss ratio (and so its demand on
         the link) as it reads: its step brings in at most 1/VOLATILE_STEPS of its eligible set.
         """
@@ -212,9 +224,13 @@ class Simulator:
         if link <= 0:
             return np.inf
         limit = np.inf
-        volatile = self.cache.volatile_bytes()
-        if volatile is not None and volatile > 0:
-            limit = volatile / (VOLATILE_STEPS * link)
+        if sum(j.ideal for j in running) > link:
+            tol = self.config.demand_tolerance
+            for job in running:
+                if self.cache.moves_under(job):
+                    k = job.dataset.n_chunks
+                    unread = max(k - job.looked, k * VOLATILE_SUBSTEP) * job.dataset.chunk_size
+                    limit = min(limit, tol * unread / link)
         for job in running:
             if job.pacing is not None and caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
                 eligible = job.eligible_chunks() * job.dataset.chunk_size
@@ -263,6 +279,17 @@ class Simulator:
                 next_arrival += 1
                 need_decision = True
             if not active:
+                if need_decision:
+                    # The last job finished: apply the plan for no jobs as at any completion
+                    # (silod and quiver drop the datasets nobody reads any more), idle or not.
+                    snapshot = self._snapshot(now, [])
+                    allocation = self.core.decide(snapshot)
+                    plan = self.core.plan_round(snapshot, allocation)
+                    running = []
+                    round_end = -np.inf
+                    part = plan.allocation.partition
+                    self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
+                    need_decision = False
                 now = pending[next_arrival].submit_time
                 continue
             if now > cfg.max_sim_time_s:

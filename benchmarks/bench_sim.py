@@ -36,9 +36,9 @@ base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = {n}
 trace = generate_trace(n, mean_interarrival_s=1210.0, seed=3)  # same load at every size
 cap, speed = load_cluster(gpus=400, gpus_per_node=4, cache="100TB", remote_io="4GB/s")
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 run_simulation(trace, cap, speed, "fifo", "silod", 360.0, 128, 0)
-print(json.dumps({{"jobs": n, "wall_s": time.perf_counter() - t, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "import_kb": base}}))
+print(json.dumps({{"jobs": n, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "import_kb": base}}))
 """
 
 
@@ -66,19 +66,19 @@ def main() -> None:
         t0 = time.perf_counter()
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
             for r in pool.map(simulate_run, runs, [source] * len(runs), [360.0] * len(runs), [128] * len(runs)):
-                results["matrix"][r.run.label] = r.summary["sim_wall_s"]
-                print(f"{r.run.label:<16} {r.summary['jobs']} jobs: {r.summary['sim_wall_s']:6.1f} s", flush=True)
+                results["matrix"][r.run.label] = {"wall_s": r.summary["sim_wall_s"], "cpu_s": r.summary["sim_cpu_s"]}
+                print(f"{r.run.label:<16} {r.summary['jobs']} jobs: {r.summary['sim_wall_s']:6.1f} s wall, {r.summary['sim_cpu_s']:6.1f} CPU s", flush=True)
         wall = time.perf_counter() - t0
         results["matrix_wall_s"] = wall
-        worst = max(results["matrix"].values())
-        print(f"matrix wall time with {args.workers} workers: {wall:.1f} s (target <= 180 s); worst single run {worst:.1f} s (target <= 20 s)")
+        worst = max(v["cpu_s"] for v in results["matrix"].values())
+        print(f"matrix wall time with {args.workers} workers: {wall:.1f} s (target <= 180 s); worst single run {worst:.1f} CPU s (target <= 20 s)")
 
     runs = [child_run(n) for n in (1000, 2000, 10000)]
-    ref = runs[0]["wall_s"]
+    ref = runs[0]["cpu_s"]
     for r in runs:
-        r["ratio_to_1k"] = r["wall_s"] / ref
+        r["ratio_to_1k"] = r["cpu_s"] / ref
         results["growth"].append(r)
-        print(f"{r['jobs']:>6} jobs: {r['wall_s']:6.1f} s  ({r['ratio_to_1k']:.2f}x the 1k-job run)  peak RSS {r['peak_kb'] / 1024:.0f} MB")
+        print(f"{r['jobs']:>6} jobs: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} CPU s  ({r['ratio_to_1k']:.2f}x the 1k-job run's CPU)  peak RSS {r['peak_kb'] / 1024:.0f} MB")
     big = runs[-1]
     results["memory"] = {"peak_mb_10k": big["peak_kb"] / 1024, "import_mb": big["import_kb"] / 1024, "ratio": big["peak_kb"] / big["import_kb"]}
     print(f"10k-job peak memory {big['peak_kb'] / 1024:.0f} MB (target <= 2048 MB), {results['memory']['ratio']:.2f}x the process after imports")

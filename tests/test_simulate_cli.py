@@ -13,7 +13,7 @@ import pytest
 SILOD = [sys.executable, "-m", "scheduler"]
 HEADER = "job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs\n"
 SUMMARY_KEYS = {"policy", "cache_system", "jobs", "avg_jct_s", "makespan_s", "p50_jct_s", "p99_jct_s",
-                "avg_fairness_ratio", "gpu_utilization", "remote_io_utilization", "sim_wall_s"}
+                "avg_fairness_ratio", "gpu_utilization", "remote_io_utilization", "sim_wall_s", "sim_cpu_s"}
 
 
 def silod(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

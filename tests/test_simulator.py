@@ -141,3 +141,31 @@ def test_idle_gap_applies_the_plan_at_the_last_completion(system, second_jct):
     result = run(jobs, {"ds": 50 * GB}, cache=60 * GB, io=50 * MB, system=system)
     assert jct(result, "a") == pytest.approx(1500.0, rel=REL)
     assert jct(result, "b") == pytest.approx(second_jct, rel=REL)
+
+
+def test_quiver_keeps_a_paused_jobs_dataset_under_time_sharing():
+    # One GPU shared by Gavel in 100 s rounds between a (d1) and b (d2), 50 GB each, a 100 GB
+    # cache that holds both, f* = 100 MB/s, b = 50 MB/s, 2 epochs each. Quiver ranks every
+    # started job's dataset, running or paused, so each dataset is fetched once: 100 GB remote
+    # in all; GPU time 2 x (1000 s cold epoch + 500 s cached epoch) = 3000 s, the makespan.
+    # (Following only the running job, each pause evicted the other dataset and every round
+    # refetched it.)
+    jobs = [one_job(2.0, job_id="a", dataset="d1"), one_job(2.0, job_id="b", dataset="d2")]
+    result = run(jobs, {"d1": 50 * GB, "d2": 50 * GB}, cache=100 * GB, io=50 * MB, policy="gavel", system="quiver", round_s=100.0)
+    assert result.remote_bytes == pytest.approx(100 * GB, rel=REL)
+    assert result.makespan_s == pytest.approx(3000.0, rel=REL)
+
+
+def test_quiver_profile_is_kept_until_reprofiled_and_noise_defaults_to_zero():
+    from scheduler.sim.cache_systems import QuiverCache, make_cache_system
+
+    assert make_cache_system("quiver", 1e12, 4)._profile("ds", 0.0) == 1.0  # default: exact profiles
+    cache = QuiverCache(1e12, 4, seed=0, profile_noise=0.25)
+    first = cache._profile("ds", 0.0)
+    assert first != 1.0
+    assert cache._profile("ds", 3600.0) == first  # a pause or a new round does not re-measure
+    cache.job_stopped(object())
+    assert cache._profile("ds", 12 * 3600.0 - 1) == first
+    assert cache._profile("ds", 12 * 3600.0) != first  # re-profiled after 12 h
+    with pytest.raises(Exception, match="--profile-noise"):
+        make_cache_system("alluxio", 1e12, 4, profile_noise=0.1)

@@ -21,9 +21,11 @@ concerns at once (`_changed`), so the reader always reads at the ratio the cache
 - coordl:  each running job caches uniformly into a private static share, its GPUs' share of
            the cluster's cache; nothing is shared across jobs and a job's cache is lost when it
            stops running.
-- quiver:  whole datasets only, ranked by benefit/cost (data rate gained per byte) from noisy
-           online profiles (each job re-profiled every 12 h); a dataset that does not fit gets
-           nothing.
+- quiver:  whole datasets only, ranked by benefit/cost (data rate gained per byte) over every
+           active job's dataset (running or paused), with an optional profile error per dataset
+           (0 by default) redrawn when it is re-profiled every 12 h; a dataset that does not fit
+           the space left gets nothing.
+See docs/simulator.md for each baseline's modelling choices and their sources.
 """
 
 from __future__ import annotations
@@ -320,31 +322,51 @@ class SiloDCache(SimCacheSystem):
 
 
 class QuiverCache(SiloDCache):
-    """Whole-dataset caching by noisy benefit/cost, on the uniform-cache mechanics."""
+    """Whole-dataset caching by benefit/cost (Quiver, FAST'20, as SiloD §7 describes it), on
+    the uniform-cache mechanics.
+
+    - Candidates: the datasets of every job that has started and not finished, running or
+      paused: Quiver learns of a job from its data loader and knows nothing of the scheduler's
+      rounds, so a paused job keeps its dataset cached unless a better candidate needs the
+      space (a job still queued for its first GPUs is not known to it yet).
+    - Benefit of a dataset: the sum of f* of its active readers (the data rate caching it
+      saves) times its profile factor; cost: its size. Ranked by benefit/cost, each dataset
+      cached whole if it fits in what is left, else not at all.
+    - Profiles: SiloD §7.2 says Quiver's online latency profiles are "not stable when the remote
+      IO fluctuates". A dataset's profile factor is exp(N(0, profile_noise)), drawn when it is
+      first profiled and kept until it is re-profiled every REPROFILE_S. profile_noise is 0 by
+      default (exact profiles, Quiver at its strongest); `--profile-noise` / the quiver-noise
+      experiment measure the sensitivity.
+    """
 
     name = "quiver"
-    PROFILE_NOISE = 0.25  # sigma of the log-normal error of online latency profiles
-    REPROFILE_S = 12 * 3600.0  # how long a job's profile is trusted before it is measured again
+    REPROFILE_S = 12 * 3600.0  # how long a dataset's profile is trusted before it is measured again
 
-    def __init__(self, capacity: float, total_gpus: int, seed: int):
+    def __init__(self, capacity: float, total_gpus: int, seed: int, profile_noise: float = 0.0):
         super().__init__(capacity, total_gpus, seed)
-        self.profiles: dict[str, tuple[float, float]] = {}  # job id -> (measured at, noise factor)
+        if not profile_noise >= 0:
+            raise UserError(f"--profile-noise {profile_noise} must be >= 0 (the sigma of a log-normal error; 0 = exact profiles)")
+        self.profile_noise = profile_noise
+        self.noise_rng = np.random.default_rng([seed, 1])  # its own stream: noise 0 leaves eviction draws as they were
+        self.profiles: dict[str, tuple[float, float]] = {}  # dataset -> (profiled at, factor)
 
-    def _profile(self, job, now: float) -> float:
-        measured = self.profiles.get(job.job_id)
+    def _profile(self, dataset: str, now: float) -> float:
+        if self.profile_noise == 0:
+            return 1.0
+        measured = self.profiles.get(dataset)
         if measured is None or now - measured[0] >= self.REPROFILE_S:
-            measured = (now, float(np.exp(self.rng.normal(0.0, self.PROFILE_NOISE))))
-            self.profiles[job.job_id] = measured
+            measured = (now, float(np.exp(self.noise_rng.normal(0.0, self.profile_noise))))
+            self.profiles[dataset] = measured
         return measured[1]
 
-    def job_stopped(self, job):
-        self.profiles.pop(job.job_id, None)
-
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
-        benefit: dict[str, float] = {}
-        for job in running:
-            benefit[job.dataset.name] = benefit.get(job.dataset.name, 0.0) + job.ideal * self._profile(job, now)
-        ranked = sorted(benefit, key=lambda n: benefit[n] / datasets[n].size, reverse=True)
+        rate: dict[str, float] = {}
+        for name, group in self.readers.items():  # every started job, running or paused
+            for job in group:
+                if job.start_time is not None:
+                    rate[name] = rate.get(name, 0.0) + job.ideal
+        benefit = {name: r * self._profile(name, now) for name, r in rate.items() if r > 0}
+        ranked = sorted(benefit, key=lambda n: (-benefit[n] / datasets[n].size, n))
         free = self.capacity
         chosen: dict[str, float] = {}
         for name in ranked:
@@ -478,8 +500,14 @@ class AlluxioLRUCache(SimCacheSystem):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
 
 
-def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0) -> SimCacheSystem:
+def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0, profile_noise: float = 0.0) -> SimCacheSystem:
+    """`profile_noise`: Quiver's profile error (sigma of a log-normal factor); other systems
+    have no profiles and refuse a non-zero value."""
     classes = {c.name: c for c in (SiloDCache, AlluxioLRUCache, CoorDLCache, QuiverCache)}
     if name not in classes:
         raise UserError(f"unknown cache system {name!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
+    if name == "quiver":
+        return QuiverCache(capacity, total_gpus, seed, profile_noise)
+    if profile_noise:
+        raise UserError(f"--profile-noise applies to the quiver cache system only (it profiles jobs online), not {name!r}")
     return classes[name](capacity, total_gpus, seed)

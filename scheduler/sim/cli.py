@@ -1,4 +1,4 @@
-"""`silod simulate`, `silod experiment` and `silod trace`: the trace-driven simulator's commands."""
+"""`silod simulate` and `silod experiment`: the trace-driven simulator's commands."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io":
 
 
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
-                   progress_label: str | None = None, partition: bool = True):
+                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
     from policies.registry import estimator_for, get_policy
     from scheduler.sim.cache_systems import CACHE_SYSTEMS
@@ -24,7 +24,8 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
     if cache_system not in CACHE_SYSTEMS:
         raise UserError(f"unknown cache system {cache_system!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
     pol = get_policy(policy)
-    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition)
+    config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition,
+                       profile_noise=profile_noise)
     if progress_label is None:
         return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -56,6 +57,7 @@ def register(app: typer.Typer) -> None:
         dataset_sharing: Annotated[float, typer.Option(help="Gavel traces: fraction of jobs that share their family's dataset")] = 0.0,
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs")] = None,
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
+        profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     ) -> None:
@@ -73,8 +75,12 @@ def register(app: typer.Typer) -> None:
                                        defaults=DEFAULT_CLUSTER)
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
-                                None if quiet else f"{policy}/{cache_system}", partition=irregular_partition)
-        summary = write_outputs(result, out, policy, cache_system, {"trace": str(trace), "gpu_speed": speed})
+                                None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
+                                profile_noise=profile_noise)
+        extra = {"trace": str(trace), "gpu_speed": speed}
+        if cache_system == "quiver":
+            extra["profile_noise"] = profile_noise
+        summary = write_outputs(result, out, policy, cache_system, extra)
         _print_summary(summary, out)
 
 
@@ -144,7 +150,7 @@ def _print_summary(summary: dict, out: Path) -> None:
     table.add_row("fairness ratio (Eq. 8, time average)", f"{summary['avg_fairness_ratio']:.3f}")
     table.add_row("GPU utilisation", f"{summary['gpu_utilization']:.1%}")
     table.add_row("remote IO utilisation", f"{summary['remote_io_utilization']:.1%}")
-    table.add_row("simulation wall time", f"{summary['sim_wall_s']:.1f} s")
+    table.add_row("simulation wall / CPU time", f"{summary['sim_wall_s']:.1f} s / {summary['sim_cpu_s']:.1f} s")
     console = Console()
     console.print(table)
     console.print(f"wrote {out}/summary.json, jobs.csv, timeline.csv")

@@ -67,6 +67,9 @@ class SimConfig:
     #: The most a job's miss ratio may move within a step while the link is contended (the
     #: link is re-divided between steps); halving it halves the step bound (see _step_limit).
     demand_tolerance: float = 0.025
+    #: Quiver's online-profile error: sigma of a log-normal factor on each dataset's benefit,
+    #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator.md).
+    profile_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -122,6 +125,7 @@ class SimResult:
     capacity: ClusterCapacity
     sim_wall_s: float
     steps: int
+    sim_cpu_s: float = 0.0  # CPU seconds of this process in run() (wall time is noisy on a shared machine)
     unfinished: list[str] = field(default_factory=list)
 
 
@@ -151,7 +155,7 @@ class Simulator:
         self.config = config
         self.core = SchedulingCore(policy, estimator)
         self.cache = (
-            make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed)
+            make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed, config.profile_noise)
             if isinstance(cache_system, str)
             else cache_system
         )
@@ -241,6 +245,7 @@ class Simulator:
     def run(self) -> SimResult:
         cfg = self.config
         wall0 = wallclock.perf_counter()
+        cpu0 = wallclock.process_time()
         seed_seq = np.random.SeedSequence(cfg.seed)
         pending = list(self.trace.jobs)  # sorted by submit time
         next_arrival = 0
@@ -410,6 +415,7 @@ class Simulator:
             fairness_time_avg=fairness_area / fairness_time if fairness_time > 0 else 0.0,
             capacity=self.capacity,
             sim_wall_s=wallclock.perf_counter() - wall0,
+            sim_cpu_s=wallclock.process_time() - cpu0,
             steps=steps,
             unfinished=[j.job_id for j in active],
         )

@@ -33,6 +33,7 @@ def summarize(result: SimResult, policy: str, cache_system: str) -> dict:
         "cluster": {"gpus": cap.gpus, "gpus_per_node": cap.gpus_per_node, "cache_bytes": cap.cache, "remote_io_bytes_per_s": cap.remote_io},
         "sim_steps": result.steps,
         "sim_wall_s": result.sim_wall_s,
+        "sim_cpu_s": result.sim_cpu_s,
     }
 
 

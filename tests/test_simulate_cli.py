@@ -179,3 +179,26 @@ def test_irregular_mix_experiment_reports_both_kinds(tmp_path):
     # With no curriculum job the partition changes nothing: the same run as all regular.
     assert table["0%"]["partition"]["all"] == pytest.approx(table["0%"]["all regular"]["all"], rel=1e-9)
     assert (tmp_path / "irregular_mix.png").stat().st_size > 1000
+
+
+def test_window_average_weights_each_row_by_its_time_inside_the_window():
+    from scheduler.sim.experiments import window_average
+
+    rows = ((100.0, 1.0), (300.0, 0.5), (400.0, float("nan")), (600.0, 2.0))
+    # [0,100] at 1.0, [100,300] at 0.5; the NaN row is left out; [400,500] at 2.0: (100 + 100 + 200) / 400
+    assert window_average(rows, 500.0) == pytest.approx(1.0)
+    assert window_average(rows, 200.0) == pytest.approx((100 * 1.0 + 100 * 0.5) / 200)
+
+
+def test_fairness_experiment_averages_every_system_over_one_common_window(tmp_path):
+    # 8 GPUs make the first 30 jobs of the synthetic trace queue under every cache system.
+    proc = silod("experiment", "fairness", "--max-jobs", "30", "--gpus", "8", "--out", str(tmp_path), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads((tmp_path / "fairness.json").read_text())
+    assert payload["window"] == "every system still has queued jobs"
+    window = payload["window_s"]
+    assert window == pytest.approx(min(payload["queued_until_s"].values()))
+    assert window > 0 and max(payload["queued_until_s"].values()) > window  # the runs' queues end at different times
+    assert set(payload["avg_fairness_ratio"]) == {"silod", "alluxio", "coordl", "quiver", "silod (IO not allocated)"}
+    assert all(0 < v for v in payload["avg_fairness_ratio"].values())
+    assert (tmp_path / "fairness.png").stat().st_size > 1000

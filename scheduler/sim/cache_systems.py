@@ -173,7 +173,9 @@ class SimCacheSystem(ABC):
         if chunks.size == 0:
             return
         for job in self.readers.get(key, ()):
-            job.unread_cached += delta * int(np.count_nonzero(~job.read_mask[chunks]))
+            moved = int(np.count_nonzero(~job.read_mask[chunks]))
+            job.unread_cached += delta * moved
+            job.moved += moved
 
     # ----------------------------------------------------------------- interface
     @abstractmethod
@@ -209,6 +211,18 @@ class SimCacheSystem(ABC):
 
     def job_stopped(self, job: CacheReader) -> None:
         """`job` finished or was descheduled."""
+
+    def volatile_bytes(self) -> float | None:
+        """Bytes whose cached state moves under the readers as others read: the smallest LRU
+        that evicts at every miss, or domain that several readers share while it fills; None
+        if there is none. An LRU of C bytes admitting at b bytes/s turns its contents over in
+        about C/b seconds, so a reader's hit ratio moves by about b x dt / C in dt."""
+        return None
+
+    def free_before_eviction(self) -> float | None:
+        """Bytes that can still be admitted before an LRU starts evicting (None: none fills).
+        Until then others' reads move nobody's cached chunks out; from then on, at every miss."""
+        return None
 
     def moves_under(self, job: CacheReader) -> bool:
         """Whether other reads can change which of `job`'s unread chunks are cached while it
@@ -313,6 +327,18 @@ class SiloDCache(SimCacheSystem):
 
     def cached_bytes(self):
         return {n: d.cached_bytes for n, d in self.domains.items() if d.count}
+
+    def volatile_bytes(self):
+        sizes = [d.limit_chunks * d.dataset.chunk_size if isinstance(d, LruDomain) else d.dataset.size
+                 for n, d in self.domains.items()
+                 if self.readers.get(n) and (isinstance(d, LruDomain) or (d.filling and len(self.readers[n]) > 1))]
+        sizes = [x for x in sizes if x > 0]
+        return min(sizes) if sizes else None
+
+    def free_before_eviction(self):
+        free = [(d.limit_chunks - d.count) * d.dataset.chunk_size for n, d in self.domains.items()
+                if isinstance(d, LruDomain) and d.count < d.limit_chunks and self.readers.get(n)]
+        return min(free) if free else None
 
     def moves_under(self, job):
         dom = self.domains.get(job.dataset.name)
@@ -482,6 +508,7 @@ class AlluxioLRUCache(SimCacheSystem):
             for other in others:
                 if other is not job and not other.read_mask[c]:
                     other.unread_cached += 1
+                    other.moved += 1
             while self.total_bytes > self.capacity * (1 + 1e-12):
                 (victim_ds, victim), vsize = order.popitem(last=False)
                 self.cached[victim_ds][victim] = False
@@ -491,6 +518,7 @@ class AlluxioLRUCache(SimCacheSystem):
                 for reader in self.readers.get(victim_ds, ()):
                     if not reader.read_mask[victim]:
                         reader.unread_cached -= 1
+                        reader.moved += 1
         return hits
 
     def cached_bytes(self):
@@ -498,6 +526,15 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def room(self, job):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
+
+    def volatile_bytes(self):
+        return self.capacity
+
+    def free_before_eviction(self):
+        # Less than a chunk free is what a full cache of unequal chunks keeps: it evicts already.
+        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
+        free = self.capacity - self.total_bytes
+        return free if chunks and free >= min(chunks) else None
 
 
 def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0, profile_noise: float = 0.0) -> SimCacheSystem:

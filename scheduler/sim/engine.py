@@ -208,19 +208,25 @@ class Simulator:
         for job, r in zip(active, ref, strict=True):
             job.reference = float(r)
 
-    def _step_limit(self, running: list[SimJob], caps: dict[str, float]) -> float:
+    def _step_limit(self, running: list[SimJob], caps: dict[str, float], last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)
         may be taken as fixed: the link is re-divided between steps, so a job whose m rises
         within a step (its unread chunks evicted by an LRU, or admitted by a co-reader of a
         filling shared dataset) would otherwise be held to the share of its old demand.
 
         Where the link could not serve every running job at f*, a step is bounded so that no
-        job's m can move by more than `demand_tolerance`. m is (cached unread chunks) / (unread
-        chunks); others' admissions and the evictions they cause change the numerator by at most
-        one chunk per chunk the link brings in, so over dt seconds |dm| <= link x dt / (bytes the
-        job has not read yet this epoch). Near an epoch's end the bound is taken on at least
-        VOLATILE_SUBSTEP of an epoch (the reader re-reads m at that grain anyway, and its epoch
-        boundary is an event of its own).
+        such job's m is expected to move by more than `demand_tolerance`. m = (cached unread
+        chunks) / (unread chunks); what others' admissions and evictions do to it is counted
+        (`SimJob.moved`), and its rate over the last step (`self.drift`) predicts the next:
+        dt <= tolerance / drift, and at most twice the last step. A job with no measured drift
+        yet is bounded a priori: others can move at most one of its unread chunks per chunk the
+        link brings in, dt <= tolerance x (its unread bytes) / link (near an epoch's end taken
+        on at least VOLATILE_SUBSTEP of an epoch: the reader re-reads m at that grain anyway,
+        and its epoch boundary is an event of its own). Two bounds catch what the last step
+        could not see: a step ends where an LRU may become full (from then on it evicts at
+        every miss), and lasts at most tolerance x (volatile bytes) / link (an LRU of C bytes
+        turns over in about C / link: a drift counted over a few chunks is noisy, and a step
+        that happened to count none would let the next one double).
         A curriculum job whose cache still fills moves its own miss ratio (and so its demand on
         the link) as it reads: its step brings in at most 1/VOLATILE_STEPS of its eligible set.
         """
@@ -231,10 +237,24 @@ class Simulator:
         if sum(j.ideal for j in running) > link:
             tol = self.config.demand_tolerance
             for job in running:
-                if self.cache.moves_under(job):
+                if not self.cache.moves_under(job):
+                    continue
+                drift = self.drift.get(job.job_id)
+                if drift is None or last_dt is None:
                     k = job.dataset.n_chunks
                     unread = max(k - job.looked, k * VOLATILE_SUBSTEP) * job.dataset.chunk_size
                     limit = min(limit, tol * unread / link)
+                else:
+                    limit = min(limit, 2.0 * last_dt, tol / drift if drift > 0 else np.inf)
+            # An LRU that becomes full starts evicting at every miss: a drift the last step
+            # could not see. Admissions cannot outrun the link: stop where it may become full.
+            free = self.cache.free_before_eviction()
+            if free is not None:
+                limit = min(limit, free / link)
+            # The turnover of the volatile bytes bounds the drift on average (a noisy count).
+            volatile = self.cache.volatile_bytes()
+            if volatile is not None:
+                limit = min(limit, tol * volatile / link)
         for job in running:
             if job.pacing is not None and caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
                 eligible = job.eligible_chunks() * job.dataset.chunk_size
@@ -265,6 +285,8 @@ class Simulator:
         fairness_area = 0.0
         fairness_time = 0.0
         steps = 0
+        last_dt: float | None = None
+        self.drift: dict[str, float] = {}  # job id -> rate (1/s) at which others moved its m in its last step
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
         acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
@@ -346,8 +368,12 @@ class Simulator:
                 # A finish always ends the step (its IO is re-divided); an epoch boundary only
                 # where the link is contended and the job's demand will change there.
                 step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
-            step_end = min(step_end, now + self._step_limit(running, caps))
+            step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
             dt = max(step_end - now, 1e-6)
+            unread0 = {}
+            for job in running:
+                job.moved = 0
+                unread0[job.job_id] = max(job.dataset.n_chunks - job.looked, job.dataset.n_chunks * VOLATILE_SUBSTEP)
 
             finished: list[SimJob] = []
             step_bytes = step_remote = 0.0
@@ -360,6 +386,7 @@ class Simulator:
                     need_decision = True
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
                 job.last_rate = res.bytes_read / ran
+                self.drift[job.job_id] = job.moved / unread0[job.job_id] / dt
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
                 if res.finished_at is not None:
@@ -373,6 +400,7 @@ class Simulator:
                 acc_fair_time += dt
             self.core.record(snapshot, plan, dt)
             steps += 1
+            last_dt = dt
             gpu_seconds += sum(j.gpus for j in running) * dt
             remote_total += step_remote
             done_work += step_bytes
@@ -396,6 +424,7 @@ class Simulator:
                 self.cache.unregister(job)
                 self.cache.job_stopped(job)
                 self.core.forget(job.job_id)
+                self.drift.pop(job.job_id, None)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
                               job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios))

@@ -51,6 +51,7 @@ class SimJob:
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
     looked: int = 0  # chunks of the current epoch looked up (a prefix of perm)
     unread_cached: int = 0  # cached chunks not looked up yet this epoch
+    moved: int = 0  # of those counts, changes made by others' admissions and evictions since the engine reset it
     pos: float = 0.0  # chunks of the current epoch already read (fractional)
     epoch: int = 0
     start_time: float | None = None

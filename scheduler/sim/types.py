@@ -33,6 +33,7 @@ class CacheReader(Protocol):
     ideal: float  # f*, bytes/s
     read_mask: np.ndarray  # chunks looked up in the current epoch (the §6 bitset)
     unread_cached: int  # cached chunks it has not looked up yet this epoch
+    moved: int  # unread chunks that others' admissions and evictions made cached or uncached (the engine resets it)
     start_time: float | None  # when it first held GPUs (None: still queued)
 
     @property

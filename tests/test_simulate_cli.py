@@ -125,7 +125,7 @@ def test_bad_flags_give_clear_errors(tmp_path, args, expected):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["nonsense"], "unknown experiment 'nonsense'; choose one of: matrix, fairness, bandwidth, gpu-speed, sharing, micro, curriculum, irregular-mix, all"),
+        (["nonsense"], "unknown experiment 'nonsense'; choose one of: matrix, fairness, bandwidth, gpu-speed, sharing, quiver-noise, micro, curriculum, irregular-mix, all"),
         (["matrix", "--max-jobs", "0"], "--max-jobs 0 must be >= 1"),
         (["matrix", "--remote-io", "fast"], "--remote-io"),
         (["matrix", "--trace", "/nonexistent.trace"], "not found"),
@@ -202,3 +202,23 @@ def test_fairness_experiment_averages_every_system_over_one_common_window(tmp_pa
     assert set(payload["avg_fairness_ratio"]) == {"silod", "alluxio", "coordl", "quiver", "silod (IO not allocated)"}
     assert all(0 < v for v in payload["avg_fairness_ratio"].values())
     assert (tmp_path / "fairness.png").stat().st_size > 1000
+
+
+def test_quiver_noise_experiment_runs_quiver_at_each_sigma(tmp_path):
+    proc = silod("experiment", "quiver-noise", "--max-jobs", "12", "--out", str(tmp_path), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads((tmp_path / "quiver_noise.json").read_text())
+    assert payload["noises"] == [0.0, 0.1, 0.25]
+    for policy in ("fifo", "sjf", "gavel"):
+        assert set(payload["avg_jct_s"][policy]) == {"silod", "quiver sigma 0", "quiver sigma 0.1", "quiver sigma 0.25"}
+        assert min(payload["avg_jct_s"][policy].values()) > 0
+    assert (tmp_path / "quiver_noise.png").stat().st_size > 1000
+
+
+def test_profile_noise_is_for_quiver_only(tmp_path):
+    proc = silod("simulate", "--cache-system", "alluxio", "--profile-noise", "0.1", "--max-jobs", "3", "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2
+    assert "--profile-noise applies to the quiver cache system only" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+    proc = silod("simulate", "--cache-system", "quiver", "--profile-noise", "-1", "--max-jobs", "3", "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2 and "must be >= 0" in proc.stderr + proc.stdout

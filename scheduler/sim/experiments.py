@@ -6,6 +6,8 @@
     bandwidth   Fig. 14a: FIFO, silod vs alluxio, remote IO from 1 to 10 GB/s
     gpu-speed   Fig. 14b: Gavel, silod vs quiver (the paper's best baseline), GPUs 1x to 4x faster
     sharing     Fig. 15: FIFO, SJF, Gavel on silod, fraction of jobs sharing datasets 0..1
+    quiver-noise  Quiver's sensitivity to the error of its online profiles (sigma 0, 0.1, 0.25)
+                under FIFO, SJF and Gavel, beside SiloD (not a figure of the paper)
     micro       Table 6: the 8-V100 micro-benchmark (5 jobs, 2 TB cache, 200 MB/s)
     curriculum  Fig. 16: curriculum learning, (a) the pacing functions at Step 50k and 75k,
                 (b) uniform vs LRU caching of one ResNet-50 job on ImageNet-22k, 5 repeats
@@ -80,6 +82,7 @@ class Run:
     irregular: float = 0.0  # fraction of curriculum jobs in the trace
     curriculum_step: int | None = None  # Fig. 16: one curriculum job with this Step
     seed: int | None = None  # a repeat's seed (default: the runner's)
+    profile_noise: float = 0.0  # quiver: sigma of its profiles' log-normal error
 
 
 def micro_benchmark_trace() -> Trace:
@@ -187,7 +190,7 @@ def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int)
         source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step)
     trace = build_trace(source)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=seed, manage_io=run.manage_io,
-                       partition=run.partition)
+                       partition=run.partition, profile_noise=run.profile_noise)
     result = Simulator(trace, run.capacity, get_policy(run.policy), estimator_for(run.cache_system), run.cache_system, config).run()
     summary = summarize(result, run.policy, run.cache_system)
     fairness = tuple((row.time_s, row.fairness_ratio) for row in result.timeline if row.fairness_ratio == row.fairness_ratio)
@@ -451,6 +454,45 @@ def experiment_sharing(runner: ExperimentRunner, out: Path, capacity: ClusterCap
     return payload
 
 
+QUIVER_NOISES = (0.0, 0.1, 0.25)
+
+
+def experiment_quiver_noise(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    """How much Quiver's profile error matters: SiloD §7.2 observes that Quiver's online profiles
+    are "not stable when the remote IO fluctuates" but gives no size for the error, so the
+    baseline runs with exact profiles (sigma 0) and this sweep shows sigma 0.1 and 0.25 (a
+    log-normal factor on each dataset's benefit, redrawn every 12 h)."""
+    runner = runner.for_sweeps()
+    policies = ("fifo", "sjf", "gavel")
+    runs = [Run(f"{p}/silod", p, "silod", capacity) for p in policies]
+    runs += [Run(f"{p}/quiver noise {n:g}", p, "quiver", capacity, profile_noise=n) for p in policies for n in QUIVER_NOISES]
+    results = runner.run_all(runs)
+    table: dict[str, dict[str, float]] = {}
+    for r in results:
+        key = "silod" if r.run.cache_system == "silod" else f"quiver sigma {r.run.profile_noise:g}"
+        table.setdefault(r.run.policy, {})[key] = r.summary["avg_jct_s"]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    keys = ["silod", *(f"quiver sigma {n:g}" for n in QUIVER_NOISES)]
+    width = 0.2
+    for i, key in enumerate(keys):
+        ax.bar([x + i * width for x in range(len(policies))], [table[p][key] / 3600 for p in policies], width, label=key)
+    ax.set_xticks([x + 1.5 * width for x in range(len(policies))], [p.upper() for p in policies])
+    ax.set_ylabel("average JCT (h)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Quiver's profile error (log-normal sigma, redrawn every 12 h)\n{runner.describe(capacity)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "quiver_noise.png", dpi=120)
+    plt.close(fig)
+    headline = [(f"{p.upper()}: SiloD's avg-JCT lead over Quiver at sigma " + " / ".join(f"{n:g}" for n in QUIVER_NOISES),
+                 " / ".join(f"{table[p][f'quiver sigma {n:g}'] / table[p]['silod']:.2f}x" for n in QUIVER_NOISES)) for p in policies]
+    payload = {"experiment": "quiver-noise", "setup": runner.describe(capacity), "noises": list(QUIVER_NOISES), "avg_jct_s": table,
+               "headline": headline}
+    _save(out, "quiver_noise", payload)
+    return payload
+
+
 PAPER_TABLE6_MIN = {  # SiloD Table 6, real V100 runs, minutes
     "silod": {"avg_jct": 3366, "makespan": 3807},
     "coordl": {"avg_jct": 4278, "makespan": 4870},
@@ -601,6 +643,7 @@ EXPERIMENTS: dict[str, Callable] = {
     "bandwidth": experiment_bandwidth,
     "gpu-speed": experiment_gpu_speed,
     "sharing": experiment_sharing,
+    "quiver-noise": experiment_quiver_noise,
     "micro": experiment_micro,
     "curriculum": experiment_curriculum,
     "irregular-mix": experiment_irregular_mix,

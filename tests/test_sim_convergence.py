@@ -34,12 +34,13 @@ def jcts(case: Case, seed: int, **config) -> dict[str, float]:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_halving_the_step_bound_moves_no_jct_by_one_percent(case):
     base_tol = SimConfig().demand_tolerance
-    seeds = max(case.seeds, 2)
+    seeds = 24 if case.system == "alluxio" else max(case.seeds, 2)
     base = [jcts(case, s, resolution=case.resolution) for s in range(seeds)]
     finer = [jcts(case, s, resolution=case.resolution, demand_tolerance=base_tol / 2) for s in range(seeds)]
     for job_id in base[0]:
         # Several readers on one LRU: which chunk is least recent follows the interleaving of
-        # their reads, which the step bound moves, so one run moves chaotically: take the mean.
+        # their reads, which the step bound moves, so one run moves chaotically (by several
+        # percent): take the mean, over 24 seeds on an LRU.
         a = float(np.mean([r[job_id] for r in base]))
         b = float(np.mean([r[job_id] for r in finer]))
         assert b == pytest.approx(a, rel=RESOLUTION_TOLERANCE.get(case.name, 0.01)), (job_id, b, a)

@@ -45,6 +45,8 @@ MAX_CURRICULUM_CHUNKS = 4096
 #: A curriculum job's step may let the link bring in at most 1/VOLATILE_STEPS of its eligible
 #: set while its cache fills (its own admissions move its miss ratio).
 VOLATILE_STEPS = 16
+DRIFT_FLOOR = 1 / 16
+DRIFT_MEMORY = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +244,10 @@ class Simulator:
                 drift = self.drift.get(job.job_id)
                 if drift is None or last_dt is None:
                     k = job.dataset.n_chunks
-                    unread = max(k - job.looked, k * VOLATILE_SUBSTEP) * job.dataset.chunk_size
+                    unread = max(k - job.looked, k * DRIFT_FLOOR) * job.dataset.chunk_size
                     limit = min(limit, tol * unread / link)
                 else:
-                    limit = min(limit, 2.0 * last_dt, tol / drift if drift > 0 else np.inf)
+                    limit = min(limit, tol / drift if drift > tol * 1e-12 else np.inf)
             # An LRU that becomes full starts evicting at every miss: a drift the last step
             # could not see. Admissions cannot outrun the link: stop where it may become full.
             free = self.cache.free_before_eviction()
@@ -286,7 +288,8 @@ class Simulator:
         fairness_time = 0.0
         steps = 0
         last_dt: float | None = None
-        self.drift: dict[str, float] = {}  # job id -> rate (1/s) at which others moved its m in its last step
+        self.drift: dict[str, float] = {}  # job id -> rate (1/s) at which others moved its m in its last steps
+        self._drift_acc: dict[str, tuple[float, float]] = {}  # job id -> (decayed sum of m moved, of seconds)
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
         acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
@@ -373,7 +376,7 @@ class Simulator:
             unread0 = {}
             for job in running:
                 job.moved = 0
-                unread0[job.job_id] = max(job.dataset.n_chunks - job.looked, job.dataset.n_chunks * VOLATILE_SUBSTEP)
+                unread0[job.job_id] = max(job.dataset.n_chunks - job.looked, job.dataset.n_chunks * DRIFT_FLOOR)
 
             finished: list[SimJob] = []
             step_bytes = step_remote = 0.0
@@ -386,7 +389,12 @@ class Simulator:
                     need_decision = True
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
                 job.last_rate = res.bytes_read / ran
-                self.drift[job.job_id] = job.moved / unread0[job.job_id] / dt
+                # Counted over a few chunks the rate is noisy: average it over the last steps
+                # (each weighing half the one after it).
+                m_acc, t_acc = self._drift_acc.get(job.job_id, (0.0, 0.0))
+                m_acc, t_acc = DRIFT_MEMORY * m_acc + job.moved / unread0[job.job_id], DRIFT_MEMORY * t_acc + dt
+                self._drift_acc[job.job_id] = (m_acc, t_acc)
+                self.drift[job.job_id] = m_acc / t_acc
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
                 if res.finished_at is not None:
@@ -425,6 +433,7 @@ class Simulator:
                 self.cache.job_stopped(job)
                 self.core.forget(job.job_id)
                 self.drift.pop(job.job_id, None)
+                self._drift_acc.pop(job.job_id, None)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
                               job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios))

@@ -169,3 +169,25 @@ def test_quiver_profile_is_kept_until_reprofiled_and_noise_defaults_to_zero():
     assert cache._profile("ds", 12 * 3600.0) != first  # re-profiled after 12 h
     with pytest.raises(Exception, match="--profile-noise"):
         make_cache_system("alluxio", 1e12, 4, profile_noise=0.1)
+
+
+def test_timeline_splits_cache_and_io_by_partition():
+    # A regular job and a curriculum job on their own datasets under silod: the curriculum
+    # job's dataset is the irregular partition's (LRU), its remote reads the irregular IO.
+    from estimator.access import AccessPattern
+
+    regular = one_job(2.0, job_id="r", dataset="d1")
+    curriculum = TraceJob("c", 0.0, 1, "m", "d2", 100 * MB, 2.0, AccessPattern.curriculum_learning(0.2, 2.0, 50, 64))
+    trace = Trace((regular, curriculum), {"d1": 50 * GB, "d2": 50 * GB}, item_sizes={"d2": 1e6})
+    cap = ClusterCapacity(gpus=2, cache=60 * GB, remote_io=80 * MB, gpus_per_node=2)
+    result = Simulator(trace, cap, get_policy("fifo"), estimator_for("silod"), "silod", SimConfig(timeline_interval_s=200.0)).run()
+    rows = result.timeline
+    assert max(r.cache_cached_irregular for r in rows) > 0 and max(r.cache_cached_regular for r in rows) > 0
+    assert max(r.remote_io_irregular for r in rows) > 0 and max(r.remote_io_regular for r in rows) > 0
+    for r in rows:
+        assert r.cache_cached_regular + r.cache_cached_irregular == pytest.approx(r.cache_cached, rel=1e-9, abs=1.0)
+        assert r.remote_io_regular + r.remote_io_irregular == pytest.approx(r.remote_io_used, rel=1e-9, abs=1e-6)
+    # Alluxio has no partitions: all its cache counts as regular, the curriculum job's IO still irregular.
+    lru = Simulator(trace, cap, get_policy("fifo"), estimator_for("alluxio"), "alluxio", SimConfig(timeline_interval_s=200.0)).run()
+    assert all(r.cache_cached_irregular == 0 for r in lru.timeline)
+    assert max(r.remote_io_irregular for r in lru.timeline) > 0

@@ -114,6 +114,13 @@ class TimelineRow:
     cache_effective: float  # cached bytes that some running reader has not read yet this epoch
     fairness_ratio: float  # Eq. 8, time average over the interval of min_j share_j x rate_j / ref_j
     throughput: float  # bytes/s consumed by all jobs, average since the previous row
+    # The two partitions (§6): bytes cached in the irregular partition's datasets (the LRU
+    # datasets silod plans for irregular jobs; 0 for the other systems) and in the rest, and
+    # remote bytes/s read by irregular (curriculum/irregular access) and by regular jobs.
+    cache_cached_regular: float = 0.0
+    cache_cached_irregular: float = 0.0
+    remote_io_regular: float = 0.0
+    remote_io_irregular: float = 0.0
 
 
 @dataclass
@@ -292,7 +299,7 @@ class Simulator:
         self._drift_acc: dict[str, tuple[float, float]] = {}  # job id -> (decayed sum of m moved, of seconds)
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
-        acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
+        acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
         total_work = sum(j.total_bytes(self.trace.dataset_sizes[j.dataset]) for j in self.trace.jobs)
         done_work = 0.0
 
@@ -379,7 +386,7 @@ class Simulator:
                 unread0[job.job_id] = max(job.dataset.n_chunks - job.looked, job.dataset.n_chunks * DRIFT_FLOOR)
 
             finished: list[SimJob] = []
-            step_bytes = step_remote = 0.0
+            step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
             for job, res in self._advance_all(running, now, dt, caps):
                 miss = misses[job.job_id] if watch else None
@@ -397,6 +404,8 @@ class Simulator:
                 self.drift[job.job_id] = m_acc / t_acc
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
+                if not job.trace.access.regular:
+                    step_remote_irregular += res.remote_bytes
                 if res.finished_at is not None:
                     job.finish_time = res.finished_at
                     finished.append(job)
@@ -417,12 +426,13 @@ class Simulator:
                 break  # nothing can progress (e.g. no remote IO for a cold cache): report unfinished
 
             acc_remote += step_remote
+            acc_remote_irregular += step_remote_irregular
             acc_bytes += step_bytes
             acc_time += dt
             if now + dt >= next_sample:
                 fr = acc_fair / acc_fair_time if acc_fair_time > 0 else None
-                timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr))
-                acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
+                timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr, acc_remote_irregular))
+                acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
                 next_sample = now + dt + cfg.timeline_interval_s
 
             for job in finished:
@@ -512,8 +522,11 @@ class Simulator:
         ratios = [j.share * j.last_rate / j.reference for j in active if j.reference > 0]
         return min(ratios) if ratios else None
 
-    def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness) -> TimelineRow:
+    def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness, acc_remote_irregular=0.0) -> TimelineRow:
         cached = self.cache.cached_bytes()
+        part = plan.allocation.partition
+        lru = part.lru_datasets if part is not None and self.cache.name == "silod" else frozenset()
+        cached_irregular = float(sum(v for n, v in cached.items() if n in lru))
         effective = 0.0
         by_ds: dict[str, np.ndarray] = {}
         for job in running:
@@ -535,6 +548,10 @@ class Simulator:
             cache_effective=effective,
             fairness_ratio=float("nan") if fairness is None else fairness,
             throughput=acc_bytes / acc_time if acc_time else 0.0,
+            cache_cached_regular=float(sum(cached.values())) - cached_irregular,
+            cache_cached_irregular=cached_irregular,
+            remote_io_regular=(acc_remote - acc_remote_irregular) / acc_time if acc_time else 0.0,
+            remote_io_irregular=acc_remote_irregular / acc_time if acc_time else 0.0,
         )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
@@ -225,13 +226,13 @@ class ExperimentRunner:
         sweeps.source = replace(sweeps.source, interarrival_s=SWEEP_INTERARRIVAL_S)
         return sweeps
 
-    def describe(self, capacity: ClusterCapacity, sharing: float = 0.0) -> str:
-        """Cluster and trace, for figure titles."""
+    def describe(self, capacity: ClusterCapacity, sharing: float = 0.0, io_varied: bool = False) -> str:
+        """Cluster and trace, for figure titles (`io_varied`: the plot's x axis is the remote IO)."""
         trace = self.trace(sharing)
         origin = (Path(self.source.path).name if self.source.path
                   else f"synthetic Philly-distribution trace (mean inter-arrival {self.source.interarrival_s:g} s)")
-        return (f"{capacity.gpus} GPUs, {capacity.cache / TB:g} TB cache, {capacity.remote_io / GB:g} GB/s remote IO; "
-                f"{origin}, {len(trace)} jobs")
+        io = "remote IO on the x axis" if io_varied else f"{capacity.remote_io / GB:g} GB/s remote IO"
+        return f"{capacity.gpus} GPUs, {capacity.cache / TB:g} TB cache, {io}; {origin}, {len(trace)} jobs"
 
     def run_all(self, runs: list[Run], micro: bool = False) -> list[RunResult]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -392,7 +393,8 @@ def experiment_fairness(runner: ExperimentRunner, out: Path, capacity: ClusterCa
 
 
 def _sweep(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity, experiment: str, x_key: str, xs: list[float],
-           runs: list[Run], series_of: Callable[[Run], str], title: str, xlabel: str, sharing: float = 0.0) -> dict:
+           runs: list[Run], series_of: Callable[[Run], str], title: str, xlabel: str, sharing: float = 0.0,
+           io_varied: bool = False) -> dict:
     """Run a sweep (runs ordered x-major), plot average JCT per series over x, save the JSON."""
     runner = runner.for_sweeps()
     series: dict[str, list[float]] = {}
@@ -406,12 +408,14 @@ def _sweep(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity, exper
     ax.set_xlabel(xlabel)
     ax.set_ylabel("average JCT (h)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{title}\n{runner.describe(capacity, sharing)}", fontsize=10)
+    setup = runner.describe(capacity, sharing, io_varied)
+    # Wrapped: on one line the setup ran past both edges of a 7-inch figure.
+    ax.set_title(f"{title}\n" + textwrap.fill(setup, 80), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
-    payload = {"experiment": experiment, "setup": runner.describe(capacity, sharing), x_key: xs, "avg_jct_s": series}
+    payload = {"experiment": experiment, "setup": setup, x_key: xs, "avg_jct_s": series}
     _save(out, name, payload)
     return payload
 
@@ -420,7 +424,7 @@ def experiment_bandwidth(runner: ExperimentRunner, out: Path, capacity: ClusterC
     rates = [1.0, 2.0, 4.0, 6.0, 8.0, 10.0]
     runs = [Run(f"fifo/{c} @ {r:g} GB/s", "fifo", c, replace(capacity, remote_io=r * GB)) for r in rates for c in ("silod", "alluxio")]
     payload = _sweep(runner, out, capacity, "bandwidth", "remote_io_gb_s", rates, runs, lambda r: r.cache_system,
-                     "Fig. 14a: FIFO, remote IO bandwidth (cluster IO varied)", "remote IO (GB/s)")
+                     "Fig. 14a: FIFO, remote IO bandwidth (cluster IO varied)", "remote IO (GB/s)", io_varied=True)
     s, a = payload["avg_jct_s"]["silod"], payload["avg_jct_s"]["alluxio"]
     payload["headline"] = [(f"FIFO at {r:g} GB/s: alluxio / silod avg JCT", f"{y / x:.2f}x") for r, x, y in zip(rates, s, a, strict=True)]
     _save(out, "bandwidth", payload)
@@ -517,7 +521,8 @@ def experiment_micro(runner: ExperimentRunner, out: Path, capacity: ClusterCapac
         ax.set_xticks(list(xs), CACHE_SYSTEMS)
         ax.set_ylim(bottom=0)
         ax.set_title(f"{key.replace('_', ' ')} (min)")
-    axes[0].legend()
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room above the bars for the legend
+    axes[0].legend(loc="upper center", ncols=2, fontsize=8)
     fig.suptitle(f"Table 6: micro-benchmark\n{payload['setup']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "micro.png", dpi=120)

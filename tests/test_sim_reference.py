@@ -107,8 +107,8 @@ def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
 
 
 #: MEASURED GAPS, not tuning knobs. five-lru-alluxio runs at 256 chunks over 8 seeds: at the
-#: default 128 its fastest job is 5% slower than at 256 or 1,000 chunks and item level (mean
-#: over 24 seeds 1,638 s against 1,546 / 1,567 / 1,565 s), with a per-run spread of 9%; see
+#: default 128 its fastest job is 6% slower than at 256 or 1,000 chunks and item level (mean
+#: over 24 seeds 1,661 s against 1,562 / 1,582 s; item level 1,565 s), with a per-run spread of 9%; see
 #: docs/simulator.md. And: with three jobs of different speeds on one LRU cache the
 #: slowest job's second epoch hits 3-4 points less in the simulator than item by item (at any
 #: resolution, 128 to 1,000 chunks, and any interleaving grain); JCT agrees within 3%. Every

@@ -31,7 +31,7 @@ from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.types import SimDataset
-from scheduler.sim.reader import DEMAND_CHANGE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
+from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore, spread_spare_io
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -45,7 +45,10 @@ MAX_CURRICULUM_CHUNKS = 4096
 #: A curriculum job's step may let the link bring in at most 1/VOLATILE_STEPS of its eligible
 #: set while its cache fills (its own admissions move its miss ratio).
 VOLATILE_STEPS = 16
+#: The step bound takes a job's unread chunks as at least this share of its epoch (_step_limit).
 DRIFT_FLOOR = 1 / 16
+#: Weight of a job's earlier steps in its measured drift, per step (1/2: the last step counts as
+#: much as all before it): a count over a few chunks is noisy.
 DRIFT_MEMORY = 0.5
 
 
@@ -226,16 +229,16 @@ class Simulator:
         Where the link could not serve every running job at f*, a step is bounded so that no
         such job's m is expected to move by more than `demand_tolerance`. m = (cached unread
         chunks) / (unread chunks); what others' admissions and evictions do to it is counted
-        (`SimJob.moved`), and its rate over the last step (`self.drift`) predicts the next:
-        dt <= tolerance / drift, and at most twice the last step. A job with no measured drift
-        yet is bounded a priori: others can move at most one of its unread chunks per chunk the
-        link brings in, dt <= tolerance x (its unread bytes) / link (near an epoch's end taken
-        on at least VOLATILE_SUBSTEP of an epoch: the reader re-reads m at that grain anyway,
-        and its epoch boundary is an event of its own). Two bounds catch what the last step
-        could not see: a step ends where an LRU may become full (from then on it evicts at
-        every miss), and lasts at most tolerance x (volatile bytes) / link (an LRU of C bytes
-        turns over in about C / link: a drift counted over a few chunks is noisy, and a step
-        that happened to count none would let the next one double).
+        (`SimJob.moved`), and its rate over the last steps (`self.drift`, averaged with halving
+        weights) predicts the next: dt <= tolerance / drift. A job with no measured drift yet is
+        bounded a priori: others can move at most one of its unread chunks per chunk the link
+        brings in, dt <= tolerance x (its unread bytes) / link. Both take the unread chunks as at
+        least DRIFT_FLOOR of an epoch (near its end m swings over a few chunks, but only for as
+        long as they take to read, and the epoch boundary is an event of its own). Two bounds
+        catch what the last steps could not see: a step ends where an LRU may become full (from
+        then on it evicts at every miss), and lasts at most tolerance x (volatile bytes) / link
+        (an LRU of C bytes turns over in about C / link; a step that happened to count no move
+        would otherwise let the next one grow without bound).
         A curriculum job whose cache still fills moves its own miss ratio (and so its demand on
         the link) as it reads: its step brings in at most 1/VOLATILE_STEPS of its eligible set.
         """

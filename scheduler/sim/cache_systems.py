@@ -358,7 +358,7 @@ class QuiverCache(SiloDCache):
     - Benefit of a dataset: the sum of f* of its active readers (the data rate caching it
       saves) times its profile factor; cost: its size. Ranked by benefit/cost, each dataset
       cached whole if it fits in what is left, else not at all.
-    - Profiles: SiloD §7.2 says Quiver's online latency profiles are "not stable when the remote
+    - Profiles: SiloD §7.1.2 says Quiver's online latency profiles are "not stable when the remote
       IO fluctuates". A dataset's profile factor is exp(N(0, profile_noise)), drawn when it is
       first profiled and kept until it is re-profiled every REPROFILE_S. profile_noise is 0 by
       default (exact profiles, Quiver at its strongest); `--profile-noise` / the quiver-noise

@@ -462,7 +462,7 @@ QUIVER_NOISES = (0.0, 0.1, 0.25)
 
 
 def experiment_quiver_noise(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
-    """How much Quiver's profile error matters: SiloD §7.2 observes that Quiver's online profiles
+    """How much Quiver's profile error matters: SiloD §7.1.2 observes that Quiver's online profiles
     are "not stable when the remote IO fluctuates" but gives no size for the error, so the
     baseline runs with exact profiles (sigma 0) and this sweep shows sigma 0.1 and 0.25 (a
     log-normal factor on each dataset's benefit, redrawn every 12 h)."""

@@ -372,8 +372,8 @@ def experiment_fairness(runner: ExperimentRunner, out: Path, capacity: ClusterCa
     ax.set_xlabel("time (days)")
     ax.set_ylabel("fairness ratio (Eq. 8)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Fig. 13: fairness over time under Gavel; averages over the common window 0-{window / 86400:.1f} days "
-                 f"({window_what}; dashed line)\n{runner.describe(capacity)}", fontsize=9)
+    ax.set_title(f"Fig. 13: fairness over time under Gavel\naverages over the common window 0-{window / 86400:.1f} days "
+                 f"({window_what}; dashed line)\n" + textwrap.fill(runner.describe(capacity), 120), fontsize=9)
     ax.legend(fontsize=8)
     fig.text(0.01, 0.01, FAIRNESS_DEFINITION, fontsize=6, wrap=True)
     fig.tight_layout(rect=(0, 0.06, 1, 1))

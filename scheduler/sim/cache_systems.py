@@ -22,7 +22,7 @@ concerns at once (`_changed`), so the reader always reads at the ratio the cache
            the cluster's cache; nothing is shared across jobs and a job's cache is lost when it
            stops running.
 - quiver:  whole datasets only, ranked by benefit/cost (data rate gained per byte) over every
-           active job's dataset (running or paused), with an optional profile error per dataset
+           started, unfinished job's dataset (running or paused), with an optional profile error per dataset
            (0 by default) redrawn when it is re-profiled every 12 h; a dataset that does not fit
            the space left gets nothing.
 See docs/simulator.md for each baseline's modelling choices and their sources.

@@ -1,4 +1,4 @@
-"""The silod trace CSV (ARCHITECTURE.md §4).
+"""The silod trace CSV (docs/simulator.md, "Trace formats").
 
     job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs
 

@@ -8,9 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from estimator.errors import UserError
+import traces
 from traces.loader import TraceFormat, load_trace
 
-SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gpu.csv"
+# Located through the `traces` package (shipped as its package data), not relative to this file,
+# which moves whenever the scheduler's layout does.
+SHIPPED_TRACE = Path(traces.__file__).resolve().parent / "sample-96gpu.csv"
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
 
 

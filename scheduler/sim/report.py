@@ -1,4 +1,4 @@
-"""What a simulation writes: summary.json, jobs.csv, timeline.csv (ARCHITECTURE.md §4)."""
+"""What a simulation writes: summary.json, jobs.csv, timeline.csv (docs/simulator.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """An independent, per-item, event-driven model of a cluster reading remote datasets.
 
-Written from the model in ARCHITECTURE.md §2 and the SiloD paper, to check `silod simulate`
+Written from the model in docs/architecture.md and the SiloD paper, to check `silod simulate`
 against. It imports nothing from the silod package and shares none of its code: a bug the
 simulator has cannot be hidden by the same bug here.
 

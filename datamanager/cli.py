@@ -25,6 +25,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the data manager: cache/remote-IO allocation API for FUSE clients (SiloD Table 3)."""
         host, port = parse_listen(listen)
+        from http_guard.listen import listen_problem
+
+        problem = listen_problem(host, port)
+        if problem:
+            raise UserError(f"--listen {listen}: {problem}")
         if state.exists() and not state.is_dir():
             raise UserError(f"--state {str(state)!r} is a file; give a directory (state.json is written inside it)")
         try:

@@ -353,10 +353,9 @@ def register(app: typer.Typer) -> None:
         """The whole system on one machine: real datasets, data manager, scheduler, FUSE mounts; SiloD vs storage-unaware."""
         import json
 
-        from policies.registry import available_policies
+        from policies.registry import resolve_policy_name
 
-        if policy not in available_policies():
-            raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+        policy = resolve_policy_name(policy)
         from scheduler.outputs import ensure_writable_dir, ensure_writable_file
 
         if json_out is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from estimator.access import CURRICULUM_FIELDS, EPOCH, parse_access
-from estimator.errors import UserError
+from estimator.errors import UserError, did_you_mean
 from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
 from traces.model import Trace, TraceJob
@@ -28,6 +28,9 @@ REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_si
 COLUMNS = (*REQUIRED, "epochs")
 ACCESS_COLUMNS = ("access", *CURRICULUM_FIELDS)  # optional; see estimator/access.py
 ITEM_SIZE = "item_size"  # optional: bytes per item of the row's dataset
+# Every column the reader knows. Any other column is an error: a misspelled optional column
+# (`acess`) would otherwise be ignored and the run would silently use the default.
+KNOWN_COLUMNS = (*COLUMNS, "duration", *ACCESS_COLUMNS, ITEM_SIZE)
 MAX_GPUS_PER_JOB = MAX_GPUS
 
 
@@ -54,7 +57,8 @@ def _number(text: str, path: Path, line: int, column: str, *, integer: bool = Fa
 def load_csv_trace(path: str | Path) -> Trace:
     path = Path(path)
     try:
-        handle = path.open(newline="", encoding="utf-8")
+        # utf-8-sig: spreadsheet programs write a byte-order mark, which is not part of the header
+        handle = path.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
         raise TraceError(f"trace file {path} does not exist; check the --trace path") from None
     except IsADirectoryError:
@@ -83,6 +87,11 @@ def _read_rows(path: Path, handle: TextIO) -> Trace:
         missing.append("epochs (or duration)")
     if missing:
         raise _fail(path, 1, None, f"missing column(s) {', '.join(missing)}; the header must be {','.join(COLUMNS)}")
+    unknown = [c for c in header if c not in KNOWN_COLUMNS]
+    if unknown:
+        c = unknown[0]
+        raise _fail(path, 1, c, f"unknown column{did_you_mean(c, KNOWN_COLUMNS)}; the columns are "
+                                f"{', '.join(KNOWN_COLUMNS)} (docs/simulator.md, \"Trace formats\")")
     jobs: list[TraceJob] = []
     sizes: dict[str, float] = {}
     item_sizes: dict[str, float] = {}

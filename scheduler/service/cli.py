@@ -279,7 +279,7 @@ def build_service(
 
     `state_dir` defaults to default_state_dir(); `db` may be None for a SQLite file in it.
     """
-    from policies.registry import available_policies
+    from policies.registry import resolve_policy_name
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.core.cluster import load_cluster
     from scheduler.service.db import open_database
@@ -287,8 +287,8 @@ def build_service(
     from scheduler.service.scheduler_process import SchedulerService, ServiceConfig
     from scheduler.service.types import TenantQuota
 
-    if policy is not None and policy not in available_policies():
-        raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+    if policy is not None:
+        policy = resolve_policy_name(policy)
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
         irregular_share=irregular_share,
@@ -455,6 +455,11 @@ def register(app: typer.Typer) -> None:
         from estimator.units import parse_size
 
         host, port = parse_listen(listen)
+        from http_guard.listen import listen_problem
+
+        problem = listen_problem(host, port)
+        if problem:
+            raise UserError(f"--listen {listen}: {problem}")
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
         if (tls_cert is None) != (tls_key is None):
@@ -503,10 +508,10 @@ def register(app: typer.Typer) -> None:
         engine = open_database(db)  # migrated once, before any worker starts
         engine_url = engine.url.render_as_string(hide_password=True)
         try:
-            from policies.registry import available_policies
+            from policies.registry import resolve_policy_name
 
-            if policy is not None and policy not in available_policies():
-                raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+            if policy is not None:
+                policy = resolve_policy_name(policy)
             make_token_store(engine, state_dir, tokens)
             from sqlalchemy.orm import sessionmaker
 

@@ -35,7 +35,7 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from policies.estimators import SiloDEstimator
-from policies.registry import available_policies, get_policy
+from policies.registry import available_policies, get_policy, resolve_policy_name
 from policies.types import DatasetView, JobView, Snapshot
 from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.service import control
@@ -142,8 +142,10 @@ class SchedulerService(ReadViews):
     def set_policy(self, who: Principal, name: str) -> str:
         if not who.is_admin:
             raise ForbiddenError("only the admin may change the scheduling policy")
-        if name not in available_policies():
-            raise ServiceError(f"unknown policy {name!r}; choose one of: {', '.join(available_policies())}", field="name")
+        try:
+            name = resolve_policy_name(name)
+        except UserError as exc:  # the same message (and case rule) as the commands give
+            raise ServiceError(str(exc), field="name") from None
         self.apply_policy(name)
         self._save_setting("policy", name)  # other processes (and the next start) read it here
         self.trigger("policy")

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from estimator.errors import UserError
+from estimator.errors import UserError, resolve_name
 import traces
 from traces.loader import TraceFormat, load_trace
 
@@ -17,15 +17,25 @@ SHIPPED_TRACE = Path(traces.__file__).resolve().parent / "sample-96gpu.csv"
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
 
 
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: int) -> None:
+    """Seeds feed numpy's and Python's generators, which reject negative numbers deep inside a
+    run; say so before anything runs."""
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed {seed} must be a whole number from 0 to {MAX_SEED}")
+
+
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
                    progress_label: str | None = None, partition: bool = True):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
-    from policies.registry import estimator_for, get_policy
+    from policies.registry import estimator_for, get_policy, resolve_policy_name
     from scheduler.sim.cache_systems import CACHE_SYSTEMS
     from scheduler.sim.engine import SimConfig, Simulator
 
-    if cache_system not in CACHE_SYSTEMS:
-        raise UserError(f"unknown cache system {cache_system!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
+    cache_system = resolve_name("cache system", cache_system, CACHE_SYSTEMS)
+    policy = resolve_policy_name(policy)
     pol = get_policy(policy)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition)
     if progress_label is None:
@@ -68,7 +78,13 @@ def register(app: typer.Typer) -> None:
 
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        check_seed(seed)
+        from policies.registry import resolve_policy_name
         from scheduler.outputs import ensure_writable_dir
+        from scheduler.sim.cache_systems import CACHE_SYSTEMS
+
+        policy = resolve_policy_name(policy)
+        cache_system = resolve_name("cache system", cache_system, CACHE_SYSTEMS)
 
         ensure_writable_dir(out, "--out")
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
@@ -100,14 +116,12 @@ def register(app: typer.Typer) -> None:
         from scheduler.core.cluster import load_cluster
         from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, ExperimentRunner
 
-        names = list(EXPERIMENTS) if name == "all" else [name]
-        unknown = [n for n in names if n not in EXPERIMENTS]
-        if unknown:
-            raise UserError(f"unknown experiment {unknown[0]!r}; choose one of: {', '.join(EXPERIMENTS)}, all")
+        names = list(EXPERIMENTS) if name.casefold() == "all" else [resolve_name("experiment", name, [*EXPERIMENTS, "all"])]
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
         if workers is not None and workers < 1:
             raise UserError(f"--workers {workers} must be >= 1")
+        check_seed(seed)
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         from scheduler.outputs import ensure_writable_dir

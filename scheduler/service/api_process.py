@@ -66,6 +66,9 @@ class ApiService(ReadViews):
             self._cached = (now, control.read_status(self.sessions))
         return self._cached[1]
 
+    def _overview_status(self) -> dict:
+        return self._raw_status()
+
     def _status(self) -> ClusterStatus:
         st = self._raw_status()
         nodes = tuple(NodeInfo(n["name"], int(n["gpus"]), float(n["cache"]), dict(n.get("labels") or {}))

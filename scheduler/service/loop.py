@@ -131,6 +131,12 @@ class LoopRunner:
                     continue
                 if svc.apply_events(svc.backend.poll()):
                     self.trigger("finish")
+                observe = getattr(svc, "observe", None)  # the overview's measurements (rate-limited)
+                if callable(observe):
+                    try:
+                        observe()
+                    except Exception:  # only the overview is stale; scheduling goes on
+                        log.warning("could not refresh the overview's measurements", exc_info=True)
                 now = time.monotonic()
                 reason = None
                 if now >= next_round:

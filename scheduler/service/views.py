@@ -3,7 +3,9 @@ shared by the scheduling process (SchedulerService) and the API processes (ApiSe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
@@ -20,6 +22,7 @@ from scheduler.service.db.models import (
     JobState,
     Round,
 )
+from scheduler.service.overview import Overview, build_overview
 from scheduler.service.types import (
     AllocationsRecord,
     CacheAllocationRecord,
@@ -50,6 +53,15 @@ class ReadViews:
 
     def _status(self) -> ClusterStatus:
         raise NotImplementedError
+
+    def _overview_status(self) -> Mapping[str, Any]:
+        """The scheduling process's published measurements, held-back jobs and history."""
+        raise NotImplementedError
+
+    def overview(self, who: Principal) -> Overview:
+        """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py)."""
+        return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
+                              status=self._overview_status())
 
     # ------------------------------------------------------------------ cluster / allocations
 

@@ -7,12 +7,14 @@ that the tests (including a schemathesis fuzzer) treat as a bug.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from dataclasses import asdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
@@ -55,6 +57,7 @@ from scheduler.service.api.schemas import (
 )
 from scheduler.service.catalogue import NewCredential
 from scheduler.service.consumption import ConsumptionStore, PodReport
+from scheduler.service.overview import Overview
 from scheduler.service.scheduler_process import SchedulerService
 from scheduler.service.types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
 
@@ -100,6 +103,20 @@ def _json(records: Any, status_code: int = 200) -> Response:
     request would only cost time."""
     body = [_record_dict(r) for r in records] if isinstance(records, list) else _record_dict(records)
     return Response(json.dumps(body, separators=(",", ":")), status_code=status_code, media_type="application/json")
+
+
+# The page may only run its own script and talk to this origin: no CDN, nothing inline.
+_UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self';"
+                               " img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+@functools.cache
+def _ui_file(name: str) -> bytes:
+    return resources.files("scheduler.service.api").joinpath("ui", name).read_bytes()
 
 
 def _admin(who: Principal, what: str) -> None:
@@ -186,6 +203,28 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def metrics() -> Response:
         body, content_type = metrics_response(registry)
         return Response(content=body, media_type=content_type)
+
+    # ---- the web view (static files from the package; the data comes from /v1/overview)
+
+    @app.get("/ui", include_in_schema=False)
+    @app.get("/ui/", include_in_schema=False)
+    def ui_page() -> Response:
+        return Response(_ui_file("index.html"), media_type="text/html; charset=utf-8", headers=_UI_HEADERS)
+
+    @app.get("/ui/ui.js", include_in_schema=False)
+    def ui_script() -> Response:
+        return Response(_ui_file("ui.js"), media_type="text/javascript; charset=utf-8", headers=_UI_HEADERS)
+
+    @app.get("/ui/ui.css", include_in_schema=False)
+    def ui_style() -> Response:
+        return Response(_ui_file("ui.css"), media_type="text/css; charset=utf-8", headers=_UI_HEADERS)
+
+    @app.get("/v1/overview", response_model=Overview, responses=_ERRORS, tags=["cluster"])
+    def overview(who: Who) -> Overview:
+        """The queue (each waiting job's position among every tenant's waiting jobs and why it
+        waits), the running jobs (allocation, measured hit ratio and throughput, what bounds
+        them), the datasets (allocated vs cached) and recent utilisation. Yours only, unless admin."""
+        return service.overview(who)
 
     # ---- tokens (admin)
 

@@ -31,7 +31,10 @@ RETRY_AFTER_S = 5
 
 # Paths anyone may call: probes, the API description. /metrics is here unless a metrics token
 # is configured.
-PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+# /ui and its script are the web view's static page: it holds no data and asks for a token, then
+# calls the authenticated JSON API (GET /v1/overview) with it.
+PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+                          "/ui", "/ui/", "/ui/ui.js", "/ui/ui.css"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
 

@@ -15,7 +15,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from scheduler.service.db.models import JobState
+from scheduler.service.overview import Overview
 from scheduler.service.scheduler_process import SchedulerService
+from scheduler.service.types import Principal
 
 
 class ServiceCollector(Collector):
@@ -45,6 +47,64 @@ class ServiceCollector(Collector):
             "silod_datamanager_push_failing", "1 when the last push to the data manager failed",
             value=1.0 if c.last_push_error else 0.0,
         )
+        yield from overview_metrics(self.service.overview(Principal("metrics", is_admin=True)))
+
+
+# Per-job and per-dataset gauges (docs/observability.md lists them; deploy/grafana's dashboard
+# and tests/test_observability.py check the dashboard against this table).
+JOB_GAUGES = {
+    "silod_job_gpus": "GPUs the job holds (0 while it waits)",
+    "silod_job_remote_io_allocated_bytes_per_second": "Remote IO cap allocated to the running job",
+    "silod_job_cache_allocated_bytes": "Cache allocated to the running job's dataset (shared by its readers)",
+    "silod_job_hit_ratio": "Measured cache hit ratio of the running job's reads (bytes)",
+    "silod_job_throughput_bytes_per_second": "Measured read throughput of the running job",
+    "silod_job_ideal_throughput_bytes_per_second": "f*: the job's throughput when IO is not the bottleneck",
+    "silod_job_predicted_throughput_bytes_per_second": "SiloDPerf of the running job's allocation",
+    "silod_job_progress_ratio": "Share of the job's work done",
+    "silod_job_queue_position": "Position of the waiting job in the queue (1 = next)",
+}
+DATASET_GAUGES = {
+    "silod_dataset_cache_allocated_bytes": "Cache allocated to the dataset",
+    "silod_dataset_cached_bytes": "Bytes of the dataset in cache, as measured",
+    "silod_dataset_size_bytes": "Size of the dataset",
+}
+BOUND_GAUGE = "silod_job_bound"  # 1 for the resource that limits the running job: gpu | remote-io
+
+
+def overview_metrics(o: Overview) -> Iterator[Metric]:
+    labels = ["job", "name", "tenant", "dataset"]
+    fam = {n: GaugeMetricFamily(n, h, labels=labels) for n, h in JOB_GAUGES.items()}
+    bound = GaugeMetricFamily(BOUND_GAUGE, "1 for the resource that limits the running job by the model",
+                              labels=[*labels, "resource"])
+    for j in o.running:
+        lv = [j.id, j.name, j.owner, j.dataset]
+        fam["silod_job_gpus"].add_metric(lv, j.gpus)
+        fam["silod_job_ideal_throughput_bytes_per_second"].add_metric(lv, j.ideal_throughput)
+        fam["silod_job_progress_ratio"].add_metric(lv, j.progress)
+        for name, value in (("silod_job_remote_io_allocated_bytes_per_second", j.remote_io),
+                            ("silod_job_cache_allocated_bytes", j.cache_bytes),
+                            ("silod_job_hit_ratio", j.hit_ratio),
+                            ("silod_job_throughput_bytes_per_second", j.throughput),
+                            ("silod_job_predicted_throughput_bytes_per_second", j.predicted_throughput)):
+            if value is not None:  # unknown is absent, not 0 (a 0 hit ratio is a real figure)
+                fam[name].add_metric(lv, value)
+        if j.bound != "unknown":
+            bound.add_metric([*lv, j.bound], 1.0)
+    for q in o.queue:
+        lv = [q.id, q.name, q.owner, q.dataset]
+        fam["silod_job_gpus"].add_metric(lv, 0)
+        fam["silod_job_queue_position"].add_metric(lv, q.position)
+    yield from fam.values()
+    yield bound
+    dfam = {n: GaugeMetricFamily(n, h, labels=["dataset", "tenant", "key"]) for n, h in DATASET_GAUGES.items()}
+    for d in o.datasets:
+        lv = [d.name, d.owner, d.key]
+        dfam["silod_dataset_cache_allocated_bytes"].add_metric(lv, d.allocated)
+        dfam["silod_dataset_size_bytes"].add_metric(lv, d.size)
+        if d.cached is not None:
+            dfam["silod_dataset_cached_bytes"].add_metric(lv, d.cached)
+    yield from dfam.values()
+    yield GaugeMetricFamily("silod_queue_length", "Jobs waiting for GPUs", value=o.queued_total)
 
 
 def make_registry(service: SchedulerService) -> CollectorRegistry:

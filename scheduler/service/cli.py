@@ -621,6 +621,24 @@ def register(app: typer.Typer) -> None:
         Console().print(table)
 
     @app.command()
+    def top(
+        once: Annotated[bool, typer.Option("--once", help="print the view once and exit (scripts, tests)")] = False,
+        interval: Annotated[float, typer.Option(help="seconds between refreshes")] = 2.0,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """The cluster at a glance, refreshing: running jobs (allocation, hit ratio, throughput),
+        the queue (position, why each job waits), datasets, GPU use. Your jobs only, unless admin."""
+        from scheduler.service.top import run_top
+
+        if not 0.2 <= interval <= 3600:
+            raise UserError(f"--interval {interval:g} must be between 0.2 and 3600 seconds")
+        try:  # the first fetch happens before anything is drawn: a bad token or server is one error line
+            run_top(lambda: _call(server, token, "GET", "/v1/overview"), once, interval)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how one leaves top
+
+    @app.command()
     def cancel(
         job_id: Annotated[str, typer.Argument(help="job id (from `silod submit` or `silod jobs`)")],
         server: ServerOpt = None,

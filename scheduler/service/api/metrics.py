@@ -14,7 +14,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from scheduler.service.db.models import JobState
+from sqlalchemy import func, select
+
+from scheduler.service.db.models import Job, JobState
 from scheduler.service.overview import Overview
 from scheduler.service.scheduler_process import SchedulerService
 from scheduler.service.types import Principal
@@ -47,6 +49,10 @@ class ServiceCollector(Collector):
             "silod_datamanager_push_failing", "1 when the last push to the data manager failed",
             value=1.0 if c.last_push_error else 0.0,
         )
+        with self.service.sessions() as s:
+            admitted = s.scalar(select(func.count()).select_from(Job).where(Job.start_time.is_not(None))) or 0
+        yield CounterMetricFamily("silod_jobs_admitted", "Jobs that have been started at least once",
+                                  value=int(admitted))
         yield from overview_metrics(self.service.overview(Principal("metrics", is_admin=True)))
 
 

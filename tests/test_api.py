@@ -196,6 +196,10 @@ def test_policy_get_set(client: TestClient) -> None:
     assert r.status_code == 422 and "fifo" in r.json()["detail"] and "gavel" in r.json()["detail"]
     assert client.put("/v1/policy", json={"name": "gavel"}, headers=H_ADMIN).json()["name"] == "gavel"
     assert client.get("/v1/policy", headers=H_BOB).json()["name"] == "gavel"
+    # the commands' rule: case does not matter, and a typo gets the closest name
+    assert client.put("/v1/policy", json={"name": "SJF"}, headers=H_ADMIN).json()["name"] == "sjf"
+    r = client.put("/v1/policy", json={"name": "gavell"}, headers=H_ADMIN)
+    assert r.status_code == 422 and "did you mean 'gavel'" in r.json()["detail"] and r.json()["field"] == "name"
 
 
 def test_cluster_allocations_and_metrics(client: TestClient) -> None:

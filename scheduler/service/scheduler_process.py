@@ -35,6 +35,7 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from estimator.errors import UserError
 from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy, resolve_policy_name
 from scheduler.service.overview import measurements_from_backend, measurements_from_datamanager

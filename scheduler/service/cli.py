@@ -37,11 +37,23 @@ def _prepare_state_dir(state_dir: Path) -> None:
         raise UserError(f"--state-dir {str(state_dir)!r} is not writable; give a writable directory")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, option: str = "--listen") -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
-        raise UserError(f"--listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8080 or 0.0.0.0:8080")
+        raise UserError(f"{option} {value!r} must be HOST:PORT, e.g. 127.0.0.1:8080 or 0.0.0.0:8080")
     return host.strip("[]"), int(port)
+
+
+def parse_free_listen(value: str, option: str = "--listen") -> tuple[str, int]:
+    """HOST:PORT where a server can listen now: a port in use is one line (exit 2) here, not
+    uvicorn's log line and exit code 3 after the other processes started."""
+    from http_guard.listen import listen_problem
+
+    host, port = parse_listen(value, option)
+    problem = listen_problem(host, port)
+    if problem:
+        raise UserError(f"{option} {value}: {problem}")
+    return host, port
 
 
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*$")
@@ -454,12 +466,7 @@ def register(app: typer.Typer) -> None:
 
         from estimator.units import parse_size
 
-        host, port = parse_listen(listen)
-        from http_guard.listen import listen_problem
-
-        problem = listen_problem(host, port)
-        if problem:
-            raise UserError(f"--listen {listen}: {problem}")
+        host, port = parse_free_listen(listen)
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
         if (tls_cert is None) != (tls_key is None):

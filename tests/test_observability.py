@@ -286,3 +286,39 @@ def test_web_view_rejects_a_bad_token(server):
     dom = _browser_dom(server, "not-a-valid-token")
     assert "the server did not accept that token" in dom
     assert "data-job-id" not in dom
+
+
+def test_overview_measurements_from_the_data_manager_and_the_node_agents(tmp_path):
+    """Hit ratio and throughput come from the data manager's status (summed over a job's mounts
+    on every node); a job it does not know gets its hit ratio from the node agents' per-pod
+    counters (Kubernetes), and one with neither shows none (not 0)."""
+    from sqlalchemy.orm import sessionmaker
+
+    from policies.types import ClusterCapacity
+    from scheduler.service.db import open_database
+    from scheduler.service.db.models import Dataset, Job, JobState, PodConsumption
+    from scheduler.service.overview import build_overview, measurements_from_datamanager
+    from scheduler.service.types import Principal
+
+    sessions = sessionmaker(open_database(f"sqlite:///{tmp_path / 'o.db'}"), expire_on_commit=False)
+    with sessions.begin() as s:
+        d = Dataset(name="d", uri="s3://b/d", size=100e9, owner="alice", created_at=0.0)
+        s.add(d)
+        s.flush()
+        for i in (1, 2, 3):
+            s.add(Job(id=i, name=f"j{i}", owner="alice", gpus=1, dataset_id=d.id, ideal_throughput=1e8, epochs=1.0,
+                      total_bytes=100e9, consumed_bytes=0.0, state=JobState.RUNNING, submit_time=float(i), message=""))
+        s.flush()
+        s.add(PodConsumption(node="n1", pod_uid="p3", job_id=3, agent="agent-n1", read_bytes=100, hit_bytes=25,
+                             miss_bytes=75, hits=1, misses=3, first_at=0.0, updated_at=1.0))
+    dm_status = {"nodes": {
+        "n1": {"datasets": {"d": {"jobs": {"1": {"hit_bytes": 30, "miss_bytes": 10, "throughput_bytes_per_s": 5e7}}}}},
+        "n2": {"datasets": {"d": {"jobs": {"1": {"hit_bytes": 10, "miss_bytes": 30, "throughput_bytes_per_s": 2e7}}}}},
+    }}
+    status = {"measured": {"time": 1.0, "jobs": measurements_from_datamanager(dm_status), "cached": {}}}
+    o = build_overview(sessions, Principal("alice"), capacity=ClusterCapacity(gpus=8, cache=1e12, remote_io=1e9),
+                       policy="fifo", status=status)
+    by_id = {j.id: j for j in o.running}
+    assert by_id["1"].hit_ratio == pytest.approx(0.5) and by_id["1"].throughput == pytest.approx(7e7)
+    assert by_id["3"].hit_ratio == pytest.approx(0.25) and by_id["3"].throughput is None
+    assert by_id["2"].hit_ratio is None and by_id["2"].throughput is None

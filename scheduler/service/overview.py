@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
 
 from contract.names import storage_key
+from scheduler.service.consumption import ConsumptionStore
 from scheduler.service.db.models import ACTIVE_STATES, CacheAllocationRow, Dataset, DatasetGrant, Job, JobState
 from scheduler.service.types import Principal
 
@@ -161,6 +162,9 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         passed_by = sum(1 for r in running if (-r.priority, r.submit_time, r.id) > (-j.priority, j.submit_time, j.id))
         queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time, pos,
                                wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy)))
+    # Kubernetes: the node agents' per-pod counters (trusted consumption) give the hit ratio of
+    # jobs the data manager and the backend have no figure for.
+    agents = ConsumptionStore(sessions, None).measured(str(j.id) for j in running if str(j.id) not in m_jobs)
     rows: list[RunningJob] = []
     for j in sorted(running, key=lambda j: j.id):
         if not mine(j):
@@ -168,6 +172,9 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         a = j.allocation
         cache = cache_rows.get(j.dataset_id)
         m = m_jobs.get(str(j.id)) or {}
+        pods = agents.get(str(j.id))
+        if not m and pods is not None and pods.hit_bytes + pods.miss_bytes > 0:
+            m = {"hit_ratio": pods.hit_bytes / (pods.hit_bytes + pods.miss_bytes)}
         rows.append(RunningJob(
             str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.ideal_throughput,
             min(j.consumed_bytes / j.total_bytes, 1.0) if j.total_bytes > 0 else 0.0,

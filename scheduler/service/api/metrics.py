@@ -74,6 +74,9 @@ DATASET_GAUGES = {
     "silod_dataset_cached_bytes": "Bytes of the dataset in cache, as measured",
     "silod_dataset_size_bytes": "Size of the dataset",
 }
+# Waiting jobs beyond the first ones in line get no per-job series: a queue of 10,000 jobs would
+# otherwise be 20,000 series per scrape. silod_queue_length still counts them all.
+MAX_WAITING_SERIES = 500
 BOUND_GAUGE = "silod_job_bound"  # 1 for the resource that limits the running job: gpu | remote-io
 
 
@@ -96,7 +99,7 @@ def overview_metrics(o: Overview) -> Iterator[Metric]:
                 fam[name].add_metric(lv, value)
         if j.bound != "unknown":
             bound.add_metric([*lv, j.bound], 1.0)
-    for q in o.queue:
+    for q in o.queue[:MAX_WAITING_SERIES]:
         lv = [q.id, q.name, q.owner, q.dataset]
         fam["silod_job_gpus"].add_metric(lv, 0)
         fam["silod_job_queue_position"].add_metric(lv, q.position)

@@ -322,3 +322,18 @@ def test_overview_measurements_from_the_data_manager_and_the_node_agents(tmp_pat
     assert by_id["1"].hit_ratio == pytest.approx(0.5) and by_id["1"].throughput == pytest.approx(7e7)
     assert by_id["3"].hit_ratio == pytest.approx(0.25) and by_id["3"].throughput is None
     assert by_id["2"].hit_ratio is None and by_id["2"].throughput is None
+
+
+def test_metrics_cap_the_series_of_a_deep_queue():
+    from scheduler.service.api.metrics import MAX_WAITING_SERIES, overview_metrics
+    from scheduler.service.overview import Overview, QueuedJob
+
+    queue = tuple(QueuedJob(str(i), f"j{i}", "t", 1, "d", 0, float(i), i, "needs 1 GPUs, 0 free")
+                  for i in range(1, MAX_WAITING_SERIES + 101))
+    o = Overview(time=0.0, policy="fifo", gpus_total=1, gpus_used=1, cache_total=1.0, cache_allocated=0.0,
+                 remote_io_total=1.0, remote_io_allocated=0.0, queued_total=len(queue), running_total=0,
+                 queue=queue, running=(), datasets=())
+    families = {m.name: m for m in overview_metrics(o)}
+    positions = families["silod_job_queue_position"].samples
+    assert len(positions) == MAX_WAITING_SERIES and max(s.value for s in positions) == MAX_WAITING_SERIES
+    assert families["silod_queue_length"].samples[0].value == MAX_WAITING_SERIES + 100

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -159,11 +160,16 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         log.error("unhandled error", exc_info=exc)
         return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
 
+    def _database_answers() -> bool:
+        with service.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return True
+
     @app.exception_handler(SQLAlchemyError)
     async def _database_error(_req: Request, exc: SQLAlchemyError) -> JSONResponse:
         # An unreachable database is the one documented 5xx: JSON, with Retry-After. The pool
         # pings connections before use, so the service recovers by itself when it is back.
-        if is_database_outage(exc):
+        if await anyio.to_thread.run_sync(is_database_outage, exc, _database_answers):
             log.warning("database unavailable: %s", type(exc).__name__)
             return JSONResponse(status_code=503, content=OUTAGE_BODY, headers={"Retry-After": str(RETRY_AFTER_S)})
         log.error("database error", exc_info=exc)

@@ -38,14 +38,36 @@ AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before th
 Scope = dict[str, Any]
 
 
-def is_database_outage(exc: BaseException) -> bool:
-    """A database that cannot be reached (connection refused, dropped, pool exhausted), as
-    opposed to a bug in a query."""
+# SQLite's primary result codes that mean "the database cannot serve now" (another writer holds
+# it, the disk or file is gone or full), as opposed to SQLITE_ERROR & co., which concern the
+# statement (e.g. "integer overflow" from a SUM): https://sqlite.org/rescode.html
+_SQLITE_TRANSIENT = frozenset({5, 6, 7, 10, 13, 14, 15})  # BUSY LOCKED NOMEM IOERR FULL CANTOPEN PROTOCOL
+
+
+def is_database_outage(exc: BaseException, probe: Callable[[], bool] | None = None) -> bool:
+    """A database that cannot be reached (connection refused, dropped, pool exhausted, busy), as
+    opposed to an error in one query, which answers that request alone: calling that an outage
+    told clients to retry forever (a permanent 503 while /healthz said ok).
+
+    `probe()` says whether the database answers now (SELECT 1); it decides the cases the
+    driver's error does not (an OperationalError without a connection-level sign)."""
     from sqlalchemy.exc import DBAPIError, OperationalError, TimeoutError as PoolTimeout
 
-    if isinstance(exc, (OperationalError, PoolTimeout)):
+    if isinstance(exc, PoolTimeout):
         return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) in _SQLITE_TRANSIENT
+    if probe is None:
+        return True
+    try:
+        return not probe()
+    except Exception:
+        return True
 
 
 OUTAGE_BODY = {"detail": "the database is unavailable; retry later", "field": None}

@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from estimator.access import AccessPattern, parse_access
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
+from scheduler.service.consumption import MAX_COUNTER
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"
@@ -204,7 +205,8 @@ class MeasuredOut(BaseModel):
     updated_at: float
 
 
-_COUNT = Annotated[int, Field(ge=0, le=2**62)]
+# A pod's cumulative counter: at most 2^53 (9 PB; scheduler/service/consumption.py MAX_COUNTER).
+_COUNT = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 
 
 class PodConsumptionIn(BaseModel):

@@ -25,6 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
+from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
 from policies.registry import available_policies
 from scheduler.service.api.auth import TokenStore, check_tenant
 from scheduler.service.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
@@ -60,6 +61,11 @@ from scheduler.service.scheduler_process import SchedulerService
 from scheduler.service.types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
 
 log = logging.getLogger("silod.api")
+
+# Above the largest legal body (a consumption report: 1,000 pods of 6 values; a pod template's
+# 256 args and 64 env entries), far below what made validation expensive.
+BODY_LIMITS = JsonLimits(max_depth=8, max_keys=64, max_items=1000, max_values=16_384)
+MAX_ERRORS = 20
 
 _bearer = HTTPBearer(auto_error=False, description="a token from the admin API or --tokens FILE, or the admin token")
 
@@ -128,6 +134,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         description="Co-schedules GPUs, dataset cache and remote IO. Authenticate with `Authorization: Bearer TOKEN`.",
         lifespan=lifespan,
     )
+    # Bodies are parsed once, with bounds on depth, keys, list items and values, before any
+    # model validates them (http_guard/json_limits.py); set before the routes are declared.
+    app.router.route_class = limited_json_route(BODY_LIMITS)
     app.state.service = service
     app.state.tokens = tokens
     app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
@@ -145,10 +154,18 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default echoes the offending input, which may be NaN/Infinity (not JSON:
         # the error response itself would fail with a 500) or megabytes long. Keep loc and msg.
+        # At most MAX_ERRORS errors are answered: a client needs the first few to fix its body.
+        all_errors = exc.errors()
         errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-                  for e in exc.errors()]
+                  for e in all_errors[:MAX_ERRORS]]
+        if len(all_errors) > MAX_ERRORS:
+            errors.append({"loc": [], "msg": f"and {len(all_errors) - MAX_ERRORS} more errors", "type": "truncated"})
         field = next((e["loc"][-1] for e in errors if len(e["loc"]) > 1), None)
         return JSONResponse(status_code=422, content={"detail": errors, "field": field})
+
+    @app.exception_handler(BodyShapeError)
+    async def _body_shape_error(_req: Request, exc: BodyShapeError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": exc.detail, "field": None})
 
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError) -> JSONResponse:

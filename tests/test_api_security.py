@@ -517,3 +517,115 @@ def test_unknown_fields_are_rejected_at_the_first_and_errors_are_capped(client: 
     assert r.status_code == 422
     detail = r.json()["detail"]
     assert len(detail) == 21 and detail[-1]["type"] == "truncated" and "300 more" in detail[-1]["msg"], detail[-1]
+
+
+# ------------------------------------------------------------------ issue 20, finding 3: secrets at rest
+
+SECRET = "alice-S3cret-Key-0123456789abcdef"
+
+
+def _files(db) -> list:  # type: ignore[no-untyped-def]
+    return [p for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")) if p.exists()]
+
+
+def test_secrets_are_sealed_at_rest_and_the_database_files_are_private(tmp_path) -> None:
+    """Issue 20: the secret was in plain text in the database, and user `nobody` read it from the
+    world-readable -wal file. Now: sealed with a server key kept outside the database, files
+    0600 (WAL and SHM too); the job's data path still gets the clear secret."""
+    db = tmp_path / "sec.db"
+    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            cred = {"name": "aws", "access_key_id": "AKIAALICE", "secret_access_key": SECRET}
+            assert c.post("/v1/credentials", json=cred, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/datasets", json={**IMAGENET, "credential": "aws"}, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/jobs", json=JOB, headers=H_ALICE).status_code == 201
+            for path in ("/v1/credentials", "/v1/datasets", "/v1/datasets/imagenet", "/v1/jobs", "/v1/cluster",
+                         "/v1/allocations"):
+                for h in (H_ALICE, {"Authorization": f"Bearer {ADMIN_TOKEN}"}):
+                    assert SECRET not in c.get(path, headers=h).text, path
+            assert c.post("/v1/rounds", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+            spec = service.backend.started[0][0]
+            assert spec.dataset.credential.secret_access_key == SECRET  # opened for the data path only
+            files = _files(db)
+            assert len(files) >= 2  # the WAL is there while the service runs
+            for f in files:
+                assert SECRET.encode() not in f.read_bytes(), f
+                assert f.stat().st_mode & 0o077 == 0, (f, oct(f.stat().st_mode))
+            with service.engine.connect() as conn:
+                stored = conn.execute(sa.text("SELECT secret_access_key FROM credentials")).scalar_one()
+            assert stored.startswith("fernet:") and SECRET not in stored
+            keys = tmp_path / "state" / "secret.keys"
+            assert keys.stat().st_mode & 0o077 == 0 and SECRET not in keys.read_text()
+    finally:
+        service.close()
+
+
+def test_plaintext_secrets_of_an_older_database_are_sealed_at_start(tmp_path) -> None:
+    from scheduler.service.sealed import load_secret_box
+
+    db = tmp_path / "old.db"
+    _app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    with service.engine.begin() as conn:  # a row as the previous version stored it
+        conn.execute(sa.text("INSERT INTO credentials (owner, name, kind, access_key_id, secret_access_key, created_at)"
+                             " VALUES ('alice', 'old', 's3', 'AKIAOLD', :s, 0)"), {"s": SECRET})
+    service.close()
+    db.chmod(0o644)  # as the previous version left it
+    _app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with service.engine.connect() as conn:
+            stored = conn.execute(sa.text("SELECT secret_access_key FROM credentials")).scalar_one()
+        assert stored.startswith("fernet:") and load_secret_box(tmp_path / "state").open(stored) == SECRET
+        assert db.stat().st_mode & 0o077 == 0
+    finally:
+        service.close()
+
+
+def test_the_secret_key_rotates_and_retires_without_losing_a_secret(tmp_path) -> None:
+    from cryptography.fernet import Fernet
+    from typer.testing import CliRunner
+
+    from scheduler.cli import app as cli
+    from scheduler.service.sealed import PREFIX, load_secret_box
+
+    db = tmp_path / "rot.db"
+    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            cred = {"name": "aws", "access_key_id": "AKIAALICE", "secret_access_key": SECRET}
+            assert c.post("/v1/credentials", json=cred, headers=H_ALICE).status_code == 201
+    finally:
+        service.close()
+    state = tmp_path / "state"
+    first_key = load_secret_box(state).keys[0]
+    runner = CliRunner()
+    args = ["--db", f"sqlite:///{db}", "--state-dir", str(state)]
+    r = runner.invoke(cli, ["secrets", "rotate", *args])
+    assert r.exit_code == 0, r.output
+    box = load_secret_box(state)
+    assert len(box.keys) == 2 and box.keys[1] == first_key and box.keys[0] != first_key
+
+    def stored() -> str:
+        with sa.create_engine(f"sqlite:///{db}").connect() as conn:
+            return conn.execute(sa.text("SELECT secret_access_key FROM credentials")).scalar_one()
+
+    # Re-sealed under the new key alone: it opens without the old one.
+    assert Fernet(box.keys[0]).decrypt(stored()[len(PREFIX):].encode()).decode() == SECRET
+    r = runner.invoke(cli, ["secrets", "rotate", "--retire", *args])
+    assert r.exit_code == 0, r.output
+    box = load_secret_box(state)
+    assert len(box.keys) == 1 and box.open(stored()) == SECRET
+    assert (state / "secret.keys").stat().st_mode & 0o077 == 0
+    # A secret no key opens fails its job with a clear message (not a crash, not an empty credential).
+    (state / "secret.keys").write_text(Fernet.generate_key().decode() + "\n")
+    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            assert c.post("/v1/datasets", json={**IMAGENET, "credential": "aws"}, headers=H_ALICE).status_code == 201
+            job = c.post("/v1/jobs", json=JOB, headers=H_ALICE).json()
+            assert c.post("/v1/rounds", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+            got = c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()
+            assert got["state"] == "failed" and "cannot be opened" in got["message"], got
+            assert service.backend.started == []
+    finally:
+        service.close()

@@ -266,11 +266,15 @@ class Catalogue:
                 self.config.uri_policy.check(req.endpoint_url.rstrip("/") + "/")
             except UserError as exc:
                 raise BadUri(f"endpoint_url: {exc}", field="endpoint_url") from None
+        if self.config.secrets is None:
+            raise ServiceError("this service has no secret key to seal credentials with (set SILOD_SECRET_KEYS or"
+                               " give silod serve a --state-dir)", field=None)
+        sealed = self.config.secrets.seal(req.secret_access_key)  # never stored in the clear
         with self._write_lock, self.sessions.begin() as s:
             if s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.name)) is not None:
                 raise ConflictError(f"credential {req.name!r} already exists; delete it first to replace it", field="name")
             row = Credential(owner=who.user, name=req.name, kind=req.kind, access_key_id=req.access_key_id,
-                             secret_access_key=req.secret_access_key, endpoint_url=req.endpoint_url, region=req.region,
+                             secret_access_key=sealed, endpoint_url=req.endpoint_url, region=req.region,
                              created_at=time.time())
             s.add(row)
             s.flush()

@@ -50,6 +50,7 @@ from scheduler.service.api.schemas import (
     PolicyOut,
     QuotaIn,
     QuotaOut,
+    ReadyOut,
     RoundOut,
     TokenIn,
     TokenOut,
@@ -204,6 +205,24 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             return JSONResponse(status_code=503, content={"status": "unhealthy", "database": "unavailable"},
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         return HealthOut(status="ok", database="ok")
+
+    @app.get("/readyz", response_model=ReadyOut, tags=["ops"],
+             responses={503: {"model": ReadyOut, "description": "serving, but nothing schedules"}})
+    def readyz() -> ReadyOut | JSONResponse:
+        """Ready: this API answers and a live process holds the scheduling lease (`/healthz` only
+        says the API and its database answer). 503 while no process schedules, e.g. for the
+        seconds after the scheduling process died until its replacement takes over."""
+        from scheduler.service.control import lease_status
+
+        try:
+            why = lease_status(service.sessions)
+        except Exception as exc:
+            log.warning("readiness check: database unavailable: %s", type(exc).__name__)
+            why = "the database is unavailable"
+        if why is not None:
+            return JSONResponse(status_code=503, content={"status": "not ready", "scheduling": why},
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ReadyOut(status="ready", scheduling="ok")
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     def metrics() -> Response:

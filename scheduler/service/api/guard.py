@@ -31,7 +31,7 @@ RETRY_AFTER_S = 5
 
 # Paths anyone may call: probes, the API description. /metrics is here unless a metrics token
 # is configured.
-PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
 

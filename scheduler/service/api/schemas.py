@@ -383,6 +383,11 @@ class HealthOut(BaseModel):
     database: str
 
 
+class ReadyOut(BaseModel):
+    status: str = Field(description="ready | not ready")
+    scheduling: str = Field(description="ok, or why no process schedules")
+
+
 class TokenIn(_Strict):
     owner: str = Field(min_length=1, max_length=64, pattern=NAME_PATTERN, description="the tenant the token acts for")
     admin: bool = False

@@ -629,3 +629,105 @@ def test_the_secret_key_rotates_and_retires_without_losing_a_secret(tmp_path) ->
             assert service.backend.started == []
     finally:
         service.close()
+
+
+# ------------------------------------------------------------------ issue 20, finding 6: views, headers, owners, timeouts
+
+
+def test_cluster_view_hides_the_data_manager_and_other_tenants_names_from_tenants(tmp_path) -> None:
+    """A push that fails names datasets (all tenants') and the data manager's URL: only the
+    admin sees them."""
+    app, service = make_app(f"sqlite:///{tmp_path / 'c.db'}", tmp_path, run_loop=False,
+                            datamanager="http://127.0.0.1:9")  # nothing listens there: every push fails
+    try:
+        with TestClient(app) as c:
+            assert c.post("/v1/datasets", json={**IMAGENET, "name": "alice-secret-project"}, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/jobs", json={**JOB, "dataset": "alice-secret-project"}, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/rounds", headers=H_ADMIN).status_code == 200
+            admin_view = c.get("/v1/cluster", headers=H_ADMIN).json()
+            assert admin_view["datamanager"] == "http://127.0.0.1:9" and admin_view["last_push_error"]
+            bob_view = c.get("/v1/cluster", headers=H_BOB)
+            assert bob_view.status_code == 200
+            assert "127.0.0.1:9" not in bob_view.text and "alice-secret-project" not in bob_view.text
+            assert bob_view.json()["datamanager"] is None and "failed" in bob_view.json()["last_push_error"]
+    finally:
+        service.close()
+
+
+def test_two_authorization_headers_are_400(client: TestClient) -> None:
+    # The last one used to win: a proxy that checks the first would be bypassed.
+    both = [("Authorization", f"Bearer {TOKENS['bob']}"), ("Authorization", f"Bearer {ADMIN_TOKEN}")]
+    r = client.get("/v1/tokens", headers=both)
+    assert r.status_code == 400 and "Authorization" in r.json()["detail"]
+    assert client.get("/v1/tokens", headers=H_ADMIN).status_code == 200
+
+
+def test_token_owners_are_validated_like_the_tokens_file(client: TestClient, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    r = client.post("/v1/tokens", json={"owner": "admin"}, headers=H_ADMIN)
+    assert r.status_code == 422 and r.json()["field"] == "owner", r.text
+    assert client.post("/v1/tokens", json={"owner": "admin", "admin": True}, headers=H_ADMIN).status_code == 201
+    # A tenant that happens to be called "metrics" is not the scrape token.
+    monkeypatch.setenv("SILOD_METRICS_TOKEN", "scrape-token-123")
+    app, service = make_app(f"sqlite:///{tmp_path / 'm2.db'}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            tok = c.post("/v1/tokens", json={"owner": "metrics"}, headers=H_ADMIN).json()["token"]
+            assert c.get("/metrics", headers={"Authorization": f"Bearer {tok}"}).status_code == 401
+            assert c.get("/metrics", headers={"Authorization": "Bearer scrape-token-123"}).status_code == 200
+    finally:
+        service.close()
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path) -> None:
+    """Issue 20: slow-header and slow-body connections were held with no timeout."""
+    from scheduler.service.api.app import create_app
+
+    _app, service = make_app(f"sqlite:///{tmp_path / 't.db'}", tmp_path, run_loop=False)
+    app = create_app(service, _app.state.tokens, run_loop=False, body_timeouts=(1.0, 3.0))
+    try:
+        with ServerThread(app, header_timeout_s=1.0) as server:
+            # Half a header block, then nothing: the server closes the connection.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                sock.sendall(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n")
+                assert sock.recv(65536) == b""  # closed (a timeout would raise instead)
+                assert time.monotonic() - t0 < 5
+            # Headers byte by byte, each within the keep-alive time: still cut off at 1 s in all.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                try:
+                    for b in b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                        sock.sendall(bytes([b]))
+                        time.sleep(0.1)
+                except OSError:
+                    pass
+                assert sock.recv(65536) == b"" and time.monotonic() - t0 < 5
+            head = ("POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Authorization: Bearer {TOKENS['alice']}\r\nContent-Length: 100\r\n\r\n")
+            # A body that stalls: 408.
+            status, data, elapsed = _raw(server.port, head, b'{"name": ')
+            assert status == 408 and elapsed < 4, data[:200]
+            # A body that trickles (a byte every 0.5 s, never idle for 1 s): 408 at the total bound.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                sock.sendall(head.encode())
+                answer = b""
+                try:
+                    for _ in range(20):
+                        sock.sendall(b" ")
+                        sock.settimeout(0.5)
+                        try:
+                            answer += sock.recv(65536)
+                        except TimeoutError:
+                            continue
+                        if answer:
+                            break
+                except OSError:
+                    pass
+                assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+                assert time.monotonic() - t0 < 6
+            # A normal request on a fresh connection still works, and a keep-alive one too.
+            status, _, _ = _raw(server.port, f"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['alice']}\r\n\r\n")
+            assert status == 200
+    finally:
+        service.close()

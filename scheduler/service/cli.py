@@ -547,8 +547,11 @@ def register(app: typer.Typer) -> None:
             webhook.start()
             typer.echo(f"  admission webhook {webhook.url}", err=True)
         try:
+            from http_guard.timeouts import HeaderTimeoutH11Protocol
+
+            # h11 with a header read timeout (slow-header clients are cut off; http_guard/timeouts.py)
             uvicorn.run("scheduler.service.api.worker:create_worker_app", factory=True, host=host, port=port,
-                        workers=workers, log_level=log_level.lower(), access_log=False,
+                        workers=workers, log_level=log_level.lower(), access_log=False, http=HeaderTimeoutH11Protocol,
                         ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
             if webhook is not None:

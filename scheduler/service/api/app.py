@@ -26,6 +26,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
 from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
+from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S
 from policies.registry import available_policies
 from scheduler.service.api.auth import TokenStore, check_tenant
 from scheduler.service.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
@@ -116,7 +117,8 @@ def _admin(who: Principal, what: str) -> None:
 
 
 def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = True,
-               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+               max_body: int = DEFAULT_MAX_BODY,
+               body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S)) -> FastAPI:
     """The API over `service`. With run_loop, the scheduling loop runs for the app's lifetime."""
 
     @asynccontextmanager
@@ -141,7 +143,8 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     app.state.service = service
     app.state.tokens = tokens
     app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
-                       agent_node=service.config.agent_node if service is not None else None)
+                       agent_node=service.config.agent_node if service is not None else None,
+                       body_timeouts=body_timeouts)
     registry = make_registry(service) if service is not None else None
     catalogue = service.catalogue if service is not None else None
     consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
@@ -235,6 +238,10 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def create_token(body: TokenIn, who: Who) -> NewTokenOut:
         """Admin: a new token for a tenant; the plain token is in this answer only."""
         _admin(who, "create tokens")
+        if body.owner == "admin" and not body.admin:
+            # As in the tokens file: 'admin' is the admin's name; a non-admin token owned by it
+            # would act for objects the admin created without being the admin.
+            raise ServiceError("owner 'admin' is reserved for admin tokens; give the tenant's name", field="owner")
         now = time.time()
         expires = None if body.expires_in_s is None else now + body.expires_in_s
         record, token = tokens.create(body.owner, is_admin=body.admin, expires_at=expires, label=body.label, now=now)
@@ -384,9 +391,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             cache=UsageOut(total=c.capacity.cache, used=c.cache_used),
             remote_io=UsageOut(total=c.capacity.remote_io, used=c.remote_io_used),
             jobs=dict(c.jobs_by_state),
-            datamanager=c.datamanager,
+            # The data manager's address and the push errors (which name other tenants' datasets)
+            # are the operator's: a tenant learns only whether the last push failed.
+            datamanager=c.datamanager if who.is_admin else None,
             last_round_time=c.last_round_time,
-            last_push_error=c.last_push_error,
+            last_push_error=(c.last_push_error if who.is_admin or c.last_push_error is None
+                             else "the last push to the data manager failed (details for the admin)"),
         )
 
     @app.get("/v1/allocations", response_model=AllocationsOut, responses=_ERRORS, tags=["cluster"])

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from datamanager.auth import DataManagerAuth, DataManagerGuard
+from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
 from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
@@ -106,6 +107,10 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     datamanager/auth.py) decides who may call what; errors never echo internal paths."""
     store = StateStore(state_dir)
     app = FastAPI(title="silod data manager", version="1")
+    # JSON bodies checked for their shape before validation (http_guard/json_limits.py): a
+    # heartbeat's stats carry per-pod figures, so its bounds are wider than the scheduler API's.
+    app.router.route_class = limited_json_route(JsonLimits(max_depth=8, max_keys=4096, max_items=10_000,
+                                                           max_values=200_000))
     app.state.store = store
     app.add_middleware(DataManagerGuard, auth=auth if auth is not None else DataManagerAuth.from_env())
 
@@ -117,6 +122,10 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     @app.exception_handler(UserError)
     async def _user_error(request: Request, exc: UserError) -> JSONResponse:
         return JSONResponse(status_code=400, content={"detail": str(exc)})
+
+    @app.exception_handler(BodyShapeError)
+    async def _shape(request: Request, exc: BodyShapeError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": exc.detail})
 
     @app.exception_handler(NotYourNode)
     async def _not_your_node(request: Request, exc: NotYourNode) -> JSONResponse:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_guard import capped_receive, send_json
+from http_guard.timeouts import BodyTimeout, timed_receive
 
 DEFAULT_MAX_BODY = 1 << 20  # allocations and heartbeats are a few hundred bytes
 
@@ -173,4 +174,7 @@ class DataManagerGuard:
         if length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
             await send_json(send, 413, {"detail": f"request body larger than {self.max_body} bytes"})
             return
-        await self.app(scope, capped_receive(receive, self.max_body), send)
+        try:
+            await self.app(scope, capped_receive(timed_receive(receive), self.max_body), send)
+        except BodyTimeout as exc:  # a stalled body (http_guard/timeouts.py); before any answer
+            await send_json(send, 408, {"detail": exc.detail}, [(b"connection", b"close")])

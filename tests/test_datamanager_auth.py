@@ -144,3 +144,14 @@ def test_node_agent_tokens_file_errors_name_the_line(tmp_path) -> None:
         parse_node_tokens("n1:node-n1-agent-token-0001\nn1:node-n1-agent-token-0002\n", "agents")
     with pytest.raises(ValueError, match="shorter"):
         parse_node_tokens("n1:short\n", "agents")
+
+
+def test_expensive_bodies_and_two_authorization_headers_are_refused(client) -> None:  # type: ignore[no-untyped-def]
+    """The data manager's share of issue 20's findings 4 and 6."""
+    assert client.post("/v1/clients", json=REG, headers=H_AGENT).status_code == 200
+    huge = b'{"stats": {"x": [' + b",".join([b"1"] * 20_000) + b"]}}"
+    r = client.put(f"/v1/clients/{REG['client_id']}/heartbeat", content=huge,
+                   headers={**H_AGENT, "content-type": "application/json"})
+    assert r.status_code == 422 and "list of 20000 items" in r.json()["detail"], r.text[:300]
+    both = [("Authorization", f"Bearer {AGENT}"), ("Authorization", f"Bearer {SCHED}")]
+    assert client.get("/v1/status", headers=both).status_code == 400

@@ -306,7 +306,7 @@ def test_the_suite_fails_when_a_test_leaves_silod_serve_running(tmp_path) -> Non
         f"            if httpx.get('http://127.0.0.1:{port}/healthz', timeout=1).status_code == 200: break\n"
         "        except httpx.HTTPError: pass\n"
         "        time.sleep(0.2)\n")
-    env = {k: v for k, v in os.environ.items() if k != "SILOD_TEST_RUN_ID"}
+    env = {**{k: v for k, v in os.environ.items() if k != "SILOD_TEST_RUN_ID"}, "SILOD_TEST_LEAK_GRACE_S": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_leak.py")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     pgid = int((tmp_path / "pgid").read_text())

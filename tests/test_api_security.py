@@ -731,3 +731,27 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path) -> None:
             assert status == 200
     finally:
         service.close()
+
+
+def test_processes_starting_together_agree_on_one_secret_key(tmp_path) -> None:
+    """API workers and the scheduling process create STATE_DIR/secret.keys on first start: all
+    must end up with the same key (a reader never sees a half-written file)."""
+    import threading
+
+    from scheduler.service.sealed import load_secret_box
+
+    keys: list[bytes] = []
+    start = threading.Barrier(8)
+
+    def load() -> None:
+        start.wait()
+        keys.append(load_secret_box(tmp_path / "state").keys[0])
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(keys) == 8 and len(set(keys)) == 1
+    assert (tmp_path / "state" / "secret.keys").stat().st_mode & 0o077 == 0
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["secret.keys"]  # no temporary file left

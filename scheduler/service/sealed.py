@@ -114,14 +114,21 @@ def load_secret_box(state_dir: Path | None) -> SecretBox:
         raise UserError(f"no secret key: set {SECRET_KEYS_ENV} or give a state directory for {KEY_FILE}")
     path = key_file(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "w") as f:
-            f.write("# silod secret keys: the first seals, all open (docs/service.md, Secrets at rest)\n")
-            f.write(Fernet.generate_key().decode("ascii") + "\n")
+    if not path.exists():
+        # Written whole into a 0600 temporary file, then linked into place: a process starting
+        # at the same moment reads either no file or the whole key, never an empty one, and
+        # only one key wins (link fails when the name exists).
+        fd, tmp = tempfile.mkstemp(prefix=".secret.keys.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write("# silod secret keys: the first seals, all open (docs/service.md, Secrets at rest)\n")
+                f.write(Fernet.generate_key().decode("ascii") + "\n")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     try:
         text = path.read_text()
     except OSError as exc:

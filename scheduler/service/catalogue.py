@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy import bindparam, func, insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -69,6 +69,15 @@ class BadUri(ServiceError):
     """A dataset URI (or credential endpoint) the operator's allow-list refuses."""
 
     status = 400
+
+
+def _write_first(s: Session) -> None:
+    """On SQLite, open the transaction with a write, which takes the database's write lock now
+    (waiting for it under busy_timeout): reads that follow see every committed write, and the
+    transaction cannot fail later at its first write because another process committed since
+    its reads (WAL: SQLITE_BUSY_SNAPSHOT). A no-op elsewhere."""
+    if s.get_bind().dialect.name == "sqlite":
+        s.execute(text("UPDATE settings SET key = key WHERE 0"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,11 +275,15 @@ class Catalogue:
                 self.config.uri_policy.check(req.endpoint_url.rstrip("/") + "/")
             except UserError as exc:
                 raise BadUri(f"endpoint_url: {exc}", field="endpoint_url") from None
+        if self.config.secrets is None:
+            raise ServiceError("this service has no secret key to seal credentials with (set SILOD_SECRET_KEYS or"
+                               " give silod serve a --state-dir)", field=None)
+        sealed = self.config.secrets.seal(req.secret_access_key)  # never stored in the clear
         with self._write_lock, self.sessions.begin() as s:
             if s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.name)) is not None:
                 raise ConflictError(f"credential {req.name!r} already exists; delete it first to replace it", field="name")
             row = Credential(owner=who.user, name=req.name, kind=req.kind, access_key_id=req.access_key_id,
-                             secret_access_key=req.secret_access_key, endpoint_url=req.endpoint_url, region=req.region,
+                             secret_access_key=sealed, endpoint_url=req.endpoint_url, region=req.region,
                              created_at=time.time())
             s.add(row)
             s.flush()
@@ -359,6 +372,7 @@ class Catalogue:
 
     def _submit(self, who: Principal, req: NewJob, ideal: float, key: str | None, digest: str) -> tuple[JobRecord, bool]:
         with self._write_lock, self.sessions.begin() as s:
+            _write_first(s)
             if key is not None:
                 known = s.get(IdempotencyKey, (who.user, key))
                 if known is not None:
@@ -429,6 +443,12 @@ class Catalogue:
         if q.gpus is not None and req.gpus > q.gpus:
             raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
         if q.queued_jobs is not None:
+            # Exact across API workers (issue 20: it overshot): count and insert under a lock
+            # no other submission of this tenant can hold meanwhile. SQLite: the transaction
+            # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
+            # advisory lock until commit, so the count sees every earlier submission committed.
+            if s.get_bind().dialect.name == "postgresql":
+                s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": f"silod-submit:{who.user}"})
             waiting = s.scalar(select(func.count()).select_from(Job).where(Job.owner == who.user,
                                                                           Job.state == JobState.QUEUED)) or 0
             if waiting >= q.queued_jobs:

@@ -38,6 +38,7 @@ from scheduler.service.db.models import (
     Round,
 )
 from contract.names import dataset_id_of_key, storage_key
+from scheduler.service.sealed import SecretBox, SecretUnavailable
 
 AllocTuple = tuple[int, float, float | None, bool]  # gpus, gpu_share, remote_io, running
 _CHUNK = 500  # bounded IN lists
@@ -163,8 +164,17 @@ def _states(s: Session, ids: Sequence[int]) -> dict[int, JobState]:
     return out
 
 
+def _open_secret(secrets: SecretBox | None, stored: str) -> str:
+    if secrets is None:
+        if SecretBox.is_sealed(stored):
+            raise SecretUnavailable("this service has no secret keys (ServiceConfig.secrets)")
+        return stored
+    return secrets.open(stored)
+
+
 def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: str, active: int, running: int,
-                objective: float | None, now: float, t0: float) -> tuple[Pending, int, int]:
+                objective: float | None, now: float, t0: float,
+                secrets: SecretBox | None = None) -> tuple[Pending, int, int]:
     """Step 3: one short write transaction with only what changed."""
     pending = d.pending
     with sessions.begin() as s:
@@ -206,16 +216,28 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
             chunk = starting[i:i + _CHUNK]
             rows = s.execute(select(Job, Dataset, Credential).join(Dataset, Job.dataset_id == Dataset.id)
                              .outerjoin(Credential, Dataset.credential_id == Credential.id).where(Job.id.in_(chunk))).all()
+            unopened: list[int] = []
             for job, ds, cred in rows:
+                source = None
+                if cred is not None:
+                    try:
+                        secret = _open_secret(secrets, cred.secret_access_key)
+                    except SecretUnavailable as exc:
+                        unopened.append(job.id)
+                        s.execute(update(Job).where(Job.id == job.id).values(
+                            state=JobState.FAILED, finish_time=now,
+                            message=f"its dataset's credential {cred.name!r} cannot be opened: {exc}"[:500]))
+                        continue
+                    source = SourceCredential(cred.access_key_id, secret, cred.endpoint_url, cred.region)
                 spec = JobSpec(
                     job_id=str(job.id), name=job.name, owner=job.owner, gpus=job.gpus,
                     dataset=DatasetInfo(storage_key(ds.id, ds.name), ds.uri, ds.size, ds.item_count,
-                                        credential=None if cred is None else SourceCredential(
-                                            cred.access_key_id, cred.secret_access_key, cred.endpoint_url, cred.region)),
+                                        credential=source),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
                 )
                 pending.start.append((spec, d.starts[job.id]))
+            chunk = [jid for jid in chunk if jid not in unopened]
             s.execute(update(Job).where(Job.id.in_(chunk), Job.start_time.is_(None)).values(start_time=now))
             s.execute(update(Job).where(Job.id.in_(chunk)).values(state=JobState.RUNNING, message=""))
         # Cache per dataset.

@@ -301,8 +301,11 @@ class SchedulerService(ReadViews):
                 q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
+        # 1e15 bytes for another tenant's dataset reached the policy as is).
         datasets = {
-            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else float(cached.get(v.dataset, 0.0)))
+            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else
+                                   min(max(float(cached.get(v.dataset, 0.0)), 0.0), sizes[v.dataset]))
             for v in admitted
         }
         snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
@@ -392,7 +395,7 @@ class SchedulerService(ReadViews):
             return write_round(
                 self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
                 running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
-                now=now, t0=t0,
+                now=now, t0=t0, secrets=self.config.secrets,
             )
 
     def _execute(self, pending: Pending) -> None:

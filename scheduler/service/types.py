@@ -242,6 +242,9 @@ class ServiceConfig:
     #: Node agents bound to one node (`--node-agent USER=NODE`): only these may report
     #: consumption, and only for their node (scheduler/service/consumption.py).
     agent_nodes: tuple[tuple[str, str], ...] = ()
+    #: Seals tenants' secrets at rest (scheduler/service/sealed.py); None: credentials cannot be
+    #: added (a service built without a state directory or SILOD_SECRET_KEYS).
+    secrets: Any = None
 
     def agent_node(self, user: str) -> str | None:
         return dict(self.agent_nodes).get(user)

@@ -323,7 +323,7 @@ class RawFuseServer:
         if not agreed & p.PASSTHROUGH:
             depth = 0
         reply = p.INIT_OUT.pack(p.KERNEL_MAJOR, min(minor, p.OUR_MINOR), max_readahead, agreed & 0xFFFFFFFF,
-                                64, 48, p.MAX_WRITE, 1, 256, 0, agreed >> 32, depth)
+                                64, 48, p.MAX_WRITE, 1, p.MAX_PAGES_GRANTED, 0, agreed >> 32, depth)
         self._reply(self._fd, unique, reply)
         return Negotiated(minor, offered, agreed, depth)
 
@@ -410,7 +410,7 @@ class RawFuseServer:
                 pass
         buf = bytearray(p.REQUEST_BUFFER)
         view = memoryview(buf)
-        out = bytearray(1 << 20)  # READ replies are assembled here (max_pages 256 = 1 MiB)
+        out = bytearray(p.READ_REPLY_BUFFER)  # READ replies: header + up to the granted max_pages
         out_view = memoryview(out)
         handlers = self._handlers()
         counts = self.counters.requests
@@ -682,8 +682,17 @@ class RawFuseServer:
         fh, offset, size = p.READ_IN.unpack_from(view, p.IN_HEADER.size)[:3]
         src, n = self.ops.read_span(fh, size, offset)
         if n > len(out) - p.OUT_HEADER.size:
-            n = len(out) - p.OUT_HEADER.size
-        got = os.preadv(src, [out_view[p.OUT_HEADER.size:p.OUT_HEADER.size + n]], offset) if n else 0
+            # Never answer short: the kernel takes a short reply as end of file. The kernel never
+            # asks more than INIT granted (MAX_READ), so this is a protocol error, said as one.
+            raise OSError(errno.EIO, f"READ of {size} bytes exceeds the granted maximum {p.MAX_READ}")
+        got = 0
+        while got < n:  # preadv may return fewer bytes than asked (signals, some file systems)
+            k = os.preadv(src, [out_view[p.OUT_HEADER.size + got:p.OUT_HEADER.size + n]], offset + got)
+            if k <= 0:
+                # The cached item is shorter than the listing says: an error, never a short file.
+                log.error("cache file of handle %d ended at %d, expected %d bytes", fh, offset + got, offset + n)
+                raise OSError(errno.EIO, "cache file shorter than the item")
+            got += k
         p.OUT_HEADER.pack_into(out, 0, p.OUT_HEADER.size + got, 0, unique)
         try:
             os.write(fd, out_view[:p.OUT_HEADER.size + got])

@@ -370,12 +370,15 @@ def run_mount(cfg: MountConfig) -> int:
 
     from fuse_client import listing_snapshot
 
+    allow = None
     if os.environ.get(ALLOWED_URIS_ENV):  # the operator's allow-list, with the host resolved now
-        UriPolicy.from_env().check(cfg.source, resolve=True)
+        allow = UriPolicy.from_env()
+        allow.check(cfg.source, resolve=True)
     throttle = Throttle(cfg.io_rate)
     # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
+    # Every request, redirect and connection of the store is held to `allow` (safe_http.py).
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),
-                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1")
+                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow)
     snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
     listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
     if listing is not None:

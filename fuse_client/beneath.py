@@ -3,8 +3,10 @@
 An allowed `file:///srv/datasets/` prefix must not become a way to read `/etc/shadow` through a
 symlink a dataset's owner planted inside it (the mount runs as root). Every open of an item is
 openat2(2) relative to a descriptor of the dataset root with RESOLVE_BENEATH: the kernel refuses
-(EXDEV) any resolution that leaves the root, `..` and absolute symlinks included, atomically, so
-a symlink swapped between a check and the open does not help. RESOLVE_NO_MAGICLINKS also refuses
+(EXDEV) any resolution that leaves the root, atomically, so a symlink swapped between a check and
+the open does not help. RESOLVE_BENEATH also refuses absolute symlinks that lead back inside; for
+those the real path is resolved and, if it is beneath the root, opened again with RESOLVE_BENEATH
+(so the final open is still checked by the kernel). RESOLVE_NO_MAGICLINKS refuses
 /proc/self/fd-style links.
 
 Kernels before 5.6 have no openat2: there each open resolves the real path and checks that it
@@ -64,17 +66,27 @@ def open_beneath(root_fd: int, root_path: str, rel: str, flags: int = os.O_RDONL
             _have_openat2 = True
             return fd
         except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS) or (exc.errno == errno.ENOSYS and _have_openat2):
+                raise
+            if exc.errno == errno.ENOSYS:
+                _have_openat2 = False
+                log.warning("this kernel has no openat2(2): file:// sources are checked by real path on every open "
+                            "(a symlink swapped during an open could still escape the root)")
+    # EXDEV: the path has an absolute symlink (or `..`) - fine if where it leads is still beneath
+    # the root (datasets built with absolute links inside themselves). Resolve it, and open the
+    # resolved path again beneath the root: if a link was swapped meanwhile, the kernel refuses.
+    real_root = os.path.realpath(f"/proc/self/fd/{root_fd}")
+    real = os.path.realpath(os.path.join(real_root, rel))
+    inside = os.path.relpath(real, real_root)
+    if inside == ".." or inside.startswith("../") or os.path.isabs(inside):
+        raise OutsideRoot(errno.EACCES, f"{rel!r} resolves outside the dataset root {root_path!r}")
+    if _have_openat2:
+        try:
+            return _openat2(root_fd, inside, flags)
+        except OSError as exc:
             if exc.errno == errno.EXDEV:
                 raise OutsideRoot(errno.EACCES, f"{rel!r} resolves outside the dataset root {root_path!r}") from None
-            if exc.errno != errno.ENOSYS or _have_openat2:
-                raise
-            _have_openat2 = False
-            log.warning("this kernel has no openat2(2): file:// sources are checked by real path on every open "
-                        "(a symlink swapped during an open could still escape the root)")
-    real_root = os.path.realpath(root_path)
-    real = os.path.realpath(os.path.join(real_root, rel))
-    if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
-        raise OutsideRoot(errno.EACCES, f"{rel!r} resolves outside the dataset root {root_path!r}")
+            raise
     return os.open(real, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
 
 

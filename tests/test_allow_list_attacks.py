@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dataplane_helpers import mounted, start_mount
+from dataplane_helpers import force_unmount, mounted
 
 SIZE = 5000
 GOOD = bytes(range(256)) * 19 + b"g" * (SIZE - 256 * 19)
@@ -217,6 +217,7 @@ def _file_tree(tmp_path: Path) -> tuple[Path, Path, Path]:
     outside.mkdir()
     (outside / "shadow").write_bytes(SECRET)
     os.symlink(outside / "shadow", ds / "leak.bin")  # absolute symlink out
+    os.symlink(ds / "good.bin", ds / "abs-alias.bin")  # absolute, but stays beneath: allowed
     os.symlink("../../../outside/shadow", ds / "leak2.bin")  # relative symlink out
     os.symlink(outside, ds / "leakdir")  # a directory out
     os.symlink("sub/inside.bin", ds / "alias.bin")  # stays beneath: allowed
@@ -231,7 +232,7 @@ def test_file_source_symlinks_out_of_the_prefix_are_not_listed_nor_opened(tmp_pa
     prefix, ds, outside = _file_tree(tmp_path)
     store = RemoteStore(ds.as_uri(), allow=UriPolicy((prefix.as_uri() + "/",)))
     listing = store.list()
-    assert sorted(listing.files) == ["alias.bin", "good.bin", "sub/inside.bin"]
+    assert sorted(listing.files) == ["abs-alias.bin", "alias.bin", "good.bin", "sub/inside.bin"]
     for rel in ("leak.bin", "leak2.bin", "leakdir/shadow"):
         got = bytearray()
         with pytest.raises(RemoteFetchError):
@@ -246,7 +247,7 @@ def test_a_symlink_swapped_in_after_the_listing_is_refused_through_the_mount(tmp
     env = {"SILOD_ALLOWED_URIS": prefix.as_uri() + "/"}
     with mounted(tmp_path / "mnt", ds.as_uri(), "ds", "job1", tmp_path / "cache", "--fuse-backend", "libfuse",
                  "--open-deadline", "1", env=env) as m:
-        assert sorted(os.listdir(m.mountpoint)) == ["alias.bin", "good.bin", "sub"]
+        assert sorted(os.listdir(m.mountpoint)) == ["abs-alias.bin", "alias.bin", "good.bin", "sub"]
         assert (m.mountpoint / "alias.bin").read_bytes() == GOOD
         (ds / "sub" / "inside.bin").unlink()
         os.symlink(outside / "shadow", ds / "sub" / "inside.bin")  # listed as a file, now a link out
@@ -263,10 +264,18 @@ def test_a_dataset_root_that_is_a_symlink_out_of_the_prefix_is_refused_before_mo
     prefix, ds, outside = _file_tree(tmp_path)
     os.symlink(outside, prefix / "evil")
     (tmp_path / "mnt").mkdir()
-    r = subprocess.run([*silod_cmd(), "mount", str(tmp_path / "mnt"), "--source", (prefix / "evil").as_uri(),
-                        "--dataset", "ds", "--job", "j", "--cache-dir", str(tmp_path / "cache")],
-                       capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "SILOD_ALLOWED_URIS": prefix.as_uri() + "/"})
+    proc = subprocess.Popen([*silod_cmd(), "mount", str(tmp_path / "mnt"), "--source", (prefix / "evil").as_uri(),
+                             "--dataset", "ds", "--job", "j", "--cache-dir", str(tmp_path / "cache")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SILOD_ALLOWED_URIS": prefix.as_uri() + "/"})
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # it mounted the symlinked root: the bug
+        proc.terminate()
+        out, err = proc.communicate(timeout=15)
+    finally:
+        force_unmount(tmp_path / "mnt")
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert r.returncode == 2, r.stderr
     assert "outside the allowed prefix" in r.stderr and "Traceback" not in r.stderr
     assert not os.path.ismount(tmp_path / "mnt")

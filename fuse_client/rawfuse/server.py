@@ -627,8 +627,12 @@ class RawFuseServer:
 
     def _open_slow(self, fd: int, unique: int, nodeid: int, entry: FileEntry, pid: int = 0) -> None:
         handle = error = None
+        with self._pending_lock:
+            pending = self._pending.get(unique)
         try:
-            handle = self.ops.open(entry, passthrough=self._passthrough, pid=pid)
+            # An interrupted opener already got EINTR (see _interrupt): stop waiting for it then.
+            handle = self.ops.open(entry, passthrough=self._passthrough, pid=pid,
+                                   cancelled=(lambda: pending.interrupted) if pending is not None else None)
         except OSError as exc:
             error = exc.errno or errno.EIO
         except Exception:
@@ -636,6 +640,8 @@ class RawFuseServer:
             error = errno.EIO
         with self._pending_lock:
             pending = self._pending.pop(unique, None)
+        if pending is not None and pending.interrupted and error == errno.EINTR:
+            return  # answered with EINTR by _interrupt already
         if pending is not None and pending.interrupted:  # the opener gave up and got EINTR
             if handle is not None:
                 self.ops.release(handle.fh)

@@ -464,6 +464,8 @@ def run_mount(cfg: MountConfig) -> int:
     control.frontend = frontend
     try:
         frontend.prepare()  # the raw backend mounts here (and may fall back); libfuse mounts in serve()
+        if frontend.raw is not None:  # its kept backing files of items this mount evicts close at once
+            cache.on_evicted = frontend.raw.on_evicted
         log.info("serving %s with the %s front end", cfg.mountpoint, frontend.describe())
         control.tick()
         control.start()

@@ -87,6 +87,7 @@ class RawCounters:
     interrupted_opens: int = 0
     backing_open_failures: int = 0
     kept_opens: int = 0  # opens answered with a kept backing file (no open(2), no ioctl)
+    closed_at_eviction: int = 0  # kept backing files closed when this mount evicted their item
 
 
 class _Inodes:
@@ -123,6 +124,7 @@ class _Backing:
     backing_id: int
     fd: int  # our own descriptor of the cached item kept for re-opens, or -1 (not kept)
     opens: int = 1
+    evicted: bool = False  # this mount evicted the item: close the kept descriptor at the last release
 
 
 class _BackingFiles:
@@ -181,7 +183,7 @@ class _BackingFiles:
             slot.opens -= 1
             if slot.opens > 0:
                 return
-            if slot.fd >= 0 and not evicted:
+            if slot.fd >= 0 and not evicted and not slot.evicted:
                 self._idle[nodeid] = None
                 while len(self._idle) > self.keep:
                     drop.append(self._slots.pop(self._idle.popitem(last=False)[0]))
@@ -189,6 +191,21 @@ class _BackingFiles:
                 drop.append(self._slots.pop(nodeid))
         for slot in drop:  # the ioctls outside the lock
             self._close(slot)
+
+    def evicted(self, nodeid: int) -> bool:
+        """This mount evicted the item of `nodeid`: close its kept descriptor now if no open uses
+        it (its disk blocks are freed at once), else at its last release. True if closed now."""
+        with self._lock:
+            slot = self._slots.get(nodeid)
+            if slot is None or slot.fd < 0:
+                return False
+            if slot.opens > 0:
+                slot.evicted = True
+                return False
+            self._idle.pop(nodeid, None)
+            del self._slots[nodeid]
+        self._close(slot)
+        return True
 
     def sweep(self) -> int:
         """Drop idle kept backings whose item was evicted; returns how many."""
@@ -269,6 +286,7 @@ class RawFuseServer:
         self._backing: _BackingFiles | None = None
         self._passthrough = False
         self._stopped = threading.Event()
+        self._key_nodes: dict[str, int] | None = None
         self._mtime = ops.mtime_ns // 1_000_000_000
         self._mtime_ns = ops.mtime_ns % 1_000_000_000
 
@@ -730,6 +748,23 @@ class RawFuseServer:
         # The fetch goes on (and may be admitted for the next reader); the opener gets EINTR.
         self._reply_error(pending.fd, target, errno.EINTR)
 
+    def on_evicted(self, key: str) -> None:
+        """DatasetCache.on_evicted: this mount unlinked the cached item `key`. Evictions by other
+        mounts of the dataset are left to the sweep (SWEEP_S)."""
+        if self._backing is None or not len(self._backing):
+            return
+        nodeid = self._node_of_key().get(key)
+        if nodeid is not None and self._backing.evicted(nodeid):
+            self.counters.closed_at_eviction += 1
+
+    def _node_of_key(self) -> dict[str, int]:
+        # Built on the first eviction (a shrink), not at mount: one sha1 per item.
+        if self._key_nodes is None:
+            from fuse_client.cache_store import item_key
+
+            self._key_nodes = {item_key(e.path): self._file_base + e.index for e in self._files if e is not None}
+        return self._key_nodes
+
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -740,6 +775,7 @@ class RawFuseServer:
             "fuse_interrupted_opens": self.counters.interrupted_opens,
             "fuse_backing_open_failures": self.counters.backing_open_failures,
             "fuse_kept_opens": self.counters.kept_opens,
+            "fuse_kept_closed_at_eviction": self.counters.closed_at_eviction,
         }
 
 

@@ -27,7 +27,7 @@
             for a remote that refuses connections and one that accepts but never answers.
 5. remount  a 100k-item cache: first read after a clean remount and after a kill -9, vs the
             time the same mount takes to list the source (the part no cache can save).
-6. stall    hit latency while 64 misses stall on a paused remote (--io-rate 0), vs the hit latency
+6. stall    hit latency while 64 misses stall on a paused remote (--io-rate 1B/s), vs the hit latency
             on an idle mount.
 
 Results are written as JSON (--json).
@@ -595,7 +595,7 @@ def bench_stall(work: Path, stalled: int = 64) -> dict:
         idle = hit_latencies(proc.mnt)
     finally:
         proc.stop()
-    proc, _ = mount(str(src), work / "mnt-stall", cache, "stall", "--io-rate", "0", "--no-kernel-cache")
+    proc, _ = mount(str(src), work / "mnt-stall", cache, "stall", "--io-rate", "1B/s", "--no-kernel-cache")
     try:
         for rel in rels[100:100 + stalled]:
             threading.Thread(target=lambda p=proc.mnt / rel: _quiet_read(p), daemon=True).start()

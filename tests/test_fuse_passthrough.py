@@ -327,9 +327,9 @@ def test_an_interrupted_miss_open_returns_eintr_at_once_and_the_mount_keeps_serv
 
     ds = make_dataset(tmp_path / "remote", n_files=3, seed=7)
     rels = sorted(ds.sizes)
-    # --io-rate 0: a miss waits for tokens that never come, until the opener is interrupted.
+    # --io-rate 1B/s: a miss waits for tokens (hours for these items), until the opener is interrupted.
     with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--fuse-backend", "raw",
-                 "--io-rate", "0") as m:
+                 "--io-rate", "1B/s") as m:
         code = (
             "import os, signal, sys\n"
             "class Stop(Exception): pass\n"

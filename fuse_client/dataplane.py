@@ -216,12 +216,15 @@ class ItemResolver:
     def _stalled(self, flight: Flight) -> bool:
         now = time.monotonic()
         limit = self._stall_limit()
-        if flight.waiting_peer or (flight.throttled and self.throttle.rate > 0):
-            return False  # another process fetches it, or tokens are on their way: not a stall
+        if flight.waiting_peer or flight.throttled:
+            # Another process fetches it, or it waits for the job's own tokens: slow by decision
+            # (a rate the data manager set, 0 included), not the remote's stall. Such a wait still
+            # ends at once on an interrupt.
+            return False
         if flight.started:
             return now - flight.progress > limit
         # Queued behind other fetches: a stall only if none of this mount's fetches progresses.
-        if self._throttled_fetches and self.throttle.rate > 0:
+        if self._throttled_fetches:
             return False
         return now - max(flight.created, self._last_progress) > limit
 

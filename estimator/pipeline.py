@@ -30,10 +30,90 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from estimator.errors import UserError
 from estimator.model import Number, _as_array, _out
+from estimator.units import parse_rate
+
+#: Preprocessed data per source byte accepted at an autocache point: decoded images are ~6x
+#: their JPEGs (Plumber §5.4); 1000x is a typo, not a pipeline.
+MAX_EXPANSION = 1000.0
+
+#: The names of the trace columns and REST fields (ARCHITECTURE §4), in one place.
+PIPELINE_FIELDS = ("cpu_rate", "autocache_expansion", "post_cpu_rate")
 
 #: The resources a job can be bound by, in the order `bottleneck` reports ties.
 RESOURCES = ("gpu", "cpu", "cache", "remote_io")
+
+
+@dataclass(frozen=True, slots=True)
+class InputPipeline:
+    """A job's CPU preprocessing stage (None on a job = not CPU-bound).
+
+    cpu_rate: source bytes/s one core turns into training input (the whole pipeline).
+    autocache_expansion, post_cpu_rate: the optional autocache point (Cachew) -- bytes of
+    preprocessed data per source byte there, and the per-core rate of what remains after it
+    (e.g. random augmentation), in source bytes/s. Both or neither.
+    """
+
+    cpu_rate: float
+    autocache_expansion: float | None = None
+    post_cpu_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.cpu_rate > 0 and np.isfinite(self.cpu_rate)):
+            raise UserError(f"cpu_rate {self.cpu_rate!r} must be a positive rate per core, e.g. 35MB/s; leave it empty for a job that is not CPU-bound")
+        if (self.autocache_expansion is None) != (self.post_cpu_rate is None):
+            raise UserError("autocache_expansion and post_cpu_rate come together (the autocache point's data expansion and the "
+                            "per-core rate after it); give both or neither")
+        if self.autocache_expansion is not None:
+            if not (0 < self.autocache_expansion <= MAX_EXPANSION):
+                raise UserError(f"autocache_expansion {self.autocache_expansion!r} must be in (0, {MAX_EXPANSION:g}]: preprocessed bytes "
+                                "per source byte at the autocache point, e.g. 6 for decoded images")
+            if not (self.post_cpu_rate >= self.cpu_rate and np.isfinite(self.post_cpu_rate)):
+                raise UserError(f"post_cpu_rate {self.post_cpu_rate!r} must be >= cpu_rate {self.cpu_rate!r}: what remains after the "
+                                "autocache point cannot cost more per byte than the whole pipeline")
+
+    @property
+    def autocaches(self) -> bool:
+        return self.autocache_expansion is not None
+
+
+def parse_pipeline(cpu_rate: object, autocache_expansion: object = None, post_cpu_rate: object = None) -> InputPipeline | None:
+    """The three optional fields as text or numbers (empty or None = absent) -> InputPipeline or
+    None. Every error message starts with the field's name (the trace reader names the column)."""
+
+    def blank(v: object) -> bool:
+        return v is None or (isinstance(v, str) and not v.strip())
+
+    if blank(cpu_rate):
+        if not (blank(autocache_expansion) and blank(post_cpu_rate)):
+            raise UserError("cpu_rate is empty but an autocache point is given; an autocache point needs the job's cpu_rate (per core, e.g. 35MB/s)")
+        return None
+    rates = []
+    for name, value in (("cpu_rate", cpu_rate), ("post_cpu_rate", post_cpu_rate)):
+        if blank(value):
+            rates.append(None)
+            continue
+        rate = parse_rate(value, name)  # its UnitError names the field first
+        if rate <= 0:
+            raise UserError(f"{name} must be > 0 bytes/s per core (e.g. 35MB/s); leave cpu_rate empty for a job that is not CPU-bound")
+        rates.append(rate)
+    expansion = None
+    if not blank(autocache_expansion):
+        try:
+            expansion = float(str(autocache_expansion))
+        except ValueError:
+            raise UserError(f"autocache_expansion {autocache_expansion!r} is not a number; give preprocessed bytes per source byte, e.g. 6") from None
+        if not np.isfinite(expansion) or not 0 < expansion <= MAX_EXPANSION:
+            raise UserError(f"autocache_expansion {expansion!r} must be in (0, {MAX_EXPANSION:g}]: preprocessed bytes per source byte, e.g. 6")
+    if (expansion is None) != (rates[1] is None):
+        missing = "post_cpu_rate" if rates[1] is None else "autocache_expansion"
+        raise UserError(f"{missing} is empty; autocache_expansion and post_cpu_rate come together: give both or neither")
+    try:
+        return InputPipeline(rates[0], expansion, rates[1])
+    except UserError as exc:
+        text = str(exc)
+        raise UserError(text if text.startswith(PIPELINE_FIELDS) else f"cpu_rate: {text}") from None
 
 
 def _rates(cpu_rate: ArrayLike, post_cpu_rate: ArrayLike | None) -> tuple[np.ndarray, np.ndarray]:
@@ -170,6 +250,10 @@ def diagnose(
 
 
 __all__ = [
+    "InputPipeline",
+    "MAX_EXPANSION",
+    "PIPELINE_FIELDS",
+    "parse_pipeline",
     "RESOURCES",
     "Diagnosis",
     "cores_needed",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from estimator.access import EPOCH, AccessPattern
+from estimator.pipeline import InputPipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,9 @@ class TraceJob:
     ideal_throughput: float  # f* at num_gpus on the reference GPU (V100), bytes/s
     epochs: float  # passes over the dataset; may be < 1 (for curriculum: bytes read / dataset size)
     access: AccessPattern = EPOCH  # how the job reads (estimator/access.py); epoch = regular
+    #: CPU preprocessing stage (trace columns cpu_rate, autocache_expansion, post_cpu_rate);
+    #: None = not CPU-bound (estimator/pipeline.py).
+    pipeline: InputPipeline | None = None
 
     def total_bytes(self, dataset_size: float) -> float:
         return self.epochs * dataset_size

@@ -48,6 +48,8 @@ def register(app: typer.Typer) -> None:
         remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
         gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
         irregular_share: Annotated[Optional[str], typer.Option(help="pin the irregular jobs' partition to this fraction of cache and remote IO [default: by demand, every round]")] = None,
+        cpus_per_node: Annotated[Optional[str], typer.Option(help="CPU cores per node for input pipelines; jobs with a cpu_rate are then bound by their cores [default: CPU not constrained]")] = None,
+        cpu_allocation: Annotated[Optional[str], typer.Option(help="with --cpus-per-node: model (the policy allocates cores as a resource) | gpu-proportional (cores follow GPUs, the baseline) [default: model]")] = None,
         irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
         policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
@@ -70,7 +72,7 @@ def register(app: typer.Typer) -> None:
         ensure_writable_dir(out, "--out")
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
-                                       defaults=DEFAULT_CLUSTER)
+                                       cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition)

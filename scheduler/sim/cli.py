@@ -10,7 +10,7 @@ import typer
 from estimator.errors import UserError
 from traces.loader import TraceFormat, load_trace
 
-SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gpu.csv"
+SHIPPED_TRACE = Path(__file__).resolve().parent.parent.parent / "traces" / "sample-96gpu.csv"
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
 
 

@@ -178,9 +178,9 @@ class Simulator:
         measured = self.core.estimator.manages_storage
         told = self.config.partition
         jobs = tuple(
-            JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running,
+            JobView(j.job_id, j.gpus, j.dataset.name, j.gpu_ideal, j.remaining, j.trace.submit_time, j.running,
                     hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
-                    access=j.trace.access if told else AccessPattern.epoch())
+                    access=j.trace.access if told else AccessPattern.epoch(), pipeline=j.trace.pipeline)
             for j in active
         )
         needed = {j.dataset.name for j in active}
@@ -295,6 +295,7 @@ class Simulator:
                     if job.start_time is None:
                         job.start_time = now
                     job.running = True
+                    job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
                 running = chosen
                 part = plan.allocation.partition
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())

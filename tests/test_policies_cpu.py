@@ -117,14 +117,15 @@ def cpu_problems(draw):
     idx = np.searchsorted(used, idx)
     total_gpus = draw(st.integers(1, 32))
     per_node = draw(st.sampled_from([g for g in (1, 2, 4, 8) if g <= total_gpus]))
-    cpn = draw(st.floats(1.0, 64.0))
+    cpn = draw(st.floats(0.5, 16.0))  # few cores, so that the pool binds often
     rule = draw(st.sampled_from(["model", "gpu-proportional"]))
     cap = ClusterCapacity(gpus=total_gpus, cache=draw(st.floats(0.0, 40 * TB)), remote_io=draw(st.floats(1 * MB, 5 * GB)),
                           gpus_per_node=per_node, cpus_per_node=cpn, cpu_allocation=rule)
     gangs = [g for g in (1, 2, 4, 8) if g <= total_gpus]
     jobs = []
+    all_cpu = draw(st.booleans())  # every job CPU-bound: the case where the pool bound decides t*
     for i in range(n):
-        cpu = draw(st.one_of(st.none(), st.floats(5 * MB, 200 * MB)))
+        cpu = draw(st.floats(1 * MB, 100 * MB) if all_cpu else st.one_of(st.none(), st.floats(1 * MB, 200 * MB)))
         jobs.append(job(f"j{i}", draw(st.sampled_from(gangs)), draw(st.floats(2 * MB, 900 * MB)), f"d{idx[i]}", cpu=cpu,
                         work=draw(st.floats(1 * TB, 50 * TB))))
     sizes = {f"d{k}": draw(st.floats(100 * GB, 20 * TB)) for k in range(len(used))}

@@ -193,7 +193,8 @@ class Diagnosis:
     speedup_* are predicted throughput ratios (new / now, >= 1): one more GPU (f* linear in the
     GPU count, as the catalog assumes), one more core, 10% more cache for its dataset, 10% more
     remote IO. `bound` is one of RESOURCES per job. When IO binds, it names the one of cache and
-    remote_io whose 10% buys more (cache wins from a hit ratio of about 0.48 on).
+    remote_io whose 10% buys more (cache wins from a hit ratio of about 0.48 on; a job with no
+    cache is remote_io-bound).
     """
 
     throughput: np.ndarray
@@ -236,8 +237,10 @@ def diagnose(
 
         s_gpu = ratio(perf(f_=f * (g + 1.0) / g))
         s_cpu = ratio(perf(k_=k + 1.0))
-        # +10% cache: of the dataset size when nothing is cached yet (10% of 0 is nothing).
-        s_cache = ratio(perf(c_=np.where(c > 0, c * 1.1, 0.1 * e * d)))
+        # +10% of what the job has: relative, so a job with no cache allocation gains nothing
+        # from "10% more" of it and is labelled remote_io when IO binds (and a job with no link
+        # cap but no cache is labelled remote_io too: +10% of its f* of link, the most it could use).
+        s_cache = ratio(perf(c_=c * 1.1))
         s_io = ratio(perf(b_=np.where(b > 0, b * 1.1, 0.1 * f)))
     h = np.asarray(pipeline_hit_ratio(c, d, e), dtype=float)
     cpu_bound = np.asarray(cpu_perf(k, r, h, p), dtype=float)

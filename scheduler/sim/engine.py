@@ -18,7 +18,7 @@ import heapq
 import math
 import time as wallclock
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
+from scheduler.sim.diagnosis import bounds_now, counts, record_bounds
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore, spread_spare_io
@@ -85,6 +86,8 @@ class JobRecord:
     remote_bytes: float
     hit_bytes: float
     epoch_hit_ratios: tuple[float, ...] = ()  # hit ratio of each complete epoch
+    #: seconds running bound by each resource (gpu, cpu, cache, remote_io; scheduler/sim/diagnosis.py)
+    bound_s: tuple[tuple[str, float], ...] = ()
 
     @property
     def jct_s(self) -> float:
@@ -104,6 +107,11 @@ class TimelineRow:
     cache_effective: float  # cached bytes that some running reader has not read yet this epoch
     fairness_ratio: float  # Eq. 8, time average over the interval of min_j share_j x rate_j / ref_j
     throughput: float  # bytes/s consumed by all jobs, average since the previous row
+    # Running jobs bound by each resource in the step that ends at this row (diagnosis.py).
+    bound_gpu: int = 0
+    bound_cpu: int = 0
+    bound_cache: int = 0
+    bound_remote_io: int = 0
 
 
 @dataclass
@@ -317,6 +325,8 @@ class Simulator:
                 step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
             step_end = min(step_end, now + self._step_limit(running, caps))
             dt = max(step_end - now, 1e-6)
+            bounds = bounds_now(running, caps, misses)
+            bound_of = dict(zip((j.job_id for j in running), bounds, strict=True))
 
             finished: list[SimJob] = []
             step_bytes = step_remote = 0.0
@@ -328,6 +338,7 @@ class Simulator:
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
+                record_bounds([job], [bound_of[job.job_id]], ran)
                 job.last_rate = res.bytes_read / ran
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
@@ -354,7 +365,8 @@ class Simulator:
             acc_time += dt
             if now + dt >= next_sample:
                 fr = acc_fair / acc_fair_time if acc_fair_time > 0 else None
-                timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr))
+                timeline.append(replace(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr),
+                                        **{f"bound_{k}": v for k, v in counts(bounds).items()}))
                 acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = 0.0
                 next_sample = now + dt + cfg.timeline_interval_s
 
@@ -367,7 +379,8 @@ class Simulator:
                 self.core.forget(job.job_id)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
-                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios))
+                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios),
+                              tuple(job.bound_s.items()))
                 )
                 need_decision = True
             now += dt

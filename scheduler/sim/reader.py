@@ -52,6 +52,7 @@ class SimJob:
     rng: np.random.Generator
     gpu_ideal: float | None = None  # f*, bytes/s, after GPU-speed scaling (default: `ideal`)
     cores: float = math.inf  # CPU cores this round (inf: CPU not modelled)
+    bound_s: dict = field(default_factory=dict)  # seconds running, per resource that bound it (diagnosis.py)
     consumed: float = 0.0
     perm: np.ndarray = field(init=False)
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)

@@ -39,8 +39,8 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
 def register(app: typer.Typer) -> None:
     @app.command()
     def simulate(
-        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, or Gavel TSV with --format gavel)")] = SHIPPED_TRACE,
-        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV")] = TraceFormat.auto,
+        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, Gavel TSV with --format gavel, or Alibaba openb with --format alibaba-openb)")] = SHIPPED_TRACE,
+        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV, the openb pod list (or its folder) is alibaba-openb")] = TraceFormat.auto,
         cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
         gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,

@@ -23,6 +23,10 @@ class TraceJob:
     #: CPU preprocessing stage (trace columns cpu_rate, autocache_expansion, post_cpu_rate);
     #: None = not CPU-bound (estimator/pipeline.py).
     pipeline: InputPipeline | None = None
+    #: f* the user declared, when it differs from the real one (`ideal_throughput`): the
+    #: scheduler starts from it and corrects it from what the job reads (estimator/measured.py).
+    #: None: the declaration is exact. Python API and experiments only (no trace column).
+    declared_throughput: float | None = None
 
     def total_bytes(self, dataset_size: float) -> float:
         return self.epochs * dataset_size

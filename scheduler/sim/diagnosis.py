@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from estimator.measured import FStarEstimate, observe
 from estimator.pipeline import RESOURCES, diagnose
 from scheduler.sim.reader import SimJob
 
@@ -30,6 +31,15 @@ def bounds_now(running: Sequence[SimJob], caps: Mapping[str, float], misses: Map
     io = np.array([caps.get(j.job_id, 0.0) for j in running], dtype=float)
     gpus = np.array([j.gpus for j in running], dtype=float)
     return [str(b) for b in diagnose(f, gpus, io, (1.0 - miss) * d, d, cores, rate).bound]
+
+
+def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, miss: float) -> FStarEstimate:
+    """The job's f* estimate after a step (estimator/measured.py): its IO bound is its cap over
+    its miss ratio, its CPU bound its cores times its cpu_rate."""
+    io_bound = math.inf if miss <= 1e-12 else io_cap / miss
+    pipeline = job.trace.pipeline
+    cpu_bound = math.inf if pipeline is None or math.isinf(job.cores) else job.cores * pipeline.cpu_rate
+    return observe(job.fstar, observed, seconds, io_bound, cpu_bound)
 
 
 def record_bounds(running: Sequence[SimJob], bounds: Sequence[str], dt: float) -> None:

@@ -24,13 +24,14 @@ import numpy as np
 
 from estimator.access import AccessPattern
 from estimator.errors import UserError
+from estimator.measured import FStarEstimate
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.diagnosis import bounds_now, counts, record_bounds
+from scheduler.sim.diagnosis import bounds_now, counts, observe_fstar, record_bounds
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore, spread_spare_io
@@ -88,6 +89,8 @@ class JobRecord:
     epoch_hit_ratios: tuple[float, ...] = ()  # hit ratio of each complete epoch
     #: seconds running bound by each resource (gpu, cpu, cache, remote_io; scheduler/sim/diagnosis.py)
     bound_s: tuple[tuple[str, float], ...] = ()
+    declared_ideal: float = math.nan  # f* the scheduler started from (bytes/s, GPU speed applied)
+    measured_ideal: float = math.nan  # its self-corrected f* at the end (nan: declared exactly)
 
     @property
     def jct_s(self) -> float:
@@ -186,7 +189,8 @@ class Simulator:
         measured = self.core.estimator.manages_storage
         told = self.config.partition
         jobs = tuple(
-            JobView(j.job_id, j.gpus, j.dataset.name, j.gpu_ideal, j.remaining, j.trace.submit_time, j.running,
+            JobView(j.job_id, j.gpus, j.dataset.name, j.gpu_ideal if j.fstar is None else j.fstar.estimate, j.remaining,
+                    j.trace.submit_time, j.running,
                     hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
                     access=j.trace.access if told else AccessPattern.epoch(), pipeline=j.trace.pipeline)
             for j in active
@@ -265,6 +269,8 @@ class Simulator:
                 rng = np.random.default_rng(seed_seq.spawn(1)[0])
                 job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng,
                              pacing=tj.access.curriculum, item_size=self.item_sizes.get(tj.dataset, 0.0))
+                if tj.declared_throughput is not None:
+                    job.fstar = FStarEstimate.start(tj.declared_throughput * cfg.gpu_speed)
                 self.cache.register(job)
                 job.start_epoch_view(self.cache)
                 active.append(job)
@@ -339,6 +345,8 @@ class Simulator:
                     need_decision = True
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
                 record_bounds([job], [bound_of[job.job_id]], ran)
+                if job.fstar is not None:
+                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps[job.job_id], misses[job.job_id])
                 job.last_rate = res.bytes_read / ran
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
@@ -380,7 +388,9 @@ class Simulator:
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
                               job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios),
-                              tuple(job.bound_s.items()))
+                              tuple(job.bound_s.items()),
+                              job.gpu_ideal if job.fstar is None else job.fstar.declared,
+                              math.nan if job.fstar is None else job.fstar.estimate)
                 )
                 need_decision = True
             now += dt

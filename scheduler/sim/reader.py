@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from estimator.access import CurriculumPacing
+from estimator.measured import FStarEstimate
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
@@ -53,6 +54,7 @@ class SimJob:
     gpu_ideal: float | None = None  # f*, bytes/s, after GPU-speed scaling (default: `ideal`)
     cores: float = math.inf  # CPU cores this round (inf: CPU not modelled)
     bound_s: dict = field(default_factory=dict)  # seconds running, per resource that bound it (diagnosis.py)
+    fstar: FStarEstimate | None = None  # the scheduler's f* when the declared one is not exact
     consumed: float = 0.0
     perm: np.ndarray = field(init=False)
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)

@@ -98,3 +98,18 @@ def test_vectorised_matches_scalar():
 def test_bad_input_names_the_argument(kw, name):
     with pytest.raises(ValueError, match=name):
         pipeline_perf(100.0, 10.0, 0.0, 1000.0, **kw)
+
+
+def test_autocache_choice_hand_computed():
+    from estimator.pipeline import choose_autocache
+
+    # One job, f* 300, r 35, p 350, e 6, d 100 GB, 4 cores, link 500 MB/s.
+    # 300 GB of cache: source mode holds everything (h = 1) but CPU binds at 4 x 35 = 140;
+    # preprocessed holds half (h = 0.5): CPU 254.5, IO 1000: 254.5 > 140 -> preprocessed.
+    args = dict(dataset_index=[0], n_datasets=1, ideal=[300 * MB], remote_io=[500 * MB], dataset_size=[100 * GB],
+                cores=[4], cpu_rate=[35 * MB], expansion=[6.0], post_cpu_rate=[350 * MB])
+    assert choose_autocache(cache=[300 * GB], **args).tolist() == [True]
+    # 60 GB of cache and a 20 MB/s link: source h = 0.6 -> IO 50; preprocessed h = 0.1 -> IO 22.2.
+    assert choose_autocache(cache=[60 * GB], **{**args, "remote_io": [20 * MB]}).tolist() == [False]
+    # A job without an autocache point: both modes equal, source kept.
+    assert choose_autocache(cache=[300 * GB], **{**args, "expansion": [1.0], "post_cpu_rate": [35 * MB]}).tolist() == [False]

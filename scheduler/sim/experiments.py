@@ -611,7 +611,7 @@ def experiment_cpu(runner: ExperimentRunner, out: Path, capacity: ClusterCapacit
         ax.set_title(f"{k:g} cores per GPU ({k * capacity.gpus_per_node:g} per {capacity.gpus_per_node}-GPU node)")
     axes[0][0].legend(fontsize=8)
     setup = runner.describe(capacity) + "; catalog CPU rates (image 35.2 MB/s per core, text/features none); silod cache"
-    fig.suptitle(f"CPU as a fourth resource vs GPU-proportional cores\n{setup}", fontsize=9)
+    fig.suptitle("CPU as a fourth resource vs GPU-proportional cores\n" + setup.replace("; ", ";\n", 1), fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "cpu.png", dpi=120)
     plt.close(fig)

@@ -93,3 +93,15 @@ def test_without_cpus_per_node_no_cores_are_recorded(tmp_path):
         assert got["state"] == "running" and got["allocated_cpus"] is None
         assert got["bottleneck"]["speedup_cpu"] == pytest.approx(1.0)  # unconstrained cores
     service.close()
+
+
+def test_metrics_count_cores_and_bottlenecks(cpu_client):
+    c, service = cpu_client
+    c.post("/v1/jobs", json={**JOB, "name": "big", "gpus": 4, "ideal_throughput": "400MB/s", "cpu_rate": "35MB/s"}, headers=H_ALICE)
+    c.post("/v1/jobs", json={**JOB, "name": "small", "cpu_rate": "35MB/s"}, headers=H_ALICE)
+    service.run_round("test")
+    text = c.get("/metrics").text
+    assert "silod_cpus_total 8.0" in text
+    assert f"silod_cpus_allocated {4 + 100 / 35}" in text
+    assert 'silod_running_jobs_bound{resource="cpu"} 1.0' in text
+    assert 'silod_running_jobs_bound{resource="gpu"} 1.0' in text

@@ -606,7 +606,7 @@ def register(app: typer.Typer) -> None:
         from estimator.units import format_rate, format_size
 
         # The default columns fit 80 columns; owner and dataset only with --wide.
-        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset"] if wide else []),
+        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset", "cores"] if wide else []),
                    "progress", "remote IO"]
         table = Table(*columns)
         for j in rows:
@@ -614,7 +614,8 @@ def register(app: typer.Typer) -> None:
             io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
             cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
                      "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
-                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io}
+                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io,
+                     "cores": "-" if j.get("allocated_cpus") is None else f"{j['allocated_cpus']:.1f}"}
             table.add_row(*(cells[c] for c in columns))
         Console().print(table)
 

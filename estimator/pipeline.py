@@ -247,7 +247,7 @@ def diagnose(
     tol = 1e-9
     bound = np.where(
         now >= f * (1 - tol), "gpu",
-        np.where(now >= cpu_bound * (1 - tol), "cpu", np.where(s_cache > s_io, "cache", "remote_io")),
+        np.where(now >= cpu_bound * (1 - tol), "cpu", np.where(s_cache > s_io * (1 + tol), "cache", "remote_io")),
     ).astype(object)
     return Diagnosis(now, bound, s_gpu, s_cpu, s_cache, s_io)
 

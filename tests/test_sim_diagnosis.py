@@ -51,3 +51,23 @@ def test_no_cpus_per_node_never_cpu_bound(tmp_path):
     jobs, timeline = _run(tmp_path, "nocpu", ["c,0,1,m,d2,5GB,100MB/s,2,35MB/s"], "--gpus", "1", "--cache", "10GB", "--remote-io", "1GB/s")
     assert jobs["c"]["bottleneck"] == "gpu" and float(jobs["c"]["bound_cpu_s"]) == 0.0
     assert all(int(r["bound_cpu"]) == 0 for r in timeline)
+
+
+def test_simulator_labels_agree_with_the_estimator():
+    import numpy as np
+
+    from estimator.pipeline import diagnose
+    from scheduler.sim.diagnosis import bound_labels
+
+    rng = np.random.default_rng(3)
+    n = 4000
+    f = rng.uniform(1, 200, n) * 1e6
+    d = np.full(n, 1e11)
+    miss = np.where(rng.random(n) < 0.1, 0.0, rng.uniform(0, 1, n))
+    b = np.where(rng.random(n) < 0.1, 0.0, rng.uniform(0, 200, n) * 1e6)
+    cores = np.where(rng.random(n) < 0.3, np.inf, rng.uniform(0, 8, n))
+    rate = np.where(rng.random(n) < 0.3, np.inf, rng.uniform(5, 60, n) * 1e6)
+    cpu = np.where(np.isinf(rate), np.inf, cores * rate)
+    ours = bound_labels(f, cpu, b, miss)
+    theirs = list(diagnose(f, np.ones(n), b, (1 - miss) * d, d, cores, rate).bound)
+    assert ours == theirs

@@ -562,6 +562,7 @@ def register(app: typer.Typer) -> None:
         ideal_throughput: Annotated[str | None, typer.Option("--ideal-throughput", help="f*, e.g. 114MB/s")] = None,
         model: Annotated[str | None, typer.Option(help="catalog model instead of --ideal-throughput")] = None,
         priority: Annotated[int, typer.Option()] = 0,
+        cpu_rate: Annotated[str | None, typer.Option("--cpu-rate", help="source bytes/s one CPU core preprocesses, e.g. 35MB/s [default: the catalog model's, else not CPU-bound]")] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -581,6 +582,9 @@ def register(app: typer.Typer) -> None:
             body["step_bytes"] = _rate_or_number(step_bytes)
         if ideal_throughput is not None:
             body["ideal_throughput"] = _rate_or_number(ideal_throughput)
+        if cpu_rate is not None:
+            parse_rate(cpu_rate, "--cpu-rate")
+            body["cpu_rate"] = _rate_or_number(cpu_rate)
         job = _call(server, token, "POST", "/v1/jobs", json=body)
         typer.echo(job["id"])
 

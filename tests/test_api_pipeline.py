@@ -105,3 +105,14 @@ def test_metrics_count_cores_and_bottlenecks(cpu_client):
     assert f"silod_cpus_allocated {4 + 100 / 35}" in text
     assert 'silod_running_jobs_bound{resource="cpu"} 1.0' in text
     assert 'silod_running_jobs_bound{resource="gpu"} 1.0' in text
+
+
+def test_gpu_proportional_cores_on_the_service(tmp_path):
+    app, service = make_app(f"sqlite:///{tmp_path / 'api.db'}", tmp_path, run_loop=False, cpus_per_node="4",
+                            cpu_allocation="gpu-proportional")
+    with TestClient(app) as c:
+        assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+        job = c.post("/v1/jobs", json={**JOB, "cpu_rate": "35MB/s"}, headers=H_ALICE).json()
+        service.run_round("test")
+        assert c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["allocated_cpus"] == pytest.approx(1.0)  # 4 cores / 4 GPUs
+    service.close()

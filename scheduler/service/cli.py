@@ -177,6 +177,7 @@ def build_api_service(
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
     cpus_per_node: str | None = None,
+    cpu_allocation: str | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
     node_agents: list[str] | None = None,
@@ -198,7 +199,7 @@ def build_api_service(
 
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-        irregular_share=irregular_share, cpus_per_node=cpus_per_node,
+        irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation,
     )
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
                            default_quota=default_quota or TenantQuota(), **_agents(node_agents))
@@ -270,6 +271,7 @@ def build_service(
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
     cpus_per_node: str | None = None,
+    cpu_allocation: str | None = None,
     datamanager: str | None = None,
     state_dir: Path | None = None,
     backend_opts: dict[str, str] | None = None,
@@ -293,7 +295,7 @@ def build_service(
         raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-        irregular_share=irregular_share, cpus_per_node=cpus_per_node,
+        irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation,
     )
     pusher = make_pusher(datamanager) if datamanager else None
     state_dir = default_state_dir() if state_dir is None else state_dir
@@ -432,6 +434,7 @@ def register(app: typer.Typer) -> None:
         cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys")] = None,
         irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
         cpus_per_node: Annotated[str | None, typer.Option("--cpus-per-node", help="CPU cores per node for input pipelines [default: CPU not constrained]")] = None,
+        cpu_allocation: Annotated[str | None, typer.Option("--cpu-allocation", help="with --cpus-per-node: model (cores by the estimator) | gpu-proportional [default: model]")] = None,
         policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
@@ -477,7 +480,7 @@ def register(app: typer.Typer) -> None:
         build_kwargs: dict[str, Any] = dict(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-            irregular_share=irregular_share, cpus_per_node=cpus_per_node, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
         )
         # Check everything once, here, so that a mistake is one clear error before any process

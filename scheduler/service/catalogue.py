@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from sqlalchemy import bindparam, func, insert, select, text
@@ -36,6 +36,7 @@ from scheduler.service.db.models import (
     Dataset,
     DatasetGrant,
     IdempotencyKey,
+    CacheAllocationRow,
     Job,
     JobAllocationRow,
     JobState,
@@ -57,6 +58,8 @@ from scheduler.service.types import (
     access_columns,
     access_from_row,
     check_name,
+    job_bottleneck,
+    pipeline_columns,
 )
 from traces.catalog import lookup_model
 
@@ -119,7 +122,8 @@ _RECORD_COLUMNS = (
     Job.steps, Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
     Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
     JobAllocationRow.remote_io, Job.access, Job.curriculum_starting_percent, Job.curriculum_alpha,
-    Job.curriculum_step, Job.curriculum_batch,
+    Job.curriculum_step, Job.curriculum_batch, Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
+    JobAllocationRow.cpu,
 )
 
 
@@ -136,7 +140,8 @@ def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
         ideal_throughput=r[7], epochs=r[8], steps=r[9], step_bytes=r[10], total_bytes=r[11], consumed_bytes=r[12],
         remaining_bytes=max(r[11] - r[12], 0.0), priority=r[13], state=JobState(r[14]).value, submit_time=r[15],
         start_time=r[16], finish_time=r[17], message=r[18], allocated_gpus=r[19] or 0, gpu_share=r[20] or 0.0,
-        remote_io=r[21], access=access_from_row(*r[22:27]),
+        remote_io=r[21], access=access_from_row(*r[22:27]), cpu_rate=r[27], autocache_expansion=r[28],
+        post_cpu_rate=r[29], allocated_cpus=r[30],
     )
 
 
@@ -401,6 +406,7 @@ class Catalogue:
                 ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
                 submit_time=now, start_time=None, finish_time=None, message="", **access_columns(req.access),
+                **pipeline_columns(req.pipeline),
             )
             # Core insert, not an ORM object: attaching a Job to its Dataset would load the
             # dataset's whole job collection (thousands of rows) on every submission.
@@ -414,7 +420,7 @@ class Catalogue:
                 step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
                 priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
                 finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
-                access=req.access,
+                access=req.access, **pipeline_columns(req.pipeline),
             )
         if req.pod_template is not None:
             self._create_workload(record, req.pod_template)
@@ -472,6 +478,8 @@ class Catalogue:
             remote_io=a.remote_io if a else None,
             access=access_from_row(j.access, j.curriculum_starting_percent, j.curriculum_alpha, j.curriculum_step,
                                    j.curriculum_batch),
+            cpu_rate=j.cpu_rate, autocache_expansion=j.autocache_expansion, post_cpu_rate=j.post_cpu_rate,
+            allocated_cpus=a.cpu if a else None,
         )
 
     def _load_job(self, s: Session, who: Principal, job_id: str) -> Job:
@@ -493,7 +501,15 @@ class Catalogue:
                     row = s.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
-        return _row_record(row)
+        record = _row_record(row)
+        if record.state != JobState.RUNNING.value:
+            return record
+        with self.sessions() as s:
+            size, cached = s.execute(
+                select(Dataset.size, CacheAllocationRow.bytes).select_from(Job).join(Dataset, Job.dataset_id == Dataset.id)
+                .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id).where(Job.id == pk)
+            ).one()
+        return replace(record, bottleneck=job_bottleneck(record, size, cached, self.config.capacity))
 
     def list_jobs(
         self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0

@@ -178,6 +178,8 @@ def build_api_service(
     remote_io: str | None = None,
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
+    cpus_per_node: str | None = None,
+    cpu_allocation: str | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
     node_agents: list[str] | None = None,
@@ -199,7 +201,7 @@ def build_api_service(
 
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-        irregular_share=irregular_share,
+        irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation,
     )
     from scheduler.service.sealed import load_secret_box
 
@@ -270,6 +272,8 @@ def build_service(
     remote_io: str | None = None,
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
+    cpus_per_node: str | None = None,
+    cpu_allocation: str | None = None,
     datamanager: str | None = None,
     state_dir: Path | None = None,
     backend_opts: dict[str, str] | None = None,
@@ -293,7 +297,7 @@ def build_service(
         raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-        irregular_share=irregular_share,
+        irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation,
     )
     pusher = make_pusher(datamanager) if datamanager else None
     state_dir = default_state_dir() if state_dir is None else state_dir
@@ -435,6 +439,8 @@ def register(app: typer.Typer) -> None:
         gpu_speed: Annotated[str | None, typer.Option("--gpu-speed", help="GPU speed vs a V100 (scales catalog f*)")] = None,
         cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys")] = None,
         irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
+        cpus_per_node: Annotated[str | None, typer.Option("--cpus-per-node", help="CPU cores per node for input pipelines [default: CPU not constrained]")] = None,
+        cpu_allocation: Annotated[str | None, typer.Option("--cpu-allocation", help="with --cpus-per-node: model (cores by the estimator) | gpu-proportional [default: model]")] = None,
         policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
@@ -480,7 +486,7 @@ def register(app: typer.Typer) -> None:
         build_kwargs: dict[str, Any] = dict(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-            irregular_share=irregular_share, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
         )
         # Check everything once, here, so that a mistake is one clear error before any process
@@ -569,6 +575,7 @@ def register(app: typer.Typer) -> None:
         ideal_throughput: Annotated[str | None, typer.Option("--ideal-throughput", help="f*, e.g. 114MB/s")] = None,
         model: Annotated[str | None, typer.Option(help="catalog model instead of --ideal-throughput")] = None,
         priority: Annotated[int, typer.Option()] = 0,
+        cpu_rate: Annotated[str | None, typer.Option("--cpu-rate", help="source bytes/s one CPU core preprocesses, e.g. 35MB/s [default: the catalog model's, else not CPU-bound]")] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -588,6 +595,9 @@ def register(app: typer.Typer) -> None:
             body["step_bytes"] = _rate_or_number(step_bytes)
         if ideal_throughput is not None:
             body["ideal_throughput"] = _rate_or_number(ideal_throughput)
+        if cpu_rate is not None:
+            parse_rate(cpu_rate, "--cpu-rate")
+            body["cpu_rate"] = _rate_or_number(cpu_rate)
         job = _call(server, token, "POST", "/v1/jobs", json=body)
         typer.echo(job["id"])
 
@@ -613,7 +623,7 @@ def register(app: typer.Typer) -> None:
         from estimator.units import format_rate, format_size
 
         # The default columns fit 80 columns; owner and dataset only with --wide.
-        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset"] if wide else []),
+        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset", "cores"] if wide else []),
                    "progress", "remote IO"]
         table = Table(*columns)
         for j in rows:
@@ -621,7 +631,8 @@ def register(app: typer.Typer) -> None:
             io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
             cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
                      "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
-                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io}
+                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io,
+                     "cores": "-" if j.get("allocated_cpus") is None else f"{j['allocated_cpus']:.1f}"}
             table.add_row(*(cells[c] for c in columns))
         Console().print(table)
 

@@ -333,6 +333,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
             priority=body.priority, dataset_owner=body.dataset_owner,
             access=body.access.pattern() if body.access is not None else EPOCH,
+            pipeline=body.pipeline(),
             pod_template=body.pod_template.to_template() if body.pod_template else None,
         )
         record, created = catalogue.submit_job(who, req, idempotency_key)

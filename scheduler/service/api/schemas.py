@@ -13,6 +13,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from estimator.access import AccessPattern, parse_access
 from estimator.errors import UserError
+from estimator.pipeline import MAX_EXPANSION, InputPipeline, parse_pipeline
+from traces.catalog import lookup_model
 from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
 from scheduler.service.consumption import MAX_COUNTER
 
@@ -191,8 +193,30 @@ class JobIn(_Strict):
     )
     pod_template: PodTemplateIn | None = Field(default=None, description="Kubernetes: the pods to run (a Job is"
                                                " created in your namespace, suspended until admitted)")
+    cpu_rate: Rate | None = Field(default=None, description="source bytes/s one CPU core preprocesses (decode, augment);"
+                                  " null = not CPU-bound; omitted with a catalog `model`: the catalog's rate")
+    autocache_expansion: float | None = Field(default=None, gt=0, le=MAX_EXPANSION, allow_inf_nan=False,
+                                              description="preprocessed bytes per source byte at the job's autocache point")
+    post_cpu_rate: Rate | None = Field(default=None, description="bytes/s per core of what remains after the autocache point")
 
     _names = field_validator("name", "dataset")(_no_dotdot)
+
+    def pipeline(self) -> InputPipeline | None:
+        """The job's CPU stage: as given, or the catalog model's when cpu_rate is not mentioned."""
+        if "cpu_rate" not in self.model_fields_set and self.model is not None:
+            try:
+                return lookup_model(self.model).pipeline
+            except UserError:
+                return None  # an unknown model is reported by the catalogue, naming `model`
+        return parse_pipeline(self.cpu_rate, self.autocache_expansion, self.post_cpu_rate)
+
+    @model_validator(mode="after")
+    def _pipeline(self) -> JobIn:
+        try:
+            parse_pipeline(self.cpu_rate, self.autocache_expansion, self.post_cpu_rate)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _work_and_speed(self) -> JobIn:
@@ -253,6 +277,15 @@ class ConsumptionOut(BaseModel):
     ignored: list[IgnoredOut]
 
 
+class BottleneckOut(BaseModel):
+    bound: Literal["gpu", "cpu", "cache", "remote_io"]
+    throughput: float = Field(description="bytes/s the model predicts with the job's allocation while it runs")
+    speedup_gpu: float
+    speedup_cpu: float
+    speedup_cache: float
+    speedup_remote_io: float
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -280,6 +313,13 @@ class JobOut(BaseModel):
     gpu_share: float
     remote_io: float | None
     access: AccessOut
+    cpu_rate: float | None = Field(None, description="source bytes/s per core; null = not CPU-bound")
+    autocache_expansion: float | None = None
+    post_cpu_rate: float | None = None
+    allocated_cpus: float | None = Field(None, description="CPU cores while running; null = the cluster does not model CPU")
+    bottleneck: BottleneckOut | None = Field(
+        None, description="GET /v1/jobs/{id} of a running job: the resource that bounds it and the predicted speed-up"
+                          " of one more GPU, one more core, +10% cache, +10% remote IO")
     measured: MeasuredOut | None = Field(
         None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
                           " report yet, or not a Kubernetes job)")

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.service.overview import bounding_resource, predicted_throughput, wait_reason
+from scheduler.service.overview import diagnosis, wait_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SILOD = [sys.executable, "-m", "scheduler"]
@@ -43,14 +43,16 @@ def test_wait_reason_names_what_is_missing():
     assert "next round" in wait_reason(1, 8, False, 0, "gavel")
 
 
-def test_bounding_resource_follows_silodperf():
-    GB, MB = 1e9, 1e6
+def test_diagnosis_follows_silodperf():
+    GB, MB, inf = 1e9, 1e6, float("inf")
     # f* 100 MB/s; half the dataset cached and 40 MB/s of remote IO: b/(1-c/d) = 80 MB/s < f*
-    assert predicted_throughput(100 * MB, 40 * MB, 50 * GB, 100 * GB) == pytest.approx(80 * MB)
-    assert bounding_resource(100 * MB, 40 * MB, 50 * GB, 100 * GB) == "remote-io"
-    assert bounding_resource(100 * MB, 60 * MB, 50 * GB, 100 * GB) == "gpu"
-    assert bounding_resource(100 * MB, 0.0, 100 * GB, 100 * GB) == "gpu"  # all cached
-    assert bounding_resource(100 * MB, None, 0.0, 100 * GB) == "unknown"  # IO not managed
+    perf, bound = diagnosis(100 * MB, 1, 40 * MB, 50 * GB, 100 * GB, None, None, link=1 * GB)
+    assert perf == pytest.approx(80 * MB) and bound in ("cache", "remote_io")
+    assert diagnosis(100 * MB, 1, 60 * MB, 50 * GB, 100 * GB, None, None, link=1 * GB) == (pytest.approx(100 * MB), "gpu")
+    assert diagnosis(100 * MB, 1, 0.0, 100 * GB, 100 * GB, None, None, link=1 * GB)[1] == "gpu"  # all cached
+    # unmanaged IO is the whole link; 2 cores at 20 MB/s each bound it at 40 MB/s
+    assert diagnosis(100 * MB, 1, None, 0.0, 100 * GB, 2.0, 20 * MB, link=1 * GB) == (pytest.approx(40 * MB), "cpu")
+    assert diagnosis(100 * MB, 1, None, 0.0, 100 * GB, inf, None, link=1 * GB)[1] == "gpu"
 
 
 def test_top_render_fits_80_columns():
@@ -64,7 +66,7 @@ def test_top_render_fits_80_columns():
          "history": [{"time": float(t), "gpus_used": float(t % 17)} for t in range(200)],
          "running": [{"id": "123456", "name": long, "gpus": 8, "cache_bytes": 1.36e12, "remote_io": 4.5e8,
                       "hit_ratio": 0.4567, "throughput": 8.1e8, "ideal_throughput": 9.12e8, "progress": 0.5,
-                      "bound": "remote-io"}],
+                      "bound": "remote_io"}],
          "queue": [{"position": 1, "id": "123457", "name": long, "gpus": 16,
                     "reason": wait_reason(16, 8, False, 12, "gavel")}],
          "datasets": [{"name": long, "owner": long, "size": 1.36e12, "allocated": 1e12, "cached": 5e11}]}
@@ -169,7 +171,7 @@ def test_overview_shows_position_reason_and_allocation_to_the_owner_only(server)
     assert q["reason"] == "needs 8 GPUs, 1 free; 1 later job(s) started on free GPUs (backfilling)"
     (run,) = alice["running"]
     assert run["id"] == server["running"] and run["gpus"] == 6
-    assert run["cache_bytes"] == pytest.approx(100e9) and run["bound"] in ("gpu", "remote-io")
+    assert run["cache_bytes"] == pytest.approx(100e9) and run["bound"] in ("gpu", "cpu", "cache", "remote_io")
     assert [d["name"] for d in alice["datasets"]] == ["imagenet"]
     assert alice["gpus_used"] == 7 and alice["running_total"] == 2  # cluster totals are everyone's
     bob = _overview(server["base"], BOB)
@@ -186,7 +188,7 @@ def test_metrics_export_per_job_and_per_dataset_gauges(server):
     assert re.search(rf'silod_job_queue_position{{[^}}]*job="{server["waiting"]}"[^}}]*}} 1\.0', text)
     assert re.search(r'silod_job_cache_allocated_bytes{[^}]*name="alice-r50"[^}]*} 1e\+11', text)
     assert re.search(r'silod_dataset_cache_allocated_bytes{[^}]*dataset="imagenet"[^}]*} 1e\+11', text)
-    assert re.search(r'silod_job_bound{[^}]*resource="(gpu|remote-io)"', text)
+    assert re.search(r'silod_job_bound{[^}]*resource="(gpu|cpu|cache|remote_io)"', text)
     assert "silod_queue_length 1.0" in text
     assert re.search(r"silod_jobs_admitted_total 2\.0", text)
 

@@ -3,8 +3,8 @@ per-dataset gauges of /metrics all render this one overview, so they cannot disa
 
 `build_overview` reads the database (jobs, allocations, datasets) and the status the scheduling
 process publishes (measurements from the data manager or the backend, jobs held back by quota,
-a short utilisation history). `wait_reason` and `bounding_resource` are pure functions of that
-state, tested on their own.
+a short utilisation history). `wait_reason` and `diagnosis` are pure functions of that state,
+tested on their own.
 
 A tenant sees its own jobs and the datasets it owns or was granted; the cluster's totals and
 each waiting job's position in the whole queue are visible to everyone (as `GET /v1/cluster`
@@ -57,8 +57,8 @@ class RunningJob:
     remote_io: float | None  # bytes/s cap; None = not managed
     hit_ratio: float | None  # measured: hit bytes / read bytes (None: no measurement yet)
     throughput: float | None  # measured read throughput, bytes/s
-    predicted_throughput: float | None  # SiloDPerf with the allocation
-    bound: str  # "gpu" | "remote-io" | "unknown": what limits the job by the model
+    predicted_throughput: float  # SiloDPerf (with the CPU stage) of what it holds
+    bound: str  # what limits it by the model: "gpu" | "cpu" | "cache" | "remote_io"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,22 +95,17 @@ class Overview:
         return out
 
 
-def predicted_throughput(ideal: float, remote_io: float | None, cache: float | None, size: float) -> float | None:
-    """SiloDPerf = min(f*, b / (1 - c/d)) for the allocation; None when IO is not managed."""
-    if remote_io is None:
-        return None
-    hit = min(max((cache or 0.0) / size, 0.0), 1.0) if size > 0 else 1.0
-    io = math.inf if hit >= 1.0 else remote_io / (1.0 - hit)
-    return min(ideal, io)
+def diagnosis(ideal: float, gpus: int, remote_io: float | None, cache: float | None, size: float,
+              cores: float | None, cpu_rate: float | None, link: float) -> tuple[float, str]:
+    """(predicted throughput, bounding resource) of a running job from what it holds, by the
+    same model as `GET /v1/jobs/{id}`'s bottleneck (estimator.pipeline.diagnose: SiloDPerf with
+    the CPU stage): 'gpu' | 'cpu' | 'cache' | 'remote_io'. Unmanaged IO counts as the whole link
+    `link`, as there."""
+    from estimator.pipeline import diagnose
 
-
-def bounding_resource(ideal: float, remote_io: float | None, cache: float | None, size: float) -> str:
-    """Which resource limits the job under its allocation, by the model: its GPUs (f*) or the
-    remote IO left after its cache hits."""
-    perf = predicted_throughput(ideal, remote_io, cache, size)
-    if perf is None:
-        return "unknown"
-    return "gpu" if perf >= ideal * (1 - 1e-9) else "remote-io"
+    d = diagnose([ideal], gpus, link if remote_io is None else remote_io, cache or 0.0, size,
+                 math.inf if cores is None else cores, math.inf if cpu_rate is None else cpu_rate)
+    return float(d.throughput[0]), str(d.bound[0])
 
 
 def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: int, policy: str) -> str:
@@ -175,13 +170,14 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         pods = agents.get(str(j.id))
         if not m and pods is not None and pods.hit_bytes + pods.miss_bytes > 0:
             m = {"hit_ratio": pods.hit_bytes / (pods.hit_bytes + pods.miss_bytes)}
+        remote_io = a.remote_io if a else None
+        predicted, bound = diagnosis(j.ideal_throughput, j.gpus, remote_io, cache, j.dataset.size,
+                                     a.cpu if a else None, j.cpu_rate, float(capacity.remote_io))
         rows.append(RunningJob(
             str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.ideal_throughput,
             min(j.consumed_bytes / j.total_bytes, 1.0) if j.total_bytes > 0 else 0.0,
-            cache, j.dataset.size, a.remote_io if a else None,
-            _finite(m.get("hit_ratio")), _finite(m.get("throughput")),
-            predicted_throughput(j.ideal_throughput, a.remote_io if a else None, cache, j.dataset.size),
-            bounding_resource(j.ideal_throughput, a.remote_io if a else None, cache, j.dataset.size),
+            cache, j.dataset.size, remote_io, _finite(m.get("hit_ratio")), _finite(m.get("throughput")),
+            predicted, bound,
         ))
     datasets = []
     for d in visible_datasets:

@@ -16,7 +16,7 @@ from estimator.units import format_rate, format_size
 
 WIDTH = 80
 SPARK = " ▁▂▃▄▅▆▇█"
-BOUND_WORDS = {"gpu": "GPU", "remote-io": "IO", "unknown": "-"}  # what limits a running job, short
+BOUND_WORDS = {"gpu": "GPU", "cpu": "CPU", "cache": "cache", "remote_io": "IO"}  # what limits a running job, short
 
 
 def _size(v: float | None) -> str:

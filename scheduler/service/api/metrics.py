@@ -86,7 +86,7 @@ DATASET_GAUGES = {
 # Waiting jobs beyond the first ones in line get no per-job series: a queue of 10,000 jobs would
 # otherwise be 20,000 series per scrape. silod_queue_length still counts them all.
 MAX_WAITING_SERIES = 500
-BOUND_GAUGE = "silod_job_bound"  # 1 for the resource that limits the running job: gpu | remote-io
+BOUND_GAUGE = "silod_job_bound"  # 1 for the resource that limits the running job: gpu | cpu | cache | remote_io
 
 
 def overview_metrics(o: Overview) -> Iterator[Metric]:
@@ -99,15 +99,14 @@ def overview_metrics(o: Overview) -> Iterator[Metric]:
         fam["silod_job_gpus"].add_metric(lv, j.gpus)
         fam["silod_job_ideal_throughput_bytes_per_second"].add_metric(lv, j.ideal_throughput)
         fam["silod_job_progress_ratio"].add_metric(lv, j.progress)
+        fam["silod_job_predicted_throughput_bytes_per_second"].add_metric(lv, j.predicted_throughput)
         for name, value in (("silod_job_remote_io_allocated_bytes_per_second", j.remote_io),
                             ("silod_job_cache_allocated_bytes", j.cache_bytes),
                             ("silod_job_hit_ratio", j.hit_ratio),
-                            ("silod_job_throughput_bytes_per_second", j.throughput),
-                            ("silod_job_predicted_throughput_bytes_per_second", j.predicted_throughput)):
+                            ("silod_job_throughput_bytes_per_second", j.throughput)):
             if value is not None:  # unknown is absent, not 0 (a 0 hit ratio is a real figure)
                 fam[name].add_metric(lv, value)
-        if j.bound != "unknown":
-            bound.add_metric([*lv, j.bound], 1.0)
+        bound.add_metric([*lv, j.bound], 1.0)
     for q in o.queue[:MAX_WAITING_SERIES]:
         lv = [q.id, q.name, q.owner, q.dataset]
         fam["silod_job_gpus"].add_metric(lv, 0)

@@ -25,12 +25,15 @@ object the workload's owner can write.
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from estimator import silod_perf
@@ -40,7 +43,7 @@ from policies.types import ClusterCapacity
 from scheduler.backends.base import (
     ClusterBackend, ClusterDescription, JobAllocation, JobEvent, JobSpec, NodeInfo,
 )
-from scheduler.backends.kubernetes.placement import NodeState, PodRequest, place, why_not
+from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
     GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError,
     admitted_object, parse_workload, rest_job_object, suspended_object,
@@ -53,6 +56,9 @@ NODE_ANN_IO = "silod.io/remote-io"  # the node's share of the remote link (e.g. 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 INTAKE_NAME = re.compile(r"^(job|jobset|pytorchjob)\.(.+)\.([0-9a-f-]{36})$")
 REST_NAME = re.compile(r"^silod-([0-9]+)$")
+# Every write names silod as its field manager (managedFields, server-side apply conflicts),
+# not the client library's default "OpenAPI-Generator".
+FIELD_MANAGER = "silod"
 
 
 @dataclass
@@ -317,6 +323,8 @@ class KubernetesBackend(ClusterBackend):
                 gpus_free=max(gpus - used.get(name, 0) - reserved.get(name, 0), 0), cache_capacity=cache,
                 cache_used=cache_used.get(name, {}), io_capacity=io, io_used=io_used.get(name, 0.0),
                 labels=dict(n.metadata.labels or {}),
+                taints=tuple(Taint(t.key or "", t.value or "", t.effect or "")
+                             for t in ((n.spec.taints if n.spec else None) or [])),
             ))
         return out
 
@@ -405,15 +413,20 @@ class KubernetesBackend(ClusterBackend):
         log.warning("%s %s/%s: %s", kind.kind, meta.get("namespace"), meta.get("name"), message)
         from kubernetes import client
 
+        now = datetime.now(timezone.utc)
         event = client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name')}.", namespace=meta.get("namespace")),
+            # kubectl get events sorts and ages by these; without them an Event shows "<unknown>".
+            first_timestamp=now, last_timestamp=now, count=1, reporting_component="silod",
+            reporting_instance=os.environ.get("POD_NAME") or os.uname().nodename,
             involved_object=client.V1ObjectReference(api_version=kind.api_version, kind=kind.kind,
                                                      name=meta.get("name"), namespace=meta.get("namespace"),
                                                      uid=meta.get("uid")),
             reason=reason, message=message[:1024], type="Warning", source=client.V1EventSource(component="silod"),
         )
         try:
-            self.core.create_namespaced_event(meta.get("namespace") or "default", event, _request_timeout=self.timeout)
+            self.core.create_namespaced_event(meta.get("namespace") or "default", event, field_manager=FIELD_MANAGER,
+                                              _request_timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001 - an Event is best effort; the log line stays
             log.debug("could not record an Event: %s", exc)
 
@@ -488,7 +501,7 @@ class KubernetesBackend(ClusterBackend):
                                dataset=job.dataset, template=template)
         try:
             obj = self.custom.create_namespaced_custom_object("batch", "v1", ns, "jobs", body,
-                                                              _request_timeout=self.timeout)
+                                                              field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
         except _api_exception() as exc:
             if exc.status == 404:
                 raise UserError(f"namespace {ns} does not exist; an operator creates one namespace per tenant"
@@ -571,10 +584,15 @@ class KubernetesBackend(ClusterBackend):
         wl, obj = fresh
         if wl.phase != "active":
             return True  # finished already; poll() reports it
+        if wl.kind == JOB and wl.suspended and (obj.get("status") or {}).get("startTime"):
+            cleared = self._clear_start_time(wl, obj)
+            if cleared is None:
+                return False  # its pods are still stopping (or a conflict): the next poll retries
+            wl, obj = cleared
         cache = float(allocation.cache_bytes or 0.0)
         io_total = float(allocation.remote_io or 0.0)
         io_per_pod = io_total / max(wl.pods, 1)
-        pods = [PodRequest(key, gpus, sel) for key, gpus, sel in wl.pod_list()]
+        pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols)) for key, gpus, sel, tols in wl.pod_list()]
         where = place(pods, self.nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod)
         if where is None:
             self._report(obj, wl.kind, f"{wl.key} waits for placement: "
@@ -604,6 +622,35 @@ class KubernetesBackend(ClusterBackend):
         log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
         return True
 
+    def _clear_start_time(self, wl: Workload, obj: dict[str, Any]) -> tuple[Workload, dict[str, Any]] | None:
+        """Clear a suspended Job's status.startTime through the jobs/status subresource, once its
+        controller reports no active pod (Kueue does the same). The API server accepts a change
+        of the pod template's node affinity only while the Job is suspended *and* has no
+        startTime; the Job controller keeps startTime on suspension through Kubernetes 1.35
+        (1.36 clears it itself, and then this never runs). Checked against the "kube-apiserver
+        v1.24.0-alpha snapshot" and its Job controller (tests/test_kubernetes_real.py)."""
+        status = obj.get("status") or {}
+        if int(status.get("active") or 0) > 0:
+            log.info("%s: waiting for its %s active pods to stop before re-admission", wl.key, status.get("active"))
+            return None
+        new = copy.deepcopy(obj)
+        new["status"].pop("startTime", None)
+        try:
+            got = self.custom.replace_namespaced_custom_object_status(
+                "batch", "v1", wl.namespace, "jobs", wl.name, new, field_manager=FIELD_MANAGER,
+                _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status in (404, 409):
+                return None  # changed meanwhile: fresh state on the next poll
+            if exc.status == 403:
+                self._report(obj, wl.kind, f"{wl.key}: silod may not update jobs/status (deploy/base's ClusterRole"
+                                           f" grants it); it cannot re-admit this Job onto other nodes")
+                return None
+            raise
+        parsed = parse_workload(wl.kind, got)
+        self.workloads[parsed.uid], self._objects[parsed.uid] = parsed, got
+        return parsed, got
+
     def _node_states_from_cache(self) -> list[NodeState]:
         nodes = self.core.list_node(_request_timeout=self.timeout).items
         return self._node_states(nodes)
@@ -614,7 +661,7 @@ class KubernetesBackend(ClusterBackend):
         try:
             got = self.custom.replace_namespaced_custom_object(
                 wl.kind.group, wl.kind.version, wl.namespace, wl.kind.plural, wl.name, new,
-                _request_timeout=self.timeout)
+                field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
         except _api_exception() as exc:
             if exc.status in (404, 409):
                 log.info("%s changed or vanished while being updated (%s); retrying with fresh state", wl.key, exc.status)

@@ -75,6 +75,7 @@ class PodSet:
     gpus: int
     node_selector: Mapping[str, str]
     path: tuple[str | int, ...]  # where the pod template (with .spec) sits in the object
+    tolerations: tuple[tuple[str, str, str, str], ...] = ()  # (key, operator, value, effect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +111,9 @@ class Workload:
     def pods(self) -> int:
         return sum(p.count for p in self.pod_sets)
 
-    def pod_list(self) -> list[tuple[str, int, Mapping[str, str]]]:
-        """One (pod name, GPUs, nodeSelector) per pod, for placement."""
-        return [(f"{self.key}/{ps.name}-{i}", ps.gpus, ps.node_selector)
+    def pod_list(self) -> list[tuple[str, int, Mapping[str, str], tuple[tuple[str, str, str, str], ...]]]:
+        """One (pod name, GPUs, nodeSelector, tolerations) per pod, for placement."""
+        return [(f"{self.key}/{ps.name}-{i}", ps.gpus, ps.node_selector, ps.tolerations)
                 for ps in self.pod_sets for i in range(ps.count)]
 
 
@@ -168,6 +169,15 @@ def template_datasets(pod_spec: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _tolerations(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise WorkloadError(f"{where} must be a list of tolerations")
+    return tuple((str(t.get("key") or ""), str(t.get("operator") or "Equal"), str(t.get("value") or ""),
+                  str(t.get("effect") or "")) for t in value)
+
+
 def _count(value: Any, where: str, default: int = 1) -> int:
     if value is None:
         return default
@@ -184,7 +194,8 @@ def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str) -> list[PodSet]:
         template = _get(obj, *path) or {}
         pod_spec = template.get("spec") or {}
         sets.append(PodSet(name=name, count=count, gpus=pod_gpus(pod_spec, f"{where} {name}"),
-                           node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path))
+                           node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path,
+                           tolerations=_tolerations(pod_spec.get("tolerations"), f"{where} {name} tolerations")))
 
     if kind == JOB:
         add("main", _count(spec.get("parallelism"), f"{where} spec.parallelism"), ("spec", "template"))

@@ -1,0 +1,175 @@
+"""silod's Kubernetes backend against a REAL control plane (tests/k8s_testenv.py): etcd, the
+kube-apiserver, the upstream Job controller and kube-scheduler, all "kube-apiserver v1.24.0-alpha
+snapshot" (Kubernetes master of 2021-12-23), RBAC on, deploy/base applied, silod authenticated as
+its own service account. The test plays the kubelet (tests/k8s_testenv.py, Kubelet).
+
+What is checked here is real API-server behaviour: validation of Job template changes
+(spec.template is immutable except node affinity/selectors/tolerations/labels/annotations while
+the Job is suspended and has no status.startTime), the Job controller's suspension (it deletes
+active pods and keeps status.startTime until 1.35; Kubernetes 1.36 clears it on suspend),
+kube-scheduler's taints and tolerations, RBAC of deploy/base, the webhook called by URL.
+"""
+
+from __future__ import annotations
+
+import types
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from k8s_testenv import SILOD_SA, ControlPlane, Kubelet, control_plane, wait  # noqa: F401 - the fixture
+from policies.types import ClusterCapacity
+from scheduler.backends.base import DatasetInfo, JobAllocation, JobSpec
+from scheduler.backends.kubernetes import KubernetesBackend, PodTemplate, load_api_client
+
+pytestmark = [pytest.mark.slow]
+
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
+
+
+@pytest.fixture
+def tenant(control_plane: ControlPlane) -> Iterator[tuple[ControlPlane, str, list[str]]]:
+    """A fresh tenant namespace and a list the test appends its node names to (deleted after)."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    control_plane.add_namespace(ns, RESTRICTED)
+    nodes: list[str] = []
+    try:
+        yield control_plane, ns, nodes
+    finally:
+        control_plane.cleanup_namespace(ns)
+        control_plane.delete_nodes(nodes)
+
+
+def backend_for(cp: ControlPlane, gpus: int = 16) -> KubernetesBackend:
+    """silod's backend as `silod serve --backend kubernetes --backend-opt kubeconfig=...` makes it,
+    authenticated as the scheduler's service account."""
+    api = load_api_client(kubeconfig=str(cp.kubeconfig(SILOD_SA)))
+    return KubernetesBackend(api, capacity=ClusterCapacity(gpus=gpus, cache=1e12, remote_io=1e9, gpus_per_node=8))
+
+
+def rest_job(backend: KubernetesBackend, ns: str, job_id: str, gpus: int) -> JobSpec:
+    """A REST submission's Job, created by silod (`create_workload`) in the tenant's namespace."""
+    rec = types.SimpleNamespace(id=job_id, name=f"job-{job_id}", owner=ns, gpus=gpus, dataset="ds")
+    backend.create_workload(rec, PodTemplate(image="trainer:1"))
+    return JobSpec(job_id, rec.name, ns, gpus, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+
+
+def alloc(spec: JobSpec) -> JobAllocation:
+    return JobAllocation(spec.job_id, spec.gpus, 1.0, 1e8, 1e8)
+
+
+def node_of_affinity(job: dict) -> list[str]:
+    """The nodes silod's admission wrote into the Job's required node affinity ([] if none)."""
+    terms = (((job["spec"]["template"]["spec"].get("affinity") or {}).get("nodeAffinity") or {})
+             .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+    return [v for t in terms for e in t.get("matchExpressions", []) if e["key"] == "kubernetes.io/hostname"
+            for v in e["values"]]
+
+
+def running_pods(cp: ControlPlane, ns: str) -> list[dict]:
+    return [p for p in cp.pods(ns) if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") == "Running"]
+
+
+def test_readmission_after_preemption_moves_the_job_to_other_nodes(tenant):
+    """Finding 1: a preempted Job re-admitted onto OTHER nodes. The real Job controller keeps
+    status.startTime on suspension (through 1.35), and the API server accepts the new node
+    affinity only once startTime is cleared, so silod clears it through jobs/status once
+    status.active == 0 (as Kueue does) and then writes the new placement."""
+    cp, ns, nodes = tenant
+    cp.start_kube_scheduler()
+    a, b = f"{ns}-a", f"{ns}-b"
+    nodes += [a, b]
+    cp.add_node(a, 4)
+    cp.add_node(b, 4)
+    kubelet = Kubelet(cp, nodes)
+    backend = backend_for(cp)
+    backend.refresh()
+    spec = rest_job(backend, ns, "901", 4)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    first = node_of_affinity(cp.job(ns, "silod-901"))
+    assert len(first) == 1 and first[0] in (a, b), backend._reported.problems
+    other = b if first[0] == a else a
+
+    def step_until(cond, what, timeout=60.0):
+        def once():
+            kubelet.step(ns)
+            backend.poll()
+            return cond()
+        return wait(once, timeout=timeout, what=what, interval=0.2)
+
+    step_until(lambda: [p for p in running_pods(cp, ns) if p["spec"]["nodeName"] == first[0]],
+               f"the Job's pod running on {first[0]}")
+    step_until(lambda: (cp.job(ns, "silod-901").get("status") or {}).get("startTime"), "the Job controller's startTime")
+
+    # Preempted by suspension; meanwhile the first node is cordoned, so the next admission moves.
+    backend.stop("901")
+    cp.core.patch_node(first[0], {"spec": {"unschedulable": True}})
+    step_until(lambda: not cp.pods(ns), "the Job controller to remove the pod (kubelet finishing it)")
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    job = step_until(lambda: (j := cp.job(ns, "silod-901"))["spec"].get("suspend") is False and j,
+                     f"re-admission of silod-901 onto {other}: {backend._deferred}", timeout=30)
+    assert node_of_affinity(job) == [other]
+    pods = step_until(lambda: running_pods(cp, ns), f"the Job's pod running on {other}")
+    assert [p["spec"]["nodeName"] for p in pods] == [other]
+    assert backend.running_jobs() == {"901"}
+    # silod wrote as itself: server-side field ownership names the manager "silod".
+    managers = {m["manager"] for m in cp.job(ns, "silod-901")["metadata"]["managedFields"]}
+    assert "silod" in managers and "OpenAPI-Generator" not in managers
+
+
+def test_placement_honours_taints_tolerations_and_node_readiness(tenant):
+    """Finding 4: a GPU node tainted nvidia.com/gpu:NoSchedule is not chosen for a Job that does
+    not tolerate it (kube-scheduler would leave its pods Pending while silod holds the GPUs); a
+    Job that tolerates it may go there. Nodes that are NotReady, cordoned, or still carry the
+    node.kubernetes.io/not-ready taint are never chosen."""
+    cp, ns, nodes = tenant
+    cp.start_kube_scheduler()
+    tainted, free, notready, cordoned, still_tainted = (f"{ns}-{s}" for s in ("gpu", "big", "nr", "cord", "nrt"))
+    nodes += [tainted, free, notready, cordoned, still_tainted]
+    # Best fit would pick the tightest nodes (4 GPUs) first: every one of them is unusable.
+    cp.add_node(tainted, 4, taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}])
+    cp.add_node(notready, 4, ready=False)
+    cp.add_node(cordoned, 4, unschedulable=True)
+    cp.add_node(still_tainted, 4, taints=[{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}])
+    cp.add_node(free, 6)
+    kubelet = Kubelet(cp, nodes)
+    backend = backend_for(cp)
+    backend.refresh()
+    spec = rest_job(backend, ns, "902", 4)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    assert node_of_affinity(cp.job(ns, "silod-902")) == [free], backend._reported.problems
+
+    def scheduled():
+        kubelet.step(ns)
+        return [p["spec"]["nodeName"] for p in cp.pods(ns) if p["spec"].get("nodeName")]
+    assert wait(scheduled, 60, "kube-scheduler to bind the pod") == [free]
+
+    # A workload that tolerates the GPU taint may use that node (the only one left with 4 free).
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "tolerant", "namespace": ns, "labels": {"silod.io/queue": "default"},
+                     "annotations": {"silod.io/epochs": "1", "silod.io/ideal-throughput": "100MB/s"}},
+        "spec": {"suspend": True, "template": {"spec": {
+            "restartPolicy": "Never",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "t", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": "4"}},
+                            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": [{"name": "data", "csi": {"driver": "silod.io", "readOnly": True,
+                                                 "volumeAttributes": {"dataset": "ds"}}}]}}},
+    }
+    from kubernetes import client
+
+    client.CustomObjectsApi(cp.api_client()).create_namespaced_custom_object("batch", "v1", ns, "jobs", job)
+    backend.refresh()
+    wl = next(w for w in backend.workloads.values() if w.name == "tolerant")
+    backend._remember("903", wl)
+    tol = JobSpec("903", "tolerant", ns, 4, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.start(tol, alloc(tol))
+    assert node_of_affinity(cp.job(ns, "tolerant")) == [tainted], backend._reported.problems
+    wait(lambda: sorted(scheduled()) == sorted([free, tainted]), 60, "kube-scheduler to bind the tolerant pod")

@@ -91,16 +91,20 @@ class AgentProc:
         t.parent.mkdir(parents=True, exist_ok=True)
         return t
 
-    def publish(self, volume_id: str, target: Path, namespace: str = "alice", dataset: str = "ds", **extra: str):
+    def publish(self, volume_id: str, target: Path, namespace: str = "alice", dataset: str = "ds", *,
+                mode: int = 1, readonly: bool = True, **extra: str):
+        """NodePublishVolume as kubelet sends it. Inline volume: access mode SINGLE_NODE_WRITER
+        (1, kubelet's default for inline volumes) with readonly=true; a ReadOnlyMany PV:
+        MULTI_NODE_READER_ONLY (3)."""
         pb = self.pb
         ctx = {"dataset": dataset, "csi.storage.k8s.io/pod.name": "p", "csi.storage.k8s.io/pod.namespace": namespace,
                "csi.storage.k8s.io/pod.uid": "u", "csi.storage.k8s.io/ephemeral": "true", **extra}
         if not namespace:
             del ctx["csi.storage.k8s.io/pod.namespace"]
         cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
-                                  access_mode=pb.VolumeCapability.AccessMode(mode=1))
+                                  access_mode=pb.VolumeCapability.AccessMode(mode=mode))
         return self.node_stub().NodePublishVolume(pb.NodePublishVolumeRequest(
-            volume_id=volume_id, target_path=str(target), volume_capability=cap, readonly=True, volume_context=ctx),
+            volume_id=volume_id, target_path=str(target), volume_capability=cap, readonly=readonly, volume_context=ctx),
             timeout=60)
 
     def unpublish(self, volume_id: str, target: Path):
@@ -213,3 +217,48 @@ def test_a_pod_cannot_mount_another_tenants_dataset_or_escape_the_kubelet_dir(se
         agent.publish("v-dots", agent.target("pod-d"), dataset="../etc")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not any(os.path.ismount(p) for p in agent.kubelet.rglob("mount"))
+
+
+def test_one_pvc_volume_is_published_for_two_pods_on_the_node(setup):
+    """Finding 3: no STAGE_UNSTAGE, so kubelet publishes a PVC's volume once per pod, with the same
+    volume_id at two target paths (allowed for MULTI_NODE_READER_ONLY). Both pods read; the
+    dataset mount lives until the last of them is unpublished."""
+    agent, ds = setup
+    vid = "silod:alice:ds:pvc-0a1b"  # what silod's CSI controller provisions for alice's PVC "ds"
+    pvc = {"silod.io/namespace": "alice"}
+    t1, t2 = agent.target("pod-1"), agent.target("pod-2")
+    agent.publish(vid, t1, mode=3, **pvc)
+    agent.publish(vid, t2, mode=3, **pvc)  # the second pod on the node: was INVALID_ARGUMENT "already published"
+    agent.publish(vid, t2, mode=3, **pvc)  # idempotent repeat
+    rel = sorted(ds.sizes)[0]
+    assert (t1 / rel).read_bytes() == (t2 / rel).read_bytes() == (ds.root / rel).read_bytes()
+    agent.unpublish(vid, t1)
+    assert not os.path.exists(t1) and os.path.ismount(t2)
+    assert (t2 / rel).read_bytes() == (ds.root / rel).read_bytes()  # the other pod still reads
+    assert os.path.ismount(agent.state / "mounts" / "alice" / "ds")
+    agent.unpublish(vid, t2)
+    assert not os.path.ismount(agent.state / "mounts" / "alice" / "ds")  # released with its last publication
+
+
+def test_publish_error_codes_follow_the_csi_spec(setup):
+    agent, _ = setup
+    t = agent.target("pod-1")
+    # A writable publish of a read-only dataset is refused, not silently mounted read-only.
+    with pytest.raises(grpc.RpcError) as err:
+        agent.publish("v1", t, readonly=False)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "readOnly" in err.value.details()
+    assert not os.path.ismount(t)
+    agent.publish("v1", t)
+    # The same volume at the same target with an incompatible capability: ALREADY_EXISTS.
+    with pytest.raises(grpc.RpcError) as err:
+        agent.publish("v1", t, mode=3)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    # Another volume at a target that holds one: ALREADY_EXISTS, the first stays.
+    with pytest.raises(grpc.RpcError) as err:
+        agent.publish("v2", t)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and os.path.ismount(t)
+    # A reader-only access mode is read-only whatever the readonly flag (a PVC mounted without readOnly).
+    t3 = agent.target("pod-3")
+    agent.publish("v3", t3, mode=3, readonly=False)
+    with pytest.raises(OSError):
+        (t3 / "new-file").write_bytes(b"x")

@@ -225,14 +225,22 @@ class ControlPlane:
         for doc in docs:
             utils.create_from_dict(api, doc)
 
-    def add_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+    def add_namespace(self, name: str, labels: dict[str, str] | None = None, *, tenant: bool = True) -> None:
         """A namespace and its `default` ServiceAccount (no controller manager creates it here; the
-        ServiceAccount admission plugin refuses pods without it)."""
+        ServiceAccount admission plugin refuses pods without it). A tenant's namespace also gets
+        what deploy/base/workloads-namespace.yaml gives ml-team besides the Namespace (the
+        RoleBinding that lets silod create its REST Jobs there), as an operator copies it."""
         from kubernetes import client
 
         self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels or {})))
         self.core.create_namespaced_service_account(name, client.V1ServiceAccount(
             metadata=client.V1ObjectMeta(name="default")))
+        if tenant:
+            per_tenant = [d for d in yaml.safe_load_all((DEPLOY / "base" / "workloads-namespace.yaml").read_text())
+                          if d and d["kind"] != "Namespace"]
+            for doc in per_tenant:
+                doc["metadata"]["namespace"] = name
+            self.apply(per_tenant)
 
     def add_node(self, name: str, gpus: int, *, taints: list[dict[str, str]] | None = None, ready: bool = True,
                  unschedulable: bool = False, labels: dict[str, str] | None = None,

@@ -173,3 +173,82 @@ def test_placement_honours_taints_tolerations_and_node_readiness(tenant):
     backend.start(tol, alloc(tol))
     assert node_of_affinity(cp.job(ns, "tolerant")) == [tainted], backend._reported.problems
     wait(lambda: sorted(scheduled()) == sorted([free, tainted]), 60, "kube-scheduler to bind the tolerant pod")
+
+
+def test_silod_creates_rest_jobs_only_in_tenant_namespaces(tenant):
+    """Least privilege (deploy/base): the ClusterRole does not grant Job creation; each tenant's
+    namespace has a RoleBinding that does. kube-system (no such binding) is refused by RBAC."""
+    cp, ns, _ = tenant
+    backend = backend_for(cp)
+    rest_job(backend, ns, "904", 1)  # the tenant's namespace: allowed
+    from estimator.errors import UserError
+
+    rec = types.SimpleNamespace(id="905", name="job-905", owner="kube-system", gpus=1, dataset="ds")
+    with pytest.raises(UserError, match="HTTP 403"):
+        backend.create_workload(rec, PodTemplate(image="trainer:1"))
+
+
+def test_the_owner_cannot_drop_the_queue_label_from_a_queued_job(tenant):
+    """The webhook is called for an UPDATE whose OLD object matches its objectSelector: removing
+    silod.io/queue from a suspended Job is denied (it would leave the queue and the webhook's
+    reach, and could then be unsuspended with no review)."""
+    cp, ns, _ = tenant
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    rbac = client.RbacAuthorizationV1Api(cp.api_client())
+    # (The built-in "edit" role is aggregated by a controller that does not run here.)
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "jobs-owner"}, "rules": [
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "create", "update", "patch"]}]})
+    rbac.create_namespaced_role_binding(ns, {
+        "metadata": {"name": "alice-edit"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                         "name": "jobs-owner"},
+        "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]})
+    alice = client.BatchV1Api(cp.api_client("alice"))
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "mine", "labels": {"silod.io/queue": "default"}},
+           "spec": {"template": {"spec": {
+               "restartPolicy": "Never",
+               "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+               "containers": [{"name": "t", "image": "busybox", "securityContext": {
+                   "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}}}
+    created = wait(lambda: _try_create(alice, ns, job), 20, "alice's RoleBinding to take effect")
+    assert created.spec.suspend is True  # the webhook suspended it at creation
+    with pytest.raises(ApiException) as err:
+        alice.patch_namespaced_job("mine", ns, {"metadata": {"labels": {"silod.io/queue": None}}})
+    assert err.value.status == 403 and "cannot be removed" in err.value.body
+    with pytest.raises(ApiException) as err:
+        alice.patch_namespaced_job("mine", ns, {"spec": {"suspend": False}})
+    assert err.value.status == 403
+    assert alice.read_namespaced_job("mine", ns).spec.suspend is True
+
+
+def _try_create(api, ns, job):  # type: ignore[no-untyped-def]
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return api.create_namespaced_job(ns, job)
+    except ApiException as exc:
+        if exc.status == 403 and "forbidden" in exc.body and "webhook" not in exc.body:
+            return None  # RBAC cache not refreshed yet
+        raise
+
+
+def test_silods_events_carry_timestamps_and_its_field_manager(tenant):
+    """A Warning Event silod writes (a job that cannot be placed) has first/last timestamps (kubectl
+    shows its age) and is written as field manager silod."""
+    cp, ns, nodes = tenant
+    node = f"{ns}-small"
+    nodes.append(node)
+    cp.add_node(node, 1)
+    backend = backend_for(cp)
+    backend.refresh()
+    spec = rest_job(backend, ns, "906", 64)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    events = wait(lambda: [e for e in cp.core.list_namespaced_event(ns).items if e.reason == "SiloDWaitingForPlacement"],
+                  20, "silod's Event")
+    e = events[0]
+    assert e.first_timestamp is not None and e.last_timestamp is not None and e.count == 1
+    assert e.source.component == "silod" and e.involved_object.name == "silod-906"
+    assert {m.manager for m in e.metadata.managed_fields} == {"silod"}

@@ -262,3 +262,34 @@ def test_publish_error_codes_follow_the_csi_spec(setup):
     agent.publish("v3", t3, mode=3, readonly=False)
     with pytest.raises(OSError):
         (t3 / "new-file").write_bytes(b"x")
+
+
+def test_the_agents_mount_process_never_inherits_the_nodes_cloud_keys(tmp_path, monkeypatch):
+    """The `silod mount` the agent starts for a catalog dataset (no credential) reads anonymously:
+    its environment has SILOD_SOURCE_ANONYMOUS=1 and none of the node's AWS keys or the agent's token."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "NODE-KEY")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "node-secret")
+    monkeypatch.setenv("SILOD_AGENT_TOKEN", "agent-token")
+    ds = make_dataset(tmp_path / "remote", n_files=5)
+    catalog = tmp_path / "datasets.yaml"
+    catalog.write_text(f"datasets:\n  - {{tenant: alice, name: ds, uri: '{ds.root}'}}\n")
+    agent = AgentProc(tmp_path, catalog)
+    agent.start()
+    try:
+        agent.publish("v1", agent.target("pod-1"))
+        mount_dir = str(agent.state / "mounts" / "alice" / "ds")
+        pids = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                and mount_dir.encode() in _read(p / "cmdline") and b"mount" in _read(p / "cmdline")]
+        assert pids, "no silod mount process found"
+        env = dict(kv.split(b"=", 1) for kv in _read(pids[0] / "environ").split(b"\0") if b"=" in kv)
+        assert env.get(b"SILOD_SOURCE_ANONYMOUS") == b"1"
+        assert not {b"AWS_ACCESS_KEY_ID", b"AWS_SECRET_ACCESS_KEY", b"SILOD_AGENT_TOKEN"} & set(env)
+    finally:
+        agent.cleanup()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

@@ -147,7 +147,7 @@ class Agent:
         csi_pb2_grpc.add_NodeServicer_to_server(self.node_service, self.server)
 
     def start(self) -> list[str]:
-        repaired = self.volumes.recover()
+        repaired = self.volumes.recover(self.node_service.resolver)
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()  # a previous agent's socket

@@ -28,8 +28,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from contract.credentials import ANONYMOUS_ENV, CREDENTIAL_ENV
 from estimator.errors import UserError
-from fuse_client.agent.datasets import DatasetSource
+from fuse_client.agent.datasets import DatasetResolver, DatasetSource
 
 log = logging.getLogger("silod.agent")
 
@@ -66,6 +67,24 @@ class VolumeRecord:
 
 
 Key = tuple[str, str]  # (volume_id, target_path)
+
+
+# The node's own cloud credentials, and the agent's own tokens: never a mount's.
+AMBIENT_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
+                   "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
+                   "SILOD_AGENT_TOKEN", *CREDENTIAL_ENV.values(), ANONYMOUS_ENV)
+
+
+def mount_env(src: DatasetSource) -> dict[str, str]:
+    """The environment of the `silod mount` of `src`: the dataset owner's credential, or
+    anonymous s3 reads, never the node's ambient keys (any tenant could read any bucket the
+    node can) nor the agent's tokens."""
+    env = {k: v for k, v in os.environ.items() if k not in AMBIENT_SECRETS}
+    if src.credential is not None:
+        env.update(src.credential.to_env())
+    else:
+        env[ANONYMOUS_ENV] = "1"
+    return env
 
 
 def _run(*args: str) -> None:
@@ -129,9 +148,11 @@ class VolumeManager:
         tmp.write_text(json.dumps({"publications": [asdict(v) for _, v in sorted(self.volumes.items())]}, indent=1))
         os.replace(tmp, self._state_file)
 
-    def recover(self) -> list[str]:
+    def recover(self, resolver: DatasetResolver | None = None) -> list[str]:
         """After a restart: re-create the dataset mounts of recorded volumes and repair their bind
-        mounts. Returns the volume ids repaired; a volume whose target is gone is forgotten."""
+        mounts. Returns the volume ids repaired; a volume whose target is gone is forgotten. The
+        credential is never recorded: `resolver` looks it up again (without one, or when the
+        look-up fails, the dataset is mounted anonymously)."""
         if not self._state_file.exists():
             return []
         try:
@@ -151,7 +172,7 @@ class VolumeManager:
                     continue
                 self.volumes[key] = rec
                 try:
-                    src = self._dataset_mount(DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size))
+                    src = self._dataset_mount(self._recorded_source(rec, resolver))
                     if not healthy(target):
                         if is_mountpoint(target) or not _listable(target):
                             unmount(target)
@@ -161,6 +182,18 @@ class VolumeManager:
                     log.error("volume %s (%s/%s): could not restore after restart: %s", vid, rec.tenant, rec.dataset, exc)
             self._save()
         return repaired
+
+    @staticmethod
+    def _recorded_source(rec: VolumeRecord, resolver: DatasetResolver | None) -> DatasetSource:
+        plain = DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size)
+        if resolver is None:
+            return plain
+        try:
+            fresh = resolver.resolve(rec.tenant, rec.dataset)
+        except UserError as exc:
+            log.warning("%s/%s: credential not looked up again (%s); mounting it anonymously", rec.tenant, rec.dataset, exc)
+            return plain
+        return DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size, credential=fresh.credential)
 
     # --- dataset mounts --------------------------------------------------------------------------
 
@@ -189,7 +222,7 @@ class VolumeManager:
             cmd += ["--manager", self.manager_url]
         log_path = self.state_dir / "mounts" / src.tenant / f"{src.name}.log"
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=mount_env(src))
         self.procs[key] = proc
         deadline = time.monotonic() + self.mount_timeout
         while time.monotonic() < deadline:

@@ -29,6 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from estimator.errors import UserError
+from contract.credentials import SourceCredential
 from contract.names import storage_key
 from scheduler.service.db.models import (
     ACTIVE_STATES,
@@ -221,6 +222,23 @@ class Catalogue:
             if d is None:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
             return self._dataset_record(s, d)
+
+    def dataset_source_credential(self, who: Principal, name: str, owner: str) -> SourceCredential | None:
+        """The credential the node agent of `who` mounts `owner`'s dataset `name` with, for that
+        tenant's pods (None: the dataset is read anonymously). Node agents only: the agent hands it
+        to the one `silod mount` process of that (tenant, dataset), as the local backend does,
+        so the node never reads a tenant's data with its own cloud keys."""
+        if who.user not in self.config.node_agents:
+            raise ForbiddenError("only a node agent's token (silod serve --node-agent USER) may read a dataset's"
+                                 " source credential")
+        with self.sessions() as s:
+            d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+            if d is None:
+                raise NotFoundError(f"no dataset named {name!r}", field="name")
+            cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
+            if cred is None:
+                return None
+            return SourceCredential(cred.access_key_id, cred.secret_access_key, cred.endpoint_url, cred.region)
 
     def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
         owner = owner or who.user

@@ -252,3 +252,66 @@ def test_silods_events_carry_timestamps_and_its_field_manager(tenant):
     assert e.first_timestamp is not None and e.last_timestamp is not None and e.count == 1
     assert e.source.component == "silod" and e.involved_object.name == "silod-906"
     assert {m.manager for m in e.metadata.managed_fields} == {"silod"}
+
+
+def test_the_real_csi_provisioner_provisions_and_deletes_a_pv_with_deploy_bases_rbac(tenant, tmp_path):
+    """Finding 5: the real csi-provisioner sidecar (v5.0.1), authenticated as the
+    silod-csi-controller service account (deploy/base's ClusterRole is all it may do), talks to
+    the real `silod csi-controller`. A PVC of class silod gets its PV; once the PVC is deleted and
+    the PV Released, the sidecar deletes the PV, removing its finalizer by PATCH (without `patch`
+    on persistentvolumes the PV stays forever). The test plays the controllers that do not run
+    here: the PV controller (the PVC's provisioner annotation, the PV's Released phase) and the
+    pvc/pv-protection controllers (their finalizers)."""
+    import subprocess
+
+
+    from k8s_testenv import CSI_SA, binary
+    from dataplane_helpers import silod_cmd
+
+    cp, ns, _ = tenant
+    catalog = tmp_path / "datasets.yaml"
+    catalog.write_text(f"datasets:\n  - {{tenant: {ns}, name: ds, uri: '{tmp_path}'}}\n")
+    sock = tmp_path / "csi" / "csi.sock"
+    log = open(tmp_path / "csi.log", "ab")
+    procs = [subprocess.Popen([*silod_cmd(), "csi-controller", "--socket", str(sock), "--datasets", str(catalog)],
+                              stdout=log, stderr=subprocess.STDOUT)]
+    try:
+        wait(sock.exists, 60, "the csi-controller's socket")
+        procs.append(subprocess.Popen(
+            [str(binary("csi-provisioner")), f"--csi-address={sock}", f"--kubeconfig={cp.kubeconfig(CSI_SA)}",
+             "--extra-create-metadata", "--v=3", "--timeout=30s"], stdout=log, stderr=subprocess.STDOUT))
+        core = cp.core
+        core.create_namespaced_persistent_volume_claim(ns, {
+            "metadata": {"name": "ds", "annotations": {"volume.kubernetes.io/storage-provisioner": "silod.io",
+                                                        "volume.beta.kubernetes.io/storage-provisioner": "silod.io"}},
+            "spec": {"storageClassName": "silod", "accessModes": ["ReadOnlyMany"],
+                     "resources": {"requests": {"storage": "1Gi"}}}})
+
+        def pv_of_claim():
+            return next((pv for pv in core.list_persistent_volume().items
+                         if pv.spec.claim_ref and pv.spec.claim_ref.namespace == ns), None)
+        pv = wait(pv_of_claim, 90, lambda: f"the provisioned PV: {(tmp_path / 'csi.log').read_text()[-1500:]}")
+        assert pv.spec.csi.driver == "silod.io" and pv.spec.csi.volume_attributes["dataset"] == "ds"
+        assert pv.spec.csi.volume_attributes["silod.io/namespace"] == ns
+        assert pv.spec.persistent_volume_reclaim_policy == "Delete"
+
+        core.delete_namespaced_persistent_volume_claim("ds", ns)
+        core.patch_namespaced_persistent_volume_claim("ds", ns, {"metadata": {"finalizers": None}})  # pvc-protection
+        core.patch_persistent_volume_status(pv.metadata.name, {"status": {"phase": "Released"}})  # the PV controller
+
+        def gone():
+            try:
+                cur = core.read_persistent_volume(pv.metadata.name)
+            except Exception:  # noqa: BLE001 - 404: deleted
+                return True
+            if cur.metadata.deletion_timestamp and "kubernetes.io/pv-protection" in (cur.metadata.finalizers or []):
+                # pv-protection (not running here) removes its own finalizer from a PV no pod uses.
+                core.patch_persistent_volume(pv.metadata.name, {"metadata": {"finalizers": [
+                    f for f in cur.metadata.finalizers if f != "kubernetes.io/pv-protection"]}})
+            return False
+        wait(gone, 90, lambda: f"the PV to be deleted: {(tmp_path / 'csi.log').read_text()[-2500:]}", interval=0.5)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+

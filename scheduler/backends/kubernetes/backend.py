@@ -46,7 +46,7 @@ from scheduler.backends.base import (
 from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
     GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError,
-    admitted_object, parse_workload, rest_job_object, suspended_object,
+    PYTORCHJOB, admitted_object, parse_workload, rest_job_object,
 )
 
 log = logging.getLogger("silod.kubernetes")
@@ -132,6 +132,7 @@ class KubernetesBackend(ClusterBackend):
         self._by_uid: dict[str, str] = {}  # workload uid -> service job id
         self._admitted: dict[str, Admission] = {}
         self._deferred: dict[str, tuple[JobSpec, JobAllocation]] = {}
+        self._to_suspend: set[str] = set()  # stopped jobs whose suspension is still to be written
         self._events: list[JobEvent] = []
         self._reported = _Seen()
         self._kinds: dict[str, bool] = {}
@@ -446,9 +447,8 @@ class KubernetesBackend(ClusterBackend):
             if not wl.suspended:
                 # Created running (no webhook): hold it until it is admitted, as Kueue does. Its
                 # controller removes the pods it already started; silod deletes nothing.
-                if not self._write(wl, suspended_object(wl.kind, obj)):
+                if not self._suspend(wl):
                     continue
-                self.suspensions += 1
             tenant = self.namespace_tenant(wl.namespace)
             problem = None
             if tenant is None:
@@ -539,6 +539,7 @@ class KubernetesBackend(ClusterBackend):
 
     def start(self, job: JobSpec, allocation: JobAllocation) -> None:
         with self._lock:
+            self._to_suspend.discard(job.job_id)
             if self._workload_of(job.job_id) is None:
                 self.refresh()
                 self._adopt_rest_job(job)
@@ -694,14 +695,38 @@ class KubernetesBackend(ClusterBackend):
                     if exc.status != 404:
                         raise
                 return
-            if not wl.suspended and self._write(wl, suspended_object(wl.kind, obj)):
-                self.suspensions += 1
-                log.info("suspended %s (job %s)", wl.key, job_id)
-            elif not wl.suspended:
-                self.refresh()  # stale: try once more with the fresh object
-                found = self._workload_of(job_id)
-                if found and not found[0].suspended and self._write(found[0], suspended_object(found[0].kind, found[1])):
-                    self.suspensions += 1
+            if not wl.suspended:
+                if self._suspend(wl):
+                    log.info("suspended %s (job %s)", wl.key, job_id)
+                else:  # the API server did not answer: retried on every poll until it does
+                    self._to_suspend.add(job_id)
+
+    def _suspend(self, wl: Workload) -> bool:
+        """Set the workload's suspend flag by a JSON merge patch. A patch carries no
+        resourceVersion, so it cannot lose to the controller's concurrent status writes (which
+        change the resourceVersion of the whole object: on a real API server a replace of a
+        running Job often conflicts with its Job controller, and a preemption that silently
+        failed left the Job running while the service counted it stopped). Suspending is
+        idempotent and depends on no other field, so nothing is overwritten."""
+        patch: dict[str, Any] = ({"spec": {"runPolicy": {"suspend": True}}} if wl.kind == PYTORCHJOB
+                                 else {"spec": {"suspend": True}})
+        try:
+            got = self.custom.patch_namespaced_custom_object(
+                wl.kind.group, wl.kind.version, wl.namespace, wl.kind.plural, wl.name, patch,
+                field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status == 404:
+                return True  # gone: nothing to suspend (poll() reports the deletion)
+            log.warning("%s: suspension not written (HTTP %s); retrying on the next poll", wl.key, exc.status)
+            return False
+        except Exception as exc:  # noqa: BLE001 - the API server is unreachable: retry on the next poll
+            log.warning("%s: suspension not written (%s); retrying on the next poll", wl.key, exc)
+            return False
+        if got.get("metadata", {}).get("uid") == wl.uid:
+            parsed = parse_workload(wl.kind, got)
+            self.workloads[parsed.uid], self._objects[parsed.uid] = parsed, got
+        self.suspensions += 1
+        return True
 
     def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
         if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
@@ -717,6 +742,12 @@ class KubernetesBackend(ClusterBackend):
         with self._lock:
             self.refresh()
             self._intake()
+            for job_id in sorted(self._to_suspend):  # preemptions the API server did not take yet
+                found = self._workload_of(job_id)
+                if found is None or found[0].suspended or found[0].phase != "active" or job_id in self._admitted:
+                    self._to_suspend.discard(job_id)
+                elif self._suspend(found[0]):
+                    self._to_suspend.discard(job_id)
             for job_id, (spec, alloc) in list(self._deferred.items()):
                 found = self._workload_of(job_id)
                 if found is None or found[0].phase != "active" or self._admit(spec, alloc):

@@ -315,3 +315,30 @@ def test_the_real_csi_provisioner_provisions_and_deletes_a_pv_with_deploy_bases_
             p.terminate()
             p.wait(30)
 
+
+
+def test_a_rest_job_started_before_its_job_exists_is_admitted_once_it_does(tenant):
+    """The REST handler commits the job, then creates its Job: a round may start the job in
+    between (seen in the real-control-plane end-to-end run: the job was failed with "no Kubernetes
+    workload" while its Job appeared a moment later). start() waits a grace period instead."""
+    cp, ns, nodes = tenant
+    node = f"{ns}-n"
+    nodes.append(node)
+    cp.add_node(node, 4)
+    t = [1000.0]
+    backend = backend_for(cp)
+    backend.clock = lambda: t[0]
+    backend.refresh()
+    early = JobSpec("907", "job-907", ns, 1, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.start(early, alloc(early))  # no Job yet: was UserError, the job failed
+    rest_job(backend, ns, "907", 1)
+    assert not [e for e in backend.poll() if e.kind == "failed"]
+    assert cp.job(ns, "silod-907")["spec"]["suspend"] is False
+    assert node_of_affinity(cp.job(ns, "silod-907")) == [node]
+    # A job whose Job never appears fails after the grace period, with the reason.
+    never = JobSpec("908", "job-908", ns, 1, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.start(never, alloc(never))
+    assert not [e for e in backend.poll() if e.job_id == "908"]
+    t[0] += 31
+    failed = [e for e in backend.poll() if e.job_id == "908"]
+    assert failed and failed[0].kind == "failed" and "no Kubernetes workload" in failed[0].message

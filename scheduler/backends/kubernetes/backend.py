@@ -56,6 +56,7 @@ NODE_ANN_IO = "silod.io/remote-io"  # the node's share of the remote link (e.g. 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 INTAKE_NAME = re.compile(r"^(job|jobset|pytorchjob)\.(.+)\.([0-9a-f-]{36})$")
 REST_NAME = re.compile(r"^silod-([0-9]+)$")
+AWAIT_WORKLOAD_S = 30.0  # how long a started job may wait for its REST-created Job to appear
 # Every write names silod as its field manager (managedFields, server-side apply conflicts),
 # not the client library's default "OpenAPI-Generator".
 FIELD_MANAGER = "silod"
@@ -133,6 +134,7 @@ class KubernetesBackend(ClusterBackend):
         self._admitted: dict[str, Admission] = {}
         self._deferred: dict[str, tuple[JobSpec, JobAllocation]] = {}
         self._to_suspend: set[str] = set()  # stopped jobs whose suspension is still to be written
+        self._awaiting: dict[str, tuple[JobSpec, JobAllocation, float]] = {}  # started before their Job existed
         self._events: list[JobEvent] = []
         self._reported = _Seen()
         self._kinds: dict[str, bool] = {}
@@ -544,8 +546,11 @@ class KubernetesBackend(ClusterBackend):
                 self.refresh()
                 self._adopt_rest_job(job)
             if self._workload_of(job.job_id) is None:
-                raise UserError(f"job {job.job_id} has no Kubernetes workload (it was deleted, or it was submitted"
-                                f" without a pod_template); nothing to run")
+                # A REST job is committed to the database before its Job is created (the API
+                # handler creates it next): a round may start it in between. Wait a grace period
+                # before failing it (poll() checks again).
+                self._awaiting[job.job_id] = (job, allocation, self.clock() + AWAIT_WORKLOAD_S)
+                return
             if not self._admit(job, allocation):
                 self._deferred[job.job_id] = (job, allocation)
 
@@ -678,6 +683,7 @@ class KubernetesBackend(ClusterBackend):
 
     def stop(self, job_id: str) -> None:
         with self._lock:
+            self._awaiting.pop(job_id, None)
             self._deferred.pop(job_id, None)
             self._admitted.pop(job_id, None)
             found = self._workload_of(job_id)
@@ -742,6 +748,19 @@ class KubernetesBackend(ClusterBackend):
         with self._lock:
             self.refresh()
             self._intake()
+            now = self.clock()
+            for job_id, (spec, alloc, deadline) in list(self._awaiting.items()):
+                if self._workload_of(job_id) is None:
+                    self._adopt_rest_job(spec)
+                if self._workload_of(job_id) is not None:
+                    del self._awaiting[job_id]
+                    if not self._admit(spec, alloc):
+                        self._deferred[job_id] = (spec, alloc)
+                elif now > deadline:
+                    del self._awaiting[job_id]
+                    self._events.append(JobEvent(job_id, "failed", time=now, message=(
+                        f"job {job_id} has no Kubernetes workload (it was deleted, or it was submitted without a"
+                        f" pod_template); nothing to run")))
             for job_id in sorted(self._to_suspend):  # preemptions the API server did not take yet
                 found = self._workload_of(job_id)
                 if found is None or found[0].suspended or found[0].phase != "active" or job_id in self._admitted:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from k8s_testenv import SILOD_SA, ControlPlane, Kubelet, control_plane, wait  # noqa: F401 - the fixture
+from k8s_testenv import SILOD_SA, ControlPlane, Kubelet, wait
 from policies.types import ClusterCapacity
 from scheduler.backends.base import DatasetInfo, JobAllocation, JobSpec
 from scheduler.backends.kubernetes import KubernetesBackend, PodTemplate, load_api_client

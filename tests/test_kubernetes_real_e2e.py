@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from dataplane_helpers import force_unmount, make_dataset, require_fuse, silod_cmd
-from k8s_testenv import SILOD_SA, ControlPlane, control_plane, free_port, wait  # noqa: F401 - the fixture
+from k8s_testenv import SILOD_SA, ControlPlane, free_port, wait
 from scheduler.service.api.app import create_app
 from scheduler.service.api.auth import TokenStore, load_token_key
 from scheduler.service.cli import build_service

@@ -60,4 +60,7 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--state {str(state)!r}: state.json cannot be read ({exc})") from exc
         if not auth.enabled:  # after every check, so that an error is the first line on stderr
             typer.echo(f"silod datamanager: no {SCHEDULER_TOKEN_ENV}/{AGENT_TOKEN_ENV}: unauthenticated, loopback only", err=True)
-        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower())
+        from http_guard.timeouts import HeaderTimeoutH11Protocol
+
+        # h11 with a header read timeout: slow-header clients are cut off (http_guard/timeouts.py)
+        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower(), http=HeaderTimeoutH11Protocol)

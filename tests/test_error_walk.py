@@ -45,11 +45,12 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "gavel").mkdir()  # a binary "trace" beside a throughputs file, so the trace itself is read
     (root / "gavel" / "binary.bin").write_bytes(binary.read_bytes())
     (root / "gavel" / "simulation_throughputs.json").write_text('{"v100": {}}')
+    (root / "cache-with-mnt" / "mnt").mkdir(parents=True)
     (root / "corrupt-state").mkdir()
     (root / "corrupt-state" / "state.json").write_bytes(binary.read_bytes())
     return {
         "root": str(root), "bin": str(binary), "tiny": str(root / "tiny.csv"), "huge": str(root / "huge.csv"),
-        "mnt": str(root / "mnt"), "source": str(root / "source"), "cache": str(root / "cache"),
+        "mnt": str(root / "mnt"), "cache_with_mnt": str(root / "cache-with-mnt"), "source": str(root / "source"), "cache": str(root / "cache"),
         "missing": str(root / "does-not-exist.csv"), "corrupt": str(root / "corrupt-state"),
         "state": str(root / "state"), "gavel_bin": str(root / "gavel" / "binary.bin"), "closed": f"http://127.0.0.1:{_closed_port()}",
     }
@@ -115,6 +116,16 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("mount-unsupported-scheme", [*MOUNT[:3], "ftp://example.invalid/data", *MOUNT[4:]], 2, "ftp://"),
     ("mount-unwritable-stats-file", [*MOUNT, "--stats-file", UNWRITABLE], 2, "--stats-file"),
     ("mount-unwritable-cache-dir", [*MOUNT[:-1], UNWRITABLE], 2, "--cache-dir"),
+    # issue 19: each of these used to mount and then hang (D state, blocked reads, endless tracebacks)
+    ("mount-cache-dir-inside-mountpoint", [*MOUNT[:-1], "{mnt}/cache"], 2, "inside the mount point"),
+    ("mount-cache-dir-is-mountpoint", [*MOUNT[:-1], "{mnt}"], 2, "inside the mount point"),
+    ("mount-mountpoint-inside-cache-dir", ["mount", "{cache_with_mnt}/mnt", *MOUNT[2:-1], "{cache_with_mnt}"], 2,
+     "inside --cache-dir"),
+    ("mount-io-rate-zero", [*MOUNT, "--io-rate", "0"], 2, "--io-rate 0"),
+    ("mount-io-rate-zero-with-unit", [*MOUNT, "--io-rate", "0MB/s"], 2, "--io-rate 0"),
+    ("mount-io-rate-negative", [*MOUNT, "--io-rate", "-5MB/s"], 2, "--io-rate"),
+    ("mount-stats-file-in-proc", [*MOUNT, "--stats-file", "/proc/silod-stats"], 2, "--stats-file '/proc/silod-stats'"),
+    ("mount-stats-file-is-a-directory", [*MOUNT, "--stats-file", "{root}"], 2, "is a directory"),
     # datamanager
     ("datamanager-missing-state", ["datamanager"], 2, "--state"),
     ("datamanager-bad-listen", ["datamanager", "--state", "{state}", "--listen", "everywhere"], 2, "--listen"),

@@ -72,8 +72,10 @@ def test_scheduler_deployment_two_replicas_lease_probes_pdb_and_secret():
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" and c["livenessProbe"]
     assert "--backend-opt=leader-election=true" in c["args"] and "--backend=kubernetes" in c["args"]
     secret_keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-    # token-key: one HMAC key for the stored tokens across replicas; dm-scheduler-token: the data manager.
-    assert secret_keys == {"admin-token", "database-url", "token-key", "dm-scheduler-token"}
+    # token-key: one HMAC key for the stored tokens across replicas; secret-keys: one Fernet key
+    # list sealing tenants' secrets across replicas (a per-replica key file could not open the
+    # other replica's); dm-scheduler-token: the data manager.
+    assert secret_keys == {"admin-token", "database-url", "token-key", "secret-keys", "dm-scheduler-token"}
     assert set(find("Secret", "silod-secrets")["stringData"]) >= secret_keys | {"agent-token", "tokens"}
     pdb = find("PodDisruptionBudget", "silod-scheduler")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()

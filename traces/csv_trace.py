@@ -7,7 +7,11 @@ ideal_throughput are filled from the catalog. Optional columns `access` (epoch |
 irregular) and, for curriculum, `starting_percent`, `alpha`, `step`, `batch` say how the job
 reads (estimator/access.py); without them every job is `epoch`. Optional `item_size` (bytes per
 item of the row's dataset) lets the simulator count a curriculum job's items and iterations;
-catalog datasets have one. Every problem is reported with file, line and
+catalog datasets have one. Optional input-pipeline columns `cpu_rate` (source bytes/s one core
+preprocesses; empty = not CPU-bound), `autocache_expansion` and `post_cpu_rate` (the autocache
+point: preprocessed bytes per source byte, and the per-core rate after it), estimator/pipeline.py.
+An empty cpu_rate means not CPU-bound; the catalog's per-model rates (traces/catalog.py) are
+not filled in here, because an empty cell has to keep that meaning. Every problem is reported with file, line and
 column, and what to write instead.
 """
 
@@ -20,6 +24,7 @@ from typing import TextIO
 
 from estimator.access import CURRICULUM_FIELDS, EPOCH, parse_access
 from estimator.errors import UserError
+from estimator.pipeline import PIPELINE_FIELDS, parse_pipeline
 from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
 from traces.model import Trace, TraceJob
@@ -154,7 +159,17 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
         epochs = duration * ideal / size
     else:
         raise _fail(path, line, "epochs", "empty; give epochs or a duration in seconds")
-    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line))
+    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line), _pipeline(get, path, line))
+
+
+def _pipeline(get: dict[str, str], path: Path, line: int):
+    if not any(get.get(c, "") for c in PIPELINE_FIELDS):
+        return None
+    try:
+        return parse_pipeline(*(get.get(c) for c in PIPELINE_FIELDS))
+    except UserError as exc:
+        column = next((c for c in PIPELINE_FIELDS if str(exc).startswith(c)), "cpu_rate")
+        raise _fail(path, line, column, str(exc)) from None
 
 
 def _access(get: dict[str, str], path: Path, line: int):
@@ -197,9 +212,11 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
     # The access columns only when a job needs them, so all-epoch traces keep the plain header.
     with_access = any(not j.access.regular for j in trace.jobs)
     with_items = bool(trace.item_sizes)
+    with_pipeline = any(j.pipeline is not None for j in trace.jobs)
     with Path(path).open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ())))
+        writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ()),
+                         *(PIPELINE_FIELDS if with_pipeline else ())))
         for j in trace.jobs:
             row = [j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
                    f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"]
@@ -208,4 +225,8 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
             if with_items:
                 item = trace.item_sizes.get(j.dataset)
                 row.append("" if item is None else f"{item!r}")
+            if with_pipeline:
+                p = j.pipeline
+                row += ["", "", ""] if p is None else [f"{p.cpu_rate!r}", "" if p.autocache_expansion is None else f"{p.autocache_expansion!r}",
+                                                        "" if p.post_cpu_rate is None else f"{p.post_cpu_rate!r}"]
             writer.writerow(row)

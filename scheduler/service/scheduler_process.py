@@ -68,6 +68,7 @@ from scheduler.service.types import (  # noqa: F401 - re-exported: callers impor
     ServiceConfig,
     TenantQuota,
     access_from_row,
+    pipeline_from_row,
 )
 from scheduler.service.quota_admission import TenantJob, admit, clamp_cache
 from scheduler.service.round_persistence import Pending, diff_round, read_current, write_round
@@ -272,6 +273,7 @@ class SchedulerService(ReadViews):
                 Job.id, Job.gpus, Dataset.id, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
                 Job.submit_time, Job.state, Job.priority, Dataset.size, Job.owner, Job.access,
                 Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
+                Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
             )
             .join(Dataset, Job.dataset_id == Dataset.id)
             .where(Job.state.in_(ACTIVE_STATES))
@@ -283,12 +285,14 @@ class SchedulerService(ReadViews):
         cached = self.measured_cache()
         # One read transaction: the jobs, their datasets and the quotas are one consistent state.
         with self.sessions() as s, s.begin():
-            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *access in s.execute(q):
+            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *rest in s.execute(q):
+                access, pipeline = rest[:5], pipeline_from_row(*rest[5:8])
                 ds = storage_key(ds_id, ds_name)
                 view = JobView(
                     job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
                     remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
                     running=state == JobState.RUNNING, priority=prio, access=access_from_row(*access),
+                    pipeline=pipeline,
                 )
                 jobs.append(TenantJob(view, owner))
                 sizes[ds] = size
@@ -301,8 +305,11 @@ class SchedulerService(ReadViews):
                 q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
+        # 1e15 bytes for another tenant's dataset reached the policy as is).
         datasets = {
-            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else float(cached.get(v.dataset, 0.0)))
+            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else
+                                   min(max(float(cached.get(v.dataset, 0.0)), 0.0), sizes[v.dataset]))
             for v in admitted
         }
         snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
@@ -392,7 +399,7 @@ class SchedulerService(ReadViews):
             return write_round(
                 self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
                 running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
-                now=now, t0=t0,
+                now=now, t0=t0, secrets=self.config.secrets,
             )
 
     def _execute(self, pending: Pending) -> None:

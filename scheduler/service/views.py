@@ -75,6 +75,36 @@ class ReadViews:
             last_push_error=st.last_push_error,
         )
 
+    def cpu_and_bottlenecks(self) -> tuple[float, dict[str, int]]:
+        """Cores allocated to running jobs, and how many running jobs each resource bounds now
+        (estimator.pipeline.diagnose on what each holds; the metrics read this at scrape time)."""
+        import math
+
+        import numpy as np
+
+        from estimator.pipeline import RESOURCES, diagnose
+
+        q = (select(Job.ideal_throughput, Job.gpus, Job.cpu_rate, JobAllocationRow.remote_io, JobAllocationRow.cpu, Dataset.size,
+                    CacheAllocationRow.bytes)
+             .join(JobAllocationRow, JobAllocationRow.job_id == Job.id).join(Dataset, Job.dataset_id == Dataset.id)
+             .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+             .where(JobAllocationRow.running))
+        with self.sessions() as s:
+            rows = s.execute(q).all()
+        counts = {r: 0 for r in RESOURCES}
+        if not rows:
+            return 0.0, counts
+        cap = self.config.capacity
+        col = list(zip(*rows, strict=True))
+        f, g = np.array(col[0], dtype=float), np.array(col[1], dtype=float)
+        rate = np.array([math.inf if v is None else v for v in col[2]], dtype=float)
+        io = np.array([cap.remote_io if v is None else v for v in col[3]], dtype=float)
+        cores = np.array([math.inf if v is None else v for v in col[4]], dtype=float)
+        size, cache = np.array(col[5], dtype=float), np.array([0.0 if v is None else v for v in col[6]], dtype=float)
+        for bound in diagnose(f, g, io, cache, size, cores, rate).bound:
+            counts[str(bound)] += 1
+        return float(np.sum(np.where(np.isfinite(cores), cores, 0.0))), counts
+
     def allocations(self, who: Principal) -> AllocationsRecord:
         with self.sessions() as s:
             last = s.scalar(select(Round).order_by(Round.id.desc()).limit(1))

@@ -7,10 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
+import traces
 from estimator.errors import UserError
 from traces.loader import TraceFormat, load_trace
 
-SHIPPED_TRACE = Path(__file__).resolve().parent.parent / "traces" / "sample-96gpu.csv"
+SHIPPED_TRACE = Path(traces.__file__).resolve().parent / "sample-96gpu.csv"
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
 
 
@@ -39,8 +40,8 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
 def register(app: typer.Typer) -> None:
     @app.command()
     def simulate(
-        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, or Gavel TSV with --format gavel)")] = SHIPPED_TRACE,
-        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV")] = TraceFormat.auto,
+        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, Gavel TSV with --format gavel, or Alibaba openb with --format alibaba-openb)")] = SHIPPED_TRACE,
+        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV, the openb pod list (or its folder) is alibaba-openb")] = TraceFormat.auto,
         cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
         gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,
@@ -48,6 +49,8 @@ def register(app: typer.Typer) -> None:
         remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
         gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
         irregular_share: Annotated[Optional[str], typer.Option(help="pin the irregular jobs' partition to this fraction of cache and remote IO [default: by demand, every round]")] = None,
+        cpus_per_node: Annotated[Optional[str], typer.Option(help="CPU cores per node for input pipelines; jobs with a cpu_rate are then bound by their cores [default: CPU not constrained]")] = None,
+        cpu_allocation: Annotated[Optional[str], typer.Option(help="with --cpus-per-node: model (the policy allocates cores as a resource) | gpu-proportional (cores follow GPUs, the baseline) [default: model]")] = None,
         irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
         policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
@@ -70,7 +73,7 @@ def register(app: typer.Typer) -> None:
         ensure_writable_dir(out, "--out")
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
-                                       defaults=DEFAULT_CLUSTER)
+                                       cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition)
@@ -80,7 +83,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def experiment(
-        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | micro | curriculum | irregular-mix | all")],
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | micro | curriculum | irregular-mix | cpu | stagger | all")],
         out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
         trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,

@@ -35,6 +35,15 @@ class ServiceCollector(Collector):
         ):
             yield GaugeMetricFamily(f"silod_{name}_total", f"{help_text} in the cluster", value=total)
             yield GaugeMetricFamily(f"silod_{name}_allocated", f"{help_text} allocated", value=used)
+        cpus_used, bound = self.service.cpu_and_bottlenecks()
+        if c.capacity.manages_cpu:
+            yield GaugeMetricFamily("silod_cpus_total", "CPU cores for input pipelines in the cluster", value=c.capacity.cpus)
+            yield GaugeMetricFamily("silod_cpus_allocated", "CPU cores allocated to running jobs", value=cpus_used)
+        by_bound = GaugeMetricFamily("silod_running_jobs_bound", "Running jobs by the resource that bounds them now",
+                                     labels=["resource"])
+        for resource, n in bound.items():
+            by_bound.add_metric([resource], n)
+        yield by_bound
         yield CounterMetricFamily("silod_rounds", "Scheduling rounds run by this process", value=self.service.rounds_total)
         durations = self.service.round_durations
         yield GaugeMetricFamily(

@@ -344,11 +344,13 @@ def admitted_object(kind: Kind, obj: Mapping[str, Any], hostnames: Sequence[str]
 
 
 def suspended_object(kind: Kind, obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The workload suspended again; its controller deletes the running pods (silod deletes
-    nothing). The placement stays in the templates for now: Kubernetes accepts changes to a
-    Job's scheduling directives only while it is *already* suspended and its controller has
-    cleared status.startTime, so the next admission replaces it (`admitted_object` strips the
-    expression the annotation records)."""
+    """The workload suspended again (the object a merge patch of the suspend flag yields: the
+    backend writes it as a patch, backend.py `_suspend`); its controller deletes the running pods
+    (silod deletes nothing). The placement stays in the templates for now: Kubernetes accepts
+    changes to a Job's scheduling directives only while it is *already* suspended and has no
+    status.startTime (which silod clears before re-admitting, backend.py `_clear_start_time`),
+    so the next admission replaces it (`admitted_object` strips the expression the annotation
+    records)."""
     new = copy.deepcopy(dict(obj))
     _set(new, _suspend_path(kind), True)
     return new

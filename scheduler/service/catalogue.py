@@ -252,7 +252,20 @@ class Catalogue:
             cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
             if cred is None:
                 return None
-            return SourceCredential(cred.access_key_id, cred.secret_access_key, cred.endpoint_url, cred.region)
+            from scheduler.service.sealed import SecretBox, SecretUnavailable
+
+            stored, box = cred.secret_access_key, self.config.secrets
+            try:
+                if box is None:
+                    if SecretBox.is_sealed(stored):
+                        raise SecretUnavailable("this service has no secret keys (ServiceConfig.secrets)")
+                    secret = stored
+                else:
+                    secret = box.open(stored)
+            except SecretUnavailable as exc:
+                raise ServiceError(f"dataset {name!r}: its credential {cred.name!r} cannot be opened: {exc}",
+                                   field="credential") from None
+            return SourceCredential(cred.access_key_id, secret, cred.endpoint_url, cred.region)
 
     def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
         owner = owner or who.user

@@ -711,8 +711,9 @@ class KubernetesBackend(ClusterBackend):
         """Set the workload's suspend flag by a JSON merge patch. A patch carries no
         resourceVersion, so it cannot lose to the controller's concurrent status writes (which
         change the resourceVersion of the whole object: on a real API server a replace of a
-        running Job often conflicts with its Job controller, and a preemption that silently
-        failed left the Job running while the service counted it stopped). Suspending is
+        running Job can conflict with its Job controller, and the old replace-then-retry-once
+        could give up silently, leaving the Job running while the service counted it stopped).
+        Suspending is
         idempotent and depends on no other field, so nothing is overwritten."""
         patch: dict[str, Any] = ({"spec": {"runPolicy": {"suspend": True}}} if wl.kind == PYTORCHJOB
                                  else {"spec": {"suspend": True}})

@@ -67,3 +67,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untype
     session.config.get_terminal_writer().line(
         f"\nFAILED: tests left {len(left)} `silod serve` process(es) running (killed now):\n{lines}", red=True)
     session.exitstatus = 1
+
+
+# The real Kubernetes control plane (tests/k8s_testenv.py), defined once here so the whole session
+# shares one (etcd, kube-apiserver, jobctl, kube-scheduler on 127.0.0.1).
+from k8s_testenv import control_plane  # noqa: E402,F401 - a session fixture

@@ -29,6 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from estimator.errors import UserError
+from contract.credentials import SourceCredential
 from contract.names import storage_key
 from scheduler.service.db.models import (
     ACTIVE_STATES,
@@ -235,6 +236,36 @@ class Catalogue:
             if d is None:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
             return self._dataset_record(s, d)
+
+    def dataset_source_credential(self, who: Principal, name: str, owner: str) -> SourceCredential | None:
+        """The credential the node agent of `who` mounts `owner`'s dataset `name` with, for that
+        tenant's pods (None: the dataset is read anonymously). Node agents only: the agent hands it
+        to the one `silod mount` process of that (tenant, dataset), as the local backend does,
+        so the node never reads a tenant's data with its own cloud keys."""
+        if who.user not in self.config.node_agents:
+            raise ForbiddenError("only a node agent's token (silod serve --node-agent USER) may read a dataset's"
+                                 " source credential")
+        with self.sessions() as s:
+            d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+            if d is None:
+                raise NotFoundError(f"no dataset named {name!r}", field="name")
+            cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
+            if cred is None:
+                return None
+            from scheduler.service.sealed import SecretBox, SecretUnavailable
+
+            stored, box = cred.secret_access_key, self.config.secrets
+            try:
+                if box is None:
+                    if SecretBox.is_sealed(stored):
+                        raise SecretUnavailable("this service has no secret keys (ServiceConfig.secrets)")
+                    secret = stored
+                else:
+                    secret = box.open(stored)
+            except SecretUnavailable as exc:
+                raise ServiceError(f"dataset {name!r}: its credential {cred.name!r} cannot be opened: {exc}",
+                                   field="credential") from None
+            return SourceCredential(cred.access_key_id, secret, cred.endpoint_url, cred.region)
 
     def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
         owner = owner or who.user

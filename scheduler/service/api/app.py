@@ -347,6 +347,18 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def get_dataset(name: str, who: Who, owner: OwnerQ = None) -> DatasetOut:
         return DatasetOut.model_validate(catalogue.get_dataset(who, name, owner))
 
+    @app.get("/v1/datasets/{name}/source-credential", responses=_ERRORS, tags=["datasets"])
+    def dataset_source_credential(name: str, who: Who,
+                                  owner: Annotated[str, Query(max_length=64, description="the tenant whose pods mount it")]
+                                  ) -> dict[str, Any]:
+        """Node agents only (`--node-agent USER`): the credential a node's `silod mount` of this
+        dataset reads with, `{"credential": null}` when it is read anonymously."""
+        cred = catalogue.dataset_source_credential(who, name, owner)
+        if cred is None:
+            return {"credential": None}
+        return {"credential": {"access_key_id": cred.access_key_id, "secret_access_key": cred.secret_access_key,
+                               "endpoint_url": cred.endpoint_url, "region": cred.region}}
+
     @app.put("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
     def grant_dataset(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
         """Share your dataset with another tenant: its jobs may read it (with your credential, into the same cache)."""

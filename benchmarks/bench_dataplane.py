@@ -27,8 +27,11 @@
             for a remote that refuses connections and one that accepts but never answers.
 5. remount  a 100k-item cache: first read after a clean remount and after a kill -9, vs the
             time the same mount takes to list the source (the part no cache can save).
-6. stall    hit latency while 64 misses stall on a paused remote (--io-rate 0), vs the hit latency
+6. stall    hit latency while 64 misses stall on a paused remote (--io-rate 1B/s), vs the hit latency
             on an idle mount.
+7. stall-remote  4x --fuse-threads (32) opens of uncached items against an HTTP remote that accepts
+            and never answers: cached-read p50/p99 while they wait vs the same mount idle just before,
+            and the time for the waiting readers, killed with -9, to be gone; per front end.
 
 Results are written as JSON (--json).
 """
@@ -595,7 +598,7 @@ def bench_stall(work: Path, stalled: int = 64) -> dict:
         idle = hit_latencies(proc.mnt)
     finally:
         proc.stop()
-    proc, _ = mount(str(src), work / "mnt-stall", cache, "stall", "--io-rate", "0", "--no-kernel-cache")
+    proc, _ = mount(str(src), work / "mnt-stall", cache, "stall", "--io-rate", "1B/s", "--no-kernel-cache")
     try:
         for rel in rels[100:100 + stalled]:
             threading.Thread(target=lambda p=proc.mnt / rel: _quiet_read(p), daemon=True).start()
@@ -611,6 +614,102 @@ def bench_stall(work: Path, stalled: int = 64) -> dict:
     return r
 
 
+def _stalling_http(names: list[str], size: int):
+    """A JSON-index HTTP source on 127.0.0.1 whose item GETs, once `stall` is set, are accepted and
+    never answered (until `release`). Returns (server, url, stall, release)."""
+    stall, release = threading.Event(), threading.Event()
+    index = json.dumps([{"name": n, "type": "file", "size": size} for n in names]).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/ds/":
+                body = index
+            else:
+                if stall.is_set():
+                    release.wait(300)
+                    return
+                body = self.path.encode().ljust(size, b".")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/ds/", stall, release
+
+
+def bench_stall_remote(work: Path, backends: list[str], threads: int = 32, cached: int = 50, reads: int = 400) -> dict:
+    """Issue 19: 4x --fuse-threads opens of uncached items against a remote that accepts and never
+    answers. Printed per front end: cached-read latency (p50, p99) while they wait, against the same
+    mount idle just before (same run); and how long readers killed with -9 take to be gone."""
+    import subprocess
+
+    stalled = 4 * threads
+    names = [f"c{i:04d}" for i in range(cached)] + [f"s{i:04d}" for i in range(stalled)]
+    out: dict = {}
+    for backend in backends:
+        server, url, stall, release = _stalling_http(names, 20_000)
+        cache = work / f"stallr-cache-{backend}"
+        shutil.rmtree(cache, ignore_errors=True)
+        proc, _ = mount(url, work / "mnt-stallr", cache, "stallr", "--no-kernel-cache", "--fuse-threads", str(threads),
+                        "--open-deadline", "120", "--breaker-threshold", "10000", *_frontend_args(backend))
+        readers: list = []
+        try:
+            for n in names[:cached]:
+                (proc.mnt / n).read_bytes()
+
+            def latencies() -> list[float]:
+                lat = []
+                for i in range(reads):
+                    t0 = time.perf_counter()
+                    with open(proc.mnt / names[i % cached], "rb", buffering=0) as f:
+                        f.read()
+                    lat.append(time.perf_counter() - t0)
+                return sorted(lat)
+
+            idle = latencies()
+            stall.set()
+            readers = [subprocess.Popen(["cat", str(proc.mnt / n)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       for n in names[cached:]]
+            time.sleep(2.0)
+            waiting = [r for r in readers if r.poll() is None]
+            busy = latencies()
+            t0 = time.perf_counter()
+            for r in waiting:
+                r.kill()
+            for r in waiting:
+                try:
+                    r.wait(timeout=max(0.1, 30 - (time.perf_counter() - t0)))
+                except subprocess.TimeoutExpired:
+                    pass
+            exit_s = time.perf_counter() - t0
+            still = sum(r.poll() is None for r in waiting)
+        finally:
+            for r in readers:
+                if r.poll() is None:
+                    r.kill()
+            release.set()
+            proc.stop()
+            server.shutdown()
+        q = lambda xs, f: 1000 * xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+        r = {"fuse_threads": threads, "stalled_opens": stalled, "waiting_opens": len(waiting),
+             "refused_opens": stalled - len(waiting), "idle_p50_ms": q(idle, 0.5), "idle_p99_ms": q(idle, 0.99),
+             "stalled_p50_ms": q(busy, 0.5), "stalled_p99_ms": q(busy, 0.99), "killed_exit_s": exit_s,
+             "killed_still_there": still}
+        r["ratio_p99"] = r["stalled_p99_ms"] / r["idle_p99_ms"]
+        out[backend] = r
+        print(f"  {backend}: {stalled} opens on a remote that never answers ({len(waiting)} waiting, "
+              f"{r['refused_opens']} refused): cached read p50 {r['stalled_p50_ms']:.2f} ms, p99 {r['stalled_p99_ms']:.2f} ms "
+              f"vs idle p50 {r['idle_p50_ms']:.2f} ms, p99 {r['idle_p99_ms']:.2f} ms (ratio p99 {r['ratio_p99']:.2f}); "
+              f"{len(waiting)} killed readers gone in {exit_s:.2f} s ({still} left)", flush=True)
+    return out
+
+
 def _quiet_read(path: Path) -> None:
     try:
         path.read_bytes()
@@ -621,7 +720,7 @@ def _quiet_read(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve-http", nargs=4, metavar=("ROOT", "PORT", "LATENCY", "INDEX"), help=argparse.SUPPRESS)
-    ap.add_argument("--only", action="append", choices=["miss", "remote", "hits", "dead", "remount", "stall"])
+    ap.add_argument("--only", action="append", choices=["miss", "remote", "hits", "dead", "remount", "stall", "stall-remote"])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/silod-bench"))
     ap.add_argument("--json", type=Path, default=REPO / "out" / "bench_dataplane.json")
     ap.add_argument("--sizes", default="20000,200000,1280000", help="dataset sizes (items) for the miss path")
@@ -649,7 +748,7 @@ def main() -> None:
         root, port, latency, index = args.serve_http
         serve_http(Path(root), int(port), float(latency), index)
         threading.Event().wait()
-    which = args.only or ["miss", "remote", "hits", "dead", "remount", "stall"]
+    which = args.only or ["miss", "remote", "hits", "dead", "remount", "stall", "stall-remote"]
     args.workdir.mkdir(parents=True, exist_ok=True)
     results: dict = {"host": {"cpus": os.cpu_count(), "kernel": os.uname().release}}
     if "miss" in which:
@@ -668,6 +767,9 @@ def main() -> None:
         results["remount"] = bench_remount(args.workdir, args.remount_items)
     if "stall" in which:
         results["stall"] = bench_stall(args.workdir)
+    if "stall-remote" in which:
+        print("stalled remote, 4x --fuse-threads opens:", flush=True)
+        results["stall_remote"] = bench_stall_remote(args.workdir, [b for b in args.backends.split(",") if b != "raw-nokeep"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.json}")

@@ -7,7 +7,7 @@ carries more: latency histograms, epoch progress), all byte counts since the mou
 
 from __future__ import annotations
 
-#: ARCHITECTURE's contract: every stats file has these.
+#: The stats file's contract (docs/data-plane.md, "Mount a dataset"): every stats file has these.
 REQUIRED_FIELDS = ("remote_bytes", "hit_bytes", "miss_bytes", "cached_bytes", "items_cached", "read_bytes")
 
 #: What a worker's status report carries from the mount: the required fields and the allocation

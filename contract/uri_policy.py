@@ -11,9 +11,15 @@ Entries are either a scheme (`s3`, `https`) or a prefix (`s3://datasets/`,
 boundary. `file://` and `http://` are never allowed by scheme alone, only by a prefix an
 operator writes out. Whatever the list says, these are refused: local paths without a scheme,
 `..` or `.` segments (also percent-encoded) and credentials inside the URI; and unless an
-operator's explicit prefix matches, an http(s) host that is loopback, link-local, unspecified or
-multicast (as a literal address, `localhost`, or, with `resolve=True` as the mount does, any
-address the name resolves to).
+operator's explicit prefix matches, an http(s) host that is not a public address: loopback,
+link-local, private (10/8, 172.16/12, 192.168/16, fc00::/7: the in-cluster network),
+carrier-grade NAT, unspecified, reserved or multicast - as a literal address in any spelling the
+C library accepts (`127.1`, `2130706433`, `0x7f000001`, `0`, `::ffff:127.0.0.1`), `localhost`, or,
+with `resolve=True` as the mount does, any address the name resolves to.
+
+`parse_address` and `forbidden_address` are the one address parser: registration (here), the
+mount's check before it lists, and the mount's connections (fuse_client/safe_http.py: every
+redirect target and every address a name resolves to, at connect time) all use them.
 """
 
 from __future__ import annotations
@@ -35,14 +41,78 @@ class UriRejected(UserError):
     """A dataset URI the allow-list refuses; the message names the rule and the fix."""
 
 
-def _forbidden_address(addr: str) -> bool:
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_LEGACY_V4 = frozenset("0123456789abcdefx.")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries and routes to: mapped (::ffff:a.b.c.d),
+    compatible (::a.b.c.d), 6to4 (2002:ab:cd::) and NAT64 (64:ff9b::a.b.c.d)."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in _NAT64 or (ip.packed[:12] == bytes(12) and int(ip) > 1):
+        return ipaddress.IPv4Address(ip.packed[12:])
+    return None
+
+
+def parse_address(host: str) -> IPAddress | None:
+    """`host` as an IP address if it is one in any spelling a resolver or the C library takes
+    (None for a name): dotted quads, the short and numeric IPv4 forms inet_aton accepts (`127.1`,
+    `2130706433`, `0x7f000001`, `0177.0.0.1`, `0`), bracketed IPv6 with or without a zone; an IPv6
+    address that embeds an IPv4 one is returned as that IPv4 address."""
+    h = host.strip().rstrip(".").lower()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    h = h.split("%", 1)[0]
+    if not h:
+        return None
     try:
-        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+        ip = ipaddress.ip_address(h)
     except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast
+        if not set(h) <= _LEGACY_V4 or not h[0].isdigit():
+            return None
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(h))  # what getaddrinfo/connect would use
+        except OSError:
+            return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        return _embedded_v4(ip) or ip
+    return ip
+
+
+def address_kind(ip: IPAddress) -> str | None:
+    """Why the data path may not connect to `ip` on its own authority (None: a public address)."""
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    if ip.is_multicast:
+        return "multicast"
+    if ip.is_private or not ip.is_global:  # 10/8, 172.16/12, 192.168/16, fc00::/7, 100.64/10, reserved
+        return "private"
+    return None
+
+
+def forbidden_address(addr: str) -> str | None:
+    """The kind of forbidden address `addr` is (see address_kind), None if it is not one."""
+    ip = parse_address(addr)
+    return None if ip is None else address_kind(ip)
+
+
+def forbidden_host(host: str) -> str | None:
+    """Like forbidden_address, for a URL's host: also `localhost` and its subdomains."""
+    h = host.strip().rstrip(".").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return "loopback"
+    return forbidden_address(h)
+
+
+_forbidden_address = forbidden_address
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +144,24 @@ class UriPolicy:
     def from_env(cls) -> UriPolicy:
         return cls.parse(os.environ.get(ENV))
 
+    def explicit_prefix(self, uri: str) -> str | None:
+        """The operator's prefix entry that `uri` lies under (on a path boundary), if any."""
+        for entry in self.allowed:
+            if "://" in entry and (uri.startswith(entry) or uri + "/" == entry):
+                return entry
+        return None
+
+    def named_hosts(self) -> frozenset[str]:
+        """Hosts (lower case, with port if given) that an operator's prefix names explicitly:
+        the data path may connect to them whatever they resolve to."""
+        hosts = set()
+        for entry in self.allowed:
+            if "://" in entry:
+                parts = urlsplit(entry)
+                if parts.hostname:
+                    hosts.add(parts.hostname.rstrip(".").lower())
+        return frozenset(hosts)
+
     def check(self, uri: str, resolve: bool = False) -> str:
         """`uri` if allowed, else UriRejected naming the rule. resolve=True also looks the host
         up and refuses it if any of its addresses is loopback/link-local (the mount, at read time,
@@ -94,25 +182,28 @@ class UriPolicy:
         segments = unquote(parts.path).replace("\\", "/").split("/")
         if any(seg in ("..", ".") for seg in segments):
             raise UriRejected(f"dataset uri {uri!r} contains a '..' or '.' segment")
-        for entry in self.allowed:
+        if self.explicit_prefix(uri) is not None:
             # A prefix the operator wrote out is trusted as written (e.g. a MinIO on 127.0.0.1).
-            if "://" in entry and (uri.startswith(entry) or uri + "/" == entry):
-                return uri
+            return uri
         if scheme in ("http", "https"):
             host = (parts.hostname or "").rstrip(".").lower()
             if not host:
                 raise UriRejected(f"dataset uri {uri!r} has no host")
-            if host == "localhost" or host.endswith(".localhost") or _forbidden_address(host):
+            kind = forbidden_host(host)
+            if kind is not None:
                 raise UriRejected(
-                    f"dataset uri {uri!r}: loopback, link-local, unspecified and multicast hosts are not allowed"
+                    f"dataset uri {uri!r}: host {host} is a {kind} address; loopback, link-local, private, unspecified "
+                    "and multicast hosts are only allowed when an operator's allowed prefix names them"
                 )
             if resolve:
                 try:
                     infos = socket.getaddrinfo(host, parts.port or 443, proto=socket.IPPROTO_TCP)
                 except OSError:
                     infos = []  # unreachable hosts fail later, with the fetch's own error
-                if any(_forbidden_address(str(info[4][0])) for info in infos):
-                    raise UriRejected(f"dataset uri {uri!r}: host {host} resolves to a loopback or link-local address")
+                for info in infos:
+                    kind = forbidden_address(str(info[4][0]))
+                    if kind is not None:
+                        raise UriRejected(f"dataset uri {uri!r}: host {host} resolves to a {kind} address ({info[4][0]})")
         if any("://" not in entry and scheme == entry.lower() for entry in self.allowed):
             return uri
         raise UriRejected(

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from datamanager.auth import DataManagerAuth, DataManagerGuard
+from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
 from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
@@ -80,6 +81,10 @@ class HeartbeatBody(_Strict):
     stats: dict[str, Any] = {}
 
 
+class NotYourNode(Exception):
+    """A node-bound agent token used on another node's client."""
+
+
 def _workers(value: int | None) -> int | None:
     if value is not None and not 1 <= value <= MAX_GPUS:
         raise UserError(f"workers {value!r} must be an integer between 1 and {MAX_GPUS:,} (one per mount of the job)")
@@ -102,6 +107,10 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     datamanager/auth.py) decides who may call what; errors never echo internal paths."""
     store = StateStore(state_dir)
     app = FastAPI(title="silod data manager", version="1")
+    # JSON bodies checked for their shape before validation (http_guard/json_limits.py): a
+    # heartbeat's stats carry per-pod figures, so its bounds are wider than the scheduler API's.
+    app.router.route_class = limited_json_route(JsonLimits(max_depth=8, max_keys=4096, max_items=10_000,
+                                                           max_values=200_000))
     app.state.store = store
     app.add_middleware(DataManagerGuard, auth=auth if auth is not None else DataManagerAuth.from_env())
 
@@ -113,6 +122,14 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     @app.exception_handler(UserError)
     async def _user_error(request: Request, exc: UserError) -> JSONResponse:
         return JSONResponse(status_code=400, content={"detail": str(exc)})
+
+    @app.exception_handler(BodyShapeError)
+    async def _shape(request: Request, exc: BodyShapeError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": exc.detail})
+
+    @app.exception_handler(NotYourNode)
+    async def _not_your_node(request: Request, exc: NotYourNode) -> JSONResponse:
+        return JSONResponse(status_code=403, content={"detail": exc.args[0]})
 
     @app.exception_handler(UnknownEntity)
     async def _unknown(request: Request, exc: UnknownEntity) -> JSONResponse:
@@ -180,8 +197,20 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
 
     # -- FUSE clients ------------------------------------------------------------------------
 
+    def _own_node(request: Request, node: str) -> None:
+        """A node-bound agent acts only on its node's clients (403 otherwise)."""
+        who = request.scope.get("state", {}).get("dm_identity")
+        bound = getattr(who, "node", None)
+        if bound is not None and bound != node:
+            raise NotYourNode(f"this agent token is bound to node {bound!r}; it may not act on a client of node {node!r}")
+
     @app.post("/v1/clients")
-    def register_client(body: ClientRegistrationBody) -> dict:
+    def register_client(body: ClientRegistrationBody, request: Request) -> dict:
+        _own_node(request, body.node)
+        try:  # re-registering another node's client id would take that client over
+            _own_node(request, store.client_node(body.client_id))
+        except UnknownEntity:
+            pass
         validate_name(body.dataset, "dataset")
         validate_name(body.job, "job")
         if body.source:
@@ -192,11 +221,13 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
         return {"client_id": body.client_id, "allocation": alloc.as_dict()}
 
     @app.put("/v1/clients/{client_id}/heartbeat")
-    def heartbeat(client_id: str, body: HeartbeatBody) -> dict:
+    def heartbeat(client_id: str, body: HeartbeatBody, request: Request) -> dict:
+        _own_node(request, store.client_node(client_id))
         return {"allocation": store.heartbeat(client_id, body.stats).as_dict()}
 
     @app.delete("/v1/clients/{client_id}")
-    def unregister_client(client_id: str) -> dict:
+    def unregister_client(client_id: str, request: Request) -> dict:
+        _own_node(request, store.client_node(client_id))
         store.unregister_client(client_id)
         return {"deleted": client_id}
 

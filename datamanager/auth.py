@@ -5,7 +5,11 @@ API) before a body is read, with the same 1 MiB body cap.
   status; everything;
 - the **agent** token (SILOD_DM_AGENT_TOKEN), held by the node agents / FUSE clients: only
   register a client, heartbeat it, unregister it (and read its own allocation in the answer).
-  An agent cannot set anyone's cache or remote IO.
+  An agent cannot set anyone's cache or remote IO. This one token is shared by every node: any
+  holder may act on any node's clients (issue 20), so prefer
+- **node-bound agent tokens** (SILOD_DM_AGENT_TOKENS_FILE: `node:token` lines, one token per
+  node): the same routes, but only for clients registered with that node; another node's client
+  is a 403. A node's agent sends its own token as SILOD_DM_TOKEN.
 
 `/healthz` is open; `/metrics` is open unless SILOD_DM_METRICS_TOKEN is set. Clients send
 their token from SILOD_DM_TOKEN (datamanager.client, fuse_client.manager_link).
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_guard import capped_receive, send_json
+from http_guard.timeouts import BodyTimeout, timed_receive
 
 DEFAULT_MAX_BODY = 1 << 20  # allocations and heartbeats are a few hundred bytes
 
@@ -31,6 +36,8 @@ SCHEDULER_TOKEN_ENV = "SILOD_DM_SCHEDULER_TOKEN"
 AGENT_TOKEN_ENV = "SILOD_DM_AGENT_TOKEN"
 METRICS_TOKEN_ENV = "SILOD_DM_METRICS_TOKEN"
 CLIENT_TOKEN_ENV = "SILOD_DM_TOKEN"  # what clients send
+AGENT_TOKENS_FILE_ENV = "SILOD_DM_AGENT_TOKENS_FILE"  # node:token lines (node-bound agents)
+NODE_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # a Kubernetes node name (RFC 1123)
 
 # (method, path) an agent token may call.
 _AGENT_ROUTES = (
@@ -44,39 +51,86 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
+def parse_node_tokens(text: str, where: str = "agent tokens") -> dict[str, str]:
+    """`node:token` lines (`#` comments) -> {node: token}; errors name the line."""
+    out: dict[str, str] = {}
+    seen: set[str] = set()
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        node, sep, token = (x.strip() for x in line.partition(":"))
+        if not sep or not NODE_RE.match(node) or len(node) > 253:
+            raise ValueError(f"{where}:{lineno}: expected 'node:token' with a node name (lower-case letters, digits, '-', '.')")
+        if len(token) < 16:
+            raise ValueError(f"{where}:{lineno}: the token of node {node!r} is shorter than 16 characters")
+        if node in out or token in seen:
+            raise ValueError(f"{where}:{lineno}: node {node!r} or its token appears twice; one token per node")
+        out[node] = token
+        seen.add(token)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    role: str  # scheduler | agent | metrics
+    node: str | None = None  # a node-bound agent's node; None: any node (the shared agent token)
+
+
 @dataclass(frozen=True, slots=True)
 class DataManagerAuth:
     scheduler_digest: bytes | None = None
     agent_digest: bytes | None = None
     metrics_digest: bytes | None = None
+    node_digests: tuple[tuple[bytes, str], ...] = ()  # (digest of a node's agent token, node)
 
     @classmethod
-    def from_tokens(cls, scheduler: str | None, agent: str | None, metrics: str | None = None) -> DataManagerAuth:
+    def from_tokens(cls, scheduler: str | None, agent: str | None, metrics: str | None = None,
+                    node_agents: dict[str, str] | None = None) -> DataManagerAuth:
         for name, tok in (("scheduler", scheduler), ("agent", agent), ("metrics", metrics)):
             if tok is not None and len(tok) < 16:
                 raise ValueError(f"the data manager's {name} token is shorter than 16 characters")
         if scheduler and agent and scheduler == agent:
             raise ValueError("the scheduler and agent tokens of the data manager must differ")
-        return cls(*(None if t is None else _digest(t) for t in (scheduler, agent, metrics)))
+        node_agents = node_agents or {}
+        if set(node_agents.values()) & {scheduler, agent, metrics}:
+            raise ValueError("a node's agent token must differ from the scheduler, shared agent and metrics tokens")
+        return cls(*(None if t is None else _digest(t) for t in (scheduler, agent, metrics)),
+                   node_digests=tuple((_digest(t), n) for n, t in sorted(node_agents.items())))
 
     @classmethod
     def from_env(cls) -> DataManagerAuth:
+        nodes: dict[str, str] = {}
+        path = os.environ.get(AGENT_TOKENS_FILE_ENV)
+        if path:
+            try:
+                text = open(path, encoding="utf-8").read()
+            except OSError as exc:
+                raise ValueError(f"{AGENT_TOKENS_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
+            nodes = parse_node_tokens(text, path)
         return cls.from_tokens(os.environ.get(SCHEDULER_TOKEN_ENV) or None, os.environ.get(AGENT_TOKEN_ENV) or None,
-                               os.environ.get(METRICS_TOKEN_ENV) or None)
+                               os.environ.get(METRICS_TOKEN_ENV) or None, nodes)
 
     @property
     def enabled(self) -> bool:
-        return self.scheduler_digest is not None or self.agent_digest is not None
+        return self.scheduler_digest is not None or self.agent_digest is not None or bool(self.node_digests)
 
-    def role(self, token: str) -> str | None:
+    def identify(self, token: str) -> Identity | None:
         d = _digest(token)
         if self.scheduler_digest is not None and hmac.compare_digest(d, self.scheduler_digest):
-            return "scheduler"
+            return Identity("scheduler")
         if self.agent_digest is not None and hmac.compare_digest(d, self.agent_digest):
-            return "agent"
+            return Identity("agent")
+        for digest, node in self.node_digests:
+            if hmac.compare_digest(d, digest):
+                return Identity("agent", node)
         if self.metrics_digest is not None and hmac.compare_digest(d, self.metrics_digest):
-            return "metrics"
+            return Identity("metrics")
         return None
+
+    def role(self, token: str) -> str | None:
+        who = self.identify(token)
+        return None if who is None else who.role
 
 
 def allowed(role: str, method: str, path: str) -> bool:
@@ -103,16 +157,24 @@ class DataManagerGuard:
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         public = path == "/healthz" or (path == "/metrics" and self.auth.metrics_digest is None)
         if self.auth.enabled and not public:
+            if sum(1 for k, _ in scope.get("headers", ()) if k.lower() == b"authorization") > 1:
+                await send_json(send, 400, {"detail": "more than one Authorization header; send exactly one"})
+                return
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            role = self.auth.role(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
-            if role is None:
+            who = self.auth.identify(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+            if who is None:
                 await send_json(send, 401, {"detail": "missing or invalid bearer token"}, [(b"www-authenticate", b"Bearer")])
                 return
-            if not allowed(role, method, path):
-                await send_json(send, 403, {"detail": f"the {role} token may not call {method} {path}"})
+            if not allowed(who.role, method, path):
+                await send_json(send, 403, {"detail": f"the {who.role} token may not call {method} {path}"})
                 return
+            # The routes check a node-bound agent's node against the client it acts on.
+            scope.setdefault("state", {})["dm_identity"] = who
         length = headers.get(b"content-length")
         if length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
             await send_json(send, 413, {"detail": f"request body larger than {self.max_body} bytes"})
             return
-        await self.app(scope, capped_receive(receive, self.max_body), send)
+        try:
+            await self.app(scope, capped_receive(timed_receive(receive), self.max_body), send)
+        except BodyTimeout as exc:  # a stalled body (http_guard/timeouts.py); before any answer
+            await send_json(send, 408, {"detail": exc.detail}, [(b"connection", b"close")])

@@ -25,6 +25,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the data manager: cache/remote-IO allocation API for FUSE clients (SiloD Table 3)."""
         host, port = parse_listen(listen)
+        from http_guard.listen import listen_problem
+
+        problem = listen_problem(host, port)
+        if problem:
+            raise UserError(f"--listen {listen}: {problem}")
         if state.exists() and not state.is_dir():
             raise UserError(f"--state {str(state)!r} is a file; give a directory (state.json is written inside it)")
         try:
@@ -60,4 +65,7 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--state {str(state)!r}: state.json cannot be read ({exc})") from exc
         if not auth.enabled:  # after every check, so that an error is the first line on stderr
             typer.echo(f"silod datamanager: no {SCHEDULER_TOKEN_ENV}/{AGENT_TOKEN_ENV}: unauthenticated, loopback only", err=True)
-        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower())
+        from http_guard.timeouts import HeaderTimeoutH11Protocol
+
+        # h11 with a header read timeout: slow-header clients are cut off (http_guard/timeouts.py)
+        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower(), http=HeaderTimeoutH11Protocol)

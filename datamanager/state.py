@@ -46,6 +46,16 @@ class JobState(BaseModel):
     workers: int = 1
 
 
+def _bounded(value: object, allocated: int | None) -> int:
+    """A reported byte count as a non-negative int, at most `allocated` when that is known."""
+    try:
+        n = int(value or 0)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    n = max(n, 0)
+    return n if allocated is None else min(n, int(allocated))
+
+
 class ClientRegistration(BaseModel):
     """What a FUSE client says about itself when it registers."""
 
@@ -205,6 +215,13 @@ class StateStore:
             self._save()
             return self.allocation_for(client.client_id)
 
+    def client_node(self, client_id: str) -> str:
+        with self.lock:
+            client = self.state.clients.get(client_id)
+            if client is None:
+                raise UnknownEntity(f"unknown client {client_id!r}; register with POST /v1/clients")
+            return client.node
+
     def heartbeat(self, client_id: str, stats: dict) -> ClientAllocation:
         with self.lock:
             if client_id not in self.state.clients:
@@ -265,7 +282,9 @@ class StateStore:
                     "cached_bytes": 0, "items_cached": 0, "jobs": {},
                 })
                 # Mounts of one dataset on one node share one cache: report it once (the freshest).
-                entry["cached_bytes"] = max(entry["cached_bytes"], int(stats.get("cached_bytes", 0) or 0))
+                # A mount's cache never holds more than the dataset's allocation: a larger figure
+                # (an agent reported 1e15 for another tenant's dataset, issue 20) is capped there.
+                entry["cached_bytes"] = max(entry["cached_bytes"], _bounded(stats.get("cached_bytes"), entry["allocated_bytes"]))
                 entry["items_cached"] = max(entry["items_cached"], int(stats.get("items_cached", 0) or 0))
                 entry["jobs"][c.job] = {
                     "client_id": c.client_id, "live": live,

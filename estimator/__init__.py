@@ -10,6 +10,16 @@ from estimator.model import (
     can_reuse_new_cache,
     silod_perf,
 )
+from estimator.pipeline import (
+    RESOURCES,
+    Diagnosis,
+    cores_needed,
+    cpu_perf,
+    cpu_seconds_per_byte,
+    diagnose,
+    pipeline_hit_ratio,
+    pipeline_perf,
+)
 
 __all__ = [
     "cache_efficiency",
@@ -20,4 +30,12 @@ __all__ = [
     "remote_demand",
     "can_reuse_new_cache",
     "silod_perf",
+    "RESOURCES",
+    "Diagnosis",
+    "cores_needed",
+    "cpu_perf",
+    "cpu_seconds_per_byte",
+    "diagnose",
+    "pipeline_hit_ratio",
+    "pipeline_perf",
 ]

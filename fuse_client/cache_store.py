@@ -50,6 +50,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+from collections.abc import Callable
 import os
 import random
 import shutil
@@ -139,6 +140,8 @@ class DatasetCache:
         self.locks = NodeItemLocks(self.root / "fetch.lock")
         # Read by the hit path; refreshed from the index by `refresh_verify_pending`.
         self.verify_pending = False
+        # Called with each key this process evicts, right after its unlink (see _evicted).
+        self.on_evicted: Callable[[str], None] | None = None
         with self._tx() as db:
             db.execute("CREATE TABLE IF NOT EXISTS items (key TEXT PRIMARY KEY, size INTEGER NOT NULL, crc INTEGER NOT NULL)")
             db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
@@ -517,6 +520,7 @@ class DatasetCache:
                         # the fd keeps reading; a new open sees ENOENT and treats it as a miss.
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(self.item_path(item.key))
+                        self._evicted(item.key)
                     self._admit(db, key, staging, size, crc)
                     admitted = True
                 db.executemany("DELETE FROM journal WHERE key = ?", [(v.key,) for v in victims])
@@ -577,11 +581,23 @@ class DatasetCache:
                     # reading; a new open sees ENOENT and treats the item as a miss.
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.item_path(item.key))
+                    self._evicted(item.key)
                     self._add_counters(db, -item.size, -1)
                     cached -= item.size
                     evicted += item.size
             db.executemany("DELETE FROM journal WHERE key = ?", [(v.key,) for v in victims])
         return evicted
+
+    def _evicted(self, key: str) -> None:
+        """Tell the front end (on_evicted) right after each unlink, so descriptors it keeps of
+        the item are closed now: disk use then exceeds the allocation by at most the one item
+        being evicted, not by every kept item until a sweep."""
+        hook = self.on_evicted
+        if hook is not None:
+            try:
+                hook(key)
+            except Exception:  # never fail an eviction for it: the sweep closes it later
+                log.exception("closing kept descriptors of evicted item %s failed", key)
 
     def _policy_items(self, db: sqlite3.Connection, policy: CachePolicy) -> list[CachedItem]:
         """Every indexed item, with its last use if the policy wants it (this process's noted

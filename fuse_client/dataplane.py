@@ -13,13 +13,14 @@ the FUSE worker threads, and misses of different items never wait for each other
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from fuse_client.accounting import JobAccounting
 from fuse_client.breaker import CircuitBreaker, RemoteUnavailable
@@ -31,6 +32,7 @@ from fuse_client.token_bucket import Throttle
 log = logging.getLogger(__name__)
 
 DEFAULT_FETCH_WORKERS = 16
+WAIT_SLICE_S = 0.05  # how often a waiting open looks at its FUSE request's interrupt flag
 
 
 class LocalItem(NamedTuple):
@@ -75,6 +77,8 @@ class ItemResolver:
         self._closed = threading.Event()
         self._active = 0  # leaders running in the pool (drained before the index is marked clean)
         self._active_lock = threading.Lock()
+        self._last_progress = time.monotonic()  # any fetch of this mount delivered / started
+        self._throttled_fetches = 0  # leaders waiting for tokens now
 
     def close(self) -> None:
         """At unmount: stop the prober, cancel queued fetches and wake the opens waiting for them.
@@ -91,12 +95,15 @@ class ItemResolver:
 
     # -- the open path -----------------------------------------------------------------------
 
-    def resolve(self, entry: FileEntry) -> LocalItem:
+    def resolve(self, entry: FileEntry, cancelled: Callable[[], bool] | None = None) -> LocalItem:
         """Return a LocalItem for `entry`, fetching it (once per node) if it is not cached.
 
         Raises RemoteFetchError / RemoteUnavailable (OSErrors with errno EIO) if the remote
         fails; nothing partial is ever admitted, because only a complete, checksummed file is
-        renamed into the cache.
+        renamed into the cache. A miss waits in slices: it raises InterruptedError (EINTR) as
+        soon as `cancelled()` (the FUSE request was interrupted, e.g. its reader was killed), and
+        RemoteFetchError once its fetch - or, while it is queued, every fetch of this mount - has
+        made no progress for the open deadline (see _stalled). The fetch itself goes on.
         """
         t0 = time.perf_counter()
         hit = self.resolve_cached(entry, t0)
@@ -104,7 +111,7 @@ class ItemResolver:
             return hit
         key = self._key(entry)
         try:
-            item = self._miss(entry, key)
+            item = self._miss(entry, key, cancelled)
         except OSError:
             self.accounting.open_failed()
             raise
@@ -151,7 +158,7 @@ class ItemResolver:
         os.close(fd)
         return False
 
-    def _miss(self, entry: FileEntry, key: str) -> LocalItem:
+    def _miss(self, entry: FileEntry, key: str, cancelled: Callable[[], bool] | None = None) -> LocalItem:
         self.breaker.check()  # fail at once while the remote is known to be down
         flight, leader = self.flights.join(key)
         if leader:
@@ -160,7 +167,7 @@ class ItemResolver:
                 self._pool.submit(self._lead, flight, entry, key, result)
             except RuntimeError as exc:  # the pool is shut down: we are unmounting
                 self.flights.finish(flight, error=InterruptedError(str(exc)))
-            flight.done.wait()
+            self._wait(flight, entry, True, cancelled, result)
             if flight.error is not None:
                 raise flight.error
             r = result[0]
@@ -171,7 +178,7 @@ class ItemResolver:
             self.accounting.item_opened(entry.index, hit=False, shared_fetch=shared,
                                         admitted_size=entry.size if r.admitted else 0)
             return LocalItem(r.fd, entry, hit=False)
-        flight.done.wait()
+        self._wait(flight, entry, False, cancelled)
         if flight.error is not None:
             raise flight.error
         if flight.admitted:
@@ -179,15 +186,58 @@ class ItemResolver:
             if fd is not None:
                 self.accounting.item_opened(entry.index, hit=True)
                 return LocalItem(fd, entry, hit=True)
-            return self._miss(entry, key)  # evicted in between (a shrink): try again
+            return self._miss(entry, key, cancelled)  # evicted in between (a shrink): try again
         self.accounting.item_opened(entry.index, hit=False, shared_fetch=True)
         return LocalItem(flight.fds.pop(), entry, hit=False)
+
+    def _wait(self, flight: Flight, entry: FileEntry, leader: bool, cancelled: Callable[[], bool] | None,
+              result: list[_LeaderResult] | None = None) -> None:
+        """Wait for `flight` in slices; leave it (InterruptedError / RemoteFetchError) when the
+        request is cancelled or the fetch stalls. Returns once the flight is done."""
+        while not flight.done.wait(WAIT_SLICE_S):
+            if cancelled is not None and cancelled():
+                error: OSError = InterruptedError(errno.EINTR, f"open of {entry.path!r} interrupted")
+            elif self._stalled(flight):
+                error = RemoteFetchError(errno.EIO, f"remote store {self.store.url} delivered nothing for "
+                                         f"{self._stall_limit():.1f} s while {entry.path!r} waited for it")
+                log.warning("%s", error)
+            else:
+                continue
+            if self.flights.leave(flight, leader) and leader and result:
+                os.close(result[0].fd)  # finished just now: nobody takes it
+            raise error
+
+    def _stall_limit(self) -> float:
+        policy = self.store.policy
+        # The leader gives up after the deadline on its own; the waiting open a little later, so
+        # that normally the leader's own error (the remote's) is the one reported.
+        return policy.deadline_s + policy.client_timeout_s + 1.0
+
+    def _stalled(self, flight: Flight) -> bool:
+        now = time.monotonic()
+        limit = self._stall_limit()
+        if flight.waiting_peer or flight.throttled:
+            # Another process fetches it, or it waits for the job's own tokens: slow by decision
+            # (a rate the data manager set, 0 included), not the remote's stall. Such a wait still
+            # ends at once on an interrupt.
+            return False
+        if flight.started:
+            return now - flight.progress > limit
+        # Queued behind other fetches: a stall only if none of this mount's fetches progresses.
+        if self._throttled_fetches:
+            return False
+        return now - max(flight.created, self._last_progress) > limit
+
+    def _progressed(self, flight: Flight) -> None:
+        flight.progress = self._last_progress = time.monotonic()
 
     # -- the flight leader (fetch pool) ------------------------------------------------------
 
     def _lead(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
         with self._active_lock:
             self._active += 1
+        flight.started = True
+        flight.progress = time.monotonic()  # its own clock starts; the mount's does not (no data yet)
         try:
             self._lead_flight(flight, entry, key, result)
         finally:
@@ -201,21 +251,25 @@ class ItemResolver:
                 # Another process fetches this item: wait for it, marked, so that it keeps a
                 # copy for us even if the cache has no room for it.
                 locks.mark_waiting(key)
+                flight.waiting_peer = True
                 try:
                     locks.acquire(key)
                 finally:
+                    flight.waiting_peer = False
+                    flight.progress = time.monotonic()
                     locks.unmark_waiting(key)
             try:
-                r = self._lead_locked(entry, key)
+                r = self._lead_locked(entry, key, flight)
             finally:
                 locks.release(key)
         except BaseException as exc:
             self.flights.finish(flight, error=exc)
             return
         result.append(r)
-        self.flights.finish(flight, admitted=r.source == "cache" or r.admitted, fd=r.fd)
+        if self.flights.finish(flight, admitted=r.source == "cache" or r.admitted, fd=r.fd):
+            os.close(r.fd)  # the open that led this flight gave up: the descriptor is nobody's
 
-    def _lead_locked(self, entry: FileEntry, key: str) -> _LeaderResult:
+    def _lead_locked(self, entry: FileEntry, key: str, flight: Flight | None = None) -> _LeaderResult:
         fd = self.cache.open_cached(key)
         if fd is not None:  # another process fetched and admitted it while we waited
             return _LeaderResult(fd, "cache")
@@ -223,9 +277,9 @@ class ItemResolver:
         if fd is not None:  # another process fetched it while we waited; not admitted
             return _LeaderResult(fd, "transient")
         self.breaker.check()
-        return self._fetch(entry, key)
+        return self._fetch(entry, key, flight)
 
-    def _fetch(self, entry: FileEntry, key: str) -> _LeaderResult:
+    def _fetch(self, entry: FileEntry, key: str, flight: Flight | None = None) -> _LeaderResult:
         fd, staging = self.cache.new_staging_file(key)
         errors: list[Exception] = []
 
@@ -245,7 +299,16 @@ class ItemResolver:
                 os.ftruncate(fd, 0)
 
             try:
-                crc = self.store.fetch(entry, write, self.throttle, self.accounting.bytes_fetched, reset, on_error=on_error)
+                if flight is None:
+                    throttle, on_bytes = self.throttle, self.accounting.bytes_fetched
+                else:
+                    throttle = _FlightThrottle(self, flight)
+
+                    def on_bytes(n: int) -> None:
+                        self._progressed(flight)
+                        self.accounting.bytes_fetched(n)
+
+                crc = self.store.fetch(entry, write, throttle, on_bytes, reset, on_error=on_error)
             except RemoteFetchError as exc:
                 if errors:  # the remote failed (not just "no such object"): count it against it
                     self._remote_failed(entry, exc)
@@ -289,6 +352,35 @@ class ItemResolver:
             if self.breaker.close():
                 log.warning("remote %s answers again; circuit breaker closed, fetches resume", self.store.url)
             return
+
+
+class _FlightThrottle:
+    """The job's throttle as one flight's fetch sees it: its token waits are marked on the
+    flight, so the opens waiting for it do not take them for a stalled remote."""
+
+    def __init__(self, resolver: ItemResolver, flight: Flight) -> None:
+        self._resolver = resolver
+        self._flight = flight
+
+    @property
+    def rate(self) -> float:
+        return self._resolver.throttle.rate
+
+    def acquire(self, nbytes: int) -> None:
+        r, f = self._resolver, self._flight
+        with r._active_lock:
+            r._throttled_fetches += 1
+        f.throttled += 1
+        t0 = time.monotonic()
+        try:
+            r.throttle.acquire(nbytes)
+        finally:
+            f.throttled -= 1
+            with r._active_lock:
+                r._throttled_fetches -= 1
+            # The wait for our own tokens is not the remote's stall (as in RemoteStore.fetch);
+            # a grant is not progress of the remote either.
+            f.progress += time.monotonic() - t0
 
 
 __all__ = ["ItemResolver", "LocalItem", "RemoteUnavailable"]

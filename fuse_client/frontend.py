@@ -107,7 +107,7 @@ class Frontend:
 
         cfg = self.cfg
         mfusepy.FUSE(
-            SilodFS(self.ops), str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
+            SilodFS(self.ops, cfg.fuse_threads), str(cfg.mountpoint), raw_fi=True, foreground=True, ro=True,
             fsname=f"silod:{cfg.dataset}", subtype="silod", default_permissions=True,
             **({"allow_other": True} if cfg.allow_other else {}),
             # libfuse starts a worker per request while none is idle, up to max_threads

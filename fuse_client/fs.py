@@ -11,9 +11,12 @@ The other front end, rawfuse/, serves the same operations over /dev/fuse with pa
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import stat
+import threading
+import time
 from typing import Any
 
 import mfusepy
@@ -26,6 +29,23 @@ log = logging.getLogger(__name__)
 __all__ = ["SilodFS", "METADATA_TIMEOUT_S"]
 
 
+def waiting_open_cap(fuse_threads: int) -> int:
+    """Opens that may wait for the remote at once under libfuse: the workers less a reserve
+    (a quarter, at least 2) that keeps serving lookups, cached reads and interrupts."""
+    return max(1, fuse_threads - max(2, fuse_threads // 4))
+
+
+_fuse_interrupted = mfusepy._libfuse.fuse_interrupted
+_fuse_interrupted.restype = ctypes.c_int
+_fuse_interrupted.argtypes = []
+
+
+def _interrupted() -> bool:
+    """Whether the kernel interrupted the request this worker thread serves (its caller got a
+    signal, e.g. was killed): libfuse marks the request when another worker reads the INTERRUPT."""
+    return bool(_fuse_interrupted())
+
+
 def _fuse_error(exc: OSError) -> mfusepy.FuseOSError:
     return mfusepy.FuseOSError(exc.errno or errno.EIO)
 
@@ -35,9 +55,18 @@ class SilodFS(mfusepy.Operations):
 
     use_ns = True
 
-    def __init__(self, ops: DatasetOperations) -> None:
+    def __init__(self, ops: DatasetOperations, fuse_threads: int = 128) -> None:
         self.ops = ops
         self.on_init = lambda: None  # called once the kernel has accepted the mount
+        # libfuse answers a request on the worker that read it, and reads no more requests once
+        # all `fuse_threads` workers are busy: opens waiting for the remote must leave some
+        # workers free, or lookups, cached reads and the kernel's INTERRUPTs (of killed readers)
+        # queue behind them. See waiting_open_cap.
+        self.fuse_threads = fuse_threads
+        self.wait_cap = waiting_open_cap(fuse_threads)
+        self._waiting = threading.BoundedSemaphore(self.wait_cap)
+        self.refused_opens = 0
+        self._last_refusal_log = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -91,13 +120,34 @@ class SilodFS(mfusepy.Operations):
         try:
             self.ops.check_flags(fi.flags)
             pid = mfusepy.fuse_get_context()[2] if self.ops.attribution is not None else 0
-            handle = self.ops.open(self.ops.entry(self._rel(path)), pid=pid)  # a remote failure is EIO
+            entry = self.ops.entry(self._rel(path))
+            handle = None if self.ops.hits_may_block else self.ops.open_if_cached(entry, pid=pid)
+            if handle is None:
+                handle = self._open_waiting(entry, pid)  # a remote failure is EIO
         except OSError as exc:
             raise _fuse_error(exc) from None
         fi.fh = handle.fh
         # Cached items never change, so the kernel may keep their pages across opens.
         fi.keep_cache = 1 if handle.mode is OpenMode.KERNEL_CACHE else 0
         return 0
+
+    def _open_waiting(self, entry, pid: int):
+        """An open that may wait for the remote: only while a waiting slot is free (else EAGAIN
+        at once), and interruptible (a killed reader's INTERRUPT ends the wait with EINTR)."""
+        if not self._waiting.acquire(blocking=False):
+            self.refused_opens += 1
+            now = time.monotonic()
+            if now - self._last_refusal_log > 10:  # one line, not one per refused open
+                self._last_refusal_log = now
+                log.warning("%d opens are waiting for the remote (the cap for --fuse-threads %d); further uncached "
+                            "opens fail with EAGAIN until some finish (%d refused so far); raise --fuse-threads for "
+                            "more parallel misses", self.wait_cap, self.fuse_threads,
+                            self.refused_opens)
+            raise OSError(errno.EAGAIN, "too many opens waiting for the remote")
+        try:
+            return self.ops.open(entry, pid=pid, cancelled=_interrupted)
+        finally:
+            self._waiting.release()
 
     def read_buf(self, path: str, bufpp, size: int, offset: int, fi) -> int:
         pin_thread_state()

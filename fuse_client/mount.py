@@ -342,6 +342,42 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--probe-interval {cfg.probe_interval_s}: must be > 0 and <= 3600 seconds")
     if cfg.fuse_backend not in BACKENDS:
         raise UserError(f"--fuse-backend {cfg.fuse_backend!r}: must be one of {', '.join(BACKENDS)}")
+    if not cfg.io_rate > 0:  # a rate of 0 would block every uncached read forever
+        raise UserError(f"--io-rate {cfg.io_rate:g}: must be above 0 (leave it out for an unthrottled mount)")
+
+
+def validate_paths(cfg: MountConfig) -> None:
+    """The cache must not live under the mount (the mount would hide it, and its own reads of
+    the cache would re-enter the FUSE server: a deadlock in D state), nor the mount under the
+    cache; the stats file must be writable. Checked before anything is mounted."""
+    mnt = Path(os.path.realpath(cfg.mountpoint))
+    cache = Path(os.path.realpath(cfg.cache_dir))
+    if cache == mnt or cache.is_relative_to(mnt):
+        raise UserError(f"--cache-dir {str(cfg.cache_dir)!r} is inside the mount point {str(cfg.mountpoint)!r}; "
+                        "put the cache outside it")
+    if mnt.is_relative_to(cache):
+        raise UserError(f"mount point {str(cfg.mountpoint)!r} is inside --cache-dir {str(cfg.cache_dir)!r}; "
+                        "mount outside the cache directory")
+    if cfg.stats_file is not None:
+        stats = cfg.stats_file
+        if not stats.parent.is_dir():
+            raise UserError(f"--stats-file {str(stats)!r}: directory {str(stats.parent)!r} does not exist")
+        if stats.is_dir():
+            raise UserError(f"--stats-file {str(stats)!r} is a directory; name a file")
+        # Written as a temporary file renamed over it (ControlLoop.write_stats): try exactly that.
+        probe = stats.with_name(f".{stats.name}.{os.getpid()}.tmp")
+        try:
+            with open(probe, "wb"):
+                pass
+            os.replace(probe, probe)
+        except OSError as exc:
+            raise UserError(f"--stats-file {str(stats)!r} cannot be written ({exc.strerror}); "
+                            "name a file in a writable directory") from None
+        finally:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
 
 
 def run_mount(cfg: MountConfig) -> int:
@@ -353,10 +389,9 @@ def run_mount(cfg: MountConfig) -> int:
     validate_name(cfg.dataset, "--dataset")
     validate_name(cfg.job, "--job")
     validate_tuning(cfg)
+    validate_paths(cfg)
     validate_mountpoint(cfg.mountpoint)
     check_fuse_available()
-    if cfg.stats_file is not None and not cfg.stats_file.parent.is_dir():
-        raise UserError(f"--stats-file {str(cfg.stats_file)!r}: directory {str(cfg.stats_file.parent)!r} does not exist")
 
     from fuse_client.breaker import CircuitBreaker, RetryPolicy
     from fuse_client.dataplane import ItemResolver
@@ -370,12 +405,15 @@ def run_mount(cfg: MountConfig) -> int:
 
     from fuse_client import listing_snapshot
 
+    allow = None
     if os.environ.get(ALLOWED_URIS_ENV):  # the operator's allow-list, with the host resolved now
-        UriPolicy.from_env().check(cfg.source, resolve=True)
+        allow = UriPolicy.from_env()
+        allow.check(cfg.source, resolve=True)
     throttle = Throttle(cfg.io_rate)
     # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
+    # Every request, redirect and connection of the store is held to `allow` (safe_http.py).
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),
-                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1")
+                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow)
     snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
     listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
     if listing is not None:
@@ -426,6 +464,8 @@ def run_mount(cfg: MountConfig) -> int:
     control.frontend = frontend
     try:
         frontend.prepare()  # the raw backend mounts here (and may fall back); libfuse mounts in serve()
+        if frontend.raw is not None:  # its kept backing files of items this mount evicts close at once
+            cache.on_evicted = frontend.raw.on_evicted
         log.info("serving %s with the %s front end", cfg.mountpoint, frontend.describe())
         control.tick()
         control.start()

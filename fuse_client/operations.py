@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from fuse_client.dataplane import ItemResolver, LocalItem
 from fuse_client.pod_attribution import PodAttribution
@@ -125,14 +125,17 @@ class DatasetOperations:
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
             raise OSError(errno.EROFS, "read-only file system")
 
-    def open(self, entry: FileEntry, passthrough: bool = False, pid: int = 0) -> OpenFile:
+    def open(self, entry: FileEntry, passthrough: bool = False, pid: int = 0,
+             cancelled: Callable[[], bool] | None = None) -> OpenFile:
         """Resolve `entry` (hit, shared fetch or remote fetch; may block on the remote).
 
         `passthrough`: the caller can hand a cached item's descriptor to the kernel. `pid`: the
-        opening process (from the FUSE request), for per-pod accounting.
-        Raises RemoteFetchError / RemoteUnavailable (OSError EIO) when the remote fails.
+        opening process (from the FUSE request), for per-pod accounting. `cancelled`: polled
+        while waiting for the remote; True (the FUSE request was interrupted) ends the wait with
+        EINTR. Raises RemoteFetchError / RemoteUnavailable (OSError EIO) when the remote fails
+        or stalls past the open deadline.
         """
-        return self._register(self.resolver.resolve(entry), passthrough, pod=self._pod(pid))
+        return self._register(self.resolver.resolve(entry, cancelled), passthrough, pod=self._pod(pid))
 
     @property
     def hits_may_block(self) -> bool:

@@ -21,13 +21,16 @@ import os
 import posixpath
 import time
 import zlib
+from urllib.parse import unquote, urlsplit
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
-from fuse_client import http_index
+from contract.uri_policy import UriPolicy
+from fuse_client import beneath, http_index
+from fuse_client.safe_http import HttpGuard
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, chunk_size_for
 
@@ -110,11 +113,30 @@ def single_try_options(url: str, policy: RetryPolicy) -> dict:
     return {}
 
 
+def _rel_beneath(base: str, url: str) -> str | None:
+    """`url` relative to the directory URL `base`, or None if it is not beneath it once
+    normalised: same scheme and host, and a path that, percent-decoded, has no `.` or `..`
+    segment and starts with base's path. The rel part is returned as the server spelled it."""
+    b, u = urlsplit(base), urlsplit(url)
+    if (u.scheme.lower(), u.netloc.lower()) != (b.scheme.lower(), b.netloc.lower()) or u.query or u.fragment:
+        return None
+    if not u.path.startswith(b.path):
+        return None
+    rel = u.path[len(b.path):]
+    decoded = unquote(rel).replace("\\", "/")
+    if any(seg in (".", "..") for seg in decoded.split("/")) or "\0" in decoded or decoded.startswith("/"):
+        return None
+    return rel
+
+
 class RemoteStore:
     """An fsspec file system rooted at the dataset URL."""
 
     def __init__(self, url: str, policy: RetryPolicy | None = None, credential: SourceCredential | None = None,
-                 anonymous: bool = False) -> None:
+                 anonymous: bool = False, allow: UriPolicy | None = None) -> None:
+        """`allow`: the operator's allow-list; every HTTP request, redirect and connection of this
+        store is held to it (without one, to the source's own prefix: safe_http.py), and a
+        `file://` source under one of its prefixes is opened beneath that prefix (beneath.py)."""
         import fsspec
 
         self.url = url
@@ -126,8 +148,12 @@ class RemoteStore:
         try:
             # The options make the client try once (retries and the deadline are ours); inside
             # the try because building them imports the scheme's client library (aiohttp).
+            extra: dict = {}
+            if scheme in ("http", "https"):
+                self.guard = HttpGuard.for_source(url, allow)
+                extra["get_client"] = self.guard.get_client()
             self.fs, root = fsspec.core.url_to_fs(url, **single_try_options(url, self.policy),
-                                                   **storage_options(url, credential, anonymous))
+                                                   **storage_options(url, credential, anonymous), **extra)
         except ImportError as exc:
             raise UserError(f"--source {url!r} needs an optional dependency ({exc}); for s3:// install silod with the S3 extra: pip install 'silod[s3]'") from exc
         except ValueError as exc:
@@ -136,6 +162,24 @@ class RemoteStore:
             self.fs.retries = 1  # s3fs retries some errors itself (5 by default); ours are the only ones
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.root = root.rstrip("/") if self.protocol not in ("http", "https") else root
+        self._root_fd = -1
+        if self.protocol in ("file", "local"):
+            prefix = allow.explicit_prefix(url) if allow is not None and url.startswith("file://") else None
+            try:
+                self._root_fd = beneath.open_root(self.root, None if prefix is None else prefix[len("file://"):])
+            except beneath.OutsideRoot as exc:
+                raise UserError(f"--source {url!r} resolves outside the allowed prefix {prefix!r} ({exc})") from None
+            except OSError as exc:
+                raise UserError(f"--source {url!r} is not a directory in the store (or does not exist): "
+                                f"{exc.strerror}") from None
+
+    def close(self) -> None:
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
+
+    def _open_local(self, rel: str, flags: int = os.O_RDONLY) -> int:
+        return beneath.open_beneath(self._root_fd, self.root, rel, flags)
 
     def _full(self, rel: str) -> str:
         if self.protocol in ("http", "https"):
@@ -182,6 +226,8 @@ class RemoteStore:
             with os.scandir(path) as entries:
                 for entry in entries:
                     rel = f"{rel_dir}{entry.name}"
+                    if entry.is_symlink() and not self._beneath_root(rel):
+                        continue
                     if entry.is_dir():
                         st = entry.stat()
                         if (st.st_dev, st.st_ino) not in seen:
@@ -190,6 +236,17 @@ class RemoteStore:
                     elif entry.is_file():
                         sizes[rel] = entry.stat().st_size
         return sizes
+
+    def _beneath_root(self, rel: str) -> bool:
+        """Whether the symlink `rel` resolves beneath the root (the open will check it again)."""
+        try:
+            os.close(self._open_local(rel, os.O_PATH))
+            return True
+        except beneath.OutsideRoot:
+            log.warning("--source %s: %r leads outside the dataset root; left out", self.url, rel)
+        except OSError as exc:
+            log.warning("--source %s: %r cannot be resolved (%s); left out", self.url, rel, exc.strerror)
+        return False
 
     def _list_http(self) -> dict[str, int]:
         base = self.root.rstrip("/") + "/"
@@ -202,9 +259,11 @@ class RemoteStore:
             url = pending.pop()
             for info in self.fs.ls(url, detail=True):
                 name = info["name"]
-                if not name.startswith(base):
-                    continue  # links that leave the dataset (parent directory, absolute links)
-                rel = name[len(base):]
+                rel = _rel_beneath(base, name)
+                if rel is None:  # links that leave the dataset (parent directory, absolute links, %2e%2e)
+                    if name.startswith(base):
+                        log.warning("--source %s: index link %r leaves the dataset; left out", self.url, name)
+                    continue
                 if not rel:
                     continue
                 if name.endswith("/") or info.get("type") == "directory":
@@ -242,6 +301,8 @@ class RemoteStore:
             return self.fs.open(full, "rb", block_size=0, size=size)  # one streaming GET
         if self.protocol in ("s3", "s3a"):
             return self.fs.open(full, "rb", block_size=chunk, cache_type="none", size=size)  # one ranged GET per chunk
+        if self.protocol in ("file", "local"):
+            return os.fdopen(self._open_local(rel), "rb")
         return self.fs.open(full, "rb")
 
     def fetch(

@@ -18,6 +18,7 @@ import fcntl
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,15 @@ class Flight:
     admitted: bool = False
     fds: list[int] = field(default_factory=list)
     error: BaseException | None = None
+    # For the waiting opens' own deadline (dataplane.py): whether the leader runs yet, when the
+    # remote last delivered for it, and whether it waits for tokens (a rate > 0) or for another
+    # process fetching the same item - waits that are not the remote's stall.
+    created: float = field(default_factory=time.monotonic)
+    started: bool = False
+    progress: float = 0.0
+    throttled: int = 0
+    waiting_peer: bool = False
+    leader_gone: bool = False  # the leader's own open gave up: the leader closes its descriptor
 
 
 class Flights:
@@ -103,18 +113,38 @@ class Flights:
             flight = self._flights[key] = Flight(key)
             return flight, True
 
-    def finish(self, flight: Flight, *, admitted: bool = False, fd: int | None = None, error: BaseException | None = None) -> None:
-        """Hand the outcome to the waiters. `fd` (a not-admitted copy) is dup'ed for each waiter."""
+    def leave(self, flight: Flight, leader: bool) -> bool:
+        """An open waiting for `flight` gives up (interrupted, or past its deadline). Returns
+        True if the flight had finished meanwhile: the caller then owns and closes its share."""
+        with self._lock:
+            if not flight.done.is_set():
+                if leader:
+                    flight.leader_gone = True
+                else:
+                    flight.waiters -= 1
+                return False
+        if not leader and flight.fds:
+            with self._lock:
+                fd = flight.fds.pop() if flight.fds else None
+            if fd is not None:
+                os.close(fd)
+        return True
+
+    def finish(self, flight: Flight, *, admitted: bool = False, fd: int | None = None, error: BaseException | None = None) -> bool:
+        """Hand the outcome to the waiters. `fd` (a not-admitted copy) is dup'ed for each waiter.
+        Returns True when the leader's own open has given up (the caller closes `fd` then)."""
         with self._lock:
             if flight.done.is_set():  # aborted at unmount: its waiters already got the error
-                return
+                return flight.leader_gone
             if self._flights.get(flight.key) is flight:
                 del self._flights[flight.key]
             flight.admitted = admitted
             flight.error = error
             if fd is not None and not admitted and error is None:
                 flight.fds = [os.dup(fd) for _ in range(flight.waiters)]
+            gone = flight.leader_gone
         flight.done.set()
+        return gone
 
     def abort_all(self, error: BaseException) -> None:
         """Fail every flight whose leader never ran (its fetch was cancelled at unmount)."""

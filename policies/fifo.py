@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 
 from policies.base import Policy
+from policies.cpu import cpu_for_running, effective_jobs
 from policies.estimators import Estimator
 from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, max_min_share
 from policies.types import Allocation, JobView, Snapshot
@@ -58,10 +59,13 @@ def storage_for_running(
 
 
 def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator: Estimator, io_rule: str = "priority") -> Allocation:
-    cache, io = storage_for_running(running, snapshot, estimator, io_rule)
+    """GPUs to `running`, then CPU cores (policies/cpu.py), then cache and IO planned for the
+    speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests)."""
+    cpu = cpu_for_running(running, snapshot.jobs, snapshot.capacity)
+    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
     share = {j.job_id: 0.0 for j in snapshot.jobs}
     share.update({j.job_id: 1.0 for j in running})
-    return Allocation(gpu_share=share, cache=cache, remote_io=io)
+    return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=cpu)
 
 
 class FifoPolicy(Policy):

@@ -13,6 +13,13 @@ Minimising it under the cache budget is a fractional knapsack whose order (by e_
 depend on t. So each constraint bounds t linearly and t* is the smallest bound: O(n log n).
 `gavel_reference.py` solves the same problem with cvxpy for the tests.
 
+CPU cores (when the cluster models them; estimator/pipeline.py): job j preprocesses r_j source
+bytes/s per core and may hold at most cap_j cores while it runs (its nodes' cores). Its
+throughput needs T_j / r_j time-averaged cores, so the pool adds one more linear bound,
+sum_j t ref_j / r_j <= K, and the cap makes its useful speed per unit of GPU time
+f'_j = min(f*_j, cap_j r_j), used in place of f*_j for the GPU bounds. With GPU-proportional
+CPU (the baseline) cap_j is the job's GPU-proportional cores and the pool bound is dropped.
+
 Equal share R_equal: every active job gets 1/n of the GPUs (as a time fraction of its g_j GPUs,
 at most 1), 1/n of the remote IO, and each dataset the equal cache shares of its readers.
 """
@@ -50,12 +57,41 @@ class GavelProblem:
     reuse: np.ndarray | None = None
     #: per job, measured hit ratio on the rest of its epoch (NaN where unknown)
     hit_now: np.ndarray | None = None
+    #: per job, source bytes/s per core (inf: not CPU-bound); None: CPU not modelled
+    cpu_rate: np.ndarray | None = None
+    #: per job, most cores while it runs (inf: unbounded)
+    cpu_cap: np.ndarray | None = None
+    total_cpus: float = float("inf")
+
+    @property
+    def gpu_ideal(self) -> np.ndarray:
+        """f'_j = min(f*_j, cap_j r_j): the most a job reads per unit of GPU time with its cores."""
+        if self.cpu_rate is None:
+            return self.ideal
+        with np.errstate(invalid="ignore"):
+            cpu = np.where(np.isinf(self.cpu_rate), np.inf, self.cpu_cap * self.cpu_rate)
+        return np.minimum(self.ideal, cpu)
+
+    def cpu_per_throughput(self) -> np.ndarray:
+        """1 / r_j: core-seconds per byte (0 where not CPU-bound)."""
+        if self.cpu_rate is None:
+            return np.zeros(self.n)
+        return np.where(np.isinf(self.cpu_rate), 0.0, 1.0 / self.cpu_rate)
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
         names = tuple(sorted({j.dataset for j in snapshot.jobs}))
         index = {n: i for i, n in enumerate(names)}
         cap = snapshot.capacity
+        cpu_rate = cpu_cap = None
+        total_cpus = float("inf")
+        if cap.manages_cpu:
+            cpu_rate = np.array([j.cpu_rate for j in snapshot.jobs], dtype=float)
+            if cap.cpu_allocation == "gpu-proportional":
+                cpu_cap = np.array([cap.gpu_proportional_cpu(j.gpus) for j in snapshot.jobs], dtype=float)
+            else:
+                cpu_cap = np.array([cap.cpu_cap(j.gpus) for j in snapshot.jobs], dtype=float)
+                total_cpus = cap.cpus
         return cls(
             job_ids=tuple(j.job_id for j in snapshot.jobs),
             gpus=np.array([j.gpus for j in snapshot.jobs], dtype=float),
@@ -67,6 +103,9 @@ class GavelProblem:
             total_cache=float(cap.cache),
             total_io=float(cap.remote_io),
             manages_storage=manages_storage,
+            cpu_rate=cpu_rate,
+            cpu_cap=cpu_cap,
+            total_cpus=total_cpus,
             hit_now=(
                 None
                 if all(j.hit_ratio_now is None for j in snapshot.jobs)
@@ -92,15 +131,21 @@ def equal_share_throughput(p: GavelProblem) -> np.ndarray:
     """ref_j = perf(j, R_equal), the denominator of Eq. 8/9."""
     n = p.n
     x_eq = np.minimum(1.0, p.total_gpus / (n * p.gpus))
+    gpu_bound = x_eq * p.gpu_ideal
+    if p.cpu_rate is not None and np.isfinite(p.total_cpus):
+        # 1/n of the cores (time-averaged), no more than its cap for the time it runs.
+        cores = np.minimum(p.total_cpus / n, x_eq * p.cpu_cap)
+        with np.errstate(invalid="ignore"):
+            gpu_bound = np.minimum(gpu_bound, np.where(np.isinf(p.cpu_rate), np.inf, cores * p.cpu_rate))
     if not p.manages_storage:
-        return x_eq * p.ideal
+        return gpu_bound
     readers = np.bincount(p.dataset_index, minlength=len(p.dataset_names))
     c_eq = np.minimum(p.dataset_size, p.total_cache / n * readers)
     miss = 1.0 - c_eq[p.dataset_index] / p.dataset_size[p.dataset_index]
     b_eq = p.total_io / n
     with np.errstate(divide="ignore"):
         io_limited = np.where(miss > 0, b_eq / np.where(miss > 0, miss, 1.0), np.inf)
-    return np.minimum(x_eq * p.ideal, io_limited)
+    return np.minimum(gpu_bound, io_limited)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +197,14 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
     counted = ref > 0
     if not counted.any():
         return GavelSolution(0.0, np.zeros(p.n), np.zeros(p.n), np.zeros(n_ds), ref)
+    f = p.gpu_ideal
     bounds = [
-        float(np.min(p.ideal[counted] / ref[counted])),
-        p.total_gpus / float(np.sum(p.gpus * ref / p.ideal)),
+        float(np.min(f[counted] / ref[counted])),
+        p.total_gpus / float(np.sum(p.gpus * ref / f)),
     ]
+    cpu_per_t = float(np.sum(ref * p.cpu_per_throughput()))
+    if np.isfinite(p.total_cpus) and cpu_per_t > 0:
+        bounds.append(p.total_cpus / cpu_per_t)
     cache = np.zeros(n_ds)
     if p.manages_storage:
         per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=n_ds)
@@ -169,7 +218,7 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
             bounds.append(p.total_io / io_per_unit_t)
     t = min(bounds)
     target = t * ref
-    share = target / p.ideal
+    share = target / f
     if p.manages_storage:
         avg_io = target * miss
     else:
@@ -186,21 +235,25 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
     gang, x_j = 1: that job). A fully cached job keeps growing on GPUs alone, which plain max-min
     would leave idle. Each level freezes at least one job, so there are at most n levels.
     """
-    ref, f, g = sol.reference, p.ideal, p.gpus
+    ref, f, g = sol.reference, p.gpu_ideal, p.gpus
     target = sol.ratio * ref
     if p.n == 0 or sol.ratio <= 0:
         return target
     miss = job_miss_ratio(p, sol.cache) if p.manages_storage else np.zeros(p.n)
+    per_core = p.cpu_per_throughput()
     tol = 1e-9
     frozen = ref <= 0
-    for _ in range(p.n + 1):
+    for _ in range(p.n + 2):
         gpu_left = p.total_gpus - float(np.sum(g * target / f))
         io_left = p.total_io - float(np.sum(target * miss)) if p.manages_storage else np.inf
+        cpu_left = p.total_cpus - float(np.sum(target * per_core))
         frozen |= target >= f * (1 - tol)
         if gpu_left <= tol * p.total_gpus:
             break
         if io_left <= tol * max(p.total_io, 1.0):
             frozen |= miss > 0
+        if cpu_left <= tol * max(p.total_cpus, 1.0):
+            frozen |= per_core > 0
         grow = ~frozen
         if not grow.any():
             break
@@ -208,6 +261,9 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
         io_rate = float(np.sum(ref[grow] * miss[grow]))
         if io_rate > 0:
             bounds.append(io_left / io_rate)
+        cpu_rate = float(np.sum(ref[grow] * per_core[grow]))
+        if cpu_rate > 0 and np.isfinite(cpu_left):
+            bounds.append(cpu_left / cpu_rate)
         step = max(min(bounds), 0.0)
         target[grow] = np.minimum(target[grow] + step * ref[grow], f[grow])
     return target
@@ -245,19 +301,29 @@ class GavelPolicy(Policy):
         problem = GavelProblem.from_snapshot(snapshot, estimator.manages_storage)
         sol = solve_max_min(problem)
         target = water_fill(problem, sol)
-        share = target / problem.ideal
+        share = target / problem.gpu_ideal
         if problem.manages_storage:
             avg_io = target * job_miss_ratio(problem, sol.cache)
         if problem.n:
             share = spread_gpu_time(share, problem.gpus, problem.total_gpus)
         ids = problem.job_ids
+        cpu = None
+        if problem.cpu_rate is not None:
+            # Cores while running: the time-averaged T_j / r_j over the time it runs; a job that
+            # is not CPU-bound needs none (the model's view; it still has its node's cores).
+            with np.errstate(divide="ignore", invalid="ignore"):
+                cores = np.where(share > 0, target * problem.cpu_per_throughput() / np.where(share > 0, share, 1.0), 0.0)
+            if snapshot.capacity.cpu_allocation == "gpu-proportional":
+                cores = np.where(share > 0, problem.cpu_cap, 0.0)
+            cpu = dict(zip(ids, np.minimum(cores, problem.cpu_cap).tolist(), strict=True))
         if not problem.manages_storage:
-            return Allocation(gpu_share=dict(zip(ids, share.tolist(), strict=True)), objective=sol.ratio)
+            return Allocation(gpu_share=dict(zip(ids, share.tolist(), strict=True)), cpu=cpu, objective=sol.ratio)
         with np.errstate(divide="ignore", invalid="ignore"):
             io_running = np.where(share > 0, avg_io / np.where(share > 0, share, 1.0), 0.0)
         return Allocation(
             gpu_share=dict(zip(ids, share.tolist(), strict=True)),
             cache=dict(zip(problem.dataset_names, sol.cache.tolist(), strict=True)),
             remote_io=dict(zip(ids, io_running.tolist(), strict=True)),
+            cpu=cpu,
             objective=sol.ratio,
         )

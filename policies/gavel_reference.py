@@ -28,6 +28,14 @@ bilinear in (t, c). Two exact ways around it are implemented:
   involve c and are checked directly). Feasibility is monotone in t, so bisection converges to t*.
   Slower (one LP per step) but uses nothing but the definition.
 
+CPU cores (when the cluster models them): variables k_j, job j's time-averaged cores, with
+    k_j r_j >= t ref_j   (its pipeline preprocesses what it reads; only where r_j is finite)
+    k_j <= x_j cap_j      (while it runs, at most the cores of its nodes)
+    sum_j k_j <= K        (the cluster's cores; dropped for GPU-proportional CPU, where cap_j
+                           is the job's GPU-proportional cores)
+and ref_j is computed with the estimator's pipeline_perf at the equal share (1/n of the cores,
+at most x_eq cap_j). Only method="lp" models CPU.
+
 Units: bytes and bytes/s are rescaled to O(1) before they reach the solver (LP solvers work to an
 absolute tolerance of ~1e-8) and scaled back afterwards.
 
@@ -41,7 +49,7 @@ import cvxpy as cp
 import numpy as np
 import scipy.sparse as sp
 
-from estimator import silod_perf
+from estimator import pipeline_perf, silod_perf
 from policies.gavel import GavelProblem, GavelSolution
 
 #: LP solvers tried in order; the first one installed is used.
@@ -69,10 +77,16 @@ def reference_equal_share(p: GavelProblem) -> np.ndarray:
     n = p.n
     x_eq = np.minimum(1.0, p.total_gpus / (n * p.gpus))
     if not p.manages_storage:
+        if p.cpu_rate is not None:
+            cores = np.minimum(p.total_cpus / n, x_eq * p.cpu_cap)
+            return np.asarray(pipeline_perf(x_eq * p.ideal, np.inf, 0.0, 1.0, cores, p.cpu_rate), dtype=float)
         return x_eq * p.ideal
     readers = np.bincount(p.dataset_index, minlength=len(p.dataset_names))
     c_eq = np.minimum(p.dataset_size, p.total_cache * readers / n)
     k = p.dataset_index
+    if p.cpu_rate is not None:
+        cores = np.minimum(p.total_cpus / n, x_eq * p.cpu_cap)
+        return np.asarray(pipeline_perf(x_eq * p.ideal, np.full(n, p.total_io / n), c_eq[k], p.dataset_size[k], cores, p.cpu_rate), dtype=float)
     # Time-averaged: x_eq f* from the GPUs, b_eq / (1 - c/d) from the IO (Eq. 4).
     return np.asarray(silod_perf(x_eq * p.ideal, np.full(n, p.total_io / n), c_eq[k], p.dataset_size[k]), dtype=float)
 
@@ -103,6 +117,14 @@ def _solve_lp(p: GavelProblem, s: _Scaled, solver: str) -> tuple[float, np.ndarr
     t = cp.Variable(nonneg=True)
     x = cp.Variable(n, nonneg=True)
     cons = [x <= 1, p.gpus @ x <= p.total_gpus, cp.multiply(s.ideal, x) >= t * s.ref]
+    if p.cpu_rate is not None:
+        bound = np.isfinite(p.cpu_rate)
+        if bound.any():
+            k = cp.Variable(int(bound.sum()), nonneg=True)  # time-averaged cores of the CPU-bound jobs
+            idx = np.flatnonzero(bound)
+            cons += [cp.multiply(p.cpu_rate[idx] / s.rate, k) >= t * s.ref[idx], k <= cp.multiply(p.cpu_cap[idx], x[idx])]
+            if np.isfinite(p.total_cpus):
+                cons.append(cp.sum(k) <= p.total_cpus)
     if p.manages_storage:
         B = cp.Variable(n, nonneg=True)
         u = cp.Variable(m, nonneg=True)  # u_k = t c_k (scaled)
@@ -185,6 +207,8 @@ def solve_max_min_reference(
     """
     if method not in ("lp", "bisection"):
         raise ValueError(f"unknown method {method!r}; use 'lp' or 'bisection'")
+    if method == "bisection" and p.cpu_rate is not None:
+        raise ValueError("method='bisection' does not model CPU cores; use method='lp' on a cluster with cpus_per_node")
     m = len(p.dataset_names)
     if p.n == 0:
         return GavelSolution(0.0, np.zeros(0), np.zeros(0), np.zeros(m), np.zeros(0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from estimator.errors import UserError
+from estimator.errors import UserError, resolve_name
 from policies.base import Policy
 from policies.estimators import Estimator, SiloDEstimator, VanillaEstimator
 from policies.fifo import FifoPolicy, GreedyPolicy
@@ -32,13 +32,18 @@ def available_policies() -> list[str]:
     return sorted(set(BUILTIN_POLICIES) | set(_plugins()))
 
 
+def resolve_policy_name(name: str) -> str:
+    """The policy's canonical name: `FIFO` is `fifo` in every command and in the API; a typo is
+    a UserError suggesting the closest name and listing them all."""
+    return resolve_name("policy", name, available_policies())
+
+
 def get_policy(name: str) -> Policy:
-    """An instance of the policy called `name`; UserError listing the valid names otherwise."""
+    """An instance of the policy called `name` (see resolve_policy_name)."""
+    name = resolve_policy_name(name)
     if name in BUILTIN_POLICIES:
         return BUILTIN_POLICIES[name]()
     plugins = _plugins()
-    if name not in plugins:
-        raise UserError(f"unknown policy {name!r}; choose one of: {', '.join(available_policies())}")
     try:
         cls = plugins[name].load()  # type: ignore[attr-defined]
     except Exception as exc:  # a broken plug-in must not look like a silod bug

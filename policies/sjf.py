@@ -5,7 +5,7 @@ score_j = min over R of  sum_t w_t R_t * remaining_bytes_j / perf(j, R),  w_t = 
 With SiloDPerf and a job's GPU count fixed, the optimum runs the job at f* (a slower speed only
 lengthens the job while saving IO it could not use), so b = f* (1 - c/d) and the score is
 
-    W/f* * (g/G + c/C) + W (1 - c/d) / B,
+    W/f* * (g/G + c/C) + W (1 - c/d) / B  [+ W / (r K) with CPU: f*/r cores for W/f* s],
 
 linear in c: the minimum is at c = 0 or c = min(d, C). Jobs are ranked by ascending score each
 round (preemptive, shortest remaining first); cache goes to the running jobs by Algorithm 2 and
@@ -30,8 +30,12 @@ def sjf_scores(jobs: Sequence[JobView], snapshot: Snapshot, estimator: Estimator
     ideal = np.array([j.ideal_throughput for j in jobs], dtype=float)
     gpus = np.array([j.gpus for j in jobs], dtype=float)
     gpu_term = gpus / cap.gpus
+    # CPU (a fourth resource when the cluster models it): running at f* takes f*/r cores for
+    # W/f* seconds, so its term w_cpu R_cpu duration = W / (r K), the same for every c.
+    rate = np.array([j.cpu_rate for j in jobs], dtype=float)
+    cpu_term = np.where(np.isinf(rate), 0.0, work / (rate * cap.cpus)) if cap.manages_cpu else np.zeros(len(jobs))
     if not estimator.manages_storage:
-        return work / ideal * gpu_term
+        return work / ideal * gpu_term + cpu_term
     size = np.array([snapshot.datasets[j.dataset].size for j in jobs], dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         # c = 0: all data from remote.
@@ -43,7 +47,7 @@ def sjf_scores(jobs: Sequence[JobView], snapshot: Snapshot, estimator: Estimator
         miss = 1.0 - c / size
         io_term = np.where(miss > 0, np.where(cap.remote_io > 0, work * miss / max(cap.remote_io, 1e-300), np.inf), 0.0)
         full_cache = work / ideal * (gpu_term + cache_term) + io_term
-    return np.minimum(no_cache, full_cache)
+    return np.minimum(no_cache, full_cache) + cpu_term
 
 
 class SjfPolicy(Policy):

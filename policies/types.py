@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
+from estimator.pipeline import InputPipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,13 @@ class JobView:
     #: How the job reads (§6): `epoch` jobs are regular and planned with SiloDPerf; any other
     #: pattern is irregular and scheduled in the second partition (scheduler/core/partition.py).
     access: AccessPattern = EPOCH
+    #: The job's CPU preprocessing stage (estimator/pipeline.py); None = not CPU-bound.
+    pipeline: InputPipeline | None = None
+
+    @property
+    def cpu_rate(self) -> float:
+        """Source bytes/s per core; +inf when the job is not CPU-bound."""
+        return float("inf") if self.pipeline is None else self.pipeline.cpu_rate
 
     @property
     def remaining_ideal_seconds(self) -> float:
@@ -55,6 +63,9 @@ class DatasetView:
         return allocated if self.cached is None else min(allocated, self.cached)
 
 
+CPU_ALLOCATIONS = ("model", "gpu-proportional")
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterCapacity:
     gpus: int
@@ -65,8 +76,19 @@ class ClusterCapacity:
     #: both regular and irregular jobs are active; None = proportional to demand, every round
     #: (scheduler/core/partition.py).
     irregular_share: float | None = None
+    #: CPU cores per node for the input pipelines (Plumber, Cachew); None = CPU is not modelled
+    #: (every job gets the cores it needs and no allocation carries `cpu`).
+    cpus_per_node: float | None = None
+    #: How cores are divided when CPU is modelled: "model" (each policy allocates cores as a
+    #: fourth resource, by the estimator) or "gpu-proportional" (cores follow GPUs, today's
+    #: practice; the baseline).
+    cpu_allocation: str = "model"
 
     def __post_init__(self) -> None:
+        if self.cpus_per_node is not None and not (0 < self.cpus_per_node < 1e7):
+            raise UserError(f"cpus_per_node = {self.cpus_per_node!r}; give the CPU cores of one node (> 0), or leave it unset when CPU is not constrained")
+        if self.cpu_allocation not in CPU_ALLOCATIONS:
+            raise UserError(f"cpu_allocation {self.cpu_allocation!r} is unknown; use one of {', '.join(CPU_ALLOCATIONS)}")
         if self.irregular_share is not None and not (0.0 <= self.irregular_share <= 1.0):
             raise UserError(f"irregular_share = {self.irregular_share!r} must be a fraction in [0, 1] (e.g. 0.2), or unset for the demand-proportional default")
         if self.gpus < 1:
@@ -79,6 +101,30 @@ class ClusterCapacity:
     @property
     def nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def manages_cpu(self) -> bool:
+        return self.cpus_per_node is not None
+
+    @property
+    def cpus(self) -> float:
+        """Cores in the cluster (+inf when CPU is not modelled)."""
+        return float("inf") if self.cpus_per_node is None else self.nodes * float(self.cpus_per_node)
+
+    def cpu_cap(self, gpus: int) -> float:
+        """Most cores a gang of `gpus` GPUs can use: the cores of the nodes it spans.
+
+        CPU is a cluster pool with this per-job cap: a job's cores are on its own nodes, and the
+        pool assumes placement can balance jobs' cores across nodes (the model, not a packer)."""
+        if self.cpus_per_node is None:
+            return float("inf")
+        return -(-gpus // self.gpus_per_node) * float(self.cpus_per_node)
+
+    def gpu_proportional_cpu(self, gpus: int) -> float:
+        """The baseline: cores in proportion to GPUs (cpus_per_node / gpus_per_node per GPU)."""
+        if self.cpus_per_node is None:
+            return float("inf")
+        return gpus * float(self.cpus_per_node) / self.gpus_per_node
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +180,14 @@ class Allocation:
     cache: bytes per dataset, or None when the policy leaves storage to the cache system
         (the storage-unaware "vanilla" form used with Alluxio, CoorDL and Quiver).
     remote_io: bytes/s per job *while it runs*, or None when storage is unmanaged.
+    cpu: CPU cores per job *while it runs*, or None when the cluster does not model CPU
+        (ClusterCapacity.cpus_per_node unset; then every job has the cores it needs).
     """
 
     gpu_share: Mapping[str, float]
     cache: Mapping[str, float] | None = None
     remote_io: Mapping[str, float] | None = None
+    cpu: Mapping[str, float] | None = None
     objective: float | None = field(default=None, compare=False)  # e.g. Gavel's min fairness ratio
     partition: StoragePartition | None = field(default=None, compare=False)  # set by scheduler/core/partition.py
 
@@ -146,6 +195,7 @@ class Allocation:
         object.__setattr__(self, "gpu_share", MappingProxyType(dict(self.gpu_share)))
         object.__setattr__(self, "cache", _frozen(self.cache))
         object.__setattr__(self, "remote_io", _frozen(self.remote_io))
+        object.__setattr__(self, "cpu", _frozen(self.cpu))
 
     @property
     def manages_storage(self) -> bool:

@@ -62,6 +62,34 @@ def allocation_violations(snapshot: Snapshot, allocation: Allocation) -> list[st
             avg_io += rate * allocation.gpu_share.get(job_id, 0.0)
         if avg_io > cap.remote_io * (1 + 1e-6) + 1e-6:
             problems.append(f"remote IO: {avg_io:.6g} B/s allocated (time-averaged) > {cap.remote_io:.6g} B/s")
+    problems += _cpu_violations(snapshot, allocation, jobs)
+    return problems
+
+
+def _cpu_violations(snapshot: Snapshot, allocation: Allocation, jobs: dict) -> list[str]:
+    """Cores per job while running: each within the cores of its nodes, and the time-averaged
+    total within the cluster's (like remote IO, time sharing may over-commit a round; the round
+    planner scales that round's cores to fit)."""
+    cap = snapshot.capacity
+    if allocation.cpu is None:
+        return []
+    if not cap.manages_cpu:
+        return ["CPU cores allocated on a cluster without cpus_per_node (CPU is not modelled there)"]
+    problems: list[str] = []
+    avg = 0.0
+    for job_id, cores in allocation.cpu.items():
+        if job_id not in jobs:
+            problems.append(f"CPU cores for unknown job {job_id!r}")
+            continue
+        if not math.isfinite(cores) or cores < 0:
+            problems.append(f"job {job_id}: {cores} CPU cores is not a non-negative number")
+            continue
+        limit = cap.cpu_cap(jobs[job_id].gpus)
+        if cores > limit * (1 + _REL_TOL) + 1e-9:
+            problems.append(f"job {job_id}: {cores:.6g} cores > {limit:.6g} on the nodes of its {jobs[job_id].gpus} GPU(s)")
+        avg += cores * allocation.gpu_share.get(job_id, 0.0)
+    if avg > cap.cpus * (1 + 1e-6) + 1e-9:
+        problems.append(f"CPU: {avg:.6g} cores allocated (time-averaged) > {cap.cpus:.6g} in the cluster")
     return problems
 
 

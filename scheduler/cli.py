@@ -36,9 +36,27 @@ app = typer.Typer(
 )
 
 
+def installed_version() -> str:
+    """The version pip installed (package metadata, so it is pyproject.toml's and cannot drift)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("silod")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed; pip install -e .)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"silod {installed_version()}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _global_options(
     debug: Annotated[bool, typer.Option("--debug", help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")] = False,
+    _version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                           help="print the installed version and exit")] = False,
 ) -> None:
     if debug:
         # Through the environment, so subprocesses (mounts, workers, the data manager) inherit it.

@@ -220,8 +220,61 @@ def _table(title: str, service: Any, names: dict[str, str], wide: bool = False) 
     return render_table(title, _job_rows(service, names), wide)
 
 
+@dataclass
+class DemoApi:
+    """`silod demo --serve HOST:PORT`: the REST API, the web view and /metrics over the demo's
+    service while each run lasts (uvicorn in a thread of this process), with one admin token:
+    SILOD_ADMIN_TOKEN if set, else a random one that is printed."""
+
+    host: str
+    port: int
+    token: str
+
+    @classmethod
+    def from_option(cls, value: str) -> DemoApi:
+        import os
+        import secrets
+
+        from scheduler.service.cli import parse_free_listen
+
+        host, port = parse_free_listen(value, "--serve")
+        return cls(host, port, os.environ.get("SILOD_ADMIN_TOKEN") or secrets.token_hex(16))
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def describe(self) -> list[str]:
+        return [f"web view: {self.url}/ui#token={self.token}",
+                f"terminal: SILOD_SERVER={self.url} SILOD_TOKEN={self.token} silod top",
+                f"metrics:  {self.url}/metrics"]
+
+    @contextlib.contextmanager
+    def serving(self, service: Any):  # type: ignore[no-untyped-def]
+        import secrets
+        import threading
+
+        import uvicorn
+
+        from scheduler.service.api.app import create_app
+        from scheduler.service.api.auth import TokenStore
+
+        tokens = TokenStore(service.engine, secrets.token_bytes(32), admin_token=self.token)
+        app = create_app(service, tokens, run_loop=False)  # the demo starts and stops the loop itself
+        server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
+                                               access_log=False, lifespan="on"))
+        thread = threading.Thread(target=server.run, name="silod-demo-api", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
 def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]], workdir: Path, policy: str,
-             managed: bool, console: Any, live_output: bool = True, wide: bool = False) -> RunResult:
+             managed: bool, console: Any, live_output: bool = True, wide: bool = False,
+             api: DemoApi | None = None) -> RunResult:
     """One run of the scenario through the real service core, backend, mounts (and data manager)."""
     from rich.live import Live
 
@@ -260,7 +313,9 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     admin = Principal("admin", is_admin=True)
     names: dict[str, str] = {}
     t0 = time.time()
+    serving = api.serving(service) if api is not None else contextlib.nullcontext()
     try:
+        serving.__enter__()
         for ds in scenario.datasets:
             uri, size = sources[ds.name]
             service.register_dataset(admin, NewDataset(ds.name, uri, float(size)))
@@ -281,6 +336,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
                 time.sleep(0.5)
         jobs = service.list_jobs(admin)
     finally:
+        serving.__exit__(None, None, None)
         service.stop()
         backend.stop_all()
         if pusher is not None:
@@ -296,7 +352,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
 
 
 def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None,
-             wide: bool = False) -> dict:
+             wide: bool = False, api: DemoApi | None = None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -317,9 +373,13 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
     console.print(f"[bold]silod demo[/]: {len(scenario.datasets)} datasets ({total / MB:.0f} MB of files in "
                   f"{workdir / 'remote'}), {len(scenario.jobs)} jobs, cache {scenario.cache / MB:.0f} MB, "
                   f"remote link {scenario.remote_io / MB:.0f} MB/s")
-    runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide)]
+    if api is not None:
+        for line in api.describe():
+            console.print(line, highlight=False, soft_wrap=True)
+    runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide, api=api)]
     if baseline:
-        runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console, wide=wide))
+        runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console,
+                             wide=wide, api=api))
     table = Table(title="Job completion times (s)")
     table.add_column("job")
     for r in runs:
@@ -349,23 +409,25 @@ def register(app: typer.Typer) -> None:
         keep: Annotated[bool, typer.Option("--keep", help="keep the work directory (logs, caches)")] = False,
         json_out: Annotated[Path | None, typer.Option("--json", help="write the JCTs as JSON here")] = None,
         wide: Annotated[bool, typer.Option("--wide", help="all columns in the live table (dataset, f*, epoch); wider than 80")] = False,
+        serve: Annotated[str | None, typer.Option("--serve", help="HOST:PORT: also serve the API, the web view (/ui) and"
+                                                  " /metrics there while the demo runs")] = None,
     ) -> None:
         """The whole system on one machine: real datasets, data manager, scheduler, FUSE mounts; SiloD vs storage-unaware."""
         import json
 
-        from policies.registry import available_policies
+        from policies.registry import resolve_policy_name
 
-        if policy not in available_policies():
-            raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+        policy = resolve_policy_name(policy)
         from scheduler.outputs import ensure_writable_dir, ensure_writable_file
 
         if json_out is not None:
             ensure_writable_file(json_out, "--json")
+        api = DemoApi.from_option(serve) if serve is not None else None
         if workdir is not None:
             workdir = ensure_writable_dir(workdir, "--workdir").absolute()  # sources become file:// URIs
         work = workdir or Path(tempfile.mkdtemp(prefix="silod-demo-"))
         try:
-            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide)
+            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide, api=api)
         finally:
             if workdir is None and not keep:
                 shutil.rmtree(work, ignore_errors=True)

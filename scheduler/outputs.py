@@ -34,4 +34,15 @@ def ensure_writable_file(path: Path, option: str) -> Path:
         raise UserError(f"{option} {str(path)!r}: directory {str(parent)!r} does not exist; create it or give another path")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UserError(f"{option} {str(path)!r} is not writable; give a writable path")
+    # os.access answers yes to root everywhere, also where no file can be made (/proc, a
+    # read-only mount): open the file for real. An existing file is opened to append nothing;
+    # a new one is created and removed again.
+    existed = path.exists()
+    try:
+        with path.open("a" if existed else "x"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{option} {str(path)!r} cannot be written ({exc.strerror}); give a writable path") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return path

@@ -1,9 +1,14 @@
 """An EMULATED Kubernetes API server (plus the controllers silod relies on) on 127.0.0.1.
 
-No Kubernetes API server can run on the test machines, so the Kubernetes tests drive the real
-`kubernetes` Python client (HTTP, JSON, watch streams) against this in-memory server. It is a
-test double, and it says so; but for the objects silod uses it enforces what the real API does,
-so that the backend cannot pass by relying on something a cluster would refuse:
+Kept where it is faster or reaches further than the real control plane of tests/k8s_testenv.py
+(which tests/test_kubernetes_real.py runs: etcd, "kube-apiserver v1.24.0-alpha snapshot", the
+upstream Job controller and kube-scheduler): it starts in milliseconds per test, and it plays
+what no binary here does (a kubelet calling the node agent's CSI socket for every pod, pods'
+cgroups, JobSet/PyTorchJob CRDs, watch-history edge cases). It is a test double, and it says so.
+The behaviour it models is that of Kubernetes 1.24 through 1.35 for the objects silod uses; where
+a behaviour was checked against the real snapshot the docstring says so. It drives the real
+`kubernetes` Python client (HTTP, JSON, watch streams) and enforces what the real API does, so
+that the backend cannot pass by relying on something a cluster would refuse:
 
 - REST verbs: list/get/create/replace/merge-patch/JSON-patch/delete, `status` subresources,
   404/409/422 Status bodies as the API server sends them; `generateName`; uids;
@@ -18,8 +23,11 @@ so that the backend cannot pass by relying on something a cluster would refuse:
   controller-uid/job-name labels); the pod template is immutable except its scheduling directives
   (nodeSelector, affinity, tolerations, schedulingGates, labels, annotations), and those only
   while the Job is suspended and has not started (status.startTime unset); a Job controller
-  that creates pods when the Job runs, deletes its active pods and clears startTime when it is
-  suspended, counts succeeded/failed pods, and sets Complete or Failed (backoffLimit).
+  that creates pods when the Job runs, deletes its active pods when it is suspended and KEEPS
+  status.startTime then (as the real Job controller does through Kubernetes 1.35, checked
+  against the v1.24 snapshot; 1.36 clears it on suspend), so whoever changes a suspended Job's
+  placement must clear startTime through the status subresource first (silod does, as Kueue),
+  counts succeeded/failed pods, and sets Complete or Failed (backoffLimit).
 - mutating admission webhooks: MutatingWebhookConfiguration objects are honoured on CREATE
   (rules, objectSelector, failurePolicy, timeoutSeconds): the emulator sends a real
   AdmissionReview v1 over HTTPS to the webhook Service (`webhook_services` maps a Service to an
@@ -650,7 +658,7 @@ class Emulator:
                 for p in active:  # the Job controller, not silod, removes a suspended Job's pods
                     self.delete(pods, p["metadata"]["namespace"], p["metadata"]["name"])
                 active = []
-                status.pop("startTime", None)
+                # startTime stays (Kubernetes <= 1.35; see the module docstring).
                 new_conds.append({"type": "Suspended", "status": "True", "reason": "JobSuspended",
                                   "lastTransitionTime": now_iso()})
             else:

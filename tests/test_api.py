@@ -196,6 +196,10 @@ def test_policy_get_set(client: TestClient) -> None:
     assert r.status_code == 422 and "fifo" in r.json()["detail"] and "gavel" in r.json()["detail"]
     assert client.put("/v1/policy", json={"name": "gavel"}, headers=H_ADMIN).json()["name"] == "gavel"
     assert client.get("/v1/policy", headers=H_BOB).json()["name"] == "gavel"
+    # the commands' rule: case does not matter, and a typo gets the closest name
+    assert client.put("/v1/policy", json={"name": "SJF"}, headers=H_ADMIN).json()["name"] == "sjf"
+    r = client.put("/v1/policy", json={"name": "gavell"}, headers=H_ADMIN)
+    assert r.status_code == 422 and "did you mean 'gavel'" in r.json()["detail"] and r.json()["field"] == "name"
 
 
 def test_cluster_allocations_and_metrics(client: TestClient) -> None:
@@ -256,4 +260,22 @@ def test_concurrent_submissions_over_http(db_url, tmp_path) -> None:
             listed = c.get("/v1/jobs", params={"limit": 10_000}).json()
             assert sorted(j["id"] for j in listed) == sorted(ids) and len(set(ids)) == 200
             assert len(httpx.get(f"{server.url}/v1/jobs", headers=H_ALICE).json()) == 100
+    service.close()
+
+
+def test_overview_says_a_job_waits_for_its_tenants_quota(tmp_path) -> None:
+    """GPUs are free, but alice's quota allows 4: her second 4-GPU job waits, and the overview
+    (web view, silod top) says it is her quota, not the cluster, that holds it."""
+    from scheduler.service.overview import QUOTA_REASON
+
+    app, service = make_app(f"sqlite:///{tmp_path / 'api.db'}", tmp_path, run_loop=False)
+    with TestClient(app) as c:
+        assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+        assert c.put("/v1/quotas/alice", json={"gpus": 4}, headers=H_ADMIN).status_code == 200
+        ids = [c.post("/v1/jobs", json={**JOB, "name": f"j{i}"}, headers=H_ALICE).json()["id"] for i in range(2)]
+        assert c.post("/v1/rounds", headers=H_ADMIN).status_code == 200
+        o = c.get("/v1/overview", headers=H_ALICE).json()
+        assert [j["id"] for j in o["running"]] == ids[:1]
+        assert [(q["id"], q["position"], q["reason"]) for q in o["queue"]] == [(ids[1], 1, QUOTA_REASON)]
+        assert o["gpus_total"] - o["gpus_used"] >= 4  # the cluster had room
     service.close()

@@ -461,3 +461,297 @@ def test_a_node_agent_looks_up_any_tenants_dataset_and_nothing_more(tmp_path) ->
             assert c.get(f"/v1/datasets/{name}", params={"owner": "bob"}, headers=H_ALICE).status_code == 404
     finally:
         service.close()
+
+
+# ------------------------------------------------------------------ issue 20, finding 4: expensive bodies
+
+
+def _cpu_of(client: TestClient, path: str, body: bytes, headers: dict[str, str]) -> tuple[float, "object"]:
+    """CPU seconds this process (the app and the in-process client) spent on one request; the
+    least of three, as CPU time, not wall-clock, on a shared machine."""
+    best, r = float("inf"), None
+    for _ in range(3):
+        t0 = time.process_time()
+        r = client.post(path, content=body, headers={**headers, "content-type": "application/json"})
+        best = min(best, time.process_time() - t0)
+    return best, r
+
+
+def test_a_megabyte_of_unknown_keys_is_refused_cheaply(client: TestClient) -> None:
+    """Issue 20: 1 MB of 60,000 unknown keys took 4.5-6.1 s and answered a 5.4 MB 422."""
+    import json as _json
+
+    body = _json.dumps({f"field{i:05d}": 1 for i in range(60_000)}).encode()
+    assert 900_000 < len(body) < (1 << 20)
+    client.post("/v1/jobs", json={"bogus": 1}, headers=H_ALICE)  # warm: lazy imports and caches
+    cpu, r = _cpu_of(client, "/v1/jobs", body, H_ALICE)
+    assert r.status_code == 422 and len(r.content) < 2000, (r.status_code, len(r.content))
+    assert cpu < 0.050, f"{cpu * 1000:.0f} ms of CPU for one refused body"
+
+
+@pytest.mark.parametrize("name, body", [
+    ("a list of 250k items", b'{"name": "x", "gpus": 1, "dataset": "d", "epochs": 1, "pod_template": {"image": "i", "args": ['
+     + b",".join([b"1"] * 250_000) + b"]}}"),
+    ("nesting 100k deep", b'{"name": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("nesting 20 deep", b'{"name": ' + b'{"a": ' * 20 + b"1" + b"}" * 20 + b"}"),
+    ("a 1000-item list of 16-key objects", b'{"pods": [' + b",".join(
+        [b"{" + b",".join(b'"k%d": 1' % i for i in range(16)) + b"}"] * 1000) + b"]}"),
+])
+def test_bodies_past_a_shape_bound_are_422_naming_it(client: TestClient, name: str, body: bytes) -> None:
+    cpu, r = _cpu_of(client, "/v1/jobs", body, H_ALICE)
+    assert r.status_code == 422, (name, r.text[:300])
+    assert len(r.content) < 2000 and "request body" in r.json()["detail"], r.text[:300]
+    assert cpu < 0.050, f"{name}: {cpu * 1000:.0f} ms of CPU"
+
+
+def test_unknown_fields_are_rejected_at_the_first_and_errors_are_capped(client: TestClient) -> None:
+    r = client.post("/v1/jobs", json={**JOB, "gpu": 4, "zzz": 1, "yyy": 2}, headers=H_ALICE)
+    assert r.status_code == 422 and r.json()["field"] == "gpu"
+    assert [e["type"] for e in r.json()["detail"]] == ["extra_forbidden"], r.text
+    # Many invalid values in a legal shape: the answer lists 20 and says how many more.
+    pods = [{"pod_uid": "bad", "read_bytes": -1, "hit_bytes": -1, "miss_bytes": -1, "hits": -1, "misses": -1}] * 500
+    r = client.post("/v1/agents/n1/consumption", json={"pods": pods}, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code in (403, 422)
+    r = client.post("/v1/jobs", json={**JOB, "pod_template": {"image": "i", "args": [1] * 256, "command": [2] * 64}},
+                    headers=H_ALICE)
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert len(detail) == 21 and detail[-1]["type"] == "truncated" and "300 more" in detail[-1]["msg"], detail[-1]
+
+
+# ------------------------------------------------------------------ issue 20, finding 3: secrets at rest
+
+SECRET = "alice-S3cret-Key-0123456789abcdef"
+
+
+def _files(db) -> list:  # type: ignore[no-untyped-def]
+    return [p for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")) if p.exists()]
+
+
+def test_secrets_are_sealed_at_rest_and_the_database_files_are_private(tmp_path) -> None:
+    """Issue 20: the secret was in plain text in the database, and user `nobody` read it from the
+    world-readable -wal file. Now: sealed with a server key kept outside the database, files
+    0600 (WAL and SHM too); the job's data path still gets the clear secret."""
+    db = tmp_path / "sec.db"
+    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            cred = {"name": "aws", "access_key_id": "AKIAALICE", "secret_access_key": SECRET}
+            assert c.post("/v1/credentials", json=cred, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/datasets", json={**IMAGENET, "credential": "aws"}, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/jobs", json=JOB, headers=H_ALICE).status_code == 201
+            for path in ("/v1/credentials", "/v1/datasets", "/v1/datasets/imagenet", "/v1/jobs", "/v1/cluster",
+                         "/v1/allocations"):
+                for h in (H_ALICE, {"Authorization": f"Bearer {ADMIN_TOKEN}"}):
+                    assert SECRET not in c.get(path, headers=h).text, path
+            assert c.post("/v1/rounds", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+            spec = service.backend.started[0][0]
+            assert spec.dataset.credential.secret_access_key == SECRET  # opened for the data path only
+            files = _files(db)
+            assert len(files) >= 2  # the WAL is there while the service runs
+            for f in files:
+                assert SECRET.encode() not in f.read_bytes(), f
+                assert f.stat().st_mode & 0o077 == 0, (f, oct(f.stat().st_mode))
+            with service.engine.connect() as conn:
+                stored = conn.execute(sa.text("SELECT secret_access_key FROM credentials")).scalar_one()
+            assert stored.startswith("fernet:") and SECRET not in stored
+            keys = tmp_path / "state" / "secret.keys"
+            assert keys.stat().st_mode & 0o077 == 0 and SECRET not in keys.read_text()
+    finally:
+        service.close()
+
+
+def test_plaintext_secrets_of_an_older_database_are_sealed_at_start(tmp_path) -> None:
+    from scheduler.service.sealed import load_secret_box
+
+    db = tmp_path / "old.db"
+    _app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    with service.engine.begin() as conn:  # a row as the previous version stored it
+        conn.execute(sa.text("INSERT INTO credentials (owner, name, kind, access_key_id, secret_access_key, created_at)"
+                             " VALUES ('alice', 'old', 's3', 'AKIAOLD', :s, 0)"), {"s": SECRET})
+    service.close()
+    db.chmod(0o644)  # as the previous version left it
+    _app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with service.engine.connect() as conn:
+            stored = conn.execute(sa.text("SELECT secret_access_key FROM credentials")).scalar_one()
+        assert stored.startswith("fernet:") and load_secret_box(tmp_path / "state").open(stored) == SECRET
+        assert db.stat().st_mode & 0o077 == 0
+    finally:
+        service.close()
+
+
+def test_the_secret_key_rotates_and_retires_without_losing_a_secret(tmp_path) -> None:
+    from cryptography.fernet import Fernet
+    from typer.testing import CliRunner
+
+    from scheduler.cli import app as cli
+    from scheduler.service.sealed import PREFIX, load_secret_box
+
+    db = tmp_path / "rot.db"
+    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            cred = {"name": "aws", "access_key_id": "AKIAALICE", "secret_access_key": SECRET}
+            assert c.post("/v1/credentials", json=cred, headers=H_ALICE).status_code == 201
+    finally:
+        service.close()
+    state = tmp_path / "state"
+    first_key = load_secret_box(state).keys[0]
+    runner = CliRunner()
+    args = ["--db", f"sqlite:///{db}", "--state-dir", str(state)]
+    r = runner.invoke(cli, ["secrets", "rotate", *args])
+    assert r.exit_code == 0, r.output
+    box = load_secret_box(state)
+    assert len(box.keys) == 2 and box.keys[1] == first_key and box.keys[0] != first_key
+
+    def stored() -> str:
+        with sa.create_engine(f"sqlite:///{db}").connect() as conn:
+            return conn.execute(sa.text("SELECT secret_access_key FROM credentials")).scalar_one()
+
+    # Re-sealed under the new key alone: it opens without the old one.
+    assert Fernet(box.keys[0]).decrypt(stored()[len(PREFIX):].encode()).decode() == SECRET
+    r = runner.invoke(cli, ["secrets", "rotate", "--retire", *args])
+    assert r.exit_code == 0, r.output
+    box = load_secret_box(state)
+    assert len(box.keys) == 1 and box.open(stored()) == SECRET
+    assert (state / "secret.keys").stat().st_mode & 0o077 == 0
+    # A secret no key opens fails its job with a clear message (not a crash, not an empty credential).
+    (state / "secret.keys").write_text(Fernet.generate_key().decode() + "\n")
+    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            assert c.post("/v1/datasets", json={**IMAGENET, "credential": "aws"}, headers=H_ALICE).status_code == 201
+            job = c.post("/v1/jobs", json=JOB, headers=H_ALICE).json()
+            assert c.post("/v1/rounds", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+            got = c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()
+            assert got["state"] == "failed" and "cannot be opened" in got["message"], got
+            assert service.backend.started == []
+    finally:
+        service.close()
+
+
+# ------------------------------------------------------------------ issue 20, finding 6: views, headers, owners, timeouts
+
+
+def test_cluster_view_hides_the_data_manager_and_other_tenants_names_from_tenants(tmp_path) -> None:
+    """A push that fails names datasets (all tenants') and the data manager's URL: only the
+    admin sees them."""
+    app, service = make_app(f"sqlite:///{tmp_path / 'c.db'}", tmp_path, run_loop=False,
+                            datamanager="http://127.0.0.1:9")  # nothing listens there: every push fails
+    try:
+        with TestClient(app) as c:
+            assert c.post("/v1/datasets", json={**IMAGENET, "name": "alice-secret-project"}, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/jobs", json={**JOB, "dataset": "alice-secret-project"}, headers=H_ALICE).status_code == 201
+            assert c.post("/v1/rounds", headers=H_ADMIN).status_code == 200
+            admin_view = c.get("/v1/cluster", headers=H_ADMIN).json()
+            assert admin_view["datamanager"] == "http://127.0.0.1:9" and admin_view["last_push_error"]
+            bob_view = c.get("/v1/cluster", headers=H_BOB)
+            assert bob_view.status_code == 200
+            assert "127.0.0.1:9" not in bob_view.text and "alice-secret-project" not in bob_view.text
+            assert bob_view.json()["datamanager"] is None and "failed" in bob_view.json()["last_push_error"]
+    finally:
+        service.close()
+
+
+def test_two_authorization_headers_are_400(client: TestClient) -> None:
+    # The last one used to win: a proxy that checks the first would be bypassed.
+    both = [("Authorization", f"Bearer {TOKENS['bob']}"), ("Authorization", f"Bearer {ADMIN_TOKEN}")]
+    r = client.get("/v1/tokens", headers=both)
+    assert r.status_code == 400 and "Authorization" in r.json()["detail"]
+    assert client.get("/v1/tokens", headers=H_ADMIN).status_code == 200
+
+
+def test_token_owners_are_validated_like_the_tokens_file(client: TestClient, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    r = client.post("/v1/tokens", json={"owner": "admin"}, headers=H_ADMIN)
+    assert r.status_code == 422 and r.json()["field"] == "owner", r.text
+    assert client.post("/v1/tokens", json={"owner": "admin", "admin": True}, headers=H_ADMIN).status_code == 201
+    # A tenant that happens to be called "metrics" is not the scrape token.
+    monkeypatch.setenv("SILOD_METRICS_TOKEN", "scrape-token-123")
+    app, service = make_app(f"sqlite:///{tmp_path / 'm2.db'}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as c:
+            tok = c.post("/v1/tokens", json={"owner": "metrics"}, headers=H_ADMIN).json()["token"]
+            assert c.get("/metrics", headers={"Authorization": f"Bearer {tok}"}).status_code == 401
+            assert c.get("/metrics", headers={"Authorization": "Bearer scrape-token-123"}).status_code == 200
+    finally:
+        service.close()
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path) -> None:
+    """Issue 20: slow-header and slow-body connections were held with no timeout."""
+    from scheduler.service.api.app import create_app
+
+    _app, service = make_app(f"sqlite:///{tmp_path / 't.db'}", tmp_path, run_loop=False)
+    app = create_app(service, _app.state.tokens, run_loop=False, body_timeouts=(1.0, 3.0))
+    try:
+        with ServerThread(app, header_timeout_s=1.0) as server:
+            # Half a header block, then nothing: the server closes the connection.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                sock.sendall(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n")
+                assert sock.recv(65536) == b""  # closed (a timeout would raise instead)
+                assert time.monotonic() - t0 < 5
+            # Headers byte by byte, each within the keep-alive time: still cut off at 1 s in all.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                try:
+                    for b in b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                        sock.sendall(bytes([b]))
+                        time.sleep(0.1)
+                except OSError:
+                    pass
+                assert sock.recv(65536) == b"" and time.monotonic() - t0 < 5
+            head = ("POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Authorization: Bearer {TOKENS['alice']}\r\nContent-Length: 100\r\n\r\n")
+            # A body that stalls: 408.
+            status, data, elapsed = _raw(server.port, head, b'{"name": ')
+            assert status == 408 and elapsed < 4, data[:200]
+            # A body that trickles (a byte every 0.5 s, never idle for 1 s): 408 at the total bound.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                sock.sendall(head.encode())
+                answer = b""
+                try:
+                    for _ in range(20):
+                        sock.sendall(b" ")
+                        sock.settimeout(0.5)
+                        try:
+                            answer += sock.recv(65536)
+                        except TimeoutError:
+                            continue
+                        if answer:
+                            break
+                except OSError:
+                    pass
+                assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+                assert time.monotonic() - t0 < 6
+            # A normal request on a fresh connection still works, and a keep-alive one too.
+            status, _, _ = _raw(server.port, f"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['alice']}\r\n\r\n")
+            assert status == 200
+    finally:
+        service.close()
+
+
+def test_processes_starting_together_agree_on_one_secret_key(tmp_path) -> None:
+    """API workers and the scheduling process create STATE_DIR/secret.keys on first start: all
+    must end up with the same key (a reader never sees a half-written file)."""
+    import threading
+
+    from scheduler.service.sealed import load_secret_box
+
+    keys: list[bytes] = []
+    start = threading.Barrier(8)
+
+    def load() -> None:
+        start.wait()
+        keys.append(load_secret_box(tmp_path / "state").keys[0])
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(keys) == 8 and len(set(keys)) == 1
+    assert (tmp_path / "state" / "secret.keys").stat().st_mode & 0o077 == 0
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["secret.keys"]  # no temporary file left

@@ -165,3 +165,53 @@ def test_node_agent_binding_is_checked():
         parse_node_agents(["a=n1", "a=n2"])
     with pytest.raises(ServiceError, match="USER=NODE"):
         parse_node_agents(["a="])
+
+
+# ------------------------------------------------------------------ issue 20, finding 5: overflow
+
+
+def test_counters_beyond_a_physical_bound_are_422(world):
+    """2^62 bytes (4.6 EB) is no pod's read: refused at the API, naming the bound."""
+    client, job_id, pods, _ = world
+    r = report(client, "n1", "agent-n1", {pods["a"]: counters(2**62, hit=0)})
+    assert r.status_code == 422, r.text
+    assert measured(client, job_id) is None
+    from scheduler.service.consumption import MAX_COUNTER
+
+    assert MAX_COUNTER <= 2**53
+    r = report(client, "n1", "agent-n1", {pods["a"]: counters(MAX_COUNTER, hit=0)})
+    assert r.status_code == 200, r.text
+
+
+def test_summing_huge_stored_counters_never_overflows_into_a_503(world):
+    """Rows stored before the bound (or by a bug) whose SUM passes 2^63: the job's GET still
+    answers 200 with the figures (SQLite's SUM raised 'integer overflow', which the service took
+    for a database outage: a permanent 503 while /healthz said ok)."""
+    client, job_id, pods, store = world
+    from scheduler.service.consumption import PodReport
+
+    for node, pod in (("n1", pods["a"]), ("n2", pods["b"])):
+        store._raise_counters(node, "agent", int(job_id), PodReport(pod, 2**62, 0, 2**62, 2**62, 2**62), 1.0)
+    r = client.get(f"/v1/jobs/{job_id}", headers=H["alice"])
+    assert r.status_code == 200, r.text
+    m = r.json()["measured"]
+    assert m["pods"] == 2 and m["read_bytes"] >= 2**62
+
+
+def test_a_query_error_on_one_row_is_not_reported_as_an_outage(world, monkeypatch):
+    """A database error that concerns one request (not the connection) answers that request
+    with a 500, never the 503 'database unavailable' that tells clients to retry forever."""
+    client, job_id, _, store = world
+    import sqlalchemy.exc
+
+    from scheduler.service.consumption import ConsumptionStore
+
+    def broken(self, job_ids):  # type: ignore[no-untyped-def]
+        raise sqlalchemy.exc.OperationalError("SELECT sum(...)", {}, Exception("integer overflow"))
+
+    monkeypatch.setattr(ConsumptionStore, "measured", broken)
+    r = client.get(f"/v1/jobs/{job_id}", headers=H["alice"])
+    assert r.status_code == 500, r.text
+    assert "unavailable" not in r.text
+    monkeypatch.undo()
+    assert client.get(f"/v1/jobs/{job_id}", headers=H["alice"]).status_code == 200

@@ -80,3 +80,78 @@ def test_cli_refuses_unauthenticated_non_loopback(tmp_path) -> None:
     proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in __import__("os").environ.items() if not k.startswith("SILOD_DM_")})
     assert proc.returncode == 2 and "loopback" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------ issue 20, finding 1: node-bound agents
+
+N1_TOKEN, N2_TOKEN = "node-n1-agent-token-0001", "node-n2-agent-token-0002"
+
+
+@pytest.fixture
+def bound(tmp_path):  # type: ignore[no-untyped-def]
+    (tmp_path / "state").mkdir()
+    (tmp_path / "agents").write_text(f"# node:token\nn1:{N1_TOKEN}\nn2:{N2_TOKEN}\n")
+    import os
+
+    old = os.environ.get("SILOD_DM_AGENT_TOKENS_FILE")
+    os.environ["SILOD_DM_AGENT_TOKENS_FILE"] = str(tmp_path / "agents")
+    os.environ["SILOD_DM_SCHEDULER_TOKEN"] = SCHED
+    try:
+        auth = DataManagerAuth.from_env()
+    finally:
+        del os.environ["SILOD_DM_SCHEDULER_TOKEN"]
+        if old is None:
+            del os.environ["SILOD_DM_AGENT_TOKENS_FILE"]
+        else:
+            os.environ["SILOD_DM_AGENT_TOKENS_FILE"] = old
+    with TestClient(create_app(tmp_path / "state", auth)) as c:
+        yield c
+
+
+def test_a_node_bound_agent_acts_only_on_its_own_nodes_clients(bound) -> None:
+    """Issue 20: with the one shared agent token, one node's agent took over and deleted another
+    node's client and reported cached_bytes = 1e15 for another tenant's dataset."""
+    c = bound
+    h1, h2 = {"Authorization": f"Bearer {N1_TOKEN}"}, {"Authorization": f"Bearer {N2_TOKEN}"}
+    assert c.put("/v1/datasets/d1-coco/cache", json={"bytes": "10GB"}, headers=h1).status_code == 403
+    assert c.put("/v1/datasets/d1-coco", json={}, headers=H_SCHED).status_code == 200
+    assert c.put("/v1/datasets/d1-coco/cache", json={"bytes": "10GB"}, headers=H_SCHED).status_code == 200
+    reg = {**REG, "dataset": "d1-coco"}
+    assert c.post("/v1/clients", json=reg, headers=h1).status_code == 200
+    # n2's agent may not register a client as n1, nor heartbeat, take over or delete n1's client.
+    r = c.post("/v1/clients", json={**reg, "client_id": "n1-j1-2"}, headers=h2)
+    assert r.status_code == 403 and "n2" in r.json()["detail"]
+    assert c.put(f"/v1/clients/{REG['client_id']}/heartbeat", json={"stats": {"cached_bytes": 10**15}},
+                 headers=h2).status_code == 403
+    # Nor take n1's client over by registering its id as a client of n2.
+    assert c.post("/v1/clients", json={**reg, "node": "n2"}, headers=h2).status_code == 403
+    assert c.delete(f"/v1/clients/{REG['client_id']}", headers=h2).status_code == 403
+    assert c.post("/v1/clients", json={**reg, "client_id": "n2-j1-1", "node": "n2"}, headers=h2).status_code == 200
+    # Its own client's figures are believed only up to the dataset's allocation.
+    assert c.put("/v1/clients/n2-j1-1/heartbeat", json={"stats": {"cached_bytes": 10**15}}, headers=h2).status_code == 200
+    status = c.get("/v1/status", headers=H_SCHED).json()
+    assert status["nodes"]["n2"]["datasets"]["d1-coco"]["cached_bytes"] == 10 * 10**9
+    assert [cl["node"] for cl in status["clients"] if cl["client_id"] == REG["client_id"]] == ["n1"]
+    assert c.delete(f"/v1/clients/{REG['client_id']}", headers=h1).status_code == 200
+
+
+def test_node_agent_tokens_file_errors_name_the_line(tmp_path) -> None:
+    from datamanager.auth import parse_node_tokens
+
+    with pytest.raises(ValueError, match="agents:2"):
+        parse_node_tokens("n1:node-n1-agent-token-0001\nN1 bad:x\n", "agents")
+    with pytest.raises(ValueError, match="twice"):
+        parse_node_tokens("n1:node-n1-agent-token-0001\nn1:node-n1-agent-token-0002\n", "agents")
+    with pytest.raises(ValueError, match="shorter"):
+        parse_node_tokens("n1:short\n", "agents")
+
+
+def test_expensive_bodies_and_two_authorization_headers_are_refused(client) -> None:  # type: ignore[no-untyped-def]
+    """The data manager's share of issue 20's findings 4 and 6."""
+    assert client.post("/v1/clients", json=REG, headers=H_AGENT).status_code == 200
+    huge = b'{"stats": {"x": [' + b",".join([b"1"] * 20_000) + b"]}}"
+    r = client.put(f"/v1/clients/{REG['client_id']}/heartbeat", content=huge,
+                   headers={**H_AGENT, "content-type": "application/json"})
+    assert r.status_code == 422 and "list of 20000 items" in r.json()["detail"], r.text[:300]
+    both = [("Authorization", f"Bearer {AGENT}"), ("Authorization", f"Bearer {SCHED}")]
+    assert client.get("/v1/status", headers=both).status_code == 400

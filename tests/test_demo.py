@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+
+import httpx
 
 import pytest
 
@@ -21,6 +25,32 @@ def _silod_demo_cmd() -> list[str]:
     return [sys.executable, "-c", code, "demo"]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _watch(proc: subprocess.Popen, base: str, token: str) -> dict[str, bool]:
+    """Poll the demo's API while it runs: what a person watching /ui or `silod top` would see."""
+    seen = {"running": False, "measured": False, "metrics": False}
+    headers = {"Authorization": f"Bearer {token}"}
+    while proc.poll() is None:
+        try:
+            o = httpx.get(f"{base}/v1/overview", headers=headers, timeout=5).json()
+            metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        except (httpx.HTTPError, ValueError):
+            time.sleep(0.5)
+            continue
+        for j in o.get("running", []):
+            seen["running"] = True
+            if j["hit_ratio"] is not None and j["throughput"]:
+                seen["measured"] = True
+        seen["metrics"] = seen["metrics"] or "silod_job_hit_ratio{" in metrics
+        time.sleep(0.5)
+    return seen
+
+
 def test_demo_quick_end_to_end(tmp_path):
     problems = fuse_problems()
     if problems:
@@ -29,9 +59,22 @@ def test_demo_quick_end_to_end(tmp_path):
             pytest.fail(msg)
         pytest.skip(msg)
     out = tmp_path / "demo.json"
-    r = subprocess.run([*_silod_demo_cmd(), "--quick", "--workdir", str(tmp_path / "w"), "--json", str(out)],
-                       capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "120"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # --serve: while the demo runs, its cluster is watchable (web view, /v1/overview, /metrics)
+    port, token = _free_port(), "demo-test-token-0123456789"
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "demo.log"
+    with log.open("w") as handle:
+        proc = subprocess.Popen([*_silod_demo_cmd(), "--quick", "--workdir", str(tmp_path / "w"), "--json", str(out),
+                                 "--serve", f"127.0.0.1:{port}"], stdout=handle, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "COLUMNS": "120", "SILOD_ADMIN_TOKEN": token})
+        seen = _watch(proc, base, token)
+        proc.wait(timeout=150)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), "")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert f"web view: {base}/ui#token={token}" in r.stdout
+    assert seen["running"], "the overview never showed a running job"
+    assert seen["measured"], "no running job ever showed a measured hit ratio and throughput"
+    assert seen["metrics"], "/metrics never had a per-job hit ratio"
     summary = json.loads(out.read_text())
     runs = summary["runs"]
     assert set(runs) == {"silod", "storage-unaware"}

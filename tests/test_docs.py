@@ -4,7 +4,8 @@ Every fenced block of commands (no language, bash, sh, shell, console) carries a
 on the line before it:
 
     <!-- doc-test: run [background] [needs=fuse,s3] [ports=7070,...] [ready=URL] [expect="text"] -->
-    <!-- doc-test: file=NAME -->          the block is a file the next blocks use (e.g. a trace)
+    <!-- doc-test: file=NAME -->          the block is a file the next blocks use (e.g. a trace; NAME
+                                          may be a relative path, its directories are created)
     <!-- doc-test: skip REASON -->        cannot run here (a Kubernetes cluster, the test suite itself)
 
 Blocks of one document run in order, in one fresh temporary directory (relative paths in the
@@ -12,7 +13,7 @@ examples land there), with bash -euo pipefail, `silod` from this installation on
 XDG_STATE_HOME inside the temporary directory. A `run` block must exit 0 and print `expect`.
 A `background` block is a server: it starts, the test waits for `ready` to answer 200, and it is
 stopped when the document is done. Two substitutions are made, both mechanical and visible
-here: each port listed in `ports=` is replaced by a free port (the same one for the whole
+here: each port listed in `ports=` (written `:PORT` or `-p PORT`) is replaced by a free port (the same one for the whole
 document), so the examples can keep the ports people use; and `needs=s3` starts a real
 S3-compatible server (moto in server mode, as the data-plane tests do) on the port the example
 names, holding `s3://datasets/imagenet/train/item-{0..9}.jpg`.
@@ -166,12 +167,14 @@ class DocumentRun:
     def substitute(self, text: str, block: Block) -> str:
         for port in filter(None, block.options.get("ports", "").split(",")):
             new = self.ports.setdefault(port, str(_free_port()))
-            text = re.sub(rf"(?<=:){port}\b", new, text)
+            text = re.sub(rf"(?:(?<=:)|(?<=-p )){port}\b", new, text)  # HOST:PORT, or `-p PORT`
         return text
 
     def run(self, block: Block) -> None:
         if "file" in block.options:
-            (self.workdir / block.options["file"]).write_text(block.text, encoding="utf-8")
+            target = self.workdir / block.options["file"]  # e.g. a plug-in's my-plugin/pyproject.toml
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(block.text, encoding="utf-8")
             return
         if block.action == "skip":
             return

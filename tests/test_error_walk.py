@@ -33,25 +33,38 @@ def _closed_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
+def busy_listen():
+    """HOST:PORT where a server already listens, for the port-in-use cases."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, busy_listen) -> dict[str, str]:
     root = tmp_path_factory.mktemp("walk")
     binary = root / "binary.bin"
     binary.write_bytes(b"\x7fELF\x02\x01\x00\xff\xfe" + random.Random(1).randbytes(4096))
     (root / "tiny.csv").write_text(TRACE_HEADER + "j1,0,1,resnet50,d1,10GB,100MB/s,1\n")
     (root / "huge.csv").write_text(TRACE_HEADER + "j1,0,1,resnet50,d1,1e30,100MB/s,1\n")
+    # a misspelled optional column: silently ignored, the job would run as an epoch job
+    (root / "acess.csv").write_text(TRACE_HEADER.rstrip("\n") + ",acess\nj1,0,1,resnet50,d1,10GB,100MB/s,1,curriculum\n")
     (root / "mnt").mkdir()
     (root / "source").mkdir()
     (root / "source" / "item0").write_bytes(b"x" * 100)
     (root / "gavel").mkdir()  # a binary "trace" beside a throughputs file, so the trace itself is read
     (root / "gavel" / "binary.bin").write_bytes(binary.read_bytes())
     (root / "gavel" / "simulation_throughputs.json").write_text('{"v100": {}}')
+    (root / "cache-with-mnt" / "mnt").mkdir(parents=True)
     (root / "corrupt-state").mkdir()
     (root / "corrupt-state" / "state.json").write_bytes(binary.read_bytes())
     return {
         "root": str(root), "bin": str(binary), "tiny": str(root / "tiny.csv"), "huge": str(root / "huge.csv"),
-        "mnt": str(root / "mnt"), "source": str(root / "source"), "cache": str(root / "cache"),
+        "mnt": str(root / "mnt"), "cache_with_mnt": str(root / "cache-with-mnt"), "source": str(root / "source"), "cache": str(root / "cache"),
         "missing": str(root / "does-not-exist.csv"), "corrupt": str(root / "corrupt-state"),
         "state": str(root / "state"), "gavel_bin": str(root / "gavel" / "binary.bin"), "closed": f"http://127.0.0.1:{_closed_port()}",
+        "acess": str(root / "acess.csv"), "busy": busy_listen,
     }
 
 
@@ -79,6 +92,11 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("simulate-trace-size-out-of-range", ["simulate", "--trace", "{huge}"], 2, "1EB"),
     ("simulate-nonexistent-cluster", ["simulate", "--cluster", "{missing}"], 2, "does-not-exist.csv"),
     ("simulate-binary-cluster", ["simulate", "--cluster", "{bin}"], 2, "binary.bin"),
+    ("simulate-misspelled-optional-column", ["simulate", "--trace", "{acess}"], 2, "did you mean 'access'"),
+    ("simulate-negative-seed", ["simulate", "--trace", "{tiny}", "--seed", "-1"], 2, "--seed -1"),
+    ("simulate-policy-typo", ["simulate", "--trace", "{tiny}", "--policy", "fifoo"], 2, "did you mean 'fifo'"),
+    ("simulate-cache-system-typo", ["simulate", "--trace", "{tiny}", "--cache-system", "Aluxio"], 2,
+     "did you mean 'alluxio'"),
     ("simulate-unwritable-out", ["simulate", "--trace", "{tiny}", "--quiet", "--out", UNWRITABLE], 2, "--out"),
     # experiment
     ("experiment-missing-name", ["experiment"], 2, "Missing argument 'name'"),
@@ -89,6 +107,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
                                       "--out", "{root}/exp1"], 2, "does-not-exist.csv"),
     ("experiment-binary-trace", ["experiment", "matrix", "--trace", "{bin}", "--max-jobs", "2", "--quiet",
                                  "--out", "{root}/exp2"], 2, "binary.bin"),
+    ("experiment-negative-seed", ["experiment", "micro", "--seed", "-1", "--quiet", "--out", "{root}/exp3"], 2, "--seed -1"),
+    ("experiment-name-typo", ["experiment", "micr"], 2, "did you mean 'micro'"),
     ("experiment-unwritable-out", ["experiment", "micro", "--quiet", "--out", UNWRITABLE], 2, "--out"),
     # mount
     # agent (the CSI node agent)
@@ -115,9 +135,20 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("mount-unsupported-scheme", [*MOUNT[:3], "ftp://example.invalid/data", *MOUNT[4:]], 2, "ftp://"),
     ("mount-unwritable-stats-file", [*MOUNT, "--stats-file", UNWRITABLE], 2, "--stats-file"),
     ("mount-unwritable-cache-dir", [*MOUNT[:-1], UNWRITABLE], 2, "--cache-dir"),
+    # issue 19: each of these used to mount and then hang (D state, blocked reads, endless tracebacks)
+    ("mount-cache-dir-inside-mountpoint", [*MOUNT[:-1], "{mnt}/cache"], 2, "inside the mount point"),
+    ("mount-cache-dir-is-mountpoint", [*MOUNT[:-1], "{mnt}"], 2, "inside the mount point"),
+    ("mount-mountpoint-inside-cache-dir", ["mount", "{cache_with_mnt}/mnt", *MOUNT[2:-1], "{cache_with_mnt}"], 2,
+     "inside --cache-dir"),
+    ("mount-io-rate-zero", [*MOUNT, "--io-rate", "0"], 2, "--io-rate 0"),
+    ("mount-io-rate-zero-with-unit", [*MOUNT, "--io-rate", "0MB/s"], 2, "--io-rate 0"),
+    ("mount-io-rate-negative", [*MOUNT, "--io-rate", "-5MB/s"], 2, "--io-rate"),
+    ("mount-stats-file-in-proc", [*MOUNT, "--stats-file", "/proc/silod-stats"], 2, "--stats-file '/proc/silod-stats'"),
+    ("mount-stats-file-is-a-directory", [*MOUNT, "--stats-file", "{root}"], 2, "is a directory"),
     # datamanager
     ("datamanager-missing-state", ["datamanager"], 2, "--state"),
     ("datamanager-bad-listen", ["datamanager", "--state", "{state}", "--listen", "everywhere"], 2, "--listen"),
+    ("datamanager-port-in-use", ["datamanager", "--state", "{state}", "--listen", "{busy}"], 2, "the port is in use"),
     ("datamanager-binary-file-as-state", ["datamanager", "--state", "{bin}"], 2, "--state"),
     ("datamanager-corrupt-state-file", ["datamanager", "--state", "{corrupt}"], 2, "state.json"),
     ("datamanager-unwritable-state", ["datamanager", "--state", UNWRITABLE], 2, "--state"),
@@ -129,6 +160,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("serve-cache-out-of-range", [*SERVE[:7], "--cache", "1e30", "--remote-io", "1GB/s"], 2, "1EB"),
     ("serve-bad-round", [*SERVE, "--round", "0"], 2, "--round"),
     ("serve-unknown-policy", [*SERVE, "--policy", "nope"], 2, "nope"),
+    ("serve-policy-typo", [*SERVE, "--policy", "Gavl"], 2, "did you mean 'gavel'"),
+    ("serve-port-in-use", [*SERVE, "--listen", "{busy}"], 2, "the port is in use"),
     ("serve-unknown-backend", ["serve", "--backend", "nope", "--state-dir", "{state}", *SERVE[5:]], 2, "nope"),
     ("serve-nonexistent-tokens", [*SERVE, "--tokens", "{missing}"], 2, "does-not-exist.csv"),
     ("serve-binary-tokens", [*SERVE, "--tokens", "{bin}"], 2, "binary.bin"),
@@ -148,6 +181,9 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("jobs-unreachable-server", ["jobs", "--server", "{closed}", "--token", "t"], 1, "cannot reach"),
     ("jobs-bad-server-url", ["jobs", "--server", "localhost", "--token", "t"], 2, "--server"),
     ("jobs-no-token", ["jobs", "--server", "{closed}"], 2, "SILOD_TOKEN"),
+    ("top-no-token", ["top", "--once", "--server", "{closed}"], 2, "SILOD_TOKEN"),
+    ("top-unreachable-server", ["top", "--once", "--server", "{closed}", "--token", "t"], 1, "cannot reach"),
+    ("top-bad-interval", ["top", "--interval", "0", "--server", "{closed}", "--token", "t"], 2, "--interval 0"),
     ("cancel-missing-id", ["cancel", "--token", "t"], 2, "Missing argument 'job_id'"),
     ("cancel-unreachable-server", ["cancel", "1", "--server", "{closed}", "--token", "t"], 1, "cannot reach"),
     ("dataset-add-missing-uri", ["dataset-add", "d1", "--size", "1GB"], 2, "--uri"),
@@ -156,6 +192,9 @@ CASES: list[tuple[str, list[str], int, str]] = [
     # demo
     ("demo-unknown-option", ["demo", "--fast"], 2, "--fast"),
     ("demo-unknown-policy", ["demo", "--policy", "nope"], 2, "nope"),
+    ("demo-policy-typo", ["demo", "--policy", "SJFF"], 2, "did you mean 'sjf'"),
+    # /proc exists and os.access says root may write there; no file can be made in it
+    ("demo-json-where-no-file-can-be-made", ["demo", "--json", "/proc/silod-error-walk.json"], 2, "--json"),
     ("demo-unwritable-workdir", ["demo", "--workdir", UNWRITABLE], 2, "--workdir"),
     ("demo-binary-file-as-workdir", ["demo", "--workdir", "{bin}"], 2, "--workdir"),
     ("demo-unwritable-json", ["demo", "--json", UNWRITABLE + "/demo.json"], 2, "--json"),
@@ -206,3 +245,39 @@ def test_exit_codes_of_commands_reach_the_shell():
             "main(['exit-three'])\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
+
+
+def test_trace_with_a_byte_order_mark_is_read(tmp_path):
+    """Spreadsheet programs save CSV with a UTF-8 byte-order mark before the header."""
+    trace = tmp_path / "bom.csv"
+    trace.write_bytes("\ufeff".encode() + (TRACE_HEADER + "j1,0,1,resnet50,d1,10GB,100MB/s,1\n").encode())
+    proc = subprocess.run([*SILOD, "simulate", "--trace", str(trace), "--quiet", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "summary.json").exists()
+
+
+def test_policy_names_follow_one_case_rule():
+    """`FIFO` is `fifo` wherever a policy is named; a typo suggests the closest name."""
+    from estimator.errors import UserError
+    from policies.registry import get_policy, resolve_policy_name
+
+    assert resolve_policy_name("FIFO") == "fifo" and resolve_policy_name("Gavel") == "gavel"
+    assert get_policy("SJF").name == "sjf"
+    with pytest.raises(UserError, match="did you mean 'greedy'"):
+        resolve_policy_name("gredy")
+
+
+def test_simulate_accepts_a_policy_name_in_capitals(tmp_path):
+    proc = subprocess.run([*SILOD, "simulate", "--max-jobs", "3", "--policy", "FIFO", "--cache-system", "SILOD",
+                           "--quiet", "--out", str(tmp_path)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert '"policy": "fifo"' in (tmp_path / "summary.json").read_text()
+
+
+def test_docs_say_fifo_backfills():
+    """FIFO skips a job that does not fit and starts later, smaller ones
+    (tests/test_policies.py::test_fifo_keeps_running_jobs_and_backfills); the docs must say so."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "policies.md").read_text()
+    fifo = next(line for line in text.split("\n- ") if line.startswith("`fifo`"))
+    assert "backfilling" in fifo and "smaller jobs start" in fifo

@@ -327,9 +327,9 @@ def test_an_interrupted_miss_open_returns_eintr_at_once_and_the_mount_keeps_serv
 
     ds = make_dataset(tmp_path / "remote", n_files=3, seed=7)
     rels = sorted(ds.sizes)
-    # --io-rate 0: a miss waits for tokens that never come, until the opener is interrupted.
+    # --io-rate 1B/s: a miss waits for tokens (hours for these items), until the opener is interrupted.
     with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--fuse-backend", "raw",
-                 "--io-rate", "0") as m:
+                 "--io-rate", "1B/s") as m:
         code = (
             "import os, signal, sys\n"
             "class Stop(Exception): pass\n"
@@ -352,3 +352,51 @@ def test_an_interrupted_miss_open_returns_eintr_at_once_and_the_mount_keeps_serv
         s = _stats_after(m, lambda s: s["fuse_interrupted_opens"] >= 1)
         assert s["fuse_interrupted_opens"] == 1
         assert os.listdir(m.mountpoint / rels[1].split("/")[0])  # still serving
+
+
+def test_kept_backing_files_of_items_this_mount_evicts_are_closed_at_eviction(tmp_path):
+    """Issue 19.5: when this mount shrinks the cache (an allocation pulled from the data
+    manager), the descriptors it keeps of the evicted items are closed as each item is unlinked,
+    not by the next sweep: sampled all along, the process never holds more than one deleted
+    item (the one being evicted), so disk use stays within the allocation plus one item."""
+    require_passthrough()
+    from dataplane_helpers import start_datamanager
+    from datamanager.client import DataManagerClient
+
+    ds = make_dataset(tmp_path / "remote", n_files=60, min_size=200_000, max_size=400_000, seed=9)
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as sched, \
+             mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--fuse-backend", "raw",
+                     "--manager", dm.url) as m:
+            sched.allocate_cache_size("ds", ds.total * 2)
+            wait_until(lambda: m.stats()["cache_allocation_bytes"] == ds.total * 2, 3.0, message="allocation pulled")
+            read_epoch(m.mountpoint, ds, seed=1)
+            read_epoch(m.mountpoint, ds, seed=2)
+            _stats_after(m, lambda s: s["fuse_backing_files_kept_idle"] == 60)
+            samples: list[int] = []
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    samples.append(_deleted_fds(m.proc.pid))
+                    time.sleep(0.005)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            try:
+                sched.allocate_cache_size("ds", ds.total // 3)
+                s = wait_until(lambda: (st := m.stats())["cached_bytes"] <= ds.total // 3 and st, 5.0,
+                               message="eviction after the shrink")
+                time.sleep(0.5)  # keep sampling a while after the eviction (the sweep runs every 2 s)
+            finally:
+                stop.set()
+                sampler.join(5)
+            assert len(samples) > 50
+            assert max(samples) <= 1, f"up to {max(samples)} evicted items held open after this mount's eviction"
+            assert _deleted_fds(m.proc.pid) == 0
+            s = m.fresh_stats()
+            assert s["fuse_kept_closed_at_eviction"] == 60 - s["items_cached"]
+            read_epoch(m.mountpoint, ds, seed=3)  # still every byte right
+    finally:
+        dm.kill()

@@ -156,8 +156,10 @@ def test_preemption_suspends_and_readmission_resumes_without_deleting_pods(clust
     job = cluster.obj("jobs", "alice", "long", group="batch")
     assert job["spec"]["suspend"] is True
     cluster.wait(lambda: not cluster.pods_of("alice", "long"), what="the Job controller to remove the pods")
-    cluster.wait(lambda: "startTime" not in (cluster.obj("jobs", "alice", "long", group="batch")["status"]),
-                 what="startTime cleared")
+    # The Job controller keeps startTime on suspension (Kubernetes <= 1.35): silod clears it
+    # through the status subresource before it re-admits (tests/test_kubernetes_real.py checks
+    # the same against the real API server and Job controller).
+    assert cluster.obj("jobs", "alice", "long", group="batch")["status"].get("startTime")
     assert not [r for r in cluster.em.requests if r[0] == "DELETE"]
     # Re-admission (a later round) may choose other nodes: the old expression is replaced, not added to.
     service.backend.start(spec_of(rec), JobAllocation(rec.id, 2, 1.0, cache_bytes=1e9, remote_io=1e8))

@@ -91,16 +91,20 @@ class AgentProc:
         t.parent.mkdir(parents=True, exist_ok=True)
         return t
 
-    def publish(self, volume_id: str, target: Path, namespace: str = "alice", dataset: str = "ds", **extra: str):
+    def publish(self, volume_id: str, target: Path, namespace: str = "alice", dataset: str = "ds", *,
+                mode: int = 1, readonly: bool = True, **extra: str):
+        """NodePublishVolume as kubelet sends it. Inline volume: access mode SINGLE_NODE_WRITER
+        (1, kubelet's default for inline volumes) with readonly=true; a ReadOnlyMany PV:
+        MULTI_NODE_READER_ONLY (3)."""
         pb = self.pb
         ctx = {"dataset": dataset, "csi.storage.k8s.io/pod.name": "p", "csi.storage.k8s.io/pod.namespace": namespace,
                "csi.storage.k8s.io/pod.uid": "u", "csi.storage.k8s.io/ephemeral": "true", **extra}
         if not namespace:
             del ctx["csi.storage.k8s.io/pod.namespace"]
         cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
-                                  access_mode=pb.VolumeCapability.AccessMode(mode=1))
+                                  access_mode=pb.VolumeCapability.AccessMode(mode=mode))
         return self.node_stub().NodePublishVolume(pb.NodePublishVolumeRequest(
-            volume_id=volume_id, target_path=str(target), volume_capability=cap, readonly=True, volume_context=ctx),
+            volume_id=volume_id, target_path=str(target), volume_capability=cap, readonly=readonly, volume_context=ctx),
             timeout=60)
 
     def unpublish(self, volume_id: str, target: Path):
@@ -213,3 +217,79 @@ def test_a_pod_cannot_mount_another_tenants_dataset_or_escape_the_kubelet_dir(se
         agent.publish("v-dots", agent.target("pod-d"), dataset="../etc")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not any(os.path.ismount(p) for p in agent.kubelet.rglob("mount"))
+
+
+def test_one_pvc_volume_is_published_for_two_pods_on_the_node(setup):
+    """Finding 3: no STAGE_UNSTAGE, so kubelet publishes a PVC's volume once per pod, with the same
+    volume_id at two target paths (allowed for MULTI_NODE_READER_ONLY). Both pods read; the
+    dataset mount lives until the last of them is unpublished."""
+    agent, ds = setup
+    vid = "silod:alice:ds:pvc-0a1b"  # what silod's CSI controller provisions for alice's PVC "ds"
+    pvc = {"silod.io/namespace": "alice"}
+    t1, t2 = agent.target("pod-1"), agent.target("pod-2")
+    agent.publish(vid, t1, mode=3, **pvc)
+    agent.publish(vid, t2, mode=3, **pvc)  # the second pod on the node: was INVALID_ARGUMENT "already published"
+    agent.publish(vid, t2, mode=3, **pvc)  # idempotent repeat
+    rel = sorted(ds.sizes)[0]
+    assert (t1 / rel).read_bytes() == (t2 / rel).read_bytes() == (ds.root / rel).read_bytes()
+    agent.unpublish(vid, t1)
+    assert not os.path.exists(t1) and os.path.ismount(t2)
+    assert (t2 / rel).read_bytes() == (ds.root / rel).read_bytes()  # the other pod still reads
+    assert os.path.ismount(agent.state / "mounts" / "alice" / "ds")
+    agent.unpublish(vid, t2)
+    assert not os.path.ismount(agent.state / "mounts" / "alice" / "ds")  # released with its last publication
+
+
+def test_publish_error_codes_follow_the_csi_spec(setup):
+    agent, _ = setup
+    t = agent.target("pod-1")
+    # A writable publish of a read-only dataset is refused, not silently mounted read-only.
+    with pytest.raises(grpc.RpcError) as err:
+        agent.publish("v1", t, readonly=False)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "readOnly" in err.value.details()
+    assert not os.path.ismount(t)
+    agent.publish("v1", t)
+    # The same volume at the same target with an incompatible capability: ALREADY_EXISTS.
+    with pytest.raises(grpc.RpcError) as err:
+        agent.publish("v1", t, mode=3)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    # Another volume at a target that holds one: ALREADY_EXISTS, the first stays.
+    with pytest.raises(grpc.RpcError) as err:
+        agent.publish("v2", t)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and os.path.ismount(t)
+    # A reader-only access mode is read-only whatever the readonly flag (a PVC mounted without readOnly).
+    t3 = agent.target("pod-3")
+    agent.publish("v3", t3, mode=3, readonly=False)
+    with pytest.raises(OSError):
+        (t3 / "new-file").write_bytes(b"x")
+
+
+def test_the_agents_mount_process_never_inherits_the_nodes_cloud_keys(tmp_path, monkeypatch):
+    """The `silod mount` the agent starts for a catalog dataset (no credential) reads anonymously:
+    its environment has SILOD_SOURCE_ANONYMOUS=1 and none of the node's AWS keys or the agent's token."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "NODE-KEY")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "node-secret")
+    monkeypatch.setenv("SILOD_AGENT_TOKEN", "agent-token")
+    ds = make_dataset(tmp_path / "remote", n_files=5)
+    catalog = tmp_path / "datasets.yaml"
+    catalog.write_text(f"datasets:\n  - {{tenant: alice, name: ds, uri: '{ds.root}'}}\n")
+    agent = AgentProc(tmp_path, catalog)
+    agent.start()
+    try:
+        agent.publish("v1", agent.target("pod-1"))
+        mount_dir = str(agent.state / "mounts" / "alice" / "ds")
+        pids = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                and mount_dir.encode() in _read(p / "cmdline") and b"mount" in _read(p / "cmdline")]
+        assert pids, "no silod mount process found"
+        env = dict(kv.split(b"=", 1) for kv in _read(pids[0] / "environ").split(b"\0") if b"=" in kv)
+        assert env.get(b"SILOD_SOURCE_ANONYMOUS") == b"1"
+        assert not {b"AWS_ACCESS_KEY_ID", b"AWS_SECRET_ACCESS_KEY", b"SILOD_AGENT_TOKEN"} & set(env)
+    finally:
+        agent.cleanup()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

@@ -138,3 +138,16 @@ def test_a_provisioned_volume_is_published_in_its_namespace_only(controller, cat
         assert not os.path.ismount(target)
     finally:
         agent.cleanup()
+
+
+def test_validate_volume_capabilities_codes_follow_the_csi_spec(controller):
+    ctl, _ = controller
+    validate = ctl.ValidateVolumeCapabilities
+    # A missing field is INVALID_ARGUMENT (was NOT_FOUND and OK-with-a-message).
+    assert code_of(lambda: validate(pb.ValidateVolumeCapabilitiesRequest(volume_capabilities=[RO_MANY]),
+                                    timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: validate(pb.ValidateVolumeCapabilitiesRequest(volume_id="silod:alice:ds:v"),
+                                    timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+    # A volume silod never made: NOT_FOUND.
+    assert code_of(lambda: validate(pb.ValidateVolumeCapabilitiesRequest(volume_id="nope", volume_capabilities=[RO_MANY]),
+                                    timeout=5)) == grpc.StatusCode.NOT_FOUND

@@ -1,4 +1,5 @@
-"""End to end on an EMULATED Kubernetes (tests/k8s_emulator.py; no API server runs here):
+"""End to end on an EMULATED Kubernetes (tests/k8s_emulator.py; the same scenario on the real control plane is
+tests/test_kubernetes_real_e2e.py, without the cgroup-measured consumption checked here):
 
 one `silod serve --backend kubernetes` program (REST over real HTTP, one SQLite database, the
 scheduling loop with the Gavel policy, the admission controller) and one real `silod agent`

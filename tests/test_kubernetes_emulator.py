@@ -76,7 +76,14 @@ def test_job_suspend_semantics_and_template_immutability(cluster):
     batch.patch_namespaced_job("j", "open", {"spec": {"suspend": True}})
     cluster.wait(lambda: not cluster.pods_of("open", "j"), what="the controller to remove the pods")
     status = batch.read_namespaced_job("j", "open").status
-    assert status.start_time is None and any(c.type == "Suspended" and c.status == "True" for c in status.conditions)
+    # As the real Job controller through 1.35 (checked against the v1.24 snapshot): startTime
+    # stays, so the template's scheduling directives stay frozen until someone clears it.
+    assert status.start_time is not None and any(c.type == "Suspended" and c.status == "True" for c in status.conditions)
+    with pytest.raises(ApiException) as err:
+        batch.patch_namespaced_job("j", "open", {"spec": {"template": {"spec": {"nodeSelector": {"a": "d"}}}}})
+    assert err.value.status == 422
+    batch.patch_namespaced_job_status("j", "open", {"status": {"startTime": None}})
+    batch.patch_namespaced_job("j", "open", {"spec": {"template": {"spec": {"nodeSelector": {"a": "d"}}}}})
 
 
 def test_job_completes_and_fails_by_its_pods(cluster):

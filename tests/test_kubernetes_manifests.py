@@ -72,8 +72,10 @@ def test_scheduler_deployment_two_replicas_lease_probes_pdb_and_secret():
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" and c["livenessProbe"]
     assert "--backend-opt=leader-election=true" in c["args"] and "--backend=kubernetes" in c["args"]
     secret_keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-    # token-key: one HMAC key for the stored tokens across replicas; dm-scheduler-token: the data manager.
-    assert secret_keys == {"admin-token", "database-url", "token-key", "dm-scheduler-token"}
+    # token-key: one HMAC key for the stored tokens across replicas; secret-keys: one Fernet key
+    # list sealing tenants' secrets across replicas (a per-replica key file could not open the
+    # other replica's); dm-scheduler-token: the data manager.
+    assert secret_keys == {"admin-token", "database-url", "token-key", "secret-keys", "dm-scheduler-token"}
     assert set(find("Secret", "silod-secrets")["stringData"]) >= secret_keys | {"agent-token", "tokens"}
     pdb = find("PodDisruptionBudget", "silod-scheduler")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
@@ -107,7 +109,15 @@ def test_scheduler_rbac_is_least_privilege_and_covers_its_calls():
     rules = _rules("ClusterRole", "silod-scheduler")
     assert rules[("", "pods")] == {"get", "list", "watch"}  # never creates, patches or deletes pods
     assert rules[("", "nodes")] == {"get", "list", "watch"}
-    assert {"get", "list", "update", "create", "delete"} <= rules[("batch", "jobs")]
+    assert {"get", "list", "update"} <= rules[("batch", "jobs")]
+    # Creating Jobs only where a tenant's RoleBinding allows it, never cluster-wide (kube-system).
+    assert not {"create", "delete"} & rules[("batch", "jobs")]
+    assert _rules("ClusterRole", "silod-scheduler-jobs") == {("batch", "jobs"): {"create", "delete"}}
+    assert not any(d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == "silod-scheduler-jobs" for d in all_docs())
+    per_tenant = find("RoleBinding", "silod-scheduler-jobs")
+    assert per_tenant["metadata"]["namespace"] == "ml-team" and per_tenant["subjects"][0]["name"] == "silod-scheduler"
+    # Re-admission onto other nodes clears a suspended Job's status.startTime (backend.py).
+    assert rules[("batch", "jobs/status")] >= {"update"}
     assert "delete" not in rules[("jobset.x-k8s.io", "jobsets")] and "delete" not in rules[("kubeflow.org", "pytorchjobs")]
     assert rules[("scheduling.k8s.io", "priorityclasses")] >= {"get"}
     assert not any(("", "secrets") == k for k in rules) and not any("*" in v or "*" in k for k, v in rules.items())
@@ -133,6 +143,47 @@ def test_only_the_agent_is_privileged_and_the_csi_driver_gives_pod_info():
     agent = find("DaemonSet", "silod-agent")["spec"]["template"]["spec"]
     mounts = {m["name"]: m for m in agent["containers"][0]["volumeMounts"]}
     assert mounts["kubelet-dir"]["mountPropagation"] == "Bidirectional"
+    node_token = next(v for v in agent["volumes"] if v["name"] == "node-token")
+    assert node_token["hostPath"]["type"] == "DirectoryOrCreate"  # a fresh node has no /etc/silod yet
+
+
+def _image_user() -> int:
+    """The uid the image runs as: deploy/Dockerfile's last USER (root when none)."""
+    users = [line.split()[1] for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("USER ")]
+    return int(users[-1]) if users else 0
+
+
+def _effective_uid(pod_spec: dict, container: dict) -> int:
+    for ctx in (container.get("securityContext") or {}, pod_spec.get("securityContext") or {}):
+        if "runAsUser" in ctx:
+            return int(ctx["runAsUser"])
+    return _image_user()
+
+
+def test_the_agent_container_runs_as_root_and_every_other_silod_container_does_not():
+    """Finding 2: `privileged: true` does not change the user; with the image's USER 10001 the
+    agent could not create its socket and state dirs nor mount."""
+    assert _image_user() != 0
+    uids = {}
+    for d in all_docs():
+        if d["kind"] not in ("Deployment", "DaemonSet", "StatefulSet"):
+            continue
+        spec = d["spec"]["template"]["spec"]
+        for c in spec.get("containers", []):  # (an overlay's patch is partial)
+            if c.get("image", "").split(":")[0] == "silod":
+                uids[(d["metadata"]["name"], c["name"])] = _effective_uid(spec, c)
+    assert uids.pop(("silod-agent", "agent")) == 0
+    assert uids and all(uid != 0 for uid in uids.values()), uids
+
+
+def test_agent_probes_call_the_csi_probe_rpc():
+    spec = find("DaemonSet", "silod-agent")["spec"]["template"]["spec"]
+    agent = spec["containers"][0]
+    sidecar = next(c for c in spec["containers"] if c["name"] == "liveness-probe")
+    port = next(p["containerPort"] for p in agent["ports"] if p["name"] == "healthz")
+    assert f"--http-endpoint=:{port}" in sidecar["args"] and "--csi-address=/csi/csi.sock" in sidecar["args"]
+    for probe in (agent["livenessProbe"], agent["readinessProbe"]):
+        assert probe["httpGet"] == {"path": "/healthz", "port": "healthz"}
 
 
 def _example_jobs() -> list[dict]:
@@ -185,7 +236,9 @@ def test_csi_controller_provisions_the_storage_class_and_the_webhook_suspends_la
     assert {m["mountPath"] for m in ctl["volumeMounts"]} == {m["mountPath"] for m in prov["volumeMounts"]}
     assert not any(c.get("securityContext", {}).get("privileged") for c in dep["containers"])
     rules = _rules("ClusterRole", "silod-csi-provisioner")
-    assert rules[("", "persistentvolumes")] >= {"create", "delete"} and ("", "secrets") not in rules
+    # patch: csi-provisioner v5 removes its PV finalizer by PATCH (finding 5; tests/test_kubernetes_real.py
+    # runs the real sidecar against the real API server).
+    assert rules[("", "persistentvolumes")] >= {"create", "delete", "patch"} and ("", "secrets") not in rules
     # The webhook: CREATE of labelled Jobs/JobSets/PyTorchJobs, served by the scheduler Service.
     wh = find("MutatingWebhookConfiguration", "silod-suspend")["webhooks"][0]
     assert wh["objectSelector"]["matchExpressions"] == [{"key": "silod.io/queue", "operator": "Exists"}]

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from scheduler.backends.kubernetes.placement import NodeState, PodRequest, place, why_not
+from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
     JOB, JOBSET, PYTORCHJOB, PodTemplate, WorkloadError, admitted_object, parse_workload, rest_job_object,
     suspended_object,
@@ -123,3 +123,26 @@ def test_placement_search_finds_what_best_fit_misses():
     assert per["n1"] <= 3 and per["n2"] <= 5
     sel = [PodRequest("x", 1, {"zone": "b"})]
     assert place(sel, [node("n1", 4, labels={"zone": "a"})], dataset="d", cache_bytes=0, io_per_pod=0) is None
+
+
+def test_tolerations_match_taints_as_kubernetes_does():
+    gpu = Taint("nvidia.com/gpu", "present", "NoSchedule")
+    assert Toleration("nvidia.com/gpu", "Exists", "", "NoSchedule").tolerates(gpu)
+    assert Toleration("nvidia.com/gpu", "Equal", "present", "").tolerates(gpu)  # empty effect: every effect
+    assert not Toleration("nvidia.com/gpu", "Equal", "other", "NoSchedule").tolerates(gpu)
+    assert not Toleration("nvidia.com/gpu", "Exists", "", "NoExecute").tolerates(gpu)
+    assert Toleration("", "Exists").tolerates(gpu)  # tolerates everything
+    tainted = NodeState("g", "g", 4, 1e12, taints=(gpu,))
+    soft = NodeState("s", "s", 4, 1e12, taints=(Taint("x", "", "PreferNoSchedule"),))
+    plain = PodRequest("p", 4)
+    assert place([plain], [tainted], dataset="d", cache_bytes=0, io_per_pod=0) is None
+    assert "nvidia.com/gpu" in why_not([plain], [tainted], dataset="d", cache_bytes=0, io_per_pod=0)
+    assert place([plain], [soft], dataset="d", cache_bytes=0, io_per_pod=0) == {"p": "s"}  # only a preference
+    tolerant = PodRequest("p", 4, {}, (Toleration("nvidia.com/gpu", "Exists", "", "NoSchedule"),))
+    assert place([tolerant], [tainted], dataset="d", cache_bytes=0, io_per_pod=0) == {"p": "g"}
+    # The workload's pod template carries them to placement.
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "a", "uid": "u"},
+           "spec": {"template": {"spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                                          "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}}
+    (_, _, _, tols), = parse_workload(JOB, job).pod_list()
+    assert tols == (("nvidia.com/gpu", "Exists", "", ""),)

@@ -437,3 +437,17 @@ def test_forged_progress_cannot_jump_the_sjf_queue(tmp_path) -> None:
         assert 0 < got <= 1e9 * (3 * 1.25 + 2.0), got  # seconds since the start at 1 GB/s, not 132 GB
     finally:
         svc.close()
+
+
+def test_a_cached_figure_beyond_the_datasets_size_is_not_believed(tmp_path) -> None:
+    """Issue 20: an agent reported cached_bytes = 1e15 for another tenant's dataset and the
+    scheduler's parser passed it to the policy."""
+    pusher = StatusPusher(nodes={"n1": {"datasets": {"d1-imagenet": {"cached_bytes": 1e15}}}},
+                          datasets={"d1-imagenet": {}})
+    svc = make(f"sqlite:///{tmp_path / 'b.db'}", tmp_path, pusher=pusher)
+    try:
+        svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8))
+        snap = svc.build_snapshot()
+        assert snap.datasets["d1-imagenet"].cached == snap.datasets["d1-imagenet"].size
+    finally:
+        svc.close()

@@ -1,4 +1,4 @@
-"""The silod trace CSV (ARCHITECTURE.md §4).
+"""The silod trace CSV (docs/simulator.md, "Trace formats").
 
     job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs
 
@@ -7,7 +7,11 @@ ideal_throughput are filled from the catalog. Optional columns `access` (epoch |
 irregular) and, for curriculum, `starting_percent`, `alpha`, `step`, `batch` say how the job
 reads (estimator/access.py); without them every job is `epoch`. Optional `item_size` (bytes per
 item of the row's dataset) lets the simulator count a curriculum job's items and iterations;
-catalog datasets have one. Every problem is reported with file, line and
+catalog datasets have one. Optional input-pipeline columns `cpu_rate` (source bytes/s one core
+preprocesses; empty = not CPU-bound), `autocache_expansion` and `post_cpu_rate` (the autocache
+point: preprocessed bytes per source byte, and the per-core rate after it), estimator/pipeline.py.
+An empty cpu_rate means not CPU-bound; the catalog's per-model rates (traces/catalog.py) are
+not filled in here, because an empty cell has to keep that meaning. Every problem is reported with file, line and
 column, and what to write instead.
 """
 
@@ -19,7 +23,8 @@ from pathlib import Path
 from typing import TextIO
 
 from estimator.access import CURRICULUM_FIELDS, EPOCH, parse_access
-from estimator.errors import UserError
+from estimator.errors import UserError, did_you_mean
+from estimator.pipeline import PIPELINE_FIELDS, parse_pipeline
 from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
 from traces.model import Trace, TraceJob
@@ -28,6 +33,9 @@ REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_si
 COLUMNS = (*REQUIRED, "epochs")
 ACCESS_COLUMNS = ("access", *CURRICULUM_FIELDS)  # optional; see estimator/access.py
 ITEM_SIZE = "item_size"  # optional: bytes per item of the row's dataset
+# Every column the reader knows. Any other column is an error: a misspelled optional column
+# (`acess`) would otherwise be ignored and the run would silently use the default.
+KNOWN_COLUMNS = (*COLUMNS, "duration", *ACCESS_COLUMNS, ITEM_SIZE, *PIPELINE_FIELDS)
 MAX_GPUS_PER_JOB = MAX_GPUS
 
 
@@ -54,7 +62,8 @@ def _number(text: str, path: Path, line: int, column: str, *, integer: bool = Fa
 def load_csv_trace(path: str | Path) -> Trace:
     path = Path(path)
     try:
-        handle = path.open(newline="", encoding="utf-8")
+        # utf-8-sig: spreadsheet programs write a byte-order mark, which is not part of the header
+        handle = path.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
         raise TraceError(f"trace file {path} does not exist; check the --trace path") from None
     except IsADirectoryError:
@@ -83,6 +92,11 @@ def _read_rows(path: Path, handle: TextIO) -> Trace:
         missing.append("epochs (or duration)")
     if missing:
         raise _fail(path, 1, None, f"missing column(s) {', '.join(missing)}; the header must be {','.join(COLUMNS)}")
+    unknown = [c for c in header if c not in KNOWN_COLUMNS]
+    if unknown:
+        c = unknown[0]
+        raise _fail(path, 1, c, f"unknown column{did_you_mean(c, KNOWN_COLUMNS)}; the columns are "
+                                f"{', '.join(KNOWN_COLUMNS)} (docs/simulator.md, \"Trace formats\")")
     jobs: list[TraceJob] = []
     sizes: dict[str, float] = {}
     item_sizes: dict[str, float] = {}
@@ -154,7 +168,17 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
         epochs = duration * ideal / size
     else:
         raise _fail(path, line, "epochs", "empty; give epochs or a duration in seconds")
-    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line))
+    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line), _pipeline(get, path, line))
+
+
+def _pipeline(get: dict[str, str], path: Path, line: int):
+    if not any(get.get(c, "") for c in PIPELINE_FIELDS):
+        return None
+    try:
+        return parse_pipeline(*(get.get(c) for c in PIPELINE_FIELDS))
+    except UserError as exc:
+        column = next((c for c in PIPELINE_FIELDS if str(exc).startswith(c)), "cpu_rate")
+        raise _fail(path, line, column, str(exc)) from None
 
 
 def _access(get: dict[str, str], path: Path, line: int):
@@ -197,9 +221,11 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
     # The access columns only when a job needs them, so all-epoch traces keep the plain header.
     with_access = any(not j.access.regular for j in trace.jobs)
     with_items = bool(trace.item_sizes)
+    with_pipeline = any(j.pipeline is not None for j in trace.jobs)
     with Path(path).open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ())))
+        writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ()),
+                         *(PIPELINE_FIELDS if with_pipeline else ())))
         for j in trace.jobs:
             row = [j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
                    f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"]
@@ -208,4 +234,8 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
             if with_items:
                 item = trace.item_sizes.get(j.dataset)
                 row.append("" if item is None else f"{item!r}")
+            if with_pipeline:
+                p = j.pipeline
+                row += ["", "", ""] if p is None else [f"{p.cpu_rate!r}", "" if p.autocache_expansion is None else f"{p.autocache_expansion!r}",
+                                                        "" if p.post_cpu_rate is None else f"{p.post_cpu_rate!r}"]
             writer.writerow(row)

@@ -1,4 +1,4 @@
-"""Load a trace from a file in any format silod reads (CSV, Gavel/Philly TSV)."""
+"""Load a trace from a file in any format silod reads (CSV, Gavel/Philly TSV, Alibaba openb CSV)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ class TraceFormat(str, Enum):
     auto = "auto"
     csv = "csv"
     gavel = "gavel"
+    alibaba_openb = "alibaba-openb"
+
+
+def _is_openb(path: Path) -> bool:
+    """The openb pod list (its own header), or the folder that holds it."""
+    if path.is_dir():
+        return (path / "openb_pod_list_default.csv").is_file()
+    try:
+        with path.open(encoding="utf-8") as fh:
+            return fh.readline().startswith("name,cpu_milli,")
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0):
@@ -19,7 +31,11 @@ def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_j
     from traces.gavel_trace import load_gavel_trace
 
     if fmt == TraceFormat.auto:
-        fmt = TraceFormat.gavel if path.suffix == ".trace" else TraceFormat.csv
+        fmt = TraceFormat.gavel if path.suffix == ".trace" else TraceFormat.alibaba_openb if _is_openb(path) else TraceFormat.csv
+    if fmt == TraceFormat.alibaba_openb:
+        from traces.alibaba_trace import load_alibaba_trace
+
+        return load_alibaba_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed)
     if fmt == TraceFormat.gavel:
         return load_gavel_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed)
     if dataset_sharing:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from estimator.access import EPOCH, AccessPattern
+from estimator.pipeline import InputPipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,13 @@ class TraceJob:
     ideal_throughput: float  # f* at num_gpus on the reference GPU (V100), bytes/s
     epochs: float  # passes over the dataset; may be < 1 (for curriculum: bytes read / dataset size)
     access: AccessPattern = EPOCH  # how the job reads (estimator/access.py); epoch = regular
+    #: CPU preprocessing stage (trace columns cpu_rate, autocache_expansion, post_cpu_rate);
+    #: None = not CPU-bound (estimator/pipeline.py).
+    pipeline: InputPipeline | None = None
+    #: f* the user declared, when it differs from the real one (`ideal_throughput`): the
+    #: scheduler starts from it and corrects it from what the job reads (estimator/measured.py).
+    #: None: the declaration is exact. Python API and experiments only (no trace column).
+    declared_throughput: float | None = None
 
     def total_bytes(self, dataset_size: float) -> float:
         return self.epochs * dataset_size

@@ -117,6 +117,12 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         return csi_pb2.DeleteVolumeResponse()
 
     def ValidateVolumeCapabilities(self, request, context):  # noqa: N802
+        # CSI spec: a missing volume_id or volume_capabilities is INVALID_ARGUMENT; an unknown
+        # volume NOT_FOUND; unsupported capabilities an OK answer without `confirmed`.
+        if not request.volume_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        if not request.volume_capabilities:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_capabilities is required")
         if parse_volume_id(request.volume_id) is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"{request.volume_id!r} is not a silod volume")
         problem = capabilities_problem(request.volume_capabilities)

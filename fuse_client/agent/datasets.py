@@ -13,10 +13,11 @@ driver with podInfoOnMount), never from the pod's own words; a namespace belongs
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from contract.credentials import SourceCredential
 from estimator.errors import UserError
 from estimator.units import UnitError, parse_size
 
@@ -34,6 +35,9 @@ class DatasetSource:
     name: str
     uri: str
     cache_size: int | None = None  # bytes; None = whatever the data manager allocates
+    # The dataset owner's credential for `uri`; None: read anonymously, never with the node's
+    # own cloud credentials (volumes.py hands it to the mount process only). Never recorded.
+    credential: SourceCredential | None = field(default=None, repr=False, compare=False)
 
 
 class DatasetResolver(Protocol):
@@ -86,17 +90,26 @@ class CatalogResolver:
 
 
 class SchedulerResolver:
-    def __init__(self, url: str, token: str, timeout: float = 10.0):
-        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+    """Datasets (and the owner's credential, when the dataset names one) from the scheduler's
+    API with the node agents' token. `client`: an httpx.Client to use (tests)."""
 
-    def resolve(self, tenant: str, name: str) -> DatasetSource:
+    def __init__(self, url: str, token: str, timeout: float = 10.0, client: Any = None):
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+        self.client = client
+
+    def _get(self, path: str, params: dict[str, str]) -> Any:
         import httpx
 
+        headers = {"Authorization": f"Bearer {self.token}"}
         try:
-            r = httpx.get(f"{self.url}/v1/datasets/{name}", params={"owner": tenant},
-                          headers={"Authorization": f"Bearer {self.token}"}, timeout=self.timeout)
+            if self.client is not None:
+                return self.client.get(f"{self.url}{path}", params=params, headers=headers, timeout=self.timeout)
+            return httpx.get(f"{self.url}{path}", params=params, headers=headers, timeout=self.timeout)
         except httpx.HTTPError as exc:
             raise UserError(f"cannot reach the silod scheduler at {self.url}: {exc}") from None
+
+    def resolve(self, tenant: str, name: str) -> DatasetSource:
+        r = self._get(f"/v1/datasets/{name}", {"owner": tenant})
         if r.status_code == 404:
             raise DatasetDenied(f"tenant {tenant} has no dataset {name!r} registered in silod")
         if r.status_code >= 400:
@@ -104,4 +117,14 @@ class SchedulerResolver:
         body: dict[str, Any] = r.json()
         if body.get("owner") != tenant:
             raise DatasetDenied(f"dataset {name!r} belongs to another tenant than {tenant}")
-        return DatasetSource(tenant, name, str(body["uri"]))
+        credential = None
+        if body.get("credential"):
+            c = self._get(f"/v1/datasets/{name}/source-credential", {"owner": tenant})
+            if c.status_code >= 400:
+                raise UserError(f"the silod scheduler answered HTTP {c.status_code} for the credential of dataset"
+                                f" {name!r}; the agents' token must be a --node-agent of silod serve")
+            got = c.json().get("credential")
+            if got:
+                credential = SourceCredential(str(got["access_key_id"]), str(got["secret_access_key"]),
+                                              got.get("endpoint_url") or None, got.get("region") or None)
+        return DatasetSource(tenant, name, str(body["uri"]), credential=credential)

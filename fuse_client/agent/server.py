@@ -4,7 +4,14 @@ Only the RPCs a node-only, stage-less driver needs: GetPluginInfo, GetPluginCapa
 NodeGetCapabilities, NodeGetInfo, NodePublishVolume, NodeUnpublishVolume. Errors use the gRPC
 codes the CSI spec names: INVALID_ARGUMENT for a missing field or a bad attribute,
 PERMISSION_DENIED when the pod's tenant may not read the dataset, NOT_FOUND for an unknown
-dataset, INTERNAL when the node cannot mount.
+dataset, ALREADY_EXISTS when the target already holds the volume with an incompatible
+capability (or another volume), INTERNAL when the node cannot mount.
+
+Read-only: a publish with readonly=false and a writer access mode is refused (INVALID_ARGUMENT)
+rather than silently mounted read-only. kubelet sends readonly=true for a volume the pod mounts
+`readOnly: true` (an inline volume's access mode is then SINGLE_NODE_WRITER: kubelet's default
+for inline volumes, accepted because readonly is set); a PersistentVolume of ReadOnlyMany has a
+reader-only access mode, read-only whatever the flag.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import grpc
 from estimator.errors import UserError
 from fuse_client.agent.controller import (
     CTX_NAMESPACE,
+    READ_ONLY_MODES,
     ControllerService,
     tenant_of_namespace,
 )
 from fuse_client.agent.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
 from fuse_client.agent.datasets import DatasetDenied, DatasetResolver, check_name
-from fuse_client.agent.volumes import MountError, VolumeManager
+from fuse_client.agent.volumes import AlreadyPublished, MountError, VolumeManager
 
 log = logging.getLogger("silod.agent")
 
@@ -77,6 +85,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
         if not request.HasField("volume_capability") or request.volume_capability.HasField("block"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "silod volumes are filesystem (mount) volumes")
+        mode = request.volume_capability.access_mode.mode
+        if not request.readonly and mode not in READ_ONLY_MODES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"volume {vid}: a writable publish ({csi_pb2.VolumeCapability.AccessMode.Mode.Name(mode)},"
+                          f" readonly false) of a read-only dataset; mount it readOnly: true")
         ctx = dict(request.volume_context)
         namespace = ctx.get(POD_NAMESPACE, "")
         if not namespace:
@@ -91,7 +104,10 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         try:
             dataset = check_name(ctx.get("dataset", ""), "volumeAttributes.dataset")
             src = self.resolver.resolve(tenant, dataset)
-            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""))
+            self.volumes.publish(vid, target, src, namespace, ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""),
+                                 access_mode=int(mode), readonly=bool(request.readonly))
+        except AlreadyPublished as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except DatasetDenied as exc:
             code = grpc.StatusCode.NOT_FOUND if "no dataset" in str(exc) else grpc.StatusCode.PERMISSION_DENIED
             if "not a valid" in str(exc):
@@ -131,7 +147,7 @@ class Agent:
         csi_pb2_grpc.add_NodeServicer_to_server(self.node_service, self.server)
 
     def start(self) -> list[str]:
-        repaired = self.volumes.recover()
+        repaired = self.volumes.recover(self.node_service.resolver)
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()  # a previous agent's socket

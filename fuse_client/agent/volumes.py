@@ -4,8 +4,12 @@
   node, at `<state>/mounts/<tenant>/<dataset>`, caching into `<state>/cache/<tenant>` (on the
   node's disk: it survives agent restarts, so a restarted agent serves cached items without
   fetching them again). It lives while at least one published volume uses it.
-- Per published volume, a read-only bind mount of that FUSE mount at kubelet's target path.
-- `<state>/volumes.json` records the published volumes, so that a restarted agent re-creates
+- Per publication, a read-only bind mount of that FUSE mount at kubelet's target path. The driver
+  has no STAGE_UNSTAGE capability, so kubelet calls NodePublishVolume once per pod: one volume
+  (a PVC's, same volume_id) is published at as many target paths as pods on the node use it (the
+  CSI spec allows it for MULTI_NODE_READER_ONLY). Publications are keyed by (volume_id,
+  target_path); the dataset mount is reference-counted by them and released after the last.
+- `<state>/volumes.json` records the publications, so that a restarted agent re-creates
   the dataset mounts and repairs the pods' bind mounts (a bind of a dead FUSE mount answers
   ENOTCONN) instead of leaving running pods without data.
 
@@ -24,8 +28,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from contract.credentials import ANONYMOUS_ENV, CREDENTIAL_ENV
 from estimator.errors import UserError
-from fuse_client.agent.datasets import DatasetSource
+from fuse_client.agent.datasets import DatasetResolver, DatasetSource
 
 log = logging.getLogger("silod.agent")
 
@@ -41,6 +46,11 @@ class MountError(Exception):
     """The node could not mount or bind (an operator's problem: FUSE, disk, permissions)."""
 
 
+class AlreadyPublished(UserError):
+    """The target path already holds this volume with another capability, or another volume
+    (CSI: ALREADY_EXISTS)."""
+
+
 @dataclass
 class VolumeRecord:
     volume_id: str
@@ -52,6 +62,29 @@ class VolumeRecord:
     namespace: str
     pod: str
     pod_uid: str = ""
+    access_mode: int = 0  # the CSI access mode it was published with (a repeat must match)
+    readonly: bool = True
+
+
+Key = tuple[str, str]  # (volume_id, target_path)
+
+
+# The node's own cloud credentials, and the agent's own tokens: never a mount's.
+AMBIENT_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
+                   "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
+                   "SILOD_AGENT_TOKEN", *CREDENTIAL_ENV.values(), ANONYMOUS_ENV)
+
+
+def mount_env(src: DatasetSource) -> dict[str, str]:
+    """The environment of the `silod mount` of `src`: the dataset owner's credential, or
+    anonymous s3 reads, never the node's ambient keys (any tenant could read any bucket the
+    node can) nor the agent's tokens."""
+    env = {k: v for k, v in os.environ.items() if k not in AMBIENT_SECRETS}
+    if src.credential is not None:
+        env.update(src.credential.to_env())
+    else:
+        env[ANONYMOUS_ENV] = "1"
+    return env
 
 
 def _run(*args: str) -> None:
@@ -98,7 +131,7 @@ class VolumeManager:
         self.idle_unmount_s = idle_unmount_s
         self._idle: dict[tuple[str, str], threading.Timer] = {}
         self.lock = threading.RLock()
-        self.volumes: dict[str, VolumeRecord] = {}
+        self.volumes: dict[Key, VolumeRecord] = {}
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         (state_dir / "mounts").mkdir(parents=True, exist_ok=True)
         (state_dir / "cache").mkdir(parents=True, exist_ok=True)
@@ -112,28 +145,34 @@ class VolumeManager:
 
     def _save(self) -> None:
         tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in sorted(self.volumes.items())}, indent=1))
+        tmp.write_text(json.dumps({"publications": [asdict(v) for _, v in sorted(self.volumes.items())]}, indent=1))
         os.replace(tmp, self._state_file)
 
-    def recover(self) -> list[str]:
+    def recover(self, resolver: DatasetResolver | None = None) -> list[str]:
         """After a restart: re-create the dataset mounts of recorded volumes and repair their bind
-        mounts. Returns the volume ids repaired; a volume whose target is gone is forgotten."""
+        mounts. Returns the volume ids repaired; a volume whose target is gone is forgotten. The
+        credential is never recorded: `resolver` looks it up again (without one, or when the
+        look-up fails, the dataset is mounted anonymously)."""
         if not self._state_file.exists():
             return []
         try:
-            recorded = {k: VolumeRecord(**v) for k, v in json.loads(self._state_file.read_text()).items()}
-        except (ValueError, TypeError) as exc:
+            doc = json.loads(self._state_file.read_text())
+            # {"publications": [...]}; an agent before reference counting wrote {volume_id: record}.
+            rows = doc["publications"] if "publications" in doc else list(doc.values())
+            recorded = {(r.volume_id, r.target): r for r in (VolumeRecord(**v) for v in rows)}
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.error("ignoring unreadable %s: %s", self._state_file, exc)
             return []
         repaired = []
         with self.lock:
-            for vid, rec in recorded.items():
+            for key, rec in recorded.items():
+                vid = rec.volume_id
                 target = Path(rec.target)
                 if not target.exists():
                     continue
-                self.volumes[vid] = rec
+                self.volumes[key] = rec
                 try:
-                    src = self._dataset_mount(DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size))
+                    src = self._dataset_mount(self._recorded_source(rec, resolver))
                     if not healthy(target):
                         if is_mountpoint(target) or not _listable(target):
                             unmount(target)
@@ -143,6 +182,18 @@ class VolumeManager:
                     log.error("volume %s (%s/%s): could not restore after restart: %s", vid, rec.tenant, rec.dataset, exc)
             self._save()
         return repaired
+
+    @staticmethod
+    def _recorded_source(rec: VolumeRecord, resolver: DatasetResolver | None) -> DatasetSource:
+        plain = DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size)
+        if resolver is None:
+            return plain
+        try:
+            fresh = resolver.resolve(rec.tenant, rec.dataset)
+        except UserError as exc:
+            log.warning("%s/%s: credential not looked up again (%s); mounting it anonymously", rec.tenant, rec.dataset, exc)
+            return plain
+        return DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size, credential=fresh.credential)
 
     # --- dataset mounts --------------------------------------------------------------------------
 
@@ -171,7 +222,7 @@ class VolumeManager:
             cmd += ["--manager", self.manager_url]
         log_path = self.state_dir / "mounts" / src.tenant / f"{src.name}.log"
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=mount_env(src))
         self.procs[key] = proc
         deadline = time.monotonic() + self.mount_timeout
         while time.monotonic() < deadline:
@@ -245,29 +296,40 @@ class VolumeManager:
         return sorted((self.state_dir / "mounts").glob("*/*.stats.json"))
 
     def publish(self, volume_id: str, target: str, src: DatasetSource, namespace: str, pod: str,
-                pod_uid: str = "") -> None:
+                pod_uid: str = "", *, access_mode: int = 0, readonly: bool = True) -> None:
+        """Bind the dataset's mount at `target`. Idempotent for the same (volume, target, capability);
+        AlreadyPublished when the target holds this volume with another capability or dataset, or
+        another volume."""
         path = self.check_target(target)
         with self.lock:
-            have = self.volumes.get(volume_id)
+            have = self.volumes.get((volume_id, str(path)))
             if have is not None:
-                if have.target != str(path) or (have.tenant, have.dataset) != (src.tenant, src.name):
-                    raise UserError(f"volume {volume_id} is already published at {have.target} for "
-                                    f"{have.tenant}/{have.dataset}")
+                if (have.tenant, have.dataset) != (src.tenant, src.name):
+                    raise AlreadyPublished(f"volume {volume_id} is already published at {have.target} for "
+                                           f"{have.tenant}/{have.dataset}")
+                if (have.access_mode, have.readonly) != (access_mode, readonly):
+                    raise AlreadyPublished(f"volume {volume_id} is already published at {have.target} with another"
+                                           f" capability (access mode {have.access_mode}, readonly {have.readonly})")
                 if healthy(path):
                     return  # idempotent repeat
+            other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
+            if other is not None:
+                raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
             source = self._dataset_mount(src)
             if is_mountpoint(path):
                 unmount(path)
             self._bind(source, path)
-            self.volumes[volume_id] = VolumeRecord(volume_id, str(path), src.tenant, src.name, src.uri,
-                                                   src.cache_size, namespace, pod, pod_uid)
+            self.volumes[(volume_id, str(path))] = VolumeRecord(
+                volume_id, str(path), src.tenant, src.name, src.uri, src.cache_size, namespace, pod, pod_uid,
+                access_mode, readonly)
             self._save()
             log.info("published %s/%s for pod %s/%s at %s", src.tenant, src.name, namespace, pod, path)
 
     def unpublish(self, volume_id: str, target: str) -> None:
         path = Path(target)
         with self.lock:
-            rec = self.volumes.get(volume_id)
+            resolved = path.parent.resolve() / path.name if path.is_absolute() else path
+            rec = self.volumes.get((volume_id, str(resolved)))
             if is_mountpoint(path) or (path.exists() and not _listable(path)):
                 unmount(path)
             try:
@@ -276,7 +338,7 @@ class VolumeManager:
                 pass
             if rec is None:
                 return  # idempotent: unknown or already unpublished
-            del self.volumes[volume_id]
+            del self.volumes[(volume_id, str(resolved))]
             self._save()
             self._release(rec.tenant, rec.dataset)
             log.info("unpublished %s (%s/%s) from %s", volume_id, rec.tenant, rec.dataset, path)
@@ -288,7 +350,7 @@ class VolumeManager:
                 timer.cancel()
             self._idle.clear()
             if unmount_all:
-                for vid, rec in list(self.volumes.items()):
+                for (vid, _), rec in list(self.volumes.items()):
                     self.unpublish(vid, rec.target)
             for (tenant, dataset), proc in list(self.procs.items()):
                 if proc.poll() is None:

@@ -122,6 +122,16 @@ S_IFDIR, S_IFREG = 0o040000, 0o100000
 MAX_WRITE = 4096
 REQUEST_BUFFER = 64 * 1024
 
+# The largest READ the kernel may send: INIT grants max_pages pages (the kernel also caps a
+# READ's size at max_read, which a mount without that option leaves unlimited). A READ reply is
+# the 16-byte out header plus up to that many bytes, so its buffer is MAX_READ + OUT_HEADER.size:
+# a reply the kernel gets short of what it asked is end of file to it, and it shrinks the inode
+# (issue 19: a buffer of exactly MAX_READ silently cut files at 1 MiB - 16 bytes).
+PAGE_SIZE = 4096
+MAX_PAGES_GRANTED = 256
+MAX_READ = MAX_PAGES_GRANTED * PAGE_SIZE
+READ_REPLY_BUFFER = 16 + MAX_READ
+
 
 def dirent_size(namelen: int) -> int:
     return (DIRENT.size + namelen + 7) & ~7

@@ -87,6 +87,7 @@ class RawCounters:
     interrupted_opens: int = 0
     backing_open_failures: int = 0
     kept_opens: int = 0  # opens answered with a kept backing file (no open(2), no ioctl)
+    closed_at_eviction: int = 0  # kept backing files closed when this mount evicted their item
 
 
 class _Inodes:
@@ -123,6 +124,7 @@ class _Backing:
     backing_id: int
     fd: int  # our own descriptor of the cached item kept for re-opens, or -1 (not kept)
     opens: int = 1
+    evicted: bool = False  # this mount evicted the item: close the kept descriptor at the last release
 
 
 class _BackingFiles:
@@ -181,7 +183,7 @@ class _BackingFiles:
             slot.opens -= 1
             if slot.opens > 0:
                 return
-            if slot.fd >= 0 and not evicted:
+            if slot.fd >= 0 and not evicted and not slot.evicted:
                 self._idle[nodeid] = None
                 while len(self._idle) > self.keep:
                     drop.append(self._slots.pop(self._idle.popitem(last=False)[0]))
@@ -189,6 +191,21 @@ class _BackingFiles:
                 drop.append(self._slots.pop(nodeid))
         for slot in drop:  # the ioctls outside the lock
             self._close(slot)
+
+    def evicted(self, nodeid: int) -> bool:
+        """This mount evicted the item of `nodeid`: close its kept descriptor now if no open uses
+        it (its disk blocks are freed at once), else at its last release. True if closed now."""
+        with self._lock:
+            slot = self._slots.get(nodeid)
+            if slot is None or slot.fd < 0:
+                return False
+            if slot.opens > 0:
+                slot.evicted = True
+                return False
+            self._idle.pop(nodeid, None)
+            del self._slots[nodeid]
+        self._close(slot)
+        return True
 
     def sweep(self) -> int:
         """Drop idle kept backings whose item was evicted; returns how many."""
@@ -269,6 +286,7 @@ class RawFuseServer:
         self._backing: _BackingFiles | None = None
         self._passthrough = False
         self._stopped = threading.Event()
+        self._key_nodes: dict[str, int] | None = None
         self._mtime = ops.mtime_ns // 1_000_000_000
         self._mtime_ns = ops.mtime_ns % 1_000_000_000
 
@@ -323,7 +341,7 @@ class RawFuseServer:
         if not agreed & p.PASSTHROUGH:
             depth = 0
         reply = p.INIT_OUT.pack(p.KERNEL_MAJOR, min(minor, p.OUR_MINOR), max_readahead, agreed & 0xFFFFFFFF,
-                                64, 48, p.MAX_WRITE, 1, 256, 0, agreed >> 32, depth)
+                                64, 48, p.MAX_WRITE, 1, p.MAX_PAGES_GRANTED, 0, agreed >> 32, depth)
         self._reply(self._fd, unique, reply)
         return Negotiated(minor, offered, agreed, depth)
 
@@ -410,7 +428,7 @@ class RawFuseServer:
                 pass
         buf = bytearray(p.REQUEST_BUFFER)
         view = memoryview(buf)
-        out = bytearray(1 << 20)  # READ replies are assembled here (max_pages 256 = 1 MiB)
+        out = bytearray(p.READ_REPLY_BUFFER)  # READ replies: header + up to the granted max_pages
         out_view = memoryview(out)
         handlers = self._handlers()
         counts = self.counters.requests
@@ -627,8 +645,12 @@ class RawFuseServer:
 
     def _open_slow(self, fd: int, unique: int, nodeid: int, entry: FileEntry, pid: int = 0) -> None:
         handle = error = None
+        with self._pending_lock:
+            pending = self._pending.get(unique)
         try:
-            handle = self.ops.open(entry, passthrough=self._passthrough, pid=pid)
+            # An interrupted opener already got EINTR (see _interrupt): stop waiting for it then.
+            handle = self.ops.open(entry, passthrough=self._passthrough, pid=pid,
+                                   cancelled=(lambda: pending.interrupted) if pending is not None else None)
         except OSError as exc:
             error = exc.errno or errno.EIO
         except Exception:
@@ -636,6 +658,8 @@ class RawFuseServer:
             error = errno.EIO
         with self._pending_lock:
             pending = self._pending.pop(unique, None)
+        if pending is not None and pending.interrupted and error == errno.EINTR:
+            return  # answered with EINTR by _interrupt already
         if pending is not None and pending.interrupted:  # the opener gave up and got EINTR
             if handle is not None:
                 self.ops.release(handle.fh)
@@ -682,8 +706,17 @@ class RawFuseServer:
         fh, offset, size = p.READ_IN.unpack_from(view, p.IN_HEADER.size)[:3]
         src, n = self.ops.read_span(fh, size, offset)
         if n > len(out) - p.OUT_HEADER.size:
-            n = len(out) - p.OUT_HEADER.size
-        got = os.preadv(src, [out_view[p.OUT_HEADER.size:p.OUT_HEADER.size + n]], offset) if n else 0
+            # Never answer short: the kernel takes a short reply as end of file. The kernel never
+            # asks more than INIT granted (MAX_READ), so this is a protocol error, said as one.
+            raise OSError(errno.EIO, f"READ of {size} bytes exceeds the granted maximum {p.MAX_READ}")
+        got = 0
+        while got < n:  # preadv may return fewer bytes than asked (signals, some file systems)
+            k = os.preadv(src, [out_view[p.OUT_HEADER.size + got:p.OUT_HEADER.size + n]], offset + got)
+            if k <= 0:
+                # The cached item is shorter than the listing says: an error, never a short file.
+                log.error("cache file of handle %d ended at %d, expected %d bytes", fh, offset + got, offset + n)
+                raise OSError(errno.EIO, "cache file shorter than the item")
+            got += k
         p.OUT_HEADER.pack_into(out, 0, p.OUT_HEADER.size + got, 0, unique)
         try:
             os.write(fd, out_view[:p.OUT_HEADER.size + got])
@@ -715,6 +748,23 @@ class RawFuseServer:
         # The fetch goes on (and may be admitted for the next reader); the opener gets EINTR.
         self._reply_error(pending.fd, target, errno.EINTR)
 
+    def on_evicted(self, key: str) -> None:
+        """DatasetCache.on_evicted: this mount unlinked the cached item `key`. Evictions by other
+        mounts of the dataset are left to the sweep (SWEEP_S)."""
+        if self._backing is None or not len(self._backing):
+            return
+        nodeid = self._node_of_key().get(key)
+        if nodeid is not None and self._backing.evicted(nodeid):
+            self.counters.closed_at_eviction += 1
+
+    def _node_of_key(self) -> dict[str, int]:
+        # Built on the first eviction (a shrink), not at mount: one sha1 per item.
+        if self._key_nodes is None:
+            from fuse_client.cache_store import item_key
+
+            self._key_nodes = {item_key(e.path): self._file_base + e.index for e in self._files if e is not None}
+        return self._key_nodes
+
     # -- introspection -----------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -725,6 +775,7 @@ class RawFuseServer:
             "fuse_interrupted_opens": self.counters.interrupted_opens,
             "fuse_backing_open_failures": self.counters.backing_open_failures,
             "fuse_kept_opens": self.counters.kept_opens,
+            "fuse_kept_closed_at_eviction": self.counters.closed_at_eviction,
         }
 
 

@@ -346,6 +346,10 @@ class LocalBackend(ClusterBackend):
             io_rate = float(alloc.remote_io)
             if io_rate <= 0 and self.config.datamanager_url is None:
                 io_rate = equal_io  # static mounts cannot be raised later: never pause for ever
+            elif io_rate <= 0:
+                # `silod mount --io-rate 0` is refused (it would block every miss until a manager
+                # raises it); 1 B/s is as good as paused until the data manager's rate arrives.
+                io_rate = 1.0
         elif self.options.unmanaged_io == "equal":
             io_rate = equal_io
         elif self.options.unmanaged_io == "none":

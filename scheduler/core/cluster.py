@@ -10,7 +10,22 @@ from estimator.errors import UserError
 from estimator.units import parse_gpus, parse_rate, parse_size
 from policies.types import ClusterCapacity
 
-CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed", "irregular_share")
+CLUSTER_KEYS = ("gpus", "gpus_per_node", "cache", "remote_io", "gpu_speed", "irregular_share", "cpus_per_node", "cpu_allocation")
+
+
+def _cpus(value, what: str) -> float | None:
+    """CPU cores per node (None: CPU not modelled). Whole or fractional cores, > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise UserError(f"{what} {value!r} is not a core count; give the CPU cores of one node, e.g. 24")
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        raise UserError(f"{what} {value!r} is not a core count; give the CPU cores of one node, e.g. 24") from None
+    if not 0 < number <= 1e6:  # NaN fails this too
+        raise UserError(f"{what} {number} must be > 0 (the CPU cores of one node, e.g. 24); omit it when CPU is not constrained")
+    return number
 
 
 def _gpus(value, what: str) -> int:
@@ -32,6 +47,15 @@ def _fraction(value, what: str) -> float | None:
     return number
 
 
+def _cpu_rule(value) -> str:
+    from policies.types import CPU_ALLOCATIONS
+
+    rule = "model" if value is None else str(value).strip().lower()
+    if rule not in CPU_ALLOCATIONS:
+        raise UserError(f"--cpu-allocation {value!r} is unknown; use {' or '.join(CPU_ALLOCATIONS)}")
+    return rule
+
+
 def load_cluster(
     path: str | Path | None = None,
     *,
@@ -41,6 +65,8 @@ def load_cluster(
     remote_io: str | float | None = None,
     gpu_speed: float | str | None = None,
     irregular_share: float | str | None = None,
+    cpus_per_node: float | str | None = None,
+    cpu_allocation: str | None = None,
     defaults: dict | None = None,
 ) -> tuple[ClusterCapacity, float]:
     """(capacity, gpu_speed). Flags override the file; the file overrides `defaults`."""
@@ -63,7 +89,7 @@ def load_cluster(
             raise UserError(f"cluster file {p}: unknown key(s) {sorted(unknown)}; valid keys: {', '.join(CLUSTER_KEYS)}")
         values.update(data)
     for key, flag in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("cache", cache), ("remote_io", remote_io), ("gpu_speed", gpu_speed),
-                      ("irregular_share", irregular_share)):
+                      ("irregular_share", irregular_share), ("cpus_per_node", cpus_per_node), ("cpu_allocation", cpu_allocation)):
         if flag is not None:
             values[key] = flag
     missing = [k for k in ("gpus", "cache", "remote_io") if k not in values]
@@ -86,5 +112,7 @@ def load_cluster(
         remote_io=parse_rate(values["remote_io"], "--remote-io"),
         gpus_per_node=per_node,
         irregular_share=_fraction(values.get("irregular_share"), "--irregular-share"),
+        cpus_per_node=_cpus(values.get("cpus_per_node"), "--cpus-per-node"),
+        cpu_allocation=_cpu_rule(values.get("cpu_allocation")),
     )
     return capacity, speed

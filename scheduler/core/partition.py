@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from policies.base import Policy
+from policies.cpu import cpu_for_running
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
 from policies.types import Allocation, ClusterCapacity, JobView, Snapshot, StoragePartition
@@ -106,7 +107,10 @@ def allocate_partitioned(
         regular_jobs=frozenset(j.job_id for j in regular),
         irregular_jobs=frozenset(j.job_id for j in irregular),
     )
-    result = Allocation(gpu_share=gpu_share, cache=cache, remote_io=remote_io,
+    # CPU is not partitioned: cores go to the jobs that hold GPUs by the cluster's CPU rule
+    # (policies/cpu.py), once the partitions have said who runs.
+    cpu = cpu_for_running([j for j in snapshot.jobs if gpu_share.get(j.job_id, 0.0) > 0], snapshot.jobs, cap)
+    result = Allocation(gpu_share=gpu_share, cache=cache, remote_io=remote_io, cpu=cpu,
                         objective=min(objectives) if objectives else None, partition=partition)
     problems = partition_violations(snapshot, result)
     if problems:
@@ -244,6 +248,7 @@ def _gpus_used(jobs: Sequence[JobView], gpu_share: Mapping[str, float]) -> float
 
 
 def _partition_capacity(cap: ClusterCapacity, gpu_budget: float, fraction: float) -> ClusterCapacity:
+    # Without cpus_per_node: the partitions plan GPUs and storage; cores are given after the merge.
     gpus = min(cap.gpus, max(1, math.ceil(gpu_budget - _REL_TOL * cap.gpus)))
     return ClusterCapacity(gpus=gpus, cache=cap.cache * fraction, remote_io=cap.remote_io * fraction, gpus_per_node=cap.gpus_per_node)
 

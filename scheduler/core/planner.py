@@ -31,6 +31,8 @@ class RoundPlan:
     running: tuple[str, ...]  # jobs that hold all their GPUs during this round
     cache: Mapping[str, float] | None  # bytes per dataset; None = the cache system decides
     remote_io: Mapping[str, float] | None  # bytes/s cap per running job; None = shared link
+    #: CPU cores per running job this round; None = CPU not modelled (cores unconstrained)
+    cpu: Mapping[str, float] | None = None
 
     @property
     def manages_storage(self) -> bool:
@@ -98,6 +100,28 @@ def io_caps_for_round(allocation: Allocation, running: tuple[str, ...], total_io
     return dict(zip(running, caps.tolist(), strict=True))
 
 
+def cpu_for_round(allocation: Allocation, running: tuple[str, ...], total_cpus: float) -> dict[str, float] | None:
+    """Per-job cores while running this round, scaled down to fit the cluster when the jobs
+    that happen to run together (time sharing) ask for more than it has, as IO caps are."""
+    if allocation.cpu is None:
+        return None
+    cores = np.array([allocation.cpu.get(j, 0.0) for j in running], dtype=float)
+    total = float(cores.sum())
+    if total > total_cpus > 0:
+        cores *= total_cpus / total
+    return dict(zip(running, cores.tolist(), strict=True))
+
+
+def with_default_cpu(snapshot: Snapshot, allocation: Allocation) -> Allocation:
+    """A policy (e.g. a plug-in) that leaves CPU unallocated on a cluster that models it gets
+    the baseline, GPU-proportional cores for the jobs it gives GPUs."""
+    cap = snapshot.capacity
+    if not cap.manages_cpu or allocation.cpu is not None:
+        return allocation
+    cpu = {j.job_id: cap.gpu_proportional_cpu(j.gpus) if allocation.gpu_share.get(j.job_id, 0.0) > 0 else 0.0 for j in snapshot.jobs}
+    return replace(allocation, cpu=cpu)
+
+
 def spread_spare_io(caps: Mapping[str, float], demands: Mapping[str, float], total_io: float) -> dict[str, float]:
     """Work conservation: IO the allocation leaves unused goes, max-min fair, to jobs that could
     use more than their cap right now (e.g. while their cache is still warming up)."""
@@ -141,7 +165,7 @@ class SchedulingCore:
         """Ask the policy (around the partitions, when irregular jobs are active), and refuse any
         allocation that breaks a capacity."""
         allocation = allocate_partitioned(snapshot, self.policy, self.estimator, self.irregular_estimator)
-        return validate_allocation(snapshot, allocation)
+        return validate_allocation(snapshot, with_default_cpu(snapshot, allocation))
 
     def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
         """Who holds GPUs this round, and their IO caps, for an allocation already decided."""
@@ -152,6 +176,7 @@ class SchedulingCore:
             running=running,
             cache=None if allocation.cache is None else MappingProxyType(dict(allocation.cache)),
             remote_io=io_caps_for_round(allocation, running, snapshot.capacity.remote_io),
+            cpu=cpu_for_round(allocation, running, snapshot.capacity.cpus),
         )
 
     def plan(self, snapshot: Snapshot) -> RoundPlan:

@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
-from policies.registry import available_policies
+from estimator.errors import UserError
+from policies.registry import resolve_policy_name
 from scheduler.service import control
 from scheduler.backends.base import ClusterDescription, NodeInfo
 from scheduler.service.catalogue import Catalogue
@@ -65,6 +66,9 @@ class ApiService(ReadViews):
             self._cached = (now, control.read_status(self.sessions))
         return self._cached[1]
 
+    def _overview_status(self) -> dict:
+        return self._raw_status()
+
     def _status(self) -> ClusterStatus:
         st = self._raw_status()
         nodes = tuple(NodeInfo(n["name"], int(n["gpus"]), float(n["cache"]), dict(n.get("labels") or {}))
@@ -87,8 +91,10 @@ class ApiService(ReadViews):
     def set_policy(self, who: Principal, name: str) -> str:
         if not who.is_admin:
             raise ForbiddenError("only the admin may change the scheduling policy")
-        if name not in available_policies():
-            raise ServiceError(f"unknown policy {name!r}; choose one of: {', '.join(available_policies())}", field="name")
+        try:
+            name = resolve_policy_name(name)
+        except UserError as exc:  # the same message (and case rule) as the commands give
+            raise ServiceError(str(exc), field="name") from None
         control.write_setting(self.sessions, "policy", name)  # the leader applies it within a poll interval
         return name
 

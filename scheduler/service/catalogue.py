@@ -21,14 +21,15 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy import bindparam, func, insert, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from estimator.errors import UserError
+from contract.credentials import SourceCredential
 from contract.names import storage_key
 from scheduler.service.db.models import (
     ACTIVE_STATES,
@@ -36,6 +37,7 @@ from scheduler.service.db.models import (
     Dataset,
     DatasetGrant,
     IdempotencyKey,
+    CacheAllocationRow,
     Job,
     JobAllocationRow,
     JobState,
@@ -57,6 +59,8 @@ from scheduler.service.types import (
     access_columns,
     access_from_row,
     check_name,
+    job_bottleneck,
+    pipeline_columns,
 )
 from traces.catalog import lookup_model
 
@@ -69,6 +73,15 @@ class BadUri(ServiceError):
     """A dataset URI (or credential endpoint) the operator's allow-list refuses."""
 
     status = 400
+
+
+def _write_first(s: Session) -> None:
+    """On SQLite, open the transaction with a write, which takes the database's write lock now
+    (waiting for it under busy_timeout): reads that follow see every committed write, and the
+    transaction cannot fail later at its first write because another process committed since
+    its reads (WAL: SQLITE_BUSY_SNAPSHOT). A no-op elsewhere."""
+    if s.get_bind().dialect.name == "sqlite":
+        s.execute(text("UPDATE settings SET key = key WHERE 0"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +123,8 @@ _RECORD_COLUMNS = (
     Job.steps, Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
     Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
     JobAllocationRow.remote_io, Job.access, Job.curriculum_starting_percent, Job.curriculum_alpha,
-    Job.curriculum_step, Job.curriculum_batch,
+    Job.curriculum_step, Job.curriculum_batch, Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
+    JobAllocationRow.cpu,
 )
 
 
@@ -127,7 +141,8 @@ def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
         ideal_throughput=r[7], epochs=r[8], steps=r[9], step_bytes=r[10], total_bytes=r[11], consumed_bytes=r[12],
         remaining_bytes=max(r[11] - r[12], 0.0), priority=r[13], state=JobState(r[14]).value, submit_time=r[15],
         start_time=r[16], finish_time=r[17], message=r[18], allocated_gpus=r[19] or 0, gpu_share=r[20] or 0.0,
-        remote_io=r[21], access=access_from_row(*r[22:27]),
+        remote_io=r[21], access=access_from_row(*r[22:27]), cpu_rate=r[27], autocache_expansion=r[28],
+        post_cpu_rate=r[29], allocated_cpus=r[30],
     )
 
 
@@ -222,6 +237,36 @@ class Catalogue:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
             return self._dataset_record(s, d)
 
+    def dataset_source_credential(self, who: Principal, name: str, owner: str) -> SourceCredential | None:
+        """The credential the node agent of `who` mounts `owner`'s dataset `name` with, for that
+        tenant's pods (None: the dataset is read anonymously). Node agents only: the agent hands it
+        to the one `silod mount` process of that (tenant, dataset), as the local backend does,
+        so the node never reads a tenant's data with its own cloud keys."""
+        if who.user not in self.config.node_agents:
+            raise ForbiddenError("only a node agent's token (silod serve --node-agent USER) may read a dataset's"
+                                 " source credential")
+        with self.sessions() as s:
+            d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
+            if d is None:
+                raise NotFoundError(f"no dataset named {name!r}", field="name")
+            cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
+            if cred is None:
+                return None
+            from scheduler.service.sealed import SecretBox, SecretUnavailable
+
+            stored, box = cred.secret_access_key, self.config.secrets
+            try:
+                if box is None:
+                    if SecretBox.is_sealed(stored):
+                        raise SecretUnavailable("this service has no secret keys (ServiceConfig.secrets)")
+                    secret = stored
+                else:
+                    secret = box.open(stored)
+            except SecretUnavailable as exc:
+                raise ServiceError(f"dataset {name!r}: its credential {cred.name!r} cannot be opened: {exc}",
+                                   field="credential") from None
+            return SourceCredential(cred.access_key_id, secret, cred.endpoint_url, cred.region)
+
     def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
         owner = owner or who.user
         if owner != who.user and not who.is_admin:
@@ -266,11 +311,15 @@ class Catalogue:
                 self.config.uri_policy.check(req.endpoint_url.rstrip("/") + "/")
             except UserError as exc:
                 raise BadUri(f"endpoint_url: {exc}", field="endpoint_url") from None
+        if self.config.secrets is None:
+            raise ServiceError("this service has no secret key to seal credentials with (set SILOD_SECRET_KEYS or"
+                               " give silod serve a --state-dir)", field=None)
+        sealed = self.config.secrets.seal(req.secret_access_key)  # never stored in the clear
         with self._write_lock, self.sessions.begin() as s:
             if s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.name)) is not None:
                 raise ConflictError(f"credential {req.name!r} already exists; delete it first to replace it", field="name")
             row = Credential(owner=who.user, name=req.name, kind=req.kind, access_key_id=req.access_key_id,
-                             secret_access_key=req.secret_access_key, endpoint_url=req.endpoint_url, region=req.region,
+                             secret_access_key=sealed, endpoint_url=req.endpoint_url, region=req.region,
                              created_at=time.time())
             s.add(row)
             s.flush()
@@ -359,6 +408,7 @@ class Catalogue:
 
     def _submit(self, who: Principal, req: NewJob, ideal: float, key: str | None, digest: str) -> tuple[JobRecord, bool]:
         with self._write_lock, self.sessions.begin() as s:
+            _write_first(s)
             if key is not None:
                 known = s.get(IdempotencyKey, (who.user, key))
                 if known is not None:
@@ -387,6 +437,7 @@ class Catalogue:
                 ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
                 submit_time=now, start_time=None, finish_time=None, message="", **access_columns(req.access),
+                **pipeline_columns(req.pipeline),
             )
             # Core insert, not an ORM object: attaching a Job to its Dataset would load the
             # dataset's whole job collection (thousands of rows) on every submission.
@@ -400,7 +451,7 @@ class Catalogue:
                 step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
                 priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
                 finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
-                access=req.access,
+                access=req.access, **pipeline_columns(req.pipeline),
             )
         if req.pod_template is not None:
             self._create_workload(record, req.pod_template)
@@ -429,6 +480,12 @@ class Catalogue:
         if q.gpus is not None and req.gpus > q.gpus:
             raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
         if q.queued_jobs is not None:
+            # Exact across API workers (issue 20: it overshot): count and insert under a lock
+            # no other submission of this tenant can hold meanwhile. SQLite: the transaction
+            # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
+            # advisory lock until commit, so the count sees every earlier submission committed.
+            if s.get_bind().dialect.name == "postgresql":
+                s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": f"silod-submit:{who.user}"})
             waiting = s.scalar(select(func.count()).select_from(Job).where(Job.owner == who.user,
                                                                           Job.state == JobState.QUEUED)) or 0
             if waiting >= q.queued_jobs:
@@ -452,6 +509,8 @@ class Catalogue:
             remote_io=a.remote_io if a else None,
             access=access_from_row(j.access, j.curriculum_starting_percent, j.curriculum_alpha, j.curriculum_step,
                                    j.curriculum_batch),
+            cpu_rate=j.cpu_rate, autocache_expansion=j.autocache_expansion, post_cpu_rate=j.post_cpu_rate,
+            allocated_cpus=a.cpu if a else None,
         )
 
     def _load_job(self, s: Session, who: Principal, job_id: str) -> Job:
@@ -473,7 +532,15 @@ class Catalogue:
                     row = s.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
-        return _row_record(row)
+        record = _row_record(row)
+        if record.state != JobState.RUNNING.value:
+            return record
+        with self.sessions() as s:
+            size, cached = s.execute(
+                select(Dataset.size, CacheAllocationRow.bytes).select_from(Job).join(Dataset, Job.dataset_id == Dataset.id)
+                .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id).where(Job.id == pk)
+            ).one()
+        return replace(record, bottleneck=job_bottleneck(record, size, cached, self.config.capacity))
 
     def list_jobs(
         self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0

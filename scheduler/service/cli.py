@@ -30,18 +30,32 @@ def default_state_dir() -> Path:
 
 def _prepare_state_dir(state_dir: Path) -> None:
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        # 0700: it holds the database, the token and secret keys (an existing directory keeps
+        # the operator's mode; the files in it are 0600 either way).
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--state-dir {str(state_dir)!r} cannot be created ({exc.strerror}); give a writable directory") from None
     if not os.access(state_dir, os.W_OK | os.X_OK):
         raise UserError(f"--state-dir {str(state_dir)!r} is not writable; give a writable directory")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, option: str = "--listen") -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
-        raise UserError(f"--listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8080 or 0.0.0.0:8080")
+        raise UserError(f"{option} {value!r} must be HOST:PORT, e.g. 127.0.0.1:8080 or 0.0.0.0:8080")
     return host.strip("[]"), int(port)
+
+
+def parse_free_listen(value: str, option: str = "--listen") -> tuple[str, int]:
+    """HOST:PORT where a server can listen now: a port in use is one line (exit 2) here, not
+    uvicorn's log line and exit code 3 after the other processes started."""
+    from http_guard.listen import listen_problem
+
+    host, port = parse_listen(value, option)
+    problem = listen_problem(host, port)
+    if problem:
+        raise UserError(f"{option} {value}: {problem}")
+    return host, port
 
 
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*$")
@@ -176,6 +190,8 @@ def build_api_service(
     remote_io: str | None = None,
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
+    cpus_per_node: str | None = None,
+    cpu_allocation: str | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
     node_agents: list[str] | None = None,
@@ -197,10 +213,13 @@ def build_api_service(
 
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-        irregular_share=irregular_share,
+        irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation,
     )
+    from scheduler.service.sealed import load_secret_box
+
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), **_agents(node_agents))
+                           default_quota=default_quota or TenantQuota(), **_agents(node_agents),
+                           secrets=load_secret_box(Path(state_dir or default_state_dir())))
     workloads = None
     if backend == "kubernetes":
         from scheduler.backends.base import BackendConfig, load_backend
@@ -211,7 +230,7 @@ def build_api_service(
     return ApiService(make_engine(db), config, workloads=workloads)
 
 
-def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info") -> None:
+def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info", parent_pid: int | None = None) -> None:
     """The scheduling process of `silod serve`: the backend, the data-manager pushes and the
     rounds, apart from the API workers (no shared GIL). It takes the leader lease before
     scheduling; SIGTERM stops it cleanly."""
@@ -226,19 +245,16 @@ def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info")
         os.nice(SCHEDULER_NICE)
     except OSError:
         pass
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    parent = os.getppid()
+    # `silod serve` killed with -9 cannot stop us: the kernel (PR_SET_PDEATHSIG) and a watcher
+    # send us SIGTERM, and we stop, releasing the lease for the next `silod serve` (instead of an
+    # orphan renewing it for ever). scheduler/service/lifeline.py
+    from scheduler.service.lifeline import die_with_parent
 
-    def watch_parent() -> None:
-        # `silod serve` killed with -9 cannot stop us: notice it, and stop, so that the next
-        # `silod serve` can take the leader lease (instead of an orphan renewing it for ever).
-        while not done.wait(1.0):
-            if os.getppid() != parent:
-                done.set()
-
-    threading.Thread(target=watch_parent, name="silod-parent-watch", daemon=True).start()
+    die_with_parent(parent_pid, signal.SIGTERM, grace_s=30.0)
     service = build_service(**build_kwargs)
     try:
         elector = getattr(service.backend, "elector", None)
@@ -268,6 +284,8 @@ def build_service(
     remote_io: str | None = None,
     gpu_speed: str | None = None,
     irregular_share: str | None = None,
+    cpus_per_node: str | None = None,
+    cpu_allocation: str | None = None,
     datamanager: str | None = None,
     state_dir: Path | None = None,
     backend_opts: dict[str, str] | None = None,
@@ -279,7 +297,7 @@ def build_service(
 
     `state_dir` defaults to default_state_dir(); `db` may be None for a SQLite file in it.
     """
-    from policies.registry import available_policies
+    from policies.registry import resolve_policy_name
     from scheduler.backends.base import BackendConfig, load_backend
     from scheduler.core.cluster import load_cluster
     from scheduler.service.db import open_database
@@ -287,11 +305,11 @@ def build_service(
     from scheduler.service.scheduler_process import SchedulerService, ServiceConfig
     from scheduler.service.types import TenantQuota
 
-    if policy is not None and policy not in available_policies():
-        raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+    if policy is not None:
+        policy = resolve_policy_name(policy)
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-        irregular_share=irregular_share,
+        irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation,
     )
     pusher = make_pusher(datamanager) if datamanager else None
     state_dir = default_state_dir() if state_dir is None else state_dir
@@ -309,10 +327,14 @@ def build_service(
             # Link capacity the policy's caps leave unused goes to running jobs that want more
             # (e.g. while their cache fills), from the workers' measured demand.
             pusher = WorkConservingPusher(pusher, cluster_backend, capacity.remote_io)
+    from scheduler.service.sealed import load_secret_box, seal_plaintext
+
+    secrets = load_secret_box(state_dir)
+    seal_plaintext(engine, secrets)  # rows stored before secrets were sealed (idempotent)
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
-        **_agents(node_agents),
+        **_agents(node_agents), secrets=secrets,
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
@@ -390,7 +412,7 @@ class _SchedulerSupervisor:
         self._thread = threading.Thread(target=self._watch, name="silod-scheduler-supervisor", daemon=True)
 
     def _spawn(self) -> None:
-        self.proc = self.ctx.Process(target=run_scheduler_process, args=(self.kwargs, self.log_level),
+        self.proc = self.ctx.Process(target=run_scheduler_process, args=(self.kwargs, self.log_level, os.getpid()),
                                      name="silod-scheduler")
         self.proc.start()
 
@@ -429,6 +451,8 @@ def register(app: typer.Typer) -> None:
         gpu_speed: Annotated[str | None, typer.Option("--gpu-speed", help="GPU speed vs a V100 (scales catalog f*)")] = None,
         cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys")] = None,
         irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
+        cpus_per_node: Annotated[str | None, typer.Option("--cpus-per-node", help="CPU cores per node for input pipelines [default: CPU not constrained]")] = None,
+        cpu_allocation: Annotated[str | None, typer.Option("--cpu-allocation", help="with --cpus-per-node: model (cores by the estimator) | gpu-proportional [default: model]")] = None,
         policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
@@ -454,7 +478,7 @@ def register(app: typer.Typer) -> None:
 
         from estimator.units import parse_size
 
-        host, port = parse_listen(listen)
+        host, port = parse_free_listen(listen)
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
         if (tls_cert is None) != (tls_key is None):
@@ -474,7 +498,7 @@ def register(app: typer.Typer) -> None:
         build_kwargs: dict[str, Any] = dict(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-            irregular_share=irregular_share, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
         )
         # Check everything once, here, so that a mistake is one clear error before any process
@@ -503,10 +527,10 @@ def register(app: typer.Typer) -> None:
         engine = open_database(db)  # migrated once, before any worker starts
         engine_url = engine.url.render_as_string(hide_password=True)
         try:
-            from policies.registry import available_policies
+            from policies.registry import resolve_policy_name
 
-            if policy is not None and policy not in available_policies():
-                raise UserError(f"unknown policy {policy!r}; choose one of: {', '.join(available_policies())}")
+            if policy is not None:
+                policy = resolve_policy_name(policy)
             make_token_store(engine, state_dir, tokens)
             from sqlalchemy.orm import sessionmaker
 
@@ -527,6 +551,7 @@ def register(app: typer.Typer) -> None:
             "build": {k: (str(v) if isinstance(v, Path) else v) for k, v in build_kwargs.items()
                       if k not in ("default_quota",)},
             "default_quota": default_quota, "state_dir": str(state_dir), "max_body": body_cap,
+            "serve_pid": os.getpid(),  # the workers die with it (lifeline.py)
         })
         scheme = "https" if tls_cert else "http"
         # Short lines (a terminal may be 80 columns): where to reach it, then what it runs with.
@@ -540,8 +565,11 @@ def register(app: typer.Typer) -> None:
             webhook.start()
             typer.echo(f"  admission webhook {webhook.url}", err=True)
         try:
+            from http_guard.timeouts import HeaderTimeoutH11Protocol
+
+            # h11 with a header read timeout (slow-header clients are cut off; http_guard/timeouts.py)
             uvicorn.run("scheduler.service.api.worker:create_worker_app", factory=True, host=host, port=port,
-                        workers=workers, log_level=log_level.lower(), access_log=False,
+                        workers=workers, log_level=log_level.lower(), access_log=False, http=HeaderTimeoutH11Protocol,
                         ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
             if webhook is not None:
@@ -559,6 +587,7 @@ def register(app: typer.Typer) -> None:
         ideal_throughput: Annotated[str | None, typer.Option("--ideal-throughput", help="f*, e.g. 114MB/s")] = None,
         model: Annotated[str | None, typer.Option(help="catalog model instead of --ideal-throughput")] = None,
         priority: Annotated[int, typer.Option()] = 0,
+        cpu_rate: Annotated[str | None, typer.Option("--cpu-rate", help="source bytes/s one CPU core preprocesses, e.g. 35MB/s [default: the catalog model's, else not CPU-bound]")] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -578,6 +607,9 @@ def register(app: typer.Typer) -> None:
             body["step_bytes"] = _rate_or_number(step_bytes)
         if ideal_throughput is not None:
             body["ideal_throughput"] = _rate_or_number(ideal_throughput)
+        if cpu_rate is not None:
+            parse_rate(cpu_rate, "--cpu-rate")
+            body["cpu_rate"] = _rate_or_number(cpu_rate)
         job = _call(server, token, "POST", "/v1/jobs", json=body)
         typer.echo(job["id"])
 
@@ -603,7 +635,7 @@ def register(app: typer.Typer) -> None:
         from estimator.units import format_rate, format_size
 
         # The default columns fit 80 columns; owner and dataset only with --wide.
-        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset"] if wide else []),
+        columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset", "cores"] if wide else []),
                    "progress", "remote IO"]
         table = Table(*columns)
         for j in rows:
@@ -611,9 +643,28 @@ def register(app: typer.Typer) -> None:
             io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
             cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
                      "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
-                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io}
+                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io,
+                     "cores": "-" if j.get("allocated_cpus") is None else f"{j['allocated_cpus']:.1f}"}
             table.add_row(*(cells[c] for c in columns))
         Console().print(table)
+
+    @app.command()
+    def top(
+        once: Annotated[bool, typer.Option("--once", help="print the view once and exit (scripts, tests)")] = False,
+        interval: Annotated[float, typer.Option(help="seconds between refreshes")] = 2.0,
+        server: ServerOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """The cluster at a glance, refreshing: running jobs (allocation, hit ratio, throughput),
+        the queue (position, why each job waits), datasets, GPU use. Your jobs only, unless admin."""
+        from scheduler.service.top import run_top
+
+        if not 0.2 <= interval <= 3600:
+            raise UserError(f"--interval {interval:g} must be between 0.2 and 3600 seconds")
+        try:  # the first fetch happens before anything is drawn: a bad token or server is one error line
+            run_top(lambda: _call(server, token, "GET", "/v1/overview"), once, interval)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how one leaves top
 
     @app.command()
     def cancel(
@@ -643,3 +694,48 @@ def register(app: typer.Typer) -> None:
             body["item_count"] = item_count
         ds = _call(server, token, "POST", "/v1/datasets", json=body)
         typer.echo(f"{ds['name']} {ds['size']:.0f} bytes")
+
+    secrets_app = typer.Typer(help="Tenants' secrets at rest: rotate the server key that seals them.",
+                              no_args_is_help=True)
+    app.add_typer(secrets_app, name="secrets")
+
+    @secrets_app.command("rotate")
+    def secrets_rotate(
+        db: Annotated[str | None, typer.Option("--db", help="database URL [default: sqlite:///STATE_DIR/silod.db]")] = None,
+        state_dir: Annotated[Path | None, typer.Option("--state-dir", help="where secret.keys is [default: as silod serve]")] = None,
+        retire: Annotated[bool, typer.Option("--retire", help="re-seal under the current key, then drop the older keys (after every process was restarted)")] = False,
+    ) -> None:
+        """A new current key first in STATE_DIR/secret.keys and every stored secret re-sealed with it."""
+        from scheduler.service.db import open_database
+        from scheduler.service.sealed import load_secret_box, reseal_all, rotate_key_file
+
+        state_dir = default_state_dir() if state_dir is None else state_dir
+        _prepare_state_dir(state_dir)
+        engine = open_database(db or f"sqlite:///{state_dir / 'silod.db'}")
+        try:
+            if retire:
+                n = reseal_all(engine, load_secret_box(state_dir))  # first: nothing may stay under a dropped key
+                rotate_key_file(state_dir, retire=True)
+                typer.echo(f"{n} secrets sealed under the current key; older keys dropped")
+            else:
+                n = reseal_all(engine, rotate_key_file(state_dir, retire=False))
+                typer.echo(f"new key in place; {n} secrets re-sealed (restart silod serve, then `silod secrets rotate --retire`)")
+        finally:
+            engine.dispose()
+
+    @secrets_app.command("reseal")
+    def secrets_reseal(
+        db: Annotated[str | None, typer.Option("--db", help="database URL [default: sqlite:///STATE_DIR/silod.db]")] = None,
+        state_dir: Annotated[Path | None, typer.Option("--state-dir", help="where secret.keys is [default: as silod serve]")] = None,
+    ) -> None:
+        """Re-seal every stored secret under the current key (the first of SILOD_SECRET_KEYS or secret.keys)."""
+        from scheduler.service.db import open_database
+        from scheduler.service.sealed import load_secret_box, reseal_all
+
+        state_dir = default_state_dir() if state_dir is None else state_dir
+        _prepare_state_dir(state_dir)
+        engine = open_database(db or f"sqlite:///{state_dir / 'silod.db'}")
+        try:
+            typer.echo(f"{reseal_all(engine, load_secret_box(state_dir))} secrets re-sealed")
+        finally:
+            engine.dispose()

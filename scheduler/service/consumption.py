@@ -34,6 +34,10 @@ from sqlalchemy.orm import sessionmaker
 from scheduler.service.db.models import PodConsumption, WorkloadPod
 
 COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
+# No pod reads 2^53 bytes (9 PB: a 100 Gbit/s link for 8 days) or items: a larger counter is a
+# forged or broken report, refused at the API (schemas.PodConsumptionIn). Keeping every stored
+# value below 2^53 also keeps it exact as a float (SQLite's overflow-free total()).
+MAX_COUNTER = 2**53
 MAX_PODS_PER_REPORT = 1000
 
 
@@ -156,7 +160,12 @@ class ConsumptionStore:
         ids = [int(j) for j in job_ids if str(j).isdigit()]
         if not ids:
             return {}
-        q = (select(PodConsumption.job_id, *(func.sum(getattr(PodConsumption, c)) for c in COUNTERS),
+        # SQLite's SUM of integers raises "integer overflow" past 2^63 (two legal-looking rows
+        # suffice); its total() is a float and never overflows. PostgreSQL's SUM(bigint) is a
+        # numeric, which cannot overflow.
+        sqlite = self.sessions.kw["bind"].dialect.name == "sqlite"
+        add = func.total if sqlite else func.sum
+        q = (select(PodConsumption.job_id, *(add(getattr(PodConsumption, c)) for c in COUNTERS),
                     func.count(), func.max(PodConsumption.updated_at))
              .where(PodConsumption.job_id.in_(ids)).group_by(PodConsumption.job_id))
         with self.sessions() as s:

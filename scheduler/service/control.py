@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import time
 from typing import Any
 
@@ -27,6 +28,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from scheduler.service.db.models import ACTIVE_STATES, Job, Lease, Quota, Setting
+from scheduler.service.lifeline import local_process_is_dead
+
+_HOST = socket.gethostname()
 
 LEADER_LEASE = "scheduler"
 STATUS_KEY = "scheduler_status"
@@ -58,12 +62,26 @@ def try_lead(sessions: sessionmaker, holder: str, ttl_s: float, now: float | Non
             if row is None:
                 s.add(Lease(name=LEADER_LEASE, holder=holder, expires_at=now + ttl_s))
                 return True
-            if row.holder != holder and row.expires_at > now:
-                return False
+            if row.holder != holder and row.expires_at > now and not local_process_is_dead(row.holder, _HOST):
+                return False  # (a holder killed on this host is replaced at once, not after the TTL)
             row.holder, row.expires_at = holder, now + ttl_s
             return True
     except IntegrityError:  # another process inserted the first lease at the same moment
         return False
+
+
+def lease_status(sessions: sessionmaker, now: float | None = None) -> str | None:
+    """None when a live process holds the scheduling lease; else why not (for /readyz)."""
+    now = time.time() if now is None else now
+    with sessions() as s:
+        row = s.get(Lease, LEADER_LEASE)
+        if row is None:
+            return "no process holds the scheduling lease"
+        if row.expires_at <= now:
+            return "the scheduling lease expired (its holder stopped renewing it)"
+        if local_process_is_dead(row.holder, _HOST):
+            return "the scheduling lease's holder is dead"
+        return None
 
 
 def release_lead(sessions: sessionmaker, holder: str) -> None:

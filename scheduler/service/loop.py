@@ -25,6 +25,7 @@ from sqlalchemy.orm import sessionmaker
 
 from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.service import control
+from scheduler.service.lifeline import pid_namespace
 from scheduler.service.types import RoundResult, ServiceConfig
 
 log = logging.getLogger("silod.loop")
@@ -52,7 +53,8 @@ class RoundService(Protocol):
 class LoopRunner:
     def __init__(self, service: RoundService):
         self.service = service
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # HOST:PID:NONCE:PIDNS: a successor on this host can tell when the holder died (lifeline.py)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:{pid_namespace()}"
         self.is_leader = False
         self._wake = threading.Event()
         self._wake_reasons: set[str] = set()
@@ -131,6 +133,12 @@ class LoopRunner:
                     continue
                 if svc.apply_events(svc.backend.poll()):
                     self.trigger("finish")
+                observe = getattr(svc, "observe", None)  # the overview's measurements (rate-limited)
+                if callable(observe):
+                    try:
+                        observe()
+                    except Exception:  # only the overview is stale; scheduling goes on
+                        log.warning("could not refresh the overview's measurements", exc_info=True)
                 now = time.monotonic()
                 reason = None
                 if now >= next_round:

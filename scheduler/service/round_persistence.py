@@ -38,8 +38,9 @@ from scheduler.service.db.models import (
     Round,
 )
 from contract.names import dataset_id_of_key, storage_key
+from scheduler.service.sealed import SecretBox, SecretUnavailable
 
-AllocTuple = tuple[int, float, float | None, bool]  # gpus, gpu_share, remote_io, running
+AllocTuple = tuple[int, float, float | None, bool, float | None]  # gpus, gpu_share, remote_io, running, cpu cores
 _CHUNK = 500  # bounded IN lists
 
 
@@ -81,9 +82,9 @@ def _audit(now: float, kind: str, subject: str, diffs: Mapping[str, tuple[float 
 def read_current(sessions: sessionmaker) -> tuple[dict[int, AllocTuple], dict[int, float]]:
     """Persisted job and cache allocations, as tuples (a read transaction; never blocks writers)."""
     with sessions() as s:
-        jobs = {jid: (g, sh, io, bool(r)) for jid, g, sh, io, r in s.execute(select(
+        jobs = {jid: (g, sh, io, bool(r), cpu) for jid, g, sh, io, r, cpu in s.execute(select(
             JobAllocationRow.job_id, JobAllocationRow.gpus, JobAllocationRow.gpu_share, JobAllocationRow.remote_io,
-            JobAllocationRow.running))}
+            JobAllocationRow.running, JobAllocationRow.cpu))}
         cache = dict(s.execute(select(CacheAllocationRow.dataset_id, CacheAllocationRow.bytes)).all())
     return jobs, cache
 
@@ -106,12 +107,15 @@ def diff_round(snapshot: Snapshot, held_back: Sequence[JobView], plan: RoundPlan
         else:
             io = None
         gpus = view.gpus if run else 0
+        cpu: float | None = None  # None: the cluster does not model CPU
+        if plan is not None and plan.cpu is not None:
+            cpu = float(plan.cpu.get(view.job_id, 0.0)) if run else 0.0
         old = jobs_now.get(jid)
-        new: AllocTuple = (gpus, float(share), io, run)
+        new: AllocTuple = (gpus, float(share), io, run, cpu)
         if old != new:
-            o = old or (None, None, None, None)
+            o = old or (None, None, None, None, None)
             d.audit += _audit(now, "job", view.job_id, {
-                "gpus": (o[0], gpus), "gpu_share": (o[1], share), "remote_io": (o[2], io),
+                "gpus": (o[0], gpus), "gpu_share": (o[1], share), "remote_io": (o[2], io), "cpu": (o[4], cpu),
                 "running": (None if old is None else (1.0 if o[3] else 0.0), 1.0 if run else 0.0)})
             d.upserts[jid] = (new, old is not None)
         if run != view.running:
@@ -163,8 +167,17 @@ def _states(s: Session, ids: Sequence[int]) -> dict[int, JobState]:
     return out
 
 
+def _open_secret(secrets: SecretBox | None, stored: str) -> str:
+    if secrets is None:
+        if SecretBox.is_sealed(stored):
+            raise SecretUnavailable("this service has no secret keys (ServiceConfig.secrets)")
+        return stored
+    return secrets.open(stored)
+
+
 def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: str, active: int, running: int,
-                objective: float | None, now: float, t0: float) -> tuple[Pending, int, int]:
+                objective: float | None, now: float, t0: float,
+                secrets: SecretBox | None = None) -> tuple[Pending, int, int]:
     """Step 3: one short write transaction with only what changed."""
     pending = d.pending
     with sessions.begin() as s:
@@ -177,10 +190,10 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
         live = {jid for jid, st in states.items() if JobState(st).active}
         audit = [a for a in d.audit if a["subject_kind"] != "job" or int(a["subject"]) in live or int(a["subject"]) in d.releases]
         new_rows, changed_rows = [], []
-        for jid, ((g, sh, io, run), existed) in d.upserts.items():
+        for jid, ((g, sh, io, run, cpu), existed) in d.upserts.items():
             if jid not in live:
                 continue
-            row = dict(job_id=jid, gpus=g, gpu_share=sh, remote_io=io, running=run, round_id=rid, updated_at=now)
+            row = dict(job_id=jid, gpus=g, gpu_share=sh, remote_io=io, running=run, cpu=cpu, round_id=rid, updated_at=now)
             (changed_rows if existed else new_rows).append(row)
         if new_rows:
             s.execute(insert(JobAllocationRow), new_rows)
@@ -188,7 +201,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
             s.connection().execute(
                 update(JobAllocationRow).where(JobAllocationRow.job_id == bindparam("b_job_id")).values(
                     gpus=bindparam("gpus"), gpu_share=bindparam("gpu_share"), remote_io=bindparam("remote_io"),
-                    running=bindparam("running"), round_id=bindparam("round_id"), updated_at=bindparam("updated_at")),
+                    running=bindparam("running"), cpu=bindparam("cpu"), round_id=bindparam("round_id"), updated_at=bindparam("updated_at")),
                 [{**r, "b_job_id": r["job_id"]} for r in changed_rows],
             )
         released = list(d.releases)
@@ -206,16 +219,28 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
             chunk = starting[i:i + _CHUNK]
             rows = s.execute(select(Job, Dataset, Credential).join(Dataset, Job.dataset_id == Dataset.id)
                              .outerjoin(Credential, Dataset.credential_id == Credential.id).where(Job.id.in_(chunk))).all()
+            unopened: list[int] = []
             for job, ds, cred in rows:
+                source = None
+                if cred is not None:
+                    try:
+                        secret = _open_secret(secrets, cred.secret_access_key)
+                    except SecretUnavailable as exc:
+                        unopened.append(job.id)
+                        s.execute(update(Job).where(Job.id == job.id).values(
+                            state=JobState.FAILED, finish_time=now,
+                            message=f"its dataset's credential {cred.name!r} cannot be opened: {exc}"[:500]))
+                        continue
+                    source = SourceCredential(cred.access_key_id, secret, cred.endpoint_url, cred.region)
                 spec = JobSpec(
                     job_id=str(job.id), name=job.name, owner=job.owner, gpus=job.gpus,
                     dataset=DatasetInfo(storage_key(ds.id, ds.name), ds.uri, ds.size, ds.item_count,
-                                        credential=None if cred is None else SourceCredential(
-                                            cred.access_key_id, cred.secret_access_key, cred.endpoint_url, cred.region)),
+                                        credential=source),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
                 )
                 pending.start.append((spec, d.starts[job.id]))
+            chunk = [jid for jid in chunk if jid not in unopened]
             s.execute(update(Job).where(Job.id.in_(chunk), Job.start_time.is_(None)).values(start_time=now))
             s.execute(update(Job).where(Job.id.in_(chunk)).values(state=JobState.RUNNING, message=""))
         # Cache per dataset.

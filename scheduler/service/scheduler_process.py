@@ -21,6 +21,7 @@ control.py), recovery after a restart (recovery.py), the read views (views.py). 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -34,8 +35,10 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from estimator.errors import UserError
 from policies.estimators import SiloDEstimator
-from policies.registry import available_policies, get_policy
+from policies.registry import available_policies, get_policy, resolve_policy_name
+from scheduler.service.overview import measurements_from_backend, measurements_from_datamanager
 from policies.types import DatasetView, JobView, Snapshot
 from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.service import control
@@ -59,6 +62,8 @@ log = logging.getLogger("silod.service")
 
 PROGRESS_SLACK = 1.25  # a job reads at most its f*; 25% for clock skew and measurement noise
 PROGRESS_BURST_S = 2.0  # and a couple of seconds' worth that a report may lag behind
+OBSERVE_INTERVAL_S = 2.0  # how often the overview's measurements and utilisation sample refresh
+HISTORY_SAMPLES = 300  # utilisation samples kept for the web view's chart (10 minutes at 2 s)
 
 from contract.names import dataset_id_of_key, storage_key
 from scheduler.service.types import (  # noqa: F401 - re-exported: callers import these from here
@@ -68,6 +73,7 @@ from scheduler.service.types import (  # noqa: F401 - re-exported: callers impor
     ServiceConfig,
     TenantQuota,
     access_from_row,
+    pipeline_from_row,
 )
 from scheduler.service.quota_admission import TenantJob, admit, clamp_cache
 from scheduler.service.round_persistence import Pending, diff_round, read_current, write_round
@@ -103,6 +109,11 @@ class SchedulerService(ReadViews):
         self.rounds_total = 0
         self._progress_seen: dict[int, float] = {}  # job id -> when its progress was last believed
         self.round_durations: list[float] = []  # recent, for /metrics
+        # For the overview (/ui, silod top, per-job /metrics; scheduler/service/overview.py):
+        self._measured: dict = {}  # {"time", "jobs": {id: {hit_ratio, throughput}}, "cached": {key: bytes}}
+        self._held_back: set[str] = set()  # job ids quota admission held back last round
+        self._history: collections.deque = collections.deque(maxlen=HISTORY_SAMPLES)
+        self._last_observed = 0.0
         self._description = backend.describe()
         name = config.policy or self._stored_policy() or "fifo"
         self.core = SchedulingCore(get_policy(name), SiloDEstimator())
@@ -142,8 +153,10 @@ class SchedulerService(ReadViews):
     def set_policy(self, who: Principal, name: str) -> str:
         if not who.is_admin:
             raise ForbiddenError("only the admin may change the scheduling policy")
-        if name not in available_policies():
-            raise ServiceError(f"unknown policy {name!r}; choose one of: {', '.join(available_policies())}", field="name")
+        try:
+            name = resolve_policy_name(name)
+        except UserError as exc:  # the same message (and case rule) as the commands give
+            raise ServiceError(str(exc), field="name") from None
         self.apply_policy(name)
         self._save_setting("policy", name)  # other processes (and the next start) read it here
         self.trigger("policy")
@@ -272,6 +285,7 @@ class SchedulerService(ReadViews):
                 Job.id, Job.gpus, Dataset.id, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
                 Job.submit_time, Job.state, Job.priority, Dataset.size, Job.owner, Job.access,
                 Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
+                Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
             )
             .join(Dataset, Job.dataset_id == Dataset.id)
             .where(Job.state.in_(ACTIVE_STATES))
@@ -283,12 +297,14 @@ class SchedulerService(ReadViews):
         cached = self.measured_cache()
         # One read transaction: the jobs, their datasets and the quotas are one consistent state.
         with self.sessions() as s, s.begin():
-            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *access in s.execute(q):
+            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *rest in s.execute(q):
+                access, pipeline = rest[:5], pipeline_from_row(*rest[5:8])
                 ds = storage_key(ds_id, ds_name)
                 view = JobView(
                     job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
                     remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
                     running=state == JobState.RUNNING, priority=prio, access=access_from_row(*access),
+                    pipeline=pipeline,
                 )
                 jobs.append(TenantJob(view, owner))
                 sizes[ds] = size
@@ -301,8 +317,11 @@ class SchedulerService(ReadViews):
                 q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
+        # 1e15 bytes for another tenant's dataset reached the policy as is).
         datasets = {
-            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else float(cached.get(v.dataset, 0.0)))
+            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else
+                                   min(max(float(cached.get(v.dataset, 0.0)), 0.0), sizes[v.dataset]))
             for v in admitted
         }
         snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
@@ -352,6 +371,7 @@ class SchedulerService(ReadViews):
             inp = self._round_input(now)
             snapshot = inp.snapshot
             plan = self._enforce_cache_quota(self.core.plan(snapshot), inp) if snapshot.jobs else None
+            self._held_back = {v.job_id for v in inp.held_back}
             pending, round_id, changes = self._persist(snapshot, plan, reason, now, t0, inp.held_back)
             self._execute(pending)
             self._last_round = (snapshot, plan, now) if plan is not None else None
@@ -366,6 +386,38 @@ class SchedulerService(ReadViews):
                 stopped=tuple(pending.stop), changes=changes, duration_s=duration, plan=plan,
             )
 
+    def _overview_status(self) -> dict:
+        return {"measured": self._measured, "held_back": sorted(self._held_back), "history": list(self._history)}
+
+    def observe(self, force: bool = False) -> None:
+        """Measure the running jobs and caches, add a utilisation sample, publish it all; at most
+        every OBSERVE_INTERVAL_S (the loop calls this on every poll)."""
+        now = time.time()
+        if not force and now - self._last_observed < OBSERVE_INTERVAL_S:
+            return
+        self._last_observed = now
+        jobs: dict = {}
+        cached = None
+        if self.pusher is not None:
+            try:
+                st = self.pusher.status()
+                jobs, cached = measurements_from_datamanager(st), cached_bytes_from_status(st)
+            except Exception as exc:  # informational; the rounds report push failures
+                log.debug("data manager status unavailable for the overview: %s", exc)
+        if not jobs:
+            try:
+                jobs = measurements_from_backend(self.backend)
+            except Exception:
+                log.exception("backend %s could not report job measurements", self.backend.name)
+        if cached is None:
+            cached = self.measured_cache() if self.pusher is None else None
+        self._measured = {"time": now, "jobs": jobs, "cached": cached or {}}
+        c = self.cluster()
+        self._history.append({"time": now, "gpus_used": c.gpus_used, "cache_allocated": c.cache_used,
+                              "remote_io_allocated": c.remote_io_used,
+                              "running": c.jobs_by_state.get("running", 0), "queued": c.jobs_by_state.get("queued", 0)})
+        self.publish_status()
+
     def publish_status(self) -> None:
         """What only this process knows, for the API processes' /v1/cluster and /metrics."""
         d = self._description
@@ -376,6 +428,7 @@ class SchedulerService(ReadViews):
                 "last_round_time": self._last_round_time, "last_push_error": self.last_push_error,
                 "rounds_total": self.rounds_total,
                 "last_round_duration_s": self.round_durations[-1] if self.round_durations else 0.0,
+                "measured": self._measured, "held_back": sorted(self._held_back), "history": list(self._history),
             })
         except Exception:  # status is informational; the round itself is committed
             log.exception("could not publish the scheduler status")
@@ -392,7 +445,7 @@ class SchedulerService(ReadViews):
             return write_round(
                 self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
                 running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
-                now=now, t0=t0,
+                now=now, t0=t0, secrets=self.config.secrets,
             )
 
     def _execute(self, pending: Pending) -> None:

@@ -4,12 +4,14 @@ the catalogue, the scheduling loop and the API; no I/O here."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from estimator.access import EPOCH, AccessPattern, parse_access
+from estimator.pipeline import InputPipeline
 from estimator.errors import UserError
 from policies.types import ClusterCapacity
 from scheduler.backends.base import ClusterDescription
@@ -100,6 +102,7 @@ class NewJob:
     priority: int = 0
     dataset_owner: str | None = None  # another tenant's dataset, shared by an explicit grant
     access: AccessPattern = EPOCH  # how the job reads (estimator/access.py)
+    pipeline: InputPipeline | None = None  # CPU preprocessing stage (estimator/pipeline.py); None = not CPU-bound
     # The pods to run (backends that create workloads, i.e. Kubernetes: a workloads.PodTemplate).
     pod_template: Any = None
 
@@ -115,6 +118,19 @@ class DatasetRecord:
     key: str  # storage_key: its name in the data manager and the cache
     credential: str | None = None
     shared_with: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Bottleneck:
+    """Which resource bounds a running job now and the predicted speed-up (new / now) of one
+    more unit of each (estimator.pipeline.diagnose): a GPU, a core, +10% cache, +10% link."""
+
+    bound: str  # gpu | cpu | cache | remote_io
+    throughput: float  # bytes/s the model predicts with the job's allocation
+    speedup_gpu: float
+    speedup_cpu: float
+    speedup_cache: float
+    speedup_remote_io: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +159,11 @@ class JobRecord:
     gpu_share: float
     remote_io: float | None
     access: AccessPattern = EPOCH
+    cpu_rate: float | None = None
+    autocache_expansion: float | None = None
+    post_cpu_rate: float | None = None
+    allocated_cpus: float | None = None  # cores while running; None = CPU not modelled
+    bottleneck: Any = None  # GET one job: a Bottleneck while it runs, else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +263,9 @@ class ServiceConfig:
     #: Node agents bound to one node (`--node-agent USER=NODE`): only these may report
     #: consumption, and only for their node (scheduler/service/consumption.py).
     agent_nodes: tuple[tuple[str, str], ...] = ()
+    #: Seals tenants' secrets at rest (scheduler/service/sealed.py); None: credentials cannot be
+    #: added (a service built without a state directory or SILOD_SECRET_KEYS).
+    secrets: Any = None
 
     def agent_node(self, user: str) -> str | None:
         return dict(self.agent_nodes).get(user)
@@ -281,6 +305,36 @@ def access_columns(access: AccessPattern) -> dict[str, Any]:
         "curriculum_step": None if c is None else c.step,
         "curriculum_batch": None if c is None else c.batch,
     }
+
+
+def job_bottleneck(record: JobRecord, dataset_size: float, cache: float | None, capacity: Any) -> Bottleneck:
+    """The diagnosis of a running job from what it holds now (estimator.pipeline.diagnose), while
+    it holds its GPUs (a time-shared job runs at this speed for its share of the time).
+
+    Unmanaged storage (no IO cap): the whole link and no cache, the most and least it could
+    see. CPU not modelled (no cores recorded): unconstrained cores."""
+    from estimator.pipeline import diagnose
+
+    io = capacity.remote_io if record.remote_io is None else record.remote_io
+    cores = math.inf if record.allocated_cpus is None else record.allocated_cpus
+    rate = math.inf if record.cpu_rate is None else record.cpu_rate
+    # Source caching: the scheduler does not choose autocaching yet, so the cache holds source bytes.
+    d = diagnose([record.ideal_throughput], record.gpus, io, cache or 0.0, dataset_size, cores, rate)
+    return Bottleneck(str(d.bound[0]), float(d.throughput[0]), float(d.speedup_gpu[0]), float(d.speedup_cpu[0]),
+                      float(d.speedup_cache[0]), float(d.speedup_remote_io[0]))
+
+
+def pipeline_columns(pipeline: InputPipeline | None) -> dict[str, Any]:
+    """The Job columns that store a CPU preprocessing stage (migration 0005)."""
+    return {
+        "cpu_rate": None if pipeline is None else pipeline.cpu_rate,
+        "autocache_expansion": None if pipeline is None else pipeline.autocache_expansion,
+        "post_cpu_rate": None if pipeline is None else pipeline.post_cpu_rate,
+    }
+
+
+def pipeline_from_row(cpu_rate: Any, expansion: Any, post: Any) -> InputPipeline | None:
+    return None if cpu_rate is None else InputPipeline(float(cpu_rate), expansion, post)
 
 
 def access_from_row(kind: str | None, starting_percent: Any, alpha: Any, step: Any, batch: Any) -> AccessPattern:

@@ -3,7 +3,9 @@ shared by the scheduling process (SchedulerService) and the API processes (ApiSe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
@@ -20,6 +22,7 @@ from scheduler.service.db.models import (
     JobState,
     Round,
 )
+from scheduler.service.overview import Overview, build_overview
 from scheduler.service.types import (
     AllocationsRecord,
     CacheAllocationRecord,
@@ -51,6 +54,15 @@ class ReadViews:
     def _status(self) -> ClusterStatus:
         raise NotImplementedError
 
+    def _overview_status(self) -> Mapping[str, Any]:
+        """The scheduling process's published measurements, held-back jobs and history."""
+        raise NotImplementedError
+
+    def overview(self, who: Principal) -> Overview:
+        """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py)."""
+        return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
+                              status=self._overview_status())
+
     # ------------------------------------------------------------------ cluster / allocations
 
     def cluster(self) -> ClusterRecord:
@@ -74,6 +86,36 @@ class ReadViews:
             last_round_time=st.last_round_time,
             last_push_error=st.last_push_error,
         )
+
+    def cpu_and_bottlenecks(self) -> tuple[float, dict[str, int]]:
+        """Cores allocated to running jobs, and how many running jobs each resource bounds now
+        (estimator.pipeline.diagnose on what each holds; the metrics read this at scrape time)."""
+        import math
+
+        import numpy as np
+
+        from estimator.pipeline import RESOURCES, diagnose
+
+        q = (select(Job.ideal_throughput, Job.gpus, Job.cpu_rate, JobAllocationRow.remote_io, JobAllocationRow.cpu, Dataset.size,
+                    CacheAllocationRow.bytes)
+             .join(JobAllocationRow, JobAllocationRow.job_id == Job.id).join(Dataset, Job.dataset_id == Dataset.id)
+             .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+             .where(JobAllocationRow.running))
+        with self.sessions() as s:
+            rows = s.execute(q).all()
+        counts = {r: 0 for r in RESOURCES}
+        if not rows:
+            return 0.0, counts
+        cap = self.config.capacity
+        col = list(zip(*rows, strict=True))
+        f, g = np.array(col[0], dtype=float), np.array(col[1], dtype=float)
+        rate = np.array([math.inf if v is None else v for v in col[2]], dtype=float)
+        io = np.array([cap.remote_io if v is None else v for v in col[3]], dtype=float)
+        cores = np.array([math.inf if v is None else v for v in col[4]], dtype=float)
+        size, cache = np.array(col[5], dtype=float), np.array([0.0 if v is None else v for v in col[6]], dtype=float)
+        for bound in diagnose(f, g, io, cache, size, cores, rate).bound:
+            counts[str(bound)] += 1
+        return float(np.sum(np.where(np.isfinite(cores), cores, 0.0))), counts
 
     def allocations(self, who: Principal) -> AllocationsRecord:
         with self.sessions() as s:

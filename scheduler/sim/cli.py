@@ -7,22 +7,35 @@ from typing import Annotated, Optional
 
 import typer
 
-from estimator.errors import UserError
+from estimator.errors import UserError, resolve_name
+import traces
 from traces.loader import TraceFormat, load_trace
 
-SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "traces" / "sample-96gpu.csv"
+# Located through the `traces` package (shipped as its package data), not relative to this file,
+# which moves whenever the scheduler's layout does.
+SHIPPED_TRACE = Path(traces.__file__).resolve().parent / "sample-96gpu.csv"
 DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io": "1GB/s"}
+
+
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: int) -> None:
+    """Seeds feed numpy's and Python's generators, which reject negative numbers deep inside a
+    run; say so before anything runs."""
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed {seed} must be a whole number from 0 to {MAX_SEED}")
 
 
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
                    progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
-    from policies.registry import estimator_for, get_policy
+    from policies.registry import estimator_for, get_policy, resolve_policy_name
     from scheduler.sim.cache_systems import CACHE_SYSTEMS
     from scheduler.sim.engine import SimConfig, Simulator
 
-    if cache_system not in CACHE_SYSTEMS:
-        raise UserError(f"unknown cache system {cache_system!r}; choose one of: {', '.join(CACHE_SYSTEMS)}")
+    cache_system = resolve_name("cache system", cache_system, CACHE_SYSTEMS)
+    policy = resolve_policy_name(policy)
     pol = get_policy(policy)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition,
                        profile_noise=profile_noise)
@@ -40,8 +53,8 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
 def register(app: typer.Typer) -> None:
     @app.command()
     def simulate(
-        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, or Gavel TSV with --format gavel)")] = SHIPPED_TRACE,
-        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV")] = TraceFormat.auto,
+        trace: Annotated[Path, typer.Option(help="trace file (silod CSV, Gavel TSV with --format gavel, or Alibaba openb with --format alibaba-openb)")] = SHIPPED_TRACE,
+        format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV, the openb pod list (or its folder) is alibaba-openb")] = TraceFormat.auto,
         cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
         gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,
@@ -49,6 +62,8 @@ def register(app: typer.Typer) -> None:
         remote_io: Annotated[Optional[str], typer.Option(help="remote IO limit, e.g. 1GB/s or 8Gbps [default 1GB/s]")] = None,
         gpu_speed: Annotated[Optional[float], typer.Option(help="scale every job's f* (faster GPUs)")] = None,
         irregular_share: Annotated[Optional[str], typer.Option(help="pin the irregular jobs' partition to this fraction of cache and remote IO [default: by demand, every round]")] = None,
+        cpus_per_node: Annotated[Optional[str], typer.Option(help="CPU cores per node for input pipelines; jobs with a cpu_rate are then bound by their cores [default: CPU not constrained]")] = None,
+        cpu_allocation: Annotated[Optional[str], typer.Option(help="with --cpus-per-node: model (the policy allocates cores as a resource) | gpu-proportional (cores follow GPUs, the baseline) [default: model]")] = None,
         irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
         policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
@@ -67,12 +82,18 @@ def register(app: typer.Typer) -> None:
 
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        check_seed(seed)
+        from policies.registry import resolve_policy_name
         from scheduler.outputs import ensure_writable_dir
+        from scheduler.sim.cache_systems import CACHE_SYSTEMS
+
+        policy = resolve_policy_name(policy)
+        cache_system = resolve_name("cache system", cache_system, CACHE_SYSTEMS)
 
         ensure_writable_dir(out, "--out")
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
-                                       defaults=DEFAULT_CLUSTER)
+                                       cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
@@ -86,7 +107,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def experiment(
-        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | all")],
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | all")],
         out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
         trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,
@@ -103,14 +124,12 @@ def register(app: typer.Typer) -> None:
         from scheduler.core.cluster import load_cluster
         from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, ExperimentRunner
 
-        names = list(EXPERIMENTS) if name == "all" else [name]
-        unknown = [n for n in names if n not in EXPERIMENTS]
-        if unknown:
-            raise UserError(f"unknown experiment {unknown[0]!r}; choose one of: {', '.join(EXPERIMENTS)}, all")
+        names = list(EXPERIMENTS) if name.casefold() == "all" else [resolve_name("experiment", name, [*EXPERIMENTS, "all"])]
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
         if workers is not None and workers < 1:
             raise UserError(f"--workers {workers} must be >= 1")
+        check_seed(seed)
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         from scheduler.outputs import ensure_writable_dir

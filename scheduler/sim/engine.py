@@ -18,18 +18,20 @@ import heapq
 import math
 import time as wallclock
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from estimator.access import AccessPattern
 from estimator.errors import UserError
+from estimator.measured import FStarEstimate
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
+from scheduler.sim.diagnosis import bounds_now, counts, observe_fstar, record_bounds
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore, spread_spare_io
@@ -98,6 +100,10 @@ class JobRecord:
     remote_bytes: float
     hit_bytes: float
     epoch_hit_ratios: tuple[float, ...] = ()  # hit ratio of each complete epoch
+    #: seconds running bound by each resource (gpu, cpu, cache, remote_io; scheduler/sim/diagnosis.py)
+    bound_s: tuple[tuple[str, float], ...] = ()
+    declared_ideal: float = math.nan  # f* the scheduler started from (bytes/s, GPU speed applied)
+    measured_ideal: float = math.nan  # its self-corrected f* at the end (nan: declared exactly)
 
     @property
     def jct_s(self) -> float:
@@ -124,6 +130,11 @@ class TimelineRow:
     cache_cached_irregular: float = 0.0
     remote_io_regular: float = 0.0
     remote_io_irregular: float = 0.0
+    # Running jobs bound by each resource in the step that ends at this row (diagnosis.py).
+    bound_gpu: int = 0
+    bound_cpu: int = 0
+    bound_cache: int = 0
+    bound_remote_io: int = 0
 
 
 @dataclass
@@ -199,9 +210,10 @@ class Simulator:
         measured = self.core.estimator.manages_storage
         told = self.config.partition
         jobs = tuple(
-            JobView(j.job_id, j.gpus, j.dataset.name, j.ideal, j.remaining, j.trace.submit_time, j.running,
+            JobView(j.job_id, j.gpus, j.dataset.name, j.gpu_ideal if j.fstar is None else j.fstar.estimate, j.remaining,
+                    j.trace.submit_time, j.running,
                     hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
-                    access=j.trace.access if told else AccessPattern.epoch())
+                    access=j.trace.access if told else AccessPattern.epoch(), pipeline=j.trace.pipeline)
             for j in active
         )
         needed = {j.dataset.name for j in active}
@@ -313,6 +325,8 @@ class Simulator:
                 rng = np.random.default_rng(seed_seq.spawn(1)[0])
                 job = SimJob(tj, ds, tj.ideal_throughput * cfg.gpu_speed, tj.total_bytes(ds.size), rng,
                              pacing=tj.access.curriculum, item_size=self.item_sizes.get(tj.dataset, 0.0))
+                if tj.declared_throughput is not None:
+                    job.fstar = FStarEstimate.start(tj.declared_throughput * cfg.gpu_speed)
                 self.cache.register(job)
                 job.start_epoch_view(self.cache)
                 active.append(job)
@@ -362,6 +376,7 @@ class Simulator:
                     if job.start_time is None:
                         job.start_time = now
                     job.running = True
+                    job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
                 running = chosen
                 part = plan.allocation.partition
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
@@ -383,6 +398,8 @@ class Simulator:
                 step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
             step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
             dt = max(step_end - now, 1e-6)
+            bounds = bounds_now(running, caps, misses)
+            bound_of = dict(zip((j.job_id for j in running), bounds, strict=True))
             unread0 = {}
             for job in running:
                 job.moved = 0
@@ -398,6 +415,9 @@ class Simulator:
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
+                record_bounds([job], [bound_of[job.job_id]], ran)
+                if job.fstar is not None:
+                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps[job.job_id], misses[job.job_id])
                 job.last_rate = res.bytes_read / ran
                 # Counted over a few chunks the rate is noisy: average it over the last steps
                 # (each weighing half the one after it).
@@ -434,7 +454,8 @@ class Simulator:
             acc_time += dt
             if now + dt >= next_sample:
                 fr = acc_fair / acc_fair_time if acc_fair_time > 0 else None
-                timeline.append(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr, acc_remote_irregular))
+                timeline.append(replace(self._sample(now + dt, active, running, plan, acc_remote, acc_bytes, acc_time, fr, acc_remote_irregular),
+                                        **{f"bound_{k}": v for k, v in counts(bounds).items()}))
                 acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
                 next_sample = now + dt + cfg.timeline_interval_s
 
@@ -449,7 +470,10 @@ class Simulator:
                 self._drift_acc.pop(job.job_id, None)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
-                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios))
+                              job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios),
+                              tuple(job.bound_s.items()),
+                              job.gpu_ideal if job.fstar is None else job.fstar.declared,
+                              math.nan if job.fstar is None else job.fstar.estimate)
                 )
                 need_decision = True
             now += dt

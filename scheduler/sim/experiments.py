@@ -13,6 +13,12 @@
                 (b) uniform vs LRU caching of one ResNet-50 job on ImageNet-22k, 5 repeats
     irregular-mix  §6: 0-50% curriculum jobs in the trace; the two partitions vs planning every
                 job as regular vs everything under LRU, regular and irregular JCT apart
+    stagger     issue 22 (cache-aware staggering, HiPC'23 Fig. 3): ResNet-50 and EfficientNet-B1 on
+                one dataset, the second started X% of the first's standalone runtime later;
+                makespan over X, silod and alluxio caching
+    cpu         issue 22: a CPU-constrained cluster (2 and 3 cores per GPU), image and text
+                models mixed with the catalog's per-core rates (Plumber); each policy with its
+                4-resource allocation (cores by the estimator) vs GPU-proportional cores
 
 A library: `silod experiment` (scheduler/sim/cli.py) calls it; it imports no CLI code.
 Simulations of one experiment run in worker processes; each experiment returns its payload
@@ -68,6 +74,7 @@ class TraceSource:
     interarrival_s: float = SYNTHETIC_INTERARRIVAL_S  # synthetic trace only
     irregular: float = 0.0  # fraction of the jobs turned into curriculum jobs (irregular-mix)
     curriculum_step: int | None = None  # the Fig. 16 single job, with this Step
+    catalog_pipelines: bool = False  # give every job its catalog model's CPU stage (experiment cpu)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class Run:
     curriculum_step: int | None = None  # Fig. 16: one curriculum job with this Step
     seed: int | None = None  # a repeat's seed (default: the runner's)
     profile_noise: float = 0.0  # quiver: sigma of its profiles' log-normal error
+    catalog_pipelines: bool = False  # jobs get their catalog model's cpu_rate (experiment cpu)
 
 
 def micro_benchmark_trace() -> Trace:
@@ -150,8 +158,20 @@ def with_curriculum_jobs(trace: Trace, fraction: float, seed: int) -> Trace:
     return Trace(tuple(jobs), trace.dataset_sizes, trace.source + f", {fraction:.0%} curriculum", trace.notes, items)
 
 
+def with_catalog_pipelines(trace: Trace) -> Trace:
+    """Every job whose model the catalog knows gets the catalog's CPU stage (traces/catalog.py:
+    image models Plumber's 35.2 MB/s per core, feature and text models not CPU-bound)."""
+    jobs = []
+    for job in trace.jobs:
+        spec = MODELS.get(job.model)
+        jobs.append(replace(job, pipeline=spec.pipeline) if spec is not None and job.pipeline is None else job)
+    return Trace(tuple(jobs), trace.dataset_sizes, trace.source + ", catalog CPU rates", trace.notes, trace.item_sizes)
+
+
 @lru_cache(maxsize=8)
 def build_trace(source: TraceSource) -> Trace:
+    if source.catalog_pipelines:
+        return with_catalog_pipelines(build_trace(replace(source, catalog_pipelines=False)))
     if source.curriculum_step is not None:
         return curriculum_trace(source.curriculum_step)
     if source.irregular > 0:
@@ -188,7 +208,8 @@ def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int)
 
     seed = source.seed if run.seed is None else run.seed
     if not source.micro:
-        source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step)
+        source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step,
+                         catalog_pipelines=run.catalog_pipelines)
     trace = build_trace(source)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=seed, manage_io=run.manage_io,
                        partition=run.partition, profile_noise=run.profile_noise)
@@ -642,6 +663,117 @@ def experiment_irregular_mix(runner: ExperimentRunner, out: Path, capacity: Clus
     return payload
 
 
+#: Cores per GPU of the CPU-constrained clusters: resnet50 needs 114 / 35.2 = 3.2 cores per V100,
+#: efficientnetb1 2.0, resnet152 1.2, vlad and bert none (traces/catalog.py).
+CPU_PER_GPU = (2.0, 3.0)
+CPU_RULES = ("model", "gpu-proportional")
+
+
+def experiment_cpu(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    policies = ("fifo", "sjf", "gavel")
+    runner = runner.for_sweeps()
+    runs = [Run(f"{p}/{rule} @ {k:g} cores/GPU", p, "silod",
+                replace(capacity, cpus_per_node=k * capacity.gpus_per_node, cpu_allocation=rule), catalog_pipelines=True)
+            for k in CPU_PER_GPU for p in policies for rule in CPU_RULES]
+    results = runner.run_all(runs)
+    table = {r.run.label: r.summary for r in results}
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(CPU_PER_GPU), figsize=(6 * len(CPU_PER_GPU), 4.5), squeeze=False)
+    width = 0.35
+    for ax, k in zip(axes[0], CPU_PER_GPU, strict=True):
+        for i, rule in enumerate(CPU_RULES):
+            vals = [table[f"{p}/{rule} @ {k:g} cores/GPU"]["avg_jct_s"] / 3600 for p in policies]
+            ax.bar([x + i * width for x in range(len(policies))], vals, width,
+                   label="4-resource (cores by the estimator)" if rule == "model" else "GPU-proportional cores")
+        ax.set_xticks([x + width / 2 for x in range(len(policies))], [p.upper() for p in policies])
+        ax.set_ylabel("average JCT (h)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{k:g} cores per GPU ({k * capacity.gpus_per_node:g} per {capacity.gpus_per_node}-GPU node)")
+    axes[0][0].legend(fontsize=8)
+    setup = runner.describe(capacity) + "; catalog CPU rates (image 35.2 MB/s per core, text/features none); silod cache"
+    fig.suptitle("CPU as a fourth resource vs GPU-proportional cores\n" + setup.replace("; ", ";\n", 1), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "cpu.png", dpi=120)
+    plt.close(fig)
+    headline = []
+    for k in CPU_PER_GPU:
+        for p in policies:
+            ours = table[f"{p}/model @ {k:g} cores/GPU"]["avg_jct_s"]
+            base = table[f"{p}/gpu-proportional @ {k:g} cores/GPU"]["avg_jct_s"]
+            headline.append((f"{p.upper()} @ {k:g} cores/GPU: avg JCT 4-resource vs GPU-proportional",
+                             f"{_hours(ours)} vs {_hours(base)} = {base / ours:.2f}x"))
+    payload = {"experiment": "cpu", "setup": setup, "cores_per_gpu": list(CPU_PER_GPU), "runs": table, "headline": headline}
+    _save(out, "cpu", payload)
+    return payload
+
+
+#: The stagger sweep's setup: two jobs on one ImageNet-1k copy that fits the cache, a link slower
+#: than either job (the first epoch is IO-bound, as in the paper's remote repository).
+STAGGER_CLUSTER = ClusterCapacity(gpus=2, cache=200 * GB, remote_io=100 * MB, gpus_per_node=2)
+STAGGER_EPOCHS = 3.0
+STAGGER_STEPS = tuple(range(0, 101, 10))
+
+
+def stagger_trace(fraction: float) -> Trace:
+    """ResNet-50 at 0, EfficientNet-B1 at `fraction` of ResNet-50's standalone runtime."""
+    data = DATASETS["imagenet-1k"]
+    a, b = MODELS["resnet50"], MODELS["efficientnetb1"]
+    alone = standalone_runtime(a.ideal_per_gpu)
+    jobs = (TraceJob("resnet50", 0.0, 1, a.name, data.name, a.ideal_per_gpu, STAGGER_EPOCHS),
+            TraceJob("efficientnetb1", fraction * alone, 1, b.name, data.name, b.ideal_per_gpu, STAGGER_EPOCHS))
+    return Trace(jobs, {data.name: data.size}, source=f"stagger {fraction:.0%}")
+
+
+@lru_cache(maxsize=4)
+def standalone_runtime(ideal: float) -> float:
+    """ResNet-50 alone on the stagger cluster (simulated, silod): 100% of the stagger axis."""
+    from policies.registry import estimator_for, get_policy
+    from scheduler.sim.engine import SimConfig, Simulator
+
+    data = DATASETS["imagenet-1k"]
+    trace = Trace((TraceJob("resnet50", 0.0, 1, "resnet50", data.name, ideal, STAGGER_EPOCHS),), {data.name: data.size})
+    return Simulator(trace, STAGGER_CLUSTER, get_policy("fifo"), estimator_for("silod"), "silod", SimConfig()).run().makespan_s
+
+
+def experiment_stagger(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity | None = None) -> dict:
+    from policies.registry import estimator_for, get_policy
+    from scheduler.sim.engine import SimConfig, Simulator
+
+    table: dict[str, list[float]] = {}
+    for system in ("silod", "alluxio"):
+        for step in STAGGER_STEPS:
+            trace = stagger_trace(step / 100)
+            result = Simulator(trace, STAGGER_CLUSTER, get_policy("fifo"), estimator_for(system), system,
+                               SimConfig(seed=runner.source.seed, resolution=runner.resolution)).run()
+            table.setdefault(system, []).append(result.makespan_s)
+    alone = standalone_runtime(MODELS["resnet50"].ideal_per_gpu)
+    setup = (f"ResNet-50 then EfficientNet-B1, {STAGGER_EPOCHS:g} epochs each on one ImageNet-1k copy (143 GB);\n2 GPUs, "
+             f"200 GB cache, 100 MB/s remote IO, FIFO; ResNet-50 alone {alone / 60:.0f} min")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, ys in table.items():
+        ax.plot(STAGGER_STEPS, [y / 60 for y in ys], marker="o", label=f"{system} cache")
+    ax.set_xlabel("stagger: EfficientNet-B1 starts at X% of ResNet-50's standalone runtime")
+    ax.set_ylabel("makespan (min)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Cache-aware staggering (HiPC'23 Fig. 3 setup)\n{setup}", fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "stagger.png", dpi=120)
+    plt.close(fig)
+    headline = []
+    for system, ys in table.items():
+        best = int(np.argmin(ys))
+        headline.append((f"{system}: makespan at 0% / best stagger / 100%",
+                         f"{ys[0] / 60:.0f} / {ys[best] / 60:.0f} min at {STAGGER_STEPS[best]}% / {ys[-1] / 60:.0f} min"))
+    headline.append(("paper (Fig. 3, real ResNet-50 + EfficientNet-B0 on a node's OS cache)", "optimum near 40%, then rising"))
+    setup = setup.replace("\n", " ")
+    payload = {"experiment": "stagger", "setup": setup, "stagger_percent": list(STAGGER_STEPS), "makespan_s": table,
+               "headline": headline}
+    _save(out, "stagger", payload)
+    return payload
+
+
 EXPERIMENTS: dict[str, Callable] = {
     "matrix": experiment_matrix,
     "fairness": experiment_fairness,
@@ -652,4 +784,6 @@ EXPERIMENTS: dict[str, Callable] = {
     "micro": experiment_micro,
     "curriculum": experiment_curriculum,
     "irregular-mix": experiment_irregular_mix,
+    "cpu": experiment_cpu,
+    "stagger": experiment_stagger,
 }

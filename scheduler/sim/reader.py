@@ -6,6 +6,10 @@ so the job reads at
 
     rate = min(f*, b / m),   m = the miss ratio of what it is about to read.
 
+With a CPU preprocessing stage (trace column cpu_rate) on k allocated cores the job cannot read
+faster than it preprocesses: f* above is the job's ideal rate min(f*_GPU, k x cpu_rate)
+(`SimJob.set_cores`; estimator/pipeline.py, source caching).
+
 Because the order is a uniform random permutation, the next chunk is equally likely to be any
 chunk the epoch has not read yet, so m is the uncached share of the chunks not yet read, taken
 on the cache *as it is now* (`SimJob.unread_cached`, which the cache system keeps current as
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from estimator.access import CurriculumPacing
+from estimator.measured import FStarEstimate
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
@@ -43,9 +48,13 @@ from traces.model import TraceJob
 class SimJob:
     trace: TraceJob
     dataset: SimDataset
-    ideal: float  # f*, bytes/s, after GPU-speed scaling
+    ideal: float  # bytes/s the job reads at when IO does not bind: min(f*, cores x cpu_rate)
     total_bytes: float
     rng: np.random.Generator
+    gpu_ideal: float | None = None  # f*, bytes/s, after GPU-speed scaling (default: `ideal`)
+    cores: float = math.inf  # CPU cores this round (inf: CPU not modelled)
+    bound_s: dict = field(default_factory=dict)  # seconds running, per resource that bound it (diagnosis.py)
+    fstar: FStarEstimate | None = None  # the scheduler's f* when the declared one is not exact
     consumed: float = 0.0
     perm: np.ndarray = field(init=False)
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
@@ -73,6 +82,8 @@ class SimJob:
     _growth_at: float = math.inf
 
     def __post_init__(self) -> None:
+        if self.gpu_ideal is None:
+            self.gpu_ideal = self.ideal
         self.job_id = self.trace.job_id
         self.perm = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask = np.zeros(self.dataset.n_chunks, dtype=bool)
@@ -80,6 +91,15 @@ class SimJob:
     @property
     def gpus(self) -> int:
         return self.trace.num_gpus
+
+    def set_cores(self, cores: float) -> None:
+        """The job's cores for the round: its ideal rate becomes min(f*, cores x cpu_rate)."""
+        self.cores = cores
+        pipeline = self.trace.pipeline
+        if pipeline is None or math.isinf(cores):
+            self.ideal = self.gpu_ideal
+        else:
+            self.ideal = min(self.gpu_ideal, cores * pipeline.cpu_rate)
 
     @property
     def remaining(self) -> float:

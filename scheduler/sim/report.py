@@ -1,4 +1,4 @@
-"""What a simulation writes: summary.json, jobs.csv, timeline.csv (ARCHITECTURE.md §4)."""
+"""What a simulation writes: summary.json, jobs.csv, timeline.csv (docs/simulator.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from estimator.pipeline import RESOURCES
+from scheduler.sim.diagnosis import main_bottleneck
 from scheduler.sim.engine import SimResult, TimelineRow
 
 
@@ -46,10 +48,14 @@ def write_outputs(result: SimResult, out_dir: str | Path, policy: str, cache_sys
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with (out / "jobs.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["job_id", "submit_s", "start_s", "finish_s", "jct_s", "gpus", "dataset", "remote_bytes", "hit_bytes", "epoch_hit_ratios"])
+        w.writerow(["job_id", "submit_s", "start_s", "finish_s", "jct_s", "gpus", "dataset", "remote_bytes", "hit_bytes", "epoch_hit_ratios",
+                    *(f"bound_{k}_s" for k in RESOURCES), "bottleneck", "declared_ideal", "measured_ideal"])
         for r in sorted(result.jobs, key=lambda r: r.submit_s):
+            bound = dict(r.bound_s)
             w.writerow([r.job_id, f"{r.submit_s:.3f}", f"{r.start_s:.3f}", f"{r.finish_s:.3f}", f"{r.jct_s:.3f}", r.gpus, r.dataset,
-                        f"{r.remote_bytes:.0f}", f"{r.hit_bytes:.0f}", ";".join(f"{h:.4f}" for h in r.epoch_hit_ratios)])
+                        f"{r.remote_bytes:.0f}", f"{r.hit_bytes:.0f}", ";".join(f"{h:.4f}" for h in r.epoch_hit_ratios),
+                        *(f"{bound.get(k, 0.0):.3f}" for k in RESOURCES), main_bottleneck(bound),
+                        f"{r.declared_ideal:.0f}", "" if r.measured_ideal != r.measured_ideal else f"{r.measured_ideal:.0f}"])
     names = [f.name for f in fields(TimelineRow)]
     with (out / "timeline.csv").open("w", newline="") as fh:
         w = csv.writer(fh)

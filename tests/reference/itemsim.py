@@ -1,6 +1,6 @@
 """An independent, per-item, event-driven model of a cluster reading remote datasets.
 
-Written from the model in ARCHITECTURE.md §2 and the SiloD paper, to check `silod simulate`
+Written from the model in docs/architecture.md and the SiloD paper, to check `silod simulate`
 against. It imports nothing from the silod package and shares none of its code: a bug the
 simulator has cannot be hidden by the same bug here.
 
@@ -38,6 +38,15 @@ The model, item by item:
   demand f* x (1 - cached/size). Regular jobs get the rest by the rule below. With
   `partition=False` curriculum jobs are planned like any other job by that rule (their miss
   ratio is that of the eligible items).
+- CPU preprocessing (jobs with a `cpu_rate`, on a scenario with `cpus`): every item, hit or
+  fetched, is then preprocessed before the GPU takes it, on the job's k cores: ceil(k) worker threads
+  share the k cores (a cgroup quota), each busy thread at min(1, k / busy threads) cores, one
+  item at a time per thread (a lone item never runs on more than one core). Cores are
+  given at every event to the running jobs: `cpu_rule` "model" in descending cpu_rate / f*
+  (the share of its speed a core buys), each up to f* / cpu_rate, until the cluster's cores are
+  used; "gpu-proportional": cpus x gpus / cluster GPUs. The planning below then uses
+  min(f*, k x cpu_rate) as the job's f*. Without `cpus` (or for a job without cpu_rate) items
+  go straight from the loader to the GPU.
 - SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
   cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
   only the readers with more than one pass left, since an item cached now helps from the next
@@ -62,6 +71,7 @@ class RefJob:
     ideal: float  # f*, bytes/s
     epochs: float  # work: items read = epochs x items of the dataset
     curriculum: tuple | None = None  # (starting_percent, alpha, step, batch) or None
+    cpu_rate: float | None = None  # bytes/s one core preprocesses; None: no CPU stage
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,8 @@ class RefScenario:
     system: str  # silod | alluxio | coordl | quiver
     window: int = 32  # loader look-ahead, items
     partition: bool = True  # silod: curriculum jobs in the irregular partition (LRU)
+    cpus: float | None = None  # cluster CPU cores (one node); None: no CPU stage
+    cpu_rule: str = "model"  # model | gpu-proportional
 
 
 @dataclass
@@ -106,6 +118,21 @@ class _Run:
     looked_now: int = 0
     remote: float = 0.0
     start: float = 0.0
+    cores: float = math.inf
+    loaded: int = 0  # items loaded, waiting for a CPU worker
+    workers: list = field(default_factory=list)  # bytes left of the item on each worker thread, or None
+
+    def worker_speed(self) -> float:
+        """ceil(k) threads share k cores (a cgroup quota): each busy thread runs at
+        min(1, k / busy) cores, so a lone item never gets more than one core."""
+        busy = sum(1 for w in self.workers if w is not None)
+        return 0.0 if busy == 0 else self.spec.cpu_rate * min(1.0, self.cores / busy)
+
+    def ideal(self) -> float:
+        """The GPU's rate, or what the cores can preprocess if less."""
+        if self.spec.cpu_rate is None or math.isinf(self.cores):
+            return self.spec.ideal
+        return min(self.spec.ideal, self.cores * self.spec.cpu_rate)
 
     def eligible(self, n: int) -> int:
         """How many of the easiest items the n-th look-up of a curriculum job draws from."""
@@ -262,7 +289,7 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
         eff_new: dict = {}
         for r in regular:
             ds = r.spec.dataset
-            e = r.spec.ideal / sc.dataset_bytes[ds]
+            e = r.ideal() / sc.dataset_bytes[ds]
             eff_cached[ds] = eff_cached.get(ds, 0.0) + e
             eff_new[ds] = eff_new.get(ds, 0.0) + (e if r.total - r.consumed > r.n_items else 0.0)
         pieces = []  # (efficiency, dataset, bytes)
@@ -287,7 +314,7 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
         caps, left = {}, link
         for r in sorted(regular, key=lambda r: (r.spec.submit, r.spec.job_id)):
-            want = r.spec.ideal * (1.0 - rest_hit_ratio(r))
+            want = r.ideal() * (1.0 - rest_hit_ratio(r))
             caps[r.spec.job_id] = min(want, left)
             left -= caps[r.spec.job_id]
         return caps
@@ -325,6 +352,42 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             cached = len(u.items) if u is not None else 0
             demand[r.spec.job_id] = r.spec.ideal * (1.0 - min(cached / r.n_items, 1.0))
         return _max_min(demand, link)
+
+    def allocate_cpu() -> None:
+        """Cores per running job (see the module docstring), and its workers' speeds."""
+        if sc.cpus is None:
+            return
+        staged = [r for r in running if r.spec.cpu_rate is not None]
+        if sc.cpu_rule == "gpu-proportional":
+            cores = {r.spec.job_id: sc.cpus * r.spec.gpus / sc.gpus for r in staged}
+        else:
+            cores, left = {}, sc.cpus
+            for r in sorted(staged, key=lambda r: (-r.spec.cpu_rate / r.spec.ideal, r.spec.submit, r.spec.job_id)):
+                cores[r.spec.job_id] = min(r.spec.ideal / r.spec.cpu_rate, left)
+                left -= cores[r.spec.job_id]
+        for r in staged:
+            k = cores[r.spec.job_id]
+            if k == r.cores:
+                continue
+            r.cores = k
+            busy = [left for left in r.workers if left is not None]
+            r.workers = [None] * int(math.ceil(k - 1e-12))
+            for i in range(min(len(busy), len(r.workers))):  # items in progress keep what is done
+                r.workers[i] = busy.pop(0)
+            r.loaded += len(busy)  # more items in progress than workers now: back in the queue
+
+    def deliver(run: _Run) -> None:
+        """An item is loaded (hit or fetched): to the CPU stage if the job has one, else ready."""
+        if run.workers or (sc.cpus is not None and run.spec.cpu_rate is not None):
+            run.loaded += 1
+        else:
+            run.ready += 1
+
+    def start_cpu(run: _Run) -> None:
+        for i, w in enumerate(run.workers):
+            if w is None and run.loaded > 0:
+                run.loaded -= 1
+                run.workers[i] = run.item_size
 
     def allocate_storage() -> dict:
         """Cache limits (uniform systems) and IO caps (silod); returns job id -> cap or None."""
@@ -392,7 +455,7 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             if cached(run, item):
                 touch(run, item)
                 run.hits_now += 1
-                run.ready += 1
+                deliver(run)
             else:
                 run.fetching = item
                 run.fetch_left = run.item_size
@@ -421,9 +484,11 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
         while pending and pending[0].submit <= now + 1e-9:
             queue.append(pending.pop(0))
         admit_jobs(now)
+        allocate_cpu()
         caps = allocate_storage()
         for r in running:
             loader_step(r)
+            start_cpu(r)
             start_gpu(r, now)
         caps = allocate_storage()  # loader look-ups changed the rest-of-epoch ratios
         rates = link_rates(caps)
@@ -435,19 +500,29 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             rate = rates.get(r.spec.job_id, 0.0)
             if r.fetching is not None and rate > 0:
                 t_next = min(t_next, now + r.fetch_left / rate)
+            speed = r.worker_speed() if r.workers else 0.0
+            for left in r.workers:
+                if left is not None and speed > 0:
+                    t_next = min(t_next, now + left / speed)
         if t_next == math.inf:
             raise RuntimeError("reference model stalled: no event can happen (no bandwidth for a miss?)")
         dt = t_next - now
         for r in running:
             if r.fetching is not None:
                 r.fetch_left -= rates.get(r.spec.job_id, 0.0) * dt
+            speed = r.worker_speed() if r.workers else 0.0
+            r.workers = [None if w is None else w - speed * dt for w in r.workers]
         now = t_next
         for r in list(running):
             if r.fetching is not None and r.fetch_left <= 1e-6 * r.item_size:
                 r.remote += r.item_size
                 admit(r, r.fetching)
                 r.fetching = None
-                r.ready += 1
+                deliver(r)
+            for i, w in enumerate(r.workers):
+                if w is not None and w <= 1e-6 * r.item_size:
+                    r.workers[i] = None
+                    r.ready += 1
             if r.gpu_busy_until is not None and r.gpu_busy_until <= now + 1e-9:
                 r.gpu_busy_until = None
                 r.consumed += 1

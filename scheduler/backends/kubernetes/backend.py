@@ -25,12 +25,15 @@ object the workload's owner can write.
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from estimator import silod_perf
@@ -40,10 +43,10 @@ from policies.types import ClusterCapacity
 from scheduler.backends.base import (
     ClusterBackend, ClusterDescription, JobAllocation, JobEvent, JobSpec, NodeInfo,
 )
-from scheduler.backends.kubernetes.placement import NodeState, PodRequest, place, why_not
+from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
     GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError,
-    admitted_object, parse_workload, rest_job_object, suspended_object,
+    PYTORCHJOB, admitted_object, parse_workload, rest_job_object,
 )
 
 log = logging.getLogger("silod.kubernetes")
@@ -53,6 +56,10 @@ NODE_ANN_IO = "silod.io/remote-io"  # the node's share of the remote link (e.g. 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 INTAKE_NAME = re.compile(r"^(job|jobset|pytorchjob)\.(.+)\.([0-9a-f-]{36})$")
 REST_NAME = re.compile(r"^silod-([0-9]+)$")
+AWAIT_WORKLOAD_S = 30.0  # how long a started job may wait for its REST-created Job to appear
+# Every write names silod as its field manager (managedFields, server-side apply conflicts),
+# not the client library's default "OpenAPI-Generator".
+FIELD_MANAGER = "silod"
 
 
 @dataclass
@@ -126,6 +133,8 @@ class KubernetesBackend(ClusterBackend):
         self._by_uid: dict[str, str] = {}  # workload uid -> service job id
         self._admitted: dict[str, Admission] = {}
         self._deferred: dict[str, tuple[JobSpec, JobAllocation]] = {}
+        self._to_suspend: set[str] = set()  # stopped jobs whose suspension is still to be written
+        self._awaiting: dict[str, tuple[JobSpec, JobAllocation, float]] = {}  # started before their Job existed
         self._events: list[JobEvent] = []
         self._reported = _Seen()
         self._kinds: dict[str, bool] = {}
@@ -317,6 +326,8 @@ class KubernetesBackend(ClusterBackend):
                 gpus_free=max(gpus - used.get(name, 0) - reserved.get(name, 0), 0), cache_capacity=cache,
                 cache_used=cache_used.get(name, {}), io_capacity=io, io_used=io_used.get(name, 0.0),
                 labels=dict(n.metadata.labels or {}),
+                taints=tuple(Taint(t.key or "", t.value or "", t.effect or "")
+                             for t in ((n.spec.taints if n.spec else None) or [])),
             ))
         return out
 
@@ -405,15 +416,20 @@ class KubernetesBackend(ClusterBackend):
         log.warning("%s %s/%s: %s", kind.kind, meta.get("namespace"), meta.get("name"), message)
         from kubernetes import client
 
+        now = datetime.now(timezone.utc)
         event = client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name')}.", namespace=meta.get("namespace")),
+            # kubectl get events sorts and ages by these; without them an Event shows "<unknown>".
+            first_timestamp=now, last_timestamp=now, count=1, reporting_component="silod",
+            reporting_instance=os.environ.get("POD_NAME") or os.uname().nodename,
             involved_object=client.V1ObjectReference(api_version=kind.api_version, kind=kind.kind,
                                                      name=meta.get("name"), namespace=meta.get("namespace"),
                                                      uid=meta.get("uid")),
             reason=reason, message=message[:1024], type="Warning", source=client.V1EventSource(component="silod"),
         )
         try:
-            self.core.create_namespaced_event(meta.get("namespace") or "default", event, _request_timeout=self.timeout)
+            self.core.create_namespaced_event(meta.get("namespace") or "default", event, field_manager=FIELD_MANAGER,
+                                              _request_timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001 - an Event is best effort; the log line stays
             log.debug("could not record an Event: %s", exc)
 
@@ -433,9 +449,8 @@ class KubernetesBackend(ClusterBackend):
             if not wl.suspended:
                 # Created running (no webhook): hold it until it is admitted, as Kueue does. Its
                 # controller removes the pods it already started; silod deletes nothing.
-                if not self._write(wl, suspended_object(wl.kind, obj)):
+                if not self._suspend(wl):
                     continue
-                self.suspensions += 1
             tenant = self.namespace_tenant(wl.namespace)
             problem = None
             if tenant is None:
@@ -488,7 +503,7 @@ class KubernetesBackend(ClusterBackend):
                                dataset=job.dataset, template=template)
         try:
             obj = self.custom.create_namespaced_custom_object("batch", "v1", ns, "jobs", body,
-                                                              _request_timeout=self.timeout)
+                                                              field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
         except _api_exception() as exc:
             if exc.status == 404:
                 raise UserError(f"namespace {ns} does not exist; an operator creates one namespace per tenant"
@@ -526,12 +541,16 @@ class KubernetesBackend(ClusterBackend):
 
     def start(self, job: JobSpec, allocation: JobAllocation) -> None:
         with self._lock:
+            self._to_suspend.discard(job.job_id)
             if self._workload_of(job.job_id) is None:
                 self.refresh()
                 self._adopt_rest_job(job)
             if self._workload_of(job.job_id) is None:
-                raise UserError(f"job {job.job_id} has no Kubernetes workload (it was deleted, or it was submitted"
-                                f" without a pod_template); nothing to run")
+                # A REST job is committed to the database before its Job is created (the API
+                # handler creates it next): a round may start it in between. Wait a grace period
+                # before failing it (poll() checks again).
+                self._awaiting[job.job_id] = (job, allocation, self.clock() + AWAIT_WORKLOAD_S)
+                return
             if not self._admit(job, allocation):
                 self._deferred[job.job_id] = (job, allocation)
 
@@ -571,10 +590,15 @@ class KubernetesBackend(ClusterBackend):
         wl, obj = fresh
         if wl.phase != "active":
             return True  # finished already; poll() reports it
+        if wl.kind == JOB and wl.suspended and (obj.get("status") or {}).get("startTime"):
+            cleared = self._clear_start_time(wl, obj)
+            if cleared is None:
+                return False  # its pods are still stopping (or a conflict): the next poll retries
+            wl, obj = cleared
         cache = float(allocation.cache_bytes or 0.0)
         io_total = float(allocation.remote_io or 0.0)
         io_per_pod = io_total / max(wl.pods, 1)
-        pods = [PodRequest(key, gpus, sel) for key, gpus, sel in wl.pod_list()]
+        pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols)) for key, gpus, sel, tols in wl.pod_list()]
         where = place(pods, self.nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod)
         if where is None:
             self._report(obj, wl.kind, f"{wl.key} waits for placement: "
@@ -604,6 +628,35 @@ class KubernetesBackend(ClusterBackend):
         log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
         return True
 
+    def _clear_start_time(self, wl: Workload, obj: dict[str, Any]) -> tuple[Workload, dict[str, Any]] | None:
+        """Clear a suspended Job's status.startTime through the jobs/status subresource, once its
+        controller reports no active pod (Kueue does the same). The API server accepts a change
+        of the pod template's node affinity only while the Job is suspended *and* has no
+        startTime; the Job controller keeps startTime on suspension through Kubernetes 1.35
+        (1.36 clears it itself, and then this never runs). Checked against the "kube-apiserver
+        v1.24.0-alpha snapshot" and its Job controller (tests/test_kubernetes_real.py)."""
+        status = obj.get("status") or {}
+        if int(status.get("active") or 0) > 0:
+            log.info("%s: waiting for its %s active pods to stop before re-admission", wl.key, status.get("active"))
+            return None
+        new = copy.deepcopy(obj)
+        new["status"].pop("startTime", None)
+        try:
+            got = self.custom.replace_namespaced_custom_object_status(
+                "batch", "v1", wl.namespace, "jobs", wl.name, new, field_manager=FIELD_MANAGER,
+                _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status in (404, 409):
+                return None  # changed meanwhile: fresh state on the next poll
+            if exc.status == 403:
+                self._report(obj, wl.kind, f"{wl.key}: silod may not update jobs/status (deploy/base's ClusterRole"
+                                           f" grants it); it cannot re-admit this Job onto other nodes")
+                return None
+            raise
+        parsed = parse_workload(wl.kind, got)
+        self.workloads[parsed.uid], self._objects[parsed.uid] = parsed, got
+        return parsed, got
+
     def _node_states_from_cache(self) -> list[NodeState]:
         nodes = self.core.list_node(_request_timeout=self.timeout).items
         return self._node_states(nodes)
@@ -614,7 +667,7 @@ class KubernetesBackend(ClusterBackend):
         try:
             got = self.custom.replace_namespaced_custom_object(
                 wl.kind.group, wl.kind.version, wl.namespace, wl.kind.plural, wl.name, new,
-                _request_timeout=self.timeout)
+                field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
         except _api_exception() as exc:
             if exc.status in (404, 409):
                 log.info("%s changed or vanished while being updated (%s); retrying with fresh state", wl.key, exc.status)
@@ -630,6 +683,7 @@ class KubernetesBackend(ClusterBackend):
 
     def stop(self, job_id: str) -> None:
         with self._lock:
+            self._awaiting.pop(job_id, None)
             self._deferred.pop(job_id, None)
             self._admitted.pop(job_id, None)
             found = self._workload_of(job_id)
@@ -647,14 +701,39 @@ class KubernetesBackend(ClusterBackend):
                     if exc.status != 404:
                         raise
                 return
-            if not wl.suspended and self._write(wl, suspended_object(wl.kind, obj)):
-                self.suspensions += 1
-                log.info("suspended %s (job %s)", wl.key, job_id)
-            elif not wl.suspended:
-                self.refresh()  # stale: try once more with the fresh object
-                found = self._workload_of(job_id)
-                if found and not found[0].suspended and self._write(found[0], suspended_object(found[0].kind, found[1])):
-                    self.suspensions += 1
+            if not wl.suspended:
+                if self._suspend(wl):
+                    log.info("suspended %s (job %s)", wl.key, job_id)
+                else:  # the API server did not answer: retried on every poll until it does
+                    self._to_suspend.add(job_id)
+
+    def _suspend(self, wl: Workload) -> bool:
+        """Set the workload's suspend flag by a JSON merge patch. A patch carries no
+        resourceVersion, so it cannot lose to the controller's concurrent status writes (which
+        change the resourceVersion of the whole object: on a real API server a replace of a
+        running Job can conflict with its Job controller, and the old replace-then-retry-once
+        could give up silently, leaving the Job running while the service counted it stopped).
+        Suspending is
+        idempotent and depends on no other field, so nothing is overwritten."""
+        patch: dict[str, Any] = ({"spec": {"runPolicy": {"suspend": True}}} if wl.kind == PYTORCHJOB
+                                 else {"spec": {"suspend": True}})
+        try:
+            got = self.custom.patch_namespaced_custom_object(
+                wl.kind.group, wl.kind.version, wl.namespace, wl.kind.plural, wl.name, patch,
+                field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
+        except _api_exception() as exc:
+            if exc.status == 404:
+                return True  # gone: nothing to suspend (poll() reports the deletion)
+            log.warning("%s: suspension not written (HTTP %s); retrying on the next poll", wl.key, exc.status)
+            return False
+        except Exception as exc:  # noqa: BLE001 - the API server is unreachable: retry on the next poll
+            log.warning("%s: suspension not written (%s); retrying on the next poll", wl.key, exc)
+            return False
+        if got.get("metadata", {}).get("uid") == wl.uid:
+            parsed = parse_workload(wl.kind, got)
+            self.workloads[parsed.uid], self._objects[parsed.uid] = parsed, got
+        self.suspensions += 1
+        return True
 
     def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
         if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
@@ -670,6 +749,25 @@ class KubernetesBackend(ClusterBackend):
         with self._lock:
             self.refresh()
             self._intake()
+            now = self.clock()
+            for job_id, (spec, alloc, deadline) in list(self._awaiting.items()):
+                if self._workload_of(job_id) is None:
+                    self._adopt_rest_job(spec)
+                if self._workload_of(job_id) is not None:
+                    del self._awaiting[job_id]
+                    if not self._admit(spec, alloc):
+                        self._deferred[job_id] = (spec, alloc)
+                elif now > deadline:
+                    del self._awaiting[job_id]
+                    self._events.append(JobEvent(job_id, "failed", time=now, message=(
+                        f"job {job_id} has no Kubernetes workload (it was deleted, or it was submitted without a"
+                        f" pod_template); nothing to run")))
+            for job_id in sorted(self._to_suspend):  # preemptions the API server did not take yet
+                found = self._workload_of(job_id)
+                if found is None or found[0].suspended or found[0].phase != "active" or job_id in self._admitted:
+                    self._to_suspend.discard(job_id)
+                elif self._suspend(found[0]):
+                    self._to_suspend.discard(job_id)
             for job_id, (spec, alloc) in list(self._deferred.items()):
                 found = self._workload_of(job_id)
                 if found is None or found[0].phase != "active" or self._admit(spec, alloc):

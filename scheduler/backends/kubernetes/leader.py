@@ -18,6 +18,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+FIELD_MANAGER = "silod"  # the writer named in managedFields (as backend.py)
+
 log = logging.getLogger("silod.leader")
 
 
@@ -51,7 +53,7 @@ class LeaderElector:
                 spec=client.V1LeaseSpec(holder_identity=self.identity, lease_duration_seconds=int(self.lease_s),
                                         acquire_time=now, renew_time=now, lease_transitions=0))
             try:
-                self.api.create_namespaced_lease(self.namespace, body, _request_timeout=10)
+                self.api.create_namespaced_lease(self.namespace, body, field_manager=FIELD_MANAGER, _request_timeout=10)
                 return True
             except ApiException as exc2:
                 if exc2.status == 409:
@@ -73,7 +75,8 @@ class LeaderElector:
             return False
         lease.spec = spec  # lease.metadata keeps the resourceVersion we read: a race is a 409
         try:
-            self.api.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=10)
+            self.api.replace_namespaced_lease(self.name, self.namespace, lease, field_manager=FIELD_MANAGER,
+                                              _request_timeout=10)
         except ApiException as exc:
             if exc.status in (404, 409):
                 return False

@@ -9,7 +9,11 @@ IO; this module decides *where*, and refuses a placement that a node cannot hono
   client caches the dataset on that node's disk), next to the allocations of the other datasets
   already admitted on the node (a dataset already there needs only the difference);
 - remote IO: each pod gets an equal share of the job's remote IO, and the pods placed on a node
-  must fit in that node's share of the cluster's remote link (its NIC, or the link split evenly).
+  must fit in that node's share of the cluster's remote link (its NIC, or the link split evenly);
+- taints: a node whose NoSchedule/NoExecute taints the pod does not tolerate is never chosen
+  (kube-scheduler would leave the pod Pending while silod holds the node's GPUs). Nodes that are
+  not Ready or are cordoned never reach this module (backend.py leaves them out), and a node
+  still tainted node.kubernetes.io/not-ready is refused here like any other taint.
 """
 
 from __future__ import annotations
@@ -18,6 +22,35 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 EPS = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    key: str = ""  # empty with operator Exists: tolerates every taint
+    operator: str = "Equal"  # Equal | Exists
+    value: str = ""
+    effect: str = ""  # empty: every effect
+
+    def tolerates(self, taint: Taint) -> bool:
+        """Kubernetes' rule (k8s.io/api/core/v1 Toleration.ToleratesTaint)."""
+        if self.effect and self.effect != taint.effect:
+            return False
+        if self.key and self.key != taint.key:
+            return False
+        if self.operator == "Exists":
+            return True
+        return self.operator in ("Equal", "") and self.value == taint.value
+
+
+# PreferNoSchedule is a preference: kube-scheduler may still bind there.
+BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +63,17 @@ class NodeState:
     io_capacity: float = float("inf")  # bytes/s: this node's share of the remote link
     io_used: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Taint, ...] = ()
 
     def cache_free_for(self, dataset: str) -> float:
         return self.cache_capacity - sum(v for k, v in self.cache_used.items() if k != dataset)
 
-    def admits(self, selector: Mapping[str, str]) -> bool:
-        return all(self.labels.get(k) == v for k, v in selector.items())
+    def admits(self, selector: Mapping[str, str], tolerations: Sequence[Toleration] = ()) -> bool:
+        """The node's labels satisfy the pod's nodeSelector and the pod tolerates every taint
+        that keeps pods off the node."""
+        return (all(self.labels.get(k) == v for k, v in selector.items())
+                and all(any(t.tolerates(taint) for t in tolerations)
+                        for taint in self.taints if taint.effect in BLOCKING_EFFECTS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +81,17 @@ class PodRequest:
     key: str
     gpus: int
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Toleration, ...] = ()
 
 
 def why_not(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: str, cache_bytes: float,
             io_per_pod: float) -> str:
     """One sentence for an operator: which resource no node offers."""
     gpus = sum(p.gpus for p in pods)
+    if pods and not [n for n in nodes if all(n.admits(p.node_selector, p.tolerations) for p in pods)]:
+        tainted = sorted({t.key for n in nodes for t in n.taints if t.effect in BLOCKING_EFFECTS})
+        return ("no node matches its pods' nodeSelector and tolerations"
+                + (f" (nodes tainted {', '.join(tainted)}: add a toleration if the pods may run there)" if tainted else ""))
     free = sum(n.gpus_free for n in nodes)
     if gpus > free:
         return f"needs {gpus} GPUs, {free} free"
@@ -69,7 +112,7 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
     order = sorted(pods, key=lambda p: (-p.gpus, p.key))
     eligible = {
         p.key: [n.name for n in sorted(nodes, key=lambda n: n.name)
-                if n.admits(p.node_selector) and n.cache_free_for(dataset) + EPS >= cache_bytes]
+                if n.admits(p.node_selector, p.tolerations) and n.cache_free_for(dataset) + EPS >= cache_bytes]
         for p in order
     }
     if any(not eligible[p.key] for p in order):
@@ -130,4 +173,4 @@ def by_name_hostnames(nodes: Sequence[NodeState], names: Sequence[str]) -> list[
     return sorted({host[n] for n in names})
 
 
-__all__ = ["NodeState", "PodRequest", "by_name_hostnames", "place", "why_not"]
+__all__ = ["NodeState", "PodRequest", "Taint", "Toleration", "by_name_hostnames", "place", "why_not"]

@@ -5,9 +5,9 @@ once, and silod can only suspend it on its next poll, after pods may have run. W
 server sends every CREATE of a labelled Job, JobSet or PyTorchJob (the
 MutatingWebhookConfiguration's objectSelector) here first, and we answer with a JSONPatch that
 sets `spec.suspend: true` (`spec.runPolicy.suspend` for a PyTorchJob), so no pod starts before
-silod admits it. On UPDATE, unsuspending a queued workload is denied to everyone but silod's
-own identity (`--webhook-admitter`, the scheduler's service account), so its owner cannot
-start it past the queue either. The configuration is deploy/base/webhook.yaml (failurePolicy: Fail; see
+silod admits it. On UPDATE, unsuspending a queued workload, or removing the queue label from
+one that is suspended, is denied to everyone but silod's own identity (`--webhook-admitter`,
+the scheduler's service account), so its owner cannot start it past the queue either. The configuration is deploy/base/webhook.yaml (failurePolicy: Fail; see
 docs/kubernetes.md for why and for the certificate).
 
 Trust: the webhook decides nothing and stores nothing; its answer goes back only to the caller.
@@ -98,11 +98,23 @@ def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[
     known = KIND_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
     ours = known is not None and isinstance(kind, Mapping) and kind.get("group") == known.group
     old = req.get("oldObject")
+    user = req.get("userInfo")
+    requester = user.get("username") if isinstance(user, Mapping) else None
+    if (ours and req.get("operation") == "UPDATE" and isinstance(obj, Mapping) and isinstance(old, Mapping)
+            and _labelled(old) and not _labelled(obj) and _suspended(known.kind, old)
+            and requester not in admitters):
+        # Dropping the label from a queued (suspended) workload would take it out of silod's
+        # queue and out of this webhook's objectSelector: its owner could then unsuspend it with
+        # no review at all. The API server sends the UPDATE here because the old object matches.
+        return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {
+            "uid": uid, "allowed": False, "status": {
+                "code": 403, "reason": "Forbidden",
+                "message": f"{kind_name} is queued in silod: the label {QUEUE_LABEL} cannot be removed while it is"
+                           f" suspended; delete and re-create it without the label to run it outside silod"}}}
     if (ours and req.get("operation") == "UPDATE" and isinstance(obj, Mapping) and isinstance(old, Mapping)
             and (_labelled(old) or _labelled(obj)) and _suspended(known.kind, old)
             and not _suspended(known.kind, obj)):
-        user = req.get("userInfo")
-        name = user.get("username") if isinstance(user, Mapping) else None
+        name = requester
         if name not in admitters:
             return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {
                 "uid": uid, "allowed": False, "status": {

@@ -75,6 +75,7 @@ class PodSet:
     gpus: int
     node_selector: Mapping[str, str]
     path: tuple[str | int, ...]  # where the pod template (with .spec) sits in the object
+    tolerations: tuple[tuple[str, str, str, str], ...] = ()  # (key, operator, value, effect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +111,9 @@ class Workload:
     def pods(self) -> int:
         return sum(p.count for p in self.pod_sets)
 
-    def pod_list(self) -> list[tuple[str, int, Mapping[str, str]]]:
-        """One (pod name, GPUs, nodeSelector) per pod, for placement."""
-        return [(f"{self.key}/{ps.name}-{i}", ps.gpus, ps.node_selector)
+    def pod_list(self) -> list[tuple[str, int, Mapping[str, str], tuple[tuple[str, str, str, str], ...]]]:
+        """One (pod name, GPUs, nodeSelector, tolerations) per pod, for placement."""
+        return [(f"{self.key}/{ps.name}-{i}", ps.gpus, ps.node_selector, ps.tolerations)
                 for ps in self.pod_sets for i in range(ps.count)]
 
 
@@ -168,6 +169,15 @@ def template_datasets(pod_spec: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _tolerations(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise WorkloadError(f"{where} must be a list of tolerations")
+    return tuple((str(t.get("key") or ""), str(t.get("operator") or "Equal"), str(t.get("value") or ""),
+                  str(t.get("effect") or "")) for t in value)
+
+
 def _count(value: Any, where: str, default: int = 1) -> int:
     if value is None:
         return default
@@ -184,7 +194,8 @@ def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str) -> list[PodSet]:
         template = _get(obj, *path) or {}
         pod_spec = template.get("spec") or {}
         sets.append(PodSet(name=name, count=count, gpus=pod_gpus(pod_spec, f"{where} {name}"),
-                           node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path))
+                           node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path,
+                           tolerations=_tolerations(pod_spec.get("tolerations"), f"{where} {name} tolerations")))
 
     if kind == JOB:
         add("main", _count(spec.get("parallelism"), f"{where} spec.parallelism"), ("spec", "template"))
@@ -333,11 +344,13 @@ def admitted_object(kind: Kind, obj: Mapping[str, Any], hostnames: Sequence[str]
 
 
 def suspended_object(kind: Kind, obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The workload suspended again; its controller deletes the running pods (silod deletes
-    nothing). The placement stays in the templates for now: Kubernetes accepts changes to a
-    Job's scheduling directives only while it is *already* suspended and its controller has
-    cleared status.startTime, so the next admission replaces it (`admitted_object` strips the
-    expression the annotation records)."""
+    """The workload suspended again (the object a merge patch of the suspend flag yields: the
+    backend writes it as a patch, backend.py `_suspend`); its controller deletes the running pods
+    (silod deletes nothing). The placement stays in the templates for now: Kubernetes accepts
+    changes to a Job's scheduling directives only while it is *already* suspended and has no
+    status.startTime (which silod clears before re-admitting, backend.py `_clear_start_time`),
+    so the next admission replaces it (`admitted_object` strips the expression the annotation
+    records)."""
     new = copy.deepcopy(dict(obj))
     _set(new, _suspend_path(kind), True)
     return new

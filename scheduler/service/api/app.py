@@ -7,14 +7,17 @@ that the tests (including a schemathesis fuzzer) treat as a bug.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from dataclasses import asdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -24,6 +27,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
+from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
+from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S
 from policies.registry import available_policies
 from scheduler.service.api.auth import TokenStore, check_tenant
 from scheduler.service.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
@@ -48,6 +53,7 @@ from scheduler.service.api.schemas import (
     PolicyOut,
     QuotaIn,
     QuotaOut,
+    ReadyOut,
     RoundOut,
     TokenIn,
     TokenOut,
@@ -55,10 +61,16 @@ from scheduler.service.api.schemas import (
 )
 from scheduler.service.catalogue import NewCredential
 from scheduler.service.consumption import ConsumptionStore, PodReport
+from scheduler.service.overview import Overview
 from scheduler.service.scheduler_process import SchedulerService
 from scheduler.service.types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
 
 log = logging.getLogger("silod.api")
+
+# Above the largest legal body (a consumption report: 1,000 pods of 6 values; a pod template's
+# 256 args and 64 env entries), far below what made validation expensive.
+BODY_LIMITS = JsonLimits(max_depth=8, max_keys=64, max_items=1000, max_values=16_384)
+MAX_ERRORS = 20
 
 _bearer = HTTPBearer(auto_error=False, description="a token from the admin API or --tokens FILE, or the admin token")
 
@@ -102,13 +114,28 @@ def _json(records: Any, status_code: int = 200) -> Response:
     return Response(json.dumps(body, separators=(",", ":")), status_code=status_code, media_type="application/json")
 
 
+# The page may only run its own script and talk to this origin: no CDN, nothing inline.
+_UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self';"
+                               " img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+@functools.cache
+def _ui_file(name: str) -> bytes:
+    return resources.files("scheduler.service.api").joinpath("ui", name).read_bytes()
+
+
 def _admin(who: Principal, what: str) -> None:
     if not who.is_admin:
         raise ForbiddenError(f"only an admin token may {what}")
 
 
 def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = True,
-               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+               max_body: int = DEFAULT_MAX_BODY,
+               body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S)) -> FastAPI:
     """The API over `service`. With run_loop, the scheduling loop runs for the app's lifetime."""
 
     @asynccontextmanager
@@ -127,10 +154,14 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         description="Co-schedules GPUs, dataset cache and remote IO. Authenticate with `Authorization: Bearer TOKEN`.",
         lifespan=lifespan,
     )
+    # Bodies are parsed once, with bounds on depth, keys, list items and values, before any
+    # model validates them (http_guard/json_limits.py); set before the routes are declared.
+    app.router.route_class = limited_json_route(BODY_LIMITS)
     app.state.service = service
     app.state.tokens = tokens
     app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
-                       agent_node=service.config.agent_node if service is not None else None)
+                       agent_node=service.config.agent_node if service is not None else None,
+                       body_timeouts=body_timeouts)
     registry = make_registry(service) if service is not None else None
     catalogue = service.catalogue if service is not None else None
     consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
@@ -144,10 +175,18 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default echoes the offending input, which may be NaN/Infinity (not JSON:
         # the error response itself would fail with a 500) or megabytes long. Keep loc and msg.
+        # At most MAX_ERRORS errors are answered: a client needs the first few to fix its body.
+        all_errors = exc.errors()
         errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-                  for e in exc.errors()]
+                  for e in all_errors[:MAX_ERRORS]]
+        if len(all_errors) > MAX_ERRORS:
+            errors.append({"loc": [], "msg": f"and {len(all_errors) - MAX_ERRORS} more errors", "type": "truncated"})
         field = next((e["loc"][-1] for e in errors if len(e["loc"]) > 1), None)
         return JSONResponse(status_code=422, content={"detail": errors, "field": field})
+
+    @app.exception_handler(BodyShapeError)
+    async def _body_shape_error(_req: Request, exc: BodyShapeError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": exc.detail, "field": None})
 
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError) -> JSONResponse:
@@ -159,11 +198,16 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         log.error("unhandled error", exc_info=exc)
         return JSONResponse(status_code=500, content={"detail": "internal error", "field": None})
 
+    def _database_answers() -> bool:
+        with service.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return True
+
     @app.exception_handler(SQLAlchemyError)
     async def _database_error(_req: Request, exc: SQLAlchemyError) -> JSONResponse:
         # An unreachable database is the one documented 5xx: JSON, with Retry-After. The pool
         # pings connections before use, so the service recovers by itself when it is back.
-        if is_database_outage(exc):
+        if await anyio.to_thread.run_sync(is_database_outage, exc, _database_answers):
             log.warning("database unavailable: %s", type(exc).__name__)
             return JSONResponse(status_code=503, content=OUTAGE_BODY, headers={"Retry-After": str(RETRY_AFTER_S)})
         log.error("database error", exc_info=exc)
@@ -182,10 +226,50 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         return HealthOut(status="ok", database="ok")
 
+    @app.get("/readyz", response_model=ReadyOut, tags=["ops"],
+             responses={503: {"model": ReadyOut, "description": "serving, but nothing schedules"}})
+    def readyz() -> ReadyOut | JSONResponse:
+        """Ready: this API answers and a live process holds the scheduling lease (`/healthz` only
+        says the API and its database answer). 503 while no process schedules, e.g. for the
+        seconds after the scheduling process died until its replacement takes over."""
+        from scheduler.service.control import lease_status
+
+        try:
+            why = lease_status(service.sessions)
+        except Exception as exc:
+            log.warning("readiness check: database unavailable: %s", type(exc).__name__)
+            why = "the database is unavailable"
+        if why is not None:
+            return JSONResponse(status_code=503, content={"status": "not ready", "scheduling": why},
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ReadyOut(status="ready", scheduling="ok")
+
     @app.get("/metrics", tags=["ops"], response_class=Response)
     def metrics() -> Response:
         body, content_type = metrics_response(registry)
         return Response(content=body, media_type=content_type)
+
+    # ---- the web view (static files from the package; the data comes from /v1/overview)
+
+    @app.get("/ui", include_in_schema=False)
+    @app.get("/ui/", include_in_schema=False)
+    def ui_page() -> Response:
+        return Response(_ui_file("index.html"), media_type="text/html; charset=utf-8", headers=_UI_HEADERS)
+
+    @app.get("/ui/ui.js", include_in_schema=False)
+    def ui_script() -> Response:
+        return Response(_ui_file("ui.js"), media_type="text/javascript; charset=utf-8", headers=_UI_HEADERS)
+
+    @app.get("/ui/ui.css", include_in_schema=False)
+    def ui_style() -> Response:
+        return Response(_ui_file("ui.css"), media_type="text/css; charset=utf-8", headers=_UI_HEADERS)
+
+    @app.get("/v1/overview", response_model=Overview, responses=_ERRORS, tags=["cluster"])
+    def overview(who: Who) -> Overview:
+        """The queue (each waiting job's position among every tenant's waiting jobs and why it
+        waits), the running jobs (allocation, measured hit ratio and throughput, what bounds
+        them), the datasets (allocated vs cached) and recent utilisation. Yours only, unless admin."""
+        return service.overview(who)
 
     # ---- tokens (admin)
 
@@ -193,6 +277,10 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def create_token(body: TokenIn, who: Who) -> NewTokenOut:
         """Admin: a new token for a tenant; the plain token is in this answer only."""
         _admin(who, "create tokens")
+        if body.owner == "admin" and not body.admin:
+            # As in the tokens file: 'admin' is the admin's name; a non-admin token owned by it
+            # would act for objects the admin created without being the admin.
+            raise ServiceError("owner 'admin' is reserved for admin tokens; give the tenant's name", field="owner")
         now = time.time()
         expires = None if body.expires_in_s is None else now + body.expires_in_s
         record, token = tokens.create(body.owner, is_admin=body.admin, expires_at=expires, label=body.label, now=now)
@@ -259,6 +347,18 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def get_dataset(name: str, who: Who, owner: OwnerQ = None) -> DatasetOut:
         return DatasetOut.model_validate(catalogue.get_dataset(who, name, owner))
 
+    @app.get("/v1/datasets/{name}/source-credential", responses=_ERRORS, tags=["datasets"])
+    def dataset_source_credential(name: str, who: Who,
+                                  owner: Annotated[str, Query(max_length=64, description="the tenant whose pods mount it")]
+                                  ) -> dict[str, Any]:
+        """Node agents only (`--node-agent USER`): the credential a node's `silod mount` of this
+        dataset reads with, `{"credential": null}` when it is read anonymously."""
+        cred = catalogue.dataset_source_credential(who, name, owner)
+        if cred is None:
+            return {"credential": None}
+        return {"credential": {"access_key_id": cred.access_key_id, "secret_access_key": cred.secret_access_key,
+                               "endpoint_url": cred.endpoint_url, "region": cred.region}}
+
     @app.put("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
     def grant_dataset(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
         """Share your dataset with another tenant: its jobs may read it (with your credential, into the same cache)."""
@@ -284,6 +384,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             step_bytes=body.step_bytes, ideal_throughput=body.ideal_throughput, model=body.model,
             priority=body.priority, dataset_owner=body.dataset_owner,
             access=body.access.pattern() if body.access is not None else EPOCH,
+            pipeline=body.pipeline(),
             pod_template=body.pod_template.to_template() if body.pod_template else None,
         )
         record, created = catalogue.submit_job(who, req, idempotency_key)
@@ -342,9 +443,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             cache=UsageOut(total=c.capacity.cache, used=c.cache_used),
             remote_io=UsageOut(total=c.capacity.remote_io, used=c.remote_io_used),
             jobs=dict(c.jobs_by_state),
-            datamanager=c.datamanager,
+            # The data manager's address and the push errors (which name other tenants' datasets)
+            # are the operator's: a tenant learns only whether the last push failed.
+            datamanager=c.datamanager if who.is_admin else None,
             last_round_time=c.last_round_time,
-            last_push_error=c.last_push_error,
+            last_push_error=(c.last_push_error if who.is_admin or c.last_push_error is None
+                             else "the last push to the data manager failed (details for the admin)"),
         )
 
     @app.get("/v1/allocations", response_model=AllocationsOut, responses=_ERRORS, tags=["cluster"])

@@ -6,7 +6,8 @@ Order matters (Kubernetes' API server does the same): authentication first, from
 parse a single byte of its body (401); then, for the node agents' paths, whether the token is bound to that node (403); then the
 body cap, from `Content-Length` when given (413
 at once) and by counting while the body streams in otherwise (413 as soon as the cap is
-passed; nothing beyond it is held). Database trouble while looking a token up is the same JSON
+passed; nothing beyond it is held); a body that stalls is a 408 (http_guard/timeouts.py).
+Database trouble while looking a token up is the same JSON
 503 + Retry-After as everywhere else.
 """
 
@@ -20,6 +21,7 @@ import anyio
 
 from http_guard import BodyTooLarge, capped_receive, send_json
 from http_guard.body import Receive, Send
+from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S, BodyTimeout, timed_receive
 
 from scheduler.service.api.auth import TokenStore
 from scheduler.service.types import Principal
@@ -31,21 +33,46 @@ RETRY_AFTER_S = 5
 
 # Paths anyone may call: probes, the API description. /metrics is here unless a metrics token
 # is configured.
-PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+# /ui and its script are the web view's static page: it holds no data and asks for a token, then
+# calls the authenticated JSON API (GET /v1/overview) with it.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+                          "/ui", "/ui/", "/ui/ui.js", "/ui/ui.css"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
 
 Scope = dict[str, Any]
 
 
-def is_database_outage(exc: BaseException) -> bool:
-    """A database that cannot be reached (connection refused, dropped, pool exhausted), as
-    opposed to a bug in a query."""
+# SQLite's primary result codes that mean "the database cannot serve now" (another writer holds
+# it, the disk or file is gone or full), as opposed to SQLITE_ERROR & co., which concern the
+# statement (e.g. "integer overflow" from a SUM): https://sqlite.org/rescode.html
+_SQLITE_TRANSIENT = frozenset({5, 6, 7, 10, 13, 14, 15})  # BUSY LOCKED NOMEM IOERR FULL CANTOPEN PROTOCOL
+
+
+def is_database_outage(exc: BaseException, probe: Callable[[], bool] | None = None) -> bool:
+    """A database that cannot be reached (connection refused, dropped, pool exhausted, busy), as
+    opposed to an error in one query, which answers that request alone: calling that an outage
+    told clients to retry forever (a permanent 503 while /healthz said ok).
+
+    `probe()` says whether the database answers now (SELECT 1); it decides the cases the
+    driver's error does not (an OperationalError without a connection-level sign)."""
     from sqlalchemy.exc import DBAPIError, OperationalError, TimeoutError as PoolTimeout
 
-    if isinstance(exc, (OperationalError, PoolTimeout)):
+    if isinstance(exc, PoolTimeout):
         return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if not isinstance(exc, OperationalError):
+        return False
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return (code & 0xFF) in _SQLITE_TRANSIENT
+    if probe is None:
+        return True
+    try:
+        return not probe()
+    except Exception:
+        return True
 
 
 OUTAGE_BODY = {"detail": "the database is unavailable; retry later", "field": None}
@@ -54,8 +81,10 @@ OUTAGE_HEADERS = [(b"retry-after", str(RETRY_AFTER_S).encode())]
 
 class RequestGuard:
     def __init__(self, app: Any, tokens: TokenStore, max_body: int = DEFAULT_MAX_BODY,
-                 agent_node: Callable[[str], str | None] | None = None):
+                 agent_node: Callable[[str], str | None] | None = None,
+                 body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S)):
         self.app = app
+        self.body_timeouts = body_timeouts  # (idle, total) seconds: a stalled body is a 408
         self.tokens = tokens
         self.max_body = max_body
         # user -> the node its token is bound to (node agents): /v1/agents/{node}/... is theirs
@@ -77,15 +106,21 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        raw_headers = scope.get("headers", ())
+        headers = {k.lower(): v for k, v in raw_headers}
+        if sum(1 for k, _ in raw_headers if k.lower() == b"authorization") > 1:
+            # Which one would count differs between proxies and servers (here the last won): refuse.
+            await send_json(send, 400, {"detail": "more than one Authorization header; send exactly one", "field": None})
+            return
         if not self._public(path):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             token = token.strip()
             who: Principal | None = None
+            metrics_token = False
             if scheme.lower() == "bearer" and token:
                 if path == "/metrics" and self.tokens.is_metrics_token(token):
-                    who = Principal("metrics")
+                    who, metrics_token = Principal("metrics"), True
                 else:
                     try:
                         who = await self._principal(token)
@@ -95,7 +130,8 @@ class RequestGuard:
                         log.warning("token lookup failed, database unavailable: %s", type(exc).__name__)
                         await send_json(send, 503, OUTAGE_BODY, OUTAGE_HEADERS)
                         return
-            if who is None or (path == "/metrics" and not (who.is_admin or who.user == "metrics")):
+            # /metrics: the metrics token or an admin's (not any tenant who happens to be named "metrics")
+            if who is None or (path == "/metrics" and not (who.is_admin or metrics_token)):
                 await send_json(
                     send, 401, {"detail": "missing or invalid bearer token (Authorization: Bearer TOKEN)", "field": None},
                     [(b"www-authenticate", b"Bearer")],
@@ -127,8 +163,13 @@ class RequestGuard:
             await send(message)
 
         try:
-            await self.app(scope, capped_receive(receive, self.max_body), tracking_send)
+            await self.app(scope, capped_receive(timed_receive(receive, *self.body_timeouts), self.max_body),
+                           tracking_send)
         except BodyTooLarge as exc:
             if started:
                 raise
             await send_json(send, 413, {"detail": exc.detail, "field": None})
+        except BodyTimeout as exc:
+            if started:
+                raise
+            await send_json(send, 408, {"detail": exc.detail, "field": None}, [(b"connection", b"close")])

@@ -13,7 +13,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from estimator.access import AccessPattern, parse_access
 from estimator.errors import UserError
+from estimator.pipeline import MAX_EXPANSION, InputPipeline, parse_pipeline
+from traces.catalog import lookup_model
 from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
+from scheduler.service.consumption import MAX_COUNTER
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"
@@ -60,6 +63,19 @@ def _no_dotdot(value: str) -> str:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_unknown_field(cls, value: Any) -> Any:
+        """Unknown fields are rejected at the first one: the others are dropped before pydantic
+        sees them, so a body of many unknown keys makes one error, not one per key (issue 20:
+        60,000 keys made 60,003 errors and seconds of CPU)."""
+        if isinstance(value, dict):
+            fields = cls.model_fields
+            for key in value:
+                if key not in fields:
+                    return {key: value[key], **{k: v for k, v in value.items() if k in fields}}
+        return value
 
 
 class DatasetIn(_Strict):
@@ -177,8 +193,30 @@ class JobIn(_Strict):
     )
     pod_template: PodTemplateIn | None = Field(default=None, description="Kubernetes: the pods to run (a Job is"
                                                " created in your namespace, suspended until admitted)")
+    cpu_rate: Rate | None = Field(default=None, description="source bytes/s one CPU core preprocesses (decode, augment);"
+                                  " null = not CPU-bound; omitted with a catalog `model`: the catalog's rate")
+    autocache_expansion: float | None = Field(default=None, gt=0, le=MAX_EXPANSION, allow_inf_nan=False,
+                                              description="preprocessed bytes per source byte at the job's autocache point")
+    post_cpu_rate: Rate | None = Field(default=None, description="bytes/s per core of what remains after the autocache point")
 
     _names = field_validator("name", "dataset")(_no_dotdot)
+
+    def pipeline(self) -> InputPipeline | None:
+        """The job's CPU stage: as given, or the catalog model's when cpu_rate is not mentioned."""
+        if "cpu_rate" not in self.model_fields_set and self.model is not None:
+            try:
+                return lookup_model(self.model).pipeline
+            except UserError:
+                return None  # an unknown model is reported by the catalogue, naming `model`
+        return parse_pipeline(self.cpu_rate, self.autocache_expansion, self.post_cpu_rate)
+
+    @model_validator(mode="after")
+    def _pipeline(self) -> JobIn:
+        try:
+            parse_pipeline(self.cpu_rate, self.autocache_expansion, self.post_cpu_rate)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _work_and_speed(self) -> JobIn:
@@ -204,12 +242,11 @@ class MeasuredOut(BaseModel):
     updated_at: float
 
 
-_COUNT = Annotated[int, Field(ge=0, le=2**62)]
+# A pod's cumulative counter: at most 2^53 (9 PB; scheduler/service/consumption.py MAX_COUNTER).
+_COUNT = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
 
 
-class PodConsumptionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class PodConsumptionIn(_Strict):
     pod_uid: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
     read_bytes: _COUNT
     hit_bytes: _COUNT
@@ -224,10 +261,8 @@ class PodConsumptionIn(BaseModel):
         return self
 
 
-class ConsumptionIn(BaseModel):
+class ConsumptionIn(_Strict):
     """A node agent's cumulative per-pod counters (POST /v1/agents/{node}/consumption)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     pods: list[PodConsumptionIn] = Field(max_length=1000)
 
@@ -240,6 +275,15 @@ class IgnoredOut(BaseModel):
 class ConsumptionOut(BaseModel):
     accepted: int
     ignored: list[IgnoredOut]
+
+
+class BottleneckOut(BaseModel):
+    bound: Literal["gpu", "cpu", "cache", "remote_io"]
+    throughput: float = Field(description="bytes/s the model predicts with the job's allocation while it runs")
+    speedup_gpu: float
+    speedup_cpu: float
+    speedup_cache: float
+    speedup_remote_io: float
 
 
 class JobOut(BaseModel):
@@ -269,6 +313,13 @@ class JobOut(BaseModel):
     gpu_share: float
     remote_io: float | None
     access: AccessOut
+    cpu_rate: float | None = Field(None, description="source bytes/s per core; null = not CPU-bound")
+    autocache_expansion: float | None = None
+    post_cpu_rate: float | None = None
+    allocated_cpus: float | None = Field(None, description="CPU cores while running; null = the cluster does not model CPU")
+    bottleneck: BottleneckOut | None = Field(
+        None, description="GET /v1/jobs/{id} of a running job: the resource that bounds it and the predicted speed-up"
+                          " of one more GPU, one more core, +10% cache, +10% remote IO")
     measured: MeasuredOut | None = Field(
         None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
                           " report yet, or not a Kubernetes job)")
@@ -370,6 +421,11 @@ class ErrorOut(BaseModel):
 class HealthOut(BaseModel):
     status: str
     database: str
+
+
+class ReadyOut(BaseModel):
+    status: str = Field(description="ready | not ready")
+    scheduling: str = Field(description="ok, or why no process schedules")
 
 
 class TokenIn(_Strict):

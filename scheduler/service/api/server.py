@@ -12,14 +12,18 @@ from typing import Any
 
 
 class ServerThread:
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_timeout_s: float | None = None):
         import uvicorn
+
+        from http_guard.timeouts import HeaderTimeoutH11Protocol, header_timeout_protocol
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", backlog=2048)
+        http = HeaderTimeoutH11Protocol if header_timeout_s is None else header_timeout_protocol(header_timeout_s)
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", backlog=2048, http=http)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -19,6 +19,15 @@ def create_worker_app() -> FastAPI:
     if not raw:
         raise RuntimeError(f"{WORKER_CONFIG_ENV} is not set: run API workers through `silod serve`")
     cfg = json.loads(raw)
+    if cfg.get("serve_pid") and int(cfg["serve_pid"]) != os.getpid():
+        # A worker process of `silod serve --workers N`: it must not outlive its parent (kill -9
+        # left workers serving, headless, holding the port). With one worker uvicorn runs the
+        # app in the parent itself.
+        import signal
+
+        from scheduler.service.lifeline import die_with_parent
+
+        die_with_parent(int(cfg["serve_pid"]), signal.SIGKILL)
     build = dict(cfg["build"])
     if build.get("cluster_file"):
         build["cluster_file"] = Path(build["cluster_file"])

@@ -7,6 +7,7 @@ failing. PostgreSQL is reached through psycopg 3.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -42,6 +43,24 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyp
     cur.close()
 
 
+def private_sqlite_files(path: Path) -> None:
+    """The database file created 0600 before SQLite opens it (SQLite creates the -wal and -shm
+    files with the database file's mode), and existing files made 0600: they hold tokens'
+    digests, sealed secrets and every tenant's jobs (issue 20: `nobody` read the -wal file)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return  # SQLite reports the real problem, naming the file
+    os.close(fd)
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"),
+              path.with_name(path.name + "-journal")):
+        try:
+            if f.stat().st_mode & 0o077:
+                f.chmod(0o600)
+        except OSError:
+            pass  # absent, or not ours: SQLite answers for it
+
+
 def make_engine(url: str) -> Engine:
     url = normalize_url(url)
     if url.startswith("sqlite"):
@@ -50,6 +69,8 @@ def make_engine(url: str) -> Engine:
         path = url.split(":///", 1)[1] if ":///" in url else ""
         if path and not Path(path).expanduser().resolve().parent.is_dir():
             raise UserError(f"database directory {Path(path).parent} does not exist; create it or pass another --db")
+        if path:
+            private_sqlite_files(Path(path.split("?", 1)[0]).expanduser())
         engine = create_engine(
             url,
             connect_args={"check_same_thread": False, "timeout": 30},

@@ -94,6 +94,10 @@ class Job(Base):
     curriculum_alpha: Mapped[float | None] = mapped_column(Float, nullable=True)
     curriculum_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     curriculum_batch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The CPU preprocessing stage (estimator/pipeline.py; migration 0005); NULL cpu_rate = not CPU-bound.
+    cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    autocache_expansion: Mapped[float | None] = mapped_column(Float, nullable=True)
+    post_cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
     allocation: Mapped[JobAllocationRow | None] = relationship(
@@ -111,6 +115,7 @@ class JobAllocationRow(Base):
     gpus: Mapped[int] = mapped_column(Integer)  # GPUs held this round (0 or the job's gpus)
     gpu_share: Mapped[float] = mapped_column(Float)  # the policy's time-average share
     remote_io: Mapped[float | None] = mapped_column(Float, nullable=True)  # bytes/s; None = unmanaged
+    cpu: Mapped[float | None] = mapped_column(Float, nullable=True)  # cores while running; None = CPU not modelled
     running: Mapped[bool] = mapped_column(Boolean)
     round_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,235 @@
+"""What a person watching the cluster sees: the web view (/ui), `silod top` and the per-job and
+per-dataset gauges of /metrics all render this one overview, so they cannot disagree.
+
+`build_overview` reads the database (jobs, allocations, datasets) and the status the scheduling
+process publishes (measurements from the data manager or the backend, jobs held back by quota,
+a short utilisation history). `wait_reason` and `diagnosis` are pure functions of that state,
+tested on their own.
+
+A tenant sees its own jobs and the datasets it owns or was granted; the cluster's totals and
+each waiting job's position in the whole queue are visible to everyone (as `GET /v1/cluster`
+is), never another tenant's job names.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
+
+from contract.names import storage_key
+from scheduler.service.consumption import ConsumptionStore
+from scheduler.service.db.models import ACTIVE_STATES, CacheAllocationRow, Dataset, DatasetGrant, Job, JobState
+from scheduler.service.types import Principal
+
+QUOTA_REASON = "held back by the tenant's quota (GPUs or running jobs)"
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedJob:
+    id: str
+    name: str
+    owner: str
+    gpus: int
+    dataset: str
+    priority: int
+    submit_time: float
+    position: int  # 1 = next in line, among every tenant's waiting jobs
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunningJob:
+    id: str
+    name: str
+    owner: str
+    gpus: int
+    dataset: str
+    ideal_throughput: float  # f*, bytes/s
+    progress: float  # 0..1
+    cache_bytes: float | None  # the dataset's cache allocation (shared by its readers)
+    dataset_bytes: float
+    remote_io: float | None  # bytes/s cap; None = not managed
+    hit_ratio: float | None  # measured: hit bytes / read bytes (None: no measurement yet)
+    throughput: float | None  # measured read throughput, bytes/s
+    predicted_throughput: float  # SiloDPerf (with the CPU stage) of what it holds
+    bound: str  # what limits it by the model: "gpu" | "cpu" | "cache" | "remote_io"
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetRow:
+    name: str
+    owner: str
+    key: str
+    size: float
+    allocated: float  # cache allocated, bytes
+    cached: float | None  # measured, bytes (None: no measurement)
+
+
+@dataclass(frozen=True, slots=True)
+class Overview:
+    time: float
+    policy: str
+    gpus_total: int
+    gpus_used: int
+    cache_total: float
+    cache_allocated: float
+    remote_io_total: float
+    remote_io_allocated: float
+    queued_total: int  # every tenant's waiting jobs (a count, no names)
+    running_total: int
+    queue: tuple[QueuedJob, ...]
+    running: tuple[RunningJob, ...]
+    datasets: tuple[DatasetRow, ...]
+    history: tuple[dict[str, float], ...] = field(default_factory=tuple)
+    measured_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["history"] = [dict(h) for h in self.history]
+        return out
+
+
+def diagnosis(ideal: float, gpus: int, remote_io: float | None, cache: float | None, size: float,
+              cores: float | None, cpu_rate: float | None, link: float) -> tuple[float, str]:
+    """(predicted throughput, bounding resource) of a running job from what it holds, by the
+    same model as `GET /v1/jobs/{id}`'s bottleneck (estimator.pipeline.diagnose: SiloDPerf with
+    the CPU stage): 'gpu' | 'cpu' | 'cache' | 'remote_io'. Unmanaged IO counts as the whole link
+    `link`, as there."""
+    from estimator.pipeline import diagnose
+
+    d = diagnose([ideal], gpus, link if remote_io is None else remote_io, cache or 0.0, size,
+                 math.inf if cores is None else cores, math.inf if cpu_rate is None else cpu_rate)
+    return float(d.throughput[0]), str(d.bound[0])
+
+
+def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: int, policy: str) -> str:
+    """Why a queued job is not running, in words a user can act on."""
+    if held_by_quota:
+        return QUOTA_REASON
+    if job_gpus > free_gpus:
+        text = f"needs {job_gpus} GPUs, {free_gpus} free"
+        if passed_by:
+            text += f"; {passed_by} later job(s) started on free GPUs (backfilling)"
+        return text
+    return f"GPUs are free; waiting for the next round ({policy} gave it no share yet)"
+
+
+def queue_order(jobs: Sequence[Job]) -> list[Job]:
+    """The order waiting jobs are considered in: priority first, then arrival (as quota
+    admission and FIFO order them)."""
+    return sorted(jobs, key=lambda j: (-j.priority, j.submit_time, j.id))
+
+
+def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, policy: str,
+                   status: Mapping[str, Any], now: float | None = None) -> Overview:
+    now = time.time() if now is None else now
+    measured = status.get("measured") or {}
+    m_jobs: Mapping[str, Mapping[str, Any]] = measured.get("jobs") or {}
+    m_cached: Mapping[str, float] = measured.get("cached") or {}
+    held = set(status.get("held_back") or ())
+    with sessions() as s:
+        active = list(s.scalars(select(Job).where(Job.state.in_(ACTIVE_STATES))).unique())
+        cache_rows = {r.dataset_id: r.bytes for r in s.scalars(select(CacheAllocationRow))}
+        dq = select(Dataset)
+        if not who.is_admin:
+            granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
+            dq = dq.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
+        visible_datasets = list(s.scalars(dq.order_by(Dataset.name, Dataset.owner)))
+    mine = (lambda j: True) if who.is_admin else (lambda j: j.owner == who.user)
+
+    def holds_gpus(j: Job) -> bool:
+        return JobState(j.state) == JobState.RUNNING
+
+    running = [j for j in active if holds_gpus(j)]
+    waiting = queue_order([j for j in active if not holds_gpus(j)])
+    gpus_used = sum(j.gpus for j in running)
+    free = max(int(capacity.gpus) - gpus_used, 0)
+    queue: list[QueuedJob] = []
+    for pos, j in enumerate(waiting, start=1):
+        if not mine(j):
+            continue
+        passed_by = sum(1 for r in running if (-r.priority, r.submit_time, r.id) > (-j.priority, j.submit_time, j.id))
+        queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time, pos,
+                               wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy)))
+    # Kubernetes: the node agents' per-pod counters (trusted consumption) give the hit ratio of
+    # jobs the data manager and the backend have no figure for.
+    agents = ConsumptionStore(sessions, None).measured(str(j.id) for j in running if str(j.id) not in m_jobs)
+    rows: list[RunningJob] = []
+    for j in sorted(running, key=lambda j: j.id):
+        if not mine(j):
+            continue
+        a = j.allocation
+        cache = cache_rows.get(j.dataset_id)
+        m = m_jobs.get(str(j.id)) or {}
+        pods = agents.get(str(j.id))
+        if not m and pods is not None and pods.hit_bytes + pods.miss_bytes > 0:
+            m = {"hit_ratio": pods.hit_bytes / (pods.hit_bytes + pods.miss_bytes)}
+        remote_io = a.remote_io if a else None
+        predicted, bound = diagnosis(j.ideal_throughput, j.gpus, remote_io, cache, j.dataset.size,
+                                     a.cpu if a else None, j.cpu_rate, float(capacity.remote_io))
+        rows.append(RunningJob(
+            str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.ideal_throughput,
+            min(j.consumed_bytes / j.total_bytes, 1.0) if j.total_bytes > 0 else 0.0,
+            cache, j.dataset.size, remote_io, _finite(m.get("hit_ratio")), _finite(m.get("throughput")),
+            predicted, bound,
+        ))
+    datasets = []
+    for d in visible_datasets:
+        key = storage_key(d.id, d.name)
+        cached = m_cached.get(key)
+        datasets.append(DatasetRow(d.name, d.owner, key, d.size, float(cache_rows.get(d.id, 0.0)),
+                                   None if cached is None else float(cached)))
+    io_used = sum((j.allocation.remote_io or 0.0) for j in running if j.allocation is not None)
+    return Overview(
+        time=now, policy=policy, gpus_total=int(capacity.gpus), gpus_used=gpus_used,
+        cache_total=float(capacity.cache), cache_allocated=float(sum(cache_rows.values())),
+        remote_io_total=float(capacity.remote_io), remote_io_allocated=float(io_used),
+        queued_total=len(waiting), running_total=len(running), queue=tuple(queue), running=tuple(rows),
+        datasets=tuple(datasets), history=tuple(dict(h) for h in status.get("history") or ()),
+        measured_at=measured.get("time"),
+    )
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+def measurements_from_datamanager(status: Any) -> dict[str, dict[str, float | None]]:
+    """Per job: measured hit ratio and read throughput, summed over the job's mounts on every
+    node, from the data manager's `GET /v1/status` (datamanager/state.py)."""
+    out: dict[str, dict[str, float]] = {}
+    if not isinstance(status, Mapping):
+        return {}
+    for node in (status.get("nodes") or {}).values():
+        for entry in ((node or {}).get("datasets") or {}).values():
+            for job, j in ((entry or {}).get("jobs") or {}).items():
+                acc = out.setdefault(str(job), {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "seen": 0.0})
+                acc["hit"] += _finite(j.get("hit_bytes")) or 0.0
+                acc["miss"] += _finite(j.get("miss_bytes")) or 0.0
+                acc["throughput"] += _finite(j.get("throughput_bytes_per_s")) or 0.0
+                acc["seen"] = 1.0
+    return {job: {"hit_ratio": (a["hit"] / (a["hit"] + a["miss"])) if a["hit"] + a["miss"] > 0 else None,
+                  "throughput": a["throughput"]} for job, a in out.items()}
+
+
+def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]]:
+    """Per running job from a backend that can tell (the local backend's workers' status files)."""
+    running = getattr(backend, "running_jobs", None)
+    status_of = getattr(backend, "job_status", None)
+    if not callable(running) or not callable(status_of):
+        return {}
+    out: dict[str, dict[str, float | None]] = {}
+    for job_id in running():
+        st = status_of(job_id) or {}
+        out[str(job_id)] = {"hit_ratio": _finite(st.get("hit_ratio")), "throughput": _finite(st.get("throughput"))}
+    return out

@@ -1,0 +1,78 @@
+"""Bottleneck diagnosis of the simulator's running jobs (Plumber's question, per step).
+
+For every running job: which resource bounds it this step (gpu, cpu, cache, remote_io;
+estimator.pipeline.diagnose) given its f*, its cores, its remote-IO cap and the miss ratio of what
+it reads next. The engine adds each step's length to the job's time bound by that resource
+(jobs.csv: bound_*_s and `bottleneck`, the resource that bound it longest) and counts the running
+jobs per resource at each timeline sample (timeline.csv: bound_*).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from estimator.measured import FStarEstimate, observe
+from estimator.pipeline import RESOURCES
+from scheduler.sim.reader import SimJob
+
+
+def bounds_now(running: Sequence[SimJob], caps: Mapping[str, float], misses: Mapping[str, float]) -> list[str]:
+    """The resource bounding each running job this step (same order as `running`).
+
+    The same rule as estimator.pipeline.diagnose (tests/test_sim_diagnosis.py checks they
+    agree), written out for the simulator's hot loop: diagnose validates and evaluates the
+    model six times per job, which cost the simulator ~70% more CPU per step."""
+    if not running:
+        return []
+    n = len(running)
+    f = np.fromiter((j.gpu_ideal for j in running), float, n)
+    m = np.clip(np.fromiter((misses[j.job_id] for j in running), float, n), 0.0, 1.0)
+    cpu = np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running), float, n)
+    b = np.fromiter((caps.get(j.job_id, 0.0) for j in running), float, n)
+    return bound_labels(f, cpu, b, m)
+
+
+def bound_labels(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray) -> list[str]:
+    """gpu | cpu | cache | remote_io from f*, the CPU bound, the IO cap and the miss ratio (source
+    caching; see estimator.pipeline.diagnose for the rule)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        io = np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss))
+        now = np.minimum(np.minimum(f, cpu), io)
+        top = np.minimum(f, cpu)
+        # +10% link (a job with no cap: 10% of f*); +10% cache: the hit ratio h grows to 1.1 h.
+        io_more = np.minimum(top, np.where(b > 0, 1.1 * b, 0.1 * f) / np.where(miss <= 0.0, 1.0, miss))
+        new_miss = np.maximum(1.0 - 1.1 * (1.0 - miss), 0.0)
+        cache_more = np.minimum(top, np.where(new_miss <= 0.0, np.inf, b / np.where(new_miss <= 0.0, 1.0, new_miss)))
+    tol = 1e-9
+    labels = np.where(now >= f * (1 - tol), "gpu",
+                      np.where(now >= cpu * (1 - tol), "cpu", np.where(cache_more > io_more * (1 + tol), "cache", "remote_io")))
+    return labels.tolist()
+
+
+def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, miss: float) -> FStarEstimate:
+    """The job's f* estimate after a step (estimator/measured.py): its IO bound is its cap over
+    its miss ratio, its CPU bound its cores times its cpu_rate."""
+    io_bound = math.inf if miss <= 1e-12 else io_cap / miss
+    pipeline = job.trace.pipeline
+    cpu_bound = math.inf if pipeline is None or math.isinf(job.cores) else job.cores * pipeline.cpu_rate
+    return observe(job.fstar, observed, seconds, io_bound, cpu_bound)
+
+
+def record_bounds(running: Sequence[SimJob], bounds: Sequence[str], dt: float) -> None:
+    for job, bound in zip(running, bounds, strict=True):
+        job.bound_s[bound] = job.bound_s.get(bound, 0.0) + dt
+
+
+def counts(bounds: Sequence[str]) -> dict[str, int]:
+    return {r: sum(1 for b in bounds if b == r) for r in RESOURCES}
+
+
+def main_bottleneck(bound_s: Mapping[str, float]) -> str:
+    """The resource that bound the job longest ('' if it never ran)."""
+    return max(RESOURCES, key=lambda r: bound_s.get(r, 0.0)) if any(v > 0 for v in bound_s.values()) else ""
+
+
+__all__ = ["bounds_now", "counts", "main_bottleneck", "record_bounds"]

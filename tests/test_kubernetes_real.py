@@ -1,0 +1,344 @@
+"""silod's Kubernetes backend against a REAL control plane (tests/k8s_testenv.py): etcd, the
+kube-apiserver, the upstream Job controller and kube-scheduler, all "kube-apiserver v1.24.0-alpha
+snapshot" (Kubernetes master of 2021-12-23), RBAC on, deploy/base applied, silod authenticated as
+its own service account. The test plays the kubelet (tests/k8s_testenv.py, Kubelet).
+
+What is checked here is real API-server behaviour: validation of Job template changes
+(spec.template is immutable except node affinity/selectors/tolerations/labels/annotations while
+the Job is suspended and has no status.startTime), the Job controller's suspension (it deletes
+active pods and keeps status.startTime until 1.35; Kubernetes 1.36 clears it on suspend),
+kube-scheduler's taints and tolerations, RBAC of deploy/base, the webhook called by URL.
+"""
+
+from __future__ import annotations
+
+import types
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from k8s_testenv import SILOD_SA, ControlPlane, Kubelet, wait
+from policies.types import ClusterCapacity
+from scheduler.backends.base import DatasetInfo, JobAllocation, JobSpec
+from scheduler.backends.kubernetes import KubernetesBackend, PodTemplate, load_api_client
+
+pytestmark = [pytest.mark.slow]
+
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
+
+
+@pytest.fixture
+def tenant(control_plane: ControlPlane) -> Iterator[tuple[ControlPlane, str, list[str]]]:
+    """A fresh tenant namespace and a list the test appends its node names to (deleted after)."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    control_plane.add_namespace(ns, RESTRICTED)
+    nodes: list[str] = []
+    try:
+        yield control_plane, ns, nodes
+    finally:
+        control_plane.cleanup_namespace(ns)
+        control_plane.delete_nodes(nodes)
+
+
+def backend_for(cp: ControlPlane, gpus: int = 16) -> KubernetesBackend:
+    """silod's backend as `silod serve --backend kubernetes --backend-opt kubeconfig=...` makes it,
+    authenticated as the scheduler's service account."""
+    api = load_api_client(kubeconfig=str(cp.kubeconfig(SILOD_SA)))
+    return KubernetesBackend(api, capacity=ClusterCapacity(gpus=gpus, cache=1e12, remote_io=1e9, gpus_per_node=8))
+
+
+def rest_job(backend: KubernetesBackend, ns: str, job_id: str, gpus: int) -> JobSpec:
+    """A REST submission's Job, created by silod (`create_workload`) in the tenant's namespace."""
+    rec = types.SimpleNamespace(id=job_id, name=f"job-{job_id}", owner=ns, gpus=gpus, dataset="ds")
+    backend.create_workload(rec, PodTemplate(image="trainer:1"))
+    return JobSpec(job_id, rec.name, ns, gpus, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+
+
+def alloc(spec: JobSpec) -> JobAllocation:
+    return JobAllocation(spec.job_id, spec.gpus, 1.0, 1e8, 1e8)
+
+
+def node_of_affinity(job: dict) -> list[str]:
+    """The nodes silod's admission wrote into the Job's required node affinity ([] if none)."""
+    terms = (((job["spec"]["template"]["spec"].get("affinity") or {}).get("nodeAffinity") or {})
+             .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+    return [v for t in terms for e in t.get("matchExpressions", []) if e["key"] == "kubernetes.io/hostname"
+            for v in e["values"]]
+
+
+def running_pods(cp: ControlPlane, ns: str) -> list[dict]:
+    return [p for p in cp.pods(ns) if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") == "Running"]
+
+
+def test_readmission_after_preemption_moves_the_job_to_other_nodes(tenant):
+    """Finding 1: a preempted Job re-admitted onto OTHER nodes. The real Job controller keeps
+    status.startTime on suspension (through 1.35), and the API server accepts the new node
+    affinity only once startTime is cleared, so silod clears it through jobs/status once
+    status.active == 0 (as Kueue does) and then writes the new placement."""
+    cp, ns, nodes = tenant
+    cp.start_kube_scheduler()
+    a, b = f"{ns}-a", f"{ns}-b"
+    nodes += [a, b]
+    cp.add_node(a, 4)
+    cp.add_node(b, 4)
+    kubelet = Kubelet(cp, nodes)
+    backend = backend_for(cp)
+    backend.refresh()
+    spec = rest_job(backend, ns, "901", 4)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    first = node_of_affinity(cp.job(ns, "silod-901"))
+    assert len(first) == 1 and first[0] in (a, b), backend._reported.problems
+    other = b if first[0] == a else a
+
+    def step_until(cond, what, timeout=60.0):
+        def once():
+            kubelet.step(ns)
+            backend.poll()
+            return cond()
+        return wait(once, timeout=timeout, what=what, interval=0.2)
+
+    step_until(lambda: [p for p in running_pods(cp, ns) if p["spec"]["nodeName"] == first[0]],
+               f"the Job's pod running on {first[0]}")
+    step_until(lambda: (cp.job(ns, "silod-901").get("status") or {}).get("startTime"), "the Job controller's startTime")
+
+    # Preempted by suspension; meanwhile the first node is cordoned, so the next admission moves.
+    backend.stop("901")
+    cp.core.patch_node(first[0], {"spec": {"unschedulable": True}})
+    step_until(lambda: not cp.pods(ns), "the Job controller to remove the pod (kubelet finishing it)")
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    job = step_until(lambda: (j := cp.job(ns, "silod-901"))["spec"].get("suspend") is False and j,
+                     f"re-admission of silod-901 onto {other}: {backend._deferred}", timeout=30)
+    assert node_of_affinity(job) == [other]
+    pods = step_until(lambda: running_pods(cp, ns), f"the Job's pod running on {other}")
+    assert [p["spec"]["nodeName"] for p in pods] == [other]
+    assert backend.running_jobs() == {"901"}
+    # silod wrote as itself: server-side field ownership names the manager "silod".
+    managers = {m["manager"] for m in cp.job(ns, "silod-901")["metadata"]["managedFields"]}
+    assert "silod" in managers and "OpenAPI-Generator" not in managers
+
+
+def test_placement_honours_taints_tolerations_and_node_readiness(tenant):
+    """Finding 4: a GPU node tainted nvidia.com/gpu:NoSchedule is not chosen for a Job that does
+    not tolerate it (kube-scheduler would leave its pods Pending while silod holds the GPUs); a
+    Job that tolerates it may go there. Nodes that are NotReady, cordoned, or still carry the
+    node.kubernetes.io/not-ready taint are never chosen."""
+    cp, ns, nodes = tenant
+    cp.start_kube_scheduler()
+    tainted, free, notready, cordoned, still_tainted = (f"{ns}-{s}" for s in ("gpu", "big", "nr", "cord", "nrt"))
+    nodes += [tainted, free, notready, cordoned, still_tainted]
+    # Best fit would pick the tightest nodes (4 GPUs) first: every one of them is unusable.
+    cp.add_node(tainted, 4, taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}])
+    cp.add_node(notready, 4, ready=False)
+    cp.add_node(cordoned, 4, unschedulable=True)
+    cp.add_node(still_tainted, 4, taints=[{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}])
+    cp.add_node(free, 6)
+    kubelet = Kubelet(cp, nodes)
+    backend = backend_for(cp)
+    backend.refresh()
+    spec = rest_job(backend, ns, "902", 4)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    assert node_of_affinity(cp.job(ns, "silod-902")) == [free], backend._reported.problems
+
+    def scheduled():
+        kubelet.step(ns)
+        return [p["spec"]["nodeName"] for p in cp.pods(ns) if p["spec"].get("nodeName")]
+    assert wait(scheduled, 60, "kube-scheduler to bind the pod") == [free]
+
+    # A workload that tolerates the GPU taint may use that node (the only one left with 4 free).
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "tolerant", "namespace": ns, "labels": {"silod.io/queue": "default"},
+                     "annotations": {"silod.io/epochs": "1", "silod.io/ideal-throughput": "100MB/s"}},
+        "spec": {"suspend": True, "template": {"spec": {
+            "restartPolicy": "Never",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "t", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": "4"}},
+                            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": [{"name": "data", "csi": {"driver": "silod.io", "readOnly": True,
+                                                 "volumeAttributes": {"dataset": "ds"}}}]}}},
+    }
+    from kubernetes import client
+
+    client.CustomObjectsApi(cp.api_client()).create_namespaced_custom_object("batch", "v1", ns, "jobs", job)
+    backend.refresh()
+    wl = next(w for w in backend.workloads.values() if w.name == "tolerant")
+    backend._remember("903", wl)
+    tol = JobSpec("903", "tolerant", ns, 4, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.start(tol, alloc(tol))
+    assert node_of_affinity(cp.job(ns, "tolerant")) == [tainted], backend._reported.problems
+    wait(lambda: sorted(scheduled()) == sorted([free, tainted]), 60, "kube-scheduler to bind the tolerant pod")
+
+
+def test_silod_creates_rest_jobs_only_in_tenant_namespaces(tenant):
+    """Least privilege (deploy/base): the ClusterRole does not grant Job creation; each tenant's
+    namespace has a RoleBinding that does. kube-system (no such binding) is refused by RBAC."""
+    cp, ns, _ = tenant
+    backend = backend_for(cp)
+    rest_job(backend, ns, "904", 1)  # the tenant's namespace: allowed
+    from estimator.errors import UserError
+
+    rec = types.SimpleNamespace(id="905", name="job-905", owner="kube-system", gpus=1, dataset="ds")
+    with pytest.raises(UserError, match="HTTP 403"):
+        backend.create_workload(rec, PodTemplate(image="trainer:1"))
+
+
+def test_the_owner_cannot_drop_the_queue_label_from_a_queued_job(tenant):
+    """The webhook is called for an UPDATE whose OLD object matches its objectSelector: removing
+    silod.io/queue from a suspended Job is denied (it would leave the queue and the webhook's
+    reach, and could then be unsuspended with no review)."""
+    cp, ns, _ = tenant
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    rbac = client.RbacAuthorizationV1Api(cp.api_client())
+    # (The built-in "edit" role is aggregated by a controller that does not run here.)
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "jobs-owner"}, "rules": [
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "create", "update", "patch"]}]})
+    rbac.create_namespaced_role_binding(ns, {
+        "metadata": {"name": "alice-edit"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                         "name": "jobs-owner"},
+        "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]})
+    alice = client.BatchV1Api(cp.api_client("alice"))
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "mine", "labels": {"silod.io/queue": "default"}},
+           "spec": {"template": {"spec": {
+               "restartPolicy": "Never",
+               "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+               "containers": [{"name": "t", "image": "busybox", "securityContext": {
+                   "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}}}
+    created = wait(lambda: _try_create(alice, ns, job), 20, "alice's RoleBinding to take effect")
+    assert created.spec.suspend is True  # the webhook suspended it at creation
+    with pytest.raises(ApiException) as err:
+        alice.patch_namespaced_job("mine", ns, {"metadata": {"labels": {"silod.io/queue": None}}})
+    assert err.value.status == 403 and "cannot be removed" in err.value.body
+    with pytest.raises(ApiException) as err:
+        alice.patch_namespaced_job("mine", ns, {"spec": {"suspend": False}})
+    assert err.value.status == 403
+    assert alice.read_namespaced_job("mine", ns).spec.suspend is True
+
+
+def _try_create(api, ns, job):  # type: ignore[no-untyped-def]
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return api.create_namespaced_job(ns, job)
+    except ApiException as exc:
+        if exc.status == 403 and "forbidden" in exc.body and "webhook" not in exc.body:
+            return None  # RBAC cache not refreshed yet
+        raise
+
+
+def test_silods_events_carry_timestamps_and_its_field_manager(tenant):
+    """A Warning Event silod writes (a job that cannot be placed) has first/last timestamps (kubectl
+    shows its age) and is written as field manager silod."""
+    cp, ns, nodes = tenant
+    node = f"{ns}-small"
+    nodes.append(node)
+    cp.add_node(node, 1)
+    backend = backend_for(cp)
+    backend.refresh()
+    spec = rest_job(backend, ns, "906", 64)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    events = wait(lambda: [e for e in cp.core.list_namespaced_event(ns).items if e.reason == "SiloDWaitingForPlacement"],
+                  20, "silod's Event")
+    e = events[0]
+    assert e.first_timestamp is not None and e.last_timestamp is not None and e.count == 1
+    assert e.source.component == "silod" and e.involved_object.name == "silod-906"
+    assert {m.manager for m in e.metadata.managed_fields} == {"silod"}
+
+
+def test_the_real_csi_provisioner_provisions_and_deletes_a_pv_with_deploy_bases_rbac(tenant, tmp_path):
+    """Finding 5: the real csi-provisioner sidecar (v5.0.1), authenticated as the
+    silod-csi-controller service account (deploy/base's ClusterRole is all it may do), talks to
+    the real `silod csi-controller`. A PVC of class silod gets its PV; once the PVC is deleted and
+    the PV Released, the sidecar deletes the PV, removing its finalizer by PATCH (without `patch`
+    on persistentvolumes the PV stays forever). The test plays the controllers that do not run
+    here: the PV controller (the PVC's provisioner annotation, the PV's Released phase) and the
+    pvc/pv-protection controllers (their finalizers)."""
+    import subprocess
+
+
+    from k8s_testenv import CSI_SA, binary
+    from dataplane_helpers import silod_cmd
+
+    cp, ns, _ = tenant
+    catalog = tmp_path / "datasets.yaml"
+    catalog.write_text(f"datasets:\n  - {{tenant: {ns}, name: ds, uri: '{tmp_path}'}}\n")
+    sock = tmp_path / "csi" / "csi.sock"
+    log = open(tmp_path / "csi.log", "ab")
+    procs = [subprocess.Popen([*silod_cmd(), "csi-controller", "--socket", str(sock), "--datasets", str(catalog)],
+                              stdout=log, stderr=subprocess.STDOUT)]
+    try:
+        wait(sock.exists, 60, "the csi-controller's socket")
+        procs.append(subprocess.Popen(
+            [str(binary("csi-provisioner")), f"--csi-address={sock}", f"--kubeconfig={cp.kubeconfig(CSI_SA)}",
+             "--extra-create-metadata", "--v=3", "--timeout=30s"], stdout=log, stderr=subprocess.STDOUT))
+        core = cp.core
+        core.create_namespaced_persistent_volume_claim(ns, {
+            "metadata": {"name": "ds", "annotations": {"volume.kubernetes.io/storage-provisioner": "silod.io",
+                                                        "volume.beta.kubernetes.io/storage-provisioner": "silod.io"}},
+            "spec": {"storageClassName": "silod", "accessModes": ["ReadOnlyMany"],
+                     "resources": {"requests": {"storage": "1Gi"}}}})
+
+        def pv_of_claim():
+            return next((pv for pv in core.list_persistent_volume().items
+                         if pv.spec.claim_ref and pv.spec.claim_ref.namespace == ns), None)
+        pv = wait(pv_of_claim, 90, lambda: f"the provisioned PV: {(tmp_path / 'csi.log').read_text()[-1500:]}")
+        assert pv.spec.csi.driver == "silod.io" and pv.spec.csi.volume_attributes["dataset"] == "ds"
+        assert pv.spec.csi.volume_attributes["silod.io/namespace"] == ns
+        assert pv.spec.persistent_volume_reclaim_policy == "Delete"
+
+        core.delete_namespaced_persistent_volume_claim("ds", ns)
+        core.patch_namespaced_persistent_volume_claim("ds", ns, {"metadata": {"finalizers": None}})  # pvc-protection
+        core.patch_persistent_volume_status(pv.metadata.name, {"status": {"phase": "Released"}})  # the PV controller
+
+        def gone():
+            try:
+                cur = core.read_persistent_volume(pv.metadata.name)
+            except Exception:  # noqa: BLE001 - 404: deleted
+                return True
+            if cur.metadata.deletion_timestamp and "kubernetes.io/pv-protection" in (cur.metadata.finalizers or []):
+                # pv-protection (not running here) removes its own finalizer from a PV no pod uses.
+                core.patch_persistent_volume(pv.metadata.name, {"metadata": {"finalizers": [
+                    f for f in cur.metadata.finalizers if f != "kubernetes.io/pv-protection"]}})
+            return False
+        wait(gone, 90, lambda: f"the PV to be deleted: {(tmp_path / 'csi.log').read_text()[-2500:]}", interval=0.5)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+
+
+
+def test_a_rest_job_started_before_its_job_exists_is_admitted_once_it_does(tenant):
+    """The REST handler commits the job, then creates its Job: a round may start the job in
+    between (seen in the real-control-plane end-to-end run: the job was failed with "no Kubernetes
+    workload" while its Job appeared a moment later). start() waits a grace period instead."""
+    cp, ns, nodes = tenant
+    node = f"{ns}-n"
+    nodes.append(node)
+    cp.add_node(node, 4)
+    t = [1000.0]
+    backend = backend_for(cp)
+    backend.clock = lambda: t[0]
+    backend.refresh()
+    early = JobSpec("907", "job-907", ns, 1, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.start(early, alloc(early))  # no Job yet: was UserError, the job failed
+    rest_job(backend, ns, "907", 1)
+    assert not [e for e in backend.poll() if e.kind == "failed"]
+    assert cp.job(ns, "silod-907")["spec"]["suspend"] is False
+    assert node_of_affinity(cp.job(ns, "silod-907")) == [node]
+    # A job whose Job never appears fails after the grace period, with the reason.
+    never = JobSpec("908", "job-908", ns, 1, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.start(never, alloc(never))
+    assert not [e for e in backend.poll() if e.job_id == "908"]
+    t[0] += 31
+    failed = [e for e in backend.poll() if e.job_id == "908"]
+    assert failed and failed[0].kind == "failed" and "no Kubernetes workload" in failed[0].message

@@ -1,0 +1,116 @@
+"""`silod simulate` with CPU preprocessing against the independent item-level model.
+
+tests/reference/itemsim.py gives each CPU-bound job a per-item preprocessing stage on its cores
+(ceil(k) threads sharing k cores) between the loader and the GPU, and allocates cores by its
+own code; the simulator bounds a reader by min(f*, k x cpu_rate) with the policy's cores. Each
+job's JCT must agree within 5%. The cases are also checked by hand where the figure is simple.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from reference.itemsim import RefJob, RefScenario, simulate
+from scheduler.cli import app
+
+GB = 1e9
+MB = 1e6
+ITEMS = 1000
+SEEDS = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    jobs: tuple[RefJob, ...]
+    datasets: dict
+    gpus: int
+    cache: float
+    link: float
+    cpus: float
+    rule: str
+    hand: dict  # job id -> JCT computed by hand (seconds), where simple
+
+
+def job(job_id, dataset, f_mb, epochs, cpu_mb=None, submit=0.0, gpus=1):
+    return RefJob(job_id, submit, gpus, dataset, f_mb * MB, epochs, cpu_rate=None if cpu_mb is None else cpu_mb * MB)
+
+
+TWO = (job("a", "d1", 100, 2.0, 35), job("b", "d2", 69, 2.0, 35))
+MIXED = (job("a", "d1", 100, 2.0, 35), job("b", "d2", 69, 1.0, 35, submit=100.0), job("c", "d3", 8, 0.2, None, submit=200.0))
+CASES = [
+    # b needs 69/35 = 1.97 cores, a the other 2.03 (71 MB/s): 100 GB / 71 MB/s = 1408 s.
+    Case("two-image-model", TWO, {"d1": 50 * GB, "d2": 50 * GB}, 2, 100 * GB, 1 * GB, 4, "model",
+         {"a": 100e9 / ((4 - 69 / 35) * 35e6), "b": 100e9 / 69e6}),
+    # Two cores each: a at 70 MB/s (1429 s), b at its f* 69.
+    Case("two-image-gpu-proportional", TWO, {"d1": 50 * GB, "d2": 50 * GB}, 2, 100 * GB, 1 * GB, 4, "gpu-proportional",
+         {"a": 100e9 / 70e6, "b": 100e9 / 69e6}),
+    # CPU then IO: 2 cores bound a at 70 MB/s; epoch 1 reads at the 40 MB/s link (all misses),
+    # epoch 2 at min(70, 40 / 0.5) = 70 with half the dataset cached.
+    Case("cpu-and-io", (job("a", "d1", 100, 2.0, 35),), {"d1": 100 * GB}, 1, 50 * GB, 40 * MB, 2, "model",
+         {"a": 100e9 / 40e6 + 100e9 / 70e6}),
+    # Arrivals re-divide 3 cores: b takes 1.97 when it arrives, a drops to 1.03; c needs none.
+    Case("mixed-arrivals-model", MIXED, {"d1": 50 * GB, "d2": 40 * GB, "d3": 20 * GB}, 3, 200 * GB, 2 * GB, 3, "model", {}),
+    Case("mixed-arrivals-gpu-proportional", MIXED, {"d1": 50 * GB, "d2": 40 * GB, "d3": 20 * GB}, 3, 200 * GB, 2 * GB, 3,
+         "gpu-proportional", {}),
+]
+
+
+def _reference(case: Case) -> dict:
+    sc = RefScenario(case.jobs, dict(case.datasets), {d: ITEMS for d in case.datasets}, case.gpus, case.cache, case.link,
+                     "silod", cpus=float(case.cpus), cpu_rule=case.rule)
+    runs = [simulate(sc, seed=s) for s in range(SEEDS)]
+    return {j.job_id: float(np.mean([r.jct[j.job_id] for r in runs])) for j in case.jobs}
+
+
+def _silod(case: Case, tmp: Path, seed: int) -> dict:
+    trace = tmp / "trace.csv"
+    rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,cpu_rate"]
+    rows += [f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{case.datasets[j.dataset]:.0f},{j.ideal:.0f},{j.epochs},"
+             f"{'' if j.cpu_rate is None else f'{j.cpu_rate:.0f}'}" for j in case.jobs]
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp / f"out{seed}"
+    result = CliRunner().invoke(app, [
+        "simulate", "--trace", str(trace), "--gpus", str(case.gpus), "--gpus-per-node", str(case.gpus),
+        "--cpus-per-node", str(case.cpus), "--cpu-allocation", case.rule,
+        "--cache", f"{case.cache:.0f}", "--remote-io", f"{case.link:.0f}", "--policy", "fifo",
+        "--cache-system", "silod", "--seed", str(seed), "--out", str(out), "--quiet",
+    ])
+    assert result.exit_code == 0, result.output
+    with (out / "jobs.csv").open() as fh:
+        return {r["job_id"]: float(r["jct_s"]) for r in csv.DictReader(fh)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_cpu_stage_agrees_with_item_level_reference(case, tmp_path):
+    ref = _reference(case)
+    runs = [_silod(case, tmp_path, seed) for seed in range(SEEDS)]
+    for j in case.jobs:
+        ours = float(np.mean([r[j.job_id] for r in runs]))
+        assert ours == pytest.approx(ref[j.job_id], rel=0.05), (j.job_id, ours, ref[j.job_id])
+        if j.job_id in case.hand:
+            assert ours == pytest.approx(case.hand[j.job_id], rel=0.02), (j.job_id, ours, case.hand[j.job_id])
+            assert ref[j.job_id] == pytest.approx(case.hand[j.job_id], rel=0.03), (j.job_id, ref[j.job_id], case.hand[j.job_id])
+
+
+def test_without_cpus_per_node_cpu_rate_changes_nothing(tmp_path):
+    """The contract: no --cpus-per-node, no CPU bound; a trace with cpu_rate gives the same JCTs
+    as the same trace without the column."""
+    case = CASES[0]
+    base = [f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{case.datasets[j.dataset]:.0f},{j.ideal:.0f},{j.epochs}" for j in case.jobs]
+    outs = []
+    for name, header, rows in (("plain", "", base), ("cpu", ",cpu_rate", [r + ",35MB/s" for r in base])):
+        trace = tmp_path / f"{name}.csv"
+        trace.write_text("job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs" + header + "\n" + "\n".join(rows) + "\n")
+        out = tmp_path / name
+        res = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--gpus", "2", "--cache", "100GB", "--remote-io", "1GB/s",
+                                       "--out", str(out), "--quiet"])
+        assert res.exit_code == 0, res.output
+        outs.append((out / "jobs.csv").read_text())
+    assert outs[0] == outs[1]

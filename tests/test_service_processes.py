@@ -292,7 +292,9 @@ def test_the_suite_fails_when_a_test_leaves_silod_serve_running(tmp_path) -> Non
     import shutil
     import sys
 
-    shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
+    # the conftest under test, and the fixture module it registers
+    for name in ("conftest.py", "k8s_testenv.py"):
+        shutil.copy(os.path.join(os.path.dirname(__file__), name), tmp_path / name)
     port = _port()
     (tmp_path / "test_leak.py").write_text(
         "import os, subprocess, time, httpx\n"

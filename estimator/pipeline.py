@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from estimator.errors import UserError
-from estimator.model import Number, _as_array, _out
+from estimator.model import Number, _as_array, _out, hit_ratio, io_perf
 from estimator.units import parse_rate
 
 #: Preprocessed data per source byte accepted at an autocache point: decoded images are ~6x
@@ -130,10 +130,9 @@ def _rates(cpu_rate: ArrayLike, post_cpu_rate: ArrayLike | None) -> tuple[np.nda
 
 def pipeline_hit_ratio(cache: ArrayLike, dataset_size: ArrayLike, expansion: ArrayLike = 1.0) -> Number:
     """Share of items served from cache: c / (e d), clipped to [0, 1] (e = 1: source caching)."""
-    c = _as_array(cache, "cache")
     d = _as_array(dataset_size, "dataset_size", positive=True)
     e = _as_array(expansion, "expansion", positive=True)
-    return _out(np.minimum(c / (e * d), 1.0))
+    return hit_ratio(cache, e * d)  # the cache holds the preprocessed dataset, e d bytes
 
 
 def cpu_seconds_per_byte(cpu_rate: ArrayLike, hit: ArrayLike = 0.0, post_cpu_rate: ArrayLike | None = None) -> Number:
@@ -177,11 +176,9 @@ def pipeline_perf(
     With the defaults (unconstrained cores, not CPU-bound, source caching) this is exactly
     `silod_perf` (Eq. 4)."""
     f = _as_array(ideal, "ideal")
-    b = _as_array(remote_io, "remote_io")
     h = np.asarray(pipeline_hit_ratio(cache, dataset_size, expansion), dtype=float)
-    miss = 1.0 - h
-    with np.errstate(divide="ignore", invalid="ignore"):
-        io = np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss))
+    d = _as_array(dataset_size, "dataset_size", positive=True)
+    io = np.asarray(io_perf(remote_io, cache, _as_array(expansion, "expansion", positive=True) * d), dtype=float)
     cpu = np.asarray(cpu_perf(cores, cpu_rate, h, post_cpu_rate), dtype=float)
     return _out(np.minimum(np.minimum(f, cpu), io))
 

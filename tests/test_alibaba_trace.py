@@ -13,7 +13,9 @@ from traces.alibaba_trace import load_alibaba_trace
 from traces.catalog import MODELS
 from traces.loader import TraceFormat, load_trace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "alibaba-openb"
+from test_simulate_cli import _shared_traces  # noqa: E402 - shared/ beside this clone or its origin
+
+SHARED = _shared_traces() / "alibaba-openb"
 HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
 
 

@@ -32,7 +32,7 @@ from contract.uri_policy import UriPolicy, UriRejected
 from fuse_client import beneath, http_index
 from fuse_client.safe_http import HttpGuard
 from fuse_client.breaker import RetryPolicy
-from fuse_client.token_bucket import Throttle, chunk_size_for
+from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ class RemoteStore:
                 sleep(pause)
             try:
                 return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock)
-            except InterruptedError:
+            except (InterruptedError, TokenWaitExpired):  # unmounting / the job's own allocation: not the remote's
                 raise
             except FileNotFoundError as exc:
                 last = exc

@@ -262,3 +262,26 @@ def test_an_s3_endpoint_outside_the_operators_allow_list_is_refused_before_mount
     assert r.returncode == 2, r.stderr
     assert internal.url in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert internal.connections == 0
+
+
+def test_s3_requests_go_to_the_endpoint_or_to_aws_only():
+    from contract.uri_policy import UriPolicy, UriRejected
+    from fuse_client.safe_http import DestinationRefused, HttpGuard
+
+    aws = HttpGuard.for_s3(None, UriPolicy())
+    aws.check_s3_url("https://bucket.s3.eu-west-1.amazonaws.com/key")  # a region redirect's target
+    for url in ("http://bucket.s3.amazonaws.com/key", "https://169.254.169.254/latest/meta-data/",
+                "https://127.1/key", "https://localhost/key"):
+        with pytest.raises(DestinationRefused):
+            aws.check_s3_url(url)
+    minio = HttpGuard.for_s3("https://minio.example.com:9000", UriPolicy())
+    minio.check_s3_url("https://minio.example.com:9000/bucket/key")
+    minio.check_s3_url("https://bucket.minio.example.com:9000/key")  # virtual-hosted style
+    for url in ("https://minio.example.com/bucket/key", "http://minio.example.com:9000/bucket/key",
+                "https://evil.example.com:9000/key", "https://minio.example.com.evil.example:9000/key"):
+        with pytest.raises(DestinationRefused):
+            minio.check_s3_url(url)
+    # An endpoint the operator's list refuses is refused before any request.
+    with pytest.raises(UriRejected):
+        HttpGuard.for_s3("http://10.0.0.5:9000", UriPolicy())
+    HttpGuard.for_s3("http://10.0.0.5:9000", UriPolicy(("s3", "http://10.0.0.5:9000/")))

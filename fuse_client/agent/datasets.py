@@ -21,6 +21,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from contract.credentials import SourceCredential
@@ -120,14 +121,16 @@ class SchedulerResolver:
     """Datasets (and the owner's credential, when the dataset names one) from the scheduler's
     API with the node agents' token. `client`: an httpx.Client to use (tests)."""
 
-    def __init__(self, url: str, token: str, timeout: float = 10.0, client: Any = None):
-        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+    def __init__(self, url: str, token: str | Callable[[], str], timeout: float = 10.0, client: Any = None):
+        """`token`: the token, or a function giving it at each call (a rotated token file)."""
+        self.url, self.timeout = url.rstrip("/"), timeout
+        self._token = token if callable(token) else (lambda: token)
         self.client = client
 
     def _get(self, path: str, params: dict[str, str]) -> Any:
         import httpx
 
-        headers = {"Authorization": f"Bearer {self.token}"}
+        headers = {"Authorization": f"Bearer {self._token()}"}
         try:
             if self.client is not None:
                 return self.client.get(f"{self.url}{path}", params=params, headers=headers, timeout=self.timeout)

@@ -606,11 +606,11 @@ class KubernetesBackend(ClusterBackend):
         io_per_pod = io_total / max(wl.pods, 1)
         pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols)) for key, gpus, sel, tols in wl.pod_list()]
         # Cache on a node is per storage key: two tenants' `files` are two caches (issue 20).
-        key = job.dataset.name
-        where = place(pods, self.nodes, dataset=key, cache_bytes=cache, io_per_pod=io_per_pod)
+        ds_key = job.dataset.name
+        where = place(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod)
         if where is None:
             self._report(obj, wl.kind, f"{wl.key} waits for placement: "
-                         + why_not(pods, self.nodes, dataset=key, cache_bytes=cache, io_per_pod=io_per_pod),
+                         + why_not(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod),
                          reason="SiloDWaitingForPlacement")
             return False
         host = {n.name: n.hostname for n in self.nodes}
@@ -628,7 +628,7 @@ class KubernetesBackend(ClusterBackend):
             rate = float(silod_perf(job.ideal_throughput, allocation.remote_io, allocation.cache_bytes,
                                     job.dataset.size))
         self._admitted[job.job_id] = Admission(
-            nodes=nodes, dataset=key, cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
+            nodes=nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
             since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes,
             tenant=self.namespace_tenant(wl.namespace) or "")
         self.admissions += 1

@@ -816,6 +816,11 @@ class KubernetesBackend(ClusterBackend):
         _close_quietly(self.storage)
         _close_quietly(self.api_client)
 
+    def node_cache_capacity(self) -> dict[str, float]:
+        """Bytes of cache disk of each ready node (its silod.io/cache-capacity annotation, else an
+        even share): the scheduler believes no node's agent reporting more cached than this."""
+        return {n.name: float(n.cache_capacity) for n in self.nodes}
+
     def node_io(self) -> dict[str, float]:
         """Remote IO each node mount may use: the sum, over the jobs admitted on the node that
         read the dataset, of their per-pod IO times their pods there."""

@@ -173,6 +173,12 @@ def test_agent_pod_tokens_are_bound_to_their_node_at_the_scheduler_and_the_data_
         look = httpx.get(f"{sched}/v1/datasets/files", params={"owner": "alice"},
                          headers={"Authorization": f"Bearer {ta}"}, timeout=30)
         assert look.status_code == 404, look.text
+        # ... and is no tenant: it registers and submits nothing, lists nothing.
+        for method, path, body in (("POST", "/v1/datasets", {"name": "x", "uri": "s3://b/x", "size": 1}),
+                                   ("POST", "/v1/jobs", {"name": "x", "gpus": 1, "dataset": "x", "epochs": 1}),
+                                   ("GET", "/v1/jobs", None)):
+            r = httpx.request(method, f"{sched}{path}", json=body, headers={"Authorization": f"Bearer {ta}"}, timeout=30)
+            assert r.status_code == 403, (path, r.text)
 
         # Another node's: 403 (the node is the pod's, whatever the path or the body says).
         assert _report(sched, n2, ta) == 403

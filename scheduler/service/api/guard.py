@@ -14,6 +14,7 @@ Database trouble while looking a token up is the same JSON
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,9 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect
                           "/ui", "/ui/", "/ui/ui.js", "/ui/ui.css"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
+# What an agent pod's own token (a reviewed service-account token) may call: its dataset look-ups
+# and its node's reports. It is no tenant: it registers, submits and lists nothing.
+_REVIEWED_AGENT_ROUTES = re.compile(r"^(GET /v1/datasets/[^/]+(/source-credential)?|POST /v1/agents/[^/]+/consumption)$")
 
 Scope = dict[str, Any]
 
@@ -145,6 +149,10 @@ class RequestGuard:
                             return
                         if agent is not None:
                             who = Principal(agent.user, node=agent.node)
+                            if not _REVIEWED_AGENT_ROUTES.match(f"{scope.get('method', 'GET')} {path}"):
+                                await send_json(send, 403, {"detail": "a node agent's pod token may only look datasets"
+                                                            " up and report its node's consumption", "field": None})
+                                return
             # /metrics: the metrics token or an admin's (not any tenant who happens to be named "metrics")
             if who is None or (path == "/metrics" and not (who.is_admin or metrics_token)):
                 await send_json(

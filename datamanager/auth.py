@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from typing import Any
 from http_guard import capped_receive, send_json
 from http_guard.agent_identity import AgentReviewer, KubeAPI, ReviewUnavailable, looks_like_jwt, parse_service_account
 from http_guard.timeouts import BodyTimeout, timed_receive
+
+log = logging.getLogger("silod.datamanager")
 
 DEFAULT_MAX_BODY = 1 << 20  # allocations and heartbeats are a few hundred bytes
 
@@ -194,7 +197,9 @@ class DataManagerGuard:
                 try:
                     who = await anyio.to_thread.run_sync(self.auth.review, token)
                 except ReviewUnavailable as exc:
-                    await send_json(send, 503, {"detail": f"cannot check the agent's token now: {exc}"},
+                    # The API server's address stays in the log: not for an unauthenticated caller.
+                    log.warning("agent token not checked: %s", exc)
+                    await send_json(send, 503, {"detail": "cannot check the agent's token now; retry later"},
                                     [(b"retry-after", b"5")])
                     return
             if who is None:

@@ -272,3 +272,26 @@ def test_tokens_that_are_not_jwts_never_reach_the_api_server(tmp_path):
     for junk in ("", "static-token-0123456789", "a.b.c", "eyJ" + "x" * 20000):
         assert r.review(junk) is None
     assert seen == []
+
+
+def test_an_api_server_that_does_not_answer_is_a_503_not_a_401_nor_a_leak(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from datamanager.app import create_app
+    from datamanager.auth import DataManagerAuth
+    from http_guard.agent_identity import AgentReviewer, KubeAPI
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    (tmp_path / "t").write_text("reviewer-token")
+    reviewer = AgentReviewer(KubeAPI("https://10.96.0.1:443", tmp_path / "t", None),
+                             frozenset({f"system:serviceaccount:{NS}:{AGENT_SA}"}), transport=httpx.MockTransport(down))
+    auth = DataManagerAuth.from_tokens(DM_SCHEDULER, None)
+    auth = DataManagerAuth(auth.scheduler_digest, None, None, (), reviewer)
+    (tmp_path / "dm").mkdir()
+    with TestClient(create_app(tmp_path / "dm", auth)) as c:
+        r = c.post("/v1/clients", json={"client_id": "c", "node": "n1", "dataset": "d1-x", "job": "node-n1_d1-x"},
+                   headers={"Authorization": f"Bearer {JWT}"})
+        assert r.status_code == 503 and "10.96" not in r.text and r.headers["retry-after"] == "5"
+        assert c.post("/v1/clients", json={}, headers={"Authorization": "Bearer not-a-jwt-0123456789"}).status_code == 401

@@ -33,3 +33,39 @@ def test_accepted_connections_have_nagle_off() -> None:
             assert len(connections) == 1
             sock = connections[0].transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_a_grant_revoked_while_a_submission_is_checked_refuses_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The submission reads the dataset and quota before its write transaction (so the database's
+    write lock is held only for the insert); a job through another tenant's grant is still
+    refused when the grant is revoked between those reads and the insert."""
+    from fastapi.testclient import TestClient
+
+    from scheduler.service.catalogue import Catalogue
+    from scheduler.service.types import Principal
+
+    try:
+        from test_api import H_ALICE, H_BOB, IMAGENET, JOB, make_app
+    except ImportError:
+        from tests.test_api import H_ALICE, H_BOB, IMAGENET, JOB, make_app
+
+    app, service = make_app(f"sqlite:///{tmp_path / 'g.db'}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as client:
+            assert client.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+            assert client.put("/v1/datasets/imagenet/grants/bob", headers=H_ALICE).status_code == 200
+            shared = {**JOB, "dataset_owner": "alice"}
+            assert client.post("/v1/jobs", json=shared, headers=H_BOB).status_code == 201
+            quota = Catalogue._quota
+
+            def revoke_then_read_quota(self, c, tenant):  # type: ignore[no-untyped-def]
+                if tenant == "bob":  # between the submission's reads and its write transaction
+                    self.revoke_grant(Principal("alice"), "imagenet", "bob")
+                return quota(self, c, tenant)
+
+            monkeypatch.setattr(Catalogue, "_quota", revoke_then_read_quota)
+            r = client.post("/v1/jobs", json=shared, headers=H_BOB)
+            assert r.status_code == 404 and r.json()["field"] == "dataset", r.text
+            assert len(client.get("/v1/jobs", headers=H_BOB).json()) == 1
+    finally:
+        service.close()

@@ -128,6 +128,8 @@ _QUOTA = select(Quota.__table__.c.gpus, Quota.__table__.c.cache_bytes, Quota.__t
 _QUEUED_OF_OWNER = select(func.count()).select_from(Job.__table__).where(
     Job.__table__.c.owner == bindparam("owner"), Job.__table__.c.state == JobState.QUEUED)
 _SUBMIT_LOCK_PG = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
+_UNKNOWN_DATASET = ("unknown dataset {!r}; register it first with POST /v1/datasets"
+                    " (another tenant's dataset needs its grant and dataset_owner)")
 
 
 def parse_job_id(job_id: str) -> int | None:
@@ -423,8 +425,15 @@ class Catalogue:
         raise ConflictError("the Idempotency-Key is being used by a concurrent request; retry", field="Idempotency-Key")
 
     def _submit(self, who: Principal, req: NewJob, ideal: float, key: str | None, digest: str) -> tuple[JobRecord, bool]:
-        with self._write_lock, self.sessions.kw["bind"].begin() as c:
-            _write_first(c)
+        engine = self.sessions.kw["bind"]
+        # What cannot change under us is read before the write transaction: on SQLite that
+        # transaction holds the database's one write lock, which every other submission (in
+        # every API worker) and the round's write wait for, so it does the insert and only what
+        # must be atomic with it. A dataset's owner and id never change (datasets are not
+        # deleted); a quota's limits apply to later submissions (a change racing this one may
+        # or may not apply to it, as before). An Idempotency-Key inserted meanwhile fails the
+        # insert on its primary key and submit_job reads that job.
+        with engine.connect() as c:
             if key is not None:
                 known = c.execute(_IDEMPOTENCY_KEY, {"owner": who.user, "key": key}).first()
                 if known is not None:
@@ -434,8 +443,7 @@ class Catalogue:
                     return self.get_job(who, str(known.job_id)), False
             ds = self._usable_dataset(c, who, req.dataset, req.dataset_owner)
             if ds is None:
-                raise NotFoundError(f"unknown dataset {req.dataset!r}; register it first with POST /v1/datasets"
-                                    " (another tenant's dataset needs its grant and dataset_owner)", field="dataset")
+                raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
             if req.epochs is not None and req.steps is None:
                 if not (0 < req.epochs <= 1e6):
                     raise ServiceError("epochs must be > 0 and <= 1e6", field="epochs")
@@ -446,7 +454,19 @@ class Catalogue:
                 raise ServiceError("give either epochs, or steps together with step_bytes", field="epochs")
             if not (0 < total <= MAX_BYTES):
                 raise ServiceError(f"the job would read {total:.3g} bytes; must be > 0 and <= 1e21", field="epochs")
-            self._check_quota(c, who, req)
+            q = self._quota(c, who.user)
+        if q.gpus is not None and req.gpus > q.gpus:
+            raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
+        # Another tenant's dataset: the grant is checked again in the write transaction, so a job
+        # submitted after the grant's revocation committed is refused (revoke_grant's promise).
+        through_grant = not who.is_admin and ds.owner != who.user
+        with self._write_lock, engine.begin() as c:
+            if through_grant or q.queued_jobs is not None:
+                _write_first(c)  # reads in this transaction, then writes: take the lock first
+            if through_grant and c.execute(_GRANT, {"dataset_id": ds.id, "grantee": who.user}).first() is None:
+                raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
+            if q.queued_jobs is not None:
+                self._check_queued(c, who, q.queued_jobs)
             now = time.time()
             values = dict(
                 name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
@@ -461,14 +481,14 @@ class Catalogue:
             if key is not None:
                 c.execute(_INSERT_IDEMPOTENCY_KEY, {"owner": who.user, "key": key, "request_hash": digest, "job_id": jid,
                                                     "created_at": now})
-            record = JobRecord(
-                id=str(jid), name=req.name, owner=who.user, gpus=req.gpus, dataset=ds.name, dataset_owner=ds.owner,
-                model=req.model, ideal_throughput=ideal, epochs=req.epochs, steps=req.steps,
-                step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
-                priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
-                finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
-                access=req.access, **pipeline_columns(req.pipeline),
-            )
+        record = JobRecord(
+            id=str(jid), name=req.name, owner=who.user, gpus=req.gpus, dataset=ds.name, dataset_owner=ds.owner,
+            model=req.model, ideal_throughput=ideal, epochs=req.epochs, steps=req.steps,
+            step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
+            priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
+            finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
+            access=req.access, **pipeline_columns(req.pipeline),
+        )
         if req.pod_template is not None:
             self._create_workload(record, req.pod_template)
         self._trigger("submit")
@@ -491,23 +511,19 @@ class Catalogue:
         self._trigger("submit")
         raise ServiceError(message, field="pod_template")
 
-    def _check_quota(self, c: Connection, who: Principal, req: NewJob) -> None:
-        q = self._quota(c, who.user)
-        if q.gpus is not None and req.gpus > q.gpus:
-            raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
-        if q.queued_jobs is not None:
-            # Exact across API workers (issue 20: it overshot): count and insert under a lock
-            # no other submission of this tenant can hold meanwhile. SQLite: the transaction
-            # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
-            # advisory lock until commit, so the count sees every earlier submission committed.
-            if c.dialect.name == "postgresql":
-                c.execute(_SUBMIT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
-            waiting = c.execute(_QUEUED_OF_OWNER, {"owner": who.user}).scalar() or 0
-            if waiting >= q.queued_jobs:
-                raise QuotaExceeded(
-                    f"you have {waiting} queued jobs, the quota queued_jobs is {q.queued_jobs}; "
-                    "wait for some to start or cancel some", field="queued_jobs",
-                )
+    def _check_queued(self, c: Connection, who: Principal, limit: int) -> None:
+        # Exact across API workers (issue 20: it overshot): count and insert under a lock
+        # no other submission of this tenant can hold meanwhile. SQLite: the transaction
+        # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
+        # advisory lock until commit, so the count sees every earlier submission committed.
+        if c.dialect.name == "postgresql":
+            c.execute(_SUBMIT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
+        waiting = c.execute(_QUEUED_OF_OWNER, {"owner": who.user}).scalar() or 0
+        if waiting >= limit:
+            raise QuotaExceeded(
+                f"you have {waiting} queued jobs, the quota queued_jobs is {limit}; "
+                "wait for some to start or cancel some", field="queued_jobs",
+            )
 
     @staticmethod
     def _job_record(j: Job) -> JobRecord:

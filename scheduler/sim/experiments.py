@@ -287,7 +287,7 @@ def result_from_json(data: dict) -> RunResult:
 
 
 def run_on_dask(address: str, jobs: list[tuple[int, Run]], source: TraceSource, round_s: float, resolution: int,
-                connect_timeout_s: float = 30.0) -> Iterator[tuple[int, RunResult]]:
+                connect_timeout_s: float = 10.0, workers_timeout_s: float = 60.0) -> Iterator[tuple[int, RunResult]]:
     """Run `jobs` on the Dask cluster whose scheduler is at `address`; yields (index, result) as
     they finish. Every distinct trace the runs need is built here once and scattered to every
     worker, so the workers need silod installed (the same version) but not the trace file."""
@@ -303,9 +303,9 @@ def run_on_dask(address: str, jobs: list[tuple[int, Run]], source: TraceSource, 
                              "and give its address, e.g. --dask tcp://127.0.0.1:8786") from None
     with client:
         try:
-            client.wait_for_workers(1, timeout=connect_timeout_s)
+            client.wait_for_workers(1, timeout=workers_timeout_s)
         except TimeoutError:
-            raise RuntimeFailure(f"the Dask scheduler at {address} has no workers after {connect_timeout_s:g} s; "
+            raise RuntimeFailure(f"the Dask scheduler at {address} has no workers after {workers_timeout_s:g} s; "
                                  "start some with `dask worker ADDRESS --nthreads 1`") from None
         shipped: dict = {}
         futures = {}

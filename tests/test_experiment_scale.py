@@ -19,6 +19,8 @@ import pytest
 from scheduler.sim.shards import TIMING_FIELDS
 from test_simulate_cli import _shared_traces  # noqa: E402 - shared/ beside this clone or its origin
 
+pytestmark = [pytest.mark.slow]  # subprocesses running whole (small) experiments, a Dask cluster
+
 SILOD = [sys.executable, "-m", "scheduler"]
 SMALL_MATRIX = ["matrix", "--max-jobs", "12", "--gpus", "16", "--cache", "3TB", "--remote-io", "300MB/s", "--quiet", "--workers", "1"]
 SHARED = _shared_traces()

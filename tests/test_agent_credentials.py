@@ -19,9 +19,10 @@ except ImportError:
 
 @pytest.fixture
 def api(tmp_path):  # type: ignore[no-untyped-def]
-    app, service = make_app(f"sqlite:///{tmp_path / 'agent.db'}", tmp_path, run_loop=False, node_agents=["bob"])
+    app, service = make_app(f"sqlite:///{tmp_path / 'agent.db'}", tmp_path, run_loop=False, node_agents=["bob=n1"])
     try:
         with TestClient(app) as c:
+            c.service = service  # type: ignore[attr-defined]
             yield c
     finally:
         service.close()
@@ -33,6 +34,20 @@ def test_only_a_node_agent_reads_a_datasets_source_credential(api):
     assert api.post("/v1/datasets", json={**IMAGENET, "credential": "prod"}, headers=H_ALICE).status_code == 201
     assert api.post("/v1/datasets", json={**IMAGENET, "name": "open"}, headers=H_ALICE).status_code == 201
     path = f"/v1/datasets/{IMAGENET['name']}/source-credential"
+    # bob's node n1 gets the credential only once a job reading the dataset has a pod there
+    # (tests/test_agent_credential_scope.py covers the refusals).
+    assert api.get(path, params={"owner": "alice"}, headers=H_BOB).status_code == 403
+    import uuid
+
+    from scheduler.service.consumption import AdmittedPod, ConsumptionStore
+
+    pods = []
+    for ds in (IMAGENET["name"], "open"):
+        r = api.post("/v1/jobs", json={"name": f"j-{ds}", "gpus": 1, "dataset": ds, "epochs": 1,
+                                       "ideal_throughput": "100MB/s"}, headers=H_ALICE)
+        assert r.status_code == 201, r.text
+        pods.append(AdmittedPod(str(uuid.uuid4()), r.json()["id"], "n1", "alice", f"j-{ds}-0"))
+    ConsumptionStore(api.service.sessions).record_pods(pods)
     # The tenant herself never gets the secret back from the API; nor does anyone but an agent.
     assert api.get(path, params={"owner": "alice"}, headers=H_ALICE).status_code == 403
     r = api.get(path, params={"owner": "alice"}, headers=H_BOB)  # bob's token is a node agent's here

@@ -42,6 +42,7 @@ from scheduler.service.db.models import (
     JobAllocationRow,
     JobState,
     Quota,
+    WorkloadPod,
 )
 from scheduler.service.types import (
     MAX_BYTES,
@@ -264,10 +265,22 @@ class Catalogue:
         if who.user not in self.config.node_agents:
             raise ForbiddenError("only a node agent's token (silod serve --node-agent USER) may read a dataset's"
                                  " source credential")
+        # Never hand out data rights beyond the node's need (issue 20): the agent's node from its
+        # identity (the reviewed pod's node, or the static token's --node-agent USER=NODE), never
+        # from the request. An agent token bound to no node mounts nothing: it gets no secret.
+        node = who.node or self.config.agent_node(who.user)
+        if node is None:
+            raise ForbiddenError("this node agent's token is bound to no node (silod serve --node-agent USER=NODE, or"
+                                 " an agent pod's own token): it may not read a dataset's source credential")
         with self.sessions() as s:
             d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
             if d is None:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
+            if not self._needed_on_node(s, d, node):
+                raise ForbiddenError(
+                    f"node {node} has no reason to mount {owner}'s dataset {name!r}: no active silod job using it"
+                    f" has a pod bound to that node (the scheduler's record from the API server; a pod just"
+                    f" bound is recorded within a poll, retry then)", field="name")
             cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
             if cred is None:
                 return None
@@ -285,6 +298,17 @@ class Catalogue:
                 raise ServiceError(f"dataset {name!r}: its credential {cred.name!r} cannot be opened: {exc}",
                                    field="credential") from None
             return SourceCredential(cred.access_key_id, secret, cred.endpoint_url, cred.region)
+
+    @staticmethod
+    def _needed_on_node(s: Session, d: Dataset, node: str) -> bool:
+        """Whether `node` has a reason to mount dataset `d`: an active job reading it (its owner's or
+        a grantee's) has a pod bound to `node`, in the scheduling leader's own record
+        (`workload_pods`: pods attributed from the API server by controller chain, never from
+        labels or annotations a tenant writes; scheduler/service/consumption.py)."""
+        hit = s.scalar(
+            select(WorkloadPod.pod_uid).join(Job, Job.id == WorkloadPod.job_id)
+            .where(WorkloadPod.node == node, Job.dataset_id == d.id, Job.state.in_(ACTIVE_STATES)).limit(1))
+        return hit is not None
 
     def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
         owner = owner or who.user

@@ -13,6 +13,8 @@ Rules that are easy to get wrong, in one place:
 
 from __future__ import annotations
 
+import math
+
 import os
 import threading
 import time
@@ -54,6 +56,19 @@ def _bounded(value: object, allocated: int | None) -> int:
         return 0
     n = max(n, 0)
     return n if allocated is None else min(n, int(allocated))
+
+
+def _rate_at_most(value: object, allocated: float | None) -> float | None:
+    """A reported rate (bytes/s) as a finite non-negative float, at most `allocated` when known;
+    None when absent or not a number."""
+    try:
+        r = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(r):
+        return None
+    r = max(r, 0.0)
+    return r if allocated is None else min(r, float(allocated))
 
 
 class ClientRegistration(BaseModel):
@@ -286,11 +301,15 @@ class StateStore:
                 # (an agent reported 1e15 for another tenant's dataset, issue 20) is capped there.
                 entry["cached_bytes"] = max(entry["cached_bytes"], _bounded(stats.get("cached_bytes"), entry["allocated_bytes"]))
                 entry["items_cached"] = max(entry["items_cached"], int(stats.get("items_cached", 0) or 0))
+                alloc_rate = self.allocation_for(c.client_id).remote_io_bytes_per_s
                 entry["jobs"][c.job] = {
                     "client_id": c.client_id, "live": live,
                     "effective_cached_bytes": stats.get("effective_cached_bytes"),
-                    "remote_io_bytes_per_s": self.allocation_for(c.client_id).remote_io_bytes_per_s,
-                    "remote_rate_bytes_per_s": stats.get("remote_rate_bytes_per_s"),
+                    "remote_io_bytes_per_s": alloc_rate,
+                    # The mount reads remote storage no faster than its allocation (its rate limiter):
+                    # a larger figure (issue 20: an agent's report is not believed beyond what its
+                    # node may carry) is capped there.
+                    "remote_rate_bytes_per_s": _rate_at_most(stats.get("remote_rate_bytes_per_s"), alloc_rate),
                     "throughput_bytes_per_s": stats.get("throughput_bytes_per_s"),
                     "hit_bytes": stats.get("hit_bytes"), "miss_bytes": stats.get("miss_bytes"),
                     "remote_bytes": stats.get("remote_bytes"), "epoch": stats.get("epoch"),

@@ -176,7 +176,7 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         rows.append(RunningJob(
             str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.ideal_throughput,
             min(j.consumed_bytes / j.total_bytes, 1.0) if j.total_bytes > 0 else 0.0,
-            cache, j.dataset.size, remote_io, _finite(m.get("hit_ratio")), _finite(m.get("throughput")),
+            cache, j.dataset.size, remote_io, _finite(m.get("hit_ratio")), _at_most(_finite(m.get("throughput")), j.ideal_throughput),
             predicted, bound,
         ))
     datasets = []
@@ -204,20 +204,43 @@ def _finite(value: Any) -> float | None:
     return v if math.isfinite(v) and v >= 0 else None
 
 
-def measurements_from_datamanager(status: Any) -> dict[str, dict[str, float | None]]:
+def _at_most(value: float | None, bound: float) -> float | None:
+    """A node agent's figure for a job, never above what the job can consume (its f*, the bound
+    its believed progress has too): what a hit-only report claims beyond it is not believed."""
+    return None if value is None else min(value, bound)
+
+
+def measurements_from_datamanager(status: Any, link: float | None = None) -> dict[str, dict[str, float | None]]:
     """Per job: measured hit ratio and read throughput, summed over the job's mounts on every
-    node, from the data manager's `GET /v1/status` (datamanager/state.py)."""
+    node, from the data manager's `GET /v1/status` (datamanager/state.py).
+
+    `link`: the most a node reads from remote storage (bytes/s; the cluster's remote-IO capacity,
+    which no node's link exceeds as far as silod knows). Figures come from the node agents; a node
+    whose jobs' remote reads add up to more than that (an agent reporting what its link cannot
+    carry, issue 20) has its jobs' figures scaled down to it. A mount's remote rate is its
+    `remote_rate_bytes_per_s`, else its throughput times its miss share (the whole throughput
+    when it reports no hit/miss counters)."""
     out: dict[str, dict[str, float]] = {}
     if not isinstance(status, Mapping):
         return {}
     for node in (status.get("nodes") or {}).values():
+        mounts: list[tuple[str, float, float, float]] = []  # (job, hit, miss, throughput)
+        remote = 0.0
         for entry in ((node or {}).get("datasets") or {}).values():
             for job, j in ((entry or {}).get("jobs") or {}).items():
-                acc = out.setdefault(str(job), {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "seen": 0.0})
-                acc["hit"] += _finite(j.get("hit_bytes")) or 0.0
-                acc["miss"] += _finite(j.get("miss_bytes")) or 0.0
-                acc["throughput"] += _finite(j.get("throughput_bytes_per_s")) or 0.0
-                acc["seen"] = 1.0
+                j = j if isinstance(j, Mapping) else {}
+                hit, miss = _finite(j.get("hit_bytes")) or 0.0, _finite(j.get("miss_bytes")) or 0.0
+                tput = _finite(j.get("throughput_bytes_per_s")) or 0.0
+                rate = _finite(j.get("remote_rate_bytes_per_s"))
+                remote += rate if rate is not None else (tput * miss / (hit + miss) if hit + miss > 0 else tput)
+                mounts.append((str(job), hit, miss, tput))
+        scale = link / remote if link is not None and link > 0 and remote > link else 1.0
+        for job, hit, miss, tput in mounts:
+            acc = out.setdefault(job, {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "seen": 0.0})
+            acc["hit"] += hit
+            acc["miss"] += miss
+            acc["throughput"] += tput * scale
+            acc["seen"] = 1.0
     return {job: {"hit_ratio": (a["hit"] / (a["hit"] + a["miss"])) if a["hit"] + a["miss"] > 0 else None,
                   "throughput": a["throughput"]} for job, a in out.items()}
 

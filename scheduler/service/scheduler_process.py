@@ -417,7 +417,10 @@ class SchedulerService(ReadViews):
         if self.pusher is not None:
             try:
                 st = self.pusher.status()
-                jobs, cached = measurements_from_datamanager(st), cached_bytes_from_status(st)
+                # Agents' figures, bounded by what a node can hold (its cache disk) and carry (the
+                # link: the cluster's remote IO, the most silod knows any node's link to be).
+                jobs = measurements_from_datamanager(st, float(self.config.capacity.remote_io))
+                cached = cached_bytes_from_status(st, self.node_cache_bound)
             except Exception as exc:  # informational; the rounds report push failures
                 log.debug("data manager status unavailable for the overview: %s", exc)
         if not jobs:

@@ -11,6 +11,8 @@
     POST   /v1/clients                      a FUSE client registers (declares its dataset and job)
     PUT    /v1/clients/{id}/heartbeat       stats in, the client's allocation out
     DELETE /v1/clients/{id}
+    PUT    /v1/placements                   {"nodes": {node: [dataset, ...]}}: what each node may mount
+    GET    /v1/placements
     GET    /v1/status                       per node / dataset / job / client
     GET    /metrics                         Prometheus
     GET    /healthz
@@ -30,9 +32,9 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from datamanager.auth import DataManagerAuth, DataManagerGuard
+from datamanager.auth import NODE_RE, DataManagerAuth, DataManagerGuard
 from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
 from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
@@ -71,6 +73,12 @@ class CacheModeBody(_Strict):
 class RemoteIOAllocation(_Strict):
     bytes_per_s: Number
     workers: int | None = None
+
+
+class PlacementsBody(_Strict):
+    """node -> the storage keys that node has a reason to mount (the whole map, replaced)."""
+
+    nodes: dict[str, list[str]] = Field(max_length=100_000)
 
 
 class ClientRegistrationBody(ClientRegistration):
@@ -213,10 +221,37 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
             raise NotYourNode(f"a node's agent registers only its node's mounts: job must be "
                               f"{node_mount_job(body.node, body.dataset)!r} for dataset {body.dataset!r}, not {body.job!r}")
 
+    def _placed(request: Request, body: ClientRegistrationBody) -> None:
+        """A node-bound agent registers a mount only of a dataset its node has a reason to mount:
+        an active job reading it has a pod bound to that node, in the scheduler's record (pushed
+        as PUT /v1/placements). Until the scheduler has pushed placements once, nothing is known
+        and nothing is refused (a data manager without a scheduler keeps working)."""
+        who = request.scope.get("state", {}).get("dm_identity")
+        if getattr(who, "node", None) is None:
+            return
+        if store.placed_on(body.node, body.dataset) is False:
+            raise NotYourNode(f"node {body.node!r} has no reason to mount dataset {body.dataset!r}: no active silod job"
+                              f" reading it has a pod on that node (the scheduler's record; a pod just bound is"
+                              f" pushed within seconds, and the mount registers again at its next heartbeat)")
+
+    @app.put("/v1/placements")
+    def put_placements(body: PlacementsBody) -> dict:
+        for node, keys in body.nodes.items():
+            if len(node) > 253 or not NODE_RE.match(node):
+                raise UserError(f"node {node[:80]!r} is not a Kubernetes node name (RFC 1123)")
+            for k in keys:
+                validate_name(k, "dataset")
+        return {"nodes": store.set_placements(body.nodes)}
+
+    @app.get("/v1/placements")
+    def get_placements() -> dict:
+        return {"nodes": store.state.placements}
+
     @app.post("/v1/clients")
     def register_client(body: ClientRegistrationBody, request: Request) -> dict:
         _own_node(request, body.node)
         _own_mount(request, body)
+        _placed(request, body)
         try:  # re-registering another node's client id would take that client over
             _own_node(request, store.client_node(body.client_id))
         except UnknownEntity:

@@ -100,5 +100,9 @@ class DataManagerClient:
     def delete_job(self, job_id: str) -> None:
         self._call("DELETE", f"/v1/jobs/{job_id}")
 
+    def set_placements(self, nodes: dict[str, list[str]]) -> dict[str, Any]:
+        """node -> the storage keys it has a reason to mount: node-bound agents register only those."""
+        return self._call("PUT", "/v1/placements", {"nodes": nodes})
+
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")

@@ -92,6 +92,9 @@ class PersistedState(BaseModel):
     datasets: dict[str, DatasetState] = {}
     jobs: dict[str, JobState] = {}
     clients: dict[str, ClientState] = {}
+    #: node -> the storage keys it has a reason to mount (pushed by the scheduler from its record
+    #: of where admitted jobs' pods run, PUT /v1/placements); None: never pushed (not enforced)
+    placements: dict[str, list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,23 @@ class StateStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)  # readers (and a restart) see the old or the new state, never half
+
+    # -- placements: which node may mount which dataset ------------------------------------------
+
+    def set_placements(self, nodes: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Replace the scheduler's map of node -> storage keys it has a reason to mount."""
+        with self.lock:
+            self.state.placements = {str(n): sorted({str(k) for k in keys}) for n, keys in nodes.items()}
+            self._save()
+            return dict(self.state.placements)
+
+    def placed_on(self, node: str, dataset: str) -> bool | None:
+        """Whether `dataset` (a storage key) has a reason to be on `node`; None: the scheduler
+        never pushed placements, so nothing is known (and nothing enforced)."""
+        with self.lock:
+            if self.state.placements is None:
+                return None
+            return dataset in self.state.placements.get(node, ())
 
     # -- declarations and allocations (Table 3) ----------------------------------------------
 

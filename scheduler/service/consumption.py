@@ -32,7 +32,8 @@ from sqlalchemy import Select, bindparam, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from scheduler.service.db.models import PodConsumption, WorkloadPod
+from contract.names import storage_key
+from scheduler.service.db.models import ACTIVE_STATES, Dataset, Job, PodConsumption, WorkloadPod
 
 COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
 # No pod reads 2^53 bytes (9 PB: a 100 Gbit/s link for 8 days) or items: a larger counter is a
@@ -112,6 +113,18 @@ class ConsumptionStore:
                 known.add(p.pod_uid)
                 added += 1
         return added
+
+    def placements(self) -> dict[str, list[str]]:
+        """node -> the storage keys it has a reason to mount: those of active jobs with a pod bound
+        to it (the data manager lets a node's agent register only these, PUT /v1/placements)."""
+        out: dict[str, set[str]] = {}
+        with self.sessions() as s:
+            rows = s.execute(select(WorkloadPod.node, Dataset.id, Dataset.name).distinct()
+                             .join(Job, Job.id == WorkloadPod.job_id).join(Dataset, Dataset.id == Job.dataset_id)
+                             .where(Job.state.in_(ACTIVE_STATES)))
+            for node, ds_id, ds_name in rows:
+                out.setdefault(str(node), set()).add(storage_key(int(ds_id), str(ds_name)))
+        return {n: sorted(keys) for n, keys in sorted(out.items())}
 
     # --- the agents' side (API workers) ---------------------------------------------------------
 

@@ -114,6 +114,7 @@ class SchedulerService(ReadViews):
         self._held_back: set[str] = set()  # job ids quota admission held back last round
         self._history: collections.deque = collections.deque(maxlen=HISTORY_SAMPLES)
         self._last_observed = 0.0
+        self._pushed_placements: dict[str, list[str]] | None = None
         self._description = backend.describe()
         name = config.policy or self._stored_policy() or "fifo"
         self.core = SchedulingCore(get_policy(name), SiloDEstimator())
@@ -412,6 +413,7 @@ class SchedulerService(ReadViews):
         if not force and now - self._last_observed < OBSERVE_INTERVAL_S:
             return
         self._last_observed = now
+        self.push_placements()
         jobs: dict = {}
         cached = None
         if self.pusher is not None:
@@ -436,6 +438,23 @@ class SchedulerService(ReadViews):
                               "remote_io_allocated": c.remote_io_used,
                               "running": c.jobs_by_state.get("running", 0), "queued": c.jobs_by_state.get("queued", 0)})
         self.publish_status()
+
+    def push_placements(self) -> None:
+        """Tell the data manager which datasets each node has a reason to mount (issue 20: a node's
+        agent registers only those), from the leader's record of where admitted jobs' pods run.
+        Only with a backend that keeps that record (Kubernetes) and a data manager that takes it;
+        pushed when it changed (and again after a failure)."""
+        store = getattr(self.backend, "consumption", None)
+        setter = getattr(self.pusher, "set_placements", None)
+        if store is None or not callable(setter):
+            return
+        try:
+            nodes = store.placements()
+            if nodes != self._pushed_placements:
+                setter(nodes)
+                self._pushed_placements = nodes
+        except Exception as exc:  # the next observation retries
+            log.warning("could not push placements to the data manager: %s", exc)
 
     def publish_status(self) -> None:
         """What only this process knows, for the API processes' /v1/cluster and /metrics."""

@@ -221,6 +221,58 @@ def test_agent_pod_tokens_are_bound_to_their_node_at_the_scheduler_and_the_data_
         cp.core.delete_namespaced_service_account(f"intruder-{tag}", NS)
 
 
+def test_an_agent_pods_token_reads_only_credentials_its_node_needs(control_plane, silod, tmp_path):
+    """The credential rule for a reviewed agent identity: the node is the one the API server says
+    its pod runs on; alice's dataset is read by a job whose pod the scheduler recorded on node A,
+    so A's agent gets the credential and B's agent a 403, as does A's for bob's dataset."""
+    from scheduler.service.consumption import AdmittedPod, ConsumptionStore
+    from scheduler.service.db import open_database
+    from sqlalchemy.orm import sessionmaker
+
+    cp = control_plane
+    sched, _ = silod
+    tag = uuid.uuid4().hex[:6]
+    na, nb = f"cred-a-{tag}", f"cred-b-{tag}"
+    pods = {"a": _pod(cp, f"agent-ca-{tag}", na), "b": _pod(cp, f"agent-cb-{tag}", nb)}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    try:
+        ta, tb = _token(cp, pods["a"]), _token(cp, pods["b"])
+        h, job = {}, None
+        for tenant in ("alice", "bob"):
+            r = httpx.post(f"{sched}/v1/tokens", json={"owner": tenant}, headers=admin, timeout=30)
+            assert r.status_code == 201, r.text
+            h[tenant] = {"Authorization": f"Bearer {r.json()['token']}"}
+            cred = {"name": "prod", "access_key_id": f"AKIA{tenant.upper()}", "secret_access_key": f"{tenant}-secret"}
+            assert httpx.post(f"{sched}/v1/credentials", json=cred, headers=h[tenant], timeout=30).status_code == 201
+            r = httpx.post(f"{sched}/v1/datasets", json={"name": "files", "uri": f"s3://b/{tenant}", "size": "1GB",
+                                                       "credential": "prod"}, headers=h[tenant], timeout=30)
+            assert r.status_code == 201, r.text
+        r = httpx.post(f"{sched}/v1/jobs", json={"name": "j", "gpus": 1, "dataset": "files", "epochs": 1,
+                                                "ideal_throughput": "100MB/s"}, headers=h["alice"], timeout=30)
+        assert r.status_code == 201, r.text
+        job = r.json()["id"]
+        # The scheduling leader's record (here written as the Kubernetes backend writes it).
+        sessions = sessionmaker(open_database(f"sqlite:///{tmp_path / 'state' / 'silod.db'}"), expire_on_commit=False)
+        ConsumptionStore(sessions).record_pods([AdmittedPod(str(uuid.uuid4()), job, na, "alice", "j-0")])
+
+        def cred(token: str, owner: str) -> httpx.Response:
+            return httpx.get(f"{sched}/v1/datasets/files/source-credential", params={"owner": owner},
+                             headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+        r = cred(ta, "alice")
+        assert r.status_code == 200 and r.json()["credential"]["secret_access_key"] == "alice-secret", r.text
+        r = cred(tb, "alice")
+        assert r.status_code == 403 and nb in r.json()["detail"], r.text
+        r = cred(ta, "bob")
+        assert r.status_code == 403 and "bob-secret" not in r.text
+    finally:
+        for p in pods.values():
+            try:
+                cp.core.delete_namespaced_pod(p["metadata"]["name"], NS, grace_period_seconds=0)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
 # --- the review's rules without a control plane: what newer API servers answer (>= 1.30 put the
 # node in the review; the test control plane above is older, so these shapes are written out here
 # from the TokenReview API reference, not observed).

@@ -101,3 +101,14 @@ def test_a_finished_job_no_longer_gives_its_node_a_reason(world):
 def test_tenants_still_never_read_a_credential(world):
     c, _ = world
     assert cred(c, "alice", "alice", "on-a").status_code == 403
+
+
+def test_the_agents_resolver_says_why_it_got_no_credential(world):
+    from estimator.errors import UserError
+    from fuse_client.agent.datasets import SchedulerResolver
+
+    c, _ = world
+    resolver = SchedulerResolver(str(c.base_url), TOKENS["agent-b"], client=c)
+    with pytest.raises(UserError, match="node-b has no reason to mount"):
+        resolver.resolve("alice", "on-a")
+    assert resolver.resolve("alice", "on-b").credential.secret_access_key == "alice-secret"

@@ -151,8 +151,15 @@ class SchedulerResolver:
         if body.get("credential"):
             c = self._get(f"/v1/datasets/{name}/source-credential", {"owner": tenant})
             if c.status_code >= 400:
+                try:
+                    why = str(c.json().get("detail") or "")[:300]
+                except ValueError:
+                    why = ""
+                # 403: this node has no reason to mount it yet (the scheduler records a job's pod on
+                # the node within seconds of its binding; kubelet retries the publish), or the
+                # token is not a node-bound agent's (silod serve --node-agent USER=NODE).
                 raise UserError(f"the silod scheduler answered HTTP {c.status_code} for the credential of dataset"
-                                f" {name!r}; the agents' token must be a --node-agent of silod serve")
+                                f" {name!r}: {why or 'no detail'}")
             got = c.json().get("credential")
             if got:
                 credential = SourceCredential(str(got["access_key_id"]), str(got["secret_access_key"]),

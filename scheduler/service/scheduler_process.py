@@ -115,6 +115,7 @@ class SchedulerService(ReadViews):
         self._history: collections.deque = collections.deque(maxlen=HISTORY_SAMPLES)
         self._last_observed = 0.0
         self._pushed_placements: dict[str, list[str]] | None = None
+        self._placements_at = 0.0
         self._description = backend.describe()
         name = config.policy or self._stored_policy() or "fifo"
         self.core = SchedulingCore(get_policy(name), SiloDEstimator())
@@ -443,16 +444,18 @@ class SchedulerService(ReadViews):
         """Tell the data manager which datasets each node has a reason to mount (issue 20: a node's
         agent registers only those), from the leader's record of where admitted jobs' pods run.
         Only with a backend that keeps that record (Kubernetes) and a data manager that takes it;
-        pushed when it changed (and again after a failure)."""
+        pushed when it changed, after a failure, and every minute."""
         store = getattr(self.backend, "consumption", None)
         setter = getattr(self.pusher, "set_placements", None)
         if store is None or not callable(setter):
             return
         try:
             nodes = store.placements()
-            if nodes != self._pushed_placements:
+            now = time.monotonic()
+            # Again every minute even unchanged: a data manager that lost its state learns them back.
+            if nodes != self._pushed_placements or now - getattr(self, "_placements_at", 0.0) > 60.0:
                 setter(nodes)
-                self._pushed_placements = nodes
+                self._pushed_placements, self._placements_at = nodes, now
         except Exception as exc:  # the next observation retries
             log.warning("could not push placements to the data manager: %s", exc)
 

@@ -204,3 +204,51 @@ def _one(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         return value[0]
     return ""
+
+
+CSI_DRIVER = "silod.io"  # fuse_client/agent/csi.py DRIVER_NAME (http_guard imports neither plane)
+_ENDED = ("Succeeded", "Failed")
+
+
+def pod_on_node_mounts(reviewer: AgentReviewer, namespace: str, node: str, dataset: str) -> bool:
+    """Whether a pod in `namespace` bound to `node` (not finished) has a silod volume of `dataset`:
+    an inline CSI volume (`csi.driver: silod.io`, `volumeAttributes.dataset`) or a PVC whose bound
+    PV is silod's for that dataset and namespace (fuse_client/agent/controller.py). Read from the
+    API server as silod's own service account; labels and annotations play no part. Raises
+    ReviewUnavailable when the API server cannot answer."""
+    import httpx
+
+    def get(c: Any, path: str, params: dict[str, str] | None = None) -> dict | None:
+        r = c.get(path, params=params)
+        if r.status_code == 404:
+            return None
+        if r.status_code >= 300:
+            raise ReviewUnavailable(f"GET {path} answered HTTP {r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    try:
+        with reviewer._client() as c:
+            pods = get(c, f"/api/v1/namespaces/{namespace}/pods", {"fieldSelector": f"spec.nodeName={node}"}) or {}
+            for pod in pods.get("items") or ():
+                if (pod.get("status") or {}).get("phase") in _ENDED:
+                    continue
+                for vol in (pod.get("spec") or {}).get("volumes") or ():
+                    csi = vol.get("csi") or {}
+                    if csi.get("driver") == CSI_DRIVER and (csi.get("volumeAttributes") or {}).get("dataset") == dataset:
+                        return True
+                    claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+                    if not claim:
+                        continue
+                    pvc = get(c, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}") or {}
+                    pv_name = (pvc.get("spec") or {}).get("volumeName")
+                    pv = get(c, f"/api/v1/persistentvolumes/{pv_name}") if pv_name else None
+                    pv_csi = ((pv or {}).get("spec") or {}).get("csi") or {}
+                    attrs = pv_csi.get("volumeAttributes") or {}
+                    if (pv_csi.get("driver") == CSI_DRIVER and attrs.get("dataset") == dataset
+                            and attrs.get("silod.io/namespace", namespace) == namespace):
+                        return True
+        return False
+    except httpx.HTTPError as exc:
+        raise ReviewUnavailable(f"the Kubernetes API server at {reviewer.api.url} did not answer: {exc}") from None
+    except OSError as exc:
+        raise ReviewUnavailable(f"cannot read {reviewer.api.token_file}: {exc.strerror}") from None

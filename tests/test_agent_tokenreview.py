@@ -273,6 +273,66 @@ def test_an_agent_pods_token_reads_only_credentials_its_node_needs(control_plane
                 pass
 
 
+def test_an_agent_pod_gets_the_credential_for_its_nodes_pods_volumes_from_the_api_server(control_plane, silod):
+    """A tenant's pod silod did not admit (no silod job) but bound to the agent's node with a
+    silod volume of the dataset (inline CSI, or a PVC bound to silod's PV for that namespace):
+    the scheduler asks the API server (its own RBAC from deploy/base), and the agent of that node
+    gets the credential; the agent of a node with no such pod gets 403."""
+    cp = control_plane
+    sched, _ = silod
+    tag = uuid.uuid4().hex[:6]
+    tenant = f"t{tag}"  # namespace prefix "": the tenant's namespace is its name
+    na, nb, nc = f"vol-a-{tag}", f"vol-b-{tag}", f"vol-c-{tag}"
+    cp.add_namespace(tenant)
+    agents = {n: _pod(cp, f"agent-{n}", n) for n in (na, nb, nc)}
+    try:
+        tok = {n: _token(cp, p) for n, p in agents.items()}
+        r = httpx.post(f"{sched}/v1/tokens", json={"owner": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        assert r.status_code == 201, r.text
+        h = {"Authorization": f"Bearer {r.json()['token']}"}
+        cred = {"name": "prod", "access_key_id": "AKIATENANT", "secret_access_key": "tenant-secret"}
+        assert httpx.post(f"{sched}/v1/credentials", json=cred, headers=h, timeout=30).status_code == 201
+        r = httpx.post(f"{sched}/v1/datasets", json={"name": "files", "uri": "s3://b/t", "size": "1GB",
+                                                   "credential": "prod"}, headers=h, timeout=30)
+        assert r.status_code == 201, r.text
+        container = [{"name": "c", "image": "trainer"}]
+        # node A: an inline CSI volume of the dataset
+        cp.core.create_namespaced_pod(tenant, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "inline"},
+            "spec": {"nodeName": na, "containers": container, "volumes": [
+                {"name": "d", "csi": {"driver": "silod.io", "readOnly": True, "volumeAttributes": {"dataset": "files"}}}]}})
+        # node B: a PVC bound to silod's PV of the dataset for this namespace
+        cp.core.create_persistent_volume({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{tag}"},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                     "csi": {"driver": "silod.io", "volumeHandle": f"silod:{tenant}:files:pv-{tag}",
+                             "volumeAttributes": {"dataset": "files", "silod.io/namespace": tenant}}}})
+        cp.core.create_namespaced_persistent_volume_claim(tenant, {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "data"}, "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                                                   "volumeName": f"pv-{tag}", "resources": {"requests": {"storage": "1Gi"}}}})
+        cp.core.create_namespaced_pod(tenant, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "claim"},
+            "spec": {"nodeName": nb, "containers": container, "volumes": [
+                {"name": "d", "persistentVolumeClaim": {"claimName": "data", "readOnly": True}}]}})
+        # node C: a pod whose labels and annotations name the dataset, but no silod volume of it
+        cp.core.create_namespaced_pod(tenant, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": "liar", "labels": {"silod.io/dataset": "files"}, "annotations": {"silod.io/dataset": "files"}},
+            "spec": {"nodeName": nc, "containers": container}})
+
+        def get(node: str) -> httpx.Response:
+            return httpx.get(f"{sched}/v1/datasets/files/source-credential", params={"owner": tenant},
+                             headers={"Authorization": f"Bearer {tok[node]}"}, timeout=30)
+
+        for node in (na, nb):
+            r = get(node)
+            assert r.status_code == 200 and r.json()["credential"]["secret_access_key"] == "tenant-secret", (node, r.text)
+        r = get(nc)
+        assert r.status_code == 403 and "tenant-secret" not in r.text, r.text
+    finally:
+        for p in agents.values():
+            try:
+                cp.core.delete_namespaced_pod(p["metadata"]["name"], NS, grace_period_seconds=0)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
 # --- the review's rules without a control plane: what newer API servers answer (>= 1.30 put the
 # node in the review; the test control plane above is older, so these shapes are written out here
 # from the TokenReview API reference, not observed).

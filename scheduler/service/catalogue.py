@@ -57,6 +57,7 @@ from scheduler.service.types import (
     ServiceConfig,
     ServiceError,
     TenantQuota,
+    UpstreamUnavailable,
     access_columns,
     access_from_row,
     check_name,
@@ -276,11 +277,13 @@ class Catalogue:
             d = s.scalar(select(Dataset).where(Dataset.owner == owner, Dataset.name == name))
             if d is None:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
-            if not self._needed_on_node(s, d, node):
+            if not self._needed_on_node(s, d, node) and not self._pod_mounts_it(owner, node, name):
                 raise ForbiddenError(
                     f"node {node} has no reason to mount {owner}'s dataset {name!r}: no active silod job using it"
                     f" has a pod bound to that node (the scheduler's record from the API server; a pod just"
-                    f" bound is recorded within a poll, retry then)", field="name")
+                    f" bound is recorded within a poll, retry then), nor does a pod of {owner}'s namespace on"
+                    f" that node have a silod volume of it (asked of the API server, when agent pods' tokens are"
+                    f" checked there)", field="name")
             cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
             if cred is None:
                 return None
@@ -309,6 +312,21 @@ class Catalogue:
             select(WorkloadPod.pod_uid).join(Job, Job.id == WorkloadPod.job_id)
             .where(WorkloadPod.node == node, Job.dataset_id == d.id, Job.state.in_(ACTIVE_STATES)).limit(1))
         return hit is not None
+
+    def _pod_mounts_it(self, owner: str, node: str, name: str) -> bool:
+        """On Kubernetes (agent pods' tokens checked with the API server): whether a pod of
+        `owner`'s namespace bound to `node` has a silod volume of dataset `name`, e.g. a pod no
+        silod job admitted. Asked of the API server, never of labels or annotations."""
+        reviewer = self.config.agent_reviewer
+        if reviewer is None:
+            return False
+        from http_guard.agent_identity import ReviewUnavailable, pod_on_node_mounts
+
+        try:
+            return pod_on_node_mounts(reviewer, self.config.tenant_namespace_prefix + owner, node, name)
+        except ReviewUnavailable as exc:
+            raise UpstreamUnavailable(f"cannot check node {node}'s pods with the Kubernetes API server now ({exc});"
+                                      f" retry later") from None
 
     def _own_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset:
         owner = owner or who.user

@@ -358,6 +358,7 @@ def build_service(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
         **_agents(node_agents, agent_service_accounts, agent_audience), secrets=secrets,
+        tenant_namespace_prefix=(backend_opts or {}).get("namespace-prefix", ""),
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)

@@ -46,6 +46,12 @@ class ForbiddenError(ServiceError):
     status = 403
 
 
+class UpstreamUnavailable(ServiceError):
+    """A service silod depends on (the Kubernetes API server) cannot answer now: retry later."""
+
+    status = 503
+
+
 def check_name(value: str, what: str) -> str:
     """Names end up in paths (mount points, cache directories, pod names): no '/', no '..'."""
     if not isinstance(value, str) or not NAME_RE.match(value) or ".." in value:
@@ -269,6 +275,9 @@ class ServiceConfig:
     #: Checks agent pods' service-account tokens with the API server (http_guard/agent_identity.py,
     #: `silod serve --agent-service-account NS:NAME`); None: only static tokens identify agents.
     agent_reviewer: Any = None
+    #: tenant T's namespace is this prefix + T (`--backend-opt namespace-prefix=P`): where an agent
+    #: pod's credential look-up checks for T's pods mounting the dataset on its node
+    tenant_namespace_prefix: str = ""
     #: Seals tenants' secrets at rest (scheduler/service/sealed.py); None: credentials cannot be
     #: added (a service built without a state directory or SILOD_SECRET_KEYS).
     secrets: Any = None

@@ -33,6 +33,7 @@ def world(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     app = create_app(service, tokens, run_loop=False, max_body=64 * 1024)
     try:
         with TestClient(app) as c:
+            c.silod_service = service  # type: ignore[attr-defined]
             for tenant in ("alice", "bob"):
                 cred = {"name": "prod", "access_key_id": f"AKIA{tenant.upper()}", "secret_access_key": f"{tenant}-secret"}
                 assert c.post("/v1/credentials", json=cred, headers=H[tenant]).status_code == 201
@@ -112,3 +113,24 @@ def test_the_agents_resolver_says_why_it_got_no_credential(world):
     with pytest.raises(UserError, match="node-b has no reason to mount"):
         resolver.resolve("alice", "on-a")
     assert resolver.resolve("alice", "on-b").credential.secret_access_key == "alice-secret"
+
+
+def test_an_api_server_that_cannot_answer_is_a_503_not_a_credential(world, tmp_path):
+    """With agent pods' tokens checked at the API server, a node with no recorded job asks it for
+    the node's pods; when it cannot answer, the look-up is a 503 (retry), never the secret."""
+    import dataclasses
+
+    import httpx
+
+    from http_guard.agent_identity import AgentReviewer, KubeAPI
+
+    c, _ = world
+    token = tmp_path / "kube-token"
+    token.write_text("t")
+    down = AgentReviewer(KubeAPI("https://127.0.0.1:1", token, None), frozenset({"system:serviceaccount:ns:sa"}),
+                         transport=httpx.MockTransport(lambda req: httpx.Response(500, text="down")))
+    service = c.silod_service  # type: ignore[attr-defined]
+    service.catalogue.config = dataclasses.replace(service.catalogue.config, agent_reviewer=down)
+    r = cred(c, "agent-a", "alice", "on-b")  # node-a has no job of on-b: the API server is asked
+    assert r.status_code == 503 and "alice-secret" not in r.text, r.text
+    assert cred(c, "agent-a", "alice", "on-a").status_code == 200  # the record suffices: not asked

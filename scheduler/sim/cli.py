@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def experiment(
-        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | all")],
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | alibaba | autocache | all")],
         out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
         trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,

@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from policies.autocache import plan_autocache
 from policies.base import Policy
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
@@ -122,6 +123,13 @@ def with_default_cpu(snapshot: Snapshot, allocation: Allocation) -> Allocation:
     return replace(allocation, cpu=cpu)
 
 
+def with_autocache_sizes(snapshot: Snapshot, autocache: Mapping[str, float]) -> Snapshot:
+    """The snapshot a policy plans on: datasets cached preprocessed (autocaching) appear with
+    the bytes they take in cache, e x their size."""
+    grown = {n: replace(d, size=d.size * autocache[n]) for n, d in snapshot.datasets.items() if autocache.get(n, 1.0) != 1.0}
+    return replace(snapshot, datasets={**snapshot.datasets, **grown}) if grown else snapshot
+
+
 def spread_spare_io(caps: Mapping[str, float], demands: Mapping[str, float], total_io: float) -> dict[str, float]:
     """Work conservation: IO the allocation leaves unused goes, max-min fair, to jobs that could
     use more than their cap right now (e.g. while their cache is still warming up)."""
@@ -160,12 +168,27 @@ class SchedulingCore:
         self.estimator = estimator
         self.irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
         self.planner = RoundPlanner()
+        #: datasets cached preprocessed (autocaching) -> expansion, as the last decision left them
+        self.autocache: dict[str, float] = {}
 
     def decide(self, snapshot: Snapshot) -> Allocation:
-        """Ask the policy (around the partitions, when irregular jobs are active), and refuse any
-        allocation that breaks a capacity."""
-        allocation = allocate_partitioned(snapshot, self.policy, self.estimator, self.irregular_estimator)
-        return validate_allocation(snapshot, with_default_cpu(snapshot, allocation))
+        """Ask the policy (around the partitions, when irregular jobs are active), refuse any
+        allocation that breaks a capacity, then choose each dataset's cache mode (autocaching)."""
+        # A dataset cached preprocessed takes e x its bytes in cache: the policy plans it at that
+        # size (its hit ratio is c / (e d)); the choice compares on the source size. When the
+        # choice changes a mode, the policy plans once more on the sizes it will have.
+        modes = self.autocache
+        for _ in range(2):
+            seen = with_autocache_sizes(snapshot, modes)
+            allocation = allocate_partitioned(seen, self.policy, self.estimator, self.irregular_estimator)
+            allocation = validate_allocation(seen, with_default_cpu(seen, allocation))
+            chosen = plan_autocache(snapshot, allocation, modes)
+            if all(modes.get(n, 1.0) == chosen.get(n, 1.0) for n in {*modes, *chosen} if n in snapshot.datasets):
+                break
+            modes = chosen
+        read = {j.dataset for j in snapshot.jobs}
+        self.autocache = {**{n: e for n, e in self.autocache.items() if n not in read}, **chosen}
+        return replace(allocation, autocache=chosen) if chosen else allocation
 
     def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
         """Who holds GPUs this round, and their IO caps, for an allocation already decided."""

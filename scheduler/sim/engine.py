@@ -342,6 +342,7 @@ class Simulator:
                     running = []
                     round_end = -np.inf
                     part = plan.allocation.partition
+                    self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
                     self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
                     need_decision = False
                 now = pending[next_arrival].submit_time
@@ -379,6 +380,7 @@ class Simulator:
                     job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
                 running = chosen
                 part = plan.allocation.partition
+                self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
 
@@ -527,7 +529,7 @@ class Simulator:
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
-        demands = {j.job_id: j.ideal * misses[j.job_id] for j in running}
+        demands = {j.job_id: j.ideal_at(misses[j.job_id]) * misses[j.job_id] for j in running}
         contended = sum(demands.values()) > total * (1 - 1e-9)
         if plan.remote_io is not None and self.config.manage_io:
             floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
@@ -539,7 +541,7 @@ class Simulator:
         if not contended:
             # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
             # rises within the step (a new epoch) is not held to the demand it had at its start.
-            caps = spread_spare_io(caps, {j.job_id: j.ideal for j in running}, total)
+            caps = spread_spare_io(caps, {j.job_id: j.ideal_at(misses[j.job_id]) for j in running}, total)
         return caps, contended
 
     @staticmethod

@@ -1,0 +1,85 @@
+"""Autocaching (Cachew, ATC'22), applied after any policy: per dataset, cache the source bytes
+or the output of the deterministic part of its readers' pipelines (the autocache point),
+whichever the estimator projects faster for the resources the policy gave them.
+
+Which datasets can be cached preprocessed: those whose every active reader (queued or running)
+declares an autocache point with the same `autocache_expansion` -- preprocessed items are only
+of use to a job that runs the same deterministic stage; a reader without one needs the source
+bytes, and two different expansions are two different deterministic stages.
+
+The comparison (estimator.pipeline.autocache_gain): the sum over the dataset's running readers
+of their normalised throughput X / f* with the cache holding e x the bytes per item (hit ratio
+c / (e d)) and cached items costing post_cpu_rate per core, against source caching, for the
+cache, remote IO and cores of this allocation. Switching discards the dataset's cache (the bytes
+differ), so a dataset changes mode only when the other one gains more than SWITCH_MARGIN (a
+fraction of one job's f*); a tie keeps source caching.
+
+Nothing changes where the allocation leaves storage to the cache system (`cache` None: the
+baselines cache source bytes), and a job without CPU cores modelled never gains from it (its
+CPU stage is not a bound, so only the lower hit ratio counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from estimator.pipeline import autocache_gain
+from policies.types import Allocation, Snapshot
+
+#: Normalised throughput (sum of X / f* over a dataset's readers) a mode switch must gain: a
+#: switch empties the dataset's cache, so a gain within noise of the allocation must not flip it.
+SWITCH_MARGIN = 0.05
+
+
+def eligible_expansions(snapshot: Snapshot) -> dict[str, float]:
+    """Datasets that may be cached preprocessed, with their readers' common expansion."""
+    seen: dict[str, float | None] = {}
+    for job in snapshot.jobs:
+        p = job.pipeline
+        e = p.autocache_expansion if p is not None and p.autocaches else None
+        if job.dataset not in seen:
+            seen[job.dataset] = e
+        elif seen[job.dataset] != e:
+            seen[job.dataset] = None
+    return {name: e for name, e in seen.items() if e is not None}
+
+
+def plan_autocache(snapshot: Snapshot, allocation: Allocation, current: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Datasets to cache preprocessed -> their expansion. `current`: the datasets cached
+    preprocessed now (a switch either way must gain SWITCH_MARGIN)."""
+    current = current or {}
+    if allocation.cache is None:
+        return {}
+    eligible = eligible_expansions(snapshot)
+    if not eligible:
+        return {}
+    names = sorted(eligible)
+    index = {n: i for i, n in enumerate(names)}
+    readers = [j for j in snapshot.jobs if j.dataset in index and allocation.gpu_share.get(j.job_id, 0.0) > 0]
+    if not readers:
+        return {n: e for n, e in current.items() if n in eligible and eligible[n] == e}
+    cap = snapshot.capacity
+    gain = autocache_gain(
+        np.array([index[j.dataset] for j in readers]),
+        len(names),
+        np.array([j.ideal_throughput for j in readers]),
+        np.array([np.inf if allocation.remote_io is None else allocation.remote_io.get(j.job_id, 0.0) for j in readers]),
+        np.array([allocation.cache.get(n, 0.0) for n in names]),
+        np.array([snapshot.datasets[n].size for n in names]),
+        np.array([np.inf if allocation.cpu is None or not cap.manages_cpu else allocation.cpu.get(j.job_id, 0.0) for j in readers]),
+        np.array([j.pipeline.cpu_rate for j in readers]),
+        np.array([j.pipeline.autocache_expansion for j in readers]),
+        np.array([j.pipeline.post_cpu_rate for j in readers]),
+    )
+    chosen = {}
+    for n in names:
+        g = float(gain[index[n]])
+        now = current.get(n) == eligible[n]
+        if g > SWITCH_MARGIN or (now and g > -SWITCH_MARGIN):
+            chosen[n] = eligible[n]
+    return chosen
+
+
+__all__ = ["SWITCH_MARGIN", "eligible_expansions", "plan_autocache"]

@@ -397,7 +397,9 @@ class Simulator:
             for job in running:
                 # A finish always ends the step (its IO is re-divided); an epoch boundary only
                 # where the link is contended and the job's demand will change there.
-                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
+                # (Autocaching: also where its CPU cost per byte changes, for the diagnosis.)
+                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended or job.dataset.expansion != 1.0,
+                                                                    misses[job.job_id]))
             step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
             dt = max(step_end - now, 1e-6)
             bounds = bounds_now(running, caps, misses)

@@ -1,0 +1,84 @@
+"""Autocaching applied (issue 22, Cachew): every policy's plan chooses per dataset between
+caching source bytes and caching the preprocessed output of its readers' deterministic stage;
+the simulator caches e x bytes per item and charges post_cpu_rate per core on hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from estimator.pipeline import InputPipeline
+from policies.autocache import SWITCH_MARGIN, eligible_expansions, plan_autocache
+from policies.registry import estimator_for, get_policy
+from policies.types import Allocation, ClusterCapacity, DatasetView, JobView, Snapshot
+from scheduler.sim.engine import SimConfig, Simulator
+from traces.model import Trace, TraceJob
+
+GB, MB = 1e9, 1e6
+POLICIES = ("fifo", "sjf", "gavel", "greedy")
+
+
+def _run(pipeline, policy="fifo", system="silod", remote_io=1 * GB, cache=100 * GB):
+    trace = Trace((TraceJob("a", 0.0, 1, "resnet50", "d", 200 * MB, 3.0, pipeline=pipeline),), {"d": 10 * GB})
+    cap = ClusterCapacity(gpus=1, cache=cache, remote_io=remote_io, gpus_per_node=1, cpus_per_node=4)
+    return Simulator(trace, cap, get_policy(policy), estimator_for(system), system, SimConfig()).run().jobs[0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cpu_bound_job_caches_preprocessed_data_by_hand(policy):
+    # f* 200 MB/s, 4 cores, 20 MB/s per core for the whole pipeline (CPU bound 80 MB/s), 100 MB/s
+    # per core after the autocache point, 2 bytes cached per source byte; 10 GB dataset, 3 epochs.
+    # Source caching: 30 GB at 80 MB/s = 375 s. Preprocessed (20 GB fits the 100 GB cache):
+    # epoch 1 decodes everything at 80 MB/s (125 s), epochs 2-3 read cached decoded items at
+    # min(f*, 4 x 100) = 200 MB/s (100 s): 225 s.
+    on = _run(InputPipeline(20 * MB, 2.0, 100 * MB), policy)
+    off = _run(InputPipeline(20 * MB), policy)
+    assert off.jct_s == pytest.approx(375.0, rel=1e-6)
+    assert on.jct_s == pytest.approx(225.0, rel=1e-6)
+    assert on.epoch_hit_ratios == pytest.approx((0.0, 1.0, 1.0))
+    assert dict(on.bound_s) == pytest.approx({"cpu": 125.0, "gpu": 100.0})
+
+
+def test_source_kept_when_preprocessed_data_would_cost_io():
+    # 100 MB/s per core x 4 = 400 MB/s: never CPU-bound. A 50 MB/s link and a 10 GB cache that
+    # holds the source (hit 1 from epoch 2) but only 1/6 of 6x-larger decoded data: source wins,
+    # and the run is exactly the run without an autocache point.
+    kw = dict(remote_io=50 * MB, cache=10 * GB)
+    on = _run(InputPipeline(100 * MB, 6.0, 200 * MB), **kw)
+    off = _run(InputPipeline(100 * MB), **kw)
+    assert on.jct_s == pytest.approx(off.jct_s, rel=1e-9)
+    assert on.remote_bytes == pytest.approx(off.remote_bytes, rel=1e-9)
+
+
+def test_baseline_cache_systems_cache_source_bytes():
+    on = _run(InputPipeline(20 * MB, 2.0, 100 * MB), system="alluxio")
+    assert on.jct_s == pytest.approx(375.0, rel=1e-6)  # no autocaching without a planned cache
+
+
+def _snapshot(*jobs, cap=None):
+    cap = cap or ClusterCapacity(gpus=8, cache=100 * GB, remote_io=1 * GB, gpus_per_node=8, cpus_per_node=8)
+    views = tuple(JobView(j, 1, ds, 200 * MB, 30 * GB, float(i), pipeline=p) for i, (j, ds, p) in enumerate(jobs))
+    return Snapshot(0.0, views, {d: DatasetView(d, 10 * GB) for d in {ds for _, ds, _ in jobs}}, cap)
+
+
+def test_eligibility_needs_every_reader_with_the_same_autocache_point():
+    pre, pre3, none = InputPipeline(20 * MB, 2.0, 100 * MB), InputPipeline(20 * MB, 3.0, 100 * MB), InputPipeline(20 * MB)
+    snap = _snapshot(("a", "d1", pre), ("b", "d1", pre), ("c", "d2", pre), ("d", "d2", none), ("e", "d3", pre), ("f", "d3", pre3))
+    assert eligible_expansions(snap) == {"d1": 2.0}
+
+
+def test_switch_margin_keeps_a_mode_on_a_small_gain():
+    # One job on 4 cores, cache c of a 10 GB dataset, e = 2, unconstrained IO. Source: 4 x 20 =
+    # 80 MB/s. Preprocessed: h = c / 20 GB, rate 4 / (h/100 + (1-h)/20) MB/s. With c = 0.3 GB the
+    # gain is (4 / (0.015/100 + 0.985/20) - 80) / 200 = 0.0020: below the margin.
+    pipe = InputPipeline(20 * MB, 2.0, 100 * MB)
+    snap = _snapshot(("a", "d", pipe))
+
+    def alloc(c):
+        return Allocation({"a": 1.0}, cache={"d": c}, remote_io={"a": 1 * GB}, cpu={"a": 4.0})
+
+    gain = (4 / (0.015 / 100 + 0.985 / 20) - 80) / 200
+    assert 0 < gain < SWITCH_MARGIN
+    assert plan_autocache(snap, alloc(0.3 * GB)) == {}  # source now: too small a gain to switch
+    assert plan_autocache(snap, alloc(0.3 * GB), {"d": 2.0}) == {"d": 2.0}  # preprocessed now: kept
+    assert plan_autocache(snap, alloc(20 * GB)) == {"d": 2.0}  # whole decoded set fits: switch
+    assert plan_autocache(snap, Allocation({"a": 1.0})) == {}  # storage left to the cache system

@@ -10,7 +10,7 @@ bytes, and two different expansions are two different deterministic stages.
 The comparison (estimator.pipeline.autocache_gain): the sum over the dataset's running readers
 of their normalised throughput X / f* with the cache holding e x the bytes per item (hit ratio
 c / (e d)) and cached items costing post_cpu_rate per core, against source caching, for the
-cache, remote IO and cores of this allocation. Switching discards the dataset's cache (the bytes
+cache and cores of this allocation and its IO caps plus an equal part of the link no cap holds. Switching discards the dataset's cache (the bytes
 differ), so a dataset changes mode only when the other one gains more than SWITCH_MARGIN (a
 fraction of one job's f*); a tie keeps source caching.
 
@@ -61,11 +61,20 @@ def plan_autocache(snapshot: Snapshot, allocation: Allocation, current: Mapping[
     if not readers:
         return {n: e for n, e in current.items() if n in eligible and eligible[n] == e}
     cap = snapshot.capacity
+    if allocation.remote_io is None:
+        io = np.full(len(readers), np.inf)
+    else:
+        # The policy sized IO caps for the current mode (a fully cached source needs none); the
+        # other mode may need more: each reader may also use an equal part of the link no cap
+        # holds, as the round's work conservation would give it.
+        running = sum(1 for j in snapshot.jobs if allocation.gpu_share.get(j.job_id, 0.0) > 0)
+        spare = max(cap.remote_io - float(sum(allocation.remote_io.values())), 0.0) / max(running, 1)
+        io = np.array([allocation.remote_io.get(j.job_id, 0.0) + spare for j in readers])
     gain = autocache_gain(
         np.array([index[j.dataset] for j in readers]),
         len(names),
         np.array([j.ideal_throughput for j in readers]),
-        np.array([np.inf if allocation.remote_io is None else allocation.remote_io.get(j.job_id, 0.0) for j in readers]),
+        io,
         np.array([allocation.cache.get(n, 0.0) for n in names]),
         np.array([snapshot.datasets[n].size for n in names]),
         np.array([np.inf if allocation.cpu is None or not cap.manages_cpu else allocation.cpu.get(j.job_id, 0.0) for j in readers]),

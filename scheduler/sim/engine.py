@@ -258,7 +258,9 @@ class Simulator:
         if link <= 0:
             return np.inf
         limit = np.inf
-        if sum(j.ideal for j in running) > link:
+        # Autocaching: a preprocessed reader's CPU cost follows m, so its m matters even on a
+        # link that could serve everyone.
+        if sum(j.ideal for j in running) > link or any(j.dataset.expansion != 1.0 for j in running):
             tol = self.config.demand_tolerance
             for job in running:
                 if not self.cache.moves_under(job):

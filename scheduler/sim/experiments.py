@@ -76,6 +76,7 @@ class TraceSource:
     curriculum_step: int | None = None  # the Fig. 16 single job, with this Step
     catalog_pipelines: bool = False  # give every job its catalog model's CPU stage (experiment cpu)
     window_s: tuple[float, float] | None = None  # alibaba-openb: tasks created in [start, end) s (experiment alibaba)
+    autocache_points: bool = False  # image models' pipelines get an autocache point (experiment autocache)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Run:
     seed: int | None = None  # a repeat's seed (default: the runner's)
     profile_noise: float = 0.0  # quiver: sigma of its profiles' log-normal error
     catalog_pipelines: bool = False  # jobs get their catalog model's cpu_rate (experiment cpu)
+    autocache_points: bool = False  # and image models an autocache point (experiment autocache)
 
 
 def micro_benchmark_trace() -> Trace:
@@ -169,8 +171,27 @@ def with_catalog_pipelines(trace: Trace) -> Trace:
     return Trace(tuple(jobs), trace.dataset_sizes, trace.source + ", catalog CPU rates", trace.notes, trace.item_sizes)
 
 
+#: The autocache experiment's pipelines: decoded images are about 6x their JPEGs (Plumber §5.4);
+#: what remains after the cache point (random crop and flip of a decoded image) is taken to cost
+#: a fifth of the whole pipeline per byte -- an assumption: no published per-core rate of the
+#: post-decode stage for these pipelines (traces/catalog.py); the docs say so beside the figures.
+AUTOCACHE_EXPANSION = 6.0
+AUTOCACHE_POST_SPEEDUP = 5.0
+
+
+def with_autocache_points(trace: Trace) -> Trace:
+    """Every job with a CPU stage gets an autocache point after decoding (see above)."""
+    from estimator.pipeline import InputPipeline
+
+    jobs = tuple(replace(j, pipeline=InputPipeline(j.pipeline.cpu_rate, AUTOCACHE_EXPANSION, j.pipeline.cpu_rate * AUTOCACHE_POST_SPEEDUP))
+                 if j.pipeline is not None and not j.pipeline.autocaches else j for j in trace.jobs)
+    return Trace(jobs, trace.dataset_sizes, trace.source + ", autocache points", trace.notes, trace.item_sizes)
+
+
 @lru_cache(maxsize=8)
 def build_trace(source: TraceSource) -> Trace:
+    if source.autocache_points:
+        return with_autocache_points(build_trace(replace(source, autocache_points=False)))
     if source.catalog_pipelines:
         return with_catalog_pipelines(build_trace(replace(source, catalog_pipelines=False)))
     if source.curriculum_step is not None:
@@ -214,7 +235,7 @@ def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int)
     seed = source.seed if run.seed is None else run.seed
     if not source.micro:
         source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step,
-                         catalog_pipelines=run.catalog_pipelines)
+                         catalog_pipelines=run.catalog_pipelines, autocache_points=run.autocache_points)
     trace = build_trace(source)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=seed, manage_io=run.manage_io,
                        partition=run.partition, profile_noise=run.profile_noise)
@@ -779,6 +800,47 @@ def experiment_stagger(runner: ExperimentRunner, out: Path, capacity: ClusterCap
     return payload
 
 
+AUTOCACHE_CORES_PER_GPU = 2.0
+
+
+def experiment_autocache(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    """Autocaching on vs off: the sweeps' trace with the catalog's CPU rates on a cluster with
+    2 cores per GPU (image jobs CPU-bound), under FIFO, SJF and Gavel on the silod cache. On:
+    image jobs have an autocache point (AUTOCACHE_EXPANSION, AUTOCACHE_POST_SPEEDUP) and the
+    scheduler chooses per dataset; off: the same jobs without one (source caching)."""
+    policies = ("fifo", "sjf", "gavel")
+    runner = runner.for_sweeps()
+    cluster = replace(capacity, cpus_per_node=AUTOCACHE_CORES_PER_GPU * capacity.gpus_per_node)
+    runs = [Run(f"{p}/{'on' if on else 'off'}", p, "silod", cluster, catalog_pipelines=True, autocache_points=on)
+            for p in policies for on in (True, False)]
+    table = {r.run.label: r.summary for r in runner.run_all(runs)}
+    setup = (runner.describe(capacity) + f"; {AUTOCACHE_CORES_PER_GPU:g} cores per GPU, catalog CPU rates; image pipelines' "
+             f"autocache point: {AUTOCACHE_EXPANSION:g} bytes cached per source byte, post-decode stage "
+             f"{AUTOCACHE_POST_SPEEDUP:g}x the whole pipeline's per-core rate (assumed); silod cache")
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    width = 0.35
+    for ax, key, title in ((axes[0], "avg_jct_s", "average JCT (h)"), (axes[1], "makespan_s", "makespan (h)")):
+        for i, on in enumerate(("on", "off")):
+            ax.bar([x + i * width for x in range(len(policies))], [table[f"{p}/{on}"][key] / 3600 for p in policies], width,
+                   label="autocaching (source or decoded, per dataset)" if on == "on" else "source caching only")
+        ax.set_xticks([x + width / 2 for x in range(len(policies))], [p.upper() for p in policies])
+        ax.set_ylim(bottom=0)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Autocaching on vs off\n" + textwrap.fill(setup, 140), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "autocache.png", dpi=120)
+    plt.close(fig)
+    headline = []
+    for p in policies:
+        on, off = table[f"{p}/on"]["avg_jct_s"], table[f"{p}/off"]["avg_jct_s"]
+        headline.append((f"{p.upper()}: avg JCT autocaching on vs off", f"{_hours(on)} vs {_hours(off)} = {off / on:.2f}x"))
+    payload = {"experiment": "autocache", "setup": setup, "runs": table, "headline": headline}
+    _save(out, "autocache", payload)
+    return payload
+
+
 #: The Alibaba comparison's window: 7 days of task arrivals (about 1,100 GPU tasks), the week
 #: with the most GPU-hours offered; cluster nodes of 8 GPUs (the trace has 8-GPU tasks).
 ALIBABA_WINDOW_DAYS = 7.0
@@ -887,4 +949,5 @@ EXPERIMENTS: dict[str, Callable] = {
     "cpu": experiment_cpu,
     "stagger": experiment_stagger,
     "alibaba": experiment_alibaba,
+    "autocache": experiment_autocache,
 }

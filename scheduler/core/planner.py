@@ -18,6 +18,7 @@ import numpy as np
 
 from policies.autocache import plan_autocache
 from policies.base import Policy
+from policies.stagger import stagger_holds
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
 from policies.types import Allocation, Snapshot
@@ -163,8 +164,13 @@ class SchedulingCore:
     is what the policy gets for irregular jobs inside their partition.
     """
 
-    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None):
+    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None, stagger: bool = False):
         self.policy = policy
+        #: staggered starts for jobs sharing a dataset (policies/stagger.py); off by default
+        self.stagger = stagger
+        #: when a held job's predicted start comes (backends decide again then); None: none held
+        self.stagger_recheck_at: float | None = None
+        self.stagger_held: dict[str, float] = {}  # job id -> seconds it was told to wait, last decision
         self.estimator = estimator
         self.irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
         self.planner = RoundPlanner()
@@ -188,7 +194,23 @@ class SchedulingCore:
             modes = chosen
         read = {j.dataset for j in snapshot.jobs}
         self.autocache = {**{n: e for n, e in self.autocache.items() if n not in read}, **chosen}
-        return replace(allocation, autocache=chosen) if chosen else allocation
+        allocation = replace(allocation, autocache=chosen) if chosen else allocation
+        if self.stagger:
+            allocation = self._hold_staggered(snapshot, allocation)
+        return allocation
+
+    def _hold_staggered(self, snapshot: Snapshot, allocation: Allocation) -> Allocation:
+        """Jobs whose staggered start is still ahead get no GPUs (nor cores, nor IO) now."""
+        holds = stagger_holds(snapshot, allocation)
+        self.stagger_held = holds
+        self.stagger_recheck_at = snapshot.time + min(holds.values()) if holds else None
+        if not holds:
+            return allocation
+
+        def drop(m):
+            return None if m is None else {j: (0.0 if j in holds else v) for j, v in m.items()}
+
+        return replace(allocation, gpu_share=drop(allocation.gpu_share), remote_io=drop(allocation.remote_io), cpu=drop(allocation.cpu))
 
     def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
         """Who holds GPUs this round, and their IO caps, for an allocation already decided."""

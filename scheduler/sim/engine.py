@@ -77,6 +77,8 @@ class SimConfig:
     #: Quiver's online-profile error: sigma of a log-normal factor on each dataset's benefit,
     #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator.md).
     profile_noise: float = 0.0
+    #: Staggered starts for jobs sharing a dataset (policies/stagger.py), off by default.
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -176,7 +178,7 @@ class Simulator:
         self.trace = trace
         self.capacity = capacity
         self.config = config
-        self.core = SchedulingCore(policy, estimator)
+        self.core = SchedulingCore(policy, estimator, stagger=config.stagger)
         self.cache = (
             make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed, config.profile_noise)
             if isinstance(cache_system, str)
@@ -356,6 +358,9 @@ class Simulator:
             # re-decide at least every io_refresh_s even without arrivals or completions.
             if self.core.estimator.manages_storage and now - last_decision >= cfg.io_refresh_s:
                 need_decision = True
+            recheck = self.core.stagger_recheck_at
+            if recheck is not None and now >= recheck - 1e-9:
+                need_decision = True  # a held job's staggered start has come
             if need_decision:
                 last_decision = now
                 snapshot = self._snapshot(now, active)
@@ -393,6 +398,8 @@ class Simulator:
                 step_end = min(step_end, pending[next_arrival].submit_time)
             if self.core.estimator.manages_storage:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
+            if self.core.stagger_recheck_at is not None:
+                step_end = min(step_end, max(self.core.stagger_recheck_at, now + 1e-6))
             misses = {job.job_id: job.miss_ratio(self.cache) for job in running}
             caps, contended = self._io_caps(plan, running, misses)
             managed = plan.remote_io is not None and cfg.manage_io

@@ -25,12 +25,46 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from estimator.pipeline import autocache_gain
+from estimator.pipeline import autocache_gain, pipeline_perf
 from policies.types import Allocation, Snapshot
 
 #: Normalised throughput (sum of X / f* over a dataset's readers) a mode switch must gain: a
 #: switch empties the dataset's cache, so a gain within noise of the allocation must not flip it.
 SWITCH_MARGIN = 0.05
+
+
+def _io_with_spare(snapshot: Snapshot, allocation: Allocation, jobs) -> np.ndarray:
+    if allocation.remote_io is None:
+        return np.full(len(jobs), np.inf)
+    # The policy sized IO caps for the current mode (a fully cached source needs none); the
+    # other mode may need more: each reader may also use an equal part of the link no cap
+    # holds, as the round's work conservation would give it.
+    running = sum(1 for j in snapshot.jobs if allocation.gpu_share.get(j.job_id, 0.0) > 0)
+    spare = max(snapshot.capacity.remote_io - float(sum(allocation.remote_io.values())), 0.0) / max(running, 1)
+    return np.array([allocation.remote_io.get(j.job_id, 0.0) + spare for j in jobs])
+
+
+def allocation_score(snapshot: Snapshot, allocation: Allocation, modes: Mapping[str, float]) -> float:
+    """Sum over the jobs the allocation runs of share x X / f*, X by the estimator with their
+    cache (e x bytes per item where `modes` caches preprocessed data), IO and cores: what a set
+    of modes and the allocation the policy gave for it are worth to the whole cluster."""
+    jobs = [j for j in snapshot.jobs if allocation.gpu_share.get(j.job_id, 0.0) > 0]
+    if not jobs or allocation.cache is None:
+        return 0.0
+    cap = snapshot.capacity
+    f = np.array([j.ideal_throughput for j in jobs])
+    pre = [modes.get(j.dataset, 1.0) != 1.0 and j.pipeline is not None and j.pipeline.autocaches for j in jobs]
+    r = np.array([j.cpu_rate for j in jobs])
+    x = np.asarray(pipeline_perf(
+        f, _io_with_spare(snapshot, allocation, jobs), np.array([allocation.cache.get(j.dataset, 0.0) for j in jobs]),
+        np.array([snapshot.datasets[j.dataset].size for j in jobs]),
+        np.array([np.inf if allocation.cpu is None or not cap.manages_cpu else allocation.cpu.get(j.job_id, 0.0) for j in jobs]),
+        r, np.array([modes[j.dataset] if p else 1.0 for j, p in zip(jobs, pre, strict=True)]),
+        np.array([j.pipeline.post_cpu_rate if p else rj for j, p, rj in zip(jobs, pre, r, strict=True)]),
+    ), dtype=float)
+    share = np.array([allocation.gpu_share.get(j.job_id, 0.0) for j in jobs])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.sum(np.where(f > 0, share * x / np.where(f > 0, f, 1.0), 0.0)))
 
 
 def eligible_expansions(snapshot: Snapshot) -> dict[str, float]:
@@ -61,15 +95,7 @@ def plan_autocache(snapshot: Snapshot, allocation: Allocation, current: Mapping[
     if not readers:
         return {n: e for n, e in current.items() if n in eligible and eligible[n] == e}
     cap = snapshot.capacity
-    if allocation.remote_io is None:
-        io = np.full(len(readers), np.inf)
-    else:
-        # The policy sized IO caps for the current mode (a fully cached source needs none); the
-        # other mode may need more: each reader may also use an equal part of the link no cap
-        # holds, as the round's work conservation would give it.
-        running = sum(1 for j in snapshot.jobs if allocation.gpu_share.get(j.job_id, 0.0) > 0)
-        spare = max(cap.remote_io - float(sum(allocation.remote_io.values())), 0.0) / max(running, 1)
-        io = np.array([allocation.remote_io.get(j.job_id, 0.0) + spare for j in readers])
+    io = _io_with_spare(snapshot, allocation, readers)
     gain = autocache_gain(
         np.array([index[j.dataset] for j in readers]),
         len(names),
@@ -91,4 +117,4 @@ def plan_autocache(snapshot: Snapshot, allocation: Allocation, current: Mapping[
     return chosen
 
 
-__all__ = ["SWITCH_MARGIN", "eligible_expansions", "plan_autocache"]
+__all__ = ["SWITCH_MARGIN", "allocation_score", "eligible_expansions", "plan_autocache"]

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from policies.autocache import plan_autocache
+from policies.autocache import SWITCH_MARGIN, allocation_score, eligible_expansions, plan_autocache
 from policies.base import Policy
 from policies.stagger import stagger_holds
 from policies.estimators import Estimator, VanillaEstimator
@@ -181,23 +181,35 @@ class SchedulingCore:
         """Ask the policy (around the partitions, when irregular jobs are active), refuse any
         allocation that breaks a capacity, then choose each dataset's cache mode (autocaching)."""
         # A dataset cached preprocessed takes e x its bytes in cache: the policy plans it at that
-        # size (its hit ratio is c / (e d)); the choice compares on the source size. When the
-        # choice changes a mode, the policy plans once more on the sizes it will have.
-        modes = self.autocache
-        for _ in range(2):
-            seen = with_autocache_sizes(snapshot, modes)
-            allocation = allocate_partitioned(seen, self.policy, self.estimator, self.irregular_estimator)
-            allocation = validate_allocation(seen, with_default_cpu(seen, allocation))
-            chosen = plan_autocache(snapshot, allocation, modes)
-            if all(modes.get(n, 1.0) == chosen.get(n, 1.0) for n in {*modes, *chosen} if n in snapshot.datasets):
-                break
-            modes = chosen
+        # size (its hit ratio is c / (e d)). Each dataset's readers prefer a mode for the cache
+        # they were given (Cachew's comparison, plan_autocache); a change is then planned again
+        # at the new sizes and kept only if the whole cluster gains (allocation_score): a dataset
+        # whose decoded copy takes cache from other jobs must pay for it.
+        # (A dataset a reader without the same autocache point now reads goes back to source.)
+        eligible = eligible_expansions(snapshot)
         read = {j.dataset for j in snapshot.jobs}
+        modes = {n: e for n, e in self.autocache.items() if n in snapshot.datasets and (eligible.get(n) == e or n not in read)}
+        allocation = self._allocate(snapshot, modes)
+        chosen = plan_autocache(snapshot, allocation, modes)
+        active = read
+        if any(modes.get(n, 1.0) != chosen.get(n, 1.0) for n in active):
+            trial = self._allocate(snapshot, chosen)
+            if allocation_score(snapshot, trial, chosen) > allocation_score(snapshot, allocation, modes) + SWITCH_MARGIN:
+                allocation = trial
+            else:
+                chosen = {n: e for n, e in modes.items() if n in active}
+        else:
+            chosen = {n: e for n, e in chosen.items() if n in active}
         self.autocache = {**{n: e for n, e in self.autocache.items() if n not in read}, **chosen}
         allocation = replace(allocation, autocache=chosen) if chosen else allocation
         if self.stagger:
             allocation = self._hold_staggered(snapshot, allocation)
         return allocation
+
+    def _allocate(self, snapshot: Snapshot, modes: Mapping[str, float]) -> Allocation:
+        seen = with_autocache_sizes(snapshot, modes)
+        allocation = allocate_partitioned(seen, self.policy, self.estimator, self.irregular_estimator)
+        return validate_allocation(seen, with_default_cpu(seen, allocation))
 
     def _hold_staggered(self, snapshot: Snapshot, allocation: Allocation) -> Allocation:
         """Jobs whose staggered start is still ahead get no GPUs (nor cores, nor IO) now."""

@@ -82,3 +82,53 @@ def test_switch_margin_keeps_a_mode_on_a_small_gain():
     assert plan_autocache(snap, alloc(0.3 * GB), {"d": 2.0}) == {"d": 2.0}  # preprocessed now: kept
     assert plan_autocache(snap, alloc(20 * GB)) == {"d": 2.0}  # whole decoded set fits: switch
     assert plan_autocache(snap, Allocation({"a": 1.0})) == {}  # storage left to the cache system
+
+
+class _ProportionalCache:
+    """A plug-in-like policy: every job runs; cache split in proportion to the sizes it sees;
+    each job gets the IO its f* needs on what is not cached, in arrival order."""
+
+    name = "proportional-cache"
+    time_sharing = False
+
+    def allocate(self, snapshot, estimator):
+        sizes = {n: d.size for n, d in snapshot.datasets.items()}
+        total = sum(sizes.values())
+        cache = {n: snapshot.capacity.cache * s / total for n, s in sizes.items()}
+        io, left = {}, snapshot.capacity.remote_io
+        for j in snapshot.jobs:
+            want = j.ideal_throughput * max(0.0, 1 - cache[j.dataset] / sizes[j.dataset])
+            io[j.job_id] = min(want, left)
+            left -= io[j.job_id]
+        return Allocation({j.job_id: 1.0 for j in snapshot.jobs}, cache=cache, remote_io=io, cpu={j.job_id: 4.0 for j in snapshot.jobs})
+
+
+def test_a_switch_that_costs_other_jobs_more_is_refused():
+    from policies.autocache import allocation_score
+    from scheduler.core.planner import SchedulingCore, with_autocache_sizes
+
+    # a: CPU-bound (4 cores x 20 MB/s = 80 MB/s of its 200), autocache point e = 2, 1,000 MB/s
+    # per core after it. b: 300 MB/s, no CPU stage. Datasets 50 GB each, 100 GB cache, 100 MB/s.
+    # Source: 50 GB each, all cached: a 80 (0.4 of its f*), b 300 (1.0): score 1.4.
+    # a's readers' comparison on its 50 GB and half the link no cap holds (50 MB/s): h = 1/2,
+    # min(4 / (0.5/1000 + 0.5/20) = 157, 50 / 0.5 = 100) = 100 MB/s: +0.10 of its f*, it asks.
+    # Planned again with a at 100 GB, the cache splits 66.7 / 33.3 GB (h = 2/3 for both); a
+    # (first in arrival order) takes the 66.7 MB/s it needs, b gets 33.3 and reads at
+    # 33.3 / (1/3) = 100 MB/s: a 1.0 + b 0.33 = 1.33 < 1.4 + 0.05: refused.
+    def snapshot(link):
+        cap = ClusterCapacity(gpus=2, cache=100 * GB, remote_io=link, gpus_per_node=1, cpus_per_node=4)
+        a = JobView("a", 1, "da", 200 * MB, 100 * GB, 0.0, running=True, pipeline=InputPipeline(20 * MB, 2.0, 1000 * MB))
+        b = JobView("b", 1, "db", 300 * MB, 100 * GB, 1.0, running=True)
+        return Snapshot(0.0, (a, b), {"da": DatasetView("da", 50 * GB), "db": DatasetView("db", 50 * GB)}, cap)
+
+    snap = snapshot(100 * MB)
+    policy = _ProportionalCache()
+    src = policy.allocate(snap, None)
+    assert plan_autocache(snap, src) == {"da": 2.0}  # a alone would switch
+    pre = policy.allocate(with_autocache_sizes(snap, {"da": 2.0}), None)
+    assert allocation_score(snap, src, {}) == pytest.approx(1.4)
+    assert allocation_score(snap, pre, {"da": 2.0}) == pytest.approx(1.0 + 1 / 3)
+    alloc = SchedulingCore(policy, estimator_for("silod")).decide(snap)
+    assert dict(alloc.autocache) == {} and dict(alloc.cache) == pytest.approx({"da": 50 * GB, "db": 50 * GB})
+    # A 120 MB/s link: b gets 53.3 MB/s, reads at 160 (0.53): 1.53 > 1.45, accepted.
+    assert dict(SchedulingCore(policy, estimator_for("silod")).decide(snapshot(120 * MB)).autocache) == {"da": 2.0}

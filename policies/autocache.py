@@ -12,7 +12,9 @@ of their normalised throughput X / f* with the cache holding e x the bytes per i
 c / (e d)) and cached items costing post_cpu_rate per core, against source caching, for the
 cache and cores of this allocation and its IO caps plus an equal part of the link no cap holds. Switching discards the dataset's cache (the bytes
 differ), so a dataset changes mode only when the other one gains more than SWITCH_MARGIN (a
-fraction of one job's f*); a tie keeps source caching.
+fraction of one job's f*); a tie keeps source caching. The scheduling core then plans a change
+again at the new sizes and keeps it only if `allocation_score` (the whole cluster's summed
+normalised throughput) gains SWITCH_MARGIN too: a decoded copy may take cache from other jobs.
 
 Nothing changes where the allocation leaves storage to the cache system (`cache` None: the
 baselines cache source bytes), and a job without CPU cores modelled never gains from it (its

@@ -33,6 +33,8 @@ from policies.types import Allocation, Snapshot
 #: Normalised throughput (sum of X / f* over a dataset's readers) a mode switch must gain: a
 #: switch empties the dataset's cache, so a gain within noise of the allocation must not flip it.
 SWITCH_MARGIN = 0.05
+#: A dataset holding more source bytes than this share of its size keeps caching source bytes.
+FRESH_CACHE = 0.05
 
 
 def _io_with_spare(snapshot: Snapshot, allocation: Allocation, jobs) -> np.ndarray:
@@ -114,7 +116,12 @@ def plan_autocache(snapshot: Snapshot, allocation: Allocation, current: Mapping[
     for n in names:
         g = float(gain[index[n]])
         now = current.get(n) == eligible[n]
-        if g > SWITCH_MARGIN or (now and g > -SWITCH_MARGIN):
+        # Cachew decides when a job's data is not cached yet; a filled source cache is not thrown
+        # away for a decoded copy (refilling costs the link everyone shares, which the
+        # comparison of filled allocations does not see).
+        filled = snapshot.datasets[n].cached
+        fresh = filled is None or filled <= FRESH_CACHE * snapshot.datasets[n].size
+        if (g > SWITCH_MARGIN and (now or fresh)) or (now and g > -SWITCH_MARGIN):
             chosen[n] = eligible[n]
     return chosen
 

@@ -132,3 +132,18 @@ def test_a_switch_that_costs_other_jobs_more_is_refused():
     assert dict(alloc.autocache) == {} and dict(alloc.cache) == pytest.approx({"da": 50 * GB, "db": 50 * GB})
     # A 120 MB/s link: b gets 53.3 MB/s, reads at 160 (0.53): 1.53 > 1.45, accepted.
     assert dict(SchedulingCore(policy, estimator_for("silod")).decide(snapshot(120 * MB)).autocache) == {"da": 2.0}
+
+
+def test_a_filled_source_cache_is_not_thrown_away():
+    # The same job whose decoded set fits (a clear gain) but whose dataset already holds 5 GB of
+    # source bytes (half of it): it keeps caching source bytes; with nothing cached it switches.
+    pipe = InputPipeline(20 * MB, 2.0, 100 * MB)
+    alloc = Allocation({"a": 1.0}, cache={"d": 20 * GB}, remote_io={"a": 1 * GB}, cpu={"a": 4.0})
+    cap = ClusterCapacity(gpus=8, cache=100 * GB, remote_io=1 * GB, gpus_per_node=8, cpus_per_node=8)
+
+    def snap(cached):
+        return Snapshot(0.0, (JobView("a", 1, "d", 200 * MB, 30 * GB, 0.0, pipeline=pipe),), {"d": DatasetView("d", 10 * GB, cached=cached)}, cap)
+
+    assert plan_autocache(snap(5 * GB), alloc) == {}
+    assert plan_autocache(snap(0.0), alloc) == {"d": 2.0}
+    assert plan_autocache(snap(5 * GB), alloc, {"d": 2.0}) == {"d": 2.0}  # already decoded: kept

@@ -66,10 +66,10 @@ CASES = [
     # 80 MB/s (125 s), epochs 2-3 from cache at min(200, 4 x 100) (100 s).
     Case("autocache-one-job", (job("a", "d1", 200, 3.0, 20, autocache=(2, 100)),), {"d1": 10 * GB}, 1, 100 * GB, 1 * GB, 4,
          "model", {"a": 225.0}),
-    # Two readers of one dataset; its decoded form (3x) only partly fits the cache, so later
-    # epochs mix cached decoded items (cheap) and fetched JPEGs (the whole pipeline).
+    # Two readers of one dataset from a cold cache; its decoded form (3x) only partly fits the
+    # cache, so later epochs mix cached decoded items (cheap) and fetched JPEGs (the whole pipeline).
     Case("autocache-shared-partial", (job("a", "d1", 150, 3.0, 25, autocache=(3, 100)),
-                                      job("b", "d1", 100, 2.0, 25, submit=200.0, autocache=(3, 100))),
+                                      job("b", "d1", 100, 2.0, 25, submit=0.0, autocache=(3, 100))),
          {"d1": 20 * GB}, 2, 40 * GB, 500 * MB, 6, "model", {}),
     # One dataset with an autocache point beside one without (source caching, IO-bound).
     Case("autocache-mixed", (job("a", "d1", 150, 3.0, 25, autocache=(2, 100)), job("b", "d2", 100, 2.0, None, submit=100.0)),

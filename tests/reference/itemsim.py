@@ -55,7 +55,8 @@ The model, item by item:
   running readers' sum of min(f*, k / (h/p + (1-h)/r), link / (1-h)) / f* with h = c / (e d)
   (preprocessed) against h = c / d, k = 1/r (source), c the bytes the plan gives it; it switches
   when the other mode gains more than 0.05 (dropping what it cached) and the plan is redone at
-  the new size.
+  the new size -- but a dataset with more than 5% of its items cached as source items stays on
+  source (a filled cache is not thrown away for a decoded copy).
 - SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
   cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
   only the readers with more than one pass left, since an item cached now helps from the next
@@ -347,7 +348,8 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
                     speeds.append(min(r.spec.ideal, cpu, io))
                 gain += (speeds[1] - speeds[0]) / r.spec.ideal
             now_pre = ds in mode
-            want_pre = gain > 0.05 or (now_pre and gain > -0.05)
+            fresh = ds not in uniform or len(uniform[ds].items) <= 0.05 * sc.dataset_items[ds]
+            want_pre = (gain > 0.05 and (now_pre or fresh)) or (now_pre and gain > -0.05)
             if want_pre != now_pre:
                 if ds in uniform:
                     uniform[ds].set_limit(0)  # source and preprocessed items are different bytes

@@ -182,6 +182,9 @@ class Allocation:
     remote_io: bytes/s per job *while it runs*, or None when storage is unmanaged.
     cpu: CPU cores per job *while it runs*, or None when the cluster does not model CPU
         (ClusterCapacity.cpus_per_node unset; then every job has the cores it needs).
+    autocache: datasets whose cache holds their readers' preprocessed data (Cachew's autocache
+        point) -> bytes cached per source byte; every other dataset caches source bytes. Set by
+        the scheduling core after the policy (policies/autocache.py), never by a policy.
     """
 
     gpu_share: Mapping[str, float]
@@ -190,9 +193,11 @@ class Allocation:
     cpu: Mapping[str, float] | None = None
     objective: float | None = field(default=None, compare=False)  # e.g. Gavel's min fairness ratio
     partition: StoragePartition | None = field(default=None, compare=False)  # set by scheduler/core/partition.py
+    autocache: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_share", MappingProxyType(dict(self.gpu_share)))
+        object.__setattr__(self, "autocache", MappingProxyType(dict(self.autocache)))
         object.__setattr__(self, "cache", _frozen(self.cache))
         object.__setattr__(self, "remote_io", _frozen(self.remote_io))
         object.__setattr__(self, "cpu", _frozen(self.cpu))

@@ -116,3 +116,33 @@ def test_gpu_proportional_cores_on_the_service(tmp_path):
         service.run_round("test")
         assert c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["allocated_cpus"] == pytest.approx(1.0)  # 4 cores / 4 GPUs
     service.close()
+
+
+def test_autocache_choice_in_dataset_and_job_views(cpu_client):
+    c, service = cpu_client
+    # 4 GPUs at 400 MB/s on 4 cores (its node's) at 35 MB/s per core: 140 MB/s from source. Its
+    # autocache point stores 6 bytes per source byte and leaves 350 MB/s per core of work: with
+    # the 200 GB cache holding 200 / (6 x 143) = 23% of the decoded set, 4 cores give
+    # 4 / (0.233/350 + 0.767/35) = 177 MB/s: preprocessed caching wins (by 0.09 of its f*).
+    big = c.post("/v1/jobs", json={**JOB, "name": "big", "gpus": 4, "ideal_throughput": "400MB/s", "cpu_rate": "35MB/s",
+                                   "autocache_expansion": 6, "post_cpu_rate": "350MB/s"}, headers=H_ALICE).json()
+    ds = c.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    assert (ds["cache_mode"], ds["cache_expansion"]) == ("source", None)  # nothing decided yet
+    service.run_round("test")
+    ds = c.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    assert (ds["cache_mode"], ds["cache_expansion"]) == ("preprocessed", 6.0)
+    got = c.get(f"/v1/jobs/{big['id']}", headers=H_ALICE).json()
+    assert (got["cache_mode"], got["cache_expansion"]) == ("preprocessed", 6.0)
+    # The diagnosis uses the choice. On source bytes the whole 143 GB is cached (no IO bound) and
+    # the job is CPU-bound, a fifth core worth 5/4. On decoded items only 23% is cached: the IO
+    # cap the policy planned (for the 140 MB/s its cores give on source bytes, at that hit
+    # ratio) binds, at 140 MB/s, and a core buys nothing. (Policies plan IO for source-rate
+    # cores; the link they leave spare reaches such readers by work conservation.)
+    assert got["bottleneck"]["bound"] == "remote_io"
+    assert got["bottleneck"]["throughput"] == pytest.approx(140e6, rel=1e-6)
+    assert got["bottleneck"]["speedup_cpu"] == pytest.approx(1.0)
+    # A reader without the autocache point joins: the dataset goes back to source bytes.
+    c.post("/v1/jobs", json={**JOB, "name": "plain", "cpu_rate": "35MB/s"}, headers=H_ALICE)
+    service.run_round("test")
+    ds = c.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    assert (ds["cache_mode"], ds["cache_expansion"]) == ("source", None)

@@ -213,6 +213,8 @@ class LocalBackend(ClusterBackend):
         self._workers: dict[str, _Worker] = {}
         self._events: list[JobEvent] = []
         self._lock = threading.RLock()
+        self.preprocessed_dir = self.root / "preprocessed"  # autocaching: <dataset key>/ (backends/preprocessed.py)
+        self._autocache: dict[str, tuple[float, float]] = {}  # dataset key -> (expansion, budget bytes)
         # The operator's allow-list for the mounts (fuse_client checks every request against
         # it); without one a mount would trust its own --source, names resolved at connect time
         # included, and a registered name that later resolves to an internal address would pass.
@@ -251,6 +253,7 @@ class LocalBackend(ClusterBackend):
                 mount_log=str(jdir / "mount.log"), silod_cmd=silod_cmd(), cache_size=cache_size, io_rate=io_rate,
                 manager=self.config.datamanager_url, batch_bytes=self.options.batch_bytes,
                 prefetch_threads=self.options.prefetch_threads, prefetch_batches=self.options.prefetch_batches,
+                preprocessed_dir=str(self.preprocessed_dir / job.dataset.name),
             )
             write_json_atomic(jdir / "spec.json", asdict(spec))
             with open(jdir / "worker.log", "ab") as logf:
@@ -269,6 +272,41 @@ class LocalBackend(ClusterBackend):
             )
             log.info("job %s: worker %d started (attempt %d, cache %s, io %s)", job.job_id, popen.pid, attempt,
                      cache_size, io_rate)
+
+    # ------------------------------------------------------------------ autocaching
+
+    def set_autocache(self, dataset: str, expansion: float) -> None:
+        """The scheduler's choice for `dataset` (a storage key): expansion > 1 or != 1 caches its
+        readers' preprocessed items in the node-local store (its workers read control.json);
+        1.0: source bytes through the mount's cache. A change of expansion empties the store."""
+        from scheduler.backends.preprocessed import PreprocessedStore, write_control
+
+        if not _safe_id(dataset):
+            raise ValueError(f"dataset key {dataset!r} cannot name a directory")
+        with self._lock:
+            old_e, budget = self._autocache.get(dataset, (1.0, 0.0))
+            if old_e == expansion and (self.preprocessed_dir / dataset).exists():
+                return
+            store = PreprocessedStore(self.preprocessed_dir / dataset)
+            write_control(store.dir, expansion, budget if expansion != 1.0 else 0.0)
+            if old_e != expansion:
+                store.clear()
+            self._autocache[dataset] = (float(expansion), budget)
+
+    def preprocessed(self, dataset: str) -> bool:
+        with self._lock:
+            return self._autocache.get(dataset, (1.0, 0.0))[0] != 1.0
+
+    def set_preprocessed_budget(self, dataset: str, nbytes: float) -> None:
+        """The dataset's cache allocation while it caches preprocessed items (random eviction to fit)."""
+        from scheduler.backends.preprocessed import PreprocessedStore, write_control
+
+        with self._lock:
+            e, _ = self._autocache.get(dataset, (1.0, 0.0))
+            self._autocache[dataset] = (e, float(nbytes))
+            store = PreprocessedStore(self.preprocessed_dir / dataset)
+            write_control(store.dir, e, float(nbytes))
+            store.fit(float(nbytes))
 
     def stop(self, job_id: str) -> None:
         try:
@@ -477,10 +515,18 @@ class WorkConservingPusher:
         self._thread.start()
 
     def allocate_cache_size(self, dataset: str, bytes: float) -> Any:  # noqa: A002 - the protocol's name
+        # Autocaching: a dataset caching preprocessed items holds them in the node-local store,
+        # so its allocation goes there and the mount's source cache gets none.
+        if self.backend.preprocessed(dataset):
+            self.backend.set_preprocessed_budget(dataset, bytes)
+            return self.inner.allocate_cache_size(dataset, 0.0)
         return self.inner.allocate_cache_size(dataset, bytes)
 
     def set_cache_mode(self, dataset: str, mode: str) -> Any:
         return self.inner.set_cache_mode(dataset, mode)
+
+    def set_autocache(self, dataset: str, expansion: float) -> None:
+        self.backend.set_autocache(dataset, expansion)
 
     def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1) -> Any:
         with self._lock:

@@ -73,6 +73,8 @@ class WorkerSpec:
     prefetch_threads: int = 4
     prefetch_batches: int = 2
     seed: int = 0
+    #: autocaching: the dataset's node-local store of preprocessed items (backends/preprocessed.py)
+    preprocessed_dir: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> WorkerSpec:
@@ -172,6 +174,8 @@ class Worker:
             "throughput": tput,
             "io_demand": self.io_demand,
             "hit_ratio": (st.get("hit_bytes", 0) / read) if read else None,
+            # autocaching: items read from / stored to the dataset's preprocessed store
+            "preprocessed": {"hits": getattr(self, "preprocessed_hits", 0), "misses": getattr(self, "preprocessed_misses", 0)},
             "mount": {k: st.get(k) for k in REPORTED_FIELDS},
             "epochs": epochs,
             "started_at": self.started_at,
@@ -288,6 +292,10 @@ class Worker:
             epoch += 1
 
     def _read(self, rel: str) -> int:
+        store = self._preprocessed_store()
+        control = store.control() if store is not None else None
+        if control is not None and control.expansion != 1.0:
+            return self._read_preprocessed(rel, store, control)
         buf = bytearray(1 << 20)
         n = 0
         with open(os.path.join(self.spec.mountpoint, rel), "rb", buffering=0) as f:
@@ -297,6 +305,33 @@ class Worker:
                     break
                 n += got
         return n
+
+    def _preprocessed_store(self):  # -> PreprocessedStore | None
+        if self.spec.preprocessed_dir is None:
+            return None
+        store = getattr(self, "_store", None)
+        if store is None:
+            from scheduler.backends.preprocessed import PreprocessedStore
+
+            store = self._store = PreprocessedStore(Path(self.spec.preprocessed_dir))
+        return store
+
+    def _read_preprocessed(self, rel: str, store, control) -> int:
+        """Autocaching chosen: a stored preprocessed item skips the source and the deterministic
+        stage; a miss reads the source, runs the stage and stores the output while there is room."""
+        from scheduler.backends.preprocessed import deterministic_stage
+
+        data = store.get(rel)
+        if data is not None:
+            with self._lock:
+                self.preprocessed_hits = getattr(self, "preprocessed_hits", 0) + 1
+            return len(data)
+        with open(os.path.join(self.spec.mountpoint, rel), "rb") as f:
+            raw = f.read()
+        store.put(rel, deterministic_stage(raw, control.expansion), control.budget)
+        with self._lock:
+            self.preprocessed_misses = getattr(self, "preprocessed_misses", 0) + 1
+        return len(raw)
 
     def train(self) -> None:
         spec = self.spec

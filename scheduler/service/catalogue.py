@@ -183,8 +183,9 @@ class Catalogue:
         cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
         grants = tuple(s.scalars(select(DatasetGrant.grantee).where(DatasetGrant.dataset_id == d.id)
                                  .order_by(DatasetGrant.grantee)))
+        expansion = s.scalar(select(CacheAllocationRow.expansion).where(CacheAllocationRow.dataset_id == d.id))
         return DatasetRecord(d.name, d.uri, d.size, d.item_count, d.owner, d.created_at, storage_key(d.id, d.name),
-                             cred.name if cred else None, grants)
+                             cred.name if cred else None, grants, "source" if expansion is None else "preprocessed", expansion)
 
     def _visible_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset | None:
         """The dataset `owner/name` if `who` may use it: its owner, a grantee, or the admin."""
@@ -565,13 +566,15 @@ class Catalogue:
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
         record = _row_record(row)
-        if record.state != JobState.RUNNING.value:
-            return record
         with self.sessions() as s:
-            size, cached = s.execute(
-                select(Dataset.size, CacheAllocationRow.bytes).select_from(Job).join(Dataset, Job.dataset_id == Dataset.id)
+            size, cached, expansion = s.execute(
+                select(Dataset.size, CacheAllocationRow.bytes, CacheAllocationRow.expansion).select_from(Job)
+                .join(Dataset, Job.dataset_id == Dataset.id)
                 .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id).where(Job.id == pk)
             ).one()
+        record = replace(record, cache_mode="source" if expansion is None else "preprocessed", cache_expansion=expansion)
+        if record.state != JobState.RUNNING.value:
+            return record
         return replace(record, bottleneck=job_bottleneck(record, size, cached, self.config.capacity))
 
     def list_jobs(

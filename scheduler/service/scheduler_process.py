@@ -471,7 +471,7 @@ class SchedulerService(ReadViews):
                 self.backend.stop(job_id)
             except Exception:  # stop must be idempotent; a failing backend must not stop the loop
                 log.exception("backend failed to stop job %s", job_id)
-        self.storage.push(pending.cache, pending.io, pending.cache_mode)
+        self.storage.push(pending.cache, pending.io, pending.cache_mode, pending.autocache)
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:

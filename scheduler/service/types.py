@@ -121,6 +121,10 @@ class DatasetRecord:
     key: str  # storage_key: its name in the data manager and the cache
     credential: str | None = None
     shared_with: tuple[str, ...] = ()
+    #: autocaching: "preprocessed" when the scheduler chose to cache its readers' preprocessed
+    #: data (cache_expansion bytes per source byte), else "source"
+    cache_mode: str = "source"
+    cache_expansion: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +171,10 @@ class JobRecord:
     post_cpu_rate: float | None = None
     allocated_cpus: float | None = None  # cores while running; None = CPU not modelled
     bottleneck: Any = None  # GET one job: a Bottleneck while it runs, else None
+    #: GET one job: what its dataset's cache holds ("source" | "preprocessed", autocaching) and,
+    #: preprocessed, the bytes cached per source byte; None in listings
+    cache_mode: str | None = None
+    cache_expansion: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,8 +332,11 @@ def job_bottleneck(record: JobRecord, dataset_size: float, cache: float | None, 
     io = capacity.remote_io if record.remote_io is None else record.remote_io
     cores = math.inf if record.allocated_cpus is None else record.allocated_cpus
     rate = math.inf if record.cpu_rate is None else record.cpu_rate
-    # Source caching: the scheduler does not choose autocaching yet, so the cache holds source bytes.
-    d = diagnose([record.ideal_throughput], record.gpus, io, cache or 0.0, dataset_size, cores, rate)
+    # Autocaching: a cache holding preprocessed data holds e x the bytes per item, and a cached
+    # item costs post_cpu_rate per core (estimator/pipeline.py); otherwise source bytes.
+    pre = record.cache_expansion is not None and record.post_cpu_rate is not None and record.cpu_rate is not None
+    d = diagnose([record.ideal_throughput], record.gpus, io, cache or 0.0, dataset_size, cores, rate,
+                 record.cache_expansion if pre else 1.0, record.post_cpu_rate if pre else None)
     return Bottleneck(str(d.bound[0]), float(d.throughput[0]), float(d.speedup_gpu[0]), float(d.speedup_cpu[0]),
                       float(d.speedup_cache[0]), float(d.speedup_remote_io[0]))
 

@@ -58,7 +58,7 @@ class CacheDomain:
 
     def _limit(self, nbytes: float) -> None:
         # A partial chunk cannot be cached: round down (resolution controls this error).
-        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
+        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.cached_chunk_bytes + 1e-9)))
 
     def take_over(self, other: CacheDomain) -> None:
         """Keep what `other` held (a dataset switching between uniform and LRU caching)."""
@@ -71,7 +71,7 @@ class CacheDomain:
 
     @property
     def cached_bytes(self) -> float:
-        return self.count * self.dataset.chunk_size
+        return self.count * self.dataset.cached_chunk_bytes
 
 
 @dataclass(eq=False)
@@ -178,6 +178,12 @@ class SimCacheSystem(ABC):
             job.moved += moved
 
     # ----------------------------------------------------------------- interface
+    def apply_autocache(self, autocache: Mapping[str, float], datasets: Mapping[str, SimDataset]) -> None:
+        """The round's autocaching choice (dataset -> expansion; absent: source bytes). Only a
+        cache that takes the policy's allocation (silod) can hold preprocessed data."""
+        if autocache:
+            raise ValueError(f"the {self.name} cache system caches source bytes only; autocaching needs a storage-managing policy")
+
     @abstractmethod
     def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence[CacheReader], datasets: Mapping[str, SimDataset],
                    now: float = 0.0, lru_datasets: frozenset[str] = frozenset()) -> None:
@@ -268,6 +274,21 @@ class SiloDCache(SimCacheSystem):
             dom = self.domains[dataset.name] = fresh
         return dom
 
+    def apply_autocache(self, autocache, datasets):
+        """A dataset whose mode changes loses what it cached (source bytes are not its
+        preprocessed data, nor the other way round); its next allocation is counted in chunks
+        of the new size (apply_plan)."""
+        for name, ds in datasets.items():
+            e = float(autocache.get(name, 1.0))
+            if e == ds.expansion:
+                continue
+            dom = self.domains.pop(name, None)
+            if dom is not None and dom.count:
+                victims = np.flatnonzero(dom.cached)
+                self.evicted_bytes += victims.size * ds.cached_chunk_bytes
+                self._changed(name, victims, -1)
+            ds.expansion = e
+
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         """`lru_datasets`: the irregular partition's datasets, LRU-cached within their allocation."""
         if cache_alloc is None:
@@ -277,7 +298,7 @@ class SiloDCache(SimCacheSystem):
             dom = self._domain(dom.dataset, name in lru_datasets)
             victims = dom.set_limit(new, self.rng)
             if victims.size:
-                self.evicted_bytes += victims.size * dom.dataset.chunk_size
+                self.evicted_bytes += victims.size * dom.dataset.cached_chunk_bytes
                 self._changed(name, victims, -1)
             if dom.count == 0 and new <= 0:
                 del self.domains[name]

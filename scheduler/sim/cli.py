@@ -30,7 +30,7 @@ def check_seed(seed: int) -> None:
 
 
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
-                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0):
+                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0, stagger: bool = False):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
     from policies.registry import estimator_for, get_policy, resolve_policy_name
     from scheduler.sim.cache_systems import CACHE_SYSTEMS
@@ -40,7 +40,7 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
     policy = resolve_policy_name(policy)
     pol = get_policy(policy)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition,
-                       profile_noise=profile_noise)
+                       profile_noise=profile_noise, stagger=stagger)
     if progress_label is None:
         return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs")] = None,
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
+        stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     ) -> None:
@@ -101,7 +102,7 @@ def register(app: typer.Typer) -> None:
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
-                                profile_noise=profile_noise)
+                                profile_noise=profile_noise, stagger=stagger)
         extra = {"trace": str(trace), "gpu_speed": speed}
         if cache_system == "quiver":
             extra["profile_noise"] = profile_noise
@@ -111,7 +112,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def experiment(
-        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | all")],
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | alibaba | autocache | all")],
         parts: Annotated[Optional[list[Path]], typer.Argument(help="with --merge: the --out directories of the shards", show_default=False)] = None,
         out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment; with --shard, the part)")] = Path("out/experiments"),
         trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,

@@ -30,9 +30,21 @@ def bounds_now(running: Sequence[SimJob], caps: Mapping[str, float], misses: Map
     n = len(running)
     f = np.fromiter((j.gpu_ideal for j in running), float, n)
     m = np.clip(np.fromiter((misses[j.job_id] for j in running), float, n), 0.0, 1.0)
-    cpu = np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running), float, n)
+    cpu = np.fromiter((_cpu_bound(j, misses[j.job_id]) for j in running), float, n)
     b = np.fromiter((caps.get(j.job_id, 0.0) for j in running), float, n)
     return bound_labels(f, cpu, b, m)
+
+
+def _cpu_bound(job: SimJob, miss: float) -> float:
+    """What the job's cores preprocess per second at miss ratio `miss` (autocaching: hits cost
+    post_cpu_rate per core; SimJob.ideal_at)."""
+    p = job.trace.pipeline
+    if p is None:
+        return math.inf
+    if job.dataset.expansion != 1.0 and p.autocaches:
+        m = min(max(miss, 0.0), 1.0)
+        return job.cores / ((1.0 - m) / p.post_cpu_rate + m / p.cpu_rate)
+    return job.cores * p.cpu_rate
 
 
 def bound_labels(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray) -> list[str]:
@@ -57,7 +69,7 @@ def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, m
     its miss ratio, its CPU bound its cores times its cpu_rate."""
     io_bound = math.inf if miss <= 1e-12 else io_cap / miss
     pipeline = job.trace.pipeline
-    cpu_bound = math.inf if pipeline is None or math.isinf(job.cores) else job.cores * pipeline.cpu_rate
+    cpu_bound = math.inf if pipeline is None or math.isinf(job.cores) else _cpu_bound(job, miss)
     return observe(job.fstar, observed, seconds, io_bound, cpu_bound)
 
 

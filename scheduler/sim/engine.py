@@ -77,6 +77,8 @@ class SimConfig:
     #: Quiver's online-profile error: sigma of a log-normal factor on each dataset's benefit,
     #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator.md).
     profile_noise: float = 0.0
+    #: Staggered starts for jobs sharing a dataset (policies/stagger.py), off by default.
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -176,7 +178,7 @@ class Simulator:
         self.trace = trace
         self.capacity = capacity
         self.config = config
-        self.core = SchedulingCore(policy, estimator)
+        self.core = SchedulingCore(policy, estimator, stagger=config.stagger)
         self.cache = (
             make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed, config.profile_noise)
             if isinstance(cache_system, str)
@@ -258,7 +260,9 @@ class Simulator:
         if link <= 0:
             return np.inf
         limit = np.inf
-        if sum(j.ideal for j in running) > link:
+        # Autocaching: a preprocessed reader's CPU cost follows m, so its m matters even on a
+        # link that could serve everyone.
+        if sum(j.ideal for j in running) > link or any(j.dataset.expansion != 1.0 for j in running):
             tol = self.config.demand_tolerance
             for job in running:
                 if not self.cache.moves_under(job):
@@ -342,6 +346,7 @@ class Simulator:
                     running = []
                     round_end = -np.inf
                     part = plan.allocation.partition
+                    self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
                     self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
                     need_decision = False
                 now = pending[next_arrival].submit_time
@@ -353,6 +358,9 @@ class Simulator:
             # re-decide at least every io_refresh_s even without arrivals or completions.
             if self.core.estimator.manages_storage and now - last_decision >= cfg.io_refresh_s:
                 need_decision = True
+            recheck = self.core.stagger_recheck_at
+            if recheck is not None and now >= recheck - 1e-9:
+                need_decision = True  # a held job's staggered start has come
             if need_decision:
                 last_decision = now
                 snapshot = self._snapshot(now, active)
@@ -379,6 +387,7 @@ class Simulator:
                     job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
                 running = chosen
                 part = plan.allocation.partition
+                self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
 
@@ -389,13 +398,17 @@ class Simulator:
                 step_end = min(step_end, pending[next_arrival].submit_time)
             if self.core.estimator.manages_storage:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
+            if self.core.stagger_recheck_at is not None:
+                step_end = min(step_end, max(self.core.stagger_recheck_at, now + 1e-6))
             misses = {job.job_id: job.miss_ratio(self.cache) for job in running}
             caps, contended = self._io_caps(plan, running, misses)
             managed = plan.remote_io is not None and cfg.manage_io
             for job in running:
                 # A finish always ends the step (its IO is re-divided); an epoch boundary only
                 # where the link is contended and the job's demand will change there.
-                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
+                # (Autocaching: also where its CPU cost per byte changes, for the diagnosis.)
+                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended or job.dataset.expansion != 1.0,
+                                                                    misses[job.job_id]))
             step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
             dt = max(step_end - now, 1e-6)
             bounds = bounds_now(running, caps, misses)
@@ -527,7 +540,7 @@ class Simulator:
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
-        demands = {j.job_id: j.ideal * misses[j.job_id] for j in running}
+        demands = {j.job_id: j.ideal_at(misses[j.job_id]) * misses[j.job_id] for j in running}
         contended = sum(demands.values()) > total * (1 - 1e-9)
         if plan.remote_io is not None and self.config.manage_io:
             floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
@@ -539,7 +552,7 @@ class Simulator:
         if not contended:
             # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
             # rises within the step (a new epoch) is not held to the demand it had at its start.
-            caps = spread_spare_io(caps, {j.job_id: j.ideal for j in running}, total)
+            caps = spread_spare_io(caps, {j.job_id: j.ideal_at(misses[j.job_id]) for j in running}, total)
         return caps, contended
 
     @staticmethod

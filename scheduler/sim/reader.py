@@ -101,6 +101,17 @@ class SimJob:
         else:
             self.ideal = min(self.gpu_ideal, cores * pipeline.cpu_rate)
 
+    def ideal_at(self, miss: float) -> float:
+        """The rate IO does not bind, at miss ratio `miss`. Caching preprocessed data
+        (autocaching: the dataset's expansion is not 1) a hit costs post_cpu_rate per core and a
+        miss cpu_rate, so on k cores: min(f*, k / ((1-m)/p + m/r)) (estimator/pipeline.py);
+        otherwise `ideal`."""
+        pipeline = self.trace.pipeline
+        if self.dataset.expansion == 1.0 or pipeline is None or not pipeline.autocaches or math.isinf(self.cores):
+            return self.ideal
+        cost = (1.0 - miss) / pipeline.post_cpu_rate + miss / pipeline.cpu_rate
+        return min(self.gpu_ideal, self.cores / cost)
+
     @property
     def remaining(self) -> float:
         return max(self.total_bytes - self.consumed, 0.0)
@@ -182,9 +193,10 @@ class SimJob:
     def rate(self, io_cap: float, cache: SimCacheSystem, miss: float | None = None) -> float:
         """Eq. 4 with the measured miss ratio: min(f*, b / m)."""
         m = self.miss_ratio(cache) if miss is None else miss
+        ideal = self.ideal_at(m)
         if m <= 1e-12:
-            return self.ideal
-        return min(self.ideal, io_cap / m) if io_cap > 0 else 0.0
+            return ideal
+        return min(ideal, io_cap / m) if io_cap > 0 else 0.0
 
     def seconds_to_event(self, io_cap: float, cache: SimCacheSystem, epoch_matters: bool = True, miss: float | None = None) -> float:
         """Time until the job finishes or, if `epoch_matters`, reaches an epoch boundary where
@@ -230,6 +242,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks
     ideal = job.ideal
+    preprocessed = job.dataset.expansion != 1.0  # autocaching: the CPU cost per byte follows m
     curriculum = job.pacing is not None
     substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile_for(job) else k
     t = 0.0
@@ -261,6 +274,8 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)
             reach = math.floor(p + 1e-9) + substep
         m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
+        if preprocessed:
+            ideal = job.ideal_at(m)
         rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
         if rate <= 0:
             t = dt

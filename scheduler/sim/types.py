@@ -19,10 +19,18 @@ class SimDataset:
     size: float
     n_chunks: int
     index: int  # position in the engine's dataset list
+    #: Bytes the cache holds per source byte: 1 caching the source, e caching its readers'
+    #: preprocessed data (autocaching; set by the cache system from the round's plan).
+    expansion: float = 1.0
 
     @property
     def chunk_size(self) -> float:
         return self.size / self.n_chunks
+
+    @property
+    def cached_chunk_bytes(self) -> float:
+        """Cache bytes one cached chunk takes (e x its source bytes when preprocessed)."""
+        return self.chunk_size * self.expansion
 
 
 class CacheReader(Protocol):

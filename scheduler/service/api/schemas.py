@@ -100,6 +100,9 @@ class DatasetOut(BaseModel):
     key: str = Field(description="its name in the data manager and the cache")
     credential: str | None
     shared_with: list[str]
+    cache_mode: str = Field("source", description="autocaching: preprocessed when the scheduler chose to cache its readers'"
+                                                  " preprocessed data (their autocache point), else source")
+    cache_expansion: float | None = Field(None, description="preprocessed: bytes cached per source byte")
 
 
 def _access_shorthand(value: Any) -> Any:
@@ -320,6 +323,9 @@ class JobOut(BaseModel):
     bottleneck: BottleneckOut | None = Field(
         None, description="GET /v1/jobs/{id} of a running job: the resource that bounds it and the predicted speed-up"
                           " of one more GPU, one more core, +10% cache, +10% remote IO")
+    cache_mode: str | None = Field(None, description="GET /v1/jobs/{id} only: what its dataset's cache holds, source or"
+                                                      " preprocessed (autocaching)")
+    cache_expansion: float | None = Field(None, description="GET /v1/jobs/{id} only, preprocessed: bytes cached per source byte")
     measured: MeasuredOut | None = Field(
         None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
                           " report yet, or not a Kubernetes job)")

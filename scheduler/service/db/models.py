@@ -130,6 +130,8 @@ class CacheAllocationRow(Base):
     bytes: Mapped[float] = mapped_column(Float)
     round_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[float] = mapped_column(Float)
+    #: autocaching: bytes cached per source byte when the cache holds preprocessed data; None = source
+    expansion: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Round(Base):

@@ -200,6 +200,7 @@ def _register_trace(app: typer.Typer) -> None:
         experiment: Annotated[Optional[str], typer.Option(help="the trace `silod experiment NAME` simulates with these --trace/--max-jobs/--seed (the sweeps' 1,000-job trace for the sweeps)")] = None,
         irregular: Annotated[float, typer.Option(help="with --experiment: fraction of jobs turned into curriculum jobs (irregular-mix's x axis)")] = 0.0,
         catalog_cpu: Annotated[bool, typer.Option(help="with --experiment: every job gets its catalog model's CPU stage (experiment cpu)")] = False,
+        autocache_points: Annotated[bool, typer.Option(help="with --experiment autocache and --catalog-cpu: image jobs get an autocache point (its \"on\" runs)")] = False,
     ) -> None:
         """Write the exact trace a simulation runs (after --format, --max-jobs, --dataset-sharing, or an
         experiment's synthetic trace) as a silod CSV; `silod simulate --trace FILE` reads it back to the
@@ -214,8 +215,8 @@ def _register_trace(app: typer.Typer) -> None:
         if not 0.0 <= irregular <= 1.0:
             raise UserError(f"--irregular {irregular} must be a fraction from 0 to 1")
         if experiment is None:
-            if irregular or catalog_cpu:
-                raise UserError("--irregular and --catalog-cpu pick a point of an experiment; add --experiment NAME")
+            if irregular or catalog_cpu or autocache_points:
+                raise UserError("--irregular, --catalog-cpu and --autocache-points pick a point of an experiment; add --experiment NAME")
             tr = load_trace(trace or SHIPPED_TRACE, format, dataset_sharing, max_jobs, seed)
         else:
             from scheduler.sim.experiments import EXPERIMENTS, experiment_trace
@@ -223,7 +224,7 @@ def _register_trace(app: typer.Typer) -> None:
             name = resolve_name("experiment", experiment, list(EXPERIMENTS))
             if format != TraceFormat.auto:
                 raise UserError("--format with --experiment: experiments detect the format of --trace themselves; drop --format")
-            tr = experiment_trace(name, trace, max_jobs, seed, dataset_sharing, irregular, catalog_cpu)
+            tr = experiment_trace(name, trace, max_jobs, seed, dataset_sharing, irregular, catalog_cpu, autocache_points)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'trace.csv'}")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -282,21 +282,25 @@ class Distribution:
 
 #: The experiments that simulate the sweeps' trace (ExperimentRunner.for_sweeps), and those that
 #: build their own small traces per run (nothing of the user's trace to export).
-SWEEP_EXPERIMENTS = ("bandwidth", "gpu-speed", "sharing", "quiver-noise", "irregular-mix", "cpu")
+SWEEP_EXPERIMENTS = ("bandwidth", "gpu-speed", "sharing", "quiver-noise", "irregular-mix", "cpu", "autocache")
 OWN_TRACE_EXPERIMENTS = ("curriculum", "stagger")
 
 
 def experiment_trace(name: str, trace_path: Path | None, max_jobs: int | None, seed: int, sharing: float = 0.0,
-                     irregular: float = 0.0, catalog_pipelines: bool = False) -> Trace:
+                     irregular: float = 0.0, catalog_pipelines: bool = False, autocache_points: bool = False) -> Trace:
     """The trace `silod experiment NAME` simulates with these options, for one point of a sweep
-    (`sharing`: Fig. 15's x; `irregular`: irregular-mix's x; `catalog_pipelines`: experiment cpu)."""
+    (`sharing`: Fig. 15's x; `irregular`: irregular-mix's x; `catalog_pipelines`: experiment cpu;
+    `autocache_points`: experiment autocache's "on")."""
     if name in OWN_TRACE_EXPERIMENTS:
         raise UserError(f"experiment {name} simulates small traces of its own, one per run (scheduler/sim/experiments.py), "
                         "not the --trace; there is no one trace to export")
     runner = ExperimentRunner(trace_path, max_jobs, seed, 360.0, 128, show_progress=False, workers=1)
+    if name == "alibaba":
+        return build_trace(alibaba_source(runner))
     if name in SWEEP_EXPERIMENTS:
         runner = runner.for_sweeps()
-    source = replace(runner.source, micro=name == "micro", sharing=sharing, irregular=irregular, catalog_pipelines=catalog_pipelines)
+    source = replace(runner.source, micro=name == "micro", sharing=sharing, irregular=irregular, catalog_pipelines=catalog_pipelines,
+                     autocache_points=autocache_points)
     return build_trace(source)
 
 
@@ -1064,6 +1068,17 @@ def densest_window(path: Path, seed: int, days: float = ALIBABA_WINDOW_DAYS) -> 
     return a, a + days * DAY_S
 
 
+def alibaba_source(runner: ExperimentRunner) -> TraceSource:
+    """The openb trace's densest week, as experiment alibaba simulates it (--trace: the file or
+    its directory; default ../shared/traces/alibaba-openb)."""
+    path = Path(runner.source.path) if runner.source.path is not None else ALIBABA_DEFAULT_PATH
+    if path.is_dir():
+        path = path / "openb_pod_list_default.csv"
+    if not path.is_file():
+        raise UserError(f"experiment alibaba needs the openb trace: {path} not found; pass --trace ../shared/traces/alibaba-openb")
+    return replace(runner.source, path=str(path), window_s=densest_window(path, runner.source.seed))
+
+
 def experiment_alibaba(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
     """Fig. 12 (policies x cache systems) on Alibaba's openb trace, loaded like the Philly run.
 
@@ -1075,13 +1090,8 @@ def experiment_alibaba(runner: ExperimentRunner, out: Path, capacity: ClusterCap
     cluster's (100 TB and 4 GB/s per 400 GPUs by default). CPU is not modelled, as in Fig. 12."""
     from traces.synthetic import generate_trace
 
-    path = Path(runner.source.path) if runner.source.path is not None else ALIBABA_DEFAULT_PATH
-    if path.is_dir():
-        path = path / "openb_pod_list_default.csv"
-    if not path.is_file():
-        raise UserError(f"experiment alibaba needs the openb trace: {path} not found; pass --trace ../shared/traces/alibaba-openb")
-    window = densest_window(path, runner.source.seed)
-    source = replace(runner.source, path=str(path), window_s=window)
+    source = alibaba_source(runner)
+    window = source.window_s
     trace = build_trace(source)
     philly = generate_trace(SYNTHETIC_JOBS, mean_interarrival_s=SYNTHETIC_INTERARRIVAL_S, seed=runner.source.seed + 1)
     target = offered_load(philly) / capacity.gpus
@@ -1090,7 +1100,7 @@ def experiment_alibaba(runner: ExperimentRunner, out: Path, capacity: ClusterCap
     gpus = nodes * ALIBABA_GPUS_PER_NODE
     cluster = ClusterCapacity(gpus=gpus, cache=capacity.cache * gpus / capacity.gpus, remote_io=capacity.remote_io * gpus / capacity.gpus,
                               gpus_per_node=ALIBABA_GPUS_PER_NODE)
-    sub = ExperimentRunner(None, runner.source.max_jobs, runner.source.seed, runner.round_s, runner.resolution, runner.show_progress, runner.workers)
+    sub = copy.copy(runner)  # keeps the shard, merge or Dask distribution
     sub.source = source
     policies = ("fifo", "sjf", "gavel")
     runs = [Run(f"{p}/{c}", p, c, cluster) for p in policies for c in CACHE_SYSTEMS]

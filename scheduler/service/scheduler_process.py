@@ -456,6 +456,11 @@ class SchedulerService(ReadViews):
             except Exception:  # stop must be idempotent; a failing backend must not stop the loop
                 log.exception("backend failed to stop job %s", job_id)
         self.storage.push(pending.cache, pending.io, pending.cache_mode)
+        for alloc in pending.update:
+            try:
+                self.backend.update(alloc.job_id, alloc)
+            except Exception:  # the job keeps its old limit; the next change retries
+                log.exception("backend failed to update job %s", alloc.job_id)
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:

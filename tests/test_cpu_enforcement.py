@@ -143,3 +143,35 @@ def test_one_vs_two_cores(tmp_path, limit):
         # A loaded machine (several test runs share it) cannot show the ratio: say so.
         warnings.warn(f"the machine gave {two:.2f} cores with 2 allowed (load {os.getloadavg()[0]:.1f}); "
                       f"1 vs 2 cores ratio ({two / max(one, 1e-9):.2f}) not checked", stacklevel=1)
+
+
+def test_the_service_pushes_new_cores_of_a_running_job_to_the_backend(tmp_path):
+    """A round that changes a running job's cores calls backend.update (the local backend then
+    rewrites the running worker's limit; see the tests above)."""
+    from fastapi.testclient import TestClient
+
+    try:
+        from test_api import H_ALICE, IMAGENET, make_app
+    except ImportError:  # tests/ imported as a package
+        from tests.test_api import H_ALICE, IMAGENET, make_app
+
+    # 2 cores per node, 4 in all: job a alone gets its node's 2; two jobs that gain more per core
+    # (50 MB/s at 35 MB/s per core: 1.43 cores each) take cores from it.
+    app, service = make_app(f"sqlite:///{tmp_path / 'api.db'}", tmp_path, run_loop=False, cpus_per_node="2")
+    updates: list[JobAllocation] = []
+    service.backend.update = lambda job_id, alloc: updates.append(alloc)  # type: ignore[method-assign]
+    job = {"gpus": 1, "dataset": "imagenet", "epochs": 2, "ideal_throughput": "400MB/s", "cpu_rate": "35MB/s"}
+    with TestClient(app) as c:
+        assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+        first = c.post("/v1/jobs", json={**job, "name": "a"}, headers=H_ALICE).json()
+        service.run_round("test")
+        alone = c.get(f"/v1/jobs/{first['id']}", headers=H_ALICE).json()["allocated_cpus"]
+        started = {spec.job_id: alloc.cpus for spec, alloc in service.backend.started}
+        assert started == {first["id"]: pytest.approx(alone)}  # the start carries the cores
+        for name in ("b", "c"):
+            c.post("/v1/jobs", json={**job, "name": name, "ideal_throughput": "50MB/s"}, headers=H_ALICE)
+        service.run_round("test")
+        shared = c.get(f"/v1/jobs/{first['id']}", headers=H_ALICE).json()["allocated_cpus"]
+    service.close()
+    assert shared < alone
+    assert [(u.job_id, u.cpus) for u in updates] == [(first["id"], pytest.approx(shared))]

@@ -528,6 +528,13 @@ class LocalBackend(ClusterBackend):
                 self._workers[job_id] = w
                 adopted.append(job_id)
                 log.info("job %s: re-adopted running worker %d", job_id, w.pid)
+                spec = read_json(jdir / "spec.json") or {}
+                if spec.get("cpu_rate") and spec.get("cpu_mode") in CPU_MODES:
+                    # Its group keeps the limit it had; a later update() must still reach it.
+                    with contextlib.suppress(Exception):
+                        if self._limiter is None:
+                            self._limiter = CpuLimiter.detect(str(self.root), prefer=spec["cpu_mode"])
+                        self._cores[job_id] = None
             elif not (jdir / "reported").exists():
                 # Ended while no service watched: tell the next poll() what it did.
                 self._report(job_id, jdir, None, final=False, requested=False)

@@ -638,6 +638,7 @@ def register(app: typer.Typer) -> None:
         columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset", "cores"] if wide else []),
                    "progress", "remote IO", "f* (measured)", "bound"]
         table = Table(*columns)
+        table.columns[columns.index("f* (measured)")].no_wrap = True
 
         def short_rate(v: float) -> str:
             return format_rate(v).replace(" ", "").replace("/s", "")
@@ -657,7 +658,8 @@ def register(app: typer.Typer) -> None:
                      "cores": "-" if j.get("allocated_cpus") is None else f"{j['allocated_cpus']:.1f}",
                      "f* (measured)": fstar, "bound": bound.replace("remote_io", "io")}
             table.add_row(*(cells[c] for c in columns))
-        Console().print(table)
+        # --wide is wider than 80 columns: it is not squeezed into a narrow terminal (lines wrap).
+        Console(width=max(Console().width, 150) if wide else None).print(table)
 
     @app.command()
     def top(

@@ -113,9 +113,15 @@ def _cap(service, job_id: str) -> float:
     return next(j for j in service.allocations(ADMIN_P).jobs if j.job_id == job_id).remote_io
 
 
+try:
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401 - fixtures: SQLite and a real PostgreSQL
+except ImportError:  # tests/ imported as a package
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
+
+
 @pytest.fixture
-def svc(tmp_path):
-    app, service = make_app(f"sqlite:///{tmp_path / 'api.db'}", tmp_path, run_loop=False)
+def svc(tmp_path, db_url):
+    app, service = make_app(db_url, tmp_path, run_loop=False)
     with TestClient(app) as c:
         assert c.post("/v1/datasets", json=BIG, headers=H_ALICE).status_code == 201
         yield c, service
@@ -189,3 +195,24 @@ def test_report_endpoint_trust_and_bounds(svc):
     # The client may lower what planning uses (50 < 100 declared), before any measurement.
     assert r.json()["ideal_throughput"] == pytest.approx(50 * MB)
     assert c.post(url, json=ok, headers=H_ADMIN).status_code == 202
+
+
+def test_on_kubernetes_the_node_agents_counters_give_the_rate(svc):
+    """A job with no figure from the data manager or the backend: the rate of its pods' read
+    counters, as the node agents report them (trusted consumption), is its observed rate."""
+    from scheduler.service.consumption import AdmittedPod, ConsumptionStore, PodReport
+
+    c, service = svc
+    job = c.post("/v1/jobs", json=JOB, headers=H_ALICE).json()
+    service.run_round("test")
+    store = ConsumptionStore(service.sessions)
+    uid = "0b7f8c1e-1111-2222-3333-444455556666"
+    store.record_pods([AdmittedPod(uid, job["id"], "node-a", "t-alice", "r50-0")])
+    read = 0
+    for i in range(8):
+        store.record_report("node-a", "agent-a", [PodReport(uid, read, 0, read, 0, 1)])
+        service.self_correct({}, 1000.0 + 2 * i)
+        read += int(REAL_FSTAR * 2)  # 50 MB/s while it holds a 100 MB/s cap: GPU-bound
+    mp = c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["measured_parameters"]
+    assert mp["observed_throughput"] == pytest.approx(REAL_FSTAR)
+    assert mp["ideal_throughput"] == pytest.approx(REAL_FSTAR)

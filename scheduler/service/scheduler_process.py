@@ -461,6 +461,9 @@ class SchedulerService(ReadViews):
             if rate is None or not math.isfinite(float(rate)) or float(rate) < 0:
                 continue
             hit = m.get("hit_ratio")
+            enforced = m.get("io_rate")  # what the mount enforces now, when the backend can tell
+            if enforced is not None and math.isfinite(float(enforced)) and float(enforced) > 0:
+                io = max(float(enforced), io or 0.0)
             obs.append(Observation(int(jid), float(rate), None if hit is None else float(hit), io, cores, cache, size))
         self.measurements.observe(obs, float(self.config.capacity.remote_io), now)
 

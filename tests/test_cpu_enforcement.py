@@ -111,6 +111,7 @@ def test_worker_rate_follows_a_fractional_quota_changed_while_running(tmp_path):
     finally:
         backend.stop_all()
     assert not (limiter.group("c1") or tmp_path).joinpath("cgroup.procs").exists()  # the job's group is gone
+    assert limiter.base is None or not limiter.base.exists()  # and the backend's own
 
 
 def test_calibrated_work_is_size_over_rate():

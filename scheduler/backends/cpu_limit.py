@@ -207,6 +207,12 @@ class CpuLimiter:
         with contextlib.suppress(OSError):
             g.rmdir()
 
+    def close(self) -> None:
+        """Remove the backend's own group once no job group is left in it (refused otherwise)."""
+        if self.base is not None:
+            with contextlib.suppress(OSError):
+                self.base.rmdir()
+
     def describe(self, cores: float | None) -> str:
         if self.mode == "affinity":
             return f"affinity ({len(affinity_cpus(cores, sorted(os.sched_getaffinity(0))))} CPUs)"

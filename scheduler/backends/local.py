@@ -372,6 +372,8 @@ class LocalBackend(ClusterBackend):
     def stop_all(self) -> None:
         for job_id in list(self._workers):
             self.stop(job_id)
+        if self._limiter is not None:
+            self._limiter.close()  # its job groups are gone with their workers
 
     # ------------------------------------------------------------------ introspection (demo, tests)
 

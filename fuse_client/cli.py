@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         kernel_cache: bool = typer.Option(True, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (re-reads at page-cache speed; a kept item is accounted as read in full at open)."),
         fuse_threads: int = typer.Option(128, "--fuse-threads", help="Most FUSE worker threads (libfuse's max_threads); size it for the data loader's parallelism so slow misses never block hits."),
         fetch_workers: int = typer.Option(16, "--fetch-workers", help="Most remote fetches in flight at once (a pool separate from the FUSE threads)."),
-        open_deadline: float = typer.Option(5.0, "--open-deadline", help="Seconds an open may wait for a remote that delivers nothing (connect, first byte, stalls, retries) before it fails with EIO; token waits do not count."),
+        open_deadline: float = typer.Option(5.0, "--open-deadline", help="Seconds an open may wait for a remote that delivers nothing (connect, first byte, stalls, retries) before it fails with EIO. Token waits are not a stall: a paused job (rate 0) fails uncached opens with EAGAIN once the pause is this old; at a rate r a wait may last this plus its bytes / r."),
         breaker_threshold: int = typer.Option(5, "--breaker-threshold", help="Consecutive failed opens after which opens of uncached items fail at once with EIO until the remote answers a probe."),
         probe_interval: float = typer.Option(1.0, "--probe-interval", help="Seconds between probes of a remote whose circuit breaker is open."),
         log_level: str = typer.Option("WARNING", "--log-level", help="Python logging level."),

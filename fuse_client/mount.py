@@ -409,7 +409,8 @@ def run_mount(cfg: MountConfig) -> int:
     if os.environ.get(ALLOWED_URIS_ENV):  # the operator's allow-list, with the host resolved now
         allow = UriPolicy.from_env()
         allow.check(cfg.source, resolve=True)
-    throttle = Throttle(cfg.io_rate)
+    # Token waits are bounded too: a paused job's opens fail after the deadline (token_bucket.py).
+    throttle = Throttle(cfg.io_rate, deadline_s=cfg.open_deadline_s)
     # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
     # Every request, redirect and connection of the store is held to `allow` (safe_http.py).
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),

@@ -28,11 +28,11 @@ from typing import NamedTuple
 
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
-from contract.uri_policy import UriPolicy
+from contract.uri_policy import UriPolicy, UriRejected
 from fuse_client import beneath, http_index
 from fuse_client.safe_http import HttpGuard
 from fuse_client.breaker import RetryPolicy
-from fuse_client.token_bucket import Throttle, chunk_size_for
+from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,18 @@ def storage_options(url: str, credential: SourceCredential | None, anonymous: bo
     return {"anon": True} if anonymous else {}
 
 
+def s3_endpoint(credential: SourceCredential | None) -> str | None:
+    """The S3 endpoint the mount's client uses: the tenant credential's, else the environment's
+    (fsspec's FSSPEC_S3_ENDPOINT_URL, then botocore's AWS_ENDPOINT_URL_S3 and AWS_ENDPOINT_URL);
+    None for AWS's own endpoints."""
+    if credential is not None and credential.endpoint_url:
+        return credential.endpoint_url
+    names = ["FSSPEC_S3_ENDPOINT_URL"]
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
+        names += ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"]
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
 def single_try_options(url: str, policy: RetryPolicy) -> dict:
     """fsspec options that make the remote's client try once, with timeouts inside the deadline."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
@@ -149,11 +161,23 @@ class RemoteStore:
             # The options make the client try once (retries and the deadline are ours); inside
             # the try because building them imports the scheme's client library (aiohttp).
             extra: dict = {}
+            options = single_try_options(url, self.policy)
             if scheme in ("http", "https"):
                 self.guard = HttpGuard.for_source(url, allow)
                 extra["get_client"] = self.guard.get_client()
-            self.fs, root = fsspec.core.url_to_fs(url, **single_try_options(url, self.policy),
-                                                   **storage_options(url, credential, anonymous), **extra)
+            elif scheme == "s3":
+                # Every S3 request, connection and (never followed) redirect is held to the
+                # allow-list too (safe_http.py); the endpoint is passed explicitly so that the one
+                # the guard pins is the one the client uses.
+                endpoint = s3_endpoint(credential)
+                try:
+                    self.guard = HttpGuard.for_s3(endpoint, allow)
+                except UriRejected as exc:
+                    raise UserError(f"--source {url!r}: S3 endpoint {endpoint!r} refused: {exc}") from None
+                options["config_kwargs"]["http_session_cls"] = self.guard.s3_session_cls()
+                if endpoint is not None:
+                    extra["endpoint_url"] = endpoint
+            self.fs, root = fsspec.core.url_to_fs(url, **options, **storage_options(url, credential, anonymous), **extra)
         except ImportError as exc:
             raise UserError(f"--source {url!r} needs an optional dependency ({exc}); for s3:// install silod with the S3 extra: pip install 'silod[s3]'") from exc
         except ValueError as exc:
@@ -336,7 +360,7 @@ class RemoteStore:
                 sleep(pause)
             try:
                 return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock)
-            except InterruptedError:
+            except (InterruptedError, TokenWaitExpired):  # unmounting / the job's own allocation: not the remote's
                 raise
             except FileNotFoundError as exc:
                 last = exc

@@ -6,14 +6,29 @@ every slice, so a new allocation pushed by the data manager takes effect well wi
 for a fetch that is already waiting.
 
 Only the remote-fetch path calls `Throttle.acquire`; cache hits never touch the bucket.
+
+No token wait is unbounded (issue 19). With `deadline_s` (the mount's --open-deadline) a wait
+ends with `TokenWaitExpired` (EAGAIN, the open fails; cache hits go on):
+- while the job is paused (rate 0, pushed by the data manager) once the pause has lasted
+  `deadline_s`: a pause shorter than that (a re-plan) costs a wait, a longer one fails the
+  job's uncached opens at once, one log line per pause, until a rate is granted again;
+- at a positive rate r once it has waited `deadline_s` + backlog / r, backlog being the bytes
+  every waiter of this job had asked for (its own included) plus the bucket's debt when the
+  wait started or the rate last changed: what the allocation delivers, plus the open deadline.
+A wait also ends at once when the throttle is closed (unmount); the FUSE layers end the opens
+waiting on it at once on an interrupt (a killed reader).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import threading
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 # The bucket may hold at most this many seconds of tokens after an idle period. Small, so that a
 # job that idles cannot later exceed its rate by much; big enough to absorb scheduling jitter.
@@ -74,15 +89,26 @@ class TokenBucket:
         return max((need - self.tokens) / self.rate, 1e-6)
 
 
+class TokenWaitExpired(BlockingIOError):
+    """A token wait the job's allocation cannot deliver within the open deadline (EAGAIN)."""
+
+
 class Throttle:
     """Thread-safe blocking front of a TokenBucket (one per job, i.e. per mount)."""
 
-    def __init__(self, rate: float = math.inf, clock=time.monotonic, sleep=time.sleep) -> None:
+    def __init__(self, rate: float = math.inf, clock=time.monotonic, sleep=time.sleep,
+                 deadline_s: float | None = None) -> None:
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
         self._bucket = TokenBucket(rate=rate, tokens=0.0, last=clock())
         self._closed = False
+        self.deadline_s = deadline_s  # None: waits are not timed out (unit tests, benchmarks)
+        self._generation = 0  # bumped at every rate change: a waiter's allowance starts again
+        self._paused_since: float | None = self._bucket.last if rate == 0 else None
+        self._waiting_bytes = 0  # asked for by the waiters now
+        self._logged_generation = -1
+        self._last_overrun_log = -math.inf
 
     @property
     def rate(self) -> float:
@@ -91,22 +117,65 @@ class Throttle:
     def set_rate(self, rate: float) -> None:
         with self._lock:
             if rate != self._bucket.rate:
-                self._bucket.set_rate(rate, self._clock())
+                now = self._clock()
+                self._bucket.set_rate(rate, now)
+                self._generation += 1
+                self._paused_since = now if rate == 0 else None
 
     def close(self) -> None:
         """Wake every waiter with an error; used at unmount so no thread sleeps forever."""
         self._closed = True
 
     def acquire(self, nbytes: int) -> None:
-        """Block until `nbytes` may be fetched; raises InterruptedError if the throttle closed."""
-        while True:
-            if self._closed:
-                raise InterruptedError("throttle closed")
+        """Block until `nbytes` may be fetched; raises InterruptedError if the throttle closed,
+        TokenWaitExpired when the wait outlasts its bound (module docstring)."""
+        generation, since, allowance = -1, 0.0, math.inf
+        with self._lock:
+            self._waiting_bytes += nbytes
+        try:
+            while True:
+                if self._closed:
+                    raise InterruptedError("throttle closed")
+                with self._lock:
+                    now = self._clock()
+                    wait = self._bucket.try_take(nbytes, now)
+                    if wait == 0.0:
+                        return
+                    if self.deadline_s is not None:
+                        if self._bucket.rate == 0:
+                            if now - self._paused_since > self.deadline_s:
+                                raise self._paused(now)
+                        else:
+                            if generation != self._generation:
+                                generation, since = self._generation, now
+                                backlog = self._waiting_bytes + max(0.0, -self._bucket.tokens)
+                                allowance = self.deadline_s + backlog / self._bucket.rate
+                            if now - since > allowance:
+                                raise self._overrun(nbytes, now, allowance)
+                self._sleep(min(wait, MAX_SLEEP_S))
+        finally:
             with self._lock:
-                wait = self._bucket.try_take(nbytes, self._clock())
-            if wait == 0.0:
-                return
-            self._sleep(min(wait, MAX_SLEEP_S))
+                self._waiting_bytes -= nbytes
+
+    def _paused(self, now: float) -> TokenWaitExpired:
+        """The error of a wait at rate 0; logged once per pause (called under the lock)."""
+        paused_for = now - self._paused_since
+        if self._logged_generation != self._generation:
+            self._logged_generation = self._generation
+            log.warning("remote IO paused (rate 0) for %.1f s, beyond the open deadline (%g s): opens of uncached "
+                        "items fail with EAGAIN until the data manager grants a rate; cached items are served",
+                        paused_for, self.deadline_s)
+        return TokenWaitExpired(errno.EAGAIN, f"remote IO of this job paused (rate 0) for {paused_for:.1f} s, "
+                                              f"beyond the open deadline {self.deadline_s:g} s")
+
+    def _overrun(self, nbytes: int, now: float, allowance: float) -> TokenWaitExpired:
+        if now - self._last_overrun_log >= 10.0:
+            self._last_overrun_log = now
+            log.warning("a wait for %d bytes of tokens at %.0f B/s outlasted %.1f s (its share of the rate plus the "
+                        "open deadline): the open fails with EAGAIN (logged once per 10 s)", nbytes,
+                        self._bucket.rate, allowance)
+        return TokenWaitExpired(errno.EAGAIN, f"token wait for {nbytes} bytes at {self._bucket.rate:.0f} B/s "
+                                              f"outlasted {allowance:.1f} s")
 
 
 def chunk_size_for(rate: float) -> int:

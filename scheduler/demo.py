@@ -333,15 +333,16 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
                                    remote_io=scenario.remote_io, cpus_per_node=scenario.cpus_per_node,
                                    cpu_allocation=cpu_allocation)
     dm = DataManager(run_dir / "datamanager", run_dir / "datamanager.log") if managed else None
-    backend = load_backend("local", BackendConfig(
-        capacity=capacity, state_dir=run_dir / "backend", datamanager_url=dm.url if dm else None,
-        options={"batch_bytes": "512KB"} if managed else {"batch_bytes": "512KB", "unmanaged_io": "equal", "unmanaged_cache": "coordl"},
-    ))
-    pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
     # The demo's "remote store" is a local directory: the operator's allow-list names exactly it.
     from contract.uri_policy import UriPolicy
 
     allowed = UriPolicy(("s3", "https", (workdir / "remote").as_uri() + "/"))
+    backend = load_backend("local", BackendConfig(
+        capacity=capacity, state_dir=run_dir / "backend", datamanager_url=dm.url if dm else None,
+        options={"batch_bytes": "512KB"} if managed else {"batch_bytes": "512KB", "unmanaged_io": "equal", "unmanaged_cache": "coordl"},
+        allowed_uris=allowed.allowed,
+    ))
+    pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
     config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0,
                            gpu_speed=speed, uri_policy=allowed)
     service = SchedulerService(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,

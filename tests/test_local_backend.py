@@ -352,3 +352,45 @@ def test_serve_with_data_manager_feeds_a_cold_fully_allocated_cache(tmp_path):
             subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
         dm.close()
     assert mounts_under(tmp_path) == []
+
+
+def test_mounts_started_by_the_backend_hold_the_operators_allow_list(tmp_path):
+    """The service's allow-list reaches the mounts it starts (SILOD_ALLOWED_URIS). Without it a
+    mount trusted its own --source, so a registered name that resolves to an internal address
+    (here `localhost`, standing for DNS rebinding after registration) was read by the job."""
+    import http.server
+    import threading
+
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            body = b'[{"name": "a.bin", "type": "file", "size": 5}]' if self.path == "/ds/" else b"12345"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        be = LocalBackend(BackendConfig(capacity=ClusterCapacity(gpus=4, cache=1e9, remote_io=1e9), state_dir=tmp_path / "state",
+                                        options={"batch_bytes": "256KB"}, allowed_uris=("s3", "https")))
+        uri = f"http://localhost:{server.server_address[1]}/ds/"
+        be.start(JobSpec("7", "7", "t", 1, DatasetInfo("web", uri, 5.0), ideal_throughput=1e6, total_bytes=5.0,
+                          consumed_bytes=0.0),
+                 JobAllocation("7", 1, 1.0, None, None))
+        events = collect(be, {"7"}, timeout=30)
+        assert events[-1].kind == "failed", events
+        log = (be.jobs_dir / "7" / "mount.log").read_text()
+        assert "loopback" in log, log
+        assert hits == []  # the mount refused before it listed: not one request reached the server
+        assert mounts_under(tmp_path) == []
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -135,6 +135,10 @@ class BackendConfig:
     state_dir: Path  # a directory the backend may own (logs, mount points, cache dirs)
     datamanager_url: str | None = None  # FUSE mounts use it as --manager when set
     options: Mapping[str, str] = field(default_factory=dict)  # backend-specific (--backend-opt k=v)
+    # The operator's allow-list (`silod serve --allow-uri`); a backend that starts FUSE mounts
+    # hands it to them as SILOD_ALLOWED_URIS, so they hold every request and connection to the
+    # same list the API checked at registration (a mount without one trusts its own --source).
+    allowed_uris: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))

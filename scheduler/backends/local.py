@@ -238,6 +238,12 @@ class LocalBackend(ClusterBackend):
         self._limiter: CpuLimiter | None = None  # detected at the first job with a CPU stage
         self._cores: dict[str, float | None] = {}  # job -> allocated cores (jobs with a CPU stage)
         self._cpu_pids: dict[str, tuple[int, ...]] = {}  # job -> preprocessing pids last limited
+        # The operator's allow-list for the mounts (fuse_client checks every request against
+        # it); without one a mount would trust its own --source, names resolved at connect time
+        # included, and a registered name that later resolves to an internal address would pass.
+        from contract.uri_policy import ENV as ALLOWED_URIS_ENV
+
+        self._policy_env = {ALLOWED_URIS_ENV: ",".join(config.allowed_uris)} if config.allowed_uris else {}
         self.adopted: tuple[str, ...] = self._adopt()
 
     # ------------------------------------------------------------------ contract
@@ -280,7 +286,7 @@ class LocalBackend(ClusterBackend):
                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,  # survives the service, and stop() can signal the group
                     env={**{k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS},
-                         "PYTHONUNBUFFERED": "1", **source_env(job.dataset)},
+                         "PYTHONUNBUFFERED": "1", **source_env(job.dataset), **self._policy_env},
                 )
             start_time = process_start_time(popen.pid)
             write_json_atomic(jdir / "worker.pid", {"pid": popen.pid, "start_time": start_time, "attempt": attempt})

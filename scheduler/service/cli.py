@@ -226,7 +226,7 @@ def build_api_service(
 
         opts = {k: v for k, v in (backend_opts or {}).items() if k != "leader-election"}
         workloads = load_backend(backend, BackendConfig(capacity=capacity, state_dir=Path(state_dir or default_state_dir()),
-                                                        options=opts))
+                                                        options=opts, allowed_uris=config.uri_policy.allowed))
     return ApiService(make_engine(db), config, workloads=workloads)
 
 
@@ -317,7 +317,8 @@ def build_service(
     if db is None:
         db = f"sqlite:///{state_dir / 'silod.db'}"
     cluster_backend = load_backend(
-        backend, BackendConfig(capacity=capacity, state_dir=state_dir, datamanager_url=datamanager, options=backend_opts or {})
+        backend, BackendConfig(capacity=capacity, state_dir=state_dir, datamanager_url=datamanager, options=backend_opts or {},
+                               allowed_uris=UriPolicy.parse(allowed_uris).allowed)
     )
     engine = open_database(db)
     if pusher is not None and backend == "local":

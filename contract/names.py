@@ -7,6 +7,7 @@ escape a directory (`/`, `..`) or confuse a URL is rejected with a message namin
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from estimator.errors import UserError
@@ -31,3 +32,18 @@ def storage_key(dataset_id: int, name: str) -> str:
 def dataset_id_of_key(key: str) -> int | None:
     head = key.split("-", 1)[0]
     return int(head[1:]) if head.startswith("d") and head[1:].isdigit() else None
+
+
+def node_mount_job(node: str, key: str) -> str:
+    """The data-manager job id of a node agent's mount of the dataset with storage key `key` on
+    `node`: the scheduler's Kubernetes backend allocates it remote IO (the sum over the jobs
+    admitted on the node that read the dataset) and the agent's mount registers under it
+    (fuse_client/agent/volumes.py). Built from the storage key, not the tenant's dataset name, so
+    two tenants' `files` on one node are two jobs. `_` cannot occur in a node name (RFC 1123), so
+    the id splits back unambiguously. Ids are names (at most 128 characters): a longer one (node
+    names go up to 253) takes a digest of the node instead, still one id per (node, key)."""
+    job = f"node-{node}_{key}"
+    if len(job) <= 128:
+        return job
+    digest = hashlib.sha256(node.encode()).hexdigest()[:16]
+    return f"node-{digest}_{key}"[:128]

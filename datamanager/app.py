@@ -38,7 +38,7 @@ from datamanager.metrics import render_metrics
 from datamanager.state import ClientRegistration, ClientState, StateStore, UnknownEntity
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS, parse_rate, parse_size
-from contract.names import validate_name
+from contract.names import node_mount_job, validate_name
 
 log = logging.getLogger("silod.datamanager")
 
@@ -204,9 +204,19 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
         if bound is not None and bound != node:
             raise NotYourNode(f"this agent token is bound to node {bound!r}; it may not act on a client of node {node!r}")
 
+    def _own_mount(request: Request, body: ClientRegistrationBody) -> None:
+        """A node-bound agent registers only its node's mounts: the job is the node mount's
+        (`node-<node>_<dataset key>`, contract.names.node_mount_job), so it cannot join another
+        job (a tenant's REST job, another node's mount) and dilute that job's remote-IO share."""
+        who = request.scope.get("state", {}).get("dm_identity")
+        if getattr(who, "node", None) is not None and body.job != node_mount_job(body.node, body.dataset):
+            raise NotYourNode(f"a node's agent registers only its node's mounts: job must be "
+                              f"{node_mount_job(body.node, body.dataset)!r} for dataset {body.dataset!r}, not {body.job!r}")
+
     @app.post("/v1/clients")
     def register_client(body: ClientRegistrationBody, request: Request) -> dict:
         _own_node(request, body.node)
+        _own_mount(request, body)
         try:  # re-registering another node's client id would take that client over
             _own_node(request, store.client_node(body.client_id))
         except UnknownEntity:

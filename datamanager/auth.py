@@ -9,7 +9,12 @@ API) before a body is read, with the same 1 MiB body cap.
   holder may act on any node's clients (issue 20), so prefer
 - **node-bound agent tokens** (SILOD_DM_AGENT_TOKENS_FILE: `node:token` lines, one token per
   node): the same routes, but only for clients registered with that node; another node's client
-  is a 403. A node's agent sends its own token as SILOD_DM_TOKEN.
+  is a 403. A node's agent sends its own token as SILOD_DM_TOKEN;
+- **the agent pod's service-account token** (SILOD_DM_AGENT_SERVICE_ACCOUNTS=NS:NAME[,...]):
+  the projected token kubelet gives the agent pod, bound to that pod, checked with a TokenReview
+  against the API server for the audience SILOD_DM_AGENT_AUDIENCE (default `silod`); its node is
+  the node the API server says the pod runs on (http_guard/agent_identity.py), with the same
+  routes and node binding as a node's own token. The mounts read it from SILOD_DM_TOKEN_FILE.
 
 `/healthz` is open; `/metrics` is open unless SILOD_DM_METRICS_TOKEN is set. Clients send
 their token from SILOD_DM_TOKEN (datamanager.client, fuse_client.manager_link).
@@ -22,13 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from http_guard import capped_receive, send_json
+from http_guard.agent_identity import AgentReviewer, KubeAPI, ReviewUnavailable, looks_like_jwt, parse_service_account
 from http_guard.timeouts import BodyTimeout, timed_receive
+
+log = logging.getLogger("silod.datamanager")
 
 DEFAULT_MAX_BODY = 1 << 20  # allocations and heartbeats are a few hundred bytes
 
@@ -37,6 +46,8 @@ AGENT_TOKEN_ENV = "SILOD_DM_AGENT_TOKEN"
 METRICS_TOKEN_ENV = "SILOD_DM_METRICS_TOKEN"
 CLIENT_TOKEN_ENV = "SILOD_DM_TOKEN"  # what clients send
 AGENT_TOKENS_FILE_ENV = "SILOD_DM_AGENT_TOKENS_FILE"  # node:token lines (node-bound agents)
+AGENT_SA_ENV = "SILOD_DM_AGENT_SERVICE_ACCOUNTS"  # NS:NAME,... whose pod-bound tokens are agents
+AGENT_AUDIENCE_ENV = "SILOD_DM_AGENT_AUDIENCE"
 NODE_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # a Kubernetes node name (RFC 1123)
 
 # (method, path) an agent token may call.
@@ -83,6 +94,7 @@ class DataManagerAuth:
     agent_digest: bytes | None = None
     metrics_digest: bytes | None = None
     node_digests: tuple[tuple[bytes, str], ...] = ()  # (digest of a node's agent token, node)
+    reviewer: AgentReviewer | None = None  # agent pods' service-account tokens (TokenReview)
 
     @classmethod
     def from_tokens(cls, scheduler: str | None, agent: str | None, metrics: str | None = None,
@@ -108,12 +120,20 @@ class DataManagerAuth:
             except OSError as exc:
                 raise ValueError(f"{AGENT_TOKENS_FILE_ENV}={path}: cannot be read ({exc.strerror})") from None
             nodes = parse_node_tokens(text, path)
-        return cls.from_tokens(os.environ.get(SCHEDULER_TOKEN_ENV) or None, os.environ.get(AGENT_TOKEN_ENV) or None,
+        auth = cls.from_tokens(os.environ.get(SCHEDULER_TOKEN_ENV) or None, os.environ.get(AGENT_TOKEN_ENV) or None,
                                os.environ.get(METRICS_TOKEN_ENV) or None, nodes)
+        accounts = [a.strip() for a in os.environ.get(AGENT_SA_ENV, "").split(",") if a.strip()]
+        if accounts:
+            users = frozenset(parse_service_account(a, AGENT_SA_ENV) for a in accounts)
+            reviewer = AgentReviewer(KubeAPI.from_env(dict(os.environ)), users,
+                                     os.environ.get(AGENT_AUDIENCE_ENV) or "silod")
+            auth = cls(auth.scheduler_digest, auth.agent_digest, auth.metrics_digest, auth.node_digests, reviewer)
+        return auth
 
     @property
     def enabled(self) -> bool:
-        return self.scheduler_digest is not None or self.agent_digest is not None or bool(self.node_digests)
+        return (self.scheduler_digest is not None or self.agent_digest is not None or bool(self.node_digests)
+                or self.reviewer is not None)
 
     def identify(self, token: str) -> Identity | None:
         d = _digest(token)
@@ -127,6 +147,14 @@ class DataManagerAuth:
         if self.metrics_digest is not None and hmac.compare_digest(d, self.metrics_digest):
             return Identity("metrics")
         return None
+
+    def review(self, token: str) -> Identity | None:
+        """An agent pod's service-account token (blocking: an HTTP call to the API server, so
+        the guard runs it in a worker thread). Raises ReviewUnavailable."""
+        if self.reviewer is None or not looks_like_jwt(token):
+            return None
+        who = self.reviewer.review(token)
+        return None if who is None else Identity("agent", who.node)
 
     def role(self, token: str) -> str | None:
         who = self.identify(token)
@@ -161,7 +189,19 @@ class DataManagerGuard:
                 await send_json(send, 400, {"detail": "more than one Authorization header; send exactly one"})
                 return
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            who = self.auth.identify(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+            token = token.strip() if scheme.lower() == "bearer" else ""
+            who = self.auth.identify(token) if token else None
+            if who is None and token and self.auth.reviewer is not None and looks_like_jwt(token):
+                import anyio
+
+                try:
+                    who = await anyio.to_thread.run_sync(self.auth.review, token)
+                except ReviewUnavailable as exc:
+                    # The API server's address stays in the log: not for an unauthenticated caller.
+                    log.warning("agent token not checked: %s", exc)
+                    await send_json(send, 503, {"detail": "cannot check the agent's token now; retry later"},
+                                    [(b"retry-after", b"5")])
+                    return
             if who is None:
                 await send_json(send, 401, {"detail": "missing or invalid bearer token"}, [(b"www-authenticate", b"Bearer")])
                 return

@@ -6,10 +6,19 @@ Heavy imports (mfusepy, fsspec) happen inside the command so `silod --help` stay
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+
+def _node_name(value: str) -> str:
+    from estimator.errors import UserError
+
+    if not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", value):
+        raise UserError(f"--node {value!r} is not a node name: lower-case letters, digits, '-' and '.' (RFC 1123)")
+    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +45,7 @@ def register(app: typer.Typer) -> None:
         passthrough: bool = typer.Option(True, "--passthrough/--no-passthrough", help="Raw backend: open cached items in FUSE passthrough mode (reads bypass this process; each such open is accounted as a read of the whole item)."),
         allow_other: bool = typer.Option(False, "--allow-other", help="Let other users read the mount (the node agent bind-mounts it into pods; needs root)."),
         pod_stats: bool = typer.Option(False, "--pod-stats", help="Also count reads per pod (the calling process's kubepods cgroup) into the stats file's \"pods\" (the node agent's mounts)."),
+        node: Optional[str] = typer.Option(None, "--node", help="Node name the mount registers with the data manager under (a node-bound agent token acts only for its node); default: the host name."),
     ) -> None:
         """Mount a dataset read-only with uniform (or LRU) caching and per-job remote-IO throttling."""
         import logging
@@ -71,5 +81,6 @@ def register(app: typer.Typer) -> None:
             probe_interval_s=probe_interval,
             fuse_backend=fuse_backend,
             passthrough=passthrough,
+            **({} if node is None else {"node": _node_name(node)}),
         )
         raise typer.Exit(run_mount(cfg))

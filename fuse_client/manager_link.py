@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,25 @@ class ClientRegistration:
     pid: int
 
 
+class _FileBearer:
+    """httpx auth: `Authorization: Bearer` from a file read at each request (or a fixed token)."""
+
+    def __init__(self, path: str | None, token: str | None = None) -> None:
+        self.path, self.token = path, token
+
+    def auth_flow(self, request: Any) -> Any:
+        token = self.token
+        if self.path is not None:
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                log.warning("data manager token file %s: %s", self.path, exc.strerror)
+        if token:
+            request.headers["Authorization"] = f"Bearer {token}"
+        yield request
+
+
 class ManagerLink:
     def __init__(
         self,
@@ -55,9 +75,17 @@ class ManagerLink:
         self.registration = registration
         self._get_stats = get_stats
         self._on_allocation = on_allocation
-        token = os.environ.get("SILOD_DM_TOKEN")  # the agent token, when the data manager requires one
-        self._http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S,
-                                  headers={"Authorization": f"Bearer {token}"} if token else {})
+        # The agent token, when the data manager requires one: SILOD_DM_TOKEN_FILE (re-read at
+        # every request: kubelet rotates an agent pod's projected service-account token in place)
+        # or SILOD_DM_TOKEN.
+        token_file = os.environ.get("SILOD_DM_TOKEN_FILE")
+        token = os.environ.get("SILOD_DM_TOKEN")
+        auth: Any = None
+        if token_file:
+            auth = _FileBearer(token_file)
+        elif token:
+            auth = _FileBearer(None, token)
+        self._http = httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S, auth=auth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered = False

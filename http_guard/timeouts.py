@@ -13,6 +13,7 @@ slot for ever (issue 20: slow-header and slow-body connections were kept with no
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -61,6 +62,20 @@ def timed_receive(receive: Receive, idle_s: float = BODY_IDLE_TIMEOUT_S, total_s
     return timed
 
 
+def _no_delay(transport: asyncio.Transport) -> None:
+    """TCP_NODELAY on an accepted connection. asyncio sets it only on sockets whose `proto` is
+    IPPROTO_TCP, and a listening socket made with `socket.socket(AF_INET)` (uvicorn's for
+    `--workers N`, ServerThread's) has proto 0, as do the connections it accepts: Nagle stayed
+    on, and h11 writes a response's head and body separately, so the body waited for the
+    client's delayed ACK (~40 ms on Linux) on every request (issue 20, item 8)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer is already gone: nothing to speed up
+            pass
+
+
 class HeaderTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent complete request headers
     within `header_timeout_s` of opening or of its previous response."""
@@ -86,6 +101,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        _no_delay(transport)
         super().connection_made(transport)
         self._arm_header_timer()
 

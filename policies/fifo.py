@@ -1,4 +1,10 @@
-"""FIFO: GPUs in arrival order; SiloD form adds Algorithm 2 cache and IO in arrival order."""
+"""FIFO: GPUs in arrival order; SiloD form adds Algorithm 2 cache and a max-min fair link.
+
+SiloD §5.3 names FIFO as a scheduler without a performance estimator, for which SiloD uses its
+greedy policy: cache by Algorithm 2, and no ranking of the jobs for remote IO (the paper's only
+rule for an unranked link is a fair share, §7.2). An earlier version served the link in arrival
+order, a rule the paper does not have; see docs/results.md (Fig. 12) for what it cost.
+"""
 
 from __future__ import annotations
 
@@ -70,12 +76,13 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
 
 class FifoPolicy(Policy):
     name = "fifo"
-    description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs"
+    description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs; Algorithm 2 cache, IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
         jobs = sorted(snapshot.jobs, key=lambda j: (j.submit_time, j.job_id))
         running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
-        return running_allocation(running, snapshot, estimator, io_rule="priority")
+        # §5.3: FIFO has no estimator with which to rank jobs for IO, so the link is shared fairly.
+        return running_allocation(running, snapshot, estimator, io_rule="fair")
 
 
 class GreedyPolicy(Policy):
@@ -83,7 +90,8 @@ class GreedyPolicy(Policy):
 
     GPUs come from the host scheduler's order (FIFO here); only the cache is chosen by cache
     efficiency, and the remote link is shared max-min by demand, because such a scheduler has no
-    estimator with which to rank jobs for IO.
+    estimator with which to rank jobs for IO. With FIFO as the host scheduler that is what `fifo`
+    does (the paper's SiloD-FIFO, §5.3); the name stays because users and plug-ins rely on it.
     """
 
     name = "greedy"

@@ -116,7 +116,8 @@ def test_a_node_bound_agent_acts_only_on_its_own_nodes_clients(bound) -> None:
     assert c.put("/v1/datasets/d1-coco/cache", json={"bytes": "10GB"}, headers=h1).status_code == 403
     assert c.put("/v1/datasets/d1-coco", json={}, headers=H_SCHED).status_code == 200
     assert c.put("/v1/datasets/d1-coco/cache", json={"bytes": "10GB"}, headers=H_SCHED).status_code == 200
-    reg = {**REG, "dataset": "d1-coco"}
+    reg = {**REG, "dataset": "d1-coco", "job": "node-n1_d1-coco"}  # a node mount (contract.names.node_mount_job)
+    reg2 = {**reg, "node": "n2", "job": "node-n2_d1-coco"}
     assert c.post("/v1/clients", json=reg, headers=h1).status_code == 200
     # n2's agent may not register a client as n1, nor heartbeat, take over or delete n1's client.
     r = c.post("/v1/clients", json={**reg, "client_id": "n1-j1-2"}, headers=h2)
@@ -124,15 +125,35 @@ def test_a_node_bound_agent_acts_only_on_its_own_nodes_clients(bound) -> None:
     assert c.put(f"/v1/clients/{REG['client_id']}/heartbeat", json={"stats": {"cached_bytes": 10**15}},
                  headers=h2).status_code == 403
     # Nor take n1's client over by registering its id as a client of n2.
-    assert c.post("/v1/clients", json={**reg, "node": "n2"}, headers=h2).status_code == 403
+    assert c.post("/v1/clients", json=reg2, headers=h2).status_code == 403
     assert c.delete(f"/v1/clients/{REG['client_id']}", headers=h2).status_code == 403
-    assert c.post("/v1/clients", json={**reg, "client_id": "n2-j1-1", "node": "n2"}, headers=h2).status_code == 200
+    assert c.post("/v1/clients", json={**reg2, "client_id": "n2-j1-1"}, headers=h2).status_code == 200
     # Its own client's figures are believed only up to the dataset's allocation.
     assert c.put("/v1/clients/n2-j1-1/heartbeat", json={"stats": {"cached_bytes": 10**15}}, headers=h2).status_code == 200
     status = c.get("/v1/status", headers=H_SCHED).json()
     assert status["nodes"]["n2"]["datasets"]["d1-coco"]["cached_bytes"] == 10 * 10**9
     assert [cl["node"] for cl in status["clients"] if cl["client_id"] == REG["client_id"]] == ["n1"]
     assert c.delete(f"/v1/clients/{REG['client_id']}", headers=h1).status_code == 200
+
+
+def test_a_node_bound_agent_registers_only_its_nodes_mounts(bound) -> None:
+    """Issue 20 audit: a node's agent joined a tenant's job (or another node's mount) as one more
+    live worker, which divides that job's remote IO by one more: it registers only clients of its
+    own node's mount jobs, `node-<node>_<dataset key>`."""
+    c = bound
+    h1 = {"Authorization": f"Bearer {N1_TOKEN}"}
+    assert c.put("/v1/jobs/j1/remote-io", json={"bytes_per_s": "100MB/s", "workers": 1}, headers=H_SCHED).status_code == 404
+    assert c.put("/v1/datasets/d1-coco", json={}, headers=H_SCHED).status_code == 200
+    assert c.put("/v1/jobs/j1", json={"dataset": "d1-coco", "workers": 1}, headers=H_SCHED).status_code == 200
+    assert c.put("/v1/jobs/j1/remote-io", json={"bytes_per_s": "100MB/s"}, headers=H_SCHED).status_code == 200
+    for job in ("j1", "node-n2_d1-coco", "node-n1_d2-other"):
+        r = c.post("/v1/clients", json={"client_id": f"x-{job}", "node": "n1", "dataset": "d1-coco", "job": job}, headers=h1)
+        assert r.status_code == 403 and "node-n1_d1-coco" in r.json()["detail"], r.text
+    assert c.get("/v1/jobs/j1", headers=H_SCHED).json()["bytes_per_s"] == 100e6
+    assert c.get("/v1/status", headers=H_SCHED).json()["jobs"]["j1"]["live_clients"] == 0
+    ok = c.post("/v1/clients", json={"client_id": "m1", "node": "n1", "dataset": "d1-coco", "job": "node-n1_d1-coco"},
+                headers=h1)
+    assert ok.status_code == 200, ok.text
 
 
 def test_node_agent_tokens_file_errors_name_the_line(tmp_path) -> None:

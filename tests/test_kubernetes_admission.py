@@ -351,14 +351,14 @@ def test_a_restarted_scheduler_keeps_admitted_workloads_running_and_queues_nothi
 
 
 def test_node_mount_remote_io_is_pushed_to_a_real_data_manager(cluster, tmp_path):
-    """The agents' node mounts are data-manager jobs `node-<node>.<tenant>.<dataset>`: admission
+    """The agents' node mounts are data-manager jobs `node-<node>_<storage key>`: admission
     gives them the IO of the pods placed there, suspension takes it back."""
     from datamanager.client import DataManagerClient
     from dataplane_helpers import start_datamanager
     from fuse_client.agent.volumes import mount_job_id
     from scheduler.backends.kubernetes.backend import node_mount_job
 
-    assert mount_job_id("n1", "alice", "imagenet") == node_mount_job("n1", "alice", "imagenet")
+    assert mount_job_id("n1", "d3-imagenet") == node_mount_job("n1", "d3-imagenet") == "node-n1_d3-imagenet"
     dm = start_datamanager(tmp_path / "dm")
     try:
         service = build_service(db=f"sqlite:///{tmp_path / 'io.db'}", backend="kubernetes", policy="fifo",
@@ -366,12 +366,12 @@ def test_node_mount_remote_io_is_pushed_to_a_real_data_manager(cluster, tmp_path
                                 state_dir=tmp_path / "s", datamanager=dm.url, backend_opts={"server": cluster.url})
         from scheduler.service.scheduler_process import NewDataset
 
-        service.register_dataset(Principal("alice"), NewDataset("imagenet", "s3://d/i", 10e9))
+        ds, _ = service.register_dataset(Principal("alice"), NewDataset("imagenet", "s3://d/i", 10e9))
         create(cluster, kubectl_job("io", gpus=2))
         step(service)
         rec = job_named(service, "job.io.")
         node = cluster.obj("jobs", "alice", "io", group="batch")["metadata"]["annotations"]["silod.io/admitted-nodes"]
-        key = f"node-{node}.alice.imagenet"
+        key = f"node-{node}_{ds.key}"
         with DataManagerClient(dm.url) as dmc:
             jobs = dmc.status()["jobs"]
             assert jobs[key]["remote_io_bytes_per_s"] == pytest.approx(service.get_job(ROOT, rec.id).remote_io)

@@ -33,8 +33,12 @@ def _fuse():
 
 
 class AgentProc:
-    def __init__(self, tmp: Path, catalog: Path, node: str = "n1"):
+    def __init__(self, tmp: Path, catalog: Path | None, node: str = "n1", *, resolver_args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        """`catalog`: the --datasets file; else `resolver_args` (e.g. --scheduler URL --manager URL)."""
         self.tmp = tmp
+        self.resolver_args = ["--datasets", str(catalog)] if catalog is not None else list(resolver_args or [])
+        self.env = env
         self.socket = tmp / "plugins" / "silod.io" / "csi.sock"
         self.state = tmp / "agent-state"
         self.kubelet = tmp / "kubelet"
@@ -47,8 +51,8 @@ class AgentProc:
         log = open(self.tmp / "agent.log", "ab")
         self.proc = subprocess.Popen(
             [*silod_cmd(), "agent", "--socket", str(self.socket), "--state-dir", str(self.state), "--node", self.node,
-             "--datasets", str(self.catalog), "--kubelet-dir", str(self.kubelet), "--log-level", "debug", "--idle-unmount", "0"],
-            stdout=log, stderr=subprocess.STDOUT)
+             *self.resolver_args, "--kubelet-dir", str(self.kubelet), "--log-level", "debug", "--idle-unmount", "0"],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -65,7 +69,12 @@ class AgentProc:
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
+            try:
+                # A dataset mount still bind-mounted into pods takes up to 15 s to end on SIGTERM.
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
     @property
     def pb(self):  # noqa: ANN201

@@ -143,8 +143,12 @@ def test_only_the_agent_is_privileged_and_the_csi_driver_gives_pod_info():
     agent = find("DaemonSet", "silod-agent")["spec"]["template"]["spec"]
     mounts = {m["name"]: m for m in agent["containers"][0]["volumeMounts"]}
     assert mounts["kubelet-dir"]["mountPropagation"] == "Bidirectional"
-    node_token = next(v for v in agent["volumes"] if v["name"] == "node-token")
-    assert node_token["hostPath"]["type"] == "DirectoryOrCreate"  # a fresh node has no /etc/silod yet
+    # The agent's identity: its pod's own token for the audience silod checks, not the API's.
+    token = next(v for v in agent["volumes"] if v["name"] == "agent-token")
+    assert token["projected"]["sources"] == [{"serviceAccountToken": {"audience": "silod", "expirationSeconds": 3600,
+                                                                      "path": "token"}}]
+    assert agent["automountServiceAccountToken"] is False
+    assert mounts["agent-token"]["readOnly"] is True
 
 
 def _image_user() -> int:
@@ -214,15 +218,25 @@ def test_the_restricted_checker_rejects_a_privileged_pod():
 
 
 def test_data_manager_and_agent_carry_the_data_manager_tokens():
-    """Without both tokens `silod datamanager` refuses to listen beyond loopback; the agent's
-    FUSE clients talk to it with the agent role, and its probes use the open /healthz."""
-    dm = find("StatefulSet", "silod-datamanager")["spec"]["template"]["spec"]["containers"][0]
-    keys = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in dm["env"]}
-    assert keys == {"SILOD_DM_SCHEDULER_TOKEN": "dm-scheduler-token", "SILOD_DM_AGENT_TOKEN": "dm-agent-token"}
+    """The data manager: the scheduler's token from the Secret, the agents by their pods' own
+    tokens (TokenReview, with its service account and RBAC), no shared agent token (issue 20);
+    the agent's FUSE clients send the projected token, and the probes use the open /healthz."""
+    sts = find("StatefulSet", "silod-datamanager")["spec"]["template"]["spec"]
+    dm = sts["containers"][0]
+    env = {e["name"]: e.get("value") or e["valueFrom"]["secretKeyRef"]["key"] for e in dm["env"]}
+    assert env == {"SILOD_DM_SCHEDULER_TOKEN": "dm-scheduler-token",
+                   "SILOD_DM_AGENT_SERVICE_ACCOUNTS": "silod-system:silod-agent"}
+    assert sts["serviceAccountName"] == "silod-datamanager" and find("ServiceAccount", "silod-datamanager")
     assert dm["readinessProbe"]["httpGet"]["path"] == dm["livenessProbe"]["httpGet"]["path"] == "/healthz"
     agent = find("DaemonSet", "silod-agent")["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "SILOD_DM_TOKEN", "valueFrom": {"secretKeyRef": {"name": "silod-secrets", "key": "dm-agent-token"}}} in agent["env"]
-    assert set(find("Secret", "silod-secrets")["stringData"]) >= {"dm-scheduler-token", "dm-agent-token", "token-key"}
+    assert {"name": "SILOD_DM_TOKEN_FILE", "value": "/var/run/silod-agent/token"} in agent["env"]
+    assert "--report-token-file=/var/run/silod-agent/token" in agent["args"]
+    assert not any("dm-agent-token" in str(e) for e in agent["env"])
+    binding = find("ClusterRoleBinding", "silod-agent-reviewer")
+    assert {s["name"] for s in binding["subjects"]} == {"silod-scheduler", "silod-datamanager"}
+    assert find("ClusterRole", "silod-agent-reviewer")["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
+    assert set(find("Secret", "silod-secrets")["stringData"]) >= {"dm-scheduler-token", "token-key"}
 
 
 def test_csi_controller_provisions_the_storage_class_and_the_webhook_suspends_labelled_workloads():

@@ -439,6 +439,30 @@ def test_forged_progress_cannot_jump_the_sjf_queue(tmp_path) -> None:
         svc.close()
 
 
+def test_a_nodes_cached_figures_are_bounded_by_its_cache_disk(tmp_path) -> None:
+    """Issue 20, finding 1: an agent may report each dataset up to its size (and allocation) and
+    still claim more than its node's disk holds: here 143 GB + 660 GB on a node of a cluster of
+    200 GB (the null backend knows no node's own disk: the cluster's cache bounds each node). The
+    node's figures are scaled down to what it can hold."""
+    pusher = StatusPusher(nodes={"n1": {"datasets": {"d1-imagenet": {"cached_bytes": 143e9},
+                                                     "d2-openimages": {"cached_bytes": 660e9}}},
+                                 "n2": {"datasets": {"d1-imagenet": {"cached_bytes": 10e9}}}},
+                          datasets={"d1-imagenet": {}, "d2-openimages": {}})
+    svc = make(f"sqlite:///{tmp_path / 'n.db'}", tmp_path, pusher=pusher)
+    try:
+        assert svc.node_cache_bound("n1") == 200e9
+        got = svc.measured_cache()
+        assert got is not None
+        assert got["d1-imagenet"] + got["d2-openimages"] == pytest.approx(200e9)
+        assert got["d2-openimages"] == pytest.approx(200e9 * 660 / 803)  # in proportion to what it said
+        assert got["d1-imagenet"] == pytest.approx(200e9 * 143 / 803)  # n1's, scaled, still above n2's 10 GB
+        # An honest node within its disk is believed as is.
+        pusher.nodes = {"n2": {"datasets": {"d1-imagenet": {"cached_bytes": 60e9}, "d2-openimages": {"cached_bytes": 40e9}}}}
+        assert svc.measured_cache() == {"d1-imagenet": 60e9, "d2-openimages": 40e9}
+    finally:
+        svc.close()
+
+
 def test_a_cached_figure_beyond_the_datasets_size_is_not_believed(tmp_path) -> None:
     """Issue 20: an agent reported cached_bytes = 1e15 for another tenant's dataset and the
     scheduler's parser passed it to the policy."""
@@ -448,6 +472,7 @@ def test_a_cached_figure_beyond_the_datasets_size_is_not_believed(tmp_path) -> N
     try:
         svc.submit_job(ALICE, NewJob("a", 4, "imagenet", epochs=1, ideal_throughput=4e8))
         snap = svc.build_snapshot()
-        assert snap.datasets["d1-imagenet"].cached == snap.datasets["d1-imagenet"].size
+        # Believed up to the dataset's size (and the node's cache disk, 200 GB here).
+        assert snap.datasets["d1-imagenet"].cached == min(snap.datasets["d1-imagenet"].size, svc.node_cache_bound("n1"))
     finally:
         svc.close()

@@ -218,24 +218,34 @@ def _ideal(text: str, model: str, gpus: int, path: Path, line: int) -> float:
 
 
 def write_csv_trace(trace: Trace, path: str | Path) -> None:
+    """Write `trace` as a silod CSV that load_csv_trace reads back to the same jobs: every number
+    in Python's shortest exact form (repr), so a simulation of the file is the simulation of
+    the trace (`silod trace export`)."""
+    declared = [j.job_id for j in trace.jobs if j.declared_throughput is not None]
+    if declared:
+        raise UserError(f"job {declared[0]} has a declared f* apart from its real one (Python API only); the trace CSV has no "
+                        "column for it, so the file would simulate another trace")
     # The access columns only when a job needs them, so all-epoch traces keep the plain header.
     with_access = any(not j.access.regular for j in trace.jobs)
     with_items = bool(trace.item_sizes)
     with_pipeline = any(j.pipeline is not None for j in trace.jobs)
+
+    def num(v: float | None) -> str:
+        return "" if v is None else repr(v) if isinstance(v, float) else str(v)
+
     with Path(path).open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ()),
                          *(PIPELINE_FIELDS if with_pipeline else ())))
         for j in trace.jobs:
-            row = [j.job_id, f"{j.submit_time:.3f}", j.num_gpus, j.model, j.dataset,
-                   f"{trace.dataset_sizes[j.dataset]:.0f}", f"{j.ideal_throughput:.0f}", f"{j.epochs:.6g}"]
+            row = [j.job_id, num(float(j.submit_time)), j.num_gpus, j.model, j.dataset,
+                   num(float(trace.dataset_sizes[j.dataset])), num(float(j.ideal_throughput)), num(float(j.epochs))]
             if with_access:
-                row += ["" if v is None else (f"{v!r}" if isinstance(v, float) else v) for v in j.access.fields().values()]
+                row += [v if isinstance(v, str) else num(v) for v in j.access.fields().values()]
             if with_items:
                 item = trace.item_sizes.get(j.dataset)
-                row.append("" if item is None else f"{item!r}")
+                row.append(num(None if item is None else float(item)))
             if with_pipeline:
                 p = j.pipeline
-                row += ["", "", ""] if p is None else [f"{p.cpu_rate!r}", "" if p.autocache_expansion is None else f"{p.autocache_expansion!r}",
-                                                        "" if p.post_cpu_rate is None else f"{p.post_cpu_rate!r}"]
+                row += ["", "", ""] if p is None else [num(float(p.cpu_rate)), num(p.autocache_expansion), num(p.post_cpu_rate)]
             writer.writerow(row)

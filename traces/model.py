@@ -49,6 +49,11 @@ class Trace:
         object.__setattr__(self, "dataset_sizes", MappingProxyType(dict(self.dataset_sizes)))
         object.__setattr__(self, "item_sizes", MappingProxyType(dict(self.item_sizes)))
 
+    def __reduce__(self):
+        # The read-only mapping views cannot be pickled; plain dicts travel to worker processes
+        # (a Dask cluster is shipped the parsed trace) and __post_init__ wraps them again.
+        return (Trace, (self.jobs, dict(self.dataset_sizes), self.source, self.notes, dict(self.item_sizes)))
+
     def __len__(self) -> int:
         return len(self.jobs)
 

@@ -122,7 +122,14 @@ def _dataset_resolver(datasets, scheduler):  # type: ignore[no-untyped-def]
         raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
     if scheduler is None:
         return CatalogResolver(datasets)
+    token_file = os.environ.get("SILOD_AGENT_TOKEN_FILE")
+    if token_file:
+        # An agent pod's projected service-account token: kubelet rotates it, so read it per call.
+        if not Path(token_file).is_file():
+            raise UserError(f"SILOD_AGENT_TOKEN_FILE={token_file} does not exist")
+        return SchedulerResolver(scheduler, lambda: Path(token_file).read_text().strip())
     token = os.environ.get("SILOD_AGENT_TOKEN")
     if not token:
-        raise UserError("--scheduler needs the agent's token (dataset look-ups) in $SILOD_AGENT_TOKEN")
+        raise UserError("--scheduler needs the agent's token (dataset look-ups) in $SILOD_AGENT_TOKEN or a file"
+                        " named by $SILOD_AGENT_TOKEN_FILE")
     return SchedulerResolver(scheduler, token)

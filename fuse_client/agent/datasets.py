@@ -5,16 +5,23 @@ driver with podInfoOnMount), never from the pod's own words; a namespace belongs
 (`<prefix><tenant>`), and a tenant mounts only its own datasets. Two sources:
 
 - `CatalogResolver`: a YAML file an operator maintains (a ConfigMap in the DaemonSet),
-  `datasets: [{tenant, name, uri, cache_size?}]`;
+  `datasets: [{tenant, name, uri, cache_size?, key?}]`;
 - `SchedulerResolver`: the silod scheduler's REST API (`GET /v1/datasets/{name}`) with the
   agent's token; the dataset must be registered by the tenant that owns the namespace.
+
+Either way a dataset comes with its storage key (contract/names.py): the one name of (tenant,
+dataset) outside the scheduler's database. The node's mount registers with the data manager under
+it (`silod mount --dataset KEY`), so the scheduler's cache allocations, which are keyed by it,
+reach the mount, and two tenants' datasets of one name never share a data-manager entry or cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from contract.credentials import SourceCredential
@@ -35,9 +42,23 @@ class DatasetSource:
     name: str
     uri: str
     cache_size: int | None = None  # bytes; None = whatever the data manager allocates
+    #: the storage key: the mount's name at the data manager and in the cache ("" = catalog_key)
+    key: str = ""
     # The dataset owner's credential for `uri`; None: read anonymously, never with the node's
     # own cloud credentials (volumes.py hands it to the mount process only). Never recorded.
     credential: SourceCredential | None = field(default=None, repr=False, compare=False)
+
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", catalog_key(self.tenant, self.name))
+
+
+def catalog_key(tenant: str, name: str) -> str:
+    """The storage key of a catalog entry that names none (an agent without a scheduler): unique
+    per (tenant, name) and a valid name, and never of the scheduler's `d<id>-<name>` form."""
+    digest = hashlib.sha256(f"{tenant}/{name}".encode()).hexdigest()[:12]
+    return f"t{digest}-{name}"[:128]
 
 
 class DatasetResolver(Protocol):
@@ -78,8 +99,15 @@ class CatalogResolver:
                     size = int(parse_size(str(e["cache_size"]), f"{where} cache_size"))
                 except UnitError as exc:
                     raise UserError(str(exc)) from None
+            key = e.get("key")
+            if key is not None and not isinstance(key, str):
+                raise UserError(f"{where}: key must be a string (the dataset's storage key in silod, e.g. d12-imagenet)")
             src = DatasetSource(check_name(e["tenant"], f"{where} tenant"), check_name(e["name"], f"{where} name"),
-                                e["uri"], size)
+                                e["uri"], size, key=check_name(key, f"{where} key") if key else "")
+            clash = next((o for o in self.entries.values() if o.key == src.key and (o.tenant, o.name) != (src.tenant, src.name)), None)
+            if clash is not None:
+                raise UserError(f"{where}: key {src.key!r} is also the key of {clash.tenant}/{clash.name}; one storage"
+                                f" key per (tenant, dataset)")
             self.entries[(src.tenant, src.name)] = src
 
     def resolve(self, tenant: str, name: str) -> DatasetSource:
@@ -93,14 +121,16 @@ class SchedulerResolver:
     """Datasets (and the owner's credential, when the dataset names one) from the scheduler's
     API with the node agents' token. `client`: an httpx.Client to use (tests)."""
 
-    def __init__(self, url: str, token: str, timeout: float = 10.0, client: Any = None):
-        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+    def __init__(self, url: str, token: str | Callable[[], str], timeout: float = 10.0, client: Any = None):
+        """`token`: the token, or a function giving it at each call (a rotated token file)."""
+        self.url, self.timeout = url.rstrip("/"), timeout
+        self._token = token if callable(token) else (lambda: token)
         self.client = client
 
     def _get(self, path: str, params: dict[str, str]) -> Any:
         import httpx
 
-        headers = {"Authorization": f"Bearer {self.token}"}
+        headers = {"Authorization": f"Bearer {self._token()}"}
         try:
             if self.client is not None:
                 return self.client.get(f"{self.url}{path}", params=params, headers=headers, timeout=self.timeout)
@@ -127,4 +157,8 @@ class SchedulerResolver:
             if got:
                 credential = SourceCredential(str(got["access_key_id"]), str(got["secret_access_key"]),
                                               got.get("endpoint_url") or None, got.get("region") or None)
-        return DatasetSource(tenant, name, str(body["uri"]), credential=credential)
+        key = body.get("key")
+        if not isinstance(key, str) or not NAME_RE.match(key):
+            raise UserError(f"the silod scheduler gave no valid storage key for dataset {name!r} (got {key!r});"
+                            f" the agent needs a scheduler that answers `key` in GET /v1/datasets/{{name}}")
+        return DatasetSource(tenant, name, str(body["uri"]), key=key, credential=credential)

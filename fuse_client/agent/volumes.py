@@ -29,17 +29,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from contract.credentials import ANONYMOUS_ENV, CREDENTIAL_ENV
+from contract.names import node_mount_job
 from estimator.errors import UserError
-from fuse_client.agent.datasets import DatasetResolver, DatasetSource
+from fuse_client.agent.datasets import DatasetResolver, DatasetSource, catalog_key
 
 log = logging.getLogger("silod.agent")
 
 
-def mount_job_id(node: str, tenant: str, dataset: str) -> str:
-    """The data-manager job id of this node's mount of (tenant, dataset): the scheduler's
-    Kubernetes backend allocates remote IO to it (scheduler/backends/kubernetes/backend.py,
-    node_mount_job: same format), the sum over the jobs admitted on the node that read it."""
-    return f"node-{node}.{tenant}.{dataset}"
+def mount_job_id(node: str, key: str) -> str:
+    """The data-manager job id of this node's mount of the dataset with storage key `key`: the
+    scheduler's Kubernetes backend allocates remote IO to it (contract.names.node_mount_job, the
+    one definition both planes use)."""
+    return node_mount_job(node, key)
 
 
 class MountError(Exception):
@@ -64,6 +65,9 @@ class VolumeRecord:
     pod_uid: str = ""
     access_mode: int = 0  # the CSI access mode it was published with (a repeat must match)
     readonly: bool = True
+    #: the dataset's storage key, its mount's name at the data manager ("" in records of agents
+    #: before issue 20: looked up again, else catalog_key)
+    key: str = ""
 
 
 Key = tuple[str, str]  # (volume_id, target_path)
@@ -133,6 +137,7 @@ class VolumeManager:
         self.lock = threading.RLock()
         self.volumes: dict[Key, VolumeRecord] = {}
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
+        self.keys: dict[tuple[str, str], str] = {}  # (tenant, dataset) -> storage key its mount runs under
         (state_dir / "mounts").mkdir(parents=True, exist_ok=True)
         (state_dir / "cache").mkdir(parents=True, exist_ok=True)
         os.chmod(state_dir / "cache", 0o700)  # cached data is read through mounts only
@@ -185,7 +190,8 @@ class VolumeManager:
 
     @staticmethod
     def _recorded_source(rec: VolumeRecord, resolver: DatasetResolver | None) -> DatasetSource:
-        plain = DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size)
+        plain = DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size,
+                              key=rec.key or catalog_key(rec.tenant, rec.dataset))
         if resolver is None:
             return plain
         try:
@@ -193,7 +199,8 @@ class VolumeManager:
         except UserError as exc:
             log.warning("%s/%s: credential not looked up again (%s); mounting it anonymously", rec.tenant, rec.dataset, exc)
             return plain
-        return DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size, credential=fresh.credential)
+        # The key as the resolver says it now (a record of an older agent has none).
+        return DatasetSource(rec.tenant, rec.dataset, rec.uri, rec.cache_size, key=fresh.key, credential=fresh.credential)
 
     # --- dataset mounts --------------------------------------------------------------------------
 
@@ -208,14 +215,24 @@ class VolumeManager:
         key = (src.tenant, src.name)
         proc = self.procs.get(key)
         if proc is not None and proc.poll() is None and healthy(path):
+            if self.keys.get(key, src.key) != src.key:
+                # The dataset was deleted and registered again (a new id) while pods read it: the
+                # live mount keeps its key until its last volume goes; the next mount takes the new.
+                log.warning("%s/%s: mounted as %s, now registered as %s; the new key applies from the next mount",
+                            src.tenant, src.name, self.keys[key], src.key)
             return path
         if is_mountpoint(path) or (path.exists() and not _listable(path)):
             unmount(path)  # a leftover of a dead mount process
         path.mkdir(parents=True, exist_ok=True)
         stats = self.stats_file(src.tenant, src.name)
-        cmd = [*self.silod, "mount", str(path), "--source", src.uri, "--dataset", src.name,
-               "--job", mount_job_id(self.node, src.tenant, src.name), "--cache-dir", str(self.cache_dir(src.tenant)),
-               "--stats-file", str(stats), "--allow-other", "--pod-stats"]
+        # The storage key, not the tenant's dataset name: the scheduler allocates cache to the key
+        # and two tenants' `files` must be two data-manager entries and two caches (issue 20).
+        cmd = [*self.silod, "mount", str(path), "--source", src.uri, "--dataset", src.key,
+               "--job", mount_job_id(self.node, src.key), "--cache-dir", str(self.cache_dir(src.tenant)),
+               "--stats-file", str(stats), "--allow-other", "--pod-stats",
+               # Registered as this node (not the pod's host name): a node-bound data-manager token
+               # accepts only its node's clients.
+               "--node", self.node]
         if src.cache_size is not None:
             cmd += ["--cache-size", str(src.cache_size)]
         if self.manager_url:
@@ -224,6 +241,7 @@ class VolumeManager:
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=mount_env(src))
         self.procs[key] = proc
+        self.keys[key] = src.key
         deadline = time.monotonic() + self.mount_timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -321,7 +339,7 @@ class VolumeManager:
             self._bind(source, path)
             self.volumes[(volume_id, str(path))] = VolumeRecord(
                 volume_id, str(path), src.tenant, src.name, src.uri, src.cache_size, namespace, pod, pod_uid,
-                access_mode, readonly)
+                access_mode, readonly, self.keys.get((src.tenant, src.name), src.key))
             self._save()
             log.info("published %s/%s for pod %s/%s at %s", src.tenant, src.name, namespace, pod, path)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select, text
+from sqlalchemy import Connection, bindparam, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -77,13 +77,17 @@ class BadUri(ServiceError):
     status = 400
 
 
-def _write_first(s: Session) -> None:
+_TAKE_WRITE_LOCK = text("UPDATE settings SET key = key WHERE 0")
+
+
+def _write_first(s: Session | Connection) -> None:
     """On SQLite, open the transaction with a write, which takes the database's write lock now
     (waiting for it under busy_timeout): reads that follow see every committed write, and the
     transaction cannot fail later at its first write because another process committed since
     its reads (WAL: SQLITE_BUSY_SNAPSHOT). A no-op elsewhere."""
-    if s.get_bind().dialect.name == "sqlite":
-        s.execute(text("UPDATE settings SET key = key WHERE 0"))
+    dialect = s.dialect if isinstance(s, Connection) else s.get_bind().dialect
+    if dialect.name == "sqlite":
+        s.execute(_TAKE_WRITE_LOCK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,24 @@ class CredentialRecord:
 
 
 # Built once: a statement built per call with .values() costs more to cache-key than to run.
+# The submission path (POST /v1/jobs) runs these on a plain connection, not an ORM session:
+# building the statements and the session's bookkeeping cost more than the queries themselves.
 _INSERT_JOB = Job.__table__.insert().returning(Job.__table__.c.id)
+_INSERT_IDEMPOTENCY_KEY = IdempotencyKey.__table__.insert()
+_IDEMPOTENCY_KEY = select(IdempotencyKey.__table__.c.request_hash, IdempotencyKey.__table__.c.job_id).where(
+    IdempotencyKey.__table__.c.owner == bindparam("owner"), IdempotencyKey.__table__.c.key == bindparam("key"))
+_DS = Dataset.__table__.c
+_DATASET_BY_NAME = select(_DS.id, _DS.name, _DS.owner, _DS.size).where(
+    _DS.owner == bindparam("owner"), _DS.name == bindparam("name"))
+_GRANT = select(DatasetGrant.__table__.c.grantee).where(
+    DatasetGrant.__table__.c.dataset_id == bindparam("dataset_id"), DatasetGrant.__table__.c.grantee == bindparam("grantee"))
+_QUOTA = select(Quota.__table__.c.gpus, Quota.__table__.c.cache_bytes, Quota.__table__.c.running_jobs,
+                Quota.__table__.c.queued_jobs).where(Quota.__table__.c.tenant == bindparam("tenant"))
+_QUEUED_OF_OWNER = select(func.count()).select_from(Job.__table__).where(
+    Job.__table__.c.owner == bindparam("owner"), Job.__table__.c.state == JobState.QUEUED)
+_SUBMIT_LOCK_PG = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
+_UNKNOWN_DATASET = ("unknown dataset {!r}; register it first with POST /v1/datasets"
+                    " (another tenant's dataset needs its grant and dataset_owner)")
 
 
 def parse_job_id(job_id: str) -> int | None:
@@ -196,15 +217,13 @@ class Catalogue:
         granted = s.get(DatasetGrant, (d.id, who.user))
         return d if granted is not None else None
 
-    def _usable_dataset(self, s: Session, who: Principal, name: str, owner: str | None):  # type: ignore[no-untyped-def]
+    def _usable_dataset(self, c: Connection, who: Principal, name: str, owner: str | None):  # type: ignore[no-untyped-def]
         """`_visible_dataset` as plain columns (id, name, owner, size): the submission path."""
         owner = owner or who.user
-        d = s.execute(select(Dataset.id, Dataset.name, Dataset.owner, Dataset.size)
-                      .where(Dataset.owner == owner, Dataset.name == name)).first()
+        d = c.execute(_DATASET_BY_NAME, {"owner": owner, "name": name}).first()
         if d is None or who.is_admin or d.owner == who.user:
             return d
-        granted = s.execute(select(DatasetGrant.grantee).where(DatasetGrant.dataset_id == d.id,
-                                                               DatasetGrant.grantee == who.user)).first()
+        granted = c.execute(_GRANT, {"dataset_id": d.id, "grantee": who.user}).first()
         return d if granted is not None else None
 
     def register_dataset(self, who: Principal, req: NewDataset) -> tuple[DatasetRecord, bool]:
@@ -369,9 +388,8 @@ class Catalogue:
         with self.sessions() as s:
             return self._quota(s, tenant)
 
-    def _quota(self, s: Session, tenant: str) -> TenantQuota:
-        row = s.execute(select(Quota.gpus, Quota.cache_bytes, Quota.running_jobs, Quota.queued_jobs)
-                        .where(Quota.tenant == tenant)).first()
+    def _quota(self, s: Session | Connection, tenant: str) -> TenantQuota:
+        row = s.execute(_QUOTA, {"tenant": tenant}).first()
         if row is None:
             return self.config.default_quota
         return TenantQuota(*row)
@@ -429,19 +447,25 @@ class Catalogue:
         raise ConflictError("the Idempotency-Key is being used by a concurrent request; retry", field="Idempotency-Key")
 
     def _submit(self, who: Principal, req: NewJob, ideal: float, key: str | None, digest: str) -> tuple[JobRecord, bool]:
-        with self._write_lock, self.sessions.begin() as s:
-            _write_first(s)
+        engine = self.sessions.kw["bind"]
+        # What cannot change under us is read before the write transaction: on SQLite that
+        # transaction holds the database's one write lock, which every other submission (in
+        # every API worker) and the round's write wait for, so it does the insert and only what
+        # must be atomic with it. A dataset's owner and id never change (datasets are not
+        # deleted); a quota's limits apply to later submissions (a change racing this one may
+        # or may not apply to it, as before). An Idempotency-Key inserted meanwhile fails the
+        # insert on its primary key and submit_job reads that job.
+        with engine.connect() as c:
             if key is not None:
-                known = s.get(IdempotencyKey, (who.user, key))
+                known = c.execute(_IDEMPOTENCY_KEY, {"owner": who.user, "key": key}).first()
                 if known is not None:
                     if known.request_hash != digest:
                         raise ConflictError("this Idempotency-Key was used with a different request body",
                                             field="Idempotency-Key")
                     return self.get_job(who, str(known.job_id)), False
-            ds = self._usable_dataset(s, who, req.dataset, req.dataset_owner)
+            ds = self._usable_dataset(c, who, req.dataset, req.dataset_owner)
             if ds is None:
-                raise NotFoundError(f"unknown dataset {req.dataset!r}; register it first with POST /v1/datasets"
-                                    " (another tenant's dataset needs its grant and dataset_owner)", field="dataset")
+                raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
             if req.epochs is not None and req.steps is None:
                 if not (0 < req.epochs <= 1e6):
                     raise ServiceError("epochs must be > 0 and <= 1e6", field="epochs")
@@ -452,7 +476,19 @@ class Catalogue:
                 raise ServiceError("give either epochs, or steps together with step_bytes", field="epochs")
             if not (0 < total <= MAX_BYTES):
                 raise ServiceError(f"the job would read {total:.3g} bytes; must be > 0 and <= 1e21", field="epochs")
-            self._check_quota(s, who, req)
+            q = self._quota(c, who.user)
+        if q.gpus is not None and req.gpus > q.gpus:
+            raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
+        # Another tenant's dataset: the grant is checked again in the write transaction, so a job
+        # submitted after the grant's revocation committed is refused (revoke_grant's promise).
+        through_grant = not who.is_admin and ds.owner != who.user
+        with self._write_lock, engine.begin() as c:
+            if through_grant or q.queued_jobs is not None:
+                _write_first(c)  # reads in this transaction, then writes: take the lock first
+            if through_grant and c.execute(_GRANT, {"dataset_id": ds.id, "grantee": who.user}).first() is None:
+                raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
+            if q.queued_jobs is not None:
+                self._check_queued(c, who, q.queued_jobs)
             now = time.time()
             values = dict(
                 name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
@@ -463,18 +499,18 @@ class Catalogue:
             )
             # Core insert, not an ORM object: attaching a Job to its Dataset would load the
             # dataset's whole job collection (thousands of rows) on every submission.
-            jid = s.connection().execute(_INSERT_JOB, values).scalar_one()
+            jid = c.execute(_INSERT_JOB, values).scalar_one()
             if key is not None:
-                s.execute(insert(IdempotencyKey).values(owner=who.user, key=key, request_hash=digest, job_id=jid,
-                                                       created_at=now))
-            record = JobRecord(
-                id=str(jid), name=req.name, owner=who.user, gpus=req.gpus, dataset=ds.name, dataset_owner=ds.owner,
-                model=req.model, ideal_throughput=ideal, epochs=req.epochs, steps=req.steps,
-                step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
-                priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
-                finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
-                access=req.access, **pipeline_columns(req.pipeline),
-            )
+                c.execute(_INSERT_IDEMPOTENCY_KEY, {"owner": who.user, "key": key, "request_hash": digest, "job_id": jid,
+                                                    "created_at": now})
+        record = JobRecord(
+            id=str(jid), name=req.name, owner=who.user, gpus=req.gpus, dataset=ds.name, dataset_owner=ds.owner,
+            model=req.model, ideal_throughput=ideal, epochs=req.epochs, steps=req.steps,
+            step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
+            priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
+            finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
+            access=req.access, **pipeline_columns(req.pipeline),
+        )
         if req.pod_template is not None:
             self._create_workload(record, req.pod_template)
         self._trigger("submit")
@@ -497,24 +533,19 @@ class Catalogue:
         self._trigger("submit")
         raise ServiceError(message, field="pod_template")
 
-    def _check_quota(self, s: Session, who: Principal, req: NewJob) -> None:
-        q = self._quota(s, who.user)
-        if q.gpus is not None and req.gpus > q.gpus:
-            raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
-        if q.queued_jobs is not None:
-            # Exact across API workers (issue 20: it overshot): count and insert under a lock
-            # no other submission of this tenant can hold meanwhile. SQLite: the transaction
-            # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
-            # advisory lock until commit, so the count sees every earlier submission committed.
-            if s.get_bind().dialect.name == "postgresql":
-                s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": f"silod-submit:{who.user}"})
-            waiting = s.scalar(select(func.count()).select_from(Job).where(Job.owner == who.user,
-                                                                          Job.state == JobState.QUEUED)) or 0
-            if waiting >= q.queued_jobs:
-                raise QuotaExceeded(
-                    f"you have {waiting} queued jobs, the quota queued_jobs is {q.queued_jobs}; "
-                    "wait for some to start or cancel some", field="queued_jobs",
-                )
+    def _check_queued(self, c: Connection, who: Principal, limit: int) -> None:
+        # Exact across API workers (issue 20: it overshot): count and insert under a lock
+        # no other submission of this tenant can hold meanwhile. SQLite: the transaction
+        # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
+        # advisory lock until commit, so the count sees every earlier submission committed.
+        if c.dialect.name == "postgresql":
+            c.execute(_SUBMIT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
+        waiting = c.execute(_QUEUED_OF_OWNER, {"owner": who.user}).scalar() or 0
+        if waiting >= limit:
+            raise QuotaExceeded(
+                f"you have {waiting} queued jobs, the quota queued_jobs is {limit}; "
+                "wait for some to start or cancel some", field="queued_jobs",
+            )
 
     @staticmethod
     def _job_record(j: Job) -> JobRecord:
@@ -547,11 +578,12 @@ class Catalogue:
         pk = parse_job_id(job_id)
         row = None
         if pk is not None:
-            with self.sessions() as s:
+            # A plain connection, not an ORM session: this is the hottest read (GET /v1/jobs/{id}).
+            with self.sessions.kw["bind"].connect() as c:
                 if who.is_admin:
-                    row = s.execute(_GET_JOB, {"jid": pk}).first()
+                    row = c.execute(_GET_JOB, {"jid": pk}).first()
                 else:
-                    row = s.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
+                    row = c.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
         return _with_bottlenecks([row], [_row_record(row)], self.config.capacity)[0]

@@ -143,14 +143,31 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
     return opts
 
 
-def _agents(values: list[str] | None) -> dict[str, Any]:
+def _agents(values: list[str] | None, service_accounts: list[str] | None = None,
+            audience: str | None = None) -> dict[str, Any]:
+    """--node-agent (static tokens) and --agent-service-account (agent pods' own tokens, checked
+    with a TokenReview: the API server from SILOD_KUBE_API / SILOD_KUBE_TOKEN_FILE /
+    SILOD_KUBE_CA_FILE, else the pod's in-cluster service account)."""
     from scheduler.service.types import ServiceError, parse_node_agents
 
     try:
         users, bound = parse_node_agents(values)
     except ServiceError as exc:
         raise UserError(str(exc)) from None
-    return {"node_agents": users, "agent_nodes": bound}
+    out: dict[str, Any] = {"node_agents": users, "agent_nodes": bound}
+    if service_accounts:
+        from http_guard.agent_identity import DEFAULT_AUDIENCE, AgentReviewer, KubeAPI, parse_service_account
+
+        try:
+            accounts = frozenset(parse_service_account(a) for a in service_accounts)
+            api = KubeAPI.from_env(dict(os.environ))
+        except ValueError as exc:
+            raise UserError(f"--agent-service-account: {exc}") from None
+        out["agent_reviewer"] = AgentReviewer(api, accounts, audience or DEFAULT_AUDIENCE)
+        out["node_agents"] = users | accounts  # they look datasets up for their pods, as --node-agent users do
+    elif audience:
+        raise UserError("--agent-audience goes with --agent-service-account")
+    return out
 
 
 def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, client_ca: Path | None,
@@ -195,6 +212,8 @@ def build_api_service(
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
     node_agents: list[str] | None = None,
+    agent_service_accounts: list[str] | None = None,
+    agent_audience: str | None = None,
     backend: str | None = None,
     backend_opts: dict[str, str] | None = None,
     state_dir: Path | str | None = None,
@@ -218,7 +237,8 @@ def build_api_service(
     from scheduler.service.sealed import load_secret_box
 
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), **_agents(node_agents),
+                           default_quota=default_quota or TenantQuota(),
+                           **_agents(node_agents, agent_service_accounts, agent_audience),
                            secrets=load_secret_box(Path(state_dir or default_state_dir())))
     workloads = None
     if backend == "kubernetes":
@@ -292,6 +312,8 @@ def build_service(
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
     node_agents: list[str] | None = None,
+    agent_service_accounts: list[str] | None = None,
+    agent_audience: str | None = None,
 ):  # type: ignore[no-untyped-def]
     """Everything `silod serve` assembles, minus HTTP (the benchmarks and tests reuse it).
 
@@ -335,7 +357,7 @@ def build_service(
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
-        **_agents(node_agents), secrets=secrets,
+        **_agents(node_agents, agent_service_accounts, agent_audience), secrets=secrets,
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
@@ -463,6 +485,8 @@ def register(app: typer.Typer) -> None:
         backend_opt: Annotated[list[str] | None, typer.Option("--backend-opt", help="backend option KEY=VALUE (repeatable)")] = None,
         allow_uri: Annotated[list[str] | None, typer.Option("--allow-uri", help="allowed dataset URI scheme or prefix (repeatable) [default: s3, https]")] = None,
         node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
+        agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
+        agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
         default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
@@ -501,6 +525,7 @@ def register(app: typer.Typer) -> None:
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
             irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
+            agent_service_accounts=agent_service_account, agent_audience=agent_audience,
         )
         # Check everything once, here, so that a mistake is one clear error before any process
         # starts: the schedule side (backend, cluster, policy) and the database (migrated here).

@@ -22,12 +22,13 @@ service believes any progress only up to what the job's f* allows since the last
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import Select, bindparam, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -160,14 +161,24 @@ class ConsumptionStore:
         ids = [int(j) for j in job_ids if str(j).isdigit()]
         if not ids:
             return {}
-        # SQLite's SUM of integers raises "integer overflow" past 2^63 (two legal-looking rows
-        # suffice); its total() is a float and never overflows. PostgreSQL's SUM(bigint) is a
-        # numeric, which cannot overflow.
-        sqlite = self.sessions.kw["bind"].dialect.name == "sqlite"
-        add = func.total if sqlite else func.sum
-        q = (select(PodConsumption.job_id, *(add(getattr(PodConsumption, c)) for c in COUNTERS),
-                    func.count(), func.max(PodConsumption.updated_at))
-             .where(PodConsumption.job_id.in_(ids)).group_by(PodConsumption.job_id))
-        with self.sessions() as s:
+        engine = self.sessions.kw["bind"]
+        # A prebuilt statement on a plain connection (GET /v1/jobs/{id} calls this per request:
+        # building the query and an ORM session each time cost more than the query itself).
+        q = _measured_query(engine.dialect.name == "sqlite", len(ids) == 1)
+        with engine.connect() as c:
+            rows = c.execute(q, {"jid": ids[0]} if len(ids) == 1 else {"ids": ids})
             return {str(row[0]): Measured(*(int(v or 0) for v in row[1:6]), pods=int(row[6]), updated_at=float(row[7]))
-                    for row in s.execute(q)}
+                    for row in rows}
+
+
+@functools.cache
+def _measured_query(sqlite: bool, one: bool) -> Select:
+    # SQLite's SUM of integers raises "integer overflow" past 2^63 (two legal-looking rows
+    # suffice); its total() is a float and never overflows. PostgreSQL's SUM(bigint) is a
+    # numeric, which cannot overflow.
+    add = func.total if sqlite else func.sum
+    which = (PodConsumption.job_id == bindparam("jid") if one
+             else PodConsumption.job_id.in_(bindparam("ids", expanding=True)))
+    return (select(PodConsumption.job_id, *(add(getattr(PodConsumption, c)) for c in COUNTERS),
+                   func.count(), func.max(PodConsumption.updated_at))
+            .where(which).group_by(PodConsumption.job_id))

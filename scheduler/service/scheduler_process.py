@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -354,6 +354,22 @@ class SchedulerService(ReadViews):
             return plan
         return dataclasses.replace(plan, cache=MappingProxyType(clamped))
 
+    def node_cache_bound(self, node: str) -> float:
+        """The most cache a node can hold: its own capacity when the backend knows it (Kubernetes:
+        the node's silod.io/cache-capacity or its even share, which placement keeps every
+        allocation within), else the cluster's whole cache (backends without nodes of their own
+        let one dataset's allocation exceed an even share). A node's agent reporting more than
+        this (issue 20) is not believed."""
+        per_node = getattr(self.backend, "node_cache_capacity", None)
+        if callable(per_node):
+            try:
+                known = per_node()
+            except Exception:  # noqa: BLE001 - the backend's view is not ready: use the even share
+                known = {}
+            if node in known:
+                return float(known[node])
+        return float(self.config.capacity.cache)
+
     def measured_cache(self) -> dict[str, float] | None:
         """Bytes of each dataset in cache now, as the system measures them (`DatasetView.cached`).
 
@@ -365,7 +381,7 @@ class SchedulerService(ReadViews):
         no measurement (the backend's is used)."""
         if self.pusher is not None:
             try:
-                measured = cached_bytes_from_status(self.pusher.status())
+                measured = cached_bytes_from_status(self.pusher.status(), self.node_cache_bound)
             except Exception as exc:  # the round goes on; the push will report the outage too
                 log.warning("data manager status unavailable, cache fill unknown this round: %s", exc)
                 measured = None
@@ -555,29 +571,44 @@ class SchedulerService(ReadViews):
             self.engine.dispose()
 
 
-def cached_bytes_from_status(status: Any) -> dict[str, float] | None:
+def cached_bytes_from_status(status: Any, node_cache: Callable[[str], float] | None = None) -> dict[str, float] | None:
     """Bytes in cache per dataset from the data manager's `GET /v1/status` (datamanager/state.py),
     or None when the answer has no per-dataset figures.
 
     A dataset's cache allocation applies to its cache on every node that mounts it, so the
     filled part of the allocation is the fullest node's cache (`nodes.*.datasets.*.cached_bytes`),
     not the sum over nodes (the same items cached on two nodes fill no more of it). Without the
-    per-node view, `datasets.*.cached_bytes_all_nodes` is used."""
+    per-node view, `datasets.*.cached_bytes_all_nodes` is used.
+
+    `node_cache(node)`: the most that node's disk holds; a node whose datasets add up to more
+    (its agent reported what no disk of it can hold, issue 20) has its figures scaled down to it."""
     if not isinstance(status, Mapping) or not isinstance(status.get("datasets"), Mapping):
         return None
     out: dict[str, float] = {}
     nodes = status.get("nodes")
     if isinstance(nodes, Mapping):
-        for node in nodes.values():
-            for name, entry in ((node or {}).get("datasets") or {}).items():
-                value = float((entry or {}).get("cached_bytes") or 0.0)
-                out[name] = max(out.get(name, 0.0), value)
+        for node_name, node in nodes.items():
+            figures = {name: max(_float((entry or {}).get("cached_bytes")), 0.0)
+                       for name, entry in ((node or {}).get("datasets") or {}).items()}
+            total = sum(figures.values())
+            bound = node_cache(str(node_name)) if node_cache is not None else total
+            scale = 1.0 if total <= bound or total <= 0 else bound / total
+            for name, value in figures.items():
+                out[name] = max(out.get(name, 0.0), value * scale)
     else:
         for name, entry in status["datasets"].items():
             out[name] = float((entry or {}).get("cached_bytes_all_nodes") or 0.0)
     for name in status["datasets"]:
         out.setdefault(name, 0.0)  # known to the manager, mounted nowhere: nothing cached
     return out
+
+
+def _float(value: Any) -> float:
+    try:
+        f = float(value or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return f if math.isfinite(f) else 0.0
 
 
 def count_rows(engine: Engine, model: type) -> int:

@@ -78,6 +78,9 @@ class StoragePusher(Protocol):
 class Principal:
     user: str
     is_admin: bool = False
+    #: a node agent identified by its pod's service-account token (TokenReview): the node its pod
+    #: runs on, as the API server says (http_guard/agent_identity.py); None for every other caller
+    node: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +269,9 @@ class ServiceConfig:
     #: Node agents bound to one node (`--node-agent USER=NODE`): only these may report
     #: consumption, and only for their node (scheduler/service/consumption.py).
     agent_nodes: tuple[tuple[str, str], ...] = ()
+    #: Checks agent pods' service-account tokens with the API server (http_guard/agent_identity.py,
+    #: `silod serve --agent-service-account NS:NAME`); None: only static tokens identify agents.
+    agent_reviewer: Any = None
     #: Seals tenants' secrets at rest (scheduler/service/sealed.py); None: credentials cannot be
     #: added (a service built without a state directory or SILOD_SECRET_KEYS).
     secrets: Any = None

@@ -18,6 +18,8 @@ DEFAULT_CLUSTER = {"gpus": 96, "gpus_per_node": 4, "cache": "24TB", "remote_io":
 
 
 MAX_SEED = 2**32 - 1
+DEFAULT_ROUND_S = 360.0
+DEFAULT_RESOLUTION = 128
 
 
 def check_seed(seed: int) -> None:
@@ -51,6 +53,8 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
 
 
 def register(app: typer.Typer) -> None:
+    _register_trace(app)
+
     @app.command()
     def simulate(
         trace: Annotated[Path, typer.Option(help="trace file (silod CSV, Gavel TSV with --format gavel, or Alibaba openb with --format alibaba-openb)")] = SHIPPED_TRACE,
@@ -108,21 +112,26 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def experiment(
         name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | all")],
-        out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment)")] = Path("out/experiments"),
+        parts: Annotated[Optional[list[Path]], typer.Argument(help="with --merge: the --out directories of the shards", show_default=False)] = None,
+        out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment; with --shard, the part)")] = Path("out/experiments"),
         trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs of the trace (quicker)")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs [default 400]")] = None,
         cache: Annotated[Optional[str], typer.Option(help="total cache [default 100TB]")] = None,
         remote_io: Annotated[Optional[str], typer.Option(help="remote IO [default 4GB/s]")] = None,
-        round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
-        resolution: Annotated[int, typer.Option(help="chunks per dataset")] = 128,
+        round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = DEFAULT_ROUND_S,
+        resolution: Annotated[int, typer.Option(help="chunks per dataset")] = DEFAULT_RESOLUTION,
         seed: Annotated[int, typer.Option(help="random seed")] = 0,
         quiet: Annotated[bool, typer.Option(help="no progress bars")] = False,
         workers: Annotated[Optional[int], typer.Option(help="simulations run in parallel [default: min(2, CPUs)]")] = None,
+        shard: Annotated[Optional[str], typer.Option(help="I/N: run only shard I of N of the simulations (round robin) and write NAME.part-I-of-N.json into --out; plot with --merge")] = None,
+        merge: Annotated[bool, typer.Option("--merge", help="plot from the parts in the directories given after the name (written by --shard); the configuration comes from the parts")] = False,
+        dask: Annotated[Optional[str], typer.Option(help="run the simulations on the Dask cluster whose scheduler is at this address (tcp://HOST:PORT; needs silod's dask extra); the trace is shipped to the workers")] = None,
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
-        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, ExperimentRunner
+        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, ExperimentRunner
+        from scheduler.sim.shards import Shard, ShardWritten, load_parts
 
         names = list(EXPERIMENTS) if name.casefold() == "all" else [resolve_name("experiment", name, [*EXPERIMENTS, "all"])]
         if max_jobs is not None and max_jobs < 1:
@@ -130,17 +139,95 @@ def register(app: typer.Typer) -> None:
         if workers is not None and workers < 1:
             raise UserError(f"--workers {workers} must be >= 1")
         check_seed(seed)
-        capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
-        runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
+        if parts and not merge:
+            raise UserError(f"unexpected argument(s) {' '.join(map(str, parts))}; directories after the name are for --merge")
         from scheduler.outputs import ensure_writable_dir
 
+        if merge:
+            if not parts:
+                raise UserError("--merge needs the shards' --out directories after the name: silod experiment NAME --merge DIR...")
+            given = [flag for flag, value in (("--trace", trace), ("--max-jobs", max_jobs), ("--gpus", gpus), ("--cache", cache),
+                                              ("--remote-io", remote_io), ("--workers", workers), ("--shard", shard), ("--dask", dask))
+                     if value is not None]
+            given += [flag for flag, value, default in (("--round", round, DEFAULT_ROUND_S), ("--resolution", resolution, DEFAULT_RESOLUTION),
+                                                        ("--seed", seed, 0)) if value != default]
+            if given:
+                raise UserError(f"--merge takes the configuration from the parts; drop {', '.join(given)}")
+            merged = [load_parts(n, parts) for n in names]  # every check before anything is written
+            ensure_writable_dir(out, "--out")
+            headlines = []
+            for m in merged:
+                runner, capacity = ExperimentRunner.from_parts(m, out, show_progress=not quiet)
+                payload = EXPERIMENTS[m.experiment](runner, out, capacity)
+                typer.echo(f"{m.experiment}: merged {len(m.paths)} part(s), {len(m.results)} simulations; "
+                           f"wrote {out / (m.experiment.replace('-', '_') + '.json')} and .png")
+                headlines.append((m.experiment, payload.get("setup", ""), payload.get("headline", [])))
+            _print_headlines(headlines)
+            return
+        split = Shard.parse(shard) if shard is not None else None
+        capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
+        runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         ensure_writable_dir(out, "--out")
         headlines = []
         for n in names:
-            payload = EXPERIMENTS[n](runner, out, capacity)
+            runner.distribution = Distribution(n, out, capacity, shard=split, dask=dask)
+            try:
+                payload = EXPERIMENTS[n](runner, out, capacity)
+            except ShardWritten as part:
+                typer.echo(f"{n}: shard {split}: {part.ran} of {part.total} simulations, wrote {part.path}; "
+                           f"when every shard is done: silod experiment {n} --merge DIR...")
+                continue
             typer.echo(f"{n}: wrote {out / (n.replace('-', '_') + '.json')} and .png")
             headlines.append((n, payload.get("setup", ""), payload.get("headline", [])))
-        _print_headlines(headlines)
+        if headlines:
+            _print_headlines(headlines)
+
+
+def _register_trace(app: typer.Typer) -> None:
+    trace_app = typer.Typer(help="Work with traces: export the exact trace a simulation or an experiment runs.",
+                            no_args_is_help=True)
+    app.add_typer(trace_app, name="trace")
+
+    @trace_app.command("export")
+    def export(
+        out: Annotated[Path, typer.Option(help="the silod trace CSV to write", show_default=False)],
+        trace: Annotated[Optional[Path], typer.Option(help="trace file (silod CSV, Gavel TSV, Alibaba openb) [default: the shipped sample, or with --experiment the experiment's synthetic trace]")] = None,
+        format: Annotated[TraceFormat, typer.Option("--format", help="trace format, as for silod simulate")] = TraceFormat.auto,
+        dataset_sharing: Annotated[float, typer.Option(help="Gavel/openb traces: fraction of jobs that share their family's dataset")] = 0.0,
+        max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs")] = None,
+        seed: Annotated[int, typer.Option(help="random seed (dataset sharing, synthetic traces)")] = 0,
+        experiment: Annotated[Optional[str], typer.Option(help="the trace `silod experiment NAME` simulates with these --trace/--max-jobs/--seed (the sweeps' 1,000-job trace for the sweeps)")] = None,
+        irregular: Annotated[float, typer.Option(help="with --experiment: fraction of jobs turned into curriculum jobs (irregular-mix's x axis)")] = 0.0,
+        catalog_cpu: Annotated[bool, typer.Option(help="with --experiment: every job gets its catalog model's CPU stage (experiment cpu)")] = False,
+    ) -> None:
+        """Write the exact trace a simulation runs (after --format, --max-jobs, --dataset-sharing, or an
+        experiment's synthetic trace) as a silod CSV; `silod simulate --trace FILE` reads it back to the
+        same simulation, on any machine."""
+        from traces.csv_trace import write_csv_trace
+
+        if max_jobs is not None and max_jobs < 1:
+            raise UserError(f"--max-jobs {max_jobs} must be >= 1")
+        check_seed(seed)
+        if not 0.0 <= dataset_sharing <= 1.0:
+            raise UserError(f"--dataset-sharing {dataset_sharing} must be a fraction from 0 to 1")
+        if not 0.0 <= irregular <= 1.0:
+            raise UserError(f"--irregular {irregular} must be a fraction from 0 to 1")
+        if experiment is None:
+            if irregular or catalog_cpu:
+                raise UserError("--irregular and --catalog-cpu pick a point of an experiment; add --experiment NAME")
+            tr = load_trace(trace or SHIPPED_TRACE, format, dataset_sharing, max_jobs, seed)
+        else:
+            from scheduler.sim.experiments import EXPERIMENTS, experiment_trace
+
+            name = resolve_name("experiment", experiment, list(EXPERIMENTS))
+            if format != TraceFormat.auto:
+                raise UserError("--format with --experiment: experiments detect the format of --trace themselves; drop --format")
+            tr = experiment_trace(name, trace, max_jobs, seed, dataset_sharing, irregular, catalog_cpu)
+        if out.is_dir():
+            raise UserError(f"--out {out} is a directory; give a file name such as {out / 'trace.csv'}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_csv_trace(tr, out)
+        typer.echo(f"wrote {out}: {len(tr)} jobs, {len({j.dataset for j in tr.jobs})} datasets")
 
 
 def _print_headlines(headlines: list) -> None:

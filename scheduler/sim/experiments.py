@@ -27,20 +27,22 @@ Simulations of one experiment run in worker processes; each experiment returns i
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from estimator.access import AccessPattern
-from estimator.errors import UserError
+from estimator.errors import RuntimeFailure, UserError
 from policies.types import ClusterCapacity
+from scheduler.sim.shards import MergedParts, Shard
 from traces.catalog import DATASETS, MODELS
 from traces.model import Trace, TraceJob
 
@@ -75,6 +77,7 @@ class TraceSource:
     irregular: float = 0.0  # fraction of the jobs turned into curriculum jobs (irregular-mix)
     curriculum_step: int | None = None  # the Fig. 16 single job, with this Step
     catalog_pipelines: bool = False  # give every job its catalog model's CPU stage (experiment cpu)
+    stagger: float | None = None  # the stagger experiment's two jobs, the second at this fraction
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Run:
     seed: int | None = None  # a repeat's seed (default: the runner's)
     profile_noise: float = 0.0  # quiver: sigma of its profiles' log-normal error
     catalog_pipelines: bool = False  # jobs get their catalog model's cpu_rate (experiment cpu)
+    stagger: float | None = None  # experiment stagger: the second job starts at this fraction
 
 
 def micro_benchmark_trace() -> Trace:
@@ -170,6 +174,8 @@ def with_catalog_pipelines(trace: Trace) -> Trace:
 
 @lru_cache(maxsize=8)
 def build_trace(source: TraceSource) -> Trace:
+    if source.stagger is not None:
+        return stagger_trace(source.stagger)
     if source.catalog_pipelines:
         return with_catalog_pipelines(build_trace(replace(source, catalog_pipelines=False)))
     if source.curriculum_step is not None:
@@ -200,17 +206,28 @@ class RunResult:
     queued_until: float = 0.0  # end of the last timeline row with jobs queued (waiting or paused)
 
 
+def run_trace_source(run: Run, source: TraceSource) -> tuple[TraceSource, int]:
+    """The trace a run simulates (its sharing, curriculum and stagger variant of `source`) and
+    its seed."""
+    seed = source.seed if run.seed is None else run.seed
+    if not source.micro:
+        source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step,
+                         catalog_pipelines=run.catalog_pipelines, stagger=run.stagger)
+    return source, seed
+
+
 def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int) -> RunResult:
-    """One simulation (runs in a worker process)."""
+    """One simulation (runs in a worker process, which builds the trace itself)."""
+    src, seed = run_trace_source(run, source)
+    return simulate_trace(run, build_trace(src), seed, round_s, resolution)
+
+
+def simulate_trace(run: Run, trace: Trace, seed: int, round_s: float, resolution: int) -> RunResult:
+    """One simulation of an already built trace (what a Dask worker runs on the shipped trace)."""
     from policies.registry import estimator_for, get_policy
     from scheduler.sim.engine import SimConfig, Simulator
     from scheduler.sim.report import summarize
 
-    seed = source.seed if run.seed is None else run.seed
-    if not source.micro:
-        source = replace(source, sharing=run.dataset_sharing, irregular=run.irregular, curriculum_step=run.curriculum_step,
-                         catalog_pipelines=run.catalog_pipelines)
-    trace = build_trace(source)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=run.gpu_speed, seed=seed, manage_io=run.manage_io,
                        partition=run.partition, profile_noise=run.profile_noise)
     result = Simulator(trace, run.capacity, get_policy(run.policy), estimator_for(run.cache_system), run.cache_system, config).run()
@@ -224,8 +241,86 @@ def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int)
     return RunResult(run, summary, fairness, {k: float(np.mean(v)) for k, v in jcts.items()}, queued_until)
 
 
+@dataclass
+class Distribution:
+    """How `run_all` of one experiment spreads its runs: this shard's share only (writing a part
+    into `out`), results taken from merged parts, or a Dask cluster (scheduler/sim/shards.py)."""
+
+    experiment: str
+    out: Path
+    capacity: ClusterCapacity
+    shard: Shard | None = None
+    merged: MergedParts | None = None
+    dask: str | None = None
+
+
+#: The experiments that simulate the sweeps' trace (ExperimentRunner.for_sweeps), and those that
+#: build their own small traces per run (nothing of the user's trace to export).
+SWEEP_EXPERIMENTS = ("bandwidth", "gpu-speed", "sharing", "quiver-noise", "irregular-mix", "cpu")
+OWN_TRACE_EXPERIMENTS = ("curriculum", "stagger")
+
+
+def experiment_trace(name: str, trace_path: Path | None, max_jobs: int | None, seed: int, sharing: float = 0.0,
+                     irregular: float = 0.0, catalog_pipelines: bool = False) -> Trace:
+    """The trace `silod experiment NAME` simulates with these options, for one point of a sweep
+    (`sharing`: Fig. 15's x; `irregular`: irregular-mix's x; `catalog_pipelines`: experiment cpu)."""
+    if name in OWN_TRACE_EXPERIMENTS:
+        raise UserError(f"experiment {name} simulates small traces of its own, one per run (scheduler/sim/experiments.py), "
+                        "not the --trace; there is no one trace to export")
+    runner = ExperimentRunner(trace_path, max_jobs, seed, 360.0, 128, show_progress=False, workers=1)
+    if name in SWEEP_EXPERIMENTS:
+        runner = runner.for_sweeps()
+    source = replace(runner.source, micro=name == "micro", sharing=sharing, irregular=irregular, catalog_pipelines=catalog_pipelines)
+    return build_trace(source)
+
+
+def result_to_json(result: RunResult) -> dict:
+    """A run's result as a shard's part stores it (JSON keeps every float exactly)."""
+    return {"run": asdict(result.run), "summary": result.summary, "fairness": [list(p) for p in result.fairness],
+            "jct_by_kind": result.jct_by_kind, "queued_until": result.queued_until}
+
+
+def result_from_json(data: dict) -> RunResult:
+    run = Run(**{**data["run"], "capacity": ClusterCapacity(**data["run"]["capacity"])})
+    return RunResult(run, data["summary"], tuple((float(t), float(v)) for t, v in data["fairness"]), data["jct_by_kind"],
+                     float(data["queued_until"]))
+
+
+def run_on_dask(address: str, jobs: list[tuple[int, Run]], source: TraceSource, round_s: float, resolution: int,
+                connect_timeout_s: float = 10.0, workers_timeout_s: float = 60.0) -> Iterator[tuple[int, RunResult]]:
+    """Run `jobs` on the Dask cluster whose scheduler is at `address`; yields (index, result) as
+    they finish. Every distinct trace the runs need is built here once and scattered to every
+    worker, so the workers need silod installed (the same version) but not the trace file."""
+    try:
+        from distributed import Client
+        from distributed import as_completed as dask_completed
+    except ImportError:
+        raise UserError("--dask needs dask.distributed; install it with pip install 'silod[dask]'") from None
+    try:
+        client = Client(address, timeout=f"{connect_timeout_s:g}s", set_as_default=False)
+    except (OSError, TimeoutError) as exc:
+        raise RuntimeFailure(f"cannot reach the Dask scheduler at {address} ({exc}); start one with `dask scheduler` "
+                             "and give its address, e.g. --dask tcp://127.0.0.1:8786") from None
+    with client:
+        try:
+            client.wait_for_workers(1, timeout=workers_timeout_s)
+        except TimeoutError:
+            raise RuntimeFailure(f"the Dask scheduler at {address} has no workers after {workers_timeout_s:g} s; "
+                                 "start some with `dask worker ADDRESS --nthreads 1`") from None
+        shipped: dict = {}
+        futures = {}
+        for i, run in jobs:
+            src, seed = run_trace_source(run, source)
+            if src not in shipped:
+                shipped[src] = client.scatter(build_trace(src), broadcast=True)
+            futures[client.submit(simulate_trace, run, shipped[src], seed, round_s, resolution, pure=False)] = i
+        for future in dask_completed(futures, loop=client.loop):
+            yield futures[future], future.result()
+
+
 class ExperimentRunner:
-    """Runs an experiment's simulations on worker processes, with one progress display."""
+    """Runs an experiment's simulations on worker processes (or a Dask cluster, or one shard of
+    them), with one progress display."""
 
     def __init__(self, trace_path: Path | None, max_jobs: int | None, seed: int, round_s: float, resolution: int,
                  show_progress: bool = True, workers: int | None = None):
@@ -234,6 +329,19 @@ class ExperimentRunner:
         self.resolution = resolution
         self.show_progress = show_progress
         self.workers = max(1, workers if workers is not None else min(2, os.cpu_count() or 1))
+        #: What the user asked for, recorded in a shard's part so that --merge rebuilds the run list.
+        self.config = {"trace": self.source.path, "max_jobs": max_jobs, "seed": seed, "round_s": round_s, "resolution": resolution}
+        self.distribution: Distribution | None = None
+
+    @classmethod
+    def from_parts(cls, merged: MergedParts, out: Path, show_progress: bool = True) -> tuple[ExperimentRunner, ClusterCapacity]:
+        """The runner (and cluster) the parts were computed with, serving their results."""
+        c = merged.config
+        trace = Path(c["trace"]) if c["trace"] is not None else None
+        runner = cls(trace, c["max_jobs"], c["seed"], c["round_s"], c["resolution"], show_progress, workers=1)
+        capacity = ClusterCapacity(**c["capacity"])
+        runner.distribution = Distribution(merged.experiment, out, capacity, merged=merged)
+        return runner, capacity
 
     def trace(self, sharing: float = 0.0) -> Trace:
         return build_trace(replace(self.source, sharing=sharing))
@@ -243,41 +351,77 @@ class ExperimentRunner:
         user chose the trace or its length."""
         if self.source.path is not None or self.source.max_jobs is not None:
             return self
-        sweeps = ExperimentRunner(None, SWEEP_JOBS, self.source.seed, self.round_s, self.resolution, self.show_progress, self.workers)
-        sweeps.source = replace(sweeps.source, interarrival_s=SWEEP_INTERARRIVAL_S)
+        sweeps = copy.copy(self)
+        sweeps.source = replace(self.source, max_jobs=SWEEP_JOBS, interarrival_s=SWEEP_INTERARRIVAL_S)
         return sweeps
 
     def describe(self, capacity: ClusterCapacity, sharing: float = 0.0, io_varied: bool = False) -> str:
         """Cluster and trace, for figure titles (`io_varied`: the plot's x axis is the remote IO)."""
-        trace = self.trace(sharing)
+        merged = self.distribution.merged if self.distribution is not None else None
+        # When merging, the parts say how long the trace was: the trace file may not be here.
+        jobs = merged.trace_jobs if merged is not None else len(self.trace(sharing))
         origin = (Path(self.source.path).name if self.source.path
                   else f"synthetic Philly-distribution trace (mean inter-arrival {self.source.interarrival_s:g} s)")
         io = "remote IO on the x axis" if io_varied else f"{capacity.remote_io / GB:g} GB/s remote IO"
-        return f"{capacity.gpus} GPUs, {capacity.cache / TB:g} TB cache, {io}; {origin}, {len(trace)} jobs"
+        return f"{capacity.gpus} GPUs, {capacity.cache / TB:g} TB cache, {io}; {origin}, {jobs} jobs"
 
     def run_all(self, runs: list[Run], micro: bool = False) -> list[RunResult]:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        """The results of `runs`, in order. In shard mode this runs the shard's share, writes the
+        part and raises ShardWritten (the plots need every part); when merging it runs nothing."""
+        from scheduler.sim.shards import ShardWritten, fingerprint, trace_digest, write_part
 
         source = replace(self.source, micro=True) if micro else self.source
-        if not micro:
-            self.trace()  # fail here, with the user's error, before starting workers
+        dist = self.distribution
+        if dist is not None and dist.merged is not None:
+            merged = dist.merged
+            if fingerprint(dist.experiment, asdict(source), self.round_s, self.resolution, [asdict(r) for r in runs],
+                           merged.trace_digest) != merged.fingerprint:
+                raise UserError(f"the parts of {dist.experiment} ({', '.join(map(str, merged.paths))}) were written for another run list "
+                                "than this silod builds from their configuration (another silod version?); rerun the shards with this one")
+            results = [result_from_json(merged.results[i]) for i in range(len(runs))]
+            for i, (run, r) in enumerate(zip(runs, results, strict=True)):
+                if r.run != run:  # the fingerprint covers it; a hand-edited part might not
+                    raise UserError(f"run {i} of {dist.experiment} in the parts is {r.run.label!r}, expected {run.label!r}")
+            return results
+        base = build_trace(source)  # fail here, with the user's error, before starting workers
+        picks = list(range(len(runs))) if dist is None or dist.shard is None else dist.shard.picks(len(runs))
+        results = self._execute([(i, runs[i]) for i in picks], source, None if dist is None else dist.dask)
+        if dist is not None and dist.shard is not None:
+            digest = trace_digest(base)
+            config = {**self.config, "capacity": asdict(dist.capacity)}
+            fp = fingerprint(dist.experiment, asdict(source), self.round_s, self.resolution, [asdict(r) for r in runs], digest)
+            path = write_part(dist.out, dist.experiment, dist.shard, fp, config, len(base), digest, len(runs),
+                              {i: result_to_json(r) for i, r in results.items()})
+            raise ShardWritten(path, len(picks), len(runs))
+        return [results[i] for i in range(len(runs))]
+
+    def _execute(self, jobs: list[tuple[int, Run]], source: TraceSource, dask: str | None) -> dict[int, RunResult]:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         results: dict[int, RunResult] = {}
+        labels = dict(jobs)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       disable=not self.show_progress, transient=True) as bar:
-            task = bar.add_task("simulations", total=len(runs))
-            if self.workers == 1 or len(runs) == 1:
-                for i, run in enumerate(runs):
+            task = bar.add_task("simulations", total=len(jobs))
+
+            def done(i: int, result: RunResult) -> None:
+                results[i] = result
+                bar.update(task, description=f"done: {labels[i].label}")
+                bar.advance(task)
+
+            if dask is not None:
+                for i, result in run_on_dask(dask, jobs, source, self.round_s, self.resolution):
+                    done(i, result)
+            elif self.workers == 1 or len(jobs) <= 1:
+                for i, run in jobs:
                     bar.update(task, description=run.label)
-                    results[i] = simulate_run(run, source, self.round_s, self.resolution)
-                    bar.advance(task)
+                    done(i, simulate_run(run, source, self.round_s, self.resolution))
             else:
                 with ProcessPoolExecutor(max_workers=self.workers) as pool:
-                    futures = {pool.submit(simulate_run, run, source, self.round_s, self.resolution): i for i, run in enumerate(runs)}
+                    futures = {pool.submit(simulate_run, run, source, self.round_s, self.resolution): i for i, run in jobs}
                     for future in as_completed(futures):
-                        results[futures[future]] = future.result()
-                        bar.update(task, description=f"done: {runs[futures[future]].label}")
-                        bar.advance(task)
-        return [results[i] for i in range(len(runs))]
+                        done(futures[future], future.result())
+        return results
 
 
 def _capacity(**overrides) -> ClusterCapacity:
@@ -736,16 +880,11 @@ def standalone_runtime(ideal: float) -> float:
 
 
 def experiment_stagger(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity | None = None) -> dict:
-    from policies.registry import estimator_for, get_policy
-    from scheduler.sim.engine import SimConfig, Simulator
-
+    runs = [Run(f"{system} stagger {step}%", "fifo", system, STAGGER_CLUSTER, stagger=step / 100)
+            for system in ("silod", "alluxio") for step in STAGGER_STEPS]
     table: dict[str, list[float]] = {}
-    for system in ("silod", "alluxio"):
-        for step in STAGGER_STEPS:
-            trace = stagger_trace(step / 100)
-            result = Simulator(trace, STAGGER_CLUSTER, get_policy("fifo"), estimator_for(system), system,
-                               SimConfig(seed=runner.source.seed, resolution=runner.resolution)).run()
-            table.setdefault(system, []).append(result.makespan_s)
+    for r in runner.run_all(runs):
+        table.setdefault(r.run.cache_system, []).append(r.summary["makespan_s"])
     alone = standalone_runtime(MODELS["resnet50"].ideal_per_gpu)
     setup = (f"ResNet-50 then EfficientNet-B1, {STAGGER_EPOCHS:g} epochs each on one ImageNet-1k copy (143 GB);\n2 GPUs, "
              f"200 GB cache, 100 MB/s remote IO, FIFO; ResNet-50 alone {alone / 60:.0f} min")

@@ -50,8 +50,9 @@ The model, item by item:
 - SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
   cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
   only the readers with more than one pass left, since an item cached now helps from the next
-  pass on); remote IO to the running jobs in arrival order, each up to its demand
-  f* x (the miss ratio of what it still has to load this epoch).
+  pass on); remote IO to the running jobs max-min fair by demand (SiloD §5.3: FIFO has no
+  estimator to rank jobs by), a job's demand f* x (the miss ratio of what it still has to load
+  this epoch).
 """
 
 from __future__ import annotations
@@ -312,12 +313,9 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
                     u.items = set(old.items)
             u.readers = [r for r in regular if r.spec.dataset == ds]
             u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
-        caps, left = {}, link
-        for r in sorted(regular, key=lambda r: (r.spec.submit, r.spec.job_id)):
-            want = r.ideal() * (1.0 - rest_hit_ratio(r))
-            caps[r.spec.job_id] = min(want, left)
-            left -= caps[r.spec.job_id]
-        return caps
+        # SiloD §5.3: FIFO runs with the greedy policy, which ranks no job for IO: the link is
+        # shared max-min by demand.
+        return _max_min({r.spec.job_id: r.ideal() * (1.0 - rest_hit_ratio(r)) for r in regular}, link)
 
     def plan_irregular(irregular: list, lru_ds: set, cache: float, link: float) -> dict:
         """LRU limits of the irregular partition's datasets and IO caps of its jobs."""

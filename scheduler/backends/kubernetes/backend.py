@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from estimator import silod_perf
+from contract.names import node_mount_job
 from estimator.errors import UserError
 from estimator.units import UnitError, parse_rate, parse_size
 from policies.types import ClusterCapacity
@@ -68,7 +69,7 @@ class Admission:
     restart)."""
 
     nodes: dict[str, int]  # node -> GPUs placed there
-    dataset: str
+    dataset: str  # the storage key (contract.names.storage_key): the node mount's and cache's name
     cache_bytes: float
     io_per_pod: float
     pods_per_node: dict[str, int]
@@ -78,12 +79,6 @@ class Admission:
     total: float
     tenant: str = ""
     cpus: dict[str, float] = field(default_factory=dict)  # node -> CPU cores its pods there request
-
-
-def node_mount_job(node: str, tenant: str, dataset: str) -> str:
-    """The data-manager job id of a node agent's mount of (tenant, dataset) on `node`; the agent
-    names its mounts the same way (fuse_client/agent/volumes.py, same format)."""
-    return f"node-{node}.{tenant}.{dataset}"
 
 
 @dataclass
@@ -408,9 +403,20 @@ class KubernetesBackend(ClusterBackend):
         # The cache this job's dataset holds is not in the record: estimate progress as if cold
         # (min(f*, b)), which can only under-state it until the next admission.
         rate = min(rec.ideal_throughput, rec.remote_io) if rec.remote_io else rec.ideal_throughput
-        return Admission(nodes=nodes, dataset=rec.dataset, cache_bytes=0.0, io_per_pod=io, pods_per_node=pods,
+        return Admission(nodes=nodes, dataset=self._storage_key(rec), cache_bytes=0.0, io_per_pod=io, pods_per_node=pods,
                          since=self.clock(), base_consumed=rec.consumed_bytes, rate=rate, total=rec.total_bytes,
                          tenant=self.namespace_tenant(wl.namespace) or "")  # its pods are bound: their CPU counts as used
+
+    def _storage_key(self, rec: Any) -> str:
+        """The storage key of a job record's dataset (the record names it by the tenant's name)."""
+        from scheduler.service.types import ADMIN, Principal
+
+        try:
+            return self.service.get_dataset(Principal(ADMIN, is_admin=True), rec.dataset, rec.dataset_owner).key
+        except Exception as exc:  # noqa: BLE001 - deleted meanwhile: its mounts get no IO until re-admitted
+            log.warning("job %s: dataset %s/%s not found (%s); its node mounts get no remote IO", rec.id,
+                        rec.dataset_owner, rec.dataset, exc)
+            return ""
 
     def _safe_namespace(self, user: str) -> str | None:
         try:
@@ -621,10 +627,12 @@ class KubernetesBackend(ClusterBackend):
         pod_cpus = wl.pod_cpus()
         pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols), pod_cpus.get(key, 0.0))
                 for key, gpus, sel, tols in wl.pod_list()]
-        where = place(pods, self.nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod)
+        # Cache on a node is per storage key: two tenants' `files` are two caches (issue 20).
+        ds_key = job.dataset.name
+        where = place(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod)
         if where is None:
             self._report(obj, wl.kind, f"{wl.key} waits for placement: "
-                         + why_not(pods, self.nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod),
+                         + why_not(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod),
                          reason="SiloDWaitingForPlacement")
             return False
         host = {n.name: n.hostname for n in self.nodes}
@@ -644,7 +652,7 @@ class KubernetesBackend(ClusterBackend):
             rate = float(silod_perf(job.ideal_throughput, allocation.remote_io, allocation.cache_bytes,
                                     job.dataset.size))
         self._admitted[job.job_id] = Admission(
-            nodes=nodes, dataset=wl.dataset or "", cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
+            nodes=nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
             since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes,
             tenant=self.namespace_tenant(wl.namespace) or "", cpus={n: c for n, c in cpus_on.items() if c > 0})
         self.admissions += 1
@@ -832,13 +840,20 @@ class KubernetesBackend(ClusterBackend):
         _close_quietly(self.storage)
         _close_quietly(self.api_client)
 
+    def node_cache_capacity(self) -> dict[str, float]:
+        """Bytes of cache disk of each ready node (its silod.io/cache-capacity annotation, else an
+        even share): the scheduler believes no node's agent reporting more cached than this."""
+        return {n.name: float(n.cache_capacity) for n in self.nodes}
+
     def node_io(self) -> dict[str, float]:
         """Remote IO each node mount may use: the sum, over the jobs admitted on the node that
         read the dataset, of their per-pod IO times their pods there."""
         out: dict[str, float] = {}
         for adm in self._admitted.values():
+            if not adm.dataset:
+                continue  # its dataset is gone (_storage_key)
             for node, pods in adm.pods_per_node.items():
-                key = node_mount_job(node, adm.tenant, adm.dataset)
+                key = node_mount_job(node, adm.dataset)
                 out[key] = out.get(key, 0.0) + adm.io_per_pod * pods
         return out
 

@@ -166,7 +166,8 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     app.state.tokens = tokens
     app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
                        agent_node=service.config.agent_node if service is not None else None,
-                       body_timeouts=body_timeouts)
+                       body_timeouts=body_timeouts,
+                       reviewer=service.config.agent_reviewer if service is not None else None)
     registry = make_registry(service) if service is not None else None
     catalogue = service.catalogue if service is not None else None
     consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
@@ -449,7 +450,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                            body: ConsumptionIn, who: Who) -> ConsumptionOut:
         """A node agent's cumulative per-pod read counters. Only the agent whose token is bound to
         `node` (`silod serve --node-agent USER=NODE`) may call it; counters only ever rise."""
-        bound = service.config.agent_node(who.user) if not who.is_admin else None
+        bound = (who.node or service.config.agent_node(who.user)) if not who.is_admin else None
         if bound is None:
             raise ForbiddenError("only a node agent's token bound to a node (silod serve --node-agent USER=NODE) may"
                                  " report consumption")

@@ -14,12 +14,14 @@ Database trouble while looking a token up is the same JSON
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from http_guard import BodyTooLarge, capped_receive, send_json
+from http_guard.agent_identity import ReviewUnavailable, looks_like_jwt
 from http_guard.body import Receive, Send
 from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S, BodyTimeout, timed_receive
 
@@ -39,6 +41,9 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect
                           "/ui", "/ui/", "/ui/ui.js", "/ui/ui.css"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
+# What an agent pod's own token (a reviewed service-account token) may call: its dataset look-ups
+# and its node's reports. It is no tenant: it registers, submits and lists nothing.
+_REVIEWED_AGENT_ROUTES = re.compile(r"^(GET /v1/datasets/[^/]+(/source-credential)?|POST /v1/agents/[^/]+/consumption)$")
 
 Scope = dict[str, Any]
 
@@ -82,7 +87,8 @@ OUTAGE_HEADERS = [(b"retry-after", str(RETRY_AFTER_S).encode())]
 class RequestGuard:
     def __init__(self, app: Any, tokens: TokenStore, max_body: int = DEFAULT_MAX_BODY,
                  agent_node: Callable[[str], str | None] | None = None,
-                 body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S)):
+                 body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S),
+                 reviewer: Any = None):
         self.app = app
         self.body_timeouts = body_timeouts  # (idle, total) seconds: a stalled body is a 408
         self.tokens = tokens
@@ -90,6 +96,9 @@ class RequestGuard:
         # user -> the node its token is bound to (node agents): /v1/agents/{node}/... is theirs
         # alone, refused (403) before a byte of the body is read.
         self.agent_node = agent_node or (lambda _user: None)
+        # Agent pods' service-account tokens (http_guard/agent_identity.py): asked of the API
+        # server only for a JWT no static token matched, so other callers' path is unchanged.
+        self.reviewer = reviewer
 
     def _public(self, path: str) -> bool:
         return path in PUBLIC_PATHS or (path == "/metrics" and not self.tokens.protects_metrics)
@@ -130,6 +139,20 @@ class RequestGuard:
                         log.warning("token lookup failed, database unavailable: %s", type(exc).__name__)
                         await send_json(send, 503, OUTAGE_BODY, OUTAGE_HEADERS)
                         return
+                    if who is None and self.reviewer is not None and looks_like_jwt(token):
+                        try:
+                            agent = await anyio.to_thread.run_sync(self.reviewer.review, token)
+                        except ReviewUnavailable as exc:
+                            log.warning("agent token not checked: %s", exc)
+                            await send_json(send, 503, {"detail": "cannot check the agent's token with the Kubernetes"
+                                                        " API server now; retry later", "field": None}, OUTAGE_HEADERS)
+                            return
+                        if agent is not None:
+                            who = Principal(agent.user, node=agent.node)
+                            if not _REVIEWED_AGENT_ROUTES.match(f"{scope.get('method', 'GET')} {path}"):
+                                await send_json(send, 403, {"detail": "a node agent's pod token may only look datasets"
+                                                            " up and report its node's consumption", "field": None})
+                                return
             # /metrics: the metrics token or an admin's (not any tenant who happens to be named "metrics")
             if who is None or (path == "/metrics" and not (who.is_admin or metrics_token)):
                 await send_json(
@@ -140,11 +163,11 @@ class RequestGuard:
             scope.setdefault("state", {})["principal"] = who
             if path.startswith(AGENT_PATH):
                 node = path[len(AGENT_PATH):].split("/", 1)[0]
-                bound = self.agent_node(who.user)
+                bound = who.node or self.agent_node(who.user)
                 if bound is None or bound != node:
                     await send_json(send, 403, {"detail": (
-                        "only the node agent whose token is bound to this node (silod serve --node-agent USER=NODE)"
-                        " may call it"), "field": None})
+                        "only the node agent whose token is bound to this node (silod serve --node-agent USER=NODE,"
+                        " or an agent pod's own token on that node) may call it"), "field": None})
                     return
         length = headers.get(b"content-length")
         if length is not None:

@@ -1,0 +1,199 @@
+"""An experiment's simulations split over machines (`--shard I/N`), run on a Dask cluster
+(`--dask ADDRESS`), and put back together (`--merge DIR...`).
+
+A shard runs runs I-1, I-1+N, I-1+2N, ... of the experiment's run list (round robin, so the
+heavy runs of a sweep spread over the shards) and writes them to `NAME.part-I-of-N.json`. The
+part records the configuration the run list was built from (trace path, --max-jobs, seed,
+round, resolution, cluster), the number of jobs in the trace, and a fingerprint: a SHA-256
+over the experiment, that configuration (the trace by content, not by path), every run of the
+list and silod's version. `--merge` rebuilds the run list from the recorded configuration,
+checks that the parts carry that fingerprint, are complete (1..N, every run once) and do not
+overlap, and hands their results to the experiment's plotting code: the merged JSON and PNGs
+are those of an unsharded run, apart from each run's measured `sim_wall_s` / `sim_cpu_s`.
+
+The Dask executor ships the parsed trace to the workers (`Client.scatter`), so the trace file
+need not be visible to them; the workers need silod installed (the same version) and nothing
+else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from estimator.errors import UserError
+
+if TYPE_CHECKING:
+    from traces.model import Trace
+
+PART_FORMAT = "silod-experiment-part/1"
+#: Fields of a run's summary that are measurements of the machine, not results of the model.
+TIMING_FIELDS = ("sim_wall_s", "sim_cpu_s")
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int  # 1-based, as in Playwright's and Jest's --shard
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if not match:
+            raise UserError(f"--shard {text!r} is not I/N; give the shard number and the number of shards, e.g. --shard 2/4")
+        index, count = int(match[1]), int(match[2])
+        if count < 1 or not 1 <= index <= count:
+            raise UserError(f"--shard {text}: I must be from 1 to N and N >= 1 (e.g. --shard 1/{max(count, 2)})")
+        return cls(index, count)
+
+    def picks(self, total: int) -> list[int]:
+        """This shard's indices of a run list of `total` runs."""
+        return list(range(self.index - 1, total, self.count))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def part_file_name(experiment: str, shard: Shard) -> str:
+    return f"{experiment.replace('-', '_')}.part-{shard.index}-of-{shard.count}.json"
+
+
+def trace_digest(trace: Trace) -> str:
+    """SHA-256 of what the simulator reads from a trace (jobs, dataset and item sizes), not of
+    the file: the same trace loaded from another path or machine has the same digest."""
+    text = repr((trace.jobs, sorted(trace.dataset_sizes.items()), sorted(trace.item_sizes.items())))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("silod")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def fingerprint(experiment: str, source: dict, round_s: float, resolution: int, runs: Sequence[dict], digest: str) -> str:
+    """`source` and `runs` as JSON-able dicts (dataclasses.asdict of TraceSource and Run)."""
+    # The trace by content (`digest`) and its file by name only: shards on machines that keep
+    # the trace at different paths are the same experiment.
+    src = dict(source)
+    if src["path"] is not None:
+        src["path"] = Path(src["path"]).name
+    body = {"experiment": experiment, "source": src, "round_s": round_s, "resolution": resolution,
+            "runs": list(runs), "trace": digest, "silod": _version()}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Part:
+    path: Path
+    experiment: str
+    fingerprint: str
+    shard: Shard
+    total_runs: int
+    config: dict
+    trace_jobs: int
+    trace_digest: str
+    results: dict[int, dict]  # index -> a run's result as JSON (experiments.result_to_json)
+
+
+def write_part(out: Path, experiment: str, shard: Shard, fp: str, config: dict, trace_jobs: int, digest: str,
+               total_runs: int, results: dict[int, dict]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / part_file_name(experiment, shard)
+    body = {"format": PART_FORMAT, "experiment": experiment, "fingerprint": fp, "shard": [shard.index, shard.count],
+            "total_runs": total_runs, "config": config, "trace_jobs": trace_jobs, "trace_digest": digest,
+            "results": [{"index": i, **results[i]} for i in sorted(results)]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    tmp.replace(path)  # a reader never sees half a part
+    return path
+
+
+def _load_part(path: Path) -> Part:
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != PART_FORMAT:
+            raise ValueError(f"format {body.get('format')!r}, expected {PART_FORMAT!r}")
+        index, count = body["shard"]
+        return Part(path, body["experiment"], body["fingerprint"], Shard(int(index), int(count)), int(body["total_runs"]),
+                    body["config"], int(body["trace_jobs"]), body["trace_digest"], {int(r["index"]): r for r in body["results"]})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path} is not a part written by `silod experiment --shard` ({exc}); remove it or rerun that shard") from None
+
+
+@dataclass(frozen=True)
+class MergedParts:
+    experiment: str
+    fingerprint: str
+    config: dict
+    trace_jobs: int
+    trace_digest: str
+    results: dict[int, dict]
+    paths: tuple[Path, ...]
+
+
+def load_parts(experiment: str, dirs: Sequence[Path]) -> MergedParts:
+    """The parts of `experiment` in `dirs`, checked: one experiment, configuration and trace
+    (the fingerprint), every shard 1..N exactly once, every run exactly once."""
+    stem = experiment.replace("-", "_")
+    paths: list[Path] = []
+    for d in dirs:
+        if not d.is_dir():
+            raise UserError(f"--merge {d}: not a directory; give the --out directories of the shards")
+        paths += sorted(d.glob(f"{stem}.part-*-of-*.json"))
+    if not paths:
+        raise UserError(f"no part of experiment {experiment} in {', '.join(map(str, dirs))}; "
+                        f"run `silod experiment {experiment} --shard I/N --out DIR` for I = 1..N first")
+    parts = [_load_part(p) for p in paths]
+    first = parts[0]
+    for p in parts:
+        if p.experiment != experiment:
+            raise UserError(f"{p.path} is a part of experiment {p.experiment}, not {experiment}")
+        if p.fingerprint != first.fingerprint:
+            raise UserError(f"{p.path} and {first.path} are parts of different runs of {experiment} (configuration, trace or "
+                            f"silod version differ: {p.config} vs {first.config}); merge parts of one sharded run only")
+        if p.shard.count != first.shard.count:
+            raise UserError(f"{p.path} is shard {p.shard} and {first.path} shard {first.shard}: one run split into different N; "
+                            "merge the parts of one split only")
+    seen: dict[int, Path] = {}
+    for p in parts:
+        if p.shard.index in seen:
+            raise UserError(f"shard {p.shard} of {experiment} is given twice ({seen[p.shard.index]} and {p.path}); "
+                            "keep one of them")
+        seen[p.shard.index] = p.path
+    missing = [i for i in range(1, first.shard.count + 1) if i not in seen]
+    if missing:
+        raise UserError(f"experiment {experiment}: shard(s) {', '.join(f'{i}/{first.shard.count}' for i in missing)} missing "
+                        f"from {', '.join(map(str, dirs))}; run them (--shard I/{first.shard.count}) or add their directories")
+    results: dict[int, dict] = {}
+    owner: dict[int, Path] = {}
+    for p in parts:
+        expected = set(p.shard.picks(p.total_runs))
+        if set(p.results) != expected:
+            raise UserError(f"{p.path} holds runs {sorted(p.results)}, but shard {p.shard} of {p.total_runs} runs is "
+                            f"{sorted(expected)}; the part is damaged, rerun that shard")
+        for i, r in p.results.items():
+            if i in owner:  # unreachable with consistent shards; a hand-edited part could do it
+                raise UserError(f"run {i} of {experiment} is in both {owner[i]} and {p.path}")
+            owner[i] = p.path
+            results[i] = r
+    if sorted(results) != list(range(first.total_runs)):
+        raise UserError(f"experiment {experiment}: the parts hold {len(results)} of {first.total_runs} runs; rerun the missing shards")
+    return MergedParts(experiment, first.fingerprint, first.config, first.trace_jobs, first.trace_digest, results, tuple(paths))
+
+
+class ShardWritten(Exception):
+    """Raised by ExperimentRunner.run_all in shard mode after writing its part: the rest of the
+    experiment (plots, JSON) needs every part and happens at --merge."""
+
+    def __init__(self, path: Path, ran: int, total: int):
+        super().__init__(f"wrote {path}")
+        self.path, self.ran, self.total = path, ran, total

@@ -1,0 +1,71 @@
+"""Issue 20 item 8 (a faster API path): what made requests slow, each checked without timing."""
+
+from __future__ import annotations
+
+import socket
+
+from fastapi import FastAPI
+
+from scheduler.service.api.server import ServerThread
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    """A listening socket made with socket.socket(AF_INET) (uvicorn's for --workers N, and
+    ServerThread's) has proto 0, so asyncio left Nagle on for the connections it accepted: h11
+    writes a response's head and body separately, and the body waited for the client's delayed
+    ACK (~40 ms on Linux) on every request. The protocol turns Nagle off itself."""
+    app = FastAPI()
+
+    @app.get("/x")
+    def x() -> dict:
+        return {"ok": True}
+
+    with ServerThread(app) as server:
+        assert server.sock.proto == 0  # the case asyncio does not cover
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as c:
+            c.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while not data.endswith(b'{"ok":true}'):
+                chunk = c.recv(65536)
+                assert chunk, data
+                data += chunk
+            connections = list(server.server.server_state.connections)
+            assert len(connections) == 1
+            sock = connections[0].transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_a_grant_revoked_while_a_submission_is_checked_refuses_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The submission reads the dataset and quota before its write transaction (so the database's
+    write lock is held only for the insert); a job through another tenant's grant is still
+    refused when the grant is revoked between those reads and the insert."""
+    from fastapi.testclient import TestClient
+
+    from scheduler.service.catalogue import Catalogue
+    from scheduler.service.types import Principal
+
+    try:
+        from test_api import H_ALICE, H_BOB, IMAGENET, JOB, make_app
+    except ImportError:
+        from tests.test_api import H_ALICE, H_BOB, IMAGENET, JOB, make_app
+
+    app, service = make_app(f"sqlite:///{tmp_path / 'g.db'}", tmp_path, run_loop=False)
+    try:
+        with TestClient(app) as client:
+            assert client.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+            assert client.put("/v1/datasets/imagenet/grants/bob", headers=H_ALICE).status_code == 200
+            shared = {**JOB, "dataset_owner": "alice"}
+            assert client.post("/v1/jobs", json=shared, headers=H_BOB).status_code == 201
+            quota = Catalogue._quota
+
+            def revoke_then_read_quota(self, c, tenant):  # type: ignore[no-untyped-def]
+                if tenant == "bob":  # between the submission's reads and its write transaction
+                    self.revoke_grant(Principal("alice"), "imagenet", "bob")
+                return quota(self, c, tenant)
+
+            monkeypatch.setattr(Catalogue, "_quota", revoke_then_read_quota)
+            r = client.post("/v1/jobs", json=shared, headers=H_BOB)
+            assert r.status_code == 404 and r.json()["field"] == "dataset", r.text
+            assert len(client.get("/v1/jobs", headers=H_BOB).json()) == 1
+    finally:
+        service.close()

@@ -80,7 +80,9 @@ def test_running_job_shows_cores_and_bottleneck(cpu_client):
     assert one["bottleneck"]["speedup_cpu"] == pytest.approx(1.0)
     listed = {j["id"]: j for j in c.get("/v1/jobs", headers=H_ALICE).json()}
     assert listed[big["id"]]["allocated_cpus"] == pytest.approx(4.0)
-    assert listed[big["id"]]["bottleneck"] is None  # only GET one job computes the diagnosis
+    # The list carries the same diagnosis (`silod jobs` shows it), computed in one call for all.
+    assert listed[big["id"]]["bottleneck"] == two["bottleneck"]
+    assert listed[cpu_job["id"]]["bottleneck"] == one["bottleneck"]
 
 
 def test_without_cpus_per_node_no_cores_are_recorded(tmp_path):

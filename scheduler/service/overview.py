@@ -231,5 +231,8 @@ def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]
     out: dict[str, dict[str, float | None]] = {}
     for job_id in running():
         st = status_of(job_id) or {}
-        out[str(job_id)] = {"hit_ratio": _finite(st.get("hit_ratio")), "throughput": _finite(st.get("throughput"))}
+        out[str(job_id)] = {"hit_ratio": _finite(st.get("hit_ratio")), "throughput": _finite(st.get("throughput")),
+                            # the rate its mount's token bucket enforces now (work conservation may
+                            # lend it more than its allocation): the IO bound of its last interval
+                            "io_rate": _finite((st.get("mount") or {}).get("io_rate_bytes_per_s"))}
     return out

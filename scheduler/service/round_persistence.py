@@ -56,6 +56,8 @@ class Pending:
     cache_mode: dict[str, str] = field(default_factory=dict)
     #: autocaching per dataset key: bytes cached per source byte (1.0 = source bytes)
     autocache: dict[str, float] = field(default_factory=dict)
+    #: running jobs that keep running with new cores (ClusterBackend.update)
+    update: list[JobAllocation] = field(default_factory=list)
 
 
 @dataclass
@@ -125,9 +127,13 @@ def diff_round(snapshot: Snapshot, held_back: Sequence[JobView], plan: RoundPlan
         if run != view.running:
             if run:
                 cache = plan.cache.get(view.dataset) if (plan and plan.cache is not None) else None
-                d.starts[jid] = JobAllocation(view.job_id, gpus, share, cache, io)
+                d.starts[jid] = JobAllocation(view.job_id, gpus, share, cache, io, cpu)
             else:
                 d.preempts.append(jid)
+        elif run and old is not None and old[3] and old[4] != cpu:
+            # Still running with other cores: the backend changes the running job's limit.
+            cache = plan.cache.get(view.dataset) if (plan and plan.cache is not None) else None
+            d.pending.update.append(JobAllocation(view.job_id, gpus, share, cache, io, cpu))
         # IO goes to the data manager for running jobs, and 0 for jobs that just stopped; a
         # job that never ran has nothing to release.
         if io is not None and (run or (old is not None and old[3])):
@@ -221,6 +227,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                       .values(state=JobState.QUEUED, message="preempted"))
         pending.stop.extend(str(j) for j in preempted)
         # Starts: load just these jobs (and their datasets and credentials) to build the specs.
+        pending.update = [a for a in pending.update if int(a.job_id) in live]
         starting = [jid for jid in d.starts if jid in live]
         for i in range(0, len(starting), _CHUNK):
             chunk = starting[i:i + _CHUNK]
@@ -245,6 +252,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                                         credential=source),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
+                    cpu_rate=job.cpu_rate,
                 )
                 pending.start.append((spec, d.starts[job.id]))
             chunk = [jid for jid in chunk if jid not in unopened]

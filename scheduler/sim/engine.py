@@ -29,7 +29,7 @@ from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
-from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
+from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.diagnosis import bounds_now, counts, observe_fstar, record_bounds
 from scheduler.sim.types import SimDataset
@@ -42,6 +42,7 @@ from traces.model import Trace, TraceJob
 #: Datasets read by curriculum jobs get at least this many chunks in their smallest eligible
 #: set (`--resolution` still sets the minimum), and at most MAX_CURRICULUM_CHUNKS chunks.
 CURRICULUM_MIN_CHUNKS = 64
+_EPOCH = AccessPattern.epoch()
 MAX_CURRICULUM_CHUNKS = 4096
 
 #: A curriculum job's step may let the link bring in at most 1/VOLATILE_STEPS of its eligible
@@ -207,22 +208,51 @@ class Simulator:
         return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / start)))
 
     def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
+        """The jobs as the policy sees them, with the same jobs as columns (JobColumns).
+
+        A job's JobView is kept between decisions and rebuilt only when what the policy sees of
+        it changed (a queued job's view stays the same until it runs): building ~300 frozen
+        views per decision was the largest single cost of a Fig. 12 run."""
         measured = self.core.estimator.manages_storage
         told = self.config.partition
-        jobs = tuple(
-            JobView(j.job_id, j.gpus, j.dataset.name, j.gpu_ideal if j.fstar is None else j.fstar.estimate, j.remaining,
-                    j.trace.submit_time, j.running,
-                    hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
-                    access=j.trace.access if told else AccessPattern.epoch(), pipeline=j.trace.pipeline)
-            for j in active
-        )
+        cache = self.cache
+        n = len(active)
+        views: list[JobView] = []
+        ideal = np.empty(n)
+        remaining = np.empty(n)
+        running = np.empty(n, dtype=bool)
+        gpus = np.empty(n)
+        hits = np.empty(n) if measured else None
+        all_regular = True
+        for i, j in enumerate(active):
+            f = j.gpu_ideal if j.fstar is None else j.fstar.estimate
+            rem = j.total_bytes - j.consumed
+            if rem < 0.0:
+                rem = 0.0
+            hit = j.hit_ratio_now(cache) if measured else None
+            view = j.view
+            if view is None or view.remaining_bytes != rem or view.running != j.running or view.hit_ratio_now != hit or view.ideal_throughput != f:
+                access = j.trace.access if told else _EPOCH
+                view = j.view = JobView(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running,
+                                        hit_ratio_now=hit, access=access, pipeline=j.trace.pipeline)
+            views.append(view)
+            ideal[i] = f
+            remaining[i] = rem
+            running[i] = j.running
+            gpus[i] = view.gpus
+            if hits is not None:
+                hits[i] = hit
+            if all_regular and not view.access.regular:
+                all_regular = False
+        jobs = tuple(views)
         needed = {j.dataset.name for j in active}
         if measured:
-            cached = self.cache.cached_bytes()
-            views = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
+            cached = cache.cached_bytes()
+            dviews = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
         else:
-            views = {n: self.dataset_views[n] for n in needed}
-        return Snapshot(now, jobs, views, self.capacity)
+            dviews = {n: self.dataset_views[n] for n in needed}
+        columns = JobColumns(jobs, gpus, ideal, remaining, running, hits, all_regular)
+        return Snapshot(now, jobs, dviews, self.capacity, columns)
 
     def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
         """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""

@@ -39,6 +39,7 @@ import numpy as np
 
 from estimator.access import CurriculumPacing
 from estimator.measured import FStarEstimate
+from policies.types import JobView
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
@@ -80,6 +81,7 @@ class SimJob:
     _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for
     _eligible: float = 0.0
     _growth_at: float = math.inf
+    view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
 
     def __post_init__(self) -> None:
         if self.gpu_ideal is None:

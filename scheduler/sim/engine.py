@@ -31,10 +31,10 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.diagnosis import bounds_now, counts, observe_fstar, record_bounds
+from scheduler.sim.diagnosis import bound_labels, counts, observe_fstar
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
-from scheduler.core.planner import SchedulingCore, spread_spare_io
+from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
 
@@ -151,6 +151,26 @@ class SimResult:
     steps: int
     sim_cpu_s: float = 0.0  # CPU seconds of this process in run() (wall time is noisy on a shared machine)
     unfinished: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepState:
+    """The running jobs as columns for one step (same order as the engine's `running`): what
+    does not change between plans (`static`), and the reading position (gathered per step)."""
+
+    ids: list[str]
+    k: np.ndarray  # chunks per epoch
+    chunk: np.ndarray  # bytes per chunk
+    total: np.ndarray  # bytes to read in all
+    ideal: np.ndarray  # bytes/s without IO limits (f* and cores)
+    gpu_ideal: np.ndarray  # f* (bytes/s)
+    cpu_bound: np.ndarray  # cores x cpu_rate (inf: not CPU-bound)
+    curriculum: np.ndarray  # bool
+    scalar: np.ndarray  # bool: advanced by the per-job `advance` (curriculum, volatile cache)
+    looked: np.ndarray
+    unread: np.ndarray
+    consumed: np.ndarray
+    pos: np.ndarray
 
 
 class Simulator:
@@ -271,7 +291,7 @@ class Simulator:
         Where the link could not serve every running job at f*, a step is bounded so that no
         such job's m is expected to move by more than `demand_tolerance`. m = (cached unread
         chunks) / (unread chunks); what others' admissions and evictions do to it is counted
-        (`SimJob.moved`), and its rate over the last steps (`self.drift`, averaged with halving
+        (`SimJob.moved`), and its rate over the last steps (`SimJob.drift_m / drift_t`, averaged with halving
         weights) predicts the next: dt <= tolerance / drift. A job with no measured drift yet is
         bounded a priori: others can move at most one of its unread chunks per chunk the link
         brings in, dt <= tolerance x (its unread bytes) / link. Both take the unread chunks as at
@@ -293,7 +313,7 @@ class Simulator:
             for job in running:
                 if not self.cache.moves_under(job):
                     continue
-                drift = self.drift.get(job.job_id)
+                drift = job.drift_m / job.drift_t if job.drift_t > 0 else None
                 if drift is None or last_dt is None:
                     k = job.dataset.n_chunks
                     unread = max(k - job.looked, k * DRIFT_FLOOR) * job.dataset.chunk_size
@@ -340,8 +360,7 @@ class Simulator:
         fairness_time = 0.0
         steps = 0
         last_dt: float | None = None
-        self.drift: dict[str, float] = {}  # job id -> rate (1/s) at which others moved its m in its last steps
-        self._drift_acc: dict[str, tuple[float, float]] = {}  # job id -> (decayed sum of m moved, of seconds)
+        self._static = None  # the running jobs' static columns (_step_state)
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
         acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
@@ -408,6 +427,7 @@ class Simulator:
                     job.running = True
                     job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
                 running = chosen
+                self._static = None
                 part = plan.allocation.partition
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
@@ -419,42 +439,45 @@ class Simulator:
                 step_end = min(step_end, pending[next_arrival].submit_time)
             if self.core.estimator.manages_storage:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
-            misses = {job.job_id: job.miss_ratio(self.cache) for job in running}
-            caps, contended = self._io_caps(plan, running, misses)
+            st = self._step_state(running)
+            m = self._miss_vector(running, st)
+            caps_arr, contended = self._io_caps(plan, running, st, m)
             managed = plan.remote_io is not None and cfg.manage_io
-            for job in running:
-                # A finish always ends the step (its IO is re-divided); an epoch boundary only
-                # where the link is contended and the job's demand will change there.
-                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
+            step_end = min(step_end, now + self._seconds_to_event(running, st, caps_arr, m, contended))
+            caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
             step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
             dt = max(step_end - now, 1e-6)
-            bounds = bounds_now(running, caps, misses)
-            bound_of = dict(zip((j.job_id for j in running), bounds, strict=True))
-            unread0 = {}
+            bounds = bound_labels(st.gpu_ideal, st.cpu_bound, caps_arr, np.clip(m, 0.0, 1.0)) if running else []
+            k_arr = st.k
+            unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR).tolist()
             for job in running:
                 job.moved = 0
-                unread0[job.job_id] = max(job.dataset.n_chunks - job.looked, job.dataset.n_chunks * DRIFT_FLOOR)
 
             finished: list[SimJob] = []
             step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
-            for job, res in self._advance_all(running, now, dt, caps):
-                miss = misses[job.job_id] if watch else None
-                if miss is not None and abs(job.miss_ratio(self.cache) - miss) > DEMAND_CHANGE:
-                    # Its demand on a contended link changed: the policy re-divides the link
+            if self.cache.volatile and len(running) >= 2:
+                results = self._advance_all(running, now, dt, caps)
+            else:
+                results = self._advance_vector(running, st, m, caps_arr, now, dt)
+            if watch:
+                m_after = self._miss_vector(running, self._step_state(running, st))
+                if np.any(np.abs(m_after - m) > DEMAND_CHANGE):
+                    # A job's demand on a contended link changed: the policy re-divides the link
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
+            m_list = m.tolist()
+            for i, (job, res) in enumerate(results):
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
-                record_bounds([job], [bound_of[job.job_id]], ran)
+                bound = bounds[i]
+                job.bound_s[bound] = job.bound_s.get(bound, 0.0) + ran
                 if job.fstar is not None:
-                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps[job.job_id], misses[job.job_id])
+                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps_arr[i], m_list[i])
                 job.last_rate = res.bytes_read / ran
                 # Counted over a few chunks the rate is noisy: average it over the last steps
                 # (each weighing half the one after it).
-                m_acc, t_acc = self._drift_acc.get(job.job_id, (0.0, 0.0))
-                m_acc, t_acc = DRIFT_MEMORY * m_acc + job.moved / unread0[job.job_id], DRIFT_MEMORY * t_acc + dt
-                self._drift_acc[job.job_id] = (m_acc, t_acc)
-                self.drift[job.job_id] = m_acc / t_acc
+                job.drift_m = DRIFT_MEMORY * job.drift_m + job.moved / unread0[i]
+                job.drift_t = DRIFT_MEMORY * job.drift_t + dt
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
                 if not job.trace.access.regular:
@@ -489,6 +512,8 @@ class Simulator:
                 acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
                 next_sample = now + dt + cfg.timeline_interval_s
 
+            if finished:
+                self._static = None
             for job in finished:
                 active.remove(job)
                 running.remove(job)
@@ -496,8 +521,6 @@ class Simulator:
                 self.cache.unregister(job)
                 self.cache.job_stopped(job)
                 self.core.forget(job.job_id)
-                self.drift.pop(job.job_id, None)
-                self._drift_acc.pop(job.job_id, None)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
                               job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios),
@@ -548,8 +571,8 @@ class Simulator:
                 heapq.heappush(clock, (t, i))
         return [(job, results[job.job_id]) for job in running]
 
-    def _io_caps(self, plan, running: list[SimJob], misses: dict[str, float]) -> tuple[dict[str, float], bool]:
-        """Remote IO per running job for this step, and whether the link is contended.
+    def _io_caps(self, plan, running: list[SimJob], st, m: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Remote IO per running job for this step (same order), and whether the link is contended.
 
         Managed (SiloD): the policy's caps, with work conservation: a job holds no more than it
         can use now (f* times its miss ratio now), and what the caps leave goes max-min to the
@@ -557,20 +580,139 @@ class Simulator:
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
-        demands = {j.job_id: j.ideal * misses[j.job_id] for j in running}
-        contended = sum(demands.values()) > total * (1 - 1e-9)
+        demands = st.ideal * m
+        contended = sum(demands.tolist()) > total * (1 - 1e-9)
         if plan.remote_io is not None and self.config.manage_io:
-            floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
-            caps = spread_spare_io(floors, demands, total)
+            planned = plan.remote_io
+            floors = np.minimum(np.fromiter((planned.get(i, 0.0) for i in st.ids), dtype=float, count=len(st.ids)), demands)
+            caps = _spread(floors, demands, total)
         else:
-            ids = list(demands)
-            granted = max_min_share(np.array([demands[i] for i in ids], dtype=float), total)
-            caps = dict(zip(ids, granted.tolist(), strict=True))
+            caps = max_min_share(demands, total)
         if not contended:
             # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
             # rises within the step (a new epoch) is not held to the demand it had at its start.
-            caps = spread_spare_io(caps, {j.job_id: j.ideal for j in running}, total)
+            caps = _spread(caps, st.ideal, total)
         return caps, contended
+
+    def _step_state(self, running: list[SimJob], prev: StepState | None = None) -> StepState:
+        """Columns of the running jobs: the static ones are kept while the plan and the running
+        set stay the same (`self._static`, reset where either changes)."""
+        n = len(running)
+        static = self._static if prev is None else (prev.ids, prev.k, prev.chunk, prev.total, prev.ideal, prev.gpu_ideal,
+                                                     prev.cpu_bound, prev.curriculum, prev.scalar)
+        if static is None or len(static[0]) != n:
+            cache = self.cache
+            curriculum = np.fromiter((j.pacing is not None for j in running), dtype=bool, count=n)
+            static = self._static = (
+                [j.job_id for j in running],
+                np.fromiter((j.dataset.n_chunks for j in running), dtype=float, count=n),
+                np.fromiter((j.dataset.chunk_size for j in running), dtype=float, count=n),
+                np.fromiter((j.total_bytes for j in running), dtype=float, count=n),
+                np.fromiter((j.ideal for j in running), dtype=float, count=n),
+                np.fromiter((j.gpu_ideal for j in running), dtype=float, count=n),
+                np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running),
+                            dtype=float, count=n),
+                curriculum,
+                curriculum | np.fromiter((cache.volatile_for(j) for j in running), dtype=bool, count=n),
+            )
+        return StepState(*static,
+                         np.fromiter((j.looked for j in running), dtype=float, count=n),
+                         np.fromiter((j.unread_cached for j in running), dtype=float, count=n),
+                         np.fromiter((j.consumed for j in running), dtype=float, count=n),
+                         np.fromiter((j.pos for j in running), dtype=float, count=n))
+
+    def _miss_vector(self, running: list[SimJob], st) -> np.ndarray:
+        """SimJob.miss_ratio of every running job, from the step's columns (a job at its
+        epoch's very end and curriculum jobs ask the job)."""
+        left = st.k - st.looked
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = np.minimum(np.maximum(1.0 - st.unread / left, 0.0), 1.0)
+        for i in np.flatnonzero((left <= 0) | st.curriculum).tolist():
+            m[i] = running[i].miss_ratio(self.cache)
+        return m
+
+    def _seconds_to_event(self, running: list[SimJob], st, caps: np.ndarray, m: np.ndarray, contended: bool) -> float:
+        """The earliest SimJob.seconds_to_event over the running jobs, computed on the columns."""
+        if not running:
+            return np.inf
+        ideal = st.ideal
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rate = np.where(m <= 1e-12, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
+        left = st.total - st.consumed
+        if contended:
+            cache = self.cache
+            visible = np.fromiter((cache.visible_chunks(j) for j in running), dtype=float, count=len(running))
+            room = np.fromiter((cache.room(j) for j in running), dtype=float, count=len(running))
+            k = st.k
+            misses_left = (k - st.looked) - st.unread
+            next_miss = 1.0 - (visible + np.minimum(room, misses_left)) / k
+            left = np.where(np.abs(next_miss - m) > DEMAND_CHANGE, np.minimum(left, (k - st.pos) * st.chunk), left)
+            for i in np.flatnonzero(st.curriculum).tolist():
+                left[i] = min(st.total[i] - st.consumed[i], running[i].bytes_to_growth())
+        with np.errstate(divide="ignore", invalid="ignore"):
+            seconds = np.where(rate > 0, np.maximum(left, 0.0) / np.where(rate > 0, rate, 1.0), np.inf)
+        return float(seconds.min())
+
+    def _advance_vector(self, running: list[SimJob], st, m0: np.ndarray, caps: np.ndarray, now: float, dt: float):
+        """`advance` for every running job at once where a step is one stretch of one epoch at
+        one miss ratio (uniform caches: the common case), the per-job `advance` elsewhere (an
+        epoch boundary inside the step, a volatile cache, curriculum reads). Jobs are taken in
+        order and a job whose count of cached unread chunks was moved by an earlier job's
+        admissions in this step is advanced by `advance` too, so the result is exactly the
+        per-job loop's."""
+        cache = self.cache
+        n = len(running)
+        k, s, ideal = st.k, st.chunk, st.ideal
+        p, looked, unread = st.pos, st.looked, st.unread
+        left = k - looked
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = 1.0 - unread / left
+            m = np.where(m < 1e-12, 0.0, np.where(m > 1.0, 1.0, m))
+            rate = np.where(m == 0.0, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
+            x_need = p + (st.total - st.consumed) / s
+            x = np.minimum(np.minimum(p + rate * dt / s, x_need), k)
+            finishing = x >= x_need - 1e-9
+            last = np.minimum(k, np.ceil(x - np.where(finishing, 1e-12, 1e-9)))
+            done = (x - p) * s
+            missed = m * done
+            t = done / rate
+        tol = 1e-9 * max(dt, 1.0)
+        simple = ~st.scalar & (left > 0) & (p < k - 1e-9) & (rate > 0) & (x > p) & (finishing | ~(dt - t > tol))
+        stalled = ~st.scalar & (left > 0) & (p < k - 1e-9) & ((rate <= 0) | (x <= p))
+        simple_l, stalled_l = simple.tolist(), stalled.tolist()
+        last_l = np.where(simple, last, 0.0).astype(np.int64).tolist()
+        looked_l, unread_l = looked.astype(np.int64).tolist(), unread.astype(np.int64).tolist()
+        x_l, done_l, missed_l, t_l, fin_l = x.tolist(), done.tolist(), missed.tolist(), t.tolist(), finishing.tolist()
+        out = []
+        for i, job in enumerate(running):
+            if stalled_l[i] and job.unread_cached == unread_l[i]:
+                out.append((job, StepResult(elapsed=dt)))
+                continue
+            if not simple_l[i] or job.unread_cached != unread_l[i]:
+                out.append((job, advance(job, now, dt, float(caps[i]), cache)))
+                continue
+            res = StepResult()
+            lo, hi = looked_l[i], last_l[i]
+            if hi > lo:
+                cache.access(job, job.perm[lo:hi])
+                job.looked = hi
+            done, missed = done_l[i], missed_l[i]
+            job.consumed += done
+            job.remote_bytes += missed
+            job.hit_bytes += done - missed
+            job.epoch_read += done
+            job.epoch_remote += missed
+            res.bytes_read = done
+            res.remote_bytes = missed
+            job.pos = x_l[i]
+            if fin_l[i] or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
+                job.consumed = job.total_bytes
+                if job.pos >= job.dataset.n_chunks - 1e-6:
+                    job.new_epoch(cache)  # records the last epoch's hit ratio
+                res.finished_at = now + t_l[i]
+            res.elapsed = t_l[i]
+            out.append((job, res))
+        return out
 
     @staticmethod
     def _fairness(active: list[SimJob]) -> float | None:
@@ -610,6 +752,16 @@ class Simulator:
             remote_io_regular=(acc_remote - acc_remote_irregular) / acc_time if acc_time else 0.0,
             remote_io_irregular=acc_remote_irregular / acc_time if acc_time else 0.0,
         )
+
+
+def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:
+    """spread_spare_io on arrays: what `base` leaves of the link goes max-min to what `want`
+    exceeds it by."""
+    extra_want = np.maximum(want - base, 0.0)
+    spare = total_io - float(base.sum())
+    if spare <= 0 or not extra_want.any():
+        return base
+    return base + max_min_share(extra_want, spare)
 
 
 def _item_size(trace: Trace, job: TraceJob) -> float:

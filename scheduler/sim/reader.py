@@ -81,6 +81,8 @@ class SimJob:
     _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for
     _eligible: float = 0.0
     _growth_at: float = math.inf
+    drift_m: float = 0.0  # decayed sum of the share of its unread chunks others moved, per step (engine._step_limit)
+    drift_t: float = 0.0  # decayed sum of those steps' seconds (0: never measured)
     view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
 
     def __post_init__(self) -> None:

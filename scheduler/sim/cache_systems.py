@@ -146,6 +146,9 @@ class SimCacheSystem(ABC):
     #: Whether the cached set changes under a reader as other chunks are read (LRU evicts at
     #: every miss); the engine then keeps steps short enough for the change to be followed.
     volatile = False
+    #: Changes whenever volatile_for() may answer differently for some job (the engine keeps
+    #: per-job columns between steps while it stays the same).
+    layout_version = 0
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         self.capacity = capacity
@@ -263,6 +266,7 @@ class SiloDCache(SimCacheSystem):
         dom = self.domains.get(dataset.name)
         if type(dom) is not kind:
             fresh = kind(dataset)
+            self.layout_version += 1
             if dom is not None:
                 fresh.take_over(dom)
             dom = self.domains[dataset.name] = fresh
@@ -281,6 +285,7 @@ class SiloDCache(SimCacheSystem):
                 self._changed(name, victims, -1)
             if dom.count == 0 and new <= 0:
                 del self.domains[name]
+                self.layout_version += 1
         for name, nbytes in cache_alloc.items():
             if nbytes > 0 and name in datasets and name not in self.domains:
                 self._domain(datasets[name], name in lru_datasets).set_limit(nbytes, self.rng)

@@ -78,6 +78,10 @@ class SimConfig:
     #: Quiver's online-profile error: sigma of a log-normal factor on each dataset's benefit,
     #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator.md).
     profile_noise: float = 0.0
+    #: Decision coalescing: at most one policy decision per this many seconds while jobs run
+    #: (arrivals, completions and demand changes in between wait for it or for the round's
+    #: end). 0: decide at every such event (the default; docs/simulator.md gives its effect).
+    decision_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -86,6 +90,8 @@ class SimConfig:
             raise UserError(f"resolution {self.resolution} must be >= 1 chunk per dataset")
         if not self.gpu_speed > 0:
             raise UserError(f"GPU speed {self.gpu_speed} must be > 0")
+        if not self.decision_interval_s >= 0:
+            raise UserError(f"decision interval {self.decision_interval_s} s must be >= 0 (0: no coalescing)")
         if not 0 < self.demand_tolerance <= 1:
             raise UserError(f"demand tolerance {self.demand_tolerance} must be in (0, 1]")
 
@@ -348,6 +354,7 @@ class Simulator:
         timeline: list[TimelineRow] = []
         now = 0.0
         need_decision = True
+        deferred = False  # a decision waits for decision_interval_s (coalescing)
         snapshot = None
         allocation = None
         plan = None
@@ -361,6 +368,7 @@ class Simulator:
         steps = 0
         last_dt: float | None = None
         self._static = None  # the running jobs' static columns (_step_state)
+        self._static_layout = -1
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
         acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
@@ -382,7 +390,8 @@ class Simulator:
                 next_arrival += 1
                 need_decision = True
             if not active:
-                if need_decision:
+                if need_decision or deferred:
+                    deferred = False
                     # The last job finished: apply the plan for no jobs as at any completion
                     # (silod and quiver drop the datasets nobody reads any more), idle or not.
                     snapshot = self._snapshot(now, [])
@@ -402,6 +411,16 @@ class Simulator:
             # re-decide at least every io_refresh_s even without arrivals or completions.
             if self.core.estimator.manages_storage and now - last_decision >= cfg.io_refresh_s:
                 need_decision = True
+            # Decision coalescing (off by default): what asks for a decision within
+            # decision_interval_s of the last one waits for it or for the round's end, whichever
+            # comes first (finished jobs' GPUs and arrivals wait that long).
+            interval = cfg.decision_interval_s
+            if interval > 0:
+                due = not running or now >= last_decision + interval - 1e-9 or now >= round_end - 1e-9
+                if (need_decision or deferred) and not due:
+                    deferred, need_decision = True, False
+                elif deferred:
+                    deferred, need_decision = False, True
             if need_decision:
                 last_decision = now
                 snapshot = self._snapshot(now, active)
@@ -418,7 +437,7 @@ class Simulator:
                 chosen = [by_id[i] for i in plan.running]
                 chosen_ids = set(plan.running)
                 for job in running:
-                    if job.job_id not in chosen_ids and job in active:
+                    if job.job_id not in chosen_ids and job.job_id in by_id:
                         job.running = False
                         self.cache.job_stopped(job)
                 for job in chosen:
@@ -426,8 +445,9 @@ class Simulator:
                         job.start_time = now
                     job.running = True
                     job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
+                if len(chosen) != len(running) or any(a is not b for a, b in zip(chosen, running)):
+                    self._static = None  # the static columns hold while the same jobs run (cores: _step_state)
                 running = chosen
-                self._static = None
                 part = plan.allocation.partition
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
@@ -439,6 +459,8 @@ class Simulator:
                 step_end = min(step_end, pending[next_arrival].submit_time)
             if self.core.estimator.manages_storage:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
+            if deferred:
+                step_end = min(step_end, last_decision + cfg.decision_interval_s)
             st = self._step_state(running)
             m = self._miss_vector(running, st)
             caps_arr, contended = self._io_caps(plan, running, st, m)
@@ -600,7 +622,13 @@ class Simulator:
         n = len(running)
         static = self._static if prev is None else (prev.ids, prev.k, prev.chunk, prev.total, prev.ideal, prev.gpu_ideal,
                                                      prev.cpu_bound, prev.curriculum, prev.scalar)
+        if static is not None and prev is None:
+            # Cores (so ideal rates) and whether a job's cache is volatile change only with a plan.
+            ideal = static[4]
+            if self.cache.layout_version != self._static_layout or any(j.ideal != f for j, f in zip(running, ideal.tolist())):
+                static = None
         if static is None or len(static[0]) != n:
+            self._static_layout = self.cache.layout_version
             cache = self.cache
             curriculum = np.fromiter((j.pacing is not None for j in running), dtype=bool, count=n)
             static = self._static = (

@@ -174,7 +174,8 @@ class StepState:
     curriculum: np.ndarray  # bool
     scalar: np.ndarray  # bool: advanced by the per-job `advance` (curriculum, volatile cache)
     looked: np.ndarray
-    unread: np.ndarray
+    unread: np.ndarray  # cached chunks expected among the unread ones (SimJob.unread_expected)
+    unread_real: np.ndarray  # cached unread chunks (SimJob.unread_cached)
     consumed: np.ndarray
     pos: np.ndarray
 
@@ -645,6 +646,7 @@ class Simulator:
             )
         return StepState(*static,
                          np.fromiter((j.looked for j in running), dtype=float, count=n),
+                         np.fromiter((j.unread_expected() for j in running), dtype=float, count=n),
                          np.fromiter((j.unread_cached for j in running), dtype=float, count=n),
                          np.fromiter((j.consumed for j in running), dtype=float, count=n),
                          np.fromiter((j.pos for j in running), dtype=float, count=n))
@@ -672,7 +674,7 @@ class Simulator:
             visible = np.fromiter((cache.visible_chunks(j) for j in running), dtype=float, count=len(running))
             room = np.fromiter((cache.room(j) for j in running), dtype=float, count=len(running))
             k = st.k
-            misses_left = (k - st.looked) - st.unread
+            misses_left = (k - st.looked) - st.unread_real
             next_miss = 1.0 - (visible + np.minimum(room, misses_left)) / k
             left = np.where(np.abs(next_miss - m) > DEMAND_CHANGE, np.minimum(left, (k - st.pos) * st.chunk), left)
             for i in np.flatnonzero(st.curriculum).tolist():
@@ -709,7 +711,7 @@ class Simulator:
         stalled = ~st.scalar & (left > 0) & (p < k - 1e-9) & ((rate <= 0) | (x <= p))
         simple_l, stalled_l = simple.tolist(), stalled.tolist()
         last_l = np.where(simple, last, 0.0).astype(np.int64).tolist()
-        looked_l, unread_l = looked.astype(np.int64).tolist(), unread.astype(np.int64).tolist()
+        looked_l, unread_l = looked.astype(np.int64).tolist(), st.unread_real.astype(np.int64).tolist()
         x_l, done_l, missed_l, t_l, fin_l = x.tolist(), done.tolist(), missed.tolist(), t.tolist(), finishing.tolist()
         out = []
         for i, job in enumerate(running):
@@ -722,7 +724,8 @@ class Simulator:
             res = StepResult()
             lo, hi = looked_l[i], last_l[i]
             if hi > lo:
-                cache.access(job, job.perm[lo:hi])
+                hits = cache.access(job, job.perm[lo:hi])
+                job.looked_up(int(np.count_nonzero(hits)), lo, hi)
                 job.looked = hi
             done, missed = done_l[i], missed_l[i]
             job.consumed += done

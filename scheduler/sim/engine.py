@@ -249,7 +249,7 @@ class Simulator:
         remaining = np.empty(n)
         running = np.empty(n, dtype=bool)
         gpus = np.empty(n)
-        hits = np.empty(n) if measured else None
+        hits = np.empty(n) if measured and n else None
         all_regular = True
         for i, j in enumerate(active):
             f = j.gpu_ideal if j.fstar is None else j.fstar.estimate
@@ -458,7 +458,7 @@ class Simulator:
             step_end = min(round_end, now + max(cfg.round_s, cfg.io_refresh_s))
             if next_arrival < len(pending):
                 step_end = min(step_end, pending[next_arrival].submit_time)
-            if self.core.estimator.manages_storage:
+            if self.core.estimator.manages_storage and not deferred:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
             if deferred:
                 step_end = min(step_end, last_decision + cfg.decision_interval_s)
@@ -646,7 +646,7 @@ class Simulator:
             )
         return StepState(*static,
                          np.fromiter((j.looked for j in running), dtype=float, count=n),
-                         np.fromiter((j.unread_expected() for j in running), dtype=float, count=n),
+                         np.fromiter((j.unread_expected(v) for j, v in zip(running, static[8].tolist())), dtype=float, count=n),
                          np.fromiter((j.unread_cached for j in running), dtype=float, count=n),
                          np.fromiter((j.consumed for j in running), dtype=float, count=n),
                          np.fromiter((j.pos for j in running), dtype=float, count=n))

@@ -119,7 +119,7 @@ class SimJob:
         self.unread_cached = self.synced = cache.visible_chunks(self)
         self.expected_cached = float(self.unread_cached)
 
-    def unread_expected(self) -> float:
+    def unread_expected(self, volatile: bool = False) -> float:
         """Cached chunks expected among the epoch's unread ones, the cache's changes since the
         last look taken in.
 
@@ -127,7 +127,16 @@ class SimJob:
         of the unread chunks the job's own look-ups turn out to hit is chance; charging the rest
         of the epoch at the ratio those hits leave makes each epoch's remote bytes a random walk
         around the truth (one job alone on a half-cached dataset: 7,900 s instead of 8,000 s).
-        The expectation moves only when the cache changes what is cached among them."""
+        The expectation moves only when the cache changes what is cached among them.
+
+        `volatile` (an LRU: SimCacheSystem.volatile_for): the count itself. There the job's own
+        hits refresh what it read and the cache evicts the rest first, so which chunks it hit is
+        not chance but what the future evictions depend on; an expectation that ignored them
+        would drift from the cache (the five-job LRU reference case: 7% slow)."""
+        if volatile:
+            self.expected_cached = float(self.unread_cached)
+            self.synced = self.unread_cached
+            return self.expected_cached
         delta = self.unread_cached - self.synced
         if delta:
             left = self.dataset.n_chunks - self.looked
@@ -192,7 +201,7 @@ class SimJob:
         left = self.dataset.n_chunks - self.looked
         if left <= 0:
             return 1.0 - cache.visible_chunks(self) / self.dataset.n_chunks
-        return min(max(1.0 - self.unread_expected() / left, 0.0), 1.0)
+        return min(max(1.0 - self.unread_expected(cache.volatile_for(self)) / left, 0.0), 1.0)
 
     def hit_ratio_now(self, cache: SimCacheSystem) -> float:
         return 1.0 - self.miss_ratio(cache)
@@ -265,7 +274,8 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     k = job.dataset.n_chunks
     ideal = job.ideal
     curriculum = job.pacing is not None
-    substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile_for(job) else k
+    volatile = cache.volatile_for(job)
+    substep = max(1, int(k * VOLATILE_SUBSTEP)) if volatile else k
     t = 0.0
     while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
         if substeps is not None:
@@ -292,7 +302,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             reach = min(math.floor(p + 1e-9) + draws, p + job.bytes_to_growth() / s)
         else:
             left = k - job.looked
-            m = 1.0 - (job.unread_expected() / left if left > 0 else cache.visible_chunks(job) / k)
+            m = 1.0 - (job.unread_expected(volatile) / left if left > 0 else cache.visible_chunks(job) / k)
             reach = math.floor(p + 1e-9) + substep
         m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
         rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
@@ -313,7 +323,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
                 cache.access(job, draws)
                 job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
             else:
-                job.unread_expected()
+                job.unread_expected(volatile)
                 hits = cache.access(job, job.perm[job.looked:last])
                 job.looked_up(int(np.count_nonzero(hits)), job.looked, last)
             job.looked = last

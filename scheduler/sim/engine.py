@@ -289,7 +289,7 @@ class Simulator:
         for job, r in zip(active, ref, strict=True):
             job.reference = float(r)
 
-    def _step_limit(self, running: list[SimJob], caps: dict[str, float], last_dt: float | None) -> float:
+    def _step_limit(self, running: list[SimJob], st: StepState, caps: dict[str, float], last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)
         may be taken as fixed: the link is re-divided between steps, so a job whose m rises
         within a step (its unread chunks evicted by an LRU, or admitted by a co-reader of a
@@ -317,16 +317,19 @@ class Simulator:
         limit = np.inf
         if sum(j.ideal for j in running) > link:
             tol = self.config.demand_tolerance
-            for job in running:
-                if not self.cache.moves_under(job):
-                    continue
-                drift = job.drift_m / job.drift_t if job.drift_t > 0 else None
-                if drift is None or last_dt is None:
-                    k = job.dataset.n_chunks
-                    unread = max(k - job.looked, k * DRIFT_FLOOR) * job.dataset.chunk_size
-                    limit = min(limit, tol * unread / link)
-                else:
-                    limit = min(limit, tol / drift if drift > tol * 1e-12 else np.inf)
+            n = len(running)
+            moves = np.fromiter((self.cache.moves_under(j) for j in running), dtype=bool, count=n)
+            if moves.any():
+                # Per job: measured drift, dt <= tol / drift; unmeasured, dt <= tol x unread / link.
+                drift_t = np.fromiter((j.drift_t for j in running), dtype=float, count=n)
+                drift_m = np.fromiter((j.drift_m for j in running), dtype=float, count=n)
+                k = st.k
+                a_priori = tol * (np.maximum(k - st.looked, k * DRIFT_FLOOR) * st.chunk) / link
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    drift = drift_m / np.where(drift_t > 0, drift_t, 1.0)
+                    measured = np.where(drift > tol * 1e-12, tol / np.where(drift > tol * 1e-12, drift, 1.0), np.inf)
+                bound = a_priori if last_dt is None else np.where(drift_t > 0, measured, a_priori)
+                limit = min(limit, float(bound[moves].min()))
             # An LRU that becomes full starts evicting at every miss: a drift the last step
             # could not see. Admissions cannot outrun the link: stop where it may become full.
             free = self.cache.free_before_eviction()
@@ -336,7 +339,7 @@ class Simulator:
             volatile = self.cache.volatile_bytes()
             if volatile is not None:
                 limit = min(limit, tol * volatile / link)
-        for job in running:
+        for job in running if st.curriculum.any() else ():
             if job.pacing is not None and caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
                 eligible = job.eligible_chunks() * job.dataset.chunk_size
                 limit = min(limit, eligible / (VOLATILE_STEPS * caps[job.job_id]))
@@ -468,7 +471,7 @@ class Simulator:
             managed = plan.remote_io is not None and cfg.manage_io
             step_end = min(step_end, now + self._seconds_to_event(running, st, caps_arr, m, contended))
             caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
-            step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
+            step_end = min(step_end, now + self._step_limit(running, st, caps, last_dt))
             dt = max(step_end - now, 1e-6)
             bounds = bound_labels(st.gpu_ideal, st.cpu_bound, caps_arr, np.clip(m, 0.0, 1.0)) if running else []
             k_arr = st.k

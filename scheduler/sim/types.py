@@ -7,7 +7,7 @@ cache system sees a job only through `CacheReader`, so the two modules do not im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -19,10 +19,10 @@ class SimDataset:
     size: float
     n_chunks: int
     index: int  # position in the engine's dataset list
+    chunk_size: float = field(init=False)  # bytes per chunk (read in the hot loops: computed once)
 
-    @property
-    def chunk_size(self) -> float:
-        return self.size / self.n_chunks
+    def __post_init__(self) -> None:
+        self.chunk_size = self.size / self.n_chunks
 
 
 class CacheReader(Protocol):

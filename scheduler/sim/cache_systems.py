@@ -468,6 +468,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self.datasets: dict[str, SimDataset] = {}
         self.order: OrderedDict[tuple[str, int], float] = OrderedDict()  # least recent first -> chunk bytes
         self.total_bytes = 0.0
+        self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
     def _array(self, dataset: SimDataset) -> np.ndarray:
         arr = self.cached.get(dataset.name)
@@ -475,6 +476,7 @@ class AlluxioLRUCache(SimCacheSystem):
             arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
             self.counts[dataset.name] = 0
             self.datasets[dataset.name] = dataset
+            self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         return arr
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
@@ -537,8 +539,10 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def free_before_eviction(self):
         # Less than a chunk free is what a full cache of unequal chunks keeps: it evicts already.
-        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         free = self.capacity - self.total_bytes
+        if free < self.min_chunk:
+            return None  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
+        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         return free if chunks and free >= min(chunks) else None
 
 

@@ -54,6 +54,8 @@ class RoundPlanner:
     active: dict[str, float] = field(default_factory=dict)  # seconds since the job was first seen
 
     def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
+        if snapshot.job_columns() is not None:
+            return self._choose_columns(snapshot, allocation)
         free = snapshot.capacity.gpus
         candidates = []
         for job in snapshot.jobs:
@@ -73,6 +75,39 @@ class RoundPlanner:
             if gpus <= free:
                 chosen.append(job_id)
                 free -= gpus
+        return tuple(chosen)
+
+    def _choose_columns(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
+        """`choose` on the snapshot's columns: the same order (full shares first, then by lag,
+        share, age, id) from one sort instead of a tuple per job."""
+        jobs = snapshot.jobs
+        n = len(jobs)
+        if n == 0:
+            return ()
+        gs, received, active = allocation.gpu_share, self.received, self.active
+        share = np.fromiter((gs.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        got = np.fromiter((received.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        seen = np.fromiter((active.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fraction = np.where(seen > 0, got / np.where(seen > 0, seen, 1.0), 0.0)
+            priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
+        cand = np.flatnonzero(share > 0.0)
+        if cand.size == 0:
+            return ()
+        submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
+        ids = [jobs[i].job_id for i in cand.tolist()]
+        id_rank = np.empty(cand.size, dtype=np.int64)
+        id_rank[np.array(sorted(range(cand.size), key=ids.__getitem__), dtype=np.int64)] = np.arange(cand.size)
+        not_full = share[cand] < 1.0 - 1e-9
+        order = np.lexsort((id_rank, submit, -share[cand], -priority[cand], not_full))
+        free = snapshot.capacity.gpus
+        gpus = snapshot.columns.gpus
+        chosen: list[str] = []
+        for k in order.tolist():
+            g = gpus[cand[k]]
+            if g <= free:
+                chosen.append(ids[k])
+                free -= g
         return tuple(chosen)
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:

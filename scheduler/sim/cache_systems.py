@@ -146,6 +146,9 @@ class SimCacheSystem(ABC):
     #: Whether the cached set changes under a reader as other chunks are read (LRU evicts at
     #: every miss); the engine then keeps steps short enough for the change to be followed.
     volatile = False
+    #: Changes whenever volatile_for() may answer differently for some job (the engine keeps
+    #: per-job columns between steps while it stays the same).
+    layout_version = 0
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         self.capacity = capacity
@@ -269,6 +272,7 @@ class SiloDCache(SimCacheSystem):
         dom = self.domains.get(dataset.name)
         if type(dom) is not kind:
             fresh = kind(dataset)
+            self.layout_version += 1
             if dom is not None:
                 fresh.take_over(dom)
             dom = self.domains[dataset.name] = fresh
@@ -302,6 +306,7 @@ class SiloDCache(SimCacheSystem):
                 self._changed(name, victims, -1)
             if dom.count == 0 and new <= 0:
                 del self.domains[name]
+                self.layout_version += 1
         for name, nbytes in cache_alloc.items():
             if nbytes > 0 and name in datasets and name not in self.domains:
                 self._domain(datasets[name], name in lru_datasets).set_limit(nbytes, self.rng)
@@ -484,6 +489,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self.datasets: dict[str, SimDataset] = {}
         self.order: OrderedDict[tuple[str, int], float] = OrderedDict()  # least recent first -> chunk bytes
         self.total_bytes = 0.0
+        self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
     def _array(self, dataset: SimDataset) -> np.ndarray:
         arr = self.cached.get(dataset.name)
@@ -491,6 +497,7 @@ class AlluxioLRUCache(SimCacheSystem):
             arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
             self.counts[dataset.name] = 0
             self.datasets[dataset.name] = dataset
+            self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         return arr
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
@@ -553,8 +560,10 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def free_before_eviction(self):
         # Less than a chunk free is what a full cache of unequal chunks keeps: it evicts already.
-        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         free = self.capacity - self.total_bytes
+        if free < self.min_chunk:
+            return None  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
+        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         return free if chunks and free >= min(chunks) else None
 
 

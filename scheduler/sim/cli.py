@@ -30,7 +30,8 @@ def check_seed(seed: int) -> None:
 
 
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
-                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0, stagger: bool = False):
+                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0, stagger: bool = False,
+                   decision_interval: float = 0.0):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
     from policies.registry import estimator_for, get_policy, resolve_policy_name
     from scheduler.sim.cache_systems import CACHE_SYSTEMS
@@ -40,7 +41,7 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
     policy = resolve_policy_name(policy)
     pol = get_policy(policy)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition,
-                       profile_noise=profile_noise, stagger=stagger)
+                       profile_noise=profile_noise, stagger=stagger, decision_interval_s=decision_interval)
     if progress_label is None:
         return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -78,6 +79,7 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
         stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
+        decision_interval: Annotated[float, typer.Option(help="decision coalescing: at most one policy decision per this many seconds while jobs run (0 = at every arrival, completion and demand change; see docs/simulator.md)")] = 0.0,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     ) -> None:
@@ -88,6 +90,8 @@ def register(app: typer.Typer) -> None:
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
         check_seed(seed)
+        if not decision_interval >= 0:
+            raise UserError(f"--decision-interval {decision_interval} must be >= 0 seconds (0: decide at every event, the default)")
         from policies.registry import resolve_policy_name
         from scheduler.outputs import ensure_writable_dir
         from scheduler.sim.cache_systems import CACHE_SYSTEMS
@@ -102,8 +106,10 @@ def register(app: typer.Typer) -> None:
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
-                                profile_noise=profile_noise, stagger=stagger)
+                                profile_noise=profile_noise, stagger=stagger, decision_interval=decision_interval)
         extra = {"trace": str(trace), "gpu_speed": speed}
+        if decision_interval:
+            extra["decision_interval_s"] = decision_interval
         if cache_system == "quiver":
             extra["profile_noise"] = profile_noise
         summary = write_outputs(result, out, policy, cache_system, extra)

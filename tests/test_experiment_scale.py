@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -261,7 +262,7 @@ def _listeners(pids: set[int]) -> list[str]:
     out = subprocess.run(["ss", "-H", "-l", "-t", "-u", "-n", "-p"], capture_output=True, text=True, check=True).stdout
     found = []
     for line in out.splitlines():
-        owners = {int(p) for p in __import__("re").findall(r"pid=(\d+)", line)}
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
         if owners & pids:
             found.append(line.split()[4])
     return found

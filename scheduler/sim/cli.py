@@ -134,10 +134,11 @@ def register(app: typer.Typer) -> None:
         shard: Annotated[Optional[str], typer.Option(help="I/N: run only shard I of N of the simulations (round robin) and write NAME.part-I-of-N.json into --out; plot with --merge")] = None,
         merge: Annotated[bool, typer.Option("--merge", help="plot from the parts in the directories given after the name (written by --shard); the configuration comes from the parts")] = False,
         dask: Annotated[Optional[str], typer.Option(help="run the simulations on the Dask cluster whose scheduler is at this address (tcp://HOST:PORT; needs silod's dask extra); the trace is shipped to the workers")] = None,
+        ray: Annotated[Optional[str], typer.Option(help="run the simulations on the Ray cluster at this address (HOST:PORT, as `ray start --head` prints it; needs silod's ray extra); the trace is shipped to the workers")] = None,
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
-        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, ExperimentRunner
+        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, Executor, ExperimentRunner
         from scheduler.sim.shards import Shard, ShardWritten, load_parts
 
         names = list(EXPERIMENTS) if name.casefold() == "all" else [resolve_name("experiment", name, [*EXPERIMENTS, "all"])]
@@ -154,7 +155,8 @@ def register(app: typer.Typer) -> None:
             if not parts:
                 raise UserError("--merge needs the shards' --out directories after the name: silod experiment NAME --merge DIR...")
             given = [flag for flag, value in (("--trace", trace), ("--max-jobs", max_jobs), ("--gpus", gpus), ("--cache", cache),
-                                              ("--remote-io", remote_io), ("--workers", workers), ("--shard", shard), ("--dask", dask))
+                                              ("--remote-io", remote_io), ("--workers", workers), ("--shard", shard), ("--dask", dask),
+                                              ("--ray", ray))
                      if value is not None]
             given += [flag for flag, value, default in (("--round", round, DEFAULT_ROUND_S), ("--resolution", resolution, DEFAULT_RESOLUTION),
                                                         ("--seed", seed, 0)) if value != default]
@@ -172,12 +174,15 @@ def register(app: typer.Typer) -> None:
             _print_headlines(headlines)
             return
         split = Shard.parse(shard) if shard is not None else None
+        if dask is not None and ray is not None:
+            raise UserError("--dask and --ray each name the cluster that runs the simulations; give one of them")
+        executor = Executor("dask", dask) if dask is not None else Executor("ray", ray) if ray is not None else None
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         ensure_writable_dir(out, "--out")
         headlines = []
         for n in names:
-            runner.distribution = Distribution(n, out, capacity, shard=split, dask=dask)
+            runner.distribution = Distribution(n, out, capacity, shard=split, executor=executor)
             try:
                 payload = EXPERIMENTS[n](runner, out, capacity)
             except ShardWritten as part:

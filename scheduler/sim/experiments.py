@@ -31,6 +31,7 @@ import copy
 import json
 import os
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
@@ -249,7 +250,7 @@ def simulate_run(run: Run, source: TraceSource, round_s: float, resolution: int)
 
 
 def simulate_trace(run: Run, trace: Trace, seed: int, round_s: float, resolution: int) -> RunResult:
-    """One simulation of an already built trace (what a Dask worker runs on the shipped trace)."""
+    """One simulation of an already built trace (what a Dask or Ray worker runs on the shipped trace)."""
     from policies.registry import estimator_for, get_policy
     from scheduler.sim.engine import SimConfig, Simulator
     from scheduler.sim.report import summarize
@@ -270,14 +271,14 @@ def simulate_trace(run: Run, trace: Trace, seed: int, round_s: float, resolution
 @dataclass
 class Distribution:
     """How `run_all` of one experiment spreads its runs: this shard's share only (writing a part
-    into `out`), results taken from merged parts, or a Dask cluster (scheduler/sim/shards.py)."""
+    into `out`), results taken from merged parts, or a Dask or Ray cluster (scheduler/sim/shards.py)."""
 
     experiment: str
     out: Path
     capacity: ClusterCapacity
     shard: Shard | None = None
     merged: MergedParts | None = None
-    dask: str | None = None
+    executor: Executor | None = None
 
 
 #: The experiments that simulate the sweeps' trace (ExperimentRunner.for_sweeps), and those that
@@ -316,40 +317,139 @@ def result_from_json(data: dict) -> RunResult:
                      float(data["queued_until"]))
 
 
-def run_on_dask(address: str, jobs: list[tuple[int, Run]], source: TraceSource, round_s: float, resolution: int,
-                connect_timeout_s: float = 10.0, workers_timeout_s: float = 60.0) -> Iterator[tuple[int, RunResult]]:
-    """Run `jobs` on the Dask cluster whose scheduler is at `address`; yields (index, result) as
-    they finish. Every distinct trace the runs need is built here once and scattered to every
-    worker, so the workers need silod installed (the same version) but not the trace file."""
-    try:
-        from distributed import Client
-        from distributed import as_completed as dask_completed
-    except ImportError:
-        raise UserError("--dask needs dask.distributed; install it with pip install 'silod[dask]'") from None
-    try:
-        client = Client(address, timeout=f"{connect_timeout_s:g}s", set_as_default=False)
-    except (OSError, TimeoutError) as exc:
-        raise RuntimeFailure(f"cannot reach the Dask scheduler at {address} ({exc}); start one with `dask scheduler` "
-                             "and give its address, e.g. --dask tcp://127.0.0.1:8786") from None
-    with client:
+@dataclass(frozen=True)
+class Executor:
+    """A cluster that runs the simulations instead of local worker processes: `--dask ADDRESS`
+    or `--ray ADDRESS`. Both go through `run_on_cluster`; only connecting, shipping a trace,
+    submitting a run and collecting results differ (`_DaskSession`, `_RaySession`)."""
+
+    kind: str  # "dask" | "ray"
+    address: str
+
+    def __str__(self) -> str:
+        return f"--{self.kind} {self.address}"
+
+
+class _DaskSession:
+    """A dask.distributed client: the trace is scattered to every worker, runs are futures."""
+
+    def __init__(self, address: str, connect_timeout_s: float, workers_timeout_s: float):
         try:
-            client.wait_for_workers(1, timeout=workers_timeout_s)
+            from distributed import Client
+        except ImportError:
+            raise UserError("--dask needs dask.distributed; install it with pip install 'silod[dask]'") from None
+        try:
+            self.client = Client(address, timeout=f"{connect_timeout_s:g}s", set_as_default=False)
+        except (OSError, TimeoutError) as exc:
+            raise RuntimeFailure(f"cannot reach the Dask scheduler at {address} ({exc}); start one with `dask scheduler` "
+                                 "and give its address, e.g. --dask tcp://127.0.0.1:8786") from None
+        try:
+            self.client.wait_for_workers(1, timeout=workers_timeout_s)
         except TimeoutError:
+            self.client.close()
             raise RuntimeFailure(f"the Dask scheduler at {address} has no workers after {workers_timeout_s:g} s; "
                                  "start some with `dask worker ADDRESS --nthreads 1`") from None
+
+    def ship(self, trace: Trace):
+        return self.client.scatter(trace, broadcast=True)
+
+    def submit(self, run: Run, trace, seed: int, round_s: float, resolution: int):
+        return self.client.submit(simulate_trace, run, trace, seed, round_s, resolution, pure=False)
+
+    def completed(self, futures: list) -> Iterator[tuple[object, RunResult]]:
+        from distributed import as_completed as dask_completed
+
+        for future in dask_completed(futures, loop=self.client.loop):
+            yield future, future.result()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _RaySession:
+    """A driver attached to a running Ray cluster (`ray start --head` prints the address): the
+    trace goes into the object store once (`ray.put`), runs are remote tasks of one CPU."""
+
+    def __init__(self, address: str, connect_timeout_s: float, workers_timeout_s: float):
+        import socket
+        from urllib.parse import urlsplit
+
+        parsed = urlsplit(address if "://" in address else f"//{address}")
+        try:
+            host, port = parsed.hostname, parsed.port
+        except ValueError:
+            host = port = None
+        if not host or port is None:
+            raise UserError(f"--ray {address!r} is not HOST:PORT; give the address `ray start --head` prints, e.g. --ray 127.0.0.1:6379")
+        # Probe first: Ray retries an unreachable cluster without end, printing a warning every few seconds.
+        try:
+            socket.create_connection((host, port), timeout=connect_timeout_s).close()
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot reach the Ray cluster at {address} ({exc}); start one with `ray start --head` "
+                                 "and give the address it prints, e.g. --ray 127.0.0.1:6379") from None
+        if host in ("127.0.0.1", "localhost", "::1"):
+            # Ray on Linux replaces a loopback address by the machine's outward IP (to reach other
+            # nodes); a cluster on one machine started with this same variable listens on loopback only.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        try:
+            import ray
+        except ImportError:
+            raise UserError("--ray needs Ray; install it with pip install 'silod[ray]'") from None
+        self.ray = ray
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=True)
+        except (ConnectionError, OSError, TimeoutError, ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeFailure(f"cannot connect to the Ray cluster at {address} ({first}); give the address "
+                                 "`ray start --head` prints, e.g. --ray 127.0.0.1:6379") from None
+        deadline = time.monotonic() + workers_timeout_s
+        while ray.cluster_resources().get("CPU", 0) < 1:
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeFailure(f"the Ray cluster at {address} has no CPUs after {workers_timeout_s:g} s; "
+                                     "start nodes with `ray start --address ADDRESS --num-cpus N`")
+            time.sleep(0.5)
+        self.task = ray.remote(num_cpus=1)(simulate_trace)
+
+    def ship(self, trace: Trace):
+        return self.ray.put(trace)
+
+    def submit(self, run: Run, trace, seed: int, round_s: float, resolution: int):
+        return self.task.remote(run, trace, seed, round_s, resolution)  # the ObjectRef arrives as the trace
+
+    def completed(self, futures: list) -> Iterator[tuple[object, RunResult]]:
+        pending = list(futures)
+        while pending:
+            ready, pending = self.ray.wait(pending, num_returns=1)
+            yield ready[0], self.ray.get(ready[0])
+
+    def close(self) -> None:
+        self.ray.shutdown()  # ends this driver's job; the cluster keeps running
+
+
+def run_on_cluster(executor: Executor, jobs: list[tuple[int, Run]], source: TraceSource, round_s: float, resolution: int,
+                   connect_timeout_s: float = 10.0, workers_timeout_s: float = 60.0) -> Iterator[tuple[int, RunResult]]:
+    """Run `jobs` on the executor's cluster; yields (index, result) as they finish. Every
+    distinct trace the runs need is built here once and shipped to the cluster, so the workers
+    need silod installed (the same version) but not the trace file."""
+    sessions = {"dask": _DaskSession, "ray": _RaySession}
+    session = sessions[executor.kind](executor.address, connect_timeout_s, workers_timeout_s)
+    try:
         shipped: dict = {}
         futures = {}
         for i, run in jobs:
             src, seed = run_trace_source(run, source)
             if src not in shipped:
-                shipped[src] = client.scatter(build_trace(src), broadcast=True)
-            futures[client.submit(simulate_trace, run, shipped[src], seed, round_s, resolution, pure=False)] = i
-        for future in dask_completed(futures, loop=client.loop):
-            yield futures[future], future.result()
+                shipped[src] = session.ship(build_trace(src))
+            futures[session.submit(run, shipped[src], seed, round_s, resolution)] = i
+        for future, result in session.completed(list(futures)):
+            yield futures[future], result
+    finally:
+        session.close()
 
 
 class ExperimentRunner:
-    """Runs an experiment's simulations on worker processes (or a Dask cluster, or one shard of
+    """Runs an experiment's simulations on worker processes (or a Dask or Ray cluster, or one shard of
     them), with one progress display."""
 
     def __init__(self, trace_path: Path | None, max_jobs: int | None, seed: int, round_s: float, resolution: int,
@@ -415,7 +515,7 @@ class ExperimentRunner:
             return results
         base = build_trace(source)  # fail here, with the user's error, before starting workers
         picks = list(range(len(runs))) if dist is None or dist.shard is None else dist.shard.picks(len(runs))
-        results = self._execute([(i, runs[i]) for i in picks], source, None if dist is None else dist.dask)
+        results = self._execute([(i, runs[i]) for i in picks], source, None if dist is None else dist.executor)
         if dist is not None and dist.shard is not None:
             digest = trace_digest(base)
             config = {**self.config, "capacity": asdict(dist.capacity)}
@@ -425,7 +525,7 @@ class ExperimentRunner:
             raise ShardWritten(path, len(picks), len(runs))
         return [results[i] for i in range(len(runs))]
 
-    def _execute(self, jobs: list[tuple[int, Run]], source: TraceSource, dask: str | None) -> dict[int, RunResult]:
+    def _execute(self, jobs: list[tuple[int, Run]], source: TraceSource, executor: Executor | None) -> dict[int, RunResult]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         results: dict[int, RunResult] = {}
@@ -439,8 +539,8 @@ class ExperimentRunner:
                 bar.update(task, description=f"done: {labels[i].label}")
                 bar.advance(task)
 
-            if dask is not None:
-                for i, result in run_on_dask(dask, jobs, source, self.round_s, self.resolution):
+            if executor is not None:
+                for i, result in run_on_cluster(executor, jobs, source, self.round_s, self.resolution):
                     done(i, result)
             elif self.workers == 1 or len(jobs) <= 1:
                 for i, run in jobs:

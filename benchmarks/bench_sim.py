@@ -4,12 +4,13 @@
 
 1. The Fig. 12 matrix as `silod experiment matrix` runs it: 3 policies x 4 cache systems on the
    2,000-job synthetic Philly-distribution trace (or --trace), 400 GPUs, 100 TB, 4 GB/s, on
-   worker processes; each run's own time and the matrix's wall time (targets: <= 20 s for a
-   run, <= 3 min for the matrix).
+   worker processes; each run's own CPU time and the matrix's wall time (issue 21 targets:
+   <= 10 CPU s a run on the uniform caches, <= 15 on Alluxio's LRU, the matrix <= 90 s wall on
+   2 cores; on a shared machine the sum of CPU seconds / workers stands in for the wall time).
 2. Growth of run time with 1k, 2k and 10k jobs (synthetic Philly-distribution traces at the same
    load, one job every 1,210 s on average, so 2,000 jobs span 4 weeks; FIFO on silod), reported
    as the ratio to the 1k-job run.
-3. Peak memory (ru_maxrss of a child process) of the 10k-job run (target <= 2 GB), and the ratio
+3. Peak memory (ru_maxrss of a child process) of the 10k-job run (target < 200 MB), and the ratio
    to the child's memory after imports alone.
 """
 
@@ -70,8 +71,15 @@ def main() -> None:
                 print(f"{r.run.label:<16} {r.summary['jobs']} jobs: {r.summary['sim_wall_s']:6.1f} s wall, {r.summary['sim_cpu_s']:6.1f} CPU s", flush=True)
         wall = time.perf_counter() - t0
         results["matrix_wall_s"] = wall
-        worst = max(v["cpu_s"] for v in results["matrix"].values())
-        print(f"matrix wall time with {args.workers} workers: {wall:.1f} s (target <= 180 s); worst single run {worst:.1f} CPU s (target <= 20 s)")
+        cpu = {k: v["cpu_s"] for k, v in results["matrix"].items()}
+        lru = [v for k, v in cpu.items() if k.endswith("/alluxio")]
+        uniform = [v for k, v in cpu.items() if not k.endswith("/alluxio")]
+        results["matrix_cpu_sum_s"] = sum(cpu.values())
+        # On a shared machine wall time measures the other tenants: the sum of the runs' CPU
+        # seconds over the workers is the wall time the matrix needs with the cores to itself.
+        print(f"matrix wall time with {args.workers} workers: {wall:.1f} s; sum of CPU s / {args.workers} = "
+              f"{sum(cpu.values()) / args.workers:.1f} s (target <= 90 s on 2 cores)")
+        print(f"worst run: uniform caches {max(uniform, default=0):.1f} CPU s (target <= 10), LRU {max(lru, default=0):.1f} CPU s (target <= 15)")
 
     runs = [child_run(n) for n in (1000, 2000, 10000)]
     ref = runs[0]["cpu_s"]
@@ -81,7 +89,7 @@ def main() -> None:
         print(f"{r['jobs']:>6} jobs: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} CPU s  ({r['ratio_to_1k']:.2f}x the 1k-job run's CPU)  peak RSS {r['peak_kb'] / 1024:.0f} MB")
     big = runs[-1]
     results["memory"] = {"peak_mb_10k": big["peak_kb"] / 1024, "import_mb": big["import_kb"] / 1024, "ratio": big["peak_kb"] / big["import_kb"]}
-    print(f"10k-job peak memory {big['peak_kb'] / 1024:.0f} MB (target <= 2048 MB), {results['memory']['ratio']:.2f}x the process after imports")
+    print(f"10k-job peak memory {big['peak_kb'] / 1024:.0f} MB (target < 200 MB), {results['memory']['ratio']:.2f}x the process after imports")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -63,3 +63,107 @@ def observe(state: FStarEstimate, observed: float, seconds: float, io_bound: flo
 
 
 __all__ = ["FStarEstimate", "NOT_BOUND_SLACK", "observe"]
+
+
+# --- both parameters, with the data plane's and the client's evidence (the service; issue 22) ---
+
+#: A client's step time says the GPUs could go faster than the job reads when the read rate is
+#: below this share of the client's f* (wider than NOT_BOUND_SLACK: client reports are noisier).
+CLIENT_SLACK = 0.9
+
+
+def _sample(state: FStarEstimate, value: float, seconds: float) -> FStarEstimate:
+    """Fold `seconds` of a direct sample `value` in, older evidence capped at the horizon."""
+    prior = min(state.evidence_s, state.horizon_s)
+    mean = (state.estimate * prior + value * seconds) / (prior + seconds) if state.evidence_s > 0 else value
+    return replace(state, estimate=state.clip(mean), evidence_s=prior + seconds)
+
+
+def _at_least(state: FStarEstimate, value: float) -> FStarEstimate:
+    return replace(state, estimate=state.clip(value)) if value > state.estimate else state
+
+
+@dataclass(frozen=True, slots=True)
+class JobMeasurement:
+    """A running job's measured parameters: f* and (for a job with a declared CPU stage) the
+    per-core preprocessing rate, each a declared starting point corrected by evidence.
+
+    `max_observed` is the highest read rate the data plane measured for the job: what a client
+    report may claim is capped there. `best_per_core` is the highest read rate per held core:
+    samples never take the per-core rate below it (a job that is really GPU-bound but says it
+    waits on its pipeline reads no faster with more cores, so its rate per core would fall with
+    every core it is given; the floor stops that from earning it more). `bound` is what held the job back in the last interval
+    ('gpu', 'cpu', 'remote_io', or 'unknown' when the evidence cannot tell)."""
+
+    fstar: FStarEstimate
+    cpu: FStarEstimate | None = None
+    max_observed: float = 0.0
+    bound: str = ""
+    best_per_core: float = 0.0  # highest read rate per held core the data plane measured
+
+    @classmethod
+    def start(cls, declared_fstar: float, declared_cpu_rate: float | None = None) -> JobMeasurement:
+        cpu = None if declared_cpu_rate is None else FStarEstimate.start(declared_cpu_rate)
+        return cls(FStarEstimate.start(declared_fstar), cpu)
+
+    def used_fstar(self, client_fstar: float | None = None) -> float:
+        """The f* planning uses: the data plane's estimate, lowered (never raised) by the client's
+        word: a client can only make its own job look slower than measured, which gains it
+        nothing (it gets fewer resources)."""
+        if client_fstar is None or not math.isfinite(client_fstar) or client_fstar <= 0:
+            return self.fstar.estimate
+        return min(self.fstar.estimate, self.fstar.clip(client_fstar))
+
+
+def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: float = math.inf,
+                cores: float = math.inf, client_fstar: float | None = None) -> JobMeasurement:
+    """The measurement after `seconds` of reading at `observed` bytes/s (the data plane's figure)
+    with the model's IO bound b / (1 - h) and `cores` for the interval; `client_fstar` is the
+    rate the job's own step time says its GPUs consume (batch bytes / step seconds), if reported.
+
+    Operational analysis, one interval at a time (Plumber's rule: a pipeline runs at its
+    slowest stage):
+    - read at the IO bound: IO held it; f* and the CPU rate are at least what was read;
+    - read at the CPU bound (cores x rate): the CPU held it; f* at least the read rate, and the
+      per-core rate at least read / cores;
+    - below both, and below the client's f* (capped at the highest rate the data plane ever
+      measured): the GPUs could go faster and IO could deliver more, so the CPU held it: the
+      read rate over the cores is a sample of the per-core rate;
+    - below both, no client report, and the job has a CPU stage on limited cores: a slow GPU
+      and a slow pipeline look the same; nothing is learnt (a guess would feed on itself: a
+      lower f* gets fewer cores, which reads slower again);
+    - otherwise (no CPU stage, or cores unlimited): only the GPUs held it: a sample of f*.
+    """
+    if seconds <= 0 or not math.isfinite(observed) or observed < 0:
+        return m
+    max_observed = max(m.max_observed, observed)
+    has_cpu = m.cpu is not None and math.isfinite(cores) and cores > 0
+    best = max(m.best_per_core, observed / cores) if has_cpu else m.best_per_core
+    cpu_bound = cores * m.cpu.estimate if has_cpu else math.inf
+    fs, cpu = m.fstar, m.cpu
+    if observed >= NOT_BOUND_SLACK * io_bound:
+        bound = "remote_io"
+        fs = _at_least(fs, observed)
+        if has_cpu:
+            cpu = _at_least(cpu, observed / cores)
+    elif observed >= NOT_BOUND_SLACK * cpu_bound:
+        bound = "cpu"
+        fs = _at_least(fs, observed)
+        cpu = _at_least(cpu, observed / cores)
+    elif has_cpu and client_fstar is not None and observed < CLIENT_SLACK * min(client_fstar, max_observed):
+        bound = "cpu"
+        cpu = _sample(cpu, observed / cores, seconds)
+        if cpu.estimate < best:
+            cpu = replace(cpu, estimate=cpu.clip(best))
+    elif has_cpu and client_fstar is not None:
+        bound = "gpu"  # the client's step time says the GPUs run at about this rate
+        fs = _sample(fs, observed, seconds)
+    elif has_cpu:
+        bound = "unknown"
+    else:
+        bound = "gpu"
+        fs = _sample(fs, observed, seconds)
+    return JobMeasurement(fs, cpu, max_observed, bound, best)
+
+
+__all__ += ["CLIENT_SLACK", "JobMeasurement", "observe_job"]

@@ -249,6 +249,36 @@ def diagnose(
     return Diagnosis(now, bound, s_gpu, s_cpu, s_cache, s_io)
 
 
+def autocache_gain(
+    dataset_index: ArrayLike,
+    n_datasets: int,
+    ideal: ArrayLike,
+    remote_io: ArrayLike,
+    cache: ArrayLike,
+    dataset_size: ArrayLike,
+    cores: ArrayLike,
+    cpu_rate: ArrayLike,
+    expansion: ArrayLike,
+    post_cpu_rate: ArrayLike,
+) -> np.ndarray:
+    """Per dataset: what caching the preprocessed output (the autocache point) instead of the
+    source bytes gives its readers, as the sum over them of (X_pre - X_src) / f*, for the cache,
+    IO and cores they hold now (Cachew's comparison of projected times, with the estimator).
+
+    Per job arrays (index j): dataset_index k(j), f*, b, its cores and rates; per dataset (index
+    k): cache c_k and size d_k. Jobs without an autocache point pass expansion 1 and
+    post_cpu_rate = cpu_rate (both modes are then the same for them)."""
+    k = np.asarray(dataset_index, dtype=np.int64)
+    f = _as_array(ideal, "ideal")
+    c = _as_array(cache, "cache")[k]
+    d = _as_array(dataset_size, "dataset_size", positive=True)[k]
+    src = np.asarray(pipeline_perf(f, remote_io, c, d, cores, cpu_rate), dtype=float)
+    pre = np.asarray(pipeline_perf(f, remote_io, c, d, cores, cpu_rate, expansion, post_cpu_rate), dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gain = np.where(f > 0, (pre - src) / np.where(f > 0, f, 1.0), 0.0)
+    return np.bincount(k, weights=gain, minlength=n_datasets)
+
+
 def choose_autocache(
     dataset_index: ArrayLike,
     n_datasets: int,
@@ -261,28 +291,15 @@ def choose_autocache(
     expansion: ArrayLike,
     post_cpu_rate: ArrayLike,
 ) -> np.ndarray:
-    """Cachew's autocaching choice per dataset, with the estimator: True where caching the
-    preprocessed output (the autocache point) gives its readers more throughput than caching
-    the source bytes, for the cache, IO and cores they hold now.
-
-    Per job arrays (index j): dataset_index k(j), f*, b, its cores and rates; per dataset (index
-    k): cache c_k and size d_k. Jobs without an autocache point pass expansion 1 and
-    post_cpu_rate = cpu_rate (both modes are then the same for them). The score is the sum over a
-    dataset's readers of X / f* (their normalised speeds); a tie keeps source caching (smaller,
-    and it keeps random augmentation random across epochs)."""
-    k = np.asarray(dataset_index, dtype=np.int64)
-    f = _as_array(ideal, "ideal")
-    c = _as_array(cache, "cache")[k]
-    d = _as_array(dataset_size, "dataset_size", positive=True)[k]
-    src = np.asarray(pipeline_perf(f, remote_io, c, d, cores, cpu_rate), dtype=float)
-    pre = np.asarray(pipeline_perf(f, remote_io, c, d, cores, cpu_rate, expansion, post_cpu_rate), dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gain = np.where(f > 0, (pre - src) / np.where(f > 0, f, 1.0), 0.0)
-    per_dataset = np.bincount(k, weights=gain, minlength=n_datasets)
-    return per_dataset > 1e-12
+    """Cachew's autocaching choice per dataset: True where `autocache_gain` is positive (the
+    readers' summed normalised throughput is higher with preprocessed data cached); a tie keeps
+    source caching (smaller, and it keeps random augmentation random across epochs)."""
+    return autocache_gain(dataset_index, n_datasets, ideal, remote_io, cache, dataset_size, cores, cpu_rate,
+                          expansion, post_cpu_rate) > 1e-12
 
 
 __all__ = [
+    "autocache_gain",
     "choose_autocache",
     "InputPipeline",
     "MAX_EXPANSION",

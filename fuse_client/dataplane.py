@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 from fuse_client.accounting import JobAccounting
 from fuse_client.breaker import CircuitBreaker, RemoteUnavailable
 from fuse_client.cache_store import DatasetCache, item_key
+from fuse_client.peer_watch import PeerWatch
 from fuse_client.remote import FileEntry, RemoteFetchError, RemoteStore
 from fuse_client.single_flight import Flight, Flights
 from fuse_client.token_bucket import Throttle
@@ -253,7 +254,7 @@ class ItemResolver:
                 locks.mark_waiting(key)
                 flight.waiting_peer = True
                 try:
-                    locks.acquire(key)
+                    locks.acquire(key, self._peer_check(entry, key))
                 finally:
                     flight.waiting_peer = False
                     flight.progress = time.monotonic()
@@ -268,6 +269,29 @@ class ItemResolver:
         result.append(r)
         if self.flights.finish(flight, admitted=r.source == "cache" or r.admitted, fd=r.fd):
             os.close(r.fd)  # the open that led this flight gave up: the descriptor is nobody's
+
+    def _peer_check(self, entry: FileEntry, key: str) -> Callable[[], None]:
+        """What a leader does between its tries for the lock of an item another process fetches:
+        give up at unmount, and with EIO once that process has been frozen (every thread stopped,
+        its staging file unchanged: peer_watch.py) for the open's stall limit. A slow peer - a low
+        rate, a long token wait, a slow remote - is waited out: its own bounds end its fetch."""
+        locks = self.cache.locks
+        watch = PeerWatch(self.cache.staging_dir, locks.path, key, locks.fetch_byte(key))
+        limit = self._stall_limit()
+
+        def between() -> None:
+            if self._closed.is_set():
+                raise InterruptedError(errno.EINTR, "unmounting")
+            frozen = watch.frozen_for()
+            if frozen >= limit:
+                holder = watch.holder
+                error = RemoteFetchError(errno.EIO, f"process {holder.pid if holder else '?'} fetching {entry.path!r} "
+                                         f"for this node is stopped and has made no progress for {frozen:.1f} s; "
+                                         f"the open fails; the next open tries again")
+                log.warning("%s", error)
+                raise error
+
+        return between
 
     def _lead_locked(self, entry: FileEntry, key: str, flight: Flight | None = None) -> _LeaderResult:
         fd = self.cache.open_cached(key)

@@ -6,9 +6,10 @@ node-wide lock is held while fetching, so misses of different items never wait f
 
 Across the mount processes that share a cache directory, the leaders of one item take a write
 lock on one byte of a single file, `fetch.lock`, at an offset derived from the item's key
-(open-file-description locks, F_OFD_SETLKW: owned by the descriptor, released by the kernel if
-the process dies, no per-item lock files). A leader that has to wait first takes a read lock on
-the item's "waiting" byte, so the fetching process can ask the kernel (F_OFD_GETLK) whether
+(open-file-description locks: owned by the descriptor, released by the kernel if
+the process dies, no per-item lock files). A leader that has to wait polls for the lock (so it
+can give up on a frozen holder: peer_watch.py) and first takes a read lock on the item's
+"waiting" byte, so the fetching process can ask the kernel (F_OFD_GETLK) whether
 another process wants the bytes even when the cache has no room to admit them.
 """
 
@@ -21,10 +22,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 # struct flock on Linux x86_64/aarch64: short l_type, short l_whence, off_t l_start, off_t l_len,
 # pid_t l_pid (+ padding to 32 bytes). l_pid must be 0 for OFD locks.
 _FLOCK = struct.Struct("hhqqi4x")
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.05
 
 
 def _byte_of(key: str) -> int:
@@ -39,7 +43,13 @@ class NodeItemLocks:
     """Cross-process per-item locks on one file; one instance (one descriptor) per process."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    @staticmethod
+    def fetch_byte(key: str) -> int:
+        """The byte of `fetch.lock` whose write lock the fetching process holds (see peer_watch)."""
+        return _byte_of(key)
 
     def _lock(self, cmd: int, kind: int, offset: int) -> bytes:
         return fcntl.fcntl(self._fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
@@ -62,9 +72,16 @@ class NodeItemLocks:
         except (BlockingIOError, PermissionError):
             return False
 
-    def acquire(self, key: str) -> None:
-        """Block until no other process fetches `key` (the GIL is released while blocked)."""
-        self._lock(fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, _byte_of(key))
+    def acquire(self, key: str, between: Callable[[], None]) -> None:
+        """Wait until no other process fetches `key`, calling `between()` between attempts (it
+        raises to give up: unmount, a frozen peer). Polled, not F_OFD_SETLKW: a blocked SETLKW
+        cannot be given up from inside the process. The first tries come quickly (a peer about
+        to finish), then every POLL_MAX_S - the latency it adds to a wait that lasted that long."""
+        pause = POLL_MIN_S
+        while not self.try_acquire(key):
+            between()
+            time.sleep(pause)  # releases the GIL
+            pause = min(POLL_MAX_S, pause * 2)
 
     def release(self, key: str) -> None:
         self._lock(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, _byte_of(key))

@@ -26,7 +26,7 @@ at most 1), 1/n of the remote IO, and each dataset the equal cache shares of its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -80,6 +80,22 @@ class GavelProblem:
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
+        # A decision builds the same problem twice (the policy; the simulator's Eq. 8
+        # references): the last one is kept, keyed by the snapshot object itself (immutable).
+        global _LAST_PROBLEM
+        last = _LAST_PROBLEM
+        if last is not None and last[0] is snapshot:
+            problem = last[1]
+            return problem if problem.manages_storage == manages_storage else replace(problem, manages_storage=manages_storage)
+        problem = cls._build(snapshot, manages_storage)
+        _LAST_PROBLEM = (snapshot, problem)
+        return problem
+
+    @classmethod
+    def _build(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
+        cols = snapshot.job_columns()
+        if cols is not None and not snapshot.capacity.manages_cpu:
+            return cls._from_columns(snapshot, cols, manages_storage)
         names = tuple(sorted({j.dataset for j in snapshot.jobs}))
         index = {n: i for i, n in enumerate(names)}
         cap = snapshot.capacity
@@ -122,9 +138,41 @@ class GavelProblem:
             ),
         )
 
+    @classmethod
+    def _from_columns(cls, snapshot: Snapshot, cols, manages_storage: bool) -> GavelProblem:
+        """The same problem from the snapshot's columns (no per-job Python beyond the ids and
+        dataset names; CPU-modelled clusters take the per-view path)."""
+        jobs = snapshot.jobs
+        names = tuple(sorted({j.dataset for j in jobs}))
+        index = {n: i for i, n in enumerate(names)}
+        dataset_index = np.fromiter((index[j.dataset] for j in jobs), dtype=np.int64, count=len(jobs))
+        sizes = np.array([snapshot.datasets[n].size for n in names], dtype=float)
+        cached = [snapshot.datasets[n] for n in names]
+        return cls(
+            job_ids=tuple(j.job_id for j in jobs),
+            gpus=cols.gpus,
+            ideal=cols.ideal,
+            dataset_index=dataset_index,
+            dataset_names=names,
+            dataset_size=sizes,
+            total_gpus=float(snapshot.capacity.gpus),
+            total_cache=float(snapshot.capacity.cache),
+            total_io=float(snapshot.capacity.remote_io),
+            manages_storage=manages_storage,
+            hit_now=cols.hit_now,
+            reuse=(cols.remaining > sizes[dataset_index]).astype(float),  # can_reuse_new_cache
+            dataset_cached=(
+                None if all(d.cached is None for d in cached) else np.array([d.filled(d.size) for d in cached], dtype=float)
+            ),
+        )
+
     @property
     def n(self) -> int:
         return len(self.job_ids)
+
+
+#: (snapshot, problem) of the last from_snapshot call (see there).
+_LAST_PROBLEM: tuple[Snapshot, GavelProblem] | None = None
 
 
 def equal_share_throughput(p: GavelProblem) -> np.ndarray:

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from estimator.access import EPOCH, AccessPattern
 from estimator.errors import UserError
 from estimator.pipeline import InputPipeline
@@ -127,12 +129,52 @@ class ClusterCapacity:
         return gpus * float(self.cpus_per_node) / self.gpus_per_node
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class JobColumns:
+    """A snapshot's jobs as numpy columns (same order), for policies that compute on arrays.
+
+    A backend that keeps its job state in arrays (the simulator) hands them in with the
+    snapshot so that a policy need not turn every JobView back into arrays at every decision.
+    They describe exactly `jobs` (the tuple they were built with, checked by identity): a
+    snapshot whose jobs were replaced (e.g. `priority_order`) has no valid columns.
+    """
+
+    jobs: tuple[JobView, ...]
+    gpus: np.ndarray  # float
+    ideal: np.ndarray  # f*, bytes/s
+    remaining: np.ndarray  # bytes
+    running: np.ndarray  # bool
+    hit_now: np.ndarray | None  # NaN where unknown; None when unknown for every job
+    all_regular: bool  # every job reads as `epoch` (no irregular partition)
+
+    @classmethod
+    def of(cls, jobs: tuple[JobView, ...]) -> JobColumns:
+        """Columns built from the views (the reference the simulator's own columns must equal)."""
+        hits = [j.hit_ratio_now for j in jobs]
+        return cls(
+            jobs,
+            np.array([j.gpus for j in jobs], dtype=float),
+            np.array([j.ideal_throughput for j in jobs], dtype=float),
+            np.array([j.remaining_bytes for j in jobs], dtype=float),
+            np.array([j.running for j in jobs], dtype=bool),
+            None if all(h is None for h in hits) else np.array([np.nan if h is None else h for h in hits], dtype=float),
+            all(j.access.regular for j in jobs),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     time: float
     jobs: tuple[JobView, ...]  # active jobs (queued or running), in arrival order
     datasets: Mapping[str, DatasetView]
     capacity: ClusterCapacity
+    #: Optional: the same jobs as columns (JobColumns); policies fall back to `jobs` without it.
+    columns: JobColumns | None = field(default=None, compare=False)
+
+    def job_columns(self) -> JobColumns | None:
+        """The columns if they describe this snapshot's `jobs`, else None."""
+        cols = self.columns
+        return cols if cols is not None and cols.jobs is self.jobs else None
 
     def __post_init__(self) -> None:
         if not isinstance(self.datasets, MappingProxyType):
@@ -182,6 +224,9 @@ class Allocation:
     remote_io: bytes/s per job *while it runs*, or None when storage is unmanaged.
     cpu: CPU cores per job *while it runs*, or None when the cluster does not model CPU
         (ClusterCapacity.cpus_per_node unset; then every job has the cores it needs).
+    autocache: datasets whose cache holds their readers' preprocessed data (Cachew's autocache
+        point) -> bytes cached per source byte; every other dataset caches source bytes. Set by
+        the scheduling core after the policy (policies/autocache.py), never by a policy.
     """
 
     gpu_share: Mapping[str, float]
@@ -190,9 +235,11 @@ class Allocation:
     cpu: Mapping[str, float] | None = None
     objective: float | None = field(default=None, compare=False)  # e.g. Gavel's min fairness ratio
     partition: StoragePartition | None = field(default=None, compare=False)  # set by scheduler/core/partition.py
+    autocache: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_share", MappingProxyType(dict(self.gpu_share)))
+        object.__setattr__(self, "autocache", MappingProxyType(dict(self.autocache)))
         object.__setattr__(self, "cache", _frozen(self.cache))
         object.__setattr__(self, "remote_io", _frozen(self.remote_io))
         object.__setattr__(self, "cpu", _frozen(self.cpu))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from policies.types import Allocation, Snapshot
 
 # Relative slack for floating-point sums (a knapsack filled to capacity may overshoot by ulps).
@@ -93,7 +95,48 @@ def _cpu_violations(snapshot: Snapshot, allocation: Allocation, jobs: dict) -> l
     return problems
 
 
+def _clearly_valid(snapshot: Snapshot, allocation: Allocation) -> bool:
+    """A vectorised check that passes only allocations allocation_violations would pass (the
+    simulator validates one per decision); anything else goes to the full check, which names
+    every violation."""
+    cols = snapshot.job_columns()
+    if cols is None or allocation.cpu is not None:
+        return False
+    cap = snapshot.capacity
+    ids = [j.job_id for j in cols.jobs]
+    gs = allocation.gpu_share
+    if len(gs) != len(ids) or not gs.keys() == set(ids):
+        return False
+    share = np.fromiter((gs[i] for i in ids), dtype=float, count=len(ids))
+    if not (np.all(share >= 0.0) and np.all(share <= 1.0 + _REL_TOL)):  # NaN fails both
+        return False
+    if np.any((share > 0) & (cols.gpus > cap.gpus)) or float(share @ cols.gpus) > cap.gpus * (1 + _REL_TOL):
+        return False
+    if allocation.cache is not None:
+        names = list(allocation.cache)
+        if any(n not in snapshot.datasets for n in names):
+            return False
+        c = np.fromiter(allocation.cache.values(), dtype=float, count=len(names))
+        sizes = np.fromiter((snapshot.datasets[n].size for n in names), dtype=float, count=len(names))
+        if not (np.all(np.isfinite(c)) and np.all(c >= 0) and np.all(c <= sizes * (1 + _REL_TOL) + 1e-6)):
+            return False
+        if float(c.sum()) > cap.cache * (1 + _REL_TOL) + 1e-6:
+            return False
+    if allocation.remote_io is not None:
+        io = allocation.remote_io
+        if not io.keys() <= gs.keys():
+            return False
+        r = np.fromiter((io.get(i, 0.0) for i in ids), dtype=float, count=len(ids))
+        if not (np.all(np.isfinite(r)) and np.all(r >= 0)):
+            return False
+        if float(r @ share) > cap.remote_io * (1 + 1e-6) + 1e-6:
+            return False
+    return True
+
+
 def validate_allocation(snapshot: Snapshot, allocation: Allocation) -> Allocation:
+    if _clearly_valid(snapshot, allocation):
+        return allocation
     problems = allocation_violations(snapshot, allocation)
     if problems:
         raise AllocationError("invalid allocation: " + "; ".join(problems))

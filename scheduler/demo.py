@@ -12,6 +12,14 @@
    its GPU share (CoorDL-style), as the local backend does for unmanaged storage.
 4. JCTs of both runs side by side.
 
+`silod demo --cpu` shows the input pipeline as a resource instead (issue 22): the cluster has
+few CPU cores, one job decodes its items on CPU (its workers do real CPU work per item, limited
+to the cores the scheduler gives it: scheduler/backends/cpu_limit.py) and one job does not. The
+same jobs run twice: with the cores allocated by the estimator (the CPU-bound job gets the cores
+the other job does not need) and with GPU-proportional cores (today's practice). Its cache and
+link are ample, so more cache would buy it nothing (the live table's `bound` column says cpu):
+more cores speed it up.
+
 The SiloD run is wired as `silod serve --backend local --datamanager URL` is: the service fills
 each dataset's measured cached bytes into the snapshot from the data manager's status (so the
 policy plans remote IO on the filled part of the cache, not on the allocation), and
@@ -52,6 +60,7 @@ class DemoJob:
     dataset: str
     ideal: float  # f*, bytes/s
     epochs: float
+    cpu_rate: float | None = None  # bytes/s per core of its CPU stage; None: not CPU-bound
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class Scenario:
     cache: float  # bytes
     remote_io: float  # bytes/s
     timeout_s: float
+    cpus_per_node: float | None = None  # CPU modelled (and enforced by the local backend) when set
 
 
 FULL = Scenario(
@@ -75,6 +85,21 @@ QUICK = Scenario(
     jobs=(DemoJob("resnet-a1", "images-a", 8 * MB, 3), DemoJob("resnet-a2", "images-a", 8 * MB, 3),
           DemoJob("effnet-b1", "images-b", 4 * MB, 2), DemoJob("effnet-b2", "images-b", 4 * MB, 2)),
     gpus=4, cache=10 * MB, remote_io=7 * MB, timeout_s=120,
+)
+
+# One node of 2 GPUs and half a core (small, so that the limit binds even on a busy machine):
+# GPU-proportional gives each job a quarter of a core; the estimator gives the decoding job the
+# whole half (the text job needs none). Items are random bytes, so each costs exactly
+# size / cpu_rate of CPU (the calibrated loop). Cache and link are ample.
+CPU_FULL = Scenario(
+    datasets=(DemoDataset("images-c", 50, 20_000, 40_000), DemoDataset("text-d", 40, 20_000, 40_000)),
+    jobs=(DemoJob("decode-c", "images-c", 4 * MB, 3, cpu_rate=0.4 * MB), DemoJob("text-d", "text-d", 1 * MB, 3)),
+    gpus=2, cache=100 * MB, remote_io=50 * MB, timeout_s=300, cpus_per_node=0.5,
+)
+CPU_QUICK = Scenario(
+    datasets=(DemoDataset("images-c", 30, 20_000, 30_000), DemoDataset("text-d", 30, 20_000, 30_000)),
+    jobs=(DemoJob("decode-c", "images-c", 4 * MB, 2, cpu_rate=0.4 * MB), DemoJob("text-d", "text-d", 1 * MB, 2)),
+    gpus=2, cache=100 * MB, remote_io=50 * MB, timeout_s=150, cpus_per_node=0.5,
 )
 
 
@@ -163,6 +188,8 @@ class JobRow:
     io_cap: str
     hit: str
     speed: str
+    cores: str = "-"
+    bound: str = "-"
 
 
 # (header, JobRow field, shown without --wide). The default set fits an 80-column terminal;
@@ -171,18 +198,25 @@ COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("job", "job", True), ("data", "data", False), ("f*", "ideal", False), ("state", "state", True),
     ("done", "done", True), ("ep", "epoch", False), ("GPU", "gpus", True), ("cache", "cache", True),
     ("IO cap", "io_cap", True), ("hit", "hit", True), ("speed", "speed", True),
+    ("cores", "cores", False), ("bound", "bound", False),
 )
+# `--cpu`: the cores and what bounds each job replace the storage columns in the 80-column set.
+CPU_DEFAULT = ("job", "state", "done", "ep", "GPU", "cores", "bound", "speed")
 
 
-def render_table(title: str, rows: list[JobRow], wide: bool = False) -> Any:
+def render_table(title: str, rows: list[JobRow], wide: bool = False, cpu: bool = False) -> Any:
     from rich.table import Table
+
+    def shown(header: str, default: bool) -> bool:
+        return wide or (header in CPU_DEFAULT if cpu else default and header not in ("cores", "bound"))
 
     table = Table(title=title)
     for header, attr, default in COLUMNS:
-        if default or wide:
-            table.add_column(header, justify="left" if attr in ("job", "data", "state") else "right", no_wrap=True)
+        if shown(header, default):
+            table.add_column(header, justify="left" if attr in ("job", "data", "state", "bound") else "right",
+                             no_wrap=True)
     for row in rows:
-        table.add_row(*(getattr(row, attr) for _, attr, default in COLUMNS if default or wide))
+        table.add_row(*(getattr(row, attr) for header, attr, default in COLUMNS if shown(header, default)))
     return table
 
 
@@ -212,12 +246,14 @@ def _job_rows(service: Any, names: dict[str, str]) -> list[JobRow]:
             cache=cache_text, io_cap=(format_rate(io) if io is not None else "none") if running else "-",
             hit=f"{hit:.0%}" if (hit is not None and running) else "-",
             speed=format_rate(st.get("throughput") or 0.0) if running else "-",
+            cores="-" if not running or j.allocated_cpus is None else f"{j.allocated_cpus:.1f}",
+            bound=(j.bottleneck.bound if j.bottleneck is not None else "-") if running else "-",
         ))
     return rows
 
 
-def _table(title: str, service: Any, names: dict[str, str], wide: bool = False) -> Any:
-    return render_table(title, _job_rows(service, names), wide)
+def _table(title: str, service: Any, names: dict[str, str], wide: bool = False, cpu: bool = False) -> Any:
+    return render_table(title, _job_rows(service, names), wide, cpu)
 
 
 @dataclass
@@ -274,10 +310,11 @@ class DemoApi:
 
 def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]], workdir: Path, policy: str,
              managed: bool, console: Any, live_output: bool = True, wide: bool = False,
-             api: DemoApi | None = None) -> RunResult:
+             api: DemoApi | None = None, cpu_allocation: str | None = None) -> RunResult:
     """One run of the scenario through the real service core, backend, mounts (and data manager)."""
     from rich.live import Live
 
+    from estimator.pipeline import InputPipeline
     from estimator.units import format_size
     from policies.estimators import VanillaEstimator
     from policies.registry import get_policy
@@ -293,7 +330,8 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     capacity, speed = load_cluster(None, gpus=scenario.gpus, gpus_per_node=scenario.gpus, cache=scenario.cache,
-                                   remote_io=scenario.remote_io)
+                                   remote_io=scenario.remote_io, cpus_per_node=scenario.cpus_per_node,
+                                   cpu_allocation=cpu_allocation)
     dm = DataManager(run_dir / "datamanager", run_dir / "datamanager.log") if managed else None
     # The demo's "remote store" is a local directory: the operator's allow-list names exactly it.
     from contract.uri_policy import UriPolicy
@@ -321,21 +359,29 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
             uri, size = sources[ds.name]
             service.register_dataset(admin, NewDataset(ds.name, uri, float(size)))
         for job in scenario.jobs:
-            rec = service.submit_job(admin, NewJob(job.name, 1, job.dataset, epochs=job.epochs, ideal_throughput=job.ideal))
+            pipeline = None if job.cpu_rate is None else InputPipeline(job.cpu_rate)
+            rec = service.submit_job(admin, NewJob(job.name, 1, job.dataset, epochs=job.epochs, ideal_throughput=job.ideal,
+                                                   pipeline=pipeline))
             names[rec.id] = job.name
         service.start()
+        cpu = scenario.cpus_per_node is not None
         title = (f"{label}: policy {policy}, {scenario.gpus} GPUs, cache {format_size(scenario.cache)}, "
-                 f"remote IO {format_size(scenario.remote_io)}/s")
+                 f"remote IO {format_size(scenario.remote_io)}/s"
+                 + (f", {scenario.cpus_per_node:g} CPU cores" if cpu else ""))
         deadline = time.monotonic() + scenario.timeout_s
-        with Live(_table(title, service, names, wide), console=console, refresh_per_second=4,
+        with Live(_table(title, service, names, wide, cpu), console=console, refresh_per_second=4,
                   transient=not live_output) as live:
             while time.monotonic() < deadline:
                 jobs = service.list_jobs(admin)
-                live.update(_table(title, service, names, wide))
+                live.update(_table(title, service, names, wide, cpu))
                 if all(j.state in ("finished", "failed", "cancelled") for j in jobs):
                     break
                 time.sleep(0.5)
         jobs = service.list_jobs(admin)
+        limiter = getattr(backend, "cpu_limiter", lambda: None)()
+        if limiter is not None:
+            console.print(f"{label}: CPU cores enforced with {limiter.mode}"
+                          + (f" ({limiter.base})" if limiter.base else ""), highlight=False)
     finally:
         serving.__exit__(None, None, None)
         service.stop()
@@ -353,7 +399,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
 
 
 def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None,
-             wide: bool = False, api: DemoApi | None = None) -> dict:
+             wide: bool = False, api: DemoApi | None = None, cpu: bool = False) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -363,7 +409,7 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
     if problems:
         raise UserError("silod demo needs real FUSE mounts: " + "; ".join(problems))
     console = console or Console()
-    scenario = QUICK if quick else FULL
+    scenario = (CPU_QUICK if quick else CPU_FULL) if cpu else (QUICK if quick else FULL)
     workdir.mkdir(parents=True, exist_ok=True)
     sources: dict[str, tuple[str, int]] = {}
     for i, ds in enumerate(scenario.datasets):
@@ -371,16 +417,24 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
         shutil.rmtree(root, ignore_errors=True)
         sources[ds.name] = (root.as_uri(), make_dataset(root, ds, seed=i))
     total = sum(s for _, s in sources.values())
-    console.print(f"[bold]silod demo[/]: {len(scenario.datasets)} datasets ({total / MB:.0f} MB of files in "
+    console.print(f"[bold]silod demo[/]: {len(scenario.datasets)} datasets ({total / MB:.1f} MB of files in "
                   f"{workdir / 'remote'}), {len(scenario.jobs)} jobs, cache {scenario.cache / MB:.0f} MB, "
-                  f"remote link {scenario.remote_io / MB:.0f} MB/s")
+                  f"remote link {scenario.remote_io / MB:.0f} MB/s"
+                  + (f", {scenario.cpus_per_node:g} CPU core(s) for input pipelines" if cpu else ""))
     if api is not None:
         for line in api.describe():
             console.print(line, highlight=False, soft_wrap=True)
-    runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide, api=api)]
-    if baseline:
-        runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console,
-                             wide=wide, api=api))
+    if cpu:
+        runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide, api=api,
+                         cpu_allocation="model")]
+        if baseline:
+            runs.append(run_once("gpu-proportional", scenario, sources, workdir, policy, managed=True, console=console,
+                                 wide=wide, api=api, cpu_allocation="gpu-proportional"))
+    else:
+        runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide, api=api)]
+        if baseline:
+            runs.append(run_once("storage-unaware", scenario, sources, workdir, policy, managed=False, console=console,
+                                 wide=wide, api=api))
     table = Table(title="Job completion times (s)")
     table.add_column("job")
     for r in runs:
@@ -391,12 +445,20 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
     table.add_row("[bold]average JCT", *(f"[bold]{fmt(r.avg_jct)}" for r in runs))
     table.add_row("makespan", *(fmt(r.makespan) for r in runs))
     console.print(table)
-    summary: dict = {"quick": quick, "policy": policy, "runs": {r.label: {"jct_s": r.jct, "states": r.states,
+    summary: dict = {"quick": quick, "policy": policy, "cpu": cpu, "runs": {r.label: {"jct_s": r.jct, "states": r.states,
                      "avg_jct_s": r.avg_jct, "makespan_s": r.makespan, "wall_s": r.wall_s} for r in runs}}
     if baseline and runs[0].avg_jct and runs[1].avg_jct:
         summary["avg_jct_speedup"] = runs[1].avg_jct / runs[0].avg_jct
-        console.print(f"SiloD average JCT is {summary['avg_jct_speedup']:.2f}x better than storage-unaware "
+        other = runs[1].label
+        console.print(f"SiloD average JCT is {summary['avg_jct_speedup']:.2f}x better than {other} "
                       f"({runs[0].avg_jct:.1f}s vs {runs[1].avg_jct:.1f}s).")
+        if cpu:
+            job = scenario.jobs[0].name
+            a, b = runs[0].jct.get(job), runs[1].jct.get(job)
+            if a and b:
+                summary["cpu_job_speedup"] = b / a
+                console.print(f"{job} is CPU-bound: with the cores the text job does not need it finishes "
+                              f"{b / a:.2f}x sooner ({a:.1f}s vs {b:.1f}s); its cache and link were the same.")
     return summary
 
 
@@ -412,6 +474,8 @@ def register(app: typer.Typer) -> None:
         wide: Annotated[bool, typer.Option("--wide", help="all columns in the live table (dataset, f*, epoch); wider than 80")] = False,
         serve: Annotated[str | None, typer.Option("--serve", help="HOST:PORT: also serve the API, the web view (/ui) and"
                                                   " /metrics there while the demo runs")] = None,
+        cpu: Annotated[bool, typer.Option("--cpu", help="the CPU demo: a CPU-bound job sped up by cores (the estimator's"
+                                          " allocation vs GPU-proportional cores), not by cache")] = False,
     ) -> None:
         """The whole system on one machine: real datasets, data manager, scheduler, FUSE mounts; SiloD vs storage-unaware."""
         import json
@@ -428,7 +492,7 @@ def register(app: typer.Typer) -> None:
             workdir = ensure_writable_dir(workdir, "--workdir").absolute()  # sources become file:// URIs
         work = workdir or Path(tempfile.mkdtemp(prefix="silod-demo-"))
         try:
-            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide, api=api)
+            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide, api=api, cpu=cpu)
         finally:
             if workdir is None and not keep:
                 shutil.rmtree(work, ignore_errors=True)

@@ -244,8 +244,8 @@ class ControlPlane:
 
     def add_node(self, name: str, gpus: int, *, taints: list[dict[str, str]] | None = None, ready: bool = True,
                  unschedulable: bool = False, labels: dict[str, str] | None = None,
-                 annotations: dict[str, str] | None = None) -> None:
-        """A Node with `gpus` nvidia.com/gpu and, when `ready`, a Ready condition, as kubelet
+                 annotations: dict[str, str] | None = None, cpu: str = "64") -> None:
+        """A Node with `gpus` nvidia.com/gpu, `cpu` cores and, when `ready`, a Ready condition, as kubelet
         and the node lifecycle controller leave it: the TaintNodesByCondition admission plugin
         taints every new Node node.kubernetes.io/not-ready:NoSchedule, and the lifecycle
         controller (not running here) removes that taint once the node is Ready, so this does
@@ -256,7 +256,7 @@ class ControlPlane:
                              "annotations": annotations or {}},
                 "spec": {"unschedulable": unschedulable}}
         core.create_node(body)
-        capacity = {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        capacity = {"cpu": cpu, "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         cond = {"type": "Ready", "status": "True" if ready else "False", "reason": "Test",
                 "lastHeartbeatTime": now, "lastTransitionTime": now}

@@ -65,3 +65,11 @@ def test_the_overview_shows_no_job_faster_than_its_f_star(tmp_path):
     o = build_overview(sessions, Principal("alice"), capacity=ClusterCapacity(gpus=8, cache=1e12, remote_io=1e9),
                        policy="fifo", status=status)
     assert o.running[0].throughput == pytest.approx(1e8)
+    # A job measured faster than it declared (its measured f*, issue 22) is shown up to that.
+    from scheduler.service.db.models import JobMeasurementRow
+
+    with sessions.begin() as s:
+        s.add(JobMeasurementRow(job_id=1, ideal_throughput=3e8))
+    o = build_overview(sessions, Principal("alice"), capacity=ClusterCapacity(gpus=8, cache=1e12, remote_io=1e9),
+                       policy="fifo", status=status)
+    assert o.running[0].throughput == pytest.approx(3e8)

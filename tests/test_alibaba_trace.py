@@ -77,3 +77,32 @@ def test_the_real_trace_loads():
     assert tr.notes[0] == "left out 1088 CPU-only task(s)"
     assert all(j.pipeline is not None for j in tr.jobs)  # every GPU task requests CPU
     assert tr.max_gpus == 8
+
+
+def test_window_keeps_tasks_created_in_it_and_shifts_arrivals(tmp_path):
+    p = _write(tmp_path, *(f"openb-pod-{i:04d},8000,1,1,1000,,LS,Running,{i * 100},{i * 100 + 50},{i * 100}" for i in range(10)))
+    whole = load_alibaba_trace(p, seed=3)
+    tr = load_alibaba_trace(p, seed=3, window_s=(300.0, 700.0))
+    assert [j.job_id for j in tr.jobs] == [f"openb-pod-{i:04d}" for i in (3, 4, 5, 6)]
+    assert [j.submit_time for j in tr.jobs] == [0.0, 100.0, 200.0, 300.0]
+    # A task maps to the same model whatever the window.
+    by_id = {j.job_id: j.model for j in whole.jobs}
+    assert all(by_id[j.job_id] == j.model for j in tr.jobs)
+    assert "left out 6 outside the window task(s)" in tr.notes
+    with pytest.raises(UserError, match="window"):
+        load_alibaba_trace(p, window_s=(700.0, 300.0))
+
+
+def test_densest_window_and_offered_load_by_hand(tmp_path):
+    from scheduler.sim.experiments import DAY_S, densest_window, offered_load
+
+    day = int(DAY_S)
+    # Day 0: one 1-GPU task running 100 days (counts only up to the window's end: 1 day);
+    # day 10: two 2-GPU tasks of half a day each (1 GPU-day each, 2 in all) -> the densest.
+    p = _write(tmp_path, f"openb-pod-0000,8000,1,1,1000,,LS,Running,0,{100 * day},0",
+               f"openb-pod-0001,8000,1,2,1000,,LS,Running,{10 * day},{10 * day + day // 2},{10 * day}",
+               f"openb-pod-0002,8000,1,2,1000,,LS,Running,{10 * day + 3600},{10 * day + 3600 + day // 2},{10 * day + 3600}")
+    assert densest_window(p, seed=0, days=1.0) == (10 * DAY_S, 11 * DAY_S)
+    tr = load_alibaba_trace(p, window_s=(10 * DAY_S, 11 * DAY_S))
+    # 2 tasks x 2 GPUs x 43,200 s over a 3,600 s arrival span.
+    assert offered_load(tr) == pytest.approx(2 * 2 * 43200 / 3600)

@@ -80,7 +80,9 @@ def test_running_job_shows_cores_and_bottleneck(cpu_client):
     assert one["bottleneck"]["speedup_cpu"] == pytest.approx(1.0)
     listed = {j["id"]: j for j in c.get("/v1/jobs", headers=H_ALICE).json()}
     assert listed[big["id"]]["allocated_cpus"] == pytest.approx(4.0)
-    assert listed[big["id"]]["bottleneck"] is None  # only GET one job computes the diagnosis
+    # The list carries the same diagnosis (`silod jobs` shows it), computed in one call for all.
+    assert listed[big["id"]]["bottleneck"] == two["bottleneck"]
+    assert listed[cpu_job["id"]]["bottleneck"] == one["bottleneck"]
 
 
 def test_without_cpus_per_node_no_cores_are_recorded(tmp_path):
@@ -116,3 +118,33 @@ def test_gpu_proportional_cores_on_the_service(tmp_path):
         service.run_round("test")
         assert c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["allocated_cpus"] == pytest.approx(1.0)  # 4 cores / 4 GPUs
     service.close()
+
+
+def test_autocache_choice_in_dataset_and_job_views(cpu_client):
+    c, service = cpu_client
+    # 4 GPUs at 400 MB/s on 4 cores (its node's) at 35 MB/s per core: 140 MB/s from source. Its
+    # autocache point stores 6 bytes per source byte and leaves 350 MB/s per core of work: with
+    # the 200 GB cache holding 200 / (6 x 143) = 23% of the decoded set, 4 cores give
+    # 4 / (0.233/350 + 0.767/35) = 177 MB/s: preprocessed caching wins (by 0.09 of its f*).
+    big = c.post("/v1/jobs", json={**JOB, "name": "big", "gpus": 4, "ideal_throughput": "400MB/s", "cpu_rate": "35MB/s",
+                                   "autocache_expansion": 6, "post_cpu_rate": "350MB/s"}, headers=H_ALICE).json()
+    ds = c.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    assert (ds["cache_mode"], ds["cache_expansion"]) == ("source", None)  # nothing decided yet
+    service.run_round("test")
+    ds = c.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    assert (ds["cache_mode"], ds["cache_expansion"]) == ("preprocessed", 6.0)
+    got = c.get(f"/v1/jobs/{big['id']}", headers=H_ALICE).json()
+    assert (got["cache_mode"], got["cache_expansion"]) == ("preprocessed", 6.0)
+    # The diagnosis uses the choice. On source bytes the whole 143 GB is cached (no IO bound) and
+    # the job is CPU-bound, a fifth core worth 5/4. On decoded items only 23% is cached: the IO
+    # cap the policy planned (for the 140 MB/s its cores give on source bytes, at that hit
+    # ratio) binds, at 140 MB/s, and a core buys nothing. (Policies plan IO for source-rate
+    # cores; the link they leave spare reaches such readers by work conservation.)
+    assert got["bottleneck"]["bound"] == "remote_io"
+    assert got["bottleneck"]["throughput"] == pytest.approx(140e6, rel=1e-6)
+    assert got["bottleneck"]["speedup_cpu"] == pytest.approx(1.0)
+    # A reader without the autocache point joins: the dataset goes back to source bytes.
+    c.post("/v1/jobs", json={**JOB, "name": "plain", "cpu_rate": "35MB/s"}, headers=H_ALICE)
+    service.run_round("test")
+    ds = c.get("/v1/datasets/imagenet", headers=H_ALICE).json()
+    assert (ds["cache_mode"], ds["cache_expansion"]) == ("source", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -204,7 +205,7 @@ def test_exported_experiment_trace_is_what_the_experiment_simulates(monkeypatch)
 
     seen = {}
 
-    def capture(self, jobs, source, dask):
+    def capture(self, jobs, source, executor):
         seen["runs"], seen["source"] = [run for _, run in jobs], source
         raise Captured
 
@@ -217,10 +218,138 @@ def test_exported_experiment_trace_is_what_the_experiment_simulates(monkeypatch)
         runner = ex.ExperimentRunner(None, None, 5, 360.0, 128, show_progress=False, workers=1)
         with pytest.raises(Captured):
             fn(runner, Path("/nonexistent-out"), cap)
-        points = {(r.dataset_sharing, r.irregular, r.catalog_pipelines): r for r in seen["runs"]}
-        for (sharing, irregular, pipelines), run in points.items():  # every point of a sweep
+        points = {(r.dataset_sharing, r.irregular, r.catalog_pipelines, r.autocache_points): r for r in seen["runs"]}
+        for point, run in points.items():  # every point of a sweep
             src, _ = ex.run_trace_source(run, seen["source"])
-            exported = ex.experiment_trace(name, None, None, 5, sharing, irregular, pipelines)
-            assert trace_digest(exported) == trace_digest(ex.build_trace(src)), (name, sharing, irregular, pipelines)
+            exported = ex.experiment_trace(name, None, None, 5, *point)
+            assert trace_digest(exported) == trace_digest(ex.build_trace(src)), (name, point)
         checked.append(name)
     assert set(ex.SWEEP_EXPERIMENTS) <= set(checked)
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it (from /proc; Ray's workers are children of its raylet)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _in_session(sid: int) -> list[str]:
+    """Command lines of the live processes of session `sid`."""
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                left.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return left
+
+
+def _listeners(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP/UDP sockets these processes listen on (`ss`)."""
+    out = subprocess.run(["ss", "-H", "-l", "-t", "-u", "-n", "-p"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            found.append(line.split()[4])
+    return found
+
+
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """A Ray head with two CPUs, listening on 127.0.0.1 only, started in a directory of its own
+    and in a session of its own: teardown ends that session's processes (never `ray stop`, which
+    would stop every Ray cluster of this machine's user)."""
+    pytest.importorskip("ray")
+    import socket
+    import signal
+    import tempfile
+
+    home = tmp_path / "cluster"
+    home.mkdir()
+    # Ray's Unix sockets live under --temp-dir, whose path must stay short (sun_path is 108 bytes).
+    temp = tempfile.mkdtemp(prefix="silod-ray-", dir="/tmp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Without this variable Ray on Linux swaps 127.0.0.1 for the machine's outward IP and listens on every interface.
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                             f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                             f"--temp-dir={temp}"], cwd=home, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert head.poll() is None, "ray start --head exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the Ray head did not listen in 120 s")
+        yield f"127.0.0.1:{port}", head.pid
+    finally:
+        head.terminate()  # `ray start --block` ends the processes it started on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        deadline = time.monotonic() + 30
+        while _in_session(head.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _in_session(head.pid)
+        if left:
+            os.killpg(head.pid, signal.SIGKILL)
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not left, f"the Ray cluster left processes behind: {left}"
+
+
+def test_ray_cluster_runs_an_experiment_like_the_local_run(ray_cluster, tmp_path):
+    address, head_pid = ray_cluster
+    client_dir = tmp_path / "client"  # not the cluster's directory: the trace must be shipped (see the Dask test)
+    client_dir.mkdir()
+    ok("trace", "export", "--experiment", "matrix", "--max-jobs", "12", "--out", "t.csv", cwd=client_dir)
+    args = ["matrix", "--trace", "t.csv", "--gpus", "16", "--cache", "3TB", "--remote-io", "300MB/s", "--quiet"]
+    ok("experiment", *args, "--workers", "1", "--out", "local", cwd=client_dir)
+    ok("experiment", *args, "--ray", address, "--out", "ray", cwd=client_dir)
+    assert_same_outputs(client_dir / "ray", client_dir / "local", "matrix")
+    # Every socket of the cluster (GCS, raylet, agents, the workers that ran the simulations) is on loopback.
+    listening = _listeners(_descendants(head_pid))
+    assert listening, "found no listener of the Ray cluster; the check would pass vacuously"
+    loopback = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
+    assert all(a.startswith(loopback) for a in listening), f"the Ray cluster listens beyond loopback: {listening}"
+
+
+def test_ray_unreachable_or_doubled_executor_is_one_line(tmp_path):
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = silod("experiment", "micro", "--quiet", "--ray", f"127.0.0.1:{port}", "--out", str(tmp_path / "o"), timeout=120)
+    assert proc.returncode == 1 and "cannot reach the Ray cluster" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    proc = silod("experiment", "micro", "--quiet", "--ray", "nonsense", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "--ray 'nonsense' is not HOST:PORT" in proc.stderr, proc.stderr
+    proc = silod("experiment", "micro", "--quiet", "--ray", f"127.0.0.1:{port}", "--dask", f"tcp://127.0.0.1:{port}",
+                 "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "give one of them" in proc.stderr, proc.stderr

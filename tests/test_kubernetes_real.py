@@ -180,6 +180,48 @@ def test_placement_honours_taints_tolerations_and_node_readiness(tenant):
     wait(lambda: sorted(scheduled()) == sorted([free, tainted]), 60, "kube-scheduler to bind the tolerant pod")
 
 
+def test_placement_fits_the_pods_cpu_requests(tenant):
+    """Issue 22: CPU is part of the fit check, from the pods' CPU requests (a Job's pod resources
+    cannot change at admission, so silod does not resize them to the cores it allocates). The
+    tightest node by GPUs has too few cores for the pod: silod places it where kube-scheduler
+    can bind it; a second job no node has the cores for waits, and says so."""
+    cp, ns, nodes = tenant
+    cp.start_kube_scheduler()
+    small, big = f"{ns}-small", f"{ns}-big"
+    nodes += [small, big]
+    cp.add_node(small, 4, cpu="4")  # best fit by GPUs, but 4 cores
+    cp.add_node(big, 8, cpu="32")
+    kubelet = Kubelet(cp, nodes)
+    backend = backend_for(cp)
+    backend.refresh()
+    rec = types.SimpleNamespace(id="905", name="job-905", owner=ns, gpus=4, dataset="ds")
+    backend.create_workload(rec, PodTemplate(image="trainer:1", cpu="16"))
+    spec = JobSpec("905", rec.name, ns, 4, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.refresh()
+    backend.start(spec, alloc(spec))
+    wait(lambda: (backend.poll(), node_of_affinity(cp.job(ns, "silod-905")))[1], 30,
+         lambda: f"admission of silod-905: {backend._reported.problems}")
+    assert node_of_affinity(cp.job(ns, "silod-905")) == [big], backend._reported.problems
+
+    def scheduled():
+        kubelet.step(ns)
+        return [p["spec"]["nodeName"] for p in cp.pods(ns) if p["spec"].get("nodeName")]
+    assert wait(scheduled, 60, "kube-scheduler to bind the pod") == [big]
+    backend.refresh()
+
+    # 4 GPUs are free on each node, but 32 - 16 = 16 cores on big and 4 on small: 20 fit nowhere.
+    rec2 = types.SimpleNamespace(id="906", name="job-906", owner=ns, gpus=4, dataset="ds")
+    backend.create_workload(rec2, PodTemplate(image="trainer:1", cpu="20"))
+    spec2 = JobSpec("906", rec2.name, ns, 4, DatasetInfo("ds", "s3://b/ds", 1e9), 1e8, 1e9, 0.0)
+    backend.refresh()
+    backend.start(spec2, alloc(spec2))
+    backend.poll()
+    assert node_of_affinity(cp.job(ns, "silod-906")) == []
+    assert cp.job(ns, "silod-906")["spec"]["suspend"] is True
+    problems = " ".join(backend._reported.problems.values())
+    assert "requests 20 CPU cores, no node has more than 16 free" in problems, problems
+
+
 def test_silod_creates_rest_jobs_only_in_tenant_namespaces(tenant):
     """Least privilege (deploy/base): the ClusterRole does not grant Job creation; each tenant's
     namespace has a RoleBinding that does. kube-system (no such binding) is refused by RBAC."""

@@ -37,5 +37,10 @@ def test_cores_over_the_cli(tmp_path: Path) -> None:
         assert jobs[0]["allocated_cpus"] == pytest.approx(4.0)  # needs 11.4, its node has 4
         wide = _cli("jobs", "--wide", token="alice-cli-token", port=port).stdout
         assert "cores" in wide and "4.0" in wide
+        # The default table (80 columns) names what bounds each running job and its f*.
+        plain = _cli("jobs", token="alice-cli-token", port=port).stdout
+        assert "bound" in plain and "cpu" in plain, plain
+        assert "f* (measured)" in plain and "400MB" in plain, plain
+        assert max(len(line) for line in plain.splitlines()) <= 80, plain
     finally:
         _stop(proc)

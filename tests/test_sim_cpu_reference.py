@@ -38,8 +38,10 @@ class Case:
     hand: dict  # job id -> JCT computed by hand (seconds), where simple
 
 
-def job(job_id, dataset, f_mb, epochs, cpu_mb=None, submit=0.0, gpus=1):
-    return RefJob(job_id, submit, gpus, dataset, f_mb * MB, epochs, cpu_rate=None if cpu_mb is None else cpu_mb * MB)
+def job(job_id, dataset, f_mb, epochs, cpu_mb=None, submit=0.0, gpus=1, autocache=None):
+    """autocache: (expansion, post_cpu_rate in MB/s) at the job's autocache point."""
+    point = None if autocache is None else (float(autocache[0]), autocache[1] * MB)
+    return RefJob(job_id, submit, gpus, dataset, f_mb * MB, epochs, cpu_rate=None if cpu_mb is None else cpu_mb * MB, autocache=point)
 
 
 TWO = (job("a", "d1", 100, 2.0, 35), job("b", "d2", 69, 2.0, 35))
@@ -59,6 +61,19 @@ CASES = [
     Case("mixed-arrivals-model", MIXED, {"d1": 50 * GB, "d2": 40 * GB, "d3": 20 * GB}, 3, 200 * GB, 2 * GB, 3, "model", {}),
     Case("mixed-arrivals-gpu-proportional", MIXED, {"d1": 50 * GB, "d2": 40 * GB, "d3": 20 * GB}, 3, 200 * GB, 2 * GB, 3,
          "gpu-proportional", {}),
+    # Autocaching (issue 22). 4 cores bound the job at 4 x 20 = 80 MB/s; caching the decoded
+    # items (2 bytes per source byte, 100 MB/s per core after the cache point): epoch 1 at
+    # 80 MB/s (125 s), epochs 2-3 from cache at min(200, 4 x 100) (100 s).
+    Case("autocache-one-job", (job("a", "d1", 200, 3.0, 20, autocache=(2, 100)),), {"d1": 10 * GB}, 1, 100 * GB, 1 * GB, 4,
+         "model", {"a": 225.0}),
+    # Two readers of one dataset from a cold cache; its decoded form (3x) only partly fits the
+    # cache, so later epochs mix cached decoded items (cheap) and fetched JPEGs (the whole pipeline).
+    Case("autocache-shared-partial", (job("a", "d1", 150, 3.0, 25, autocache=(3, 100)),
+                                      job("b", "d1", 100, 2.0, 25, submit=0.0, autocache=(3, 100))),
+         {"d1": 20 * GB}, 2, 40 * GB, 500 * MB, 6, "model", {}),
+    # One dataset with an autocache point beside one without (source caching, IO-bound).
+    Case("autocache-mixed", (job("a", "d1", 150, 3.0, 25, autocache=(2, 100)), job("b", "d2", 100, 2.0, None, submit=100.0)),
+         {"d1": 20 * GB, "d2": 30 * GB}, 2, 50 * GB, 300 * MB, 4, "model", {}),
 ]
 
 
@@ -71,9 +86,11 @@ def _reference(case: Case) -> dict:
 
 def _silod(case: Case, tmp: Path, seed: int) -> dict:
     trace = tmp / "trace.csv"
-    rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,cpu_rate"]
+    rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,cpu_rate,autocache_expansion,post_cpu_rate"]
     rows += [f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{case.datasets[j.dataset]:.0f},{j.ideal:.0f},{j.epochs},"
-             f"{'' if j.cpu_rate is None else f'{j.cpu_rate:.0f}'}" for j in case.jobs]
+             f"{'' if j.cpu_rate is None else f'{j.cpu_rate:.0f}'},"
+             f"{'' if j.autocache is None else f'{j.autocache[0]:g},{j.autocache[1]:.0f}'}"
+             f"{',' if j.autocache is None else ''}" for j in case.jobs]
     trace.write_text("\n".join(rows) + "\n")
     out = tmp / f"out{seed}"
     result = CliRunner().invoke(app, [

@@ -125,7 +125,7 @@ def test_bad_flags_give_clear_errors(tmp_path, args, expected):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["nonsense"], "unknown experiment 'nonsense'; choose one of: matrix, fairness, bandwidth, gpu-speed, sharing, quiver-noise, micro, curriculum, irregular-mix, cpu, stagger, all"),
+        (["nonsense"], "unknown experiment 'nonsense'; choose one of: matrix, fairness, bandwidth, gpu-speed, sharing, quiver-noise, micro, curriculum, irregular-mix, cpu, stagger, alibaba, autocache, all"),
         (["matrix", "--max-jobs", "0"], "--max-jobs 0 must be >= 1"),
         (["matrix", "--remote-io", "fast"], "--remote-io"),
         (["matrix", "--trace", "/nonexistent.trace"], "not found"),

@@ -60,8 +60,14 @@ def _number(row: dict, column: str, path: Path, line: int, *, allow_empty: bool 
     return value
 
 
-def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0) -> Trace:
+def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0,
+                       window_s: tuple[float, float] | None = None) -> Trace:
+    """`window_s` = (start, end): only tasks created in [start, end) seconds of the trace, their
+    arrivals shifted so the window starts at 0 (models are still drawn for every row, so a task
+    maps to the same model whatever the window)."""
     path = Path(path)
+    if window_s is not None and not (0 <= window_s[0] < window_s[1]):
+        raise AlibabaTraceError(f"window {window_s!r} must be (start, end) seconds with 0 <= start < end")
     if path.is_dir():
         path = path / "openb_pod_list_default.csv"
     if not path.is_file():
@@ -98,6 +104,11 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
                 skipped["never scheduled"] += 1
                 continue
             created = _number(row, "creation_time", path, line)
+            if window_s is not None:
+                if not window_s[0] <= created < window_s[1]:
+                    skipped["outside the window"] += 1
+                    continue
+                created -= window_s[0]
             duration = _number(row, "deletion_time", path, line) - scheduled
             if duration <= 0:
                 skipped["zero duration"] += 1
@@ -115,13 +126,14 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
             pipeline = InputPipeline(rate / cores) if cores > 0 else None
             jobs.append(TraceJob(job_id, created, n_gpus, spec.name, dataset, rate, duration * rate / size, pipeline=pipeline))
     if not jobs:
-        raise AlibabaTraceError(f"{path}: no GPU task that ran; nothing to simulate")
+        raise AlibabaTraceError(f"{path}: no GPU task that ran{' in the window' if window_s else ''}; nothing to simulate")
     jobs.sort(key=lambda j: (j.submit_time, j.job_id))
     if max_jobs is not None:
         jobs = jobs[:max_jobs]
         sizes = {j.dataset: sizes[j.dataset] for j in jobs}
     notes = tuple(f"left out {n} {why} task(s)" for why, n in sorted(skipped.items()))
-    return Trace(tuple(jobs), sizes, source=f"{path} (alibaba-openb, seed {seed})", notes=notes)
+    window = "" if window_s is None else f", tasks created in [{window_s[0]:g}, {window_s[1]:g}) s"
+    return Trace(tuple(jobs), sizes, source=f"{path} (alibaba-openb, seed {seed}{window})", notes=notes)
 
 
 def node_summary(path: str | Path) -> dict:

@@ -71,6 +71,9 @@ class JobSpec:
     consumed_bytes: float  # already done before this start (a restarted job resumes here)
     model: str | None = None
     epochs: float | None = None
+    # Source bytes/s one core preprocesses (the job's declared CPU stage); None = not CPU-bound.
+    # A backend that runs the work itself (the local workers) does that much CPU work per byte.
+    cpu_rate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,7 @@ class JobAllocation:
     gpu_share: float  # the policy's time-average share (0..1); informational for backends
     cache_bytes: float | None  # cache of the job's dataset (shared by all its readers); None = unmanaged
     remote_io: float | None  # bytes/s cap for this job while running; None = unmanaged
+    cpus: float | None = None  # CPU cores for its input pipeline; None = the cluster does not model CPU
 
 
 EventKind = Literal["progress", "finished", "failed"]
@@ -162,6 +166,11 @@ class ClusterBackend(ABC):
     @abstractmethod
     def poll(self) -> list[JobEvent]:
         """Events since the previous call, oldest first."""
+
+    def update(self, job_id: str, allocation: JobAllocation) -> None:  # noqa: B027 - optional hook
+        """Optional hook: the allocation of a job that keeps running changed (today: its CPU
+        cores). A backend that enforces cores applies the new limit to the running job; the
+        default ignores it (cache and remote IO go to the data manager, not here)."""
 
     def running_jobs(self) -> set[str]:
         """Optional hook: ids of the jobs that run now, including jobs re-adopted after a restart

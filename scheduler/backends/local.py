@@ -34,7 +34,12 @@ backend options decide (``--backend-opt KEY=VALUE``):
 - ``unmanaged_cache``: ``coordl`` (default: a private cache per job of cache * gpus / cluster
   gpus, not shared, as CoorDL), ``none`` (no cache), or a size shared per dataset (``20MB``);
 - ``batch_bytes`` (default 1MB), ``prefetch_threads`` (4), ``prefetch_batches`` (2): the
-  worker's training pipeline.
+  worker's training pipeline;
+- ``cpu_limit``: how a job with a CPU stage (``cpu_rate``) is held to its allocated cores:
+  ``auto`` (default: cgroup v2 ``cpu.max``, else cgroup v1 CFS quota, else CPU affinity; see
+  scheduler/backends/cpu_limit.py), one of ``cgroup2``, ``cgroup1``, ``affinity``, or ``none``
+  (preprocessing runs unlimited). The mechanism in use is logged and shown in the job's
+  status (``cpu.mode``). A new allocation of cores (`update`) changes the running job's limit.
 
 Without a data manager a cap of 0 bytes/s (the policy expects the cache to serve the job) would
 pause a job with a cold cache for ever, since a static mount cannot be raised later; such a job
@@ -71,6 +76,8 @@ from scheduler.backends.base import (
     JobSpec,
     capacity_description,
 )
+from scheduler.backends.cpu_limit import MODES as CPU_MODES
+from scheduler.backends.cpu_limit import CpuLimiter
 from scheduler.backends.local_worker import WorkerSpec, force_unmount, read_json, write_json_atomic
 
 log = logging.getLogger("silod.backend.local")
@@ -133,6 +140,15 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def _child_of(pid: int, parent: int) -> bool:
+    """`pid` is a live child of `parent` (the worker's own preprocessing processes only)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat[stat.rindex(")") + 2:].split()[1]) == parent
+
+
 def _safe_id(job_id: str) -> bool:
     return bool(job_id) and ".." not in job_id and "/" not in job_id and job_id.replace("-", "").replace("_", "").replace(".", "").isalnum()
 
@@ -167,10 +183,11 @@ class LocalOptions:
     prefetch_batches: int = 2
     unmanaged_io: str = "equal"
     unmanaged_cache: str = "coordl"
+    cpu_limit: str = "auto"
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LocalOptions:
-        known = {"batch_bytes", "prefetch_threads", "prefetch_batches", "unmanaged_io", "unmanaged_cache"}
+        known = {"batch_bytes", "prefetch_threads", "prefetch_batches", "unmanaged_io", "unmanaged_cache", "cpu_limit"}
         unknown = set(options) - known
         if unknown:
             raise UserError(f"unknown local backend option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
@@ -195,6 +212,11 @@ class LocalOptions:
             if v not in ("coordl", "none"):
                 parse_size(v, what="unmanaged_cache")
             out["unmanaged_cache"] = v
+        if "cpu_limit" in options:
+            v = options["cpu_limit"]
+            if v not in ("auto", "none", *CPU_MODES):
+                raise UserError(f"--backend-opt cpu_limit={v!r}: choose auto, none, {', '.join(CPU_MODES)}")
+            out["cpu_limit"] = v
         return cls(**out)
 
 
@@ -213,6 +235,11 @@ class LocalBackend(ClusterBackend):
         self._workers: dict[str, _Worker] = {}
         self._events: list[JobEvent] = []
         self._lock = threading.RLock()
+        self.preprocessed_dir = self.root / "preprocessed"  # autocaching: <dataset key>/ (backends/preprocessed.py)
+        self._autocache: dict[str, tuple[float, float]] = {}  # dataset key -> (expansion, budget bytes)
+        self._limiter: CpuLimiter | None = None  # detected at the first job with a CPU stage
+        self._cores: dict[str, float | None] = {}  # job -> allocated cores (jobs with a CPU stage)
+        self._cpu_pids: dict[str, tuple[int, ...]] = {}  # job -> preprocessing pids last limited
         # The operator's allow-list for the mounts (fuse_client checks every request against
         # it); without one a mount would trust its own --source, names resolved at connect time
         # included, and a registered name that later resolves to an internal address would pass.
@@ -243,6 +270,7 @@ class LocalBackend(ClusterBackend):
             (jdir / "reported").unlink(missing_ok=True)
             (jdir / "status.json").unlink(missing_ok=True)
             cache_dir, cache_size, io_rate = self._storage_flags(job, allocation, jdir)
+            cpu = self._cpu_flags(job, allocation)
             spec = WorkerSpec(
                 job_id=job.job_id, attempt=attempt, dataset=job.dataset.name, source=job.dataset.uri,
                 ideal_throughput=float(job.ideal_throughput), total_bytes=float(job.total_bytes),
@@ -251,6 +279,8 @@ class LocalBackend(ClusterBackend):
                 mount_log=str(jdir / "mount.log"), silod_cmd=silod_cmd(), cache_size=cache_size, io_rate=io_rate,
                 manager=self.config.datamanager_url, batch_bytes=self.options.batch_bytes,
                 prefetch_threads=self.options.prefetch_threads, prefetch_batches=self.options.prefetch_batches,
+                preprocessed_dir=str(self.preprocessed_dir / job.dataset.name),
+                **cpu,
             )
             write_json_atomic(jdir / "spec.json", asdict(spec))
             with open(jdir / "worker.log", "ab") as logf:
@@ -267,8 +297,94 @@ class LocalBackend(ClusterBackend):
                 job.job_id, jdir, popen.pid, start_time, attempt, float(job.total_bytes), popen,
                 reported_consumed=float(job.consumed_bytes),
             )
-            log.info("job %s: worker %d started (attempt %d, cache %s, io %s)", job.job_id, popen.pid, attempt,
-                     cache_size, io_rate)
+            log.info("job %s: worker %d started (attempt %d, cache %s, io %s, cpu %s)", job.job_id, popen.pid, attempt,
+                     cache_size, io_rate, self._cpu_text(job.job_id) if cpu else "not CPU-bound")
+
+    def update(self, job_id: str, allocation: JobAllocation) -> None:
+        """A running job's cores changed: apply the new limit to its preprocessing processes."""
+        with self._lock:
+            if job_id not in self._cores or self._limiter is None:
+                return  # not ours, or no CPU stage
+            self._cores[job_id] = allocation.cpus
+            self._limiter.set_limit(job_id, allocation.cpus, list(self._cpu_pids.get(job_id, ())))
+            log.info("job %s: cpu limit now %s", job_id, self._cpu_text(job_id))
+
+    def cpu_limiter(self) -> CpuLimiter | None:
+        return self._limiter
+
+    def _cpu_text(self, job_id: str) -> str:
+        return "unlimited" if self._limiter is None else self._limiter.describe(self._cores.get(job_id))
+
+    def _cpu_flags(self, job: JobSpec, alloc: JobAllocation) -> dict[str, Any]:
+        """WorkerSpec fields of the CPU stage; creates the job's limit before its processes start."""
+        if job.cpu_rate is None or not math.isfinite(job.cpu_rate) or job.cpu_rate <= 0:
+            self._cores.pop(job.job_id, None)
+            return {}
+        processes = max(1, min(os.cpu_count() or 1, self.options.prefetch_threads))
+        if self.options.cpu_limit == "none":
+            return {"cpu_rate": float(job.cpu_rate), "cpu_processes": processes, "cpu_mode": "none"}
+        if self._limiter is None:
+            prefer = None if self.options.cpu_limit == "auto" else self.options.cpu_limit
+            self._limiter = CpuLimiter.detect(str(self.root), prefer=prefer)
+        self._cores[job.job_id] = alloc.cpus
+        self._cpu_pids.pop(job.job_id, None)
+        group = self._limiter.prepare(job.job_id, alloc.cpus)
+        affinity = None
+        if self._limiter.mode == "affinity":
+            from scheduler.backends.cpu_limit import _offset, affinity_cpus
+
+            affinity = affinity_cpus(alloc.cpus, sorted(os.sched_getaffinity(0)), offset=_offset(job.job_id))
+        return {"cpu_rate": float(job.cpu_rate), "cpu_processes": processes, "cpu_group": group,
+                "cpu_affinity": affinity, "cpu_mode": self._limiter.mode}
+
+    def _enforce_cpu(self, job_id: str, w: _Worker, status: dict | None) -> None:
+        """Hold the worker's preprocessing processes to the job's limit: the backend puts them in
+        the job's group (or sets their affinity) itself, not trusting the worker to have joined."""
+        if self._limiter is None or job_id not in self._cores or status is None:
+            return
+        pids = tuple(int(p) for p in ((status.get("cpu") or {}).get("pids") or ()) if _child_of(int(p), w.pid))
+        if not pids or pids == self._cpu_pids.get(job_id):
+            return
+        if self._limiter.mode == "affinity":
+            self._limiter.set_limit(job_id, self._cores[job_id], list(pids))
+        else:
+            self._limiter.attach(job_id, list(pids))
+        self._cpu_pids[job_id] = pids
+
+    # ------------------------------------------------------------------ autocaching
+
+    def set_autocache(self, dataset: str, expansion: float) -> None:
+        """The scheduler's choice for `dataset` (a storage key): expansion > 1 or != 1 caches its
+        readers' preprocessed items in the node-local store (its workers read control.json);
+        1.0: source bytes through the mount's cache. A change of expansion empties the store."""
+        from scheduler.backends.preprocessed import PreprocessedStore, write_control
+
+        if not _safe_id(dataset):
+            raise ValueError(f"dataset key {dataset!r} cannot name a directory")
+        with self._lock:
+            old_e, budget = self._autocache.get(dataset, (1.0, 0.0))
+            if old_e == expansion and (self.preprocessed_dir / dataset).exists():
+                return
+            store = PreprocessedStore(self.preprocessed_dir / dataset)
+            write_control(store.dir, expansion, budget if expansion != 1.0 else 0.0)
+            if old_e != expansion:
+                store.clear()
+            self._autocache[dataset] = (float(expansion), budget)
+
+    def preprocessed(self, dataset: str) -> bool:
+        with self._lock:
+            return self._autocache.get(dataset, (1.0, 0.0))[0] != 1.0
+
+    def set_preprocessed_budget(self, dataset: str, nbytes: float) -> None:
+        """The dataset's cache allocation while it caches preprocessed items (random eviction to fit)."""
+        from scheduler.backends.preprocessed import PreprocessedStore, write_control
+
+        with self._lock:
+            e, _ = self._autocache.get(dataset, (1.0, 0.0))
+            self._autocache[dataset] = (e, float(nbytes))
+            store = PreprocessedStore(self.preprocessed_dir / dataset)
+            write_control(store.dir, e, float(nbytes))
+            store.fit(float(nbytes))
 
     def stop(self, job_id: str) -> None:
         try:
@@ -286,7 +402,10 @@ class LocalBackend(ClusterBackend):
     def poll(self) -> list[JobEvent]:
         with self._lock:
             for job_id, w in list(self._workers.items()):
-                self._report(job_id, w.dir, w, final=not w.alive(), requested=False)
+                alive = w.alive()
+                if alive and job_id in self._cores:
+                    self._enforce_cpu(job_id, w, read_json(w.dir / "status.json"))
+                self._report(job_id, w.dir, w, final=not alive, requested=False)
             events, self._events = self._events, []
             return events
 
@@ -297,6 +416,8 @@ class LocalBackend(ClusterBackend):
     def stop_all(self) -> None:
         for job_id in list(self._workers):
             self.stop(job_id)
+        if self._limiter is not None:
+            self._limiter.close()  # its job groups are gone with their workers
 
     # ------------------------------------------------------------------ introspection (demo, tests)
 
@@ -389,7 +510,14 @@ class LocalBackend(ClusterBackend):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.pid, signal.SIGKILL)
         force_unmount(w.dir / "mnt")
+        self._release_cpu(job_id)
         return w
+
+    def _release_cpu(self, job_id: str) -> None:
+        self._cores.pop(job_id, None)
+        self._cpu_pids.pop(job_id, None)
+        if self._limiter is not None:
+            self._limiter.remove(job_id)  # refused by the kernel while a process is left in it
 
     def _report(self, job_id: str, jdir: Path, w: _Worker | None, final: bool, requested: bool) -> None:
         """Queue progress (cumulative) and, when the worker is gone, its terminal event.
@@ -414,6 +542,7 @@ class LocalBackend(ClusterBackend):
         if w is not None:
             self._workers.pop(job_id, None)
             force_unmount(jdir / "mnt")
+            self._release_cpu(job_id)
         marker = jdir / "reported"
         if state == "finished":
             self._events.append(JobEvent(job_id, "finished", consumed_bytes=status.get("total_bytes"),
@@ -445,6 +574,13 @@ class LocalBackend(ClusterBackend):
                 self._workers[job_id] = w
                 adopted.append(job_id)
                 log.info("job %s: re-adopted running worker %d", job_id, w.pid)
+                spec = read_json(jdir / "spec.json") or {}
+                if spec.get("cpu_rate") and spec.get("cpu_mode") in CPU_MODES:
+                    # Its group keeps the limit it had; a later update() must still reach it.
+                    with contextlib.suppress(Exception):
+                        if self._limiter is None:
+                            self._limiter = CpuLimiter.detect(str(self.root), prefer=spec["cpu_mode"])
+                        self._cores[job_id] = None
             elif not (jdir / "reported").exists():
                 # Ended while no service watched: tell the next poll() what it did.
                 self._report(job_id, jdir, None, final=False, requested=False)
@@ -477,10 +613,18 @@ class WorkConservingPusher:
         self._thread.start()
 
     def allocate_cache_size(self, dataset: str, bytes: float) -> Any:  # noqa: A002 - the protocol's name
+        # Autocaching: a dataset caching preprocessed items holds them in the node-local store,
+        # so its allocation goes there and the mount's source cache gets none.
+        if self.backend.preprocessed(dataset):
+            self.backend.set_preprocessed_budget(dataset, bytes)
+            return self.inner.allocate_cache_size(dataset, 0.0)
         return self.inner.allocate_cache_size(dataset, bytes)
 
     def set_cache_mode(self, dataset: str, mode: str) -> Any:
         return self.inner.set_cache_mode(dataset, mode)
+
+    def set_autocache(self, dataset: str, expansion: float) -> None:
+        self.backend.set_autocache(dataset, expansion)
 
     def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int = 1) -> Any:
         with self._lock:

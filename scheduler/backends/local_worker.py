@@ -11,8 +11,12 @@ group):
   so a restarted job resumes the same order), in batches of about ``batch_bytes``;
 - a small pool of loader threads reads items ahead of the "GPU" (``prefetch_threads`` reads in
   flight, ``prefetch_batches`` batches queued), so IO and compute overlap as Eq. 4 assumes;
+- with a CPU stage (``cpu_rate``: the job's declared per-core preprocessing rate) every item
+  read is preprocessed for real before the "GPU" gets it: JPEGs decoded with Pillow, other
+  items ``size / cpu_rate`` seconds of CPU (scheduler/backends/preprocess.py), in processes the
+  backend limits to the job's allocated cores (scheduler/backends/cpu_limit.py);
 - the "GPU" sleeps ``batch_bytes / f*`` per batch; the job's throughput is thus
-  min(f*, what the mount delivers).
+  min(f*, what the cores preprocess, what the mount delivers).
 
 Progress goes to ``status.json`` in the job directory (atomically rewritten about twice a
 second): cumulative consumed bytes since submission, epoch, measured throughput, the mount's
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.stats_file import REPORTED_FIELDS
+from scheduler.backends.preprocess import JPEG_MAGIC, Preprocessor
 
 MOUNT_TIMEOUT_S = 60.0
 STATUS_INTERVAL_S = 0.5
@@ -73,6 +78,15 @@ class WorkerSpec:
     prefetch_threads: int = 4
     prefetch_batches: int = 2
     seed: int = 0
+    #: autocaching: the dataset's node-local store of preprocessed items (backends/preprocessed.py)
+    preprocessed_dir: str | None = None
+    # The CPU stage (None: not CPU-bound, no preprocessing): the per-core rate, the processes
+    # doing it, and how they are limited (the job's cgroup to join, or the CPUs to take).
+    cpu_rate: float | None = None
+    cpu_processes: int = 1
+    cpu_group: str | None = None
+    cpu_affinity: list[int] | None = None
+    cpu_mode: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> WorkerSpec:
@@ -144,6 +158,7 @@ class Worker:
         self.io_demand = spec.ideal_throughput  # cold: every read misses
         self.dataset_bytes = 0
         self._lock = threading.Lock()
+        self.pre = None  # the CPU stage's Preprocessor while training
 
     # ---------------------------------------------------------------- status
 
@@ -172,12 +187,21 @@ class Worker:
             "throughput": tput,
             "io_demand": self.io_demand,
             "hit_ratio": (st.get("hit_bytes", 0) / read) if read else None,
+            # autocaching: items read from / stored to the dataset's preprocessed store
+            "preprocessed": {"hits": getattr(self, "preprocessed_hits", 0), "misses": getattr(self, "preprocessed_misses", 0)},
             "mount": {k: st.get(k) for k in REPORTED_FIELDS},
             "epochs": epochs,
+            "cpu": self._cpu_status(),
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "updated_at": now,
         }
+
+    def _cpu_status(self) -> dict | None:
+        if self.spec.cpu_rate is None:
+            return None
+        stats = self.pre.stats() if self.pre is not None else {"items": 0, "bytes": 0, "cpu_seconds": 0.0, "pids": []}
+        return {"mode": self.spec.cpu_mode, "cpu_rate": self.spec.cpu_rate, **stats}
 
     def write_status(self) -> None:
         self._refresh_mount_stats()
@@ -288,15 +312,53 @@ class Worker:
             epoch += 1
 
     def _read(self, rel: str) -> int:
+        store = self._preprocessed_store()
+        control = store.control() if store is not None else None
+        if control is not None and control.expansion != 1.0:
+            return self._read_preprocessed(rel, store, control)
         buf = bytearray(1 << 20)
         n = 0
+        keep: bytearray | None = None  # a JPEG's bytes, for the CPU stage to decode
         with open(os.path.join(self.spec.mountpoint, rel), "rb", buffering=0) as f:
             while not self.stop_event.is_set():
                 got = f.readinto(buf)
                 if not got:
                     break
+                if n == 0 and self.pre is not None and buf[:3] == JPEG_MAGIC:
+                    keep = bytearray()
+                if keep is not None:
+                    keep += buf[:got]
                 n += got
+        if self.pre is not None and not self.stop_event.is_set():
+            self.pre.process(n, None if keep is None else bytes(keep))
         return n
+
+    def _preprocessed_store(self):  # -> PreprocessedStore | None
+        if self.spec.preprocessed_dir is None:
+            return None
+        store = getattr(self, "_store", None)
+        if store is None:
+            from scheduler.backends.preprocessed import PreprocessedStore
+
+            store = self._store = PreprocessedStore(Path(self.spec.preprocessed_dir))
+        return store
+
+    def _read_preprocessed(self, rel: str, store, control) -> int:
+        """Autocaching chosen: a stored preprocessed item skips the source and the deterministic
+        stage; a miss reads the source, runs the stage and stores the output while there is room."""
+        from scheduler.backends.preprocessed import deterministic_stage
+
+        data = store.get(rel)
+        if data is not None:
+            with self._lock:
+                self.preprocessed_hits = getattr(self, "preprocessed_hits", 0) + 1
+            return len(data)
+        with open(os.path.join(self.spec.mountpoint, rel), "rb") as f:
+            raw = f.read()
+        store.put(rel, deterministic_stage(raw, control.expansion), control.budget)
+        with self._lock:
+            self.preprocessed_misses = getattr(self, "preprocessed_misses", 0) + 1
+        return len(raw)
 
     def train(self) -> None:
         spec = self.spec
@@ -304,6 +366,11 @@ class Worker:
         if not items:
             raise RuntimeError(f"dataset {spec.dataset} at {spec.source} has no files")
         self.dataset_bytes = sum(s for _, s in items)
+        if spec.cpu_rate is not None:
+            self.pre = Preprocessor(spec.cpu_rate, spec.cpu_processes, spec.cpu_group, spec.cpu_affinity)
+            self.pre.warm_up()  # its processes exist (and are in the job's group) before any item
+            with contextlib.suppress(Exception):
+                self.write_status()  # publish their pids for the backend's check
         pool = ThreadPoolExecutor(max_workers=max(1, spec.prefetch_threads), thread_name_prefix="loader")
         batches = self._schedule(items)
         queue: collections.deque[tuple[int, list[tuple[str, int]], list[Future]]] = collections.deque()
@@ -362,6 +429,8 @@ class Worker:
                     self._close_epoch(current, last_batch_end)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            if self.pre is not None:
+                self.pre.close()
 
     def _stamp_epoch_start(self, rec: EpochRecord) -> None:
         self._refresh_mount_stats()

@@ -67,8 +67,11 @@ def allocate_partitioned(
     partitions were applied and is checked against both partitions (AllocationError); the
     scheduling core checks it against the whole cluster, as every allocation.
     """
+    cols = snapshot.job_columns()
+    if (cols is not None and cols.all_regular) or not estimator.manages_storage:
+        return policy.allocate(snapshot, estimator)
     regular_flags = [j.access.regular for j in snapshot.jobs]
-    if all(regular_flags) or not estimator.manages_storage:
+    if all(regular_flags):
         return policy.allocate(snapshot, estimator)
     irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
     regular = tuple(j for j, r in zip(snapshot.jobs, regular_flags, strict=True) if r)

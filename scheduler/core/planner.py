@@ -16,7 +16,9 @@ from types import MappingProxyType
 
 import numpy as np
 
+from policies.autocache import SWITCH_MARGIN, allocation_score, eligible_expansions, plan_autocache
 from policies.base import Policy
+from policies.stagger import stagger_holds
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
 from policies.types import Allocation, Snapshot
@@ -52,6 +54,8 @@ class RoundPlanner:
     active: dict[str, float] = field(default_factory=dict)  # seconds since the job was first seen
 
     def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
+        if snapshot.job_columns() is not None:
+            return self._choose_columns(snapshot, allocation)
         free = snapshot.capacity.gpus
         candidates = []
         for job in snapshot.jobs:
@@ -71,6 +75,39 @@ class RoundPlanner:
             if gpus <= free:
                 chosen.append(job_id)
                 free -= gpus
+        return tuple(chosen)
+
+    def _choose_columns(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
+        """`choose` on the snapshot's columns: the same order (full shares first, then by lag,
+        share, age, id) from one sort instead of a tuple per job."""
+        jobs = snapshot.jobs
+        n = len(jobs)
+        if n == 0:
+            return ()
+        gs, received, active = allocation.gpu_share, self.received, self.active
+        share = np.fromiter((gs.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        got = np.fromiter((received.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        seen = np.fromiter((active.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fraction = np.where(seen > 0, got / np.where(seen > 0, seen, 1.0), 0.0)
+            priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
+        cand = np.flatnonzero(share > 0.0)
+        if cand.size == 0:
+            return ()
+        submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
+        ids = [jobs[i].job_id for i in cand.tolist()]
+        id_rank = np.empty(cand.size, dtype=np.int64)
+        id_rank[np.array(sorted(range(cand.size), key=ids.__getitem__), dtype=np.int64)] = np.arange(cand.size)
+        not_full = share[cand] < 1.0 - 1e-9
+        order = np.lexsort((id_rank, submit, -share[cand], -priority[cand], not_full))
+        free = snapshot.capacity.gpus
+        gpus = snapshot.columns.gpus
+        chosen: list[str] = []
+        for k in order.tolist():
+            g = gpus[cand[k]]
+            if g <= free:
+                chosen.append(ids[k])
+                free -= g
         return tuple(chosen)
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
@@ -122,6 +159,13 @@ def with_default_cpu(snapshot: Snapshot, allocation: Allocation) -> Allocation:
     return replace(allocation, cpu=cpu)
 
 
+def with_autocache_sizes(snapshot: Snapshot, autocache: Mapping[str, float]) -> Snapshot:
+    """The snapshot a policy plans on: datasets cached preprocessed (autocaching) appear with
+    the bytes they take in cache, e x their size."""
+    grown = {n: replace(d, size=d.size * autocache[n]) for n, d in snapshot.datasets.items() if autocache.get(n, 1.0) != 1.0}
+    return replace(snapshot, datasets={**snapshot.datasets, **grown}) if grown else snapshot
+
+
 def spread_spare_io(caps: Mapping[str, float], demands: Mapping[str, float], total_io: float) -> dict[str, float]:
     """Work conservation: IO the allocation leaves unused goes, max-min fair, to jobs that could
     use more than their cap right now (e.g. while their cache is still warming up)."""
@@ -155,17 +199,65 @@ class SchedulingCore:
     is what the policy gets for irregular jobs inside their partition.
     """
 
-    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None):
+    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None, stagger: bool = False):
         self.policy = policy
+        #: staggered starts for jobs sharing a dataset (policies/stagger.py); off by default
+        self.stagger = stagger
+        #: when a held job's predicted start comes (backends decide again then); None: none held
+        self.stagger_recheck_at: float | None = None
+        self.stagger_held: dict[str, float] = {}  # job id -> seconds it was told to wait, last decision
         self.estimator = estimator
         self.irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
         self.planner = RoundPlanner()
+        #: datasets cached preprocessed (autocaching) -> expansion, as the last decision left them
+        self.autocache: dict[str, float] = {}
 
     def decide(self, snapshot: Snapshot) -> Allocation:
-        """Ask the policy (around the partitions, when irregular jobs are active), and refuse any
-        allocation that breaks a capacity."""
-        allocation = allocate_partitioned(snapshot, self.policy, self.estimator, self.irregular_estimator)
-        return validate_allocation(snapshot, with_default_cpu(snapshot, allocation))
+        """Ask the policy (around the partitions, when irregular jobs are active), refuse any
+        allocation that breaks a capacity, then choose each dataset's cache mode (autocaching)."""
+        # A dataset cached preprocessed takes e x its bytes in cache: the policy plans it at that
+        # size (its hit ratio is c / (e d)). Each dataset's readers prefer a mode for the cache
+        # they were given (Cachew's comparison, plan_autocache); a change is then planned again
+        # at the new sizes and kept only if the whole cluster gains (allocation_score): a dataset
+        # whose decoded copy takes cache from other jobs must pay for it.
+        # (A dataset a reader without the same autocache point now reads goes back to source.)
+        eligible = eligible_expansions(snapshot)
+        read = {j.dataset for j in snapshot.jobs}
+        modes = {n: e for n, e in self.autocache.items() if n in snapshot.datasets and (eligible.get(n) == e or n not in read)}
+        allocation = self._allocate(snapshot, modes)
+        chosen = plan_autocache(snapshot, allocation, modes)
+        active = read
+        if any(modes.get(n, 1.0) != chosen.get(n, 1.0) for n in active):
+            trial = self._allocate(snapshot, chosen)
+            if allocation_score(snapshot, trial, chosen) > allocation_score(snapshot, allocation, modes) + SWITCH_MARGIN:
+                allocation = trial
+            else:
+                chosen = {n: e for n, e in modes.items() if n in active}
+        else:
+            chosen = {n: e for n, e in chosen.items() if n in active}
+        self.autocache = {**{n: e for n, e in self.autocache.items() if n not in read}, **chosen}
+        allocation = replace(allocation, autocache=chosen) if chosen else allocation
+        if self.stagger:
+            allocation = self._hold_staggered(snapshot, allocation)
+        return allocation
+
+    def _allocate(self, snapshot: Snapshot, modes: Mapping[str, float]) -> Allocation:
+        seen = with_autocache_sizes(snapshot, modes)
+        allocation = allocate_partitioned(seen, self.policy, self.estimator, self.irregular_estimator)
+        return validate_allocation(seen, with_default_cpu(seen, allocation))
+
+    def _hold_staggered(self, snapshot: Snapshot, allocation: Allocation) -> Allocation:
+        """Jobs whose staggered start is still ahead get no GPUs (nor cores, nor IO) now."""
+        holds = stagger_holds(snapshot, allocation)
+        self.stagger_held = holds
+        self.stagger_recheck_at = snapshot.time + min(holds.values()) if holds else None
+        if not holds:
+            return allocation
+
+        def drop(m):
+            return None if m is None else {j: (0.0 if j in holds else v) for j, v in m.items()}
+
+        return replace(allocation, gpu_share=drop(allocation.gpu_share), remote_io=drop(allocation.remote_io), cpu=drop(allocation.cpu))
 
     def plan_round(self, snapshot: Snapshot, allocation: Allocation) -> RoundPlan:
         """Who holds GPUs this round, and their IO caps, for an allocation already decided."""

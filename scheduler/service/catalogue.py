@@ -40,10 +40,12 @@ from scheduler.service.db.models import (
     CacheAllocationRow,
     Job,
     JobAllocationRow,
+    JobMeasurementRow,
     JobState,
     Quota,
     WorkloadPod,
 )
+from scheduler.service.measured_params import params_of
 from scheduler.service.types import (
     MAX_BYTES,
     ConflictError,
@@ -61,7 +63,7 @@ from scheduler.service.types import (
     access_columns,
     access_from_row,
     check_name,
-    job_bottleneck,
+    job_bottlenecks,
     pipeline_columns,
 )
 from traces.catalog import lookup_model
@@ -141,18 +143,26 @@ def parse_job_id(job_id: str) -> int | None:
     return int(job_id)
 
 
+_MEASURED_COLUMNS = ("job_id", "ideal_throughput", "ideal_evidence_s", "cpu_rate", "cpu_evidence_s", "max_observed",
+                     "best_per_core", "observed", "bound", "updated_at", "client_step_s", "client_batch_bytes",
+                     "client_reporter", "client_at")
 _RECORD_COLUMNS = (
     Job.id, Job.name, Job.owner, Job.gpus, Dataset.name, Dataset.owner, Job.model, Job.ideal_throughput, Job.epochs,
     Job.steps, Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
     Job.start_time, Job.finish_time, Job.message, JobAllocationRow.gpus, JobAllocationRow.gpu_share,
     JobAllocationRow.remote_io, Job.access, Job.curriculum_starting_percent, Job.curriculum_alpha,
     Job.curriculum_step, Job.curriculum_batch, Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
-    JobAllocationRow.cpu,
+    JobAllocationRow.cpu, Dataset.size, CacheAllocationRow.bytes,
+    *(getattr(JobMeasurementRow, c) for c in _MEASURED_COLUMNS),
+    CacheAllocationRow.expansion,
 )
+_EXPANSION = len(_RECORD_COLUMNS) - 1  # the row's autocaching column (None: source bytes)
 
 
 _JOB_QUERY = (select(*_RECORD_COLUMNS).join(Dataset, Job.dataset_id == Dataset.id)
-              .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id))
+              .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
+              .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+              .outerjoin(JobMeasurementRow, JobMeasurementRow.job_id == Job.id))
 _GET_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"))
 # Another tenant's job is not found: the owner is part of the lookup, not a check after it.
 _GET_OWN_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"), Job.owner == bindparam("owner"))
@@ -166,7 +176,21 @@ def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
         start_time=r[16], finish_time=r[17], message=r[18], allocated_gpus=r[19] or 0, gpu_share=r[20] or 0.0,
         remote_io=r[21], access=access_from_row(*r[22:27]), cpu_rate=r[27], autocache_expansion=r[28],
         post_cpu_rate=r[29], allocated_cpus=r[30],
+        measured_parameters=None if r[33] is None else params_of(
+            JobMeasurementRow(**dict(zip(_MEASURED_COLUMNS, r[33:33 + len(_MEASURED_COLUMNS)]))), r[7], r[27]),
     )
+
+
+def _with_bottlenecks(rows: list, records: list[JobRecord], capacity) -> list[JobRecord]:  # type: ignore[no-untyped-def]
+    """Running jobs' records with their diagnosis (one vectorised call for the whole list)."""
+    idx = [i for i, rec in enumerate(records) if rec.state == JobState.RUNNING.value]
+    if not idx:
+        return records
+    found = job_bottlenecks([records[i] for i in idx], [rows[i][31] for i in idx], [rows[i][32] for i in idx], capacity)
+    out = list(records)
+    for i, b in zip(idx, found):
+        out[i] = replace(out[i], bottleneck=b)
+    return out
 
 
 class Catalogue:
@@ -185,8 +209,9 @@ class Catalogue:
         cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
         grants = tuple(s.scalars(select(DatasetGrant.grantee).where(DatasetGrant.dataset_id == d.id)
                                  .order_by(DatasetGrant.grantee)))
+        expansion = s.scalar(select(CacheAllocationRow.expansion).where(CacheAllocationRow.dataset_id == d.id))
         return DatasetRecord(d.name, d.uri, d.size, d.item_count, d.owner, d.created_at, storage_key(d.id, d.name),
-                             cred.name if cred else None, grants)
+                             cred.name if cred else None, grants, "source" if expansion is None else "preprocessed", expansion)
 
     def _visible_dataset(self, s: Session, who: Principal, name: str, owner: str | None) -> Dataset | None:
         """The dataset `owner/name` if `who` may use it: its owner, a grantee, or the admin."""
@@ -607,25 +632,15 @@ class Catalogue:
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
         record = _row_record(row)
-        if record.state != JobState.RUNNING.value:
-            return record
-        with self.sessions() as s:
-            size, cached = s.execute(
-                select(Dataset.size, CacheAllocationRow.bytes).select_from(Job).join(Dataset, Job.dataset_id == Dataset.id)
-                .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id).where(Job.id == pk)
-            ).one()
-        return replace(record, bottleneck=job_bottleneck(record, size, cached, self.config.capacity))
+        expansion = row[_EXPANSION]
+        record = replace(record, cache_mode="source" if expansion is None else "preprocessed", cache_expansion=expansion)
+        return _with_bottlenecks([row], [record], self.config.capacity)[0]
 
     def list_jobs(
         self, who: Principal, state: str | None = None, owner: str | None = None, limit: int = 1000, offset: int = 0
     ) -> list[JobRecord]:
         # Plain columns, not ORM objects: listing is the hottest read and ORM loading tripled its cost.
-        q = (
-            select(*_RECORD_COLUMNS)
-            .join(Dataset, Job.dataset_id == Dataset.id)
-            .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
-            .order_by(Job.id)
-        )
+        q = _JOB_QUERY.order_by(Job.id)
         if not who.is_admin:
             q = q.where(Job.owner == who.user)
         elif owner is not None:
@@ -641,7 +656,8 @@ class Catalogue:
                     raise ServiceError(f"unknown state {state!r}; choose one of: {valid}", field="state") from None
         q = q.limit(limit).offset(offset)
         with self.sessions() as s:
-            return [_row_record(r) for r in s.execute(q)]
+            rows = list(s.execute(q))
+        return _with_bottlenecks(rows, [_row_record(r) for r in rows], self.config.capacity)
 
     def cancel_job(self, who: Principal, job_id: str) -> JobRecord:
         with self._write_lock, self.sessions.begin() as s:

@@ -661,19 +661,32 @@ def register(app: typer.Typer) -> None:
 
         from estimator.units import format_rate, format_size
 
-        # The default columns fit 80 columns; owner and dataset only with --wide.
+        # The default columns fit 80 columns; owner, dataset and cores only with --wide.
         columns = ["id", "name", *(["owner"] if wide else []), "state", "gpus", *(["dataset", "cores"] if wide else []),
-                   "progress", "remote IO"]
+                   "progress", "remote IO", "f* (measured)", "bound"]
         table = Table(*columns)
+        table.columns[columns.index("f* (measured)")].no_wrap = True
+
+        def short_rate(v: float) -> str:
+            return format_rate(v).replace(" ", "").replace("/s", "")
+
         for j in rows:
             progress = j["consumed_bytes"] / j["total_bytes"] if j["total_bytes"] else 0.0
             io = "-" if j["remote_io"] is None else format_rate(j["remote_io"])
+            # Declared f*, and what planning uses now once the data plane measured it.
+            m = j.get("measured_parameters")
+            fstar = short_rate(j["ideal_throughput"])
+            if m is not None and abs(m["ideal_throughput"] - j["ideal_throughput"]) > 0.005 * j["ideal_throughput"]:
+                fstar += f" ({short_rate(m['ideal_throughput'])})"
+            bound = (j.get("bottleneck") or {}).get("bound") or "-"
             cells = {"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
                      "gpus": f"{j['allocated_gpus']}/{j['gpus']}", "dataset": j["dataset"],
-                     "progress": f"{progress:.1%} of {format_size(j['total_bytes'])}", "remote IO": io,
-                     "cores": "-" if j.get("allocated_cpus") is None else f"{j['allocated_cpus']:.1f}"}
+                     "progress": f"{progress:.0%} of {format_size(j['total_bytes'])}", "remote IO": io,
+                     "cores": "-" if j.get("allocated_cpus") is None else f"{j['allocated_cpus']:.1f}",
+                     "f* (measured)": fstar, "bound": bound.replace("remote_io", "io")}
             table.add_row(*(cells[c] for c in columns))
-        Console().print(table)
+        # --wide is wider than 80 columns: it is not squeezed into a narrow terminal (lines wrap).
+        Console(width=max(Console().width, 150) if wide else None).print(table)
 
     @app.command()
     def top(

@@ -24,7 +24,15 @@ from sqlalchemy.orm import sessionmaker
 
 from contract.names import storage_key
 from scheduler.service.consumption import ConsumptionStore
-from scheduler.service.db.models import ACTIVE_STATES, CacheAllocationRow, Dataset, DatasetGrant, Job, JobState
+from scheduler.service.db.models import (
+    ACTIVE_STATES,
+    CacheAllocationRow,
+    Dataset,
+    DatasetGrant,
+    Job,
+    JobMeasurementRow,
+    JobState,
+)
 from scheduler.service.types import Principal
 
 QUOTA_REASON = "held back by the tenant's quota (GPUs or running jobs)"
@@ -136,6 +144,9 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
     with sessions() as s:
         active = list(s.scalars(select(Job).where(Job.state.in_(ACTIVE_STATES))).unique())
         cache_rows = {r.dataset_id: r.bytes for r in s.scalars(select(CacheAllocationRow))}
+        # A job measured faster than it declared may read at its measured f* (measured_params.py)
+        measured_fstar = {jid: f for jid, f in s.execute(
+            select(JobMeasurementRow.job_id, JobMeasurementRow.ideal_throughput)) if f is not None}
         dq = select(Dataset)
         if not who.is_admin:
             granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
@@ -176,7 +187,8 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         rows.append(RunningJob(
             str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.ideal_throughput,
             min(j.consumed_bytes / j.total_bytes, 1.0) if j.total_bytes > 0 else 0.0,
-            cache, j.dataset.size, remote_io, _finite(m.get("hit_ratio")), _at_most(_finite(m.get("throughput")), j.ideal_throughput),
+            cache, j.dataset.size, remote_io, _finite(m.get("hit_ratio")), _at_most(_finite(m.get("throughput")),
+                                                                                   max(j.ideal_throughput, measured_fstar.get(j.id, 0.0))),
             predicted, bound,
         ))
     datasets = []
@@ -205,8 +217,9 @@ def _finite(value: Any) -> float | None:
 
 
 def _at_most(value: float | None, bound: float) -> float | None:
-    """A node agent's figure for a job, never above what the job can consume (its f*, the bound
-    its believed progress has too): what a hit-only report claims beyond it is not believed."""
+    """A node agent's figure for a job, never above what the job can consume (its f*, declared or
+    measured, the bound its believed progress has too): what a hit-only report claims beyond it
+    is not believed."""
     return None if value is None else min(value, bound)
 
 
@@ -254,5 +267,8 @@ def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]
     out: dict[str, dict[str, float | None]] = {}
     for job_id in running():
         st = status_of(job_id) or {}
-        out[str(job_id)] = {"hit_ratio": _finite(st.get("hit_ratio")), "throughput": _finite(st.get("throughput"))}
+        out[str(job_id)] = {"hit_ratio": _finite(st.get("hit_ratio")), "throughput": _finite(st.get("throughput")),
+                            # the rate its mount's token bucket enforces now (work conservation may
+                            # lend it more than its allocation): the IO bound of its last interval
+                            "io_rate": _finite((st.get("mount") or {}).get("io_rate_bytes_per_s"))}
     return out

@@ -54,6 +54,10 @@ class Pending:
     io: dict[str, float] = field(default_factory=dict)
     #: uniform | lru per dataset: lru for datasets only irregular jobs read (scheduler/core/partition.py)
     cache_mode: dict[str, str] = field(default_factory=dict)
+    #: autocaching per dataset key: bytes cached per source byte (1.0 = source bytes)
+    autocache: dict[str, float] = field(default_factory=dict)
+    #: running jobs that keep running with new cores (ClusterBackend.update)
+    update: list[JobAllocation] = field(default_factory=list)
 
 
 @dataclass
@@ -64,7 +68,7 @@ class RoundDiff:
     releases: dict[int, AllocTuple] = field(default_factory=dict)  # ended jobs' rows to delete
     starts: dict[int, JobAllocation] = field(default_factory=dict)
     preempts: list[int] = field(default_factory=list)
-    cache_set: dict[int, tuple[float, bool]] = field(default_factory=dict)  # dataset id -> (bytes, row existed)
+    cache_set: dict[int, tuple[float, float | None, bool]] = field(default_factory=dict)  # dataset id -> (bytes, expansion, row existed)
     cache_release: list[int] = field(default_factory=list)
     audit: list[dict[str, Any]] = field(default_factory=list)  # without round_id yet
     pending: Pending = field(default_factory=Pending)
@@ -79,18 +83,20 @@ def _audit(now: float, kind: str, subject: str, diffs: Mapping[str, tuple[float 
     ]
 
 
-def read_current(sessions: sessionmaker) -> tuple[dict[int, AllocTuple], dict[int, float]]:
-    """Persisted job and cache allocations, as tuples (a read transaction; never blocks writers)."""
+def read_current(sessions: sessionmaker) -> tuple[dict[int, AllocTuple], dict[int, tuple[float, float | None]]]:
+    """Persisted job and cache allocations (cache: dataset id -> (bytes, autocache expansion or
+    None)), as tuples (a read transaction; never blocks writers)."""
     with sessions() as s:
         jobs = {jid: (g, sh, io, bool(r), cpu) for jid, g, sh, io, r, cpu in s.execute(select(
             JobAllocationRow.job_id, JobAllocationRow.gpus, JobAllocationRow.gpu_share, JobAllocationRow.remote_io,
             JobAllocationRow.running, JobAllocationRow.cpu))}
-        cache = dict(s.execute(select(CacheAllocationRow.dataset_id, CacheAllocationRow.bytes)).all())
+        cache = {did: (b, e) for did, b, e in s.execute(select(CacheAllocationRow.dataset_id, CacheAllocationRow.bytes,
+                                                                CacheAllocationRow.expansion))}
     return jobs, cache
 
 
 def diff_round(snapshot: Snapshot, held_back: Sequence[JobView], plan: RoundPlan | None,
-               jobs_now: Mapping[int, AllocTuple], cache_now: Mapping[int, float], now: float) -> RoundDiff:
+               jobs_now: Mapping[int, AllocTuple], cache_now: Mapping[int, tuple[float, float | None]], now: float) -> RoundDiff:
     """Pure: the changes from the persisted state to the plan."""
     d = RoundDiff()
     running = set(plan.running) if plan else set()
@@ -121,9 +127,13 @@ def diff_round(snapshot: Snapshot, held_back: Sequence[JobView], plan: RoundPlan
         if run != view.running:
             if run:
                 cache = plan.cache.get(view.dataset) if (plan and plan.cache is not None) else None
-                d.starts[jid] = JobAllocation(view.job_id, gpus, share, cache, io)
+                d.starts[jid] = JobAllocation(view.job_id, gpus, share, cache, io, cpu)
             else:
                 d.preempts.append(jid)
+        elif run and old is not None and old[3] and old[4] != cpu:
+            # Still running with other cores: the backend changes the running job's limit.
+            cache = plan.cache.get(view.dataset) if (plan and plan.cache is not None) else None
+            d.pending.update.append(JobAllocation(view.job_id, gpus, share, cache, io, cpu))
         # IO goes to the data manager for running jobs, and 0 for jobs that just stopped; a
         # job that never ran has nothing to release.
         if io is not None and (run or (old is not None and old[3])):
@@ -141,16 +151,19 @@ def diff_round(snapshot: Snapshot, held_back: Sequence[JobView], plan: RoundPlan
             d.pending.io[str(jid)] = 0.0
     wanted = {k: float(plan.cache.get(k, 0.0)) for k in snapshot.datasets} if (plan and plan.cache is not None) else {}
     keys = {}
+    autocache = {} if plan is None else plan.allocation.autocache
     for key, nbytes in wanted.items():
         did = dataset_id_of_key(key)
         if did is None:
             continue
         keys[did] = key
-        old_bytes = cache_now.get(did)
-        if old_bytes != nbytes:
-            d.audit += _audit(now, "dataset", key, {"cache": (old_bytes, nbytes)})
-            d.cache_set[did] = (nbytes, old_bytes is not None)
+        old_bytes, old_e = cache_now.get(did, (None, None))
+        e = autocache.get(key)
+        if old_bytes != nbytes or old_e != e:
+            d.audit += _audit(now, "dataset", key, {"cache": (old_bytes, nbytes), "cache_expansion": (old_e or 1.0, e or 1.0)})
+            d.cache_set[did] = (nbytes, e, did in cache_now)
         d.pending.cache[key] = nbytes
+        d.pending.autocache[key] = float(e or 1.0)
     partition = None if plan is None else plan.allocation.partition
     lru = frozenset() if partition is None else partition.lru_datasets
     d.pending.cache_mode.update({key: "lru" if key in lru else "uniform" for key in wanted})
@@ -214,6 +227,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                       .values(state=JobState.QUEUED, message="preempted"))
         pending.stop.extend(str(j) for j in preempted)
         # Starts: load just these jobs (and their datasets and credentials) to build the specs.
+        pending.update = [a for a in pending.update if int(a.job_id) in live]
         starting = [jid for jid in d.starts if jid in live]
         for i in range(0, len(starting), _CHUNK):
             chunk = starting[i:i + _CHUNK]
@@ -238,19 +252,22 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                                         credential=source),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
+                    cpu_rate=job.cpu_rate,
                 )
                 pending.start.append((spec, d.starts[job.id]))
             chunk = [jid for jid in chunk if jid not in unopened]
             s.execute(update(Job).where(Job.id.in_(chunk), Job.start_time.is_(None)).values(start_time=now))
             s.execute(update(Job).where(Job.id.in_(chunk)).values(state=JobState.RUNNING, message=""))
         # Cache per dataset.
-        new_cache = [dict(dataset_id=did, bytes=b, round_id=rid, updated_at=now) for did, (b, ex) in d.cache_set.items() if not ex]
-        old_cache = [dict(b_id=did, bytes=b, round_id=rid, updated_at=now) for did, (b, ex) in d.cache_set.items() if ex]
+        new_cache = [dict(dataset_id=did, bytes=b, expansion=e, round_id=rid, updated_at=now)
+                     for did, (b, e, ex) in d.cache_set.items() if not ex]
+        old_cache = [dict(b_id=did, bytes=b, expansion=e, round_id=rid, updated_at=now) for did, (b, e, ex) in d.cache_set.items() if ex]
         if new_cache:
             s.execute(insert(CacheAllocationRow), new_cache)
         if old_cache:
             s.connection().execute(update(CacheAllocationRow).where(CacheAllocationRow.dataset_id == bindparam("b_id")).values(
-                bytes=bindparam("bytes"), round_id=bindparam("round_id"), updated_at=bindparam("updated_at")),
+                bytes=bindparam("bytes"), expansion=bindparam("expansion"), round_id=bindparam("round_id"),
+                updated_at=bindparam("updated_at")),
                 old_cache)
         if d.cache_release:
             names = dict(s.execute(select(Dataset.id, Dataset.name).where(Dataset.id.in_(d.cache_release))).all())

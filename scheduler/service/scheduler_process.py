@@ -33,7 +33,7 @@ from types import MappingProxyType
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, object_session, sessionmaker
 
 from estimator.errors import UserError
 from policies.estimators import SiloDEstimator
@@ -52,7 +52,10 @@ from scheduler.service.db.models import (
     ACTIVE_STATES,
     AllocationChange,
     Dataset,
+    CacheAllocationRow,
     Job,
+    JobAllocationRow,
+    JobMeasurementRow,
     JobState,
     Quota,
     Setting,
@@ -77,6 +80,7 @@ from scheduler.service.types import (  # noqa: F401 - re-exported: callers impor
 )
 from scheduler.service.quota_admission import TenantJob, admit, clamp_cache
 from scheduler.service.round_persistence import Pending, diff_round, read_current, write_round
+from scheduler.service.measured_params import MeasurementStore, Observation, planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,8 @@ class SchedulerService(ReadViews):
         self._save_setting("policy", name)
         self.runner = LoopRunner(self)
         self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger, workloads=backend)
+        self.measurements = MeasurementStore(self.sessions, self._write_lock)
+        self._consumed_seen: dict[str, tuple[float, float]] = {}  # job -> (read bytes, time): node agents' rate
         self.publish_status()
 
     @property
@@ -269,7 +275,11 @@ class SchedulerService(ReadViews):
         if since is None:  # never started: nothing can have been read
             log.warning("job %s: progress reported before it ever ran; ignored", job.id)
             return job.consumed_bytes
-        limit = job.consumed_bytes + job.ideal_throughput * (max(now - since, 0.0) * PROGRESS_SLACK + PROGRESS_BURST_S)
+        owner_session = object_session(job)
+        row = owner_session.get(JobMeasurementRow, job.id) if owner_session is not None else None
+        # A job measured faster than it declared may progress at the measured rate (at most 4x).
+        fstar = max(job.ideal_throughput, (row.ideal_throughput or 0.0) if row is not None else 0.0)
+        limit = job.consumed_bytes + fstar * (max(now - since, 0.0) * PROGRESS_SLACK + PROGRESS_BURST_S)
         self._progress_seen[job.id] = now
         if reported > limit:
             log.warning("job %s: reported %.0f bytes consumed, more than its f* allows (%.0f); capped", job.id, reported, limit)
@@ -288,8 +298,11 @@ class SchedulerService(ReadViews):
                 Job.submit_time, Job.state, Job.priority, Dataset.size, Job.owner, Job.access,
                 Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
                 Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
+                JobMeasurementRow.ideal_throughput, JobMeasurementRow.cpu_rate, JobMeasurementRow.client_step_s,
+                JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at,
             )
             .join(Dataset, Job.dataset_id == Dataset.id)
+            .outerjoin(JobMeasurementRow, JobMeasurementRow.job_id == Job.id)
             .where(Job.state.in_(ACTIVE_STATES))
             .order_by(Job.submit_time, Job.id)
         )
@@ -300,7 +313,13 @@ class SchedulerService(ReadViews):
         # One read transaction: the jobs, their datasets and the quotas are one consistent state.
         with self.sessions() as s, s.begin():
             for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *rest in s.execute(q):
-                access, pipeline = rest[:5], pipeline_from_row(*rest[5:8])
+                access = rest[:5]
+                # Measured, self-correcting parameters (measured_params.py): the estimate once
+                # there is evidence, else what the job declared.
+                ideal, cpu_rate = planned(ideal, rest[5], rest[8], rest[9], *rest[10:13], now)
+                if cpu_rate is not None and rest[7] is not None:
+                    cpu_rate = min(cpu_rate, rest[7])  # the autocache point's rate bounds the whole pipeline's
+                pipeline = pipeline_from_row(cpu_rate, *rest[6:8])
                 ds = storage_key(ds_id, ds_name)
                 view = JobView(
                     job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
@@ -434,6 +453,10 @@ class SchedulerService(ReadViews):
         if cached is None:
             cached = self.measured_cache() if self.pusher is None else None
         self._measured = {"time": now, "jobs": jobs, "cached": cached or {}}
+        try:
+            self.self_correct(jobs, now)
+        except Exception:  # the estimates are refined later; the overview must still publish
+            log.exception("could not update the measured job parameters")
         c = self.cluster()
         self._history.append({"time": now, "gpus_used": c.gpus_used, "cache_allocated": c.cache_used,
                               "remote_io_allocated": c.remote_io_used,
@@ -458,6 +481,52 @@ class SchedulerService(ReadViews):
                 self._pushed_placements, self._placements_at = nodes, now
         except Exception as exc:  # the next observation retries
             log.warning("could not push placements to the data manager: %s", exc)
+
+    def self_correct(self, measured: Mapping[str, Mapping[str, Any]], now: float) -> None:
+        """Fold this interval's data-plane figures of every running job into its measured f* and
+        per-core rate (measured_params.py). `measured`: {job id: {"throughput", "hit_ratio"}} from
+        the data manager or the backend; Kubernetes jobs without such a figure use the rate of
+        their node agents' read counters."""
+        q = (select(Job.id, JobAllocationRow.remote_io, JobAllocationRow.cpu, Dataset.size, CacheAllocationRow.bytes)
+             .join(Dataset, Job.dataset_id == Dataset.id)
+             .join(JobAllocationRow, JobAllocationRow.job_id == Job.id)
+             .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+             .where(Job.state == JobState.RUNNING, JobAllocationRow.running.is_(True)))
+        with self.sessions() as s:
+            running = list(s.execute(q))
+        agents = self._agent_rates([str(r[0]) for r in running if str(r[0]) not in measured], now)
+        obs = []
+        for jid, io, cores, size, cache in running:
+            m = measured.get(str(jid)) or agents.get(str(jid)) or {}
+            rate = m.get("throughput")
+            if rate is None or not math.isfinite(float(rate)) or float(rate) < 0:
+                continue
+            hit = m.get("hit_ratio")
+            enforced = m.get("io_rate")  # what the mount enforces now, when the backend can tell
+            if enforced is not None and math.isfinite(float(enforced)) and float(enforced) > 0:
+                io = max(float(enforced), io or 0.0)
+            obs.append(Observation(int(jid), float(rate), None if hit is None else float(hit), io, cores, cache, size))
+        self.measurements.observe(obs, float(self.config.capacity.remote_io), now)
+
+    def _agent_rates(self, job_ids: list[str], now: float) -> dict[str, dict[str, float | None]]:
+        """Read rate of jobs from the node agents' cumulative per-pod counters (trusted consumption)."""
+        if not job_ids:
+            self._consumed_seen.clear()
+            return {}
+        from scheduler.service.consumption import ConsumptionStore
+
+        got = ConsumptionStore(self.sessions, self._write_lock).measured(job_ids)
+        out: dict[str, dict[str, float | None]] = {}
+        seen: dict[str, tuple[float, float]] = {}
+        for jid, m in got.items():
+            seen[jid] = (float(m.read_bytes), now)
+            prev = self._consumed_seen.get(jid)
+            if prev is not None and now > prev[1] and m.read_bytes >= prev[0]:
+                hits = m.hit_bytes + m.miss_bytes
+                out[jid] = {"throughput": (m.read_bytes - prev[0]) / (now - prev[1]),
+                            "hit_ratio": m.hit_bytes / hits if hits > 0 else None}
+        self._consumed_seen = seen
+        return out
 
     def publish_status(self) -> None:
         """What only this process knows, for the API processes' /v1/cluster and /metrics."""
@@ -496,7 +565,12 @@ class SchedulerService(ReadViews):
                 self.backend.stop(job_id)
             except Exception:  # stop must be idempotent; a failing backend must not stop the loop
                 log.exception("backend failed to stop job %s", job_id)
-        self.storage.push(pending.cache, pending.io, pending.cache_mode)
+        self.storage.push(pending.cache, pending.io, pending.cache_mode, pending.autocache)
+        for alloc in pending.update:
+            try:
+                self.backend.update(alloc.job_id, alloc)
+            except Exception:  # the job keeps its old limit; the next change retries
+                log.exception("backend failed to update job %s", alloc.job_id)
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:

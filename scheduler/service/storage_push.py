@@ -17,10 +17,11 @@ class StoragePush:
         self._pushed_cache: dict[str, float] = {}
         self._pushed_io: dict[str, float] = {}
         self._pushed_mode: dict[str, str] = {}
+        self._pushed_autocache: dict[str, float] = {}
         self.last_error: str | None = None
 
     def push(self, cache: Mapping[str, float], io: Mapping[str, float],
-             cache_mode: Mapping[str, str] | None = None) -> None:
+             cache_mode: Mapping[str, str] | None = None, autocache: Mapping[str, float] | None = None) -> None:
         if self.pusher is None:
             return
         errors = []
@@ -34,6 +35,20 @@ class StoragePush:
                 self._pushed_mode[name] = mode
             except Exception as exc:  # retried next round
                 errors.append(f"cache mode {name}: {exc}")
+        # Autocaching before sizes: a backend that keeps preprocessed items itself (the local
+        # one) routes the dataset's allocation there once it knows the choice. Backends without
+        # `set_autocache` (Kubernetes: the training job's loader caches, docs/input-pipeline.md)
+        # only show the choice in the API.
+        set_autocache = getattr(self.pusher, "set_autocache", None)
+        for name, expansion in (autocache or {}).items() if callable(set_autocache) else ():
+            if self._pushed_autocache.get(name, 1.0) == expansion and name in self._pushed_autocache:
+                continue
+            try:
+                set_autocache(name, expansion)
+                self._pushed_autocache[name] = expansion
+                self._pushed_cache.pop(name, None)  # re-push its size: it may now go elsewhere
+            except Exception as exc:  # retried next round
+                errors.append(f"autocache {name}: {exc}")
         for name, nbytes in cache.items():
             if self._pushed_cache.get(name) == nbytes:
                 continue

@@ -127,6 +127,10 @@ class DatasetRecord:
     key: str  # storage_key: its name in the data manager and the cache
     credential: str | None = None
     shared_with: tuple[str, ...] = ()
+    #: autocaching: "preprocessed" when the scheduler chose to cache its readers' preprocessed
+    #: data (cache_expansion bytes per source byte), else "source"
+    cache_mode: str = "source"
+    cache_expansion: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +176,14 @@ class JobRecord:
     autocache_expansion: float | None = None
     post_cpu_rate: float | None = None
     allocated_cpus: float | None = None  # cores while running; None = CPU not modelled
-    bottleneck: Any = None  # GET one job: a Bottleneck while it runs, else None
+    bottleneck: Any = None  # a Bottleneck while it runs, else None
+    #: GET one job: what its dataset's cache holds ("source" | "preprocessed", autocaching) and,
+    #: preprocessed, the bytes cached per source byte; None in listings
+    cache_mode: str | None = None
+    cache_expansion: float | None = None
+    # Declared vs measured f* and per-core rate (scheduler/service/measured_params.MeasuredParams);
+    # None until the data plane measured it or its client reported.
+    measured_parameters: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,19 +335,42 @@ def access_columns(access: AccessPattern) -> dict[str, Any]:
 
 def job_bottleneck(record: JobRecord, dataset_size: float, cache: float | None, capacity: Any) -> Bottleneck:
     """The diagnosis of a running job from what it holds now (estimator.pipeline.diagnose), while
-    it holds its GPUs (a time-shared job runs at this speed for its share of the time).
+    it holds its GPUs (a time-shared job runs at this speed for its share of the time)."""
+    return job_bottlenecks([record], [dataset_size], [cache], capacity)[0]
 
-    Unmanaged storage (no IO cap): the whole link and no cache, the most and least it could
-    see. CPU not modelled (no cores recorded): unconstrained cores."""
+
+def job_bottlenecks(records: list[JobRecord], sizes: list[float], caches: list[float | None],
+                    capacity: Any) -> list[Bottleneck]:
+    """`job_bottleneck` for many jobs in one vectorised call (the job list).
+
+    With the parameters planning uses: the measured f* and per-core rate once there is evidence
+    (measured_parameters), else the declared ones. Unmanaged storage (no IO cap): the whole link
+    and no cache, the most and least it could see. CPU not modelled (no cores recorded):
+    unconstrained cores."""
     from estimator.pipeline import diagnose
 
-    io = capacity.remote_io if record.remote_io is None else record.remote_io
-    cores = math.inf if record.allocated_cpus is None else record.allocated_cpus
-    rate = math.inf if record.cpu_rate is None else record.cpu_rate
-    # Source caching: the scheduler does not choose autocaching yet, so the cache holds source bytes.
-    d = diagnose([record.ideal_throughput], record.gpus, io, cache or 0.0, dataset_size, cores, rate)
-    return Bottleneck(str(d.bound[0]), float(d.throughput[0]), float(d.speedup_gpu[0]), float(d.speedup_cpu[0]),
-                      float(d.speedup_cache[0]), float(d.speedup_remote_io[0]))
+    if not records:
+        return []
+
+    def used(r: JobRecord) -> tuple[float, float]:
+        m = r.measured_parameters
+        f = r.ideal_throughput if m is None else m.ideal_throughput
+        rate = r.cpu_rate if m is None or m.cpu_rate is None else m.cpu_rate
+        return f, math.inf if rate is None else rate
+
+    fr = [used(r) for r in records]
+    # Autocaching: a cache holding preprocessed data holds e x the bytes per item, and a cached
+    # item costs post_cpu_rate per core (estimator/pipeline.py). Source caching is the same with
+    # e = 1 and cached items costing the whole pipeline's rate.
+    pre = [r.cache_expansion is not None and r.post_cpu_rate is not None and r.cpu_rate is not None for r in records]
+    d = diagnose([f for f, _ in fr], [r.gpus for r in records],
+                 [capacity.remote_io if r.remote_io is None else r.remote_io for r in records],
+                 [c or 0.0 for c in caches], sizes,
+                 [math.inf if r.allocated_cpus is None else r.allocated_cpus for r in records], [x for _, x in fr],
+                 [r.cache_expansion if p else 1.0 for r, p in zip(records, pre)],
+                 [r.post_cpu_rate if p else x for r, p, (_, x) in zip(records, pre, fr)])
+    return [Bottleneck(str(d.bound[i]), float(d.throughput[i]), float(d.speedup_gpu[i]), float(d.speedup_cpu[i]),
+                       float(d.speedup_cache[i]), float(d.speedup_remote_io[i])) for i in range(len(records))]
 
 
 def pipeline_columns(pipeline: InputPipeline | None) -> dict[str, Any]:

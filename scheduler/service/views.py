@@ -3,6 +3,7 @@ shared by the scheduling process (SchedulerService) and the API processes (ApiSe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,13 +97,22 @@ class ReadViews:
 
         from estimator.pipeline import RESOURCES, diagnose
 
+        from scheduler.service.db.models import JobMeasurementRow
+        from scheduler.service.measured_params import planned
+
+        m = JobMeasurementRow
         q = (select(Job.ideal_throughput, Job.gpus, Job.cpu_rate, JobAllocationRow.remote_io, JobAllocationRow.cpu, Dataset.size,
-                    CacheAllocationRow.bytes)
+                    CacheAllocationRow.bytes, m.ideal_throughput, m.cpu_rate, m.client_step_s, m.client_batch_bytes,
+                    m.client_at)
              .join(JobAllocationRow, JobAllocationRow.job_id == Job.id).join(Dataset, Job.dataset_id == Dataset.id)
              .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+             .outerjoin(m, m.job_id == Job.id)
              .where(JobAllocationRow.running))
         with self.sessions() as s:
-            rows = s.execute(q).all()
+            now = time.time()
+            # With the parameters planning uses (measured once there is evidence).
+            rows = [(*planned(r[0], r[2], *r[7:12], now)[:1], r[1], planned(r[0], r[2], *r[7:12], now)[1], *r[3:7])
+                    for r in s.execute(q).all()]
         counts = {r: 0 for r in RESOURCES}
         if not rows:
             return 0.0, counts

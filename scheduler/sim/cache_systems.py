@@ -58,7 +58,7 @@ class CacheDomain:
 
     def _limit(self, nbytes: float) -> None:
         # A partial chunk cannot be cached: round down (resolution controls this error).
-        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.chunk_size + 1e-9)))
+        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.cached_chunk_bytes + 1e-9)))
 
     def take_over(self, other: CacheDomain) -> None:
         """Keep what `other` held (a dataset switching between uniform and LRU caching)."""
@@ -71,7 +71,7 @@ class CacheDomain:
 
     @property
     def cached_bytes(self) -> float:
-        return self.count * self.dataset.chunk_size
+        return self.count * self.dataset.cached_chunk_bytes
 
 
 @dataclass(eq=False)
@@ -146,6 +146,9 @@ class SimCacheSystem(ABC):
     #: Whether the cached set changes under a reader as other chunks are read (LRU evicts at
     #: every miss); the engine then keeps steps short enough for the change to be followed.
     volatile = False
+    #: Changes whenever volatile_for() may answer differently for some job (the engine keeps
+    #: per-job columns between steps while it stays the same).
+    layout_version = 0
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         self.capacity = capacity
@@ -178,6 +181,12 @@ class SimCacheSystem(ABC):
             job.moved += moved
 
     # ----------------------------------------------------------------- interface
+    def apply_autocache(self, autocache: Mapping[str, float], datasets: Mapping[str, SimDataset]) -> None:
+        """The round's autocaching choice (dataset -> expansion; absent: source bytes). Only a
+        cache that takes the policy's allocation (silod) can hold preprocessed data."""
+        if autocache:
+            raise ValueError(f"the {self.name} cache system caches source bytes only; autocaching needs a storage-managing policy")
+
     @abstractmethod
     def apply_plan(self, cache_alloc: Mapping[str, float] | None, running: Sequence[CacheReader], datasets: Mapping[str, SimDataset],
                    now: float = 0.0, lru_datasets: frozenset[str] = frozenset()) -> None:
@@ -263,10 +272,26 @@ class SiloDCache(SimCacheSystem):
         dom = self.domains.get(dataset.name)
         if type(dom) is not kind:
             fresh = kind(dataset)
+            self.layout_version += 1
             if dom is not None:
                 fresh.take_over(dom)
             dom = self.domains[dataset.name] = fresh
         return dom
+
+    def apply_autocache(self, autocache, datasets):
+        """A dataset whose mode changes loses what it cached (source bytes are not its
+        preprocessed data, nor the other way round); its next allocation is counted in chunks
+        of the new size (apply_plan)."""
+        for name, ds in datasets.items():
+            e = float(autocache.get(name, 1.0))
+            if e == ds.expansion:
+                continue
+            dom = self.domains.pop(name, None)
+            if dom is not None and dom.count:
+                victims = np.flatnonzero(dom.cached)
+                self.evicted_bytes += victims.size * ds.cached_chunk_bytes
+                self._changed(name, victims, -1)
+            ds.expansion = e
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         """`lru_datasets`: the irregular partition's datasets, LRU-cached within their allocation."""
@@ -277,10 +302,11 @@ class SiloDCache(SimCacheSystem):
             dom = self._domain(dom.dataset, name in lru_datasets)
             victims = dom.set_limit(new, self.rng)
             if victims.size:
-                self.evicted_bytes += victims.size * dom.dataset.chunk_size
+                self.evicted_bytes += victims.size * dom.dataset.cached_chunk_bytes
                 self._changed(name, victims, -1)
             if dom.count == 0 and new <= 0:
                 del self.domains[name]
+                self.layout_version += 1
         for name, nbytes in cache_alloc.items():
             if nbytes > 0 and name in datasets and name not in self.domains:
                 self._domain(datasets[name], name in lru_datasets).set_limit(nbytes, self.rng)
@@ -463,6 +489,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self.datasets: dict[str, SimDataset] = {}
         self.order: OrderedDict[tuple[str, int], float] = OrderedDict()  # least recent first -> chunk bytes
         self.total_bytes = 0.0
+        self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
     def _array(self, dataset: SimDataset) -> np.ndarray:
         arr = self.cached.get(dataset.name)
@@ -470,6 +497,7 @@ class AlluxioLRUCache(SimCacheSystem):
             arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
             self.counts[dataset.name] = 0
             self.datasets[dataset.name] = dataset
+            self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         return arr
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
@@ -532,8 +560,10 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def free_before_eviction(self):
         # Less than a chunk free is what a full cache of unequal chunks keeps: it evicts already.
-        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         free = self.capacity - self.total_bytes
+        if free < self.min_chunk:
+            return None  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
+        chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         return free if chunks and free >= min(chunks) else None
 
 

@@ -30,7 +30,8 @@ def check_seed(seed: int) -> None:
 
 
 def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system: str, round_s: float, resolution: int, seed: int,
-                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0):
+                   progress_label: str | None = None, partition: bool = True, profile_noise: float = 0.0, stagger: bool = False,
+                   decision_interval: float = 0.0):
     """Build and run one simulation; shows a progress bar when `progress_label` is given."""
     from policies.registry import estimator_for, get_policy, resolve_policy_name
     from scheduler.sim.cache_systems import CACHE_SYSTEMS
@@ -40,7 +41,7 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
     policy = resolve_policy_name(policy)
     pol = get_policy(policy)
     config = SimConfig(round_s=round_s, resolution=resolution, gpu_speed=gpu_speed, seed=seed, partition=partition,
-                       profile_noise=profile_noise)
+                       profile_noise=profile_noise, stagger=stagger, decision_interval_s=decision_interval)
     if progress_label is None:
         return Simulator(trace, capacity, pol, estimator_for(cache_system), cache_system, config).run()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -77,6 +78,8 @@ def register(app: typer.Typer) -> None:
         max_jobs: Annotated[Optional[int], typer.Option(help="use only the first N jobs")] = None,
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
+        stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
+        decision_interval: Annotated[float, typer.Option(help="decision coalescing: at most one policy decision per this many seconds while jobs run (0 = at every arrival, completion and demand change; see docs/simulator.md)")] = 0.0,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     ) -> None:
@@ -87,6 +90,8 @@ def register(app: typer.Typer) -> None:
         if max_jobs is not None and max_jobs < 1:
             raise UserError(f"--max-jobs {max_jobs} must be >= 1")
         check_seed(seed)
+        if not decision_interval >= 0:
+            raise UserError(f"--decision-interval {decision_interval} must be >= 0 seconds (0: decide at every event, the default)")
         from policies.registry import resolve_policy_name
         from scheduler.outputs import ensure_writable_dir
         from scheduler.sim.cache_systems import CACHE_SYSTEMS
@@ -101,8 +106,10 @@ def register(app: typer.Typer) -> None:
         tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
-                                profile_noise=profile_noise)
+                                profile_noise=profile_noise, stagger=stagger, decision_interval=decision_interval)
         extra = {"trace": str(trace), "gpu_speed": speed}
+        if decision_interval:
+            extra["decision_interval_s"] = decision_interval
         if cache_system == "quiver":
             extra["profile_noise"] = profile_noise
         summary = write_outputs(result, out, policy, cache_system, extra)
@@ -111,7 +118,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def experiment(
-        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | all")],
+        name: Annotated[str, typer.Argument(help="matrix | fairness | bandwidth | gpu-speed | sharing | quiver-noise | micro | curriculum | irregular-mix | cpu | stagger | alibaba | autocache | all")],
         parts: Annotated[Optional[list[Path]], typer.Argument(help="with --merge: the --out directories of the shards", show_default=False)] = None,
         out: Annotated[Path, typer.Option(help="output directory (JSON and PNG per experiment; with --shard, the part)")] = Path("out/experiments"),
         trace: Annotated[Optional[Path], typer.Option(help="trace for the large-cluster experiments [default: a synthetic 2,000-job trace with Philly's duration distribution, as §7 builds it]")] = None,
@@ -127,10 +134,11 @@ def register(app: typer.Typer) -> None:
         shard: Annotated[Optional[str], typer.Option(help="I/N: run only shard I of N of the simulations (round robin) and write NAME.part-I-of-N.json into --out; plot with --merge")] = None,
         merge: Annotated[bool, typer.Option("--merge", help="plot from the parts in the directories given after the name (written by --shard); the configuration comes from the parts")] = False,
         dask: Annotated[Optional[str], typer.Option(help="run the simulations on the Dask cluster whose scheduler is at this address (tcp://HOST:PORT; needs silod's dask extra); the trace is shipped to the workers")] = None,
+        ray: Annotated[Optional[str], typer.Option(help="run the simulations on the Ray cluster at this address (HOST:PORT, as `ray start --head` prints it; needs silod's ray extra); the trace is shipped to the workers")] = None,
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
-        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, ExperimentRunner
+        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, Executor, ExperimentRunner
         from scheduler.sim.shards import Shard, ShardWritten, load_parts
 
         names = list(EXPERIMENTS) if name.casefold() == "all" else [resolve_name("experiment", name, [*EXPERIMENTS, "all"])]
@@ -147,7 +155,8 @@ def register(app: typer.Typer) -> None:
             if not parts:
                 raise UserError("--merge needs the shards' --out directories after the name: silod experiment NAME --merge DIR...")
             given = [flag for flag, value in (("--trace", trace), ("--max-jobs", max_jobs), ("--gpus", gpus), ("--cache", cache),
-                                              ("--remote-io", remote_io), ("--workers", workers), ("--shard", shard), ("--dask", dask))
+                                              ("--remote-io", remote_io), ("--workers", workers), ("--shard", shard), ("--dask", dask),
+                                              ("--ray", ray))
                      if value is not None]
             given += [flag for flag, value, default in (("--round", round, DEFAULT_ROUND_S), ("--resolution", resolution, DEFAULT_RESOLUTION),
                                                         ("--seed", seed, 0)) if value != default]
@@ -165,12 +174,15 @@ def register(app: typer.Typer) -> None:
             _print_headlines(headlines)
             return
         split = Shard.parse(shard) if shard is not None else None
+        if dask is not None and ray is not None:
+            raise UserError("--dask and --ray each name the cluster that runs the simulations; give one of them")
+        executor = Executor("dask", dask) if dask is not None else Executor("ray", ray) if ray is not None else None
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         ensure_writable_dir(out, "--out")
         headlines = []
         for n in names:
-            runner.distribution = Distribution(n, out, capacity, shard=split, dask=dask)
+            runner.distribution = Distribution(n, out, capacity, shard=split, executor=executor)
             try:
                 payload = EXPERIMENTS[n](runner, out, capacity)
             except ShardWritten as part:
@@ -199,6 +211,7 @@ def _register_trace(app: typer.Typer) -> None:
         experiment: Annotated[Optional[str], typer.Option(help="the trace `silod experiment NAME` simulates with these --trace/--max-jobs/--seed (the sweeps' 1,000-job trace for the sweeps)")] = None,
         irregular: Annotated[float, typer.Option(help="with --experiment: fraction of jobs turned into curriculum jobs (irregular-mix's x axis)")] = 0.0,
         catalog_cpu: Annotated[bool, typer.Option(help="with --experiment: every job gets its catalog model's CPU stage (experiment cpu)")] = False,
+        autocache_points: Annotated[bool, typer.Option(help="with --experiment autocache and --catalog-cpu: image jobs get an autocache point (its \"on\" runs)")] = False,
     ) -> None:
         """Write the exact trace a simulation runs (after --format, --max-jobs, --dataset-sharing, or an
         experiment's synthetic trace) as a silod CSV; `silod simulate --trace FILE` reads it back to the
@@ -213,8 +226,8 @@ def _register_trace(app: typer.Typer) -> None:
         if not 0.0 <= irregular <= 1.0:
             raise UserError(f"--irregular {irregular} must be a fraction from 0 to 1")
         if experiment is None:
-            if irregular or catalog_cpu:
-                raise UserError("--irregular and --catalog-cpu pick a point of an experiment; add --experiment NAME")
+            if irregular or catalog_cpu or autocache_points:
+                raise UserError("--irregular, --catalog-cpu and --autocache-points pick a point of an experiment; add --experiment NAME")
             tr = load_trace(trace or SHIPPED_TRACE, format, dataset_sharing, max_jobs, seed)
         else:
             from scheduler.sim.experiments import EXPERIMENTS, experiment_trace
@@ -222,7 +235,7 @@ def _register_trace(app: typer.Typer) -> None:
             name = resolve_name("experiment", experiment, list(EXPERIMENTS))
             if format != TraceFormat.auto:
                 raise UserError("--format with --experiment: experiments detect the format of --trace themselves; drop --format")
-            tr = experiment_trace(name, trace, max_jobs, seed, dataset_sharing, irregular, catalog_cpu)
+            tr = experiment_trace(name, trace, max_jobs, seed, dataset_sharing, irregular, catalog_cpu, autocache_points)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'trace.csv'}")
         out.parent.mkdir(parents=True, exist_ok=True)

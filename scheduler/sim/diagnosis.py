@@ -19,20 +19,16 @@ from estimator.pipeline import RESOURCES
 from scheduler.sim.reader import SimJob
 
 
-def bounds_now(running: Sequence[SimJob], caps: Mapping[str, float], misses: Mapping[str, float]) -> list[str]:
-    """The resource bounding each running job this step (same order as `running`).
-
-    The same rule as estimator.pipeline.diagnose (tests/test_sim_diagnosis.py checks they
-    agree), written out for the simulator's hot loop: diagnose validates and evaluates the
-    model six times per job, which cost the simulator ~70% more CPU per step."""
-    if not running:
-        return []
-    n = len(running)
-    f = np.fromiter((j.gpu_ideal for j in running), float, n)
-    m = np.clip(np.fromiter((misses[j.job_id] for j in running), float, n), 0.0, 1.0)
-    cpu = np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running), float, n)
-    b = np.fromiter((caps.get(j.job_id, 0.0) for j in running), float, n)
-    return bound_labels(f, cpu, b, m)
+def cpu_bound_at(job: SimJob, miss: float) -> float:
+    """What the job's cores preprocess per second at miss ratio `miss` (autocaching: hits cost
+    post_cpu_rate per core; SimJob.ideal_at)."""
+    p = job.trace.pipeline
+    if p is None:
+        return math.inf
+    if job.dataset.expansion != 1.0 and p.autocaches:
+        m = min(max(miss, 0.0), 1.0)
+        return job.cores / ((1.0 - m) / p.post_cpu_rate + m / p.cpu_rate)
+    return job.cores * p.cpu_rate
 
 
 def bound_labels(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray) -> list[str]:
@@ -57,7 +53,7 @@ def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, m
     its miss ratio, its CPU bound its cores times its cpu_rate."""
     io_bound = math.inf if miss <= 1e-12 else io_cap / miss
     pipeline = job.trace.pipeline
-    cpu_bound = math.inf if pipeline is None or math.isinf(job.cores) else job.cores * pipeline.cpu_rate
+    cpu_bound = math.inf if pipeline is None or math.isinf(job.cores) else cpu_bound_at(job, miss)
     return observe(job.fstar, observed, seconds, io_bound, cpu_bound)
 
 
@@ -75,4 +71,4 @@ def main_bottleneck(bound_s: Mapping[str, float]) -> str:
     return max(RESOURCES, key=lambda r: bound_s.get(r, 0.0)) if any(v > 0 for v in bound_s.values()) else ""
 
 
-__all__ = ["bounds_now", "counts", "main_bottleneck", "record_bounds"]
+__all__ = ["bound_labels", "counts", "cpu_bound_at", "main_bottleneck", "record_bounds"]

@@ -29,12 +29,12 @@ from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
-from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
+from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.diagnosis import bounds_now, counts, observe_fstar, record_bounds
+from scheduler.sim.diagnosis import bound_labels, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
-from scheduler.core.planner import SchedulingCore, spread_spare_io
+from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
 
@@ -42,6 +42,7 @@ from traces.model import Trace, TraceJob
 #: Datasets read by curriculum jobs get at least this many chunks in their smallest eligible
 #: set (`--resolution` still sets the minimum), and at most MAX_CURRICULUM_CHUNKS chunks.
 CURRICULUM_MIN_CHUNKS = 64
+_EPOCH = AccessPattern.epoch()
 MAX_CURRICULUM_CHUNKS = 4096
 
 #: A curriculum job's step may let the link bring in at most 1/VOLATILE_STEPS of its eligible
@@ -77,6 +78,12 @@ class SimConfig:
     #: Quiver's online-profile error: sigma of a log-normal factor on each dataset's benefit,
     #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator.md).
     profile_noise: float = 0.0
+    #: Staggered starts for jobs sharing a dataset (policies/stagger.py), off by default.
+    stagger: bool = False
+    #: Decision coalescing: at most one policy decision per this many seconds while jobs run
+    #: (arrivals, completions and demand changes in between wait for it or for the round's
+    #: end). 0: decide at every such event (the default; docs/simulator.md gives its effect).
+    decision_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -85,6 +92,8 @@ class SimConfig:
             raise UserError(f"resolution {self.resolution} must be >= 1 chunk per dataset")
         if not self.gpu_speed > 0:
             raise UserError(f"GPU speed {self.gpu_speed} must be > 0")
+        if not self.decision_interval_s >= 0:
+            raise UserError(f"decision interval {self.decision_interval_s} s must be >= 0 (0: no coalescing)")
         if not 0 < self.demand_tolerance <= 1:
             raise UserError(f"demand tolerance {self.demand_tolerance} must be in (0, 1]")
 
@@ -152,6 +161,27 @@ class SimResult:
     unfinished: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class StepState:
+    """The running jobs as columns for one step (same order as the engine's `running`): what
+    does not change between plans (`static`), and the reading position (gathered per step)."""
+
+    ids: list[str]
+    k: np.ndarray  # chunks per epoch
+    chunk: np.ndarray  # bytes per chunk
+    total: np.ndarray  # bytes to read in all
+    ideal: np.ndarray  # bytes/s without IO limits (f* and cores)
+    gpu_ideal: np.ndarray  # f* (bytes/s)
+    cpu_bound: np.ndarray  # cores x cpu_rate (inf: not CPU-bound)
+    curriculum: np.ndarray  # bool
+    scalar: np.ndarray  # bool: advanced by the per-job `advance` (curriculum, volatile cache)
+    looked: np.ndarray
+    unread: np.ndarray  # cached chunks expected among the unread ones (SimJob.unread_expected)
+    unread_real: np.ndarray  # cached unread chunks (SimJob.unread_cached)
+    consumed: np.ndarray
+    pos: np.ndarray
+
+
 class Simulator:
     def __init__(
         self,
@@ -176,7 +206,7 @@ class Simulator:
         self.trace = trace
         self.capacity = capacity
         self.config = config
-        self.core = SchedulingCore(policy, estimator)
+        self.core = SchedulingCore(policy, estimator, stagger=config.stagger)
         self.cache = (
             make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed, config.profile_noise)
             if isinstance(cache_system, str)
@@ -207,22 +237,51 @@ class Simulator:
         return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / start)))
 
     def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
+        """The jobs as the policy sees them, with the same jobs as columns (JobColumns).
+
+        A job's JobView is kept between decisions and rebuilt only when what the policy sees of
+        it changed (a queued job's view stays the same until it runs): building ~300 frozen
+        views per decision was the largest single cost of a Fig. 12 run."""
         measured = self.core.estimator.manages_storage
         told = self.config.partition
-        jobs = tuple(
-            JobView(j.job_id, j.gpus, j.dataset.name, j.gpu_ideal if j.fstar is None else j.fstar.estimate, j.remaining,
-                    j.trace.submit_time, j.running,
-                    hit_ratio_now=j.hit_ratio_now(self.cache) if measured else None,
-                    access=j.trace.access if told else AccessPattern.epoch(), pipeline=j.trace.pipeline)
-            for j in active
-        )
+        cache = self.cache
+        n = len(active)
+        views: list[JobView] = []
+        ideal = np.empty(n)
+        remaining = np.empty(n)
+        running = np.empty(n, dtype=bool)
+        gpus = np.empty(n)
+        hits = np.empty(n) if measured and n else None
+        all_regular = True
+        for i, j in enumerate(active):
+            f = j.gpu_ideal if j.fstar is None else j.fstar.estimate
+            rem = j.total_bytes - j.consumed
+            if rem < 0.0:
+                rem = 0.0
+            hit = j.hit_ratio_now(cache) if measured else None
+            view = j.view
+            if view is None or view.remaining_bytes != rem or view.running != j.running or view.hit_ratio_now != hit or view.ideal_throughput != f:
+                access = j.trace.access if told else _EPOCH
+                view = j.view = JobView(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running,
+                                        hit_ratio_now=hit, access=access, pipeline=j.trace.pipeline)
+            views.append(view)
+            ideal[i] = f
+            remaining[i] = rem
+            running[i] = j.running
+            gpus[i] = view.gpus
+            if hits is not None:
+                hits[i] = hit
+            if all_regular and not view.access.regular:
+                all_regular = False
+        jobs = tuple(views)
         needed = {j.dataset.name for j in active}
         if measured:
-            cached = self.cache.cached_bytes()
-            views = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
+            cached = cache.cached_bytes()
+            dviews = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
         else:
-            views = {n: self.dataset_views[n] for n in needed}
-        return Snapshot(now, jobs, views, self.capacity)
+            dviews = {n: self.dataset_views[n] for n in needed}
+        columns = JobColumns(jobs, gpus, ideal, remaining, running, hits, all_regular)
+        return Snapshot(now, jobs, dviews, self.capacity, columns)
 
     def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
         """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
@@ -232,7 +291,7 @@ class Simulator:
         for job, r in zip(active, ref, strict=True):
             job.reference = float(r)
 
-    def _step_limit(self, running: list[SimJob], caps: dict[str, float], last_dt: float | None) -> float:
+    def _step_limit(self, running: list[SimJob], st: StepState, caps: dict[str, float], last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)
         may be taken as fixed: the link is re-divided between steps, so a job whose m rises
         within a step (its unread chunks evicted by an LRU, or admitted by a co-reader of a
@@ -241,7 +300,7 @@ class Simulator:
         Where the link could not serve every running job at f*, a step is bounded so that no
         such job's m is expected to move by more than `demand_tolerance`. m = (cached unread
         chunks) / (unread chunks); what others' admissions and evictions do to it is counted
-        (`SimJob.moved`), and its rate over the last steps (`self.drift`, averaged with halving
+        (`SimJob.moved`), and its rate over the last steps (`SimJob.drift_m / drift_t`, averaged with halving
         weights) predicts the next: dt <= tolerance / drift. A job with no measured drift yet is
         bounded a priori: others can move at most one of its unread chunks per chunk the link
         brings in, dt <= tolerance x (its unread bytes) / link. Both take the unread chunks as at
@@ -258,18 +317,23 @@ class Simulator:
         if link <= 0:
             return np.inf
         limit = np.inf
-        if sum(j.ideal for j in running) > link:
+        # Autocaching: a preprocessed reader's CPU cost follows m, so its m matters even on a
+        # link that could serve everyone.
+        if sum(j.ideal for j in running) > link or any(j.dataset.expansion != 1.0 for j in running):
             tol = self.config.demand_tolerance
-            for job in running:
-                if not self.cache.moves_under(job):
-                    continue
-                drift = self.drift.get(job.job_id)
-                if drift is None or last_dt is None:
-                    k = job.dataset.n_chunks
-                    unread = max(k - job.looked, k * DRIFT_FLOOR) * job.dataset.chunk_size
-                    limit = min(limit, tol * unread / link)
-                else:
-                    limit = min(limit, tol / drift if drift > tol * 1e-12 else np.inf)
+            n = len(running)
+            moves = np.fromiter((self.cache.moves_under(j) for j in running), dtype=bool, count=n)
+            if moves.any():
+                # Per job: measured drift, dt <= tol / drift; unmeasured, dt <= tol x unread / link.
+                drift_t = np.fromiter((j.drift_t for j in running), dtype=float, count=n)
+                drift_m = np.fromiter((j.drift_m for j in running), dtype=float, count=n)
+                k = st.k
+                a_priori = tol * (np.maximum(k - st.looked, k * DRIFT_FLOOR) * st.chunk) / link
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    drift = drift_m / np.where(drift_t > 0, drift_t, 1.0)
+                    measured = np.where(drift > tol * 1e-12, tol / np.where(drift > tol * 1e-12, drift, 1.0), np.inf)
+                bound = a_priori if last_dt is None else np.where(drift_t > 0, measured, a_priori)
+                limit = min(limit, float(bound[moves].min()))
             # An LRU that becomes full starts evicting at every miss: a drift the last step
             # could not see. Admissions cannot outrun the link: stop where it may become full.
             free = self.cache.free_before_eviction()
@@ -279,7 +343,7 @@ class Simulator:
             volatile = self.cache.volatile_bytes()
             if volatile is not None:
                 limit = min(limit, tol * volatile / link)
-        for job in running:
+        for job in running if st.curriculum.any() else ():
             if job.pacing is not None and caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
                 eligible = job.eligible_chunks() * job.dataset.chunk_size
                 limit = min(limit, eligible / (VOLATILE_STEPS * caps[job.job_id]))
@@ -298,6 +362,7 @@ class Simulator:
         timeline: list[TimelineRow] = []
         now = 0.0
         need_decision = True
+        deferred = False  # a decision waits for decision_interval_s (coalescing)
         snapshot = None
         allocation = None
         plan = None
@@ -310,8 +375,8 @@ class Simulator:
         fairness_time = 0.0
         steps = 0
         last_dt: float | None = None
-        self.drift: dict[str, float] = {}  # job id -> rate (1/s) at which others moved its m in its last steps
-        self._drift_acc: dict[str, tuple[float, float]] = {}  # job id -> (decayed sum of m moved, of seconds)
+        self._static = None  # the running jobs' static columns (_step_state)
+        self._static_layout = -1
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
         acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
@@ -333,7 +398,8 @@ class Simulator:
                 next_arrival += 1
                 need_decision = True
             if not active:
-                if need_decision:
+                if need_decision or deferred:
+                    deferred = False
                     # The last job finished: apply the plan for no jobs as at any completion
                     # (silod and quiver drop the datasets nobody reads any more), idle or not.
                     snapshot = self._snapshot(now, [])
@@ -342,6 +408,7 @@ class Simulator:
                     running = []
                     round_end = -np.inf
                     part = plan.allocation.partition
+                    self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
                     self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
                     need_decision = False
                 now = pending[next_arrival].submit_time
@@ -353,6 +420,19 @@ class Simulator:
             # re-decide at least every io_refresh_s even without arrivals or completions.
             if self.core.estimator.manages_storage and now - last_decision >= cfg.io_refresh_s:
                 need_decision = True
+            recheck = self.core.stagger_recheck_at
+            if recheck is not None and now >= recheck - 1e-9:
+                need_decision = True  # a held job's staggered start has come
+            # Decision coalescing (off by default): what asks for a decision within
+            # decision_interval_s of the last one waits for it or for the round's end, whichever
+            # comes first (finished jobs' GPUs and arrivals wait that long).
+            interval = cfg.decision_interval_s
+            if interval > 0:
+                due = not running or now >= last_decision + interval - 1e-9 or now >= round_end - 1e-9
+                if (need_decision or deferred) and not due:
+                    deferred, need_decision = True, False
+                elif deferred:
+                    deferred, need_decision = False, True
             if need_decision:
                 last_decision = now
                 snapshot = self._snapshot(now, active)
@@ -369,7 +449,7 @@ class Simulator:
                 chosen = [by_id[i] for i in plan.running]
                 chosen_ids = set(plan.running)
                 for job in running:
-                    if job.job_id not in chosen_ids and job in active:
+                    if job.job_id not in chosen_ids and job.job_id in by_id:
                         job.running = False
                         self.cache.job_stopped(job)
                 for job in chosen:
@@ -377,8 +457,11 @@ class Simulator:
                         job.start_time = now
                     job.running = True
                     job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
+                if len(chosen) != len(running) or any(a is not b for a, b in zip(chosen, running)):
+                    self._static = None  # the static columns hold while the same jobs run (cores: _step_state)
                 running = chosen
                 part = plan.allocation.partition
+                self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
 
@@ -387,44 +470,62 @@ class Simulator:
             step_end = min(round_end, now + max(cfg.round_s, cfg.io_refresh_s))
             if next_arrival < len(pending):
                 step_end = min(step_end, pending[next_arrival].submit_time)
-            if self.core.estimator.manages_storage:
+            if self.core.estimator.manages_storage and not deferred:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
-            misses = {job.job_id: job.miss_ratio(self.cache) for job in running}
-            caps, contended = self._io_caps(plan, running, misses)
+            if self.core.stagger_recheck_at is not None:
+                step_end = min(step_end, max(self.core.stagger_recheck_at, now + 1e-6))
+            if deferred:
+                step_end = min(step_end, last_decision + cfg.decision_interval_s)
+            st = self._step_state(running)
+            m = self._miss_vector(running, st)
+            pre = self._preprocessed(running)
+            ideal_m = self._ideal_at(running, st, m, pre)
+            caps_arr, contended = self._io_caps(plan, running, st, m, ideal_m)
             managed = plan.remote_io is not None and cfg.manage_io
-            for job in running:
-                # A finish always ends the step (its IO is re-divided); an epoch boundary only
-                # where the link is contended and the job's demand will change there.
-                step_end = min(step_end, now + job.seconds_to_event(caps[job.job_id], self.cache, contended, misses[job.job_id]))
-            step_end = min(step_end, now + self._step_limit(running, caps, last_dt))
+            step_end = min(step_end, now + self._seconds_to_event(running, st, caps_arr, m, contended, ideal_m))
+            caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
+            for i in pre:
+                # Autocaching: a preprocessed reader's CPU cost per byte changes at its epoch
+                # boundaries, so they end a step even on a link that could serve everyone.
+                step_end = min(step_end, now + running[i].seconds_to_event(float(caps_arr[i]), self.cache, True, float(m[i])))
+            step_end = min(step_end, now + self._step_limit(running, st, caps, last_dt))
             dt = max(step_end - now, 1e-6)
-            bounds = bounds_now(running, caps, misses)
-            bound_of = dict(zip((j.job_id for j in running), bounds, strict=True))
-            unread0 = {}
+            cpu_now = st.cpu_bound
+            if pre:
+                cpu_now = cpu_now.copy()
+                for i in pre:
+                    cpu_now[i] = cpu_bound_at(running[i], float(m[i]))
+            bounds = bound_labels(st.gpu_ideal, cpu_now, caps_arr, np.clip(m, 0.0, 1.0)) if running else []
+            k_arr = st.k
+            unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR).tolist()
             for job in running:
                 job.moved = 0
-                unread0[job.job_id] = max(job.dataset.n_chunks - job.looked, job.dataset.n_chunks * DRIFT_FLOOR)
 
             finished: list[SimJob] = []
             step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
-            for job, res in self._advance_all(running, now, dt, caps):
-                miss = misses[job.job_id] if watch else None
-                if miss is not None and abs(job.miss_ratio(self.cache) - miss) > DEMAND_CHANGE:
-                    # Its demand on a contended link changed: the policy re-divides the link
+            if self.cache.volatile and len(running) >= 2:
+                results = self._advance_all(running, now, dt, caps)
+            else:
+                results = self._advance_vector(running, st, m, caps_arr, now, dt, pre)
+            if watch:
+                m_after = self._miss_vector(running, self._step_state(running, st))
+                if np.any(np.abs(m_after - m) > DEMAND_CHANGE):
+                    # A job's demand on a contended link changed: the policy re-divides the link
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
+            m_list = m.tolist()
+            for i, (job, res) in enumerate(results):
                 ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
-                record_bounds([job], [bound_of[job.job_id]], ran)
+                bound = bounds[i]
+                job.bound_s[bound] = job.bound_s.get(bound, 0.0) + ran
                 if job.fstar is not None:
-                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps[job.job_id], misses[job.job_id])
+                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps_arr[i], m_list[i])
                 job.last_rate = res.bytes_read / ran
                 # Counted over a few chunks the rate is noisy: average it over the last steps
                 # (each weighing half the one after it).
-                m_acc, t_acc = self._drift_acc.get(job.job_id, (0.0, 0.0))
-                m_acc, t_acc = DRIFT_MEMORY * m_acc + job.moved / unread0[job.job_id], DRIFT_MEMORY * t_acc + dt
-                self._drift_acc[job.job_id] = (m_acc, t_acc)
-                self.drift[job.job_id] = m_acc / t_acc
+                job.drift_m = DRIFT_MEMORY * job.drift_m + job.moved / unread0[i]
+                job.drift_t = DRIFT_MEMORY * job.drift_t + dt
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
                 if not job.trace.access.regular:
@@ -459,6 +560,8 @@ class Simulator:
                 acc_remote = acc_bytes = acc_time = acc_fair = acc_fair_time = acc_remote_irregular = 0.0
                 next_sample = now + dt + cfg.timeline_interval_s
 
+            if finished:
+                self._static = None
             for job in finished:
                 active.remove(job)
                 running.remove(job)
@@ -466,8 +569,6 @@ class Simulator:
                 self.cache.unregister(job)
                 self.cache.job_stopped(job)
                 self.core.forget(job.job_id)
-                self.drift.pop(job.job_id, None)
-                self._drift_acc.pop(job.job_id, None)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
                               job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios),
@@ -518,8 +619,8 @@ class Simulator:
                 heapq.heappush(clock, (t, i))
         return [(job, results[job.job_id]) for job in running]
 
-    def _io_caps(self, plan, running: list[SimJob], misses: dict[str, float]) -> tuple[dict[str, float], bool]:
-        """Remote IO per running job for this step, and whether the link is contended.
+    def _io_caps(self, plan, running: list[SimJob], st, m: np.ndarray, ideal_m: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Remote IO per running job for this step (same order), and whether the link is contended.
 
         Managed (SiloD): the policy's caps, with work conservation: a job holds no more than it
         can use now (f* times its miss ratio now), and what the caps leave goes max-min to the
@@ -527,20 +628,169 @@ class Simulator:
         Unmanaged (baselines): the link is shared max-min by demand, like TCP flows.
         """
         total = self.capacity.remote_io
-        demands = {j.job_id: j.ideal * misses[j.job_id] for j in running}
-        contended = sum(demands.values()) > total * (1 - 1e-9)
+        demands = ideal_m * m
+        contended = sum(demands.tolist()) > total * (1 - 1e-9)
         if plan.remote_io is not None and self.config.manage_io:
-            floors = {i: min(plan.remote_io.get(i, 0.0), demands[i]) for i in demands}
-            caps = spread_spare_io(floors, demands, total)
+            planned = plan.remote_io
+            floors = np.minimum(np.fromiter((planned.get(i, 0.0) for i in st.ids), dtype=float, count=len(st.ids)), demands)
+            caps = _spread(floors, demands, total)
         else:
-            ids = list(demands)
-            granted = max_min_share(np.array([demands[i] for i in ids], dtype=float), total)
-            caps = dict(zip(ids, granted.tolist(), strict=True))
+            caps = max_min_share(demands, total)
         if not contended:
             # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
             # rises within the step (a new epoch) is not held to the demand it had at its start.
-            caps = spread_spare_io(caps, {j.job_id: j.ideal for j in running}, total)
+            caps = _spread(caps, ideal_m, total)
         return caps, contended
+
+    def _step_state(self, running: list[SimJob], prev: StepState | None = None) -> StepState:
+        """Columns of the running jobs: the static ones are kept while the plan and the running
+        set stay the same (`self._static`, reset where either changes)."""
+        n = len(running)
+        static = self._static if prev is None else (prev.ids, prev.k, prev.chunk, prev.total, prev.ideal, prev.gpu_ideal,
+                                                     prev.cpu_bound, prev.curriculum, prev.scalar)
+        if static is not None and prev is None:
+            # Cores (so ideal rates) and whether a job's cache is volatile change only with a plan.
+            ideal = static[4]
+            if self.cache.layout_version != self._static_layout or any(j.ideal != f for j, f in zip(running, ideal.tolist())):
+                static = None
+        if static is None or len(static[0]) != n:
+            self._static_layout = self.cache.layout_version
+            cache = self.cache
+            curriculum = np.fromiter((j.pacing is not None for j in running), dtype=bool, count=n)
+            static = self._static = (
+                [j.job_id for j in running],
+                np.fromiter((j.dataset.n_chunks for j in running), dtype=float, count=n),
+                np.fromiter((j.dataset.chunk_size for j in running), dtype=float, count=n),
+                np.fromiter((j.total_bytes for j in running), dtype=float, count=n),
+                np.fromiter((j.ideal for j in running), dtype=float, count=n),
+                np.fromiter((j.gpu_ideal for j in running), dtype=float, count=n),
+                np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running),
+                            dtype=float, count=n),
+                curriculum,
+                curriculum | np.fromiter((cache.volatile_for(j) for j in running), dtype=bool, count=n),
+            )
+        return StepState(*static,
+                         np.fromiter((j.looked for j in running), dtype=float, count=n),
+                         np.fromiter((j.unread_expected(v) for j, v in zip(running, static[8].tolist())), dtype=float, count=n),
+                         np.fromiter((j.unread_cached for j in running), dtype=float, count=n),
+                         np.fromiter((j.consumed for j in running), dtype=float, count=n),
+                         np.fromiter((j.pos for j in running), dtype=float, count=n))
+
+    @staticmethod
+    def _preprocessed(running: list[SimJob]) -> list[int]:
+        """Positions of the running jobs whose dataset's cache holds preprocessed data
+        (autocaching): their rate without IO limits depends on their miss ratio."""
+        return [i for i, j in enumerate(running) if j.dataset.expansion != 1.0]
+
+    @staticmethod
+    def _ideal_at(running: list[SimJob], st, m: np.ndarray, pre: list[int]) -> np.ndarray:
+        """SimJob.ideal_at for every running job: the static column except for preprocessed readers."""
+        if not pre:
+            return st.ideal
+        ideal = st.ideal.copy()
+        for i in pre:
+            ideal[i] = running[i].ideal_at(float(m[i]))
+        return ideal
+
+    def _miss_vector(self, running: list[SimJob], st) -> np.ndarray:
+        """SimJob.miss_ratio of every running job, from the step's columns (a job at its
+        epoch's very end and curriculum jobs ask the job)."""
+        left = st.k - st.looked
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = np.minimum(np.maximum(1.0 - st.unread / left, 0.0), 1.0)
+        for i in np.flatnonzero((left <= 0) | st.curriculum).tolist():
+            m[i] = running[i].miss_ratio(self.cache)
+        return m
+
+    def _seconds_to_event(self, running: list[SimJob], st, caps: np.ndarray, m: np.ndarray, contended: bool,
+                          ideal_m: np.ndarray) -> float:
+        """The earliest SimJob.seconds_to_event over the running jobs, computed on the columns."""
+        if not running:
+            return np.inf
+        ideal = ideal_m
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rate = np.where(m <= 1e-12, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
+        left = st.total - st.consumed
+        if contended:
+            cache = self.cache
+            visible = np.fromiter((cache.visible_chunks(j) for j in running), dtype=float, count=len(running))
+            room = np.fromiter((cache.room(j) for j in running), dtype=float, count=len(running))
+            k = st.k
+            misses_left = (k - st.looked) - st.unread_real
+            next_miss = 1.0 - (visible + np.minimum(room, misses_left)) / k
+            left = np.where(np.abs(next_miss - m) > DEMAND_CHANGE, np.minimum(left, (k - st.pos) * st.chunk), left)
+            for i in np.flatnonzero(st.curriculum).tolist():
+                left[i] = min(st.total[i] - st.consumed[i], running[i].bytes_to_growth())
+        with np.errstate(divide="ignore", invalid="ignore"):
+            seconds = np.where(rate > 0, np.maximum(left, 0.0) / np.where(rate > 0, rate, 1.0), np.inf)
+        return float(seconds.min())
+
+    def _advance_vector(self, running: list[SimJob], st, m0: np.ndarray, caps: np.ndarray, now: float, dt: float,
+                        pre: list[int] = ()):
+        """`advance` for every running job at once where a step is one stretch of one epoch at
+        one miss ratio (uniform caches: the common case), the per-job `advance` elsewhere (an
+        epoch boundary inside the step, a volatile cache, curriculum reads). Jobs are taken in
+        order and a job whose count of cached unread chunks was moved by an earlier job's
+        admissions in this step is advanced by `advance` too, so the result is exactly the
+        per-job loop's."""
+        cache = self.cache
+        n = len(running)
+        k, s, ideal = st.k, st.chunk, st.ideal
+        p, looked, unread = st.pos, st.looked, st.unread
+        left = k - looked
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = 1.0 - unread / left
+            m = np.where(m < 1e-12, 0.0, np.where(m > 1.0, 1.0, m))
+            rate = np.where(m == 0.0, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
+            x_need = p + (st.total - st.consumed) / s
+            x = np.minimum(np.minimum(p + rate * dt / s, x_need), k)
+            finishing = x >= x_need - 1e-9
+            last = np.minimum(k, np.ceil(x - np.where(finishing, 1e-12, 1e-9)))
+            done = (x - p) * s
+            missed = m * done
+            t = done / rate
+        tol = 1e-9 * max(dt, 1.0)
+        scalar = st.scalar
+        if pre:  # preprocessed readers' rate follows their miss ratio: the per-job advance
+            scalar = scalar.copy()
+            scalar[pre] = True
+        simple = ~scalar & (left > 0) & (p < k - 1e-9) & (rate > 0) & (x > p) & (finishing | ~(dt - t > tol))
+        stalled = ~scalar & (left > 0) & (p < k - 1e-9) & ((rate <= 0) | (x <= p))
+        simple_l, stalled_l = simple.tolist(), stalled.tolist()
+        last_l = np.where(simple, last, 0.0).astype(np.int64).tolist()
+        looked_l, unread_l = looked.astype(np.int64).tolist(), st.unread_real.astype(np.int64).tolist()
+        x_l, done_l, missed_l, t_l, fin_l = x.tolist(), done.tolist(), missed.tolist(), t.tolist(), finishing.tolist()
+        out = []
+        for i, job in enumerate(running):
+            if stalled_l[i] and job.unread_cached == unread_l[i]:
+                out.append((job, StepResult(elapsed=dt)))
+                continue
+            if not simple_l[i] or job.unread_cached != unread_l[i]:
+                out.append((job, advance(job, now, dt, float(caps[i]), cache)))
+                continue
+            res = StepResult()
+            lo, hi = looked_l[i], last_l[i]
+            if hi > lo:
+                hits = cache.access(job, job.perm[lo:hi])
+                job.looked_up(int(np.count_nonzero(hits)), lo, hi)
+                job.looked = hi
+            done, missed = done_l[i], missed_l[i]
+            job.consumed += done
+            job.remote_bytes += missed
+            job.hit_bytes += done - missed
+            job.epoch_read += done
+            job.epoch_remote += missed
+            res.bytes_read = done
+            res.remote_bytes = missed
+            job.pos = x_l[i]
+            if fin_l[i] or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
+                job.consumed = job.total_bytes
+                if job.pos >= job.dataset.n_chunks - 1e-6:
+                    job.new_epoch(cache)  # records the last epoch's hit ratio
+                res.finished_at = now + t_l[i]
+            res.elapsed = t_l[i]
+            out.append((job, res))
+        return out
 
     @staticmethod
     def _fairness(active: list[SimJob]) -> float | None:
@@ -580,6 +830,16 @@ class Simulator:
             remote_io_regular=(acc_remote - acc_remote_irregular) / acc_time if acc_time else 0.0,
             remote_io_irregular=acc_remote_irregular / acc_time if acc_time else 0.0,
         )
+
+
+def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:
+    """spread_spare_io on arrays: what `base` leaves of the link goes max-min to what `want`
+    exceeds it by."""
+    extra_want = np.maximum(want - base, 0.0)
+    spare = total_io - float(base.sum())
+    if spare <= 0 or not extra_want.any():
+        return base
+    return base + max_min_share(extra_want, spare)
 
 
 def _item_size(trace: Trace, job: TraceJob) -> float:

@@ -39,6 +39,7 @@ import numpy as np
 
 from estimator.access import CurriculumPacing
 from estimator.measured import FStarEstimate
+from policies.types import JobView
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
@@ -60,6 +61,11 @@ class SimJob:
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
     looked: int = 0  # chunks of the current epoch looked up (a prefix of perm)
     unread_cached: int = 0  # cached chunks not looked up yet this epoch
+    #: Cached chunks expected among the unread ones: what the cache does to them is taken in
+    #: (`unread_expected`), the job's own look-ups are not (they leave the expected share as it
+    #: is; see `looked_up`), so a cache nobody else moves gives one miss ratio for the whole epoch.
+    expected_cached: float = 0.0
+    synced: int = 0  # unread_cached when expected_cached last took in the cache's changes
     moved: int = 0  # of those counts, changes made by others' admissions and evictions since the engine reset it
     pos: float = 0.0  # chunks of the current epoch already read (fractional)
     epoch: int = 0
@@ -80,6 +86,9 @@ class SimJob:
     _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for
     _eligible: float = 0.0
     _growth_at: float = math.inf
+    drift_m: float = 0.0  # decayed sum of the share of its unread chunks others moved, per step (engine._step_limit)
+    drift_t: float = 0.0  # decayed sum of those steps' seconds (0: never measured)
+    view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
 
     def __post_init__(self) -> None:
         if self.gpu_ideal is None:
@@ -101,13 +110,57 @@ class SimJob:
         else:
             self.ideal = min(self.gpu_ideal, cores * pipeline.cpu_rate)
 
+    def ideal_at(self, miss: float) -> float:
+        """The rate IO does not bind, at miss ratio `miss`. Caching preprocessed data
+        (autocaching: the dataset's expansion is not 1) a hit costs post_cpu_rate per core and a
+        miss cpu_rate, so on k cores: min(f*, k / ((1-m)/p + m/r)) (estimator/pipeline.py);
+        otherwise `ideal`."""
+        pipeline = self.trace.pipeline
+        if self.dataset.expansion == 1.0 or pipeline is None or not pipeline.autocaches or math.isinf(self.cores):
+            return self.ideal
+        cost = (1.0 - miss) / pipeline.post_cpu_rate + miss / pipeline.cpu_rate
+        return min(self.gpu_ideal, self.cores / cost)
+
     @property
     def remaining(self) -> float:
         return max(self.total_bytes - self.consumed, 0.0)
 
     def start_epoch_view(self, cache: SimCacheSystem) -> None:
         """Called when the job becomes active: everything cached counts as unread."""
-        self.unread_cached = cache.visible_chunks(self)
+        self.unread_cached = self.synced = cache.visible_chunks(self)
+        self.expected_cached = float(self.unread_cached)
+
+    def unread_expected(self, volatile: bool = False) -> float:
+        """Cached chunks expected among the epoch's unread ones, the cache's changes since the
+        last look taken in.
+
+        Why not `unread_cached` itself: the epoch reads a uniform random permutation, so which
+        of the unread chunks the job's own look-ups turn out to hit is chance; charging the rest
+        of the epoch at the ratio those hits leave makes each epoch's remote bytes a random walk
+        around the truth (one job alone on a half-cached dataset: 7,900 s instead of 8,000 s).
+        The expectation moves only when the cache changes what is cached among them.
+
+        `volatile` (an LRU: SimCacheSystem.volatile_for): the count itself. There the job's own
+        hits refresh what it read and the cache evicts the rest first, so which chunks it hit is
+        not chance but what the future evictions depend on; an expectation that ignored them
+        would drift from the cache (the five-job LRU reference case: 7% slow)."""
+        if volatile:
+            self.expected_cached = float(self.unread_cached)
+            self.synced = self.unread_cached
+            return self.expected_cached
+        delta = self.unread_cached - self.synced
+        if delta:
+            left = self.dataset.n_chunks - self.looked
+            self.expected_cached = min(max(self.expected_cached + delta, 0.0), float(max(left, 0)))
+            self.synced = self.unread_cached
+        return self.expected_cached
+
+    def looked_up(self, hits: int, before: int, after: int) -> None:
+        """The job looked up chunks perm[before:after] itself, `hits` of them cached: its own
+        hits are not a change of the cache, and the expected cached share of the rest holds."""
+        self.synced -= hits
+        left = self.dataset.n_chunks - before
+        self.expected_cached = self.expected_cached * (self.dataset.n_chunks - after) / left if left > 0 else 0.0
 
     # ------------------------------------------------------------ curriculum
     @property
@@ -159,7 +212,7 @@ class SimJob:
         left = self.dataset.n_chunks - self.looked
         if left <= 0:
             return 1.0 - cache.visible_chunks(self) / self.dataset.n_chunks
-        return min(max(1.0 - self.unread_cached / left, 0.0), 1.0)
+        return min(max(1.0 - self.unread_expected(cache.volatile_for(self)) / left, 0.0), 1.0)
 
     def hit_ratio_now(self, cache: SimCacheSystem) -> float:
         return 1.0 - self.miss_ratio(cache)
@@ -177,14 +230,16 @@ class SimJob:
             return  # `pos` and `looked` count draws; there is no order to shuffle
         self.perm = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask[:] = False
-        self.unread_cached = cache.visible_chunks(self)
+        self.unread_cached = self.synced = cache.visible_chunks(self)
+        self.expected_cached = float(self.unread_cached)
 
     def rate(self, io_cap: float, cache: SimCacheSystem, miss: float | None = None) -> float:
         """Eq. 4 with the measured miss ratio: min(f*, b / m)."""
         m = self.miss_ratio(cache) if miss is None else miss
+        ideal = self.ideal_at(m)
         if m <= 1e-12:
-            return self.ideal
-        return min(self.ideal, io_cap / m) if io_cap > 0 else 0.0
+            return ideal
+        return min(ideal, io_cap / m) if io_cap > 0 else 0.0
 
     def seconds_to_event(self, io_cap: float, cache: SimCacheSystem, epoch_matters: bool = True, miss: float | None = None) -> float:
         """Time until the job finishes or, if `epoch_matters`, reaches an epoch boundary where
@@ -230,8 +285,10 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks
     ideal = job.ideal
+    preprocessed = job.dataset.expansion != 1.0  # autocaching: the CPU cost per byte follows m
     curriculum = job.pacing is not None
-    substep = max(1, int(k * VOLATILE_SUBSTEP)) if cache.volatile_for(job) else k
+    volatile = cache.volatile_for(job)
+    substep = max(1, int(k * VOLATILE_SUBSTEP)) if volatile else k
     t = 0.0
     while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
         if substeps is not None:
@@ -258,9 +315,11 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             reach = min(math.floor(p + 1e-9) + draws, p + job.bytes_to_growth() / s)
         else:
             left = k - job.looked
-            m = 1.0 - (job.unread_cached / left if left > 0 else cache.visible_chunks(job) / k)
+            m = 1.0 - (job.unread_expected(volatile) / left if left > 0 else cache.visible_chunks(job) / k)
             reach = math.floor(p + 1e-9) + substep
         m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
+        if preprocessed:
+            ideal = job.ideal_at(m)
         rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
         if rate <= 0:
             t = dt
@@ -279,7 +338,9 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
                 cache.access(job, draws)
                 job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
             else:
-                cache.access(job, job.perm[job.looked:last])
+                job.unread_expected(volatile)
+                hits = cache.access(job, job.perm[job.looked:last])
+                job.looked_up(int(np.count_nonzero(hits)), job.looked, last)
             job.looked = last
         done = (x - p) * s
         missed = m * done

@@ -7,7 +7,7 @@ cache system sees a job only through `CacheReader`, so the two modules do not im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -19,10 +19,18 @@ class SimDataset:
     size: float
     n_chunks: int
     index: int  # position in the engine's dataset list
+    #: Bytes the cache holds per source byte: 1 caching the source, e caching its readers'
+    #: preprocessed data (autocaching; set by the cache system from the round's plan).
+    expansion: float = 1.0
+    chunk_size: float = field(init=False)  # bytes per chunk (read in the hot loops: computed once)
+
+    def __post_init__(self) -> None:
+        self.chunk_size = self.size / self.n_chunks
 
     @property
-    def chunk_size(self) -> float:
-        return self.size / self.n_chunks
+    def cached_chunk_bytes(self) -> float:
+        """Cache bytes one cached chunk takes (e x its source bytes when preprocessed)."""
+        return self.chunk_size * self.expansion
 
 
 class CacheReader(Protocol):

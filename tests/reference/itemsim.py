@@ -47,6 +47,16 @@ The model, item by item:
   used; "gpu-proportional": cpus x gpus / cluster GPUs. The planning below then uses
   min(f*, k x cpu_rate) as the job's f*. Without `cpus` (or for a job without cpu_rate) items
   go straight from the loader to the GPU.
+- Autocaching (silod, jobs with an `autocache` point (e, p)): a dataset whose running and
+  queued readers all have the same expansion e may cache their preprocessed items instead of
+  source items; such an item takes e x its bytes in cache and, when read from the cache, costs
+  the CPU stage item_size / p per core instead of item_size / cpu_rate (a fetched item pays the
+  whole pipeline). At every event, after the cache plan below, each such dataset compares its
+  running readers' sum of min(f*, k / (h/p + (1-h)/r), link / (1-h)) / f* with h = c / (e d)
+  (preprocessed) against h = c / d, k = 1/r (source), c the bytes the plan gives it; it switches
+  when the other mode gains more than 0.05 (dropping what it cached) and the plan is redone at
+  the new size -- but a dataset with more than 5% of its items cached as source items stays on
+  source (a filled cache is not thrown away for a decoded copy).
 - SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
   cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
   only the readers with more than one pass left, since an item cached now helps from the next
@@ -73,6 +83,7 @@ class RefJob:
     epochs: float  # work: items read = epochs x items of the dataset
     curriculum: tuple | None = None  # (starting_percent, alpha, step, batch) or None
     cpu_rate: float | None = None  # bytes/s one core preprocesses; None: no CPU stage
+    autocache: tuple | None = None  # (expansion, post_cpu_rate) at the job's autocache point, or None
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,8 @@ class _Run:
     start: float = 0.0
     cores: float = math.inf
     loaded: int = 0  # items loaded, waiting for a CPU worker
+    loaded_pre: int = 0  # of those, preprocessed items read from the cache (autocaching)
+    pre: tuple | None = None  # (e, p) while its dataset caches preprocessed items
     workers: list = field(default_factory=list)  # bytes left of the item on each worker thread, or None
 
     def worker_speed(self) -> float:
@@ -129,10 +142,13 @@ class _Run:
         busy = sum(1 for w in self.workers if w is not None)
         return 0.0 if busy == 0 else self.spec.cpu_rate * min(1.0, self.cores / busy)
 
-    def ideal(self) -> float:
-        """The GPU's rate, or what the cores can preprocess if less."""
+    def ideal(self, hit: float = 0.0) -> float:
+        """The GPU's rate, or what the cores can preprocess if less (at hit ratio `hit` when
+        its dataset caches preprocessed items)."""
         if self.spec.cpu_rate is None or math.isinf(self.cores):
             return self.spec.ideal
+        if self.pre is not None:
+            return min(self.spec.ideal, self.cores / (hit / self.pre[1] + (1.0 - hit) / self.spec.cpu_rate))
         return min(self.spec.ideal, self.cores * self.spec.cpu_rate)
 
     def eligible(self, n: int) -> int:
@@ -233,6 +249,10 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
     lru: OrderedDict = OrderedDict()  # (dataset, item) -> None, least recent first
     lru_bytes = 0.0
     item_size = {d: sc.dataset_bytes[d] / sc.dataset_items[d] for d in sc.dataset_bytes}
+    mode: dict = {}  # dataset -> (e, p) while it caches preprocessed items (autocaching)
+
+    def expansion(ds) -> float:
+        return mode[ds][0] if ds in mode else 1.0
 
     def cached(run: _Run, item) -> bool:
         if sc.system == "alluxio":
@@ -293,17 +313,56 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             e = r.ideal() / sc.dataset_bytes[ds]
             eff_cached[ds] = eff_cached.get(ds, 0.0) + e
             eff_new[ds] = eff_new.get(ds, 0.0) + (e if r.total - r.consumed > r.n_items else 0.0)
-        pieces = []  # (efficiency, dataset, bytes)
-        for ds in eff_cached:
-            have = min(len(uniform[ds].items) * item_size[ds], sc.dataset_bytes[ds]) if ds in uniform else 0.0
-            pieces.append((eff_cached[ds], ds, have))
-            pieces.append((eff_new[ds], ds, sc.dataset_bytes[ds] - have))
-        give: dict = {ds: 0.0 for ds in eff_cached}
-        left = cache
-        for e, ds, nbytes in sorted(pieces, key=lambda p: (-p[0], p[1])):
-            take = min(left, nbytes)
-            give[ds] += take
-            left -= take
+        def cache_plan() -> dict:
+            pieces = []  # (efficiency per cache byte, dataset, cache bytes)
+            for ds in eff_cached:
+                e = expansion(ds)
+                have = min(len(uniform[ds].items) * item_size[ds] * e, sc.dataset_bytes[ds] * e) if ds in uniform else 0.0
+                pieces.append((eff_cached[ds] / e, ds, have))
+                pieces.append((eff_new[ds] / e, ds, sc.dataset_bytes[ds] * e - have))
+            give: dict = {ds: 0.0 for ds in eff_cached}
+            left = cache
+            for eff, ds, nbytes in sorted(pieces, key=lambda p: (-p[0], p[1])):
+                take = min(left, nbytes)
+                give[ds] += take
+                left -= take
+            return give
+
+        give = cache_plan()
+        switched = False
+        for ds in give:
+            points = {j.autocache for j in sc.jobs if j.dataset == ds and (j in queue or any(r.spec is j for r in running))}
+            if len(points) != 1 or None in points:
+                continue
+            e, p = next(iter(points))
+            d = sc.dataset_bytes[ds]
+            gain = 0.0
+            for r in regular:
+                if r.spec.dataset != ds or r.spec.cpu_rate is None:
+                    continue
+                k = r.cores
+                rr = r.spec.cpu_rate
+                speeds = []
+                for h, hp in ((min(give[ds] / d, 1.0), rr), (min(give[ds] / (e * d), 1.0), p)):
+                    cpu = math.inf if math.isinf(k) else k / (h / hp + (1.0 - h) / rr)
+                    io = math.inf if h >= 1.0 else sc.link / (1.0 - h)
+                    speeds.append(min(r.spec.ideal, cpu, io))
+                gain += (speeds[1] - speeds[0]) / r.spec.ideal
+            now_pre = ds in mode
+            fresh = ds not in uniform or len(uniform[ds].items) <= 0.05 * sc.dataset_items[ds]
+            want_pre = (gain > 0.05 and (now_pre or fresh)) or (now_pre and gain > -0.05)
+            if want_pre != now_pre:
+                if ds in uniform:
+                    uniform[ds].set_limit(0)  # source and preprocessed items are different bytes
+                if want_pre:
+                    mode[ds] = (e, p)
+                else:
+                    mode.pop(ds)
+                switched = True
+        if switched:
+            give = cache_plan()
+        for r in regular:
+            r.pre = mode.get(r.spec.dataset)
         for ds, nbytes in give.items():
             u = uniform.get(ds)
             if not isinstance(u, _Uniform):  # new, or leaving the irregular partition
@@ -312,10 +371,14 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
                 if old is not None:
                     u.items = set(old.items)
             u.readers = [r for r in regular if r.spec.dataset == ds]
-            u.set_limit(int(math.floor(nbytes / item_size[ds] + 1e-9)))
+            u.set_limit(int(math.floor(nbytes / (item_size[ds] * expansion(ds)) + 1e-9)))
         # SiloD §5.3: FIFO runs with the greedy policy, which ranks no job for IO: the link is
         # shared max-min by demand.
-        return _max_min({r.spec.job_id: r.ideal() * (1.0 - rest_hit_ratio(r)) for r in regular}, link)
+        wants = {}
+        for r in regular:
+            hit = rest_hit_ratio(r)
+            wants[r.spec.job_id] = r.ideal(hit) * (1.0 - hit)
+        return _max_min(wants, link)
 
     def plan_irregular(irregular: list, lru_ds: set, cache: float, link: float) -> dict:
         """LRU limits of the irregular partition's datasets and IO caps of its jobs."""
@@ -374,10 +437,12 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
                 r.workers[i] = busy.pop(0)
             r.loaded += len(busy)  # more items in progress than workers now: back in the queue
 
-    def deliver(run: _Run) -> None:
+    def deliver(run: _Run, hit: bool = False) -> None:
         """An item is loaded (hit or fetched): to the CPU stage if the job has one, else ready."""
         if run.workers or (sc.cpus is not None and run.spec.cpu_rate is not None):
             run.loaded += 1
+            if hit and run.pre is not None:
+                run.loaded_pre += 1
         else:
             run.ready += 1
 
@@ -385,7 +450,11 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
         for i, w in enumerate(run.workers):
             if w is None and run.loaded > 0:
                 run.loaded -= 1
-                run.workers[i] = run.item_size
+                if run.loaded_pre > 0 and run.pre is not None:  # a cached preprocessed item: only the rest of the pipeline
+                    run.loaded_pre -= 1
+                    run.workers[i] = run.item_size * run.spec.cpu_rate / run.pre[1]
+                else:
+                    run.workers[i] = run.item_size
 
     def allocate_storage() -> dict:
         """Cache limits (uniform systems) and IO caps (silod); returns job id -> cap or None."""
@@ -453,7 +522,7 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             if cached(run, item):
                 touch(run, item)
                 run.hits_now += 1
-                deliver(run)
+                deliver(run, hit=True)
             else:
                 run.fetching = item
                 run.fetch_left = run.item_size

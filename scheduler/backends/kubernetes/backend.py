@@ -46,7 +46,7 @@ from scheduler.backends.base import (
 )
 from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
-    GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError,
+    GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError, parse_cpu_quantity,
     PYTORCHJOB, admitted_object, parse_workload, rest_job_object,
 )
 
@@ -78,6 +78,7 @@ class Admission:
     rate: float  # bytes/s the job progresses at under this allocation (SiloDPerf)
     total: float
     tenant: str = ""
+    cpus: dict[str, float] = field(default_factory=dict)  # node -> CPU cores its pods there request
 
 
 @dataclass
@@ -291,15 +292,20 @@ class KubernetesBackend(ClusterBackend):
                 ready.append(n)
         count = max(len(ready), 1)
         used: dict[str, int] = {}
+        cpu_used: dict[str, float] = {}
         for p in self._bound:
             used[p["spec"]["nodeName"]] = used.get(p["spec"]["nodeName"], 0) + _pod_gpus(p)
+            cpu_used[p["spec"]["nodeName"]] = cpu_used.get(p["spec"]["nodeName"], 0.0) + _pod_cpus(p)
         cache_used: dict[str, dict[str, float]] = {}
         io_used: dict[str, float] = {}
         reserved: dict[str, int] = {}
+        cpu_reserved: dict[str, float] = {}
         for job_id, adm in self._admitted.items():
             bound_here = self._bound_gpus_of(job_id)
+            bound_cpus = self._bound_cpus_of(job_id) if adm.cpus else {}
             for node, g in adm.nodes.items():
                 reserved[node] = reserved.get(node, 0) + max(g - bound_here.get(node, 0), 0)
+                cpu_reserved[node] = cpu_reserved.get(node, 0.0) + max(adm.cpus.get(node, 0.0) - bound_cpus.get(node, 0.0), 0.0)
                 per = cache_used.setdefault(node, {})
                 per[adm.dataset] = max(per.get(adm.dataset, 0.0), adm.cache_bytes)
                 io_used[node] = io_used.get(node, 0.0) + adm.io_per_pod * adm.pods_per_node.get(node, 0)
@@ -316,6 +322,11 @@ class KubernetesBackend(ClusterBackend):
                 log.warning("node %s ignored: %s", name, exc)
                 continue
             gpus = int(str((n.status.allocatable or {}).get(GPU_RESOURCE, "0")))
+            try:
+                cpus = parse_cpu_quantity((n.status.allocatable or {}).get("cpu", "0"), f"node {name} allocatable cpu")
+            except WorkloadError as exc:
+                log.warning("node %s ignored: %s", name, exc)
+                continue
             out.append(NodeState(
                 name=name, hostname=(n.metadata.labels or {}).get(HOSTNAME_LABEL, name),
                 gpus_free=max(gpus - used.get(name, 0) - reserved.get(name, 0), 0), cache_capacity=cache,
@@ -323,6 +334,9 @@ class KubernetesBackend(ClusterBackend):
                 labels=dict(n.metadata.labels or {}),
                 taints=tuple(Taint(t.key or "", t.value or "", t.effect or "")
                              for t in ((n.spec.taints if n.spec else None) or [])),
+                # A node that does not publish allocatable cpu is not CPU-limited here.
+                cpus_free=(max(cpus - cpu_used.get(name, 0.0) - cpu_reserved.get(name, 0.0), 0.0)
+                           if "cpu" in (n.status.allocatable or {}) else float("inf")),
             ))
         return out
 
@@ -340,6 +354,12 @@ class KubernetesBackend(ClusterBackend):
             if ref.uid in owners or labels.get("jobset.sigs.k8s.io/jobset-name") == ref.name and ref.kind.kind == "JobSet" \
                     or labels.get("training.kubeflow.org/job-name") == ref.name and ref.kind.kind == "PyTorchJob":
                 out.append(p)
+        return out
+
+    def _bound_cpus_of(self, job_id: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self._pods_of(job_id):
+            out[p["spec"]["nodeName"]] = out.get(p["spec"]["nodeName"], 0.0) + _pod_cpus(p)
         return out
 
     def _bound_gpus_of(self, job_id: str) -> dict[str, int]:
@@ -385,7 +405,7 @@ class KubernetesBackend(ClusterBackend):
         rate = min(rec.ideal_throughput, rec.remote_io) if rec.remote_io else rec.ideal_throughput
         return Admission(nodes=nodes, dataset=self._storage_key(rec), cache_bytes=0.0, io_per_pod=io, pods_per_node=pods,
                          since=self.clock(), base_consumed=rec.consumed_bytes, rate=rate, total=rec.total_bytes,
-                         tenant=self.namespace_tenant(wl.namespace) or "")
+                         tenant=self.namespace_tenant(wl.namespace) or "")  # its pods are bound: their CPU counts as used
 
     def _storage_key(self, rec: Any) -> str:
         """The storage key of a job record's dataset (the record names it by the tenant's name)."""
@@ -604,7 +624,9 @@ class KubernetesBackend(ClusterBackend):
         cache = float(allocation.cache_bytes or 0.0)
         io_total = float(allocation.remote_io or 0.0)
         io_per_pod = io_total / max(wl.pods, 1)
-        pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols)) for key, gpus, sel, tols in wl.pod_list()]
+        pod_cpus = wl.pod_cpus()
+        pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols), pod_cpus.get(key, 0.0))
+                for key, gpus, sel, tols in wl.pod_list()]
         # Cache on a node is per storage key: two tenants' `files` are two caches (issue 20).
         ds_key = job.dataset.name
         where = place(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod)
@@ -620,9 +642,11 @@ class KubernetesBackend(ClusterBackend):
         nodes: dict[str, int] = {}
         per_node: dict[str, int] = {}
         gpus_of = {p.key: p.gpus for p in pods}
+        cpus_on: dict[str, float] = {}
         for key, n in where.items():
             nodes[n] = nodes.get(n, 0) + gpus_of[key]
             per_node[n] = per_node.get(n, 0) + 1
+            cpus_on[n] = cpus_on.get(n, 0.0) + pod_cpus.get(key, 0.0)
         rate = job.ideal_throughput
         if allocation.remote_io is not None and allocation.cache_bytes is not None:
             rate = float(silod_perf(job.ideal_throughput, allocation.remote_io, allocation.cache_bytes,
@@ -630,7 +654,7 @@ class KubernetesBackend(ClusterBackend):
         self._admitted[job.job_id] = Admission(
             nodes=nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
             since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes,
-            tenant=self.namespace_tenant(wl.namespace) or "")
+            tenant=self.namespace_tenant(wl.namespace) or "", cpus={n: c for n, c in cpus_on.items() if c > 0})
         self.admissions += 1
         self.nodes = self._node_states_from_cache()
         log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
@@ -874,6 +898,15 @@ def _close_quietly(obj: Any) -> None:
             closer()
         except Exception:  # noqa: BLE001 - shutting down
             log.debug("close failed", exc_info=True)
+
+
+def _pod_cpus(pod: dict[str, Any]) -> float:
+    from scheduler.backends.kubernetes.workloads import pod_cpus
+
+    try:
+        return pod_cpus((pod.get("spec") or {}), "pod")
+    except WorkloadError:
+        return 0.0
 
 
 def _pod_gpus(pod: dict[str, Any]) -> int:

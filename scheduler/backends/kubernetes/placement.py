@@ -10,6 +10,10 @@ IO; this module decides *where*, and refuses a placement that a node cannot hono
   already admitted on the node (a dataset already there needs only the difference);
 - remote IO: each pod gets an equal share of the job's remote IO, and the pods placed on a node
   must fit in that node's share of the cluster's remote link (its NIC, or the link split evenly);
+- CPU: a pod's CPU request (resources.requests.cpu) must fit in the node's allocatable cpu
+  minus what bound pods request and what silod promised to admitted pods not bound yet (the
+  cores the scheduler allocates a job's input pipeline are not pushed into its pods: a Job's pod
+  resources cannot change once it exists, so the pods' own requests are what the node must hold);
 - taints: a node whose NoSchedule/NoExecute taints the pod does not tolerate is never chosen
   (kube-scheduler would leave the pod Pending while silod holds the node's GPUs). Nodes that are
   not Ready or are cordoned never reach this module (backend.py leaves them out), and a node
@@ -64,6 +68,7 @@ class NodeState:
     io_used: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Taint, ...] = ()
+    cpus_free: float = float("inf")  # cores: allocatable minus requests of bound and promised pods
 
     def cache_free_for(self, dataset: str) -> float:
         return self.cache_capacity - sum(v for k, v in self.cache_used.items() if k != dataset)
@@ -82,6 +87,7 @@ class PodRequest:
     gpus: int
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
+    cpus: float = 0.0  # cores the pod requests
 
 
 def why_not(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: str, cache_bytes: float,
@@ -99,6 +105,10 @@ def why_not(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: 
         return f"no node has {cache_bytes:.0f} bytes of cache free for dataset {dataset}"
     if not any(n.io_capacity - n.io_used + EPS >= io_per_pod for n in nodes):
         return f"no node has {io_per_pod:.0f} bytes/s of remote IO free"
+    need = max((p.cpus for p in pods), default=0.0)
+    if need > 0 and not any(n.cpus_free + EPS >= need for n in nodes):
+        best = max((n.cpus_free for n in nodes), default=0.0)
+        return f"a pod requests {need:g} CPU cores, no node has more than {best:g} free"
     return "the pods do not fit on the free GPUs of the nodes that have the cache and IO"
 
 
@@ -119,9 +129,10 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
         return None
     gpus = {n.name: n.gpus_free for n in nodes}
     io = {n.name: n.io_capacity - n.io_used for n in nodes}
+    cpus = {n.name: n.cpus_free for n in nodes}
 
     def fits(p: PodRequest, n: str) -> bool:
-        return gpus[n] >= p.gpus and io[n] + EPS >= io_per_pod
+        return gpus[n] >= p.gpus and io[n] + EPS >= io_per_pod and cpus[n] + EPS >= p.cpus
 
     chosen: dict[str, str] = {}
     for p in order:
@@ -132,11 +143,13 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
         chosen[p.key] = best
         gpus[best] -= p.gpus
         io[best] -= io_per_pod
+        cpus[best] -= p.cpus
     else:
         return chosen
 
     gpus = {n.name: n.gpus_free for n in nodes}
     io = {n.name: n.io_capacity - n.io_used for n in nodes}
+    cpus = {n.name: n.cpus_free for n in nodes}
     chosen = {}
     steps = 0
 
@@ -150,17 +163,19 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
             steps += 1
             if steps > max_steps:
                 return False
-            sig = (gpus[n], round(io[n], 3))
+            sig = (gpus[n], round(io[n], 3), round(cpus[n], 3))
             if not fits(p, n) or sig in tried:
                 continue
             tried.add(sig)
             gpus[n] -= p.gpus
             io[n] -= io_per_pod
+            cpus[n] -= p.cpus
             chosen[p.key] = n
             if search(i + 1):
                 return True
             gpus[n] += p.gpus
             io[n] += io_per_pod
+            cpus[n] += p.cpus
             del chosen[p.key]
         return False
 

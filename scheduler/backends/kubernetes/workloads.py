@@ -76,6 +76,7 @@ class PodSet:
     node_selector: Mapping[str, str]
     path: tuple[str | int, ...]  # where the pod template (with .spec) sits in the object
     tolerations: tuple[tuple[str, str, str, str], ...] = ()  # (key, operator, value, effect)
+    cpus: float = 0.0  # CPU cores each pod requests (resources.requests.cpu; limits imply requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,10 @@ class Workload:
         """One (pod name, GPUs, nodeSelector, tolerations) per pod, for placement."""
         return [(f"{self.key}/{ps.name}-{i}", ps.gpus, ps.node_selector, ps.tolerations)
                 for ps in self.pod_sets for i in range(ps.count)]
+
+    def pod_cpus(self) -> dict[str, float]:
+        """CPU cores each pod requests, keyed as pod_list names them (for placement's CPU fit)."""
+        return {f"{self.key}/{ps.name}-{i}": ps.cpus for ps in self.pod_sets for i in range(ps.count)}
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -157,6 +162,32 @@ def pod_gpus(pod_spec: Mapping[str, Any], where: str) -> int:
     return max(app, init)
 
 
+def parse_cpu_quantity(value: Any, where: str) -> float:
+    """A Kubernetes CPU quantity in cores: "2", "1.5", "500m" (millicores)."""
+    text = str(value).strip()
+    try:
+        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        raise WorkloadError(f"{where} = {text!r} is not a CPU quantity (e.g. 4, 1.5 or 500m)") from None
+    if not (cores >= 0 and cores < 1e7):
+        raise WorkloadError(f"{where} = {text!r} is not a CPU quantity (e.g. 4, 1.5 or 500m)")
+    return cores
+
+
+def pod_cpus(pod_spec: Mapping[str, Any], where: str) -> float:
+    """CPU cores one pod requests, as kube-scheduler counts them: the containers' sum, or the
+    largest init container if larger; a container with a limit but no request requests its limit."""
+    def of(c: Mapping[str, Any], what: str) -> float:
+        res = c.get("resources") or {}
+        for source in ("requests", "limits"):
+            if "cpu" in (res.get(source) or {}):
+                return parse_cpu_quantity(res[source]["cpu"], f"{where} {what} {c.get('name')} cpu")
+        return 0.0
+    app = sum(of(c, "container") for c in pod_spec.get("containers") or [])
+    init = max((of(c, "init container") for c in pod_spec.get("initContainers") or []), default=0.0)
+    return max(app, init)
+
+
 def template_datasets(pod_spec: Mapping[str, Any]) -> list[str]:
     """Datasets named by silod CSI inline volumes in a pod spec."""
     out = []
@@ -195,7 +226,8 @@ def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str) -> list[PodSet]:
         pod_spec = template.get("spec") or {}
         sets.append(PodSet(name=name, count=count, gpus=pod_gpus(pod_spec, f"{where} {name}"),
                            node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path,
-                           tolerations=_tolerations(pod_spec.get("tolerations"), f"{where} {name} tolerations")))
+                           tolerations=_tolerations(pod_spec.get("tolerations"), f"{where} {name} tolerations"),
+                           cpus=pod_cpus(pod_spec, f"{where} {name}")))
 
     if kind == JOB:
         add("main", _count(spec.get("parallelism"), f"{where} spec.parallelism"), ("spec", "template"))

@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Reques
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from estimator.access import EPOCH, AccessPattern
@@ -36,6 +36,7 @@ from scheduler.service.api.metrics import make_registry, metrics_response
 from scheduler.service.api.schemas import (
     AllocationsOut,
     ChangeOut,
+    ClientReportIn,
     ClusterOut,
     ConsumptionIn,
     ConsumptionOut,
@@ -47,6 +48,7 @@ from scheduler.service.api.schemas import (
     HealthOut,
     JobIn,
     JobOut,
+    MeasuredParamsOut,
     NewTokenOut,
     NodeOut,
     PolicyIn,
@@ -61,9 +63,12 @@ from scheduler.service.api.schemas import (
 )
 from scheduler.service.catalogue import NewCredential
 from scheduler.service.consumption import ConsumptionStore, PodReport
+from scheduler.service.catalogue import parse_job_id
+from scheduler.service.db.models import Job, JobState, WorkloadPod
+from scheduler.service.measured_params import MeasurementStore, params_of
 from scheduler.service.overview import Overview
 from scheduler.service.scheduler_process import SchedulerService
-from scheduler.service.types import ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
+from scheduler.service.types import ConflictError, ForbiddenError, NewDataset, NewJob, NotFoundError, Principal, ServiceError, TenantQuota
 
 log = logging.getLogger("silod.api")
 
@@ -410,6 +415,33 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         m = consumption.measured([record.id]).get(record.id) if consumption is not None else None
         body["measured"] = asdict(m) if m is not None else None
         return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+    @app.post("/v1/jobs/{job_id}/report", response_model=MeasuredParamsOut, status_code=202, responses=_ERRORS,
+              tags=["jobs"])
+    def report_job(job_id: str, body: ClientReportIn, who: Who) -> Any:
+        """A running job's own figures: GPU compute time per step and source bytes per step. From the
+        job's owner, the admin, or the node agent bound to a node one of its pods runs on. Only the
+        latest report is kept; it can lower the f* planning uses but never raise it above what
+        the data plane measured (docs/input-pipeline.md, "Measured, self-correcting parameters")."""
+        pk = parse_job_id(job_id)
+        if pk is None:
+            raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
+        with service.sessions() as s:
+            job = s.get(Job, pk)
+            node = service.config.agent_node(who.user)
+            on_node = node is not None and s.scalar(
+                select(WorkloadPod.pod_uid).where(WorkloadPod.job_id == pk, WorkloadPod.node == node).limit(1)) is not None
+            if job is None or not (who.is_admin or job.owner == who.user or on_node):
+                raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
+            state, declared, declared_cpu = JobState(job.state), job.ideal_throughput, job.cpu_rate
+        if state != JobState.RUNNING:
+            raise ConflictError(f"job {job_id} is {state.value}; only a running job reports its step time",
+                                field="job_id")
+        now = time.time()
+        store = MeasurementStore(service.sessions, getattr(service, "_write_lock", None))
+        store.record_client_report(pk, body.step_seconds, body.batch_bytes, who.user, now)
+        params = params_of(store.rows([pk]).get(pk), declared, declared_cpu, now)
+        return MeasuredParamsOut.model_validate(asdict(params))
 
     # ---- node agents
 

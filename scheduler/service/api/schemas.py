@@ -17,6 +17,7 @@ from estimator.pipeline import MAX_EXPANSION, InputPipeline, parse_pipeline
 from traces.catalog import lookup_model
 from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
 from scheduler.service.consumption import MAX_COUNTER
+from scheduler.service.measured_params import MAX_BATCH_BYTES, MAX_STEP_S, MIN_STEP_S
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"
@@ -100,6 +101,9 @@ class DatasetOut(BaseModel):
     key: str = Field(description="its name in the data manager and the cache")
     credential: str | None
     shared_with: list[str]
+    cache_mode: str = Field("source", description="autocaching: preprocessed when the scheduler chose to cache its readers'"
+                                                  " preprocessed data (their autocache point), else source")
+    cache_expansion: float | None = Field(None, description="preprocessed: bytes cached per source byte")
 
 
 def _access_shorthand(value: Any) -> Any:
@@ -286,6 +290,31 @@ class BottleneckOut(BaseModel):
     speedup_remote_io: float
 
 
+class MeasuredParamsOut(BaseModel):
+    declared_ideal_throughput: float = Field(description="f* the job declared, bytes/s")
+    ideal_throughput: float = Field(description="f* planning uses now: measured once there is evidence, bytes/s")
+    ideal_evidence_s: float = Field(description="seconds of GPU-bound intervals behind the measured f*")
+    declared_cpu_rate: float | None
+    cpu_rate: float | None = Field(description="per-core rate planning uses now, bytes/s; null: no CPU stage")
+    cpu_evidence_s: float
+    observed_throughput: float | None = Field(description="the data plane's last measured read rate, bytes/s")
+    max_observed_throughput: float
+    bound: str = Field(description="what held the job in its last measured interval: gpu | cpu | remote_io |"
+                                   " unknown (a slow GPU and a slow pipeline look alike without a client report)")
+    client_ideal_throughput: float | None = Field(description="batch bytes / step seconds of its latest client"
+                                                              " report (at most 10 minutes old)")
+    client_at: float | None
+    updated_at: float | None
+
+
+class ClientReportIn(_Strict):
+    """A training job's own figures (POST /v1/jobs/{id}/report): the time its GPUs spend per step,
+    not counting waiting for input, and the source bytes one step consumes."""
+
+    step_seconds: float = Field(ge=MIN_STEP_S, le=MAX_STEP_S, description="compute time per step, seconds")
+    batch_bytes: float = Field(gt=0, le=MAX_BATCH_BYTES, description="source bytes one step consumes")
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -320,6 +349,11 @@ class JobOut(BaseModel):
     bottleneck: BottleneckOut | None = Field(
         None, description="GET /v1/jobs/{id} of a running job: the resource that bounds it and the predicted speed-up"
                           " of one more GPU, one more core, +10% cache, +10% remote IO")
+    cache_mode: str | None = Field(None, description="GET /v1/jobs/{id} only: what its dataset's cache holds, source or"
+                                                      " preprocessed (autocaching)")
+    cache_expansion: float | None = Field(None, description="GET /v1/jobs/{id} only, preprocessed: bytes cached per source byte")
+    measured_parameters: MeasuredParamsOut | None = Field(
+        None, description="declared vs measured f* and per-core rate (null until measured or reported)")
     measured: MeasuredOut | None = Field(
         None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
                           " report yet, or not a Kubernetes job)")

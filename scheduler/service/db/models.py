@@ -130,6 +130,8 @@ class CacheAllocationRow(Base):
     bytes: Mapped[float] = mapped_column(Float)
     round_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[float] = mapped_column(Float)
+    #: autocaching: bytes cached per source byte when the cache holds preprocessed data; None = source
+    expansion: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Round(Base):
@@ -288,3 +290,28 @@ class PodConsumption(Base):
     misses: Mapped[int] = mapped_column(BigInteger)
     first_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class JobMeasurementRow(Base):
+    """A job's measured parameters (issue 22; migration 0007): f* and the per-core preprocessing
+    rate as the scheduling process estimates them from the data plane's figures
+    (estimator.measured.observe_job), and the job's latest client report (step time, batch size;
+    POST /v1/jobs/{id}/report). The scheduling process writes the estimate columns, the API
+    workers the client columns: each writes only its own, so neither overwrites the other."""
+
+    __tablename__ = "job_measurements"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    ideal_throughput: Mapped[float | None] = mapped_column(Float, nullable=True)  # measured f*, bytes/s
+    ideal_evidence_s: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)  # measured bytes/s per core
+    cpu_evidence_s: Mapped[float] = mapped_column(Float, default=0.0)
+    max_observed: Mapped[float] = mapped_column(Float, default=0.0)  # highest read rate measured, bytes/s
+    best_per_core: Mapped[float] = mapped_column(Float, default=0.0)
+    observed: Mapped[float | None] = mapped_column(Float, nullable=True)  # last measured read rate
+    bound: Mapped[str] = mapped_column(String(16), default="")  # what held it in the last interval
+    updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    client_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    client_batch_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
+    client_reporter: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    client_at: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -1,0 +1,239 @@
+"""Measured, self-correcting job parameters in the service (issue 22, Build 3).
+
+A user declares f* (and, for a job with a CPU stage, its per-core rate); those are starting
+points. Every few seconds the scheduling process takes what the data plane measured for each
+running job (its read rate and hit ratio: from the data manager, the local backend's mounts, or
+the node agents' per-pod counters) and what the job holds (remote IO cap, cores, cache), and
+updates the estimates with `estimator.measured.observe_job` (which interval was bound by what,
+Plumber-style). Planning uses the estimates from then on (`SchedulerService._round_input`).
+
+Trust (the same rules as the consumption reports, scheduler/service/consumption.py):
+- the read rate comes only from silod's own data plane (mounts, node agents), never from the job;
+- the optional client report (POST /v1/jobs/{id}/report: step time and batch bytes) is accepted
+  from the job's owner, the admin, or a node agent bound to a node one of the job's pods runs
+  on; values are bounded; only the latest report is kept (one row per job);
+- what a client claims can only lower the f* planning uses, and is believed for telling a CPU
+  bottleneck from a GPU one only up to the highest rate the data plane measured (see
+  observe_job): a client that says its job is faster than measured gains nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import sessionmaker
+
+from estimator.measured import FStarEstimate, JobMeasurement, observe_job
+from scheduler.service.db.models import Job, JobMeasurementRow
+
+#: Intervals in a job's first seconds of running are not evidence: its mount and pipeline warm up.
+WARMUP_S = 5.0
+#: An interval longer than this (the service paused, a job restarted) is not evidence of a rate.
+MAX_INTERVAL_S = 30.0
+#: Client step times and batch sizes accepted (a step of a microsecond or a day is a broken report).
+MIN_STEP_S, MAX_STEP_S = 1e-4, 86_400.0
+MAX_BATCH_BYTES = 2.0**50
+#: A client report older than this no longer speaks for the job (it may have changed phase).
+CLIENT_REPORT_TTL_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredParams:
+    """Declared vs measured, as GET /v1/jobs/{id} and `silod jobs` show them."""
+
+    declared_ideal_throughput: float
+    ideal_throughput: float  # what planning uses now (bytes/s)
+    ideal_evidence_s: float
+    declared_cpu_rate: float | None
+    cpu_rate: float | None  # what planning uses now (bytes/s per core); None: no CPU stage
+    cpu_evidence_s: float
+    observed_throughput: float | None  # the data plane's last read rate
+    max_observed_throughput: float
+    bound: str  # what held the job in the last measured interval: gpu | cpu | remote_io | unknown | ""
+    client_ideal_throughput: float | None  # batch bytes / step seconds of the latest fresh report
+    client_at: float | None
+    updated_at: float | None
+
+
+def client_fstar(row: JobMeasurementRow | None, now: float) -> float | None:
+    if row is None or row.client_step_s is None or row.client_batch_bytes is None or row.client_at is None:
+        return None
+    if now - row.client_at > CLIENT_REPORT_TTL_S:
+        return None
+    return row.client_batch_bytes / row.client_step_s
+
+
+def state_from_row(row: JobMeasurementRow | None, declared_fstar: float, declared_cpu: float | None) -> JobMeasurement:
+    m = JobMeasurement.start(declared_fstar, declared_cpu)
+    if row is None:
+        return m
+    fs = FStarEstimate(declared_fstar, row.ideal_throughput or declared_fstar, row.ideal_evidence_s or 0.0)
+    fs = FStarEstimate(declared_fstar, fs.clip(fs.estimate), fs.evidence_s)
+    cpu = m.cpu
+    if cpu is not None and row.cpu_rate is not None:
+        cpu = FStarEstimate(cpu.declared, cpu.clip(row.cpu_rate), row.cpu_evidence_s or 0.0)
+    return JobMeasurement(fs, cpu, row.max_observed or 0.0, row.bound or "", row.best_per_core or 0.0)
+
+
+def params_of(row: JobMeasurementRow | None, declared_fstar: float, declared_cpu: float | None,
+              now: float | None = None) -> MeasuredParams | None:
+    """The record shown to users (None: nothing measured or reported yet)."""
+    if row is None:
+        return None
+    now = time.time() if now is None else now
+    m = state_from_row(row, declared_fstar, declared_cpu)
+    client = client_fstar(row, now)
+    return MeasuredParams(
+        declared_fstar, m.used_fstar(client), m.fstar.evidence_s, declared_cpu,
+        None if m.cpu is None else m.cpu.estimate, 0.0 if m.cpu is None else m.cpu.evidence_s,
+        row.observed, m.max_observed, m.bound, client, row.client_at, row.updated_at)
+
+
+def planned(declared_fstar: float, declared_cpu: float | None, measured_fstar: float | None,
+            measured_cpu: float | None, step_s: float | None, batch_bytes: float | None, client_at: float | None,
+            now: float) -> tuple[float, float | None]:
+    """(f*, per-core rate) planning uses, from a job's row columns (the round's hot path: no ORM)."""
+    if measured_fstar is None and step_s is None:
+        return declared_fstar, declared_cpu
+    fs = FStarEstimate(declared_fstar, declared_fstar)
+    est = fs.clip(measured_fstar) if measured_fstar is not None else declared_fstar
+    if step_s and batch_bytes and client_at is not None and now - client_at <= CLIENT_REPORT_TTL_S:
+        est = min(est, fs.clip(batch_bytes / step_s))
+    cpu = declared_cpu
+    if declared_cpu is not None and measured_cpu is not None:
+        cpu = FStarEstimate(declared_cpu, declared_cpu).clip(measured_cpu)
+    return est, cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One running job's figures for an interval (all from silod's side)."""
+
+    job_id: int
+    observed: float  # read rate, bytes/s (data plane)
+    hit_ratio: float | None  # measured; None: use the cache allocation's c/d
+    remote_io: float | None  # the job's cap; None: unmanaged (the whole link)
+    cores: float | None  # held; None: CPU not modelled
+    cache: float | None  # its dataset's cache allocation
+    dataset_size: float
+
+
+def io_bound(o: Observation, link: float) -> float:
+    b = link if o.remote_io is None else o.remote_io
+    h = o.hit_ratio
+    if h is None:
+        h = min((o.cache or 0.0) / o.dataset_size, 1.0) if o.dataset_size > 0 else 0.0
+    h = min(max(h, 0.0), 1.0)
+    return math.inf if h >= 1.0 else b / (1.0 - h)
+
+
+class MeasurementStore:
+    """Reads and writes `job_measurements`; keeps the time each job was last observed."""
+
+    def __init__(self, sessions: sessionmaker, write_lock: threading.RLock | None = None) -> None:
+        self.sessions = sessions
+        self.lock = write_lock or threading.RLock()
+        self._last: dict[int, float] = {}  # job -> when it was last observed (scheduling process)
+        self._first: dict[int, float] = {}  # job -> when this run of it was first observed
+
+    def rows(self, job_ids: Iterable[int]) -> dict[int, JobMeasurementRow]:
+        ids = [int(j) for j in job_ids]
+        if not ids:
+            return {}
+        out: dict[int, JobMeasurementRow] = {}
+        with self.sessions() as s:
+            for i in range(0, len(ids), 500):
+                for row in s.scalars(select(JobMeasurementRow).where(JobMeasurementRow.job_id.in_(ids[i:i + 500]))):
+                    s.expunge(row)
+                    out[row.job_id] = row
+        return out
+
+    # --- the scheduling process ---------------------------------------------------------------
+
+    def observe(self, observations: Iterable[Observation], link: float, now: float) -> dict[int, JobMeasurement]:
+        """Fold one interval per job in and persist the changed estimates. A job seen for the
+        first time (or after a gap) only starts its interval: rates need two points in time."""
+        obs = {o.job_id: o for o in observations}
+        for jid in [j for j in self._last if j not in obs]:
+            del self._last[jid]  # not running now: its next interval starts afresh
+            self._first.pop(jid, None)
+        if not obs:
+            return {}
+        with self.sessions() as s:
+            declared = {jid: (f, r) for jid, f, r in s.execute(
+                select(Job.id, Job.ideal_throughput, Job.cpu_rate).where(Job.id.in_(list(obs))))}
+        rows = self.rows(obs)
+        out: dict[int, JobMeasurement] = {}
+        writes: list[dict] = []
+        for jid, o in obs.items():
+            if jid not in declared:
+                continue
+            last = self._last.get(jid)
+            self._last[jid] = now
+            first = self._first.setdefault(jid, now)
+            if last is None or not 0 < now - last <= MAX_INTERVAL_S or now - first < WARMUP_S:
+                continue
+            if o.observed <= 0:
+                continue  # stalled (or not started reading): says nothing about its rates
+            f, r = declared[jid]
+            row = rows.get(jid)
+            before = state_from_row(row, f, r)
+            after = observe_job(before, o.observed, now - last, io_bound(o, link),
+                                math.inf if o.cores is None else o.cores, client_fstar(row, now))
+            out[jid] = after
+            writes.append(dict(
+                job_id=jid, ideal_throughput=after.fstar.estimate, ideal_evidence_s=after.fstar.evidence_s,
+                cpu_rate=None if after.cpu is None else after.cpu.estimate,
+                cpu_evidence_s=0.0 if after.cpu is None else after.cpu.evidence_s,
+                max_observed=after.max_observed, best_per_core=after.best_per_core, observed=o.observed,
+                bound=after.bound, updated_at=now, existed=row is not None))
+        self._write(writes)
+        return out
+
+    def _write(self, writes: list[dict]) -> None:
+        if not writes:
+            return
+        cols = ("ideal_throughput", "ideal_evidence_s", "cpu_rate", "cpu_evidence_s", "max_observed",
+                "best_per_core", "observed", "bound", "updated_at")
+        with self.lock:
+            with self.sessions.begin() as s:
+                for w in writes:
+                    if w["existed"]:
+                        s.execute(update(JobMeasurementRow).where(JobMeasurementRow.job_id == w["job_id"])
+                                  .values(**{c: w[c] for c in cols}))
+            for w in writes:
+                if not w["existed"]:
+                    self._insert_or_update(w["job_id"], {c: w[c] for c in cols})
+
+    def _insert_or_update(self, job_id: int, values: Mapping) -> None:
+        """Insert the row, or (another process inserted it meanwhile) update only `values`."""
+        for _ in range(2):
+            with self.sessions.begin() as s:
+                if s.execute(update(JobMeasurementRow).where(JobMeasurementRow.job_id == job_id)
+                             .values(**values)).rowcount:
+                    return
+            try:
+                with self.sessions.begin() as s:
+                    defaults = dict(ideal_evidence_s=0.0, cpu_evidence_s=0.0, max_observed=0.0, best_per_core=0.0,
+                                    bound="")
+                    s.add(JobMeasurementRow(job_id=job_id, **{**defaults, **values}))
+                return
+            except IntegrityError:
+                continue
+
+    # --- the API workers ------------------------------------------------------------------------
+
+    def record_client_report(self, job_id: int, step_s: float, batch_bytes: float, reporter: str, now: float) -> None:
+        with self.lock:
+            self._insert_or_update(job_id, dict(client_step_s=float(step_s), client_batch_bytes=float(batch_bytes),
+                                                client_reporter=reporter[:128], client_at=now))
+
+
+__all__ = ["CLIENT_REPORT_TTL_S", "MAX_BATCH_BYTES", "MAX_STEP_S", "MIN_STEP_S", "MeasuredParams",
+           "MeasurementStore", "Observation", "client_fstar", "io_bound", "params_of", "planned", "state_from_row"]

@@ -1,0 +1,167 @@
+"""The simulator's job columns and its exact-charge rule, and decision coalescing.
+
+- One SiloD job alone on a half-cached dataset, by hand: 8,000 s exactly at any seed and
+  resolution (the engine used to charge each epoch at a miss ratio that random-walked with its
+  own look-ups: 7,900-8,100 s by seed at 128 chunks).
+- The columns the engine hands to policies (policies.types.JobColumns) equal the ones built
+  from its JobViews, and every column path (the Gavel problem, the round planner's choice, the
+  allocation check) answers as the per-view path does, on every decision of a real run.
+- --decision-interval: off by default; on, decisions while jobs run are that far apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from policies import ClusterCapacity, get_policy
+from policies.gavel import GavelProblem
+from policies.registry import estimator_for
+from policies.types import JobColumns
+from policies.validation import _clearly_valid, allocation_violations
+from scheduler.core.planner import RoundPlanner
+from scheduler.sim.engine import SimConfig, Simulator
+from traces.model import Trace, TraceJob
+from traces.synthetic import generate_trace
+
+GB = 1e9
+MB = 1e6
+
+
+@pytest.mark.parametrize("resolution", [100, 128, 1000])
+@pytest.mark.parametrize("seed", [0, 1, 6])
+def test_one_silod_job_on_a_half_cached_dataset_takes_8000_s_exactly(resolution, seed):
+    # f* = 100 MB/s, d = 100 GB, c = 50 GB, b = 25 MB/s, 3 epochs. Epoch 1: nothing cached,
+    # 100 GB / 25 MB/s = 4,000 s, admitting the first 50 GB read. Epochs 2 and 3: exactly half
+    # of the chunks are cached whatever the order they are read in, so half the bytes cross
+    # the link, which bounds the job: 50 GB / 25 MB/s = 2,000 s each. Total 8,000 s.
+    trace = Trace((TraceJob("a", 0.0, 1, "m", "ds", 100 * MB, 3.0),), {"ds": 100 * GB})
+    cap = ClusterCapacity(gpus=1, cache=50 * GB, remote_io=25 * MB, gpus_per_node=1)
+    result = Simulator(trace, cap, get_policy("fifo"), estimator_for("silod"), "silod",
+                       SimConfig(resolution=resolution, seed=seed)).run()
+    job = result.jobs[0]
+    assert job.jct_s == pytest.approx(8000.0, rel=1e-9)
+    assert job.epoch_hit_ratios == pytest.approx((0.0, 0.5, 0.5), abs=1e-9)
+    assert result.remote_bytes == pytest.approx(200 * GB, rel=1e-9)
+
+
+class CheckingSimulator(Simulator):
+    """Checks every snapshot's columns and the column paths against the per-view ones."""
+
+    checked = 0
+
+    def _snapshot(self, now, active):
+        snap = super()._snapshot(now, active)
+        cols = snap.job_columns()
+        assert cols is not None
+        ref = JobColumns.of(snap.jobs)
+        for name in ("gpus", "ideal", "remaining", "running"):
+            np.testing.assert_array_equal(getattr(cols, name), getattr(ref, name))
+        if ref.hit_now is None:
+            assert cols.hit_now is None
+        else:
+            np.testing.assert_array_equal(cols.hit_now, ref.hit_now)
+        assert cols.all_regular == ref.all_regular
+        bare = replace(snap, columns=None)  # the per-view paths
+        for storage in (True, False):
+            a, b = GavelProblem._build(snap, storage), GavelProblem._build(bare, storage)
+            for field in ("gpus", "ideal", "dataset_index", "dataset_size", "reuse"):
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+            assert a.job_ids == b.job_ids and a.dataset_names == b.dataset_names
+            for field in ("hit_now", "dataset_cached"):
+                x, y = getattr(a, field), getattr(b, field)
+                assert (x is None) == (y is None)
+                if x is not None:
+                    np.testing.assert_array_equal(x, y)
+        self.checked += 1
+        self._last_snapshots = (snap, bare)
+        return snap
+
+
+@pytest.mark.parametrize("policy,system", [("gavel", "silod"), ("fifo", "silod"), ("sjf", "quiver"), ("gavel", "alluxio")])
+def test_columns_answer_as_the_job_views_do(policy, system, monkeypatch):
+    planner_pairs = []
+    original_choose = RoundPlanner.choose
+
+    def choose(self, snapshot, allocation):
+        got = original_choose(self, snapshot, allocation)
+        bare = replace(snapshot, columns=None)
+        assert got == original_choose(self, bare, allocation)
+        assert _clearly_valid(snapshot, allocation) <= (allocation_violations(bare, allocation) == [])
+        planner_pairs.append(got)
+        return got
+
+    monkeypatch.setattr(RoundPlanner, "choose", choose)
+    trace = generate_trace(60, mean_interarrival_s=300.0, seed=4)
+    cap = ClusterCapacity(gpus=16, cache=trace_cache(trace), remote_io=2 * GB, gpus_per_node=4)
+    sim = CheckingSimulator(trace, cap, get_policy(policy), estimator_for(system), system, SimConfig())
+    result = sim.run()
+    assert not result.unfinished
+    assert sim.checked > 20 and len(planner_pairs) > 20
+
+
+def trace_cache(trace: Trace) -> float:
+    return 0.3 * sum(trace.dataset_sizes.values())
+
+
+def test_clearly_valid_refuses_what_the_full_check_refuses():
+    trace = generate_trace(12, mean_interarrival_s=10.0, seed=1)
+    cap = ClusterCapacity(gpus=8, cache=1e12, remote_io=1e9, gpus_per_node=4)
+    sim = CheckingSimulator(trace, cap, get_policy("gavel"), estimator_for("silod"), "silod", SimConfig())
+    sim.run()
+    snap, bare = sim._last_snapshots
+    from policies.types import Allocation
+
+    ids = [j.job_id for j in snap.jobs]
+    for bad in (
+        Allocation(gpu_share={i: 1.0 for i in ids} | {ids[0]: 1.5}),
+        Allocation(gpu_share={i: 1.0 for i in ids}, remote_io={i: 1e12 for i in ids}),
+        Allocation(gpu_share={i: 0.0 for i in ids}, cache={snap.jobs[0].dataset: 1e15}),
+        Allocation(gpu_share={i: 0.0 for i in ids[1:]}),  # a job missing
+    ):
+        if allocation_violations(bare, bad):
+            assert not _clearly_valid(snap, bad)
+
+
+class CountingSimulator(Simulator):
+    def run(self):
+        self.decisions: list[float] = []
+        decide = self.core.decide
+
+        def counted(snapshot):
+            self.decisions.append(snapshot.time)
+            return decide(snapshot)
+
+        self.core.decide = counted
+        return super().run()
+
+
+def test_decision_interval_is_off_by_default_and_spaces_decisions_when_on():
+    trace = generate_trace(80, mean_interarrival_s=200.0, seed=2)
+    cap = ClusterCapacity(gpus=24, cache=trace_cache(trace), remote_io=2 * GB, gpus_per_node=4)
+
+    def sim(**cfg):
+        s = CountingSimulator(trace, cap, get_policy("fifo"), estimator_for("silod"), "silod", SimConfig(**cfg))
+        return s, s.run()
+
+    s0, r0 = sim()
+    s_zero, r_zero = sim(decision_interval_s=0.0)
+    assert [j.jct_s for j in r0.jobs] == [j.jct_s for j in r_zero.jobs]
+    gaps0 = np.diff(s0.decisions)
+    assert (gaps0 < 600).sum() > 10  # events closer than the interval below do happen
+    s1, r1 = sim(decision_interval_s=1920.0)
+    assert not r1.unfinished and len(r1.jobs) == len(r0.jobs)
+    assert len(s1.decisions) < len(s0.decisions)
+    # While jobs run, consecutive decisions are at least the interval apart; a closer one only
+    # follows a moment with nothing running (due at once).
+    busy_gaps = [b - a for a, b in zip(s1.decisions, s1.decisions[1:]) if b - a < 1920.0 - 1e-6]
+    assert len(busy_gaps) < len(s1.decisions) / 4
+
+
+def test_decision_interval_must_not_be_negative():
+    from estimator.errors import UserError
+
+    with pytest.raises(UserError, match="decision interval"):
+        SimConfig(decision_interval_s=-1.0)

@@ -233,15 +233,7 @@ class SchedulingCore:
             # A change must not take cache other datasets already hold (tolerance: 1 MB of
             # rounding): those bytes are lost at once and refilled over the shared link, while
             # the new copy fills over hours; allocation_score compares filled caches only.
-            # A decoded copy that competes for cache (the re-plan gives another dataset less)
-            # must also fit what it is planned: a partly cached copy keeps missing on the
-            # shared link at 1/e of the source bytes per cached byte (the experiment's
-            # remaining cost); alone, a partial copy is the readers' own trade.
-            shrinks = trial.cache is not None and allocation.cache is not None and any(
-                trial.cache.get(n, 0.0) < allocation.cache.get(n, 0.0) - 1e6 for n in allocation.cache if n not in switching)
-            fits = not shrinks or all(trial.cache.get(n, 0.0) >= 0.999 * chosen[n] * snapshot.datasets[n].size
-                                      for n in switching if n in chosen)
-            if (fits and takes_filled_cache(snapshot, allocation, trial, switching) <= 1e6
+            if (takes_filled_cache(snapshot, allocation, trial, switching) <= 1e6
                     and allocation_score(snapshot, trial, chosen) > allocation_score(snapshot, allocation, modes) + SWITCH_MARGIN):
                 allocation = trial
             else:

@@ -71,6 +71,23 @@ def allocation_score(snapshot: Snapshot, allocation: Allocation, modes: Mapping[
         return float(np.sum(np.where(f > 0, share * x / np.where(f > 0, f, 1.0), 0.0)))
 
 
+def takes_filled_cache(snapshot: Snapshot, base: Allocation, trial: Allocation, switching: set[str]) -> float:
+    """Bytes a mode change's re-planned allocation `trial` takes from the caches other datasets
+    already hold: for each dataset not in `switching`, what it holds now and `base` lets it keep,
+    less what `trial` gives it. Those bytes are dropped at once, while the switching dataset's
+    new (e x larger) copy fills only over the link share it gets: the cluster check compares
+    filled allocations and cannot see that loss."""
+    if base.cache is None or trial.cache is None:
+        return 0.0
+    taken = 0.0
+    for name, view in snapshot.datasets.items():
+        if name in switching or not view.cached:
+            continue
+        keep = min(float(view.cached), float(base.cache.get(name, 0.0)))
+        taken += max(0.0, keep - float(trial.cache.get(name, 0.0)))
+    return taken
+
+
 def eligible_expansions(snapshot: Snapshot) -> dict[str, float]:
     """Datasets that may be cached preprocessed, with their readers' common expansion."""
     seen: dict[str, float | None] = {}
@@ -126,4 +143,4 @@ def plan_autocache(snapshot: Snapshot, allocation: Allocation, current: Mapping[
     return chosen
 
 
-__all__ = ["SWITCH_MARGIN", "allocation_score", "eligible_expansions", "plan_autocache"]
+__all__ = ["SWITCH_MARGIN", "allocation_score", "eligible_expansions", "plan_autocache", "takes_filled_cache"]

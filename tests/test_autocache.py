@@ -147,3 +147,28 @@ def test_a_filled_source_cache_is_not_thrown_away():
     assert plan_autocache(snap(5 * GB), alloc) == {}
     assert plan_autocache(snap(0.0), alloc) == {"d": 2.0}
     assert plan_autocache(snap(5 * GB), alloc, {"d": 2.0}) == {"d": 2.0}  # already decoded: kept
+
+
+def test_a_switch_that_takes_cache_another_dataset_holds_is_refused():
+    from policies.autocache import takes_filled_cache
+    from scheduler.core.planner import SchedulingCore, with_autocache_sizes
+
+    # The 120 MB/s case above, whose filled-cache score accepts the switch (1.53 > 1.45): planned
+    # again with da at 100 GB, db's cache goes from 50 GB to 33.3 GB. If db holds its 50 GB now,
+    # the switch drops 16.7 GB of it at once, to be refilled over the link, while da's decoded
+    # copy starts empty: refused. Holding 30 GB (< 33.3 GB, nothing taken) it is accepted.
+    def snapshot(db_cached):
+        cap = ClusterCapacity(gpus=2, cache=100 * GB, remote_io=120 * MB, gpus_per_node=1, cpus_per_node=4)
+        a = JobView("a", 1, "da", 200 * MB, 100 * GB, 0.0, running=True, pipeline=InputPipeline(20 * MB, 2.0, 1000 * MB))
+        b = JobView("b", 1, "db", 300 * MB, 100 * GB, 1.0, running=True)
+        return Snapshot(0.0, (a, b), {"da": DatasetView("da", 50 * GB, cached=0.0), "db": DatasetView("db", 50 * GB, cached=db_cached)}, cap)
+
+    policy = _ProportionalCache()
+    snap = snapshot(50 * GB)
+    src = policy.allocate(snap, None)
+    pre = policy.allocate(with_autocache_sizes(snap, {"da": 2.0}), None)
+    assert takes_filled_cache(snap, src, pre, {"da"}) == pytest.approx(50 * GB - 100 * GB / 3)
+    assert takes_filled_cache(snapshot(30 * GB), src, pre, {"da"}) == 0.0
+    alloc = SchedulingCore(policy, estimator_for("silod")).decide(snap)
+    assert dict(alloc.autocache) == {} and dict(alloc.cache) == pytest.approx({"da": 50 * GB, "db": 50 * GB})
+    assert dict(SchedulingCore(policy, estimator_for("silod")).decide(snapshot(30 * GB)).autocache) == {"da": 2.0}

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from policies.autocache import SWITCH_MARGIN, allocation_score, eligible_expansions, plan_autocache
+from policies.autocache import SWITCH_MARGIN, allocation_score, eligible_expansions, plan_autocache, takes_filled_cache
 from policies.base import Policy
 from policies.stagger import stagger_holds
 from policies.estimators import Estimator, VanillaEstimator
@@ -229,7 +229,12 @@ class SchedulingCore:
         active = read
         if any(modes.get(n, 1.0) != chosen.get(n, 1.0) for n in active):
             trial = self._allocate(snapshot, chosen)
-            if allocation_score(snapshot, trial, chosen) > allocation_score(snapshot, allocation, modes) + SWITCH_MARGIN:
+            switching = {n for n in active if modes.get(n, 1.0) != chosen.get(n, 1.0)}
+            # A change must not take cache other datasets already hold (tolerance: 1 MB of
+            # rounding): those bytes are lost at once and refilled over the shared link, while
+            # the new copy fills over hours; allocation_score compares filled caches only.
+            if (takes_filled_cache(snapshot, allocation, trial, switching) <= 1e6
+                    and allocation_score(snapshot, trial, chosen) > allocation_score(snapshot, allocation, modes) + SWITCH_MARGIN):
                 allocation = trial
             else:
                 chosen = {n: e for n, e in modes.items() if n in active}

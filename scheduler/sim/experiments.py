@@ -587,31 +587,38 @@ def _best_baseline(table: dict, policy: str, key: str = "avg_jct_s") -> tuple[st
 PAPER_FIG12 = "paper: up to 7.4x over any baseline, up to 1.25x over Quiver"
 
 
-def experiment_matrix(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
-    policies = ("fifo", "sjf", "gavel")
-    runs = [Run(f"{p}/{c}", p, c, capacity) for p in policies for c in CACHE_SYSTEMS]
-    table = {f"{r.run.policy}/{r.run.cache_system}": r.summary for r in runner.run_all(runs)}
+def _policy_matrix_figure(table: dict, policies: tuple[str, ...], path: Path, title: str, fontsize: int) -> list:
+    """Fig. 12's bars (average JCT and makespan per policy and cache system) saved to `path`,
+    and the headline rows: SiloD against the best baseline under each policy."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.2
-    for ax, key, title in ((axes[0], "avg_jct_s", "average JCT (h)"), (axes[1], "makespan_s", "makespan (h)")):
+    for ax, key, label in ((axes[0], "avg_jct_s", "average JCT (h)"), (axes[1], "makespan_s", "makespan (h)")):
         for i, system in enumerate(CACHE_SYSTEMS):
             vals = [table[f"{p}/{system}"][key] / 3600 for p in policies]
             ax.bar([x + i * width for x in range(len(policies))], vals, width, label=system)
         ax.set_xticks([x + 1.5 * width for x in range(len(policies))], [p.upper() for p in policies])
         ax.set_ylim(bottom=0)
-        ax.set_title(title)
+        ax.set_title(label)
     axes[0].legend()
-    fig.suptitle(f"Fig. 12: policies x cache systems\n{runner.describe(capacity)}", fontsize=10)
+    fig.suptitle(title, fontsize=fontsize)
     fig.tight_layout()
-    fig.savefig(out / "matrix.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     headline = []
     for p in policies:
         name, best = _best_baseline(table, p)
         ours = table[f"{p}/silod"]["avg_jct_s"]
-        headline.append((f"{p.upper()}: SiloD avg JCT vs best baseline ({name})",
-                         f"{_hours(ours)} vs {_hours(best)} = {best / ours:.2f}x"))
+        headline.append((f"{p.upper()}: SiloD avg JCT vs best baseline ({name})", f"{_hours(ours)} vs {_hours(best)} = {best / ours:.2f}x"))
+    return headline
+
+
+def experiment_matrix(runner: ExperimentRunner, out: Path, capacity: ClusterCapacity) -> dict:
+    policies = ("fifo", "sjf", "gavel")
+    runs = [Run(f"{p}/{c}", p, c, capacity) for p in policies for c in CACHE_SYSTEMS]
+    table = {f"{r.run.policy}/{r.run.cache_system}": r.summary for r in runner.run_all(runs)}
+    headline = _policy_matrix_figure(table, policies, out / "matrix.png",
+                                     f"Fig. 12: policies x cache systems\n{runner.describe(capacity)}", 10)
     headline.append(("Fig. 12 in the paper", PAPER_FIG12))
     payload = {"experiment": "matrix", "setup": runner.describe(capacity), "runs": table, "headline": headline}
     _save(out, "matrix", payload)
@@ -1208,26 +1215,8 @@ def experiment_alibaba(runner: ExperimentRunner, out: Path, capacity: ClusterCap
     setup = (f"{gpus} GPUs ({nodes} nodes of {ALIBABA_GPUS_PER_NODE}), {cluster.cache / TB:g} TB cache, {cluster.remote_io / GB:g} GB/s "
              f"remote IO; openb tasks created on days {window[0] / DAY_S:g}-{window[1] / DAY_S:g} ({len(trace)} GPU tasks), "
              f"offered load {offered:.1f} GPUs = {offered / gpus:.2f} per GPU (Philly trace: {target:.2f})")
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.2
-    for ax, key, title in ((axes[0], "avg_jct_s", "average JCT (h)"), (axes[1], "makespan_s", "makespan (h)")):
-        for i, system in enumerate(CACHE_SYSTEMS):
-            vals = [table[f"{p}/{system}"][key] / 3600 for p in policies]
-            ax.bar([x + i * width for x in range(len(policies))], vals, width, label=system)
-        ax.set_xticks([x + 1.5 * width for x in range(len(policies))], [p.upper() for p in policies])
-        ax.set_ylim(bottom=0)
-        ax.set_title(title)
-    axes[0].legend()
-    fig.suptitle("Fig. 12 on Alibaba's openb trace\n" + textwrap.fill(setup, 150), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "alibaba.png", dpi=120)
-    plt.close(fig)
-    headline = []
-    for p in policies:
-        name, best = _best_baseline(table, p)
-        ours = table[f"{p}/silod"]["avg_jct_s"]
-        headline.append((f"{p.upper()}: SiloD avg JCT vs best baseline ({name})", f"{_hours(ours)} vs {_hours(best)} = {best / ours:.2f}x"))
+    headline = _policy_matrix_figure(table, policies, out / "alibaba.png",
+                                     "Fig. 12 on Alibaba's openb trace\n" + textwrap.fill(setup, 150), 9)
     payload = {"experiment": "alibaba", "setup": setup, "window_s": list(window), "gpus": gpus, "runs": table, "headline": headline}
     _save(out, "alibaba", payload)
     return payload

@@ -216,7 +216,7 @@ def test_exported_experiment_trace_is_what_the_experiment_simulates(monkeypatch)
         if name in ex.OWN_TRACE_EXPERIMENTS:
             continue
         # experiment alibaba reads the openb trace (shared/ beside this clone or its origin)
-        trace = _shared_traces() / "alibaba-openb" if name == "alibaba" else None
+        trace = SHARED / "alibaba-openb" if name == "alibaba" else None
         runner = ex.ExperimentRunner(trace, None, 5, 360.0, 128, show_progress=False, workers=1)
         with pytest.raises(Captured):
             fn(runner, Path("/nonexistent-out"), cap)

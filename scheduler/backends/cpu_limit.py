@@ -29,6 +29,8 @@ import hashlib
 import logging
 import math
 import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,13 +201,32 @@ class CpuLimiter:
             with contextlib.suppress(ProcessLookupError, OSError):
                 (g / "cgroup.procs").write_text(str(int(pid)))
 
-    def remove(self, job_id: str) -> None:
-        """Delete the job's group once its processes are gone (the kernel refuses while any is left)."""
+    def remove(self, job_id: str, timeout_s: float = 5.0) -> None:
+        """Delete the job's group. The job's worker is gone by now, but its preprocessing
+        processes may still be exiting (orphans until init reaps them), and the kernel refuses
+        to remove a group with a process left in it: wait for them, then kill what is left
+        (every process in the group is the stopped job's), then remove it."""
         g = self.group(job_id)
-        if g is None:
+        if g is None or not g.is_dir():
             return
-        with contextlib.suppress(OSError):
-            g.rmdir()
+        deadline = time.monotonic() + timeout_s
+        killed = False
+        while True:
+            try:
+                g.rmdir()
+                return
+            except OSError:
+                pass
+            if time.monotonic() >= deadline:
+                pids = _pids_in(g)
+                if killed or not pids:
+                    log.warning("cgroup %s of job %s could not be removed (processes left: %s)", g, job_id, pids)
+                    return
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                killed, deadline = True, time.monotonic() + timeout_s
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Remove the backend's own group once no job group is left in it (refused otherwise)."""
@@ -218,6 +239,13 @@ class CpuLimiter:
             return f"affinity ({len(affinity_cpus(cores, sorted(os.sched_getaffinity(0))))} CPUs)"
         q = quota_us(cores)
         return f"{self.mode} ({'no limit' if q is None else f'{q / PERIOD_US:.2f} cores'})"
+
+
+def _pids_in(group: Path) -> list[int]:
+    try:
+        return [int(x) for x in (group / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _offset(job_id: str) -> int:

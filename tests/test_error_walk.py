@@ -79,6 +79,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
     # simulate
     ("simulate-option-without-value", ["simulate", "--gpus"], 2, "--gpus"),
     ("simulate-bad-gpus", ["simulate", "--gpus", "many"], 2, "--gpus 'many'"),
+    ("trace-export-point-without-experiment", ["trace", "export", "--autocache-points", "--out", "{root}/t.csv"], 2,
+     "add --experiment NAME"),
     ("simulate-unknown-option", ["simulate", "--gpu", "4"], 2, "--gpu"),
     ("simulate-bad-format", ["simulate", "--format", "xml"], 2, "--format"),
     ("simulate-cache-out-of-range", ["simulate", "--cache", "1e30"], 2, "1EB"),
@@ -128,6 +130,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
                               "--node-agent", "a=n1", "--node-agent", "a=n2"], 2, "bound to two nodes"),
     ("mount-missing-source", ["mount", "{mnt}", "--dataset", "d1", "--job", "j1", "--cache-dir", "{cache}"], 2, "--source"),
     ("mount-bad-cache-size", [*MOUNT, "--cache-size", "lots"], 2, "--cache-size 'lots'"),
+    ("mount-bad-node", [*MOUNT, "--node", "../x y"], 2, "is not a node name"),
     ("mount-io-rate-out-of-range", [*MOUNT, "--io-rate", "1e30"], 2, "10TB/s"),
     ("mount-nonexistent-mountpoint", ["mount", "{missing}", *MOUNT[2:]], 2, "does-not-exist.csv"),
     ("mount-nonexistent-source", [*MOUNT[:3], "{missing}", *MOUNT[4:]], 2, "does-not-exist.csv"),

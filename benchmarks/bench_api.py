@@ -98,6 +98,9 @@ BARE_APP = textwrap.dedent(
     @app.get("/healthz")
     def health() -> dict:
         return {"status": "ok"}
+
+    def make_app():
+        return app
     """
 )
 
@@ -164,14 +167,23 @@ def start_silod(tmp: Path, db: Path, workers: int) -> tuple[subprocess.Popen, st
     return proc, url
 
 
-def start_bare(tmp: Path, db: Path, workers: int) -> tuple[subprocess.Popen, str]:
+def start_bare(tmp: Path, db: Path, workers: int, listeners: str) -> tuple[subprocess.Popen, str]:
+    """The reference app. `listeners`: "per-worker" serves it as `silod serve` serves its API (each
+    worker on its own SO_REUSEPORT socket, scheduler/service/api_workers.py), so the ratios compare
+    the apps' work; "shared" is plain `uvicorn --workers N` (one socket that the first worker to
+    wake drains)."""
     (tmp / "bare_app.py").write_text(BARE_APP)
     port = _port()
     env = {**os.environ, "BARE_DB": f"sqlite:///{db}", "PYTHONPATH": f"{tmp}{os.pathsep}{Path(__file__).resolve().parent.parent}"}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "bare_app:app", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", str(workers), "--log-level", "warning", "--no-access-log",
-                             "--http", "bare_app:NoDelayH11"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "bare.log", "ab"), cwd=tmp,
+    if listeners == "shared":
+        cmd = [sys.executable, "-m", "uvicorn", "bare_app:app", "--host", "127.0.0.1", "--port", str(port),
+               "--workers", str(workers), "--log-level", "warning", "--no-access-log", "--http", "bare_app:NoDelayH11"]
+    else:
+        cmd = [sys.executable, "-c",
+               "import sys, bare_app\n"
+               "from scheduler.service.api_workers import ApiWorkerPool, WorkerSpec\n"
+               f"ApiWorkerPool(WorkerSpec('bare_app:make_app', '127.0.0.1', {port}, 'warning', bare_app.NoDelayH11), {workers}).run()"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "bare.log", "ab"), cwd=tmp,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, proc)
@@ -214,18 +226,22 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="per measurement")
     ap.add_argument("--workers", type=int, default=2, help="uvicorn workers, for silod and the bare app alike")
     ap.add_argument("--out", type=Path, default=Path("out/bench_api.json"))
+    ap.add_argument("--bare-listeners", choices=("per-worker", "shared"), default="per-worker",
+                    help="the reference's workers each on their own socket as silod's are (default), or plain "
+                         "uvicorn --workers sharing one")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("benchmarks/bench_api.py needs wrk (apt-get install wrk)")
     clients = [int(c) for c in args.clients.split(",")]
     results: dict = {"active_jobs": args.active, "workers": args.workers, "seconds": args.seconds,
+                     "bare_listeners": args.bare_listeners,
                      "cpu_count": os.cpu_count(), "load_generator": "wrk 2 threads, closed loop", "load": {}}
     with tempfile.TemporaryDirectory(prefix="silod-bench-") as tmpdir:
         tmp = Path(tmpdir)
         prepare_db(tmp / "silod.db", args.active)
         shutil.copy(tmp / "silod.db", tmp / "bare.db")
         silod, silod_url = start_silod(tmp, tmp / "silod.db", args.workers)
-        bare, bare_url = start_bare(tmp, tmp / "bare.db", args.workers)
+        bare, bare_url = start_bare(tmp, tmp / "bare.db", args.workers, args.bare_listeners)
         try:
             get_path = f"/v1/jobs/{args.active // 2}"
             for what, path, post in (("POST /v1/jobs", "/v1/jobs", True), ("GET /v1/jobs/{id}", get_path, False)):

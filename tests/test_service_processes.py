@@ -369,3 +369,103 @@ def test_a_queued_jobs_quota_is_exact_under_50_concurrent_submits_across_workers
                 assert httpx.delete(f"{url}/v1/jobs/{j['id']}", headers=alice).status_code == 200
     finally:
         _stop(proc)
+
+
+def _tcp_sockets(port: int) -> dict[int, str]:
+    """Socket inode -> state ("listen" or "established") of this host's TCP sockets whose local
+    port is `port` (the server's side of its connections)."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] in ("0A", "01"):
+                out[int(f[9])] = "listen" if f[3] == "0A" else "established"
+    return out
+
+
+def _connections_by_listener(pgid: int, port: int) -> dict[int, int]:
+    """For each process of the group that listens on `port`: how many connections it holds."""
+    socks = _tcp_sockets(port)
+    held: dict[int, int] = {}
+    for pid in _group(pgid):
+        inodes = []
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.append(int(target[8:-1]))
+        except OSError:
+            continue
+        states = [socks[i] for i in inodes if i in socks]
+        if "listen" in states:
+            held[pid] = states.count("established")
+    return held
+
+
+def test_a_burst_of_connections_is_spread_over_the_api_workers(tmp_path) -> None:
+    """Issue 20, item 8: with uvicorn's one shared listening socket the worker that woke first
+    accepted a whole burst of connections (wrk's 64 all in one worker) and the other stayed idle.
+    Each worker now listens on its own SO_REUSEPORT socket and the kernel spreads connections."""
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    a = _serve(tmp_path, port, workers=2)
+    conns: list[socket.socket] = []
+    try:
+        _wait_up(url, a, tmp_path)
+        # The burst: 48 connections opened before any request is sent.
+        conns = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(48)]
+        for s in conns:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        for s in conns:
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        held = _connections_by_listener(a.pid, port)
+        assert len(held) == 2, f"expected 2 API workers listening, found {held}"
+        assert sum(held.values()) == 48, held
+        # By the hash of the addresses: P(a worker below 12 of 48) < 1e-4.
+        assert min(held.values()) >= 12, f"connections per worker: {held}"
+    finally:
+        for s in conns:
+            s.close()
+        _stop(a)
+
+
+@pytest.mark.slow
+def test_a_killed_api_worker_is_replaced_and_the_port_keeps_serving(tmp_path) -> None:
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    a = _serve(tmp_path, port, workers=2)
+    try:
+        _wait_up(url, a, tmp_path)
+        workers = set(_connections_by_listener(a.pid, port))
+        assert len(workers) == 2
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        _wait(lambda: len(set(_connections_by_listener(a.pid, port)) - {victim}) == 2, 30,
+              "the killed API worker was not replaced")
+        for _ in range(20):  # new connections reach live workers only
+            assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        assert a.poll() is None
+    finally:
+        _stop(a)
+
+
+@pytest.mark.parametrize("factory, why", [
+    ("no_such_module_here:factory", "could not start (exit code 3)"),  # uvicorn's startup failure
+    ("silod_dies_at_once:factory", "in a row"),  # a worker that dies at once with another code
+])
+def test_an_api_worker_pool_that_cannot_start_gives_up_instead_of_restarting_forever(tmp_path, monkeypatch, factory, why) -> None:
+    import sys
+
+    from scheduler.service.api_workers import ApiWorkerPool, WorkerSpec
+
+    (tmp_path / "silod_dies_at_once.py").write_text("import os\ndef factory():\n    os._exit(1)\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])  # spawned workers inherit sys.path
+    spec = WorkerSpec(app=factory, host="127.0.0.1", port=_port(), log_level="critical", http="h11")
+    pool = ApiWorkerPool(spec, 2)
+    pool.run()  # returns by itself
+    assert pool.failed is not None and why in pool.failed, pool.failed
+    assert all(not w.proc.is_alive() for w in pool.workers)

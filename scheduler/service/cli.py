@@ -593,11 +593,21 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"  admission webhook {webhook.url}", err=True)
         try:
             from http_guard.timeouts import HeaderTimeoutH11Protocol
+            from scheduler.service.api_workers import ApiWorkerPool, WorkerSpec
 
             # h11 with a header read timeout (slow-header clients are cut off; http_guard/timeouts.py)
-            uvicorn.run("scheduler.service.api.worker:create_worker_app", factory=True, host=host, port=port,
-                        workers=workers, log_level=log_level.lower(), access_log=False, http=HeaderTimeoutH11Protocol,
-                        ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+            spec = WorkerSpec(app="scheduler.service.api.worker:create_worker_app", host=host, port=port,
+                              log_level=log_level.lower(), http=HeaderTimeoutH11Protocol,
+                              ssl_certfile=str(tls_cert) if tls_cert else None,
+                              ssl_keyfile=str(tls_key) if tls_key else None)
+            if workers == 1:
+                uvicorn.run(spec.app, factory=True, host=host, port=port, log_level=spec.log_level, access_log=False,
+                            http=spec.http, ssl_certfile=spec.ssl_certfile, ssl_keyfile=spec.ssl_keyfile)
+            else:  # one listening socket per worker, so that connections spread over them (api_workers.py)
+                pool = ApiWorkerPool(spec, workers)
+                pool.run()
+                if pool.failed:
+                    raise typer.Exit(3)
         finally:
             if webhook is not None:
                 webhook.stop()

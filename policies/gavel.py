@@ -142,14 +142,13 @@ class GavelProblem:
     def _from_columns(cls, snapshot: Snapshot, cols, manages_storage: bool) -> GavelProblem:
         """The same problem from the snapshot's columns (no per-job Python beyond the ids and
         dataset names; CPU-modelled clusters take the per-view path)."""
-        jobs = snapshot.jobs
-        names = tuple(sorted({j.dataset for j in jobs}))
+        names = tuple(sorted(set(cols.datasets)))
         index = {n: i for i, n in enumerate(names)}
-        dataset_index = np.fromiter((index[j.dataset] for j in jobs), dtype=np.int64, count=len(jobs))
+        dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
         sizes = np.array([snapshot.datasets[n].size for n in names], dtype=float)
         cached = [snapshot.datasets[n] for n in names]
         return cls(
-            job_ids=tuple(j.job_id for j in jobs),
+            job_ids=cols.ids,
             gpus=cols.gpus,
             ideal=cols.ideal,
             dataset_index=dataset_index,

@@ -101,7 +101,8 @@ class RoundPlanner:
         if ledger is not None and ledger.snapshot is snapshot:
             return ledger
         self._settle()
-        ids = tuple(j.job_id for j in snapshot.jobs)
+        cols = snapshot.job_columns()
+        ids = cols.ids if cols is not None else tuple(j.job_id for j in snapshot.jobs)
         n = len(ids)
         received, active = self._received, self._active
         # A job not in a dictionary counts 0 s; it enters it when recorded (as before the ledger).

@@ -249,6 +249,8 @@ class Simulator:
         told = self.config.partition
         cache = self.cache
         views: list[JobView] = []
+        ids: list[str] = []
+        names: list[str] = []
         ideal: list[float] = []
         remaining: list[float] = []
         running: list[bool] = []
@@ -267,6 +269,8 @@ class Simulator:
                 view = j.view = JobView(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running,
                                         hit_ratio_now=hit, access=access, pipeline=j.trace.pipeline)
             views.append(view)
+            ids.append(view.job_id)
+            names.append(view.dataset)
             ideal.append(f)
             remaining.append(rem)
             running.append(j.running)
@@ -275,7 +279,7 @@ class Simulator:
             if all_regular and told and not j.regular:
                 all_regular = False
         jobs = tuple(views)
-        needed = {j.dataset.name for j in active}
+        needed = set(names)
         if measured:
             cached = cache.cached_bytes()
             kept = self._dataset_views
@@ -289,7 +293,8 @@ class Simulator:
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = JobColumns(jobs, np.array(gpus, dtype=float), np.array(ideal, dtype=float), np.array(remaining, dtype=float),
-                             np.array(running, dtype=bool), np.array(hits, dtype=float) if measured and active else None, all_regular)
+                             np.array(running, dtype=bool), np.array(hits, dtype=float) if measured and active else None, all_regular,
+                             tuple(ids), tuple(names))
         return Snapshot(now, jobs, dviews, self.capacity, columns)
 
     def _apply_autocache(self, autocache) -> None:
@@ -682,25 +687,17 @@ class Simulator:
         if static is None or len(static[0]) != n:
             self._static_layout = self.cache.layout_version
             cache = self.cache
-            curriculum = np.fromiter((j.pacing is not None for j in running), dtype=bool, count=n)
-            static = self._static = (
-                [j.job_id for j in running],
-                np.fromiter((j.dataset.n_chunks for j in running), dtype=float, count=n),
-                np.fromiter((j.dataset.chunk_size for j in running), dtype=float, count=n),
-                np.fromiter((j.total_bytes for j in running), dtype=float, count=n),
-                np.fromiter((j.ideal for j in running), dtype=float, count=n),
-                np.fromiter((j.gpu_ideal for j in running), dtype=float, count=n),
-                np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running),
-                            dtype=float, count=n),
-                curriculum,
-                curriculum | np.fromiter((cache.volatile_for(j) for j in running), dtype=bool, count=n),
-            )
-        return StepState(*static,
-                         np.fromiter((j.looked for j in running), dtype=float, count=n),
-                         np.fromiter((j.unread_expected(v) for j, v in zip(running, static[8].tolist())), dtype=float, count=n),
-                         np.fromiter((j.unread_cached for j in running), dtype=float, count=n),
-                         np.fromiter((j.consumed for j in running), dtype=float, count=n),
-                         np.fromiter((j.pos for j in running), dtype=float, count=n))
+            # One pass over the jobs: (k, chunk, total, ideal, gpu_ideal, cpu bound, curriculum, volatile).
+            rows = np.array([(j.dataset.n_chunks, j.dataset.chunk_size, j.total_bytes, j.ideal, j.gpu_ideal,
+                              math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate,
+                              j.pacing is not None, cache.volatile_for(j)) for j in running], dtype=float).reshape(n, 8).T.copy()
+            curriculum = rows[6] != 0.0
+            static = self._static = ([j.job_id for j in running], rows[0], rows[1], rows[2], rows[3], rows[4], rows[5],
+                                     curriculum, curriculum | (rows[7] != 0.0))
+        # One pass over the jobs (unread_expected syncs a job's expectation; the rest are reads).
+        rows = np.array([(j.looked, j.unread_expected(v), j.unread_cached, j.consumed, j.pos)
+                         for j, v in zip(running, static[8].tolist())], dtype=float).reshape(n, 5).T.copy()
+        return StepState(*static, rows[0], rows[1], rows[2], rows[3], rows[4])
 
     @staticmethod
     def _preprocessed(running: list[SimJob]) -> list[int]:

@@ -262,7 +262,7 @@ class Simulator:
             rem = j.total_bytes - j.consumed
             if rem < 0.0:
                 rem = 0.0
-            hit = j.hit_ratio_now(cache) if measured else None
+            hit = 1.0 - j.miss_ratio(cache) if measured else None  # SimJob.hit_ratio_now
             view = j.view
             if view is None or view.remaining_bytes != rem or view.running != j.running or view.hit_ratio_now != hit or view.ideal_throughput != f:
                 access = j.trace.access if told else _EPOCH
@@ -343,7 +343,7 @@ class Simulator:
         limit = np.inf
         # Autocaching: a preprocessed reader's CPU cost follows m, so its m matters even on a
         # link that could serve everyone.
-        if sum(j.ideal for j in running) > link or any(j.dataset.expansion != 1.0 for j in running):
+        if sum(st.ideal.tolist()) > link or (self._expanded and any(j.dataset.expansion != 1.0 for j in running)):
             tol = self.config.demand_tolerance
             n = len(running)
             moves = np.fromiter((self.cache.moves_under(j) for j in running), dtype=bool, count=n)
@@ -699,10 +699,11 @@ class Simulator:
                          for j, v in zip(running, static[8].tolist())], dtype=float).reshape(n, 5).T.copy()
         return StepState(*static, rows[0], rows[1], rows[2], rows[3], rows[4])
 
-    @staticmethod
-    def _preprocessed(running: list[SimJob]) -> list[int]:
+    def _preprocessed(self, running: list[SimJob]) -> list[int]:
         """Positions of the running jobs whose dataset's cache holds preprocessed data
         (autocaching): their rate without IO limits depends on their miss ratio."""
+        if not self._expanded:
+            return []
         return [i for i, j in enumerate(running) if j.dataset.expansion != 1.0]
 
     @staticmethod

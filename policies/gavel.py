@@ -175,7 +175,23 @@ _LAST_PROBLEM: tuple[Snapshot, GavelProblem] | None = None
 
 
 def equal_share_throughput(p: GavelProblem) -> np.ndarray:
-    """ref_j = perf(j, R_equal), the denominator of Eq. 8/9."""
+    """ref_j = perf(j, R_equal), the denominator of Eq. 8/9 (read-only: one decision asks for
+    it three times, so the last problem's is kept, keyed by the problem object)."""
+    global _LAST_REFERENCE
+    last = _LAST_REFERENCE
+    if last is not None and last[0] is p:
+        return last[1]
+    ref = _equal_share_throughput(p)
+    ref.flags.writeable = False
+    _LAST_REFERENCE = (p, ref)
+    return ref
+
+
+#: (problem, its equal-share throughput) of the last equal_share_throughput call.
+_LAST_REFERENCE: tuple[GavelProblem, np.ndarray] | None = None
+
+
+def _equal_share_throughput(p: GavelProblem) -> np.ndarray:
     n = p.n
     x_eq = np.minimum(1.0, p.total_gpus / (n * p.gpus))
     gpu_bound = x_eq * p.gpu_ideal

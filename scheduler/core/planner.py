@@ -100,9 +100,14 @@ class RoundPlanner:
         ledger = self._ledger
         if ledger is not None and ledger.snapshot is snapshot:
             return ledger
-        self._settle()
         cols = snapshot.job_columns()
         ids = cols.ids if cols is not None else tuple(j.job_id for j in snapshot.jobs)
+        if ledger is not None and ledger.ids == ids:
+            # The same jobs as at the last decision (a re-decision without arrivals or
+            # completions): the arrays carry over.
+            ledger.snapshot, ledger.running, ledger.running_at, ledger.allocation, ledger.ranked = snapshot, None, None, None, None
+            return ledger
+        self._settle()
         n = len(ids)
         received, active = self._received, self._active
         # A job not in a dictionary counts 0 s; it enters it when recorded (as before the ledger).

@@ -312,8 +312,8 @@ class Simulator:
         if not active:
             return
         ref = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
-        for job, r in zip(active, ref, strict=True):
-            job.reference = float(r)
+        for job, r in zip(active, ref.tolist(), strict=True):
+            job.reference = r
 
     def _step_limit(self, running: list[SimJob], st: StepState, caps: dict[str, float], last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)

@@ -142,14 +142,13 @@ class GavelProblem:
     def _from_columns(cls, snapshot: Snapshot, cols, manages_storage: bool) -> GavelProblem:
         """The same problem from the snapshot's columns (no per-job Python beyond the ids and
         dataset names; CPU-modelled clusters take the per-view path)."""
-        jobs = snapshot.jobs
-        names = tuple(sorted({j.dataset for j in jobs}))
+        names = tuple(sorted(set(cols.datasets)))
         index = {n: i for i, n in enumerate(names)}
-        dataset_index = np.fromiter((index[j.dataset] for j in jobs), dtype=np.int64, count=len(jobs))
+        dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
         sizes = np.array([snapshot.datasets[n].size for n in names], dtype=float)
         cached = [snapshot.datasets[n] for n in names]
         return cls(
-            job_ids=tuple(j.job_id for j in jobs),
+            job_ids=cols.ids,
             gpus=cols.gpus,
             ideal=cols.ideal,
             dataset_index=dataset_index,
@@ -176,7 +175,23 @@ _LAST_PROBLEM: tuple[Snapshot, GavelProblem] | None = None
 
 
 def equal_share_throughput(p: GavelProblem) -> np.ndarray:
-    """ref_j = perf(j, R_equal), the denominator of Eq. 8/9."""
+    """ref_j = perf(j, R_equal), the denominator of Eq. 8/9 (read-only: one decision asks for
+    it three times, so the last problem's is kept, keyed by the problem object)."""
+    global _LAST_REFERENCE
+    last = _LAST_REFERENCE
+    if last is not None and last[0] is p:
+        return last[1]
+    ref = _equal_share_throughput(p)
+    ref.flags.writeable = False
+    _LAST_REFERENCE = (p, ref)
+    return ref
+
+
+#: (problem, its equal-share throughput) of the last equal_share_throughput call.
+_LAST_REFERENCE: tuple[GavelProblem, np.ndarray] | None = None
+
+
+def _equal_share_throughput(p: GavelProblem) -> np.ndarray:
     n = p.n
     x_eq = np.minimum(1.0, p.total_gpus / (n * p.gpus))
     gpu_bound = x_eq * p.gpu_ideal

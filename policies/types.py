@@ -146,6 +146,8 @@ class JobColumns:
     running: np.ndarray  # bool
     hit_now: np.ndarray | None  # NaN where unknown; None when unknown for every job
     all_regular: bool  # every job reads as `epoch` (no irregular partition)
+    ids: tuple[str, ...] = ()  # job ids (what every array-computing stage asks first)
+    datasets: tuple[str, ...] = ()  # each job's dataset name
 
     @classmethod
     def of(cls, jobs: tuple[JobView, ...]) -> JobColumns:
@@ -159,6 +161,8 @@ class JobColumns:
             np.array([j.running for j in jobs], dtype=bool),
             None if all(h is None for h in hits) else np.array([np.nan if h is None else h for h in hits], dtype=float),
             all(j.access.regular for j in jobs),
+            tuple(j.job_id for j in jobs),
+            tuple(j.dataset for j in jobs),
         )
 
 
@@ -174,7 +178,7 @@ class Snapshot:
     def job_columns(self) -> JobColumns | None:
         """The columns if they describe this snapshot's `jobs`, else None."""
         cols = self.columns
-        return cols if cols is not None and cols.jobs is self.jobs else None
+        return cols if cols is not None and cols.jobs is self.jobs and len(cols.ids) == len(self.jobs) else None
 
     def __post_init__(self) -> None:
         if not isinstance(self.datasets, MappingProxyType):

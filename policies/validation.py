@@ -103,7 +103,7 @@ def _clearly_valid(snapshot: Snapshot, allocation: Allocation) -> bool:
     if cols is None or allocation.cpu is not None:
         return False
     cap = snapshot.capacity
-    ids = [j.job_id for j in cols.jobs]
+    ids = cols.ids
     gs = allocation.gpu_share
     if len(gs) != len(ids) or not gs.keys() == set(ids):
         return False

@@ -64,6 +64,7 @@ class CheckingSimulator(Simulator):
         else:
             np.testing.assert_array_equal(cols.hit_now, ref.hit_now)
         assert cols.all_regular == ref.all_regular
+        assert cols.ids == ref.ids and cols.datasets == ref.datasets
         bare = replace(snap, columns=None)  # the per-view paths
         for storage in (True, False):
             a, b = GavelProblem._build(snap, storage), GavelProblem._build(bare, storage)

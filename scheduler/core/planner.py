@@ -41,6 +41,25 @@ class RoundPlan:
         return self.cache is not None
 
 
+@dataclass(eq=False)
+class _Ledger:
+    """The planner's seconds for the jobs of one snapshot, as arrays in the snapshot's order:
+    a backend records every step and chooses every round on the same snapshot until its next
+    decision, so the per-job dictionaries are only read and written back when it changes."""
+
+    snapshot: Snapshot
+    ids: tuple[str, ...]
+    index: dict[str, int]
+    got: np.ndarray  # seconds holding GPUs
+    seen: np.ndarray  # seconds since first seen
+    got_known: np.ndarray  # bool: in the received dictionary (it was, or has run since)
+    seen_known: bool  # every job is in the active dictionary (recorded at least once)
+    running: tuple[str, ...] | None = None  # the last recorded running set ...
+    running_at: np.ndarray | None = None  # ... and its positions (ids not in the snapshot: -1)
+    allocation: Allocation | None = None  # the last chosen-on allocation ...
+    ranked: tuple | None = None  # ... and what choose derives from it alone
+
+
 @dataclass
 class RoundPlanner:
     """Gavel's round-based mechanism: a job whose received GPU time lags its share runs first.
@@ -50,20 +69,69 @@ class RoundPlanner:
     policy that gives 0/1 shares gets exactly the jobs it chose.
     """
 
-    received: dict[str, float] = field(default_factory=dict)  # seconds holding GPUs
-    active: dict[str, float] = field(default_factory=dict)  # seconds since the job was first seen
+    _received: dict[str, float] = field(default_factory=dict)
+    _active: dict[str, float] = field(default_factory=dict)
+    _ledger: _Ledger | None = None
+
+    @property
+    def received(self) -> dict[str, float]:
+        """Seconds each job has held GPUs."""
+        self._settle()
+        return self._received
+
+    @property
+    def active(self) -> dict[str, float]:
+        """Seconds since each job was first seen."""
+        self._settle()
+        return self._active
+
+    def _settle(self) -> None:
+        """Write the ledger's seconds back into the dictionaries and drop it."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        self._ledger = None
+        known = ledger.got_known.tolist()
+        self._received.update((j, x) for j, x, k in zip(ledger.ids, ledger.got.tolist(), known) if k)
+        if ledger.seen_known:
+            self._active.update(zip(ledger.ids, ledger.seen.tolist()))
+
+    def _ledger_for(self, snapshot: Snapshot) -> _Ledger:
+        ledger = self._ledger
+        if ledger is not None and ledger.snapshot is snapshot:
+            return ledger
+        cols = snapshot.job_columns()
+        ids = cols.ids if cols is not None else tuple(j.job_id for j in snapshot.jobs)
+        if ledger is not None and ledger.ids == ids:
+            # The same jobs as at the last decision (a re-decision without arrivals or
+            # completions): the arrays carry over.
+            ledger.snapshot, ledger.running, ledger.running_at, ledger.allocation, ledger.ranked = snapshot, None, None, None, None
+            return ledger
+        self._settle()
+        n = len(ids)
+        received, active = self._received, self._active
+        # A job not in a dictionary counts 0 s; it enters it when recorded (as before the ledger).
+        ledger = self._ledger = _Ledger(
+            snapshot, ids, {j: i for i, j in enumerate(ids)},
+            np.fromiter((received.get(j, 0.0) for j in ids), dtype=float, count=n),
+            np.fromiter((active.get(j, 0.0) for j in ids), dtype=float, count=n),
+            np.fromiter((j in received for j in ids), dtype=bool, count=n),
+            False,
+        )
+        return ledger
 
     def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
         if snapshot.job_columns() is not None:
             return self._choose_columns(snapshot, allocation)
+        received, active = self.received, self.active
         free = snapshot.capacity.gpus
         candidates = []
         for job in snapshot.jobs:
             share = allocation.gpu_share.get(job.job_id, 0.0)
             if share <= 0.0:
                 continue
-            got = self.received.get(job.job_id, 0.0)
-            seen = self.active.get(job.job_id, 0.0)
+            got = received.get(job.job_id, 0.0)
+            seen = active.get(job.job_id, 0.0)
             fraction = got / seen if seen > 0 else 0.0
             priority = np.inf if fraction <= 0 else share / fraction
             full = share >= 1.0 - 1e-9
@@ -79,26 +147,30 @@ class RoundPlanner:
 
     def _choose_columns(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
         """`choose` on the snapshot's columns: the same order (full shares first, then by lag,
-        share, age, id) from one sort instead of a tuple per job."""
+        share, age, id) from one sort instead of a tuple per job. What depends on the
+        allocation alone is kept while it is the same (every round until the next decision)."""
         jobs = snapshot.jobs
         n = len(jobs)
         if n == 0:
             return ()
-        gs, received, active = allocation.gpu_share, self.received, self.active
-        share = np.fromiter((gs.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
-        got = np.fromiter((received.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
-        seen = np.fromiter((active.get(j.job_id, 0.0) for j in jobs), dtype=float, count=n)
+        ledger = self._ledger_for(snapshot)
+        if ledger.allocation is not allocation:
+            gs = allocation.gpu_share
+            share = np.fromiter((gs.get(j, 0.0) for j in ledger.ids), dtype=float, count=n)
+            cand = np.flatnonzero(share > 0.0)
+            submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
+            ids = [jobs[i].job_id for i in cand.tolist()]
+            id_rank = np.empty(cand.size, dtype=np.int64)
+            id_rank[np.array(sorted(range(cand.size), key=ids.__getitem__), dtype=np.int64)] = np.arange(cand.size)
+            not_full = share[cand] < 1.0 - 1e-9
+            ledger.allocation, ledger.ranked = allocation, (share, cand, submit, ids, id_rank, not_full)
+        share, cand, submit, ids, id_rank, not_full = ledger.ranked
+        if cand.size == 0:
+            return ()
+        got, seen = ledger.got, ledger.seen
         with np.errstate(divide="ignore", invalid="ignore"):
             fraction = np.where(seen > 0, got / np.where(seen > 0, seen, 1.0), 0.0)
             priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
-        cand = np.flatnonzero(share > 0.0)
-        if cand.size == 0:
-            return ()
-        submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
-        ids = [jobs[i].job_id for i in cand.tolist()]
-        id_rank = np.empty(cand.size, dtype=np.int64)
-        id_rank[np.array(sorted(range(cand.size), key=ids.__getitem__), dtype=np.int64)] = np.arange(cand.size)
-        not_full = share[cand] < 1.0 - 1e-9
         order = np.lexsort((id_rank, submit, -share[cand], -priority[cand], not_full))
         free = snapshot.capacity.gpus
         gpus = snapshot.columns.gpus
@@ -111,15 +183,27 @@ class RoundPlanner:
         return tuple(chosen)
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
-        live = {j.job_id for j in snapshot.jobs}
-        for job_id in live:
-            self.active[job_id] = self.active.get(job_id, 0.0) + seconds
-        for job_id in running:
-            self.received[job_id] = self.received.get(job_id, 0.0) + seconds
+        ledger = self._ledger_for(snapshot)
+        ledger.seen_known = True
+        ledger.seen += seconds
+        if ledger.running is not running:
+            index = ledger.index
+            ledger.running = running
+            ledger.running_at = np.fromiter((index.get(j, -1) for j in running), dtype=np.int64, count=len(running))
+        at = ledger.running_at
+        if at.size and at.min() < 0:
+            # Jobs not in the snapshot: straight into the dictionaries.
+            for job_id, i in zip(running, at.tolist()):
+                if i < 0:
+                    self._received[job_id] = self._received.get(job_id, 0.0) + seconds
+            at = at[at >= 0]
+        ledger.got[at] += seconds
+        ledger.got_known[at] = True
 
     def forget(self, job_id: str) -> None:
-        self.received.pop(job_id, None)
-        self.active.pop(job_id, None)
+        self._settle()
+        self._received.pop(job_id, None)
+        self._active.pop(job_id, None)
 
 
 def io_caps_for_round(allocation: Allocation, running: tuple[str, ...], total_io: float) -> dict[str, float] | None:

@@ -224,6 +224,8 @@ class Simulator:
             chunks = max(1, int(config.resolution), self._curriculum_chunks(trace, name, starts.get(name)))
             self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
+        self._dataset_views: dict[str, DatasetView] = {}  # with cached bytes, kept while they stay the same (_snapshot)
+        self._expanded: set[str] = set()  # datasets cached preprocessed now (_apply_autocache)
 
     # ------------------------------------------------------------------ helpers
     def _curriculum_chunks(self, trace: Trace, name: str, start: float | None) -> int:
@@ -241,55 +243,77 @@ class Simulator:
 
         A job's JobView is kept between decisions and rebuilt only when what the policy sees of
         it changed (a queued job's view stays the same until it runs): building ~300 frozen
-        views per decision was the largest single cost of a Fig. 12 run."""
+        views per decision was the largest single cost of a Fig. 12 run. Likewise a dataset's
+        view is kept while its cached bytes stay the same."""
         measured = self.core.estimator.manages_storage
         told = self.config.partition
         cache = self.cache
-        n = len(active)
         views: list[JobView] = []
-        ideal = np.empty(n)
-        remaining = np.empty(n)
-        running = np.empty(n, dtype=bool)
-        gpus = np.empty(n)
-        hits = np.empty(n) if measured and n else None
+        ids: list[str] = []
+        names: list[str] = []
+        ideal: list[float] = []
+        remaining: list[float] = []
+        running: list[bool] = []
+        gpus: list[int] = []
+        hits: list[float] = []
         all_regular = True
-        for i, j in enumerate(active):
+        for j in active:
             f = j.gpu_ideal if j.fstar is None else j.fstar.estimate
             rem = j.total_bytes - j.consumed
             if rem < 0.0:
                 rem = 0.0
-            hit = j.hit_ratio_now(cache) if measured else None
+            hit = 1.0 - j.miss_ratio(cache) if measured else None  # SimJob.hit_ratio_now
             view = j.view
             if view is None or view.remaining_bytes != rem or view.running != j.running or view.hit_ratio_now != hit or view.ideal_throughput != f:
                 access = j.trace.access if told else _EPOCH
                 view = j.view = JobView(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running,
                                         hit_ratio_now=hit, access=access, pipeline=j.trace.pipeline)
             views.append(view)
-            ideal[i] = f
-            remaining[i] = rem
-            running[i] = j.running
-            gpus[i] = view.gpus
-            if hits is not None:
-                hits[i] = hit
-            if all_regular and not view.access.regular:
+            ids.append(view.job_id)
+            names.append(view.dataset)
+            ideal.append(f)
+            remaining.append(rem)
+            running.append(j.running)
+            gpus.append(view.gpus)
+            hits.append(hit)
+            if all_regular and told and not j.regular:
                 all_regular = False
         jobs = tuple(views)
-        needed = {j.dataset.name for j in active}
+        needed = set(names)
         if measured:
             cached = cache.cached_bytes()
-            dviews = {n: DatasetView(n, self.datasets[n].size, cached.get(n, 0.0)) for n in needed}
+            kept = self._dataset_views
+            dviews = {}
+            for n in needed:
+                c = cached.get(n, 0.0)
+                dv = kept.get(n)
+                if dv is None or dv.cached != c:
+                    dv = kept[n] = DatasetView(n, self.datasets[n].size, c)
+                dviews[n] = dv
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
-        columns = JobColumns(jobs, gpus, ideal, remaining, running, hits, all_regular)
+        columns = JobColumns(jobs, np.array(gpus, dtype=float), np.array(ideal, dtype=float), np.array(remaining, dtype=float),
+                             np.array(running, dtype=bool), np.array(hits, dtype=float) if measured and active else None, all_regular,
+                             tuple(ids), tuple(names))
         return Snapshot(now, jobs, dviews, self.capacity, columns)
+
+    def _apply_autocache(self, autocache) -> None:
+        """The plan's autocaching choice, for the datasets whose mode can change: those it
+        caches preprocessed and those cached so until now (every other dataset stays at
+        expansion 1). Handing the cache system all of a trace's datasets at every plan cost
+        6% of a Fig. 12 run."""
+        names = set(autocache) | self._expanded
+        datasets = self.datasets
+        self.cache.apply_autocache(autocache, {n: datasets[n] for n in sorted(names & datasets.keys(), key=lambda n: datasets[n].index)})
+        self._expanded = {n for n in names if n in datasets and datasets[n].expansion != 1.0}
 
     def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
         """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
         if not active:
             return
         ref = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
-        for job, r in zip(active, ref, strict=True):
-            job.reference = float(r)
+        for job, r in zip(active, ref.tolist(), strict=True):
+            job.reference = r
 
     def _step_limit(self, running: list[SimJob], st: StepState, caps: dict[str, float], last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)
@@ -319,7 +343,7 @@ class Simulator:
         limit = np.inf
         # Autocaching: a preprocessed reader's CPU cost follows m, so its m matters even on a
         # link that could serve everyone.
-        if sum(j.ideal for j in running) > link or any(j.dataset.expansion != 1.0 for j in running):
+        if sum(st.ideal.tolist()) > link or (self._expanded and any(j.dataset.expansion != 1.0 for j in running)):
             tol = self.config.demand_tolerance
             n = len(running)
             moves = np.fromiter((self.cache.moves_under(j) for j in running), dtype=bool, count=n)
@@ -376,6 +400,8 @@ class Simulator:
         steps = 0
         last_dt: float | None = None
         self._static = None  # the running jobs' static columns (_step_state)
+        self._by_id: dict[str, SimJob] = {}  # the active jobs by id
+        time_shared = False
         self._static_layout = -1
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
         next_sample = 0.0
@@ -395,6 +421,7 @@ class Simulator:
                 self.cache.register(job)
                 job.start_epoch_view(self.cache)
                 active.append(job)
+                self._by_id[job.job_id] = job
                 next_arrival += 1
                 need_decision = True
             if not active:
@@ -408,7 +435,7 @@ class Simulator:
                     running = []
                     round_end = -np.inf
                     part = plan.allocation.partition
-                    self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
+                    self._apply_autocache(plan.allocation.autocache)
                     self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
                     need_decision = False
                 now = pending[next_arrival].submit_time
@@ -440,12 +467,13 @@ class Simulator:
                 self._references(snapshot, active)
                 for job in active:
                     job.share = allocation.gpu_share.get(job.job_id, 0.0)
-            time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
+                # Shares change only here (and finished jobs only leave).
+                time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
             if need_decision or now >= round_end - 1e-9:
                 # Who holds GPUs changes only at round boundaries (and when the jobs change).
                 plan = self.core.plan_round(snapshot, allocation)
                 round_end = now + cfg.round_s if time_shared else np.inf
-                by_id = {j.job_id: j for j in active}
+                by_id = self._by_id
                 chosen = [by_id[i] for i in plan.running]
                 chosen_ids = set(plan.running)
                 for job in running:
@@ -461,7 +489,7 @@ class Simulator:
                     self._static = None  # the static columns hold while the same jobs run (cores: _step_state)
                 running = chosen
                 part = plan.allocation.partition
-                self.cache.apply_autocache(plan.allocation.autocache, self.datasets)
+                self._apply_autocache(plan.allocation.autocache)
                 self.cache.apply_plan(plan.cache, running, self.datasets, now, part.lru_datasets if part is not None else frozenset())
             need_decision = False
 
@@ -528,7 +556,7 @@ class Simulator:
                 job.drift_t = DRIFT_MEMORY * job.drift_t + dt
                 step_bytes += res.bytes_read
                 step_remote += res.remote_bytes
-                if not job.trace.access.regular:
+                if not job.regular:
                     step_remote_irregular += res.remote_bytes
                 if res.finished_at is not None:
                     job.finish_time = res.finished_at
@@ -564,6 +592,7 @@ class Simulator:
                 self._static = None
             for job in finished:
                 active.remove(job)
+                del self._by_id[job.job_id]
                 running.remove(job)
                 job.running = False
                 self.cache.unregister(job)
@@ -577,6 +606,8 @@ class Simulator:
                               math.nan if job.fstar is None else job.fstar.estimate)
                 )
                 need_decision = True
+            if finished:
+                time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
             now += dt
             if self.progress is not None:
                 self.progress(min(done_work / total_work, 1.0) if total_work > 0 else 1.0)
@@ -656,30 +687,23 @@ class Simulator:
         if static is None or len(static[0]) != n:
             self._static_layout = self.cache.layout_version
             cache = self.cache
-            curriculum = np.fromiter((j.pacing is not None for j in running), dtype=bool, count=n)
-            static = self._static = (
-                [j.job_id for j in running],
-                np.fromiter((j.dataset.n_chunks for j in running), dtype=float, count=n),
-                np.fromiter((j.dataset.chunk_size for j in running), dtype=float, count=n),
-                np.fromiter((j.total_bytes for j in running), dtype=float, count=n),
-                np.fromiter((j.ideal for j in running), dtype=float, count=n),
-                np.fromiter((j.gpu_ideal for j in running), dtype=float, count=n),
-                np.fromiter((math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate for j in running),
-                            dtype=float, count=n),
-                curriculum,
-                curriculum | np.fromiter((cache.volatile_for(j) for j in running), dtype=bool, count=n),
-            )
-        return StepState(*static,
-                         np.fromiter((j.looked for j in running), dtype=float, count=n),
-                         np.fromiter((j.unread_expected(v) for j, v in zip(running, static[8].tolist())), dtype=float, count=n),
-                         np.fromiter((j.unread_cached for j in running), dtype=float, count=n),
-                         np.fromiter((j.consumed for j in running), dtype=float, count=n),
-                         np.fromiter((j.pos for j in running), dtype=float, count=n))
+            # One pass over the jobs: (k, chunk, total, ideal, gpu_ideal, cpu bound, curriculum, volatile).
+            rows = np.array([(j.dataset.n_chunks, j.dataset.chunk_size, j.total_bytes, j.ideal, j.gpu_ideal,
+                              math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate,
+                              j.pacing is not None, cache.volatile_for(j)) for j in running], dtype=float).reshape(n, 8).T.copy()
+            curriculum = rows[6] != 0.0
+            static = self._static = ([j.job_id for j in running], rows[0], rows[1], rows[2], rows[3], rows[4], rows[5],
+                                     curriculum, curriculum | (rows[7] != 0.0))
+        # One pass over the jobs (unread_expected syncs a job's expectation; the rest are reads).
+        rows = np.array([(j.looked, j.unread_expected(v), j.unread_cached, j.consumed, j.pos)
+                         for j, v in zip(running, static[8].tolist())], dtype=float).reshape(n, 5).T.copy()
+        return StepState(*static, rows[0], rows[1], rows[2], rows[3], rows[4])
 
-    @staticmethod
-    def _preprocessed(running: list[SimJob]) -> list[int]:
+    def _preprocessed(self, running: list[SimJob]) -> list[int]:
         """Positions of the running jobs whose dataset's cache holds preprocessed data
         (autocaching): their rate without IO limits depends on their miss ratio."""
+        if not self._expanded:
+            return []
         return [i for i, j in enumerate(running) if j.dataset.expansion != 1.0]
 
     @staticmethod

@@ -89,11 +89,13 @@ class SimJob:
     drift_m: float = 0.0  # decayed sum of the share of its unread chunks others moved, per step (engine._step_limit)
     drift_t: float = 0.0  # decayed sum of those steps' seconds (0: never measured)
     view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
+    regular: bool = field(init=False)  # reads as `epoch` (trace.access.regular, asked at every step)
 
     def __post_init__(self) -> None:
         if self.gpu_ideal is None:
             self.gpu_ideal = self.ideal
         self.job_id = self.trace.job_id
+        self.regular = self.trace.access.regular
         self.perm = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask = np.zeros(self.dataset.n_chunks, dtype=bool)
 

@@ -48,8 +48,9 @@ def test_halving_the_step_bound_moves_no_jct_by_one_percent(case):
 
 #: MEASURED GAP: five jobs on one LRU (five-lru-alluxio): the fastest job's mean JCT over 24
 #: seeds is 1,661 / 1,562 / 1,616 / 1,582 s at 128 / 256 / 512 / 1,000 chunks (item level
-#: 1,565 s): chunk-level LRU order moves it by a few percent either way, so that case (run at
-#: 256 chunks) is held to 5% when doubled. Every other case: 1%.
+#: 1,565 s): chunk-level LRU order moves it by a few percent either way, so that case (256
+#: chunks at the default --resolution 128, AlluxioLRUCache.resolution_factor) is held to 5% when
+#: doubled. Every other case: 1%.
 RESOLUTION_TOLERANCE = {"five-lru-alluxio": 0.05}
 
 

@@ -35,8 +35,9 @@ class Case:
     cache: float
     link: float
     system: str
-    #: Where the per-run spread is large (several jobs on one LRU: about 1/sqrt(chunks) of the
-    #: hit ratio) a case runs finer and over more seeds; see MEASURED GAPS below.
+    #: `--resolution` (the CLI's default; Alluxio's LRU holds twice as many chunks per dataset,
+    #: AlluxioLRUCache.resolution_factor). Where the per-run spread is large (several jobs on
+    #: one LRU: about 1/sqrt(chunks) of the hit ratio) a case runs over more seeds.
     resolution: int = 128
     seeds: int = SEEDS
 
@@ -72,7 +73,7 @@ CASES = [
     # fast reader's miss ratio moves within a step as the others' misses evict its chunks.
     Case("five-lru-alluxio", (job("a", "d1", 300, 3.0), job("b", "d2", 200, 3.0, submit=50.0), job("c", "d1", 100, 3.0, submit=100.0),
                               job("d", "d2", 50, 3.0, submit=150.0), job("e", "d1", 25, 3.0, submit=200.0)),
-         {"d1": 30 * GB, "d2": 30 * GB}, 5, 40 * GB, 50 * MB, "alluxio", resolution=256, seeds=8),
+         {"d1": 30 * GB, "d2": 30 * GB}, 5, 40 * GB, 50 * MB, "alluxio", seeds=8),
     # Two GPUs, a 2-GPU job holds them; the second waits (FIFO gang scheduling) and then runs.
     Case("gang-wait-alluxio", (job("a", "d1", 100, 2.0, gpus=2), job("b", "d2", 100, 2.0, submit=100.0)),
          {"d1": 50 * GB, "d2": 50 * GB}, 2, 40 * GB, 50 * MB, "alluxio"),
@@ -106,10 +107,10 @@ def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
     return jct, hits
 
 
-#: MEASURED GAPS, not tuning knobs. five-lru-alluxio runs at 256 chunks over 8 seeds: at the
-#: default 128 its fastest job is 6% slower than at 256 or 1,000 chunks and item level (mean
-#: over 24 seeds 1,661 s against 1,562 / 1,582 s; item level 1,565 s), with a per-run spread of 9%; see
-#: docs/simulator.md. And: with three jobs of different speeds on one LRU cache the
+#: MEASURED GAPS, not tuning knobs. five-lru-alluxio runs with the defaults over 8 seeds (per-run
+#: spread 9%). Alluxio's datasets are 256 chunks at the default --resolution 128: at 128 chunks
+#: its fastest job was 6% slower than item level (mean over 24 seeds 1,661 s, item level 1,565
+#: s), at 256 chunks 1,562 s; see docs/simulator.md. And: with three jobs of different speeds on one LRU cache the
 #: slowest job's second epoch hits 3-4 points less in the simulator than item by item (at any
 #: resolution, 128 to 1,000 chunks, and any interleaving grain); JCT agrees within 3%. Every
 #: other case is held to the issue's 3 points. See README, "How close is the simulator".

@@ -33,7 +33,7 @@ from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Sn
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.diagnosis import bound_labels, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.types import SimDataset
-from scheduler.sim.reader import DEMAND_CHANGE, SimJob, StepResult, advance
+from scheduler.sim.reader import DEMAND_CHANGE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -58,7 +58,7 @@ DRIFT_MEMORY = 0.5
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     round_s: float = 360.0
-    resolution: int = 128  # chunks per dataset; higher is closer to item level and slower
+    resolution: int = 128  # chunks per dataset (x the cache system's resolution_factor); higher is closer to item level and slower
     gpu_speed: float = 1.0  # multiplies every job's f*
     seed: int = 0
     timeline_interval_s: float = 3600.0
@@ -221,7 +221,7 @@ class Simulator:
             if j.access.curriculum is not None:
                 starts[j.dataset] = min(starts.get(j.dataset, 1.0), j.access.curriculum.starting_percent)
         for name, size in trace.dataset_sizes.items():
-            chunks = max(1, int(config.resolution), self._curriculum_chunks(trace, name, starts.get(name)))
+            chunks = max(1, int(config.resolution) * self.cache.resolution_factor, self._curriculum_chunks(trace, name, starts.get(name)))
             self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
         self._dataset_views: dict[str, DatasetView] = {}  # with cached bytes, kept while they stay the same (_snapshot)
@@ -533,7 +533,7 @@ class Simulator:
             step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
             if self.cache.volatile and len(running) >= 2:
-                results = self._advance_all(running, now, dt, caps)
+                results = self._advance_all(running, st, m, caps_arr, now, dt, pre)
             else:
                 results = self._advance_vector(running, st, m, caps_arr, now, dt, pre)
             if watch:
@@ -627,14 +627,24 @@ class Simulator:
             unfinished=[j.job_id for j in active],
         )
 
-    def _advance_all(self, running: list[SimJob], now: float, dt: float, caps: dict[str, float]):
+    def _advance_all(self, running: list[SimJob], st: StepState, m0: np.ndarray, caps_arr: np.ndarray, now: float, dt: float,
+                     pre: list[int] = ()):
         """Advance every running job through the step. Where the cached set moves at every
         miss (LRU), jobs advance interleaved in time, sub-step by sub-step, earliest first, so
-        that which chunk is least recently used follows the real order of accesses."""
+        that which chunk is least recently used follows the real order of accesses.
+
+        Every job's first sub-step starts at the step's start, so those are taken first, in
+        the order of `running`; most jobs on a contended link read less than a sub-step in a
+        step, and those are done at once on the columns (`_advance_vector` with
+        `first_substep`, exactly what `advance(substeps=1)` does). Only the jobs with step
+        left go on through the clock, earliest first."""
+        caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
         if not self.cache.volatile or len(running) < 2:
             return [(job, advance(job, now, dt, caps[job.job_id], self.cache)) for job in running]
-        results = {job.job_id: StepResult() for job in running}
-        clock = [(0.0, i) for i in range(len(running))]
+        first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True)
+        results = {job.job_id: res for job, res in first}
+        clock = [(res.elapsed, i) for i, (job, res) in enumerate(first)
+                 if res.finished_at is None and dt - res.elapsed > 1e-9 * max(dt, 1.0) and res.elapsed > 0]
         heapq.heapify(clock)
         while clock:
             t, i = heapq.heappop(clock)
@@ -750,13 +760,18 @@ class Simulator:
         return float(seconds.min())
 
     def _advance_vector(self, running: list[SimJob], st, m0: np.ndarray, caps: np.ndarray, now: float, dt: float,
-                        pre: list[int] = ()):
+                        pre: list[int] = (), first_substep: bool = False):
         """`advance` for every running job at once where a step is one stretch of one epoch at
         one miss ratio (uniform caches: the common case), the per-job `advance` elsewhere (an
         epoch boundary inside the step, a volatile cache, curriculum reads). Jobs are taken in
         order and a job whose count of cached unread chunks was moved by an earlier job's
         admissions in this step is advanced by `advance` too, so the result is exactly the
-        per-job loop's."""
+        per-job loop's.
+
+        `first_substep` (interleaved LRU readers, `_advance_all`): each job's first sub-step
+        only, `advance(substeps=1)`: a volatile job's stretch also ends where its sub-step does
+        (VOLATILE_SUBSTEP of an epoch), and a job that needs more than one is left to the
+        per-job `advance` with its elapsed time (less than `dt`)."""
         cache = self.cache
         n = len(running)
         k, s, ideal = st.k, st.chunk, st.ideal
@@ -768,16 +783,19 @@ class Simulator:
             rate = np.where(m == 0.0, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
             x_need = p + (st.total - st.consumed) / s
             x = np.minimum(np.minimum(p + rate * dt / s, x_need), k)
+            if first_substep:  # advance's `reach`: a volatile job's sub-step, a whole epoch for the others
+                x = np.minimum(x, np.floor(p + 1e-9) + np.where(st.scalar, np.maximum(1.0, np.floor(k * VOLATILE_SUBSTEP)), k))
             finishing = x >= x_need - 1e-9
             last = np.minimum(k, np.ceil(x - np.where(finishing, 1e-12, 1e-9)))
             done = (x - p) * s
             missed = m * done
             t = done / rate
         tol = 1e-9 * max(dt, 1.0)
-        scalar = st.scalar
+        scalar = st.curriculum.copy() if first_substep else st.scalar
         if pre:  # preprocessed readers' rate follows their miss ratio: the per-job advance
             scalar = scalar.copy()
             scalar[pre] = True
+        substeps = 1 if first_substep else None
         simple = ~scalar & (left > 0) & (p < k - 1e-9) & (rate > 0) & (x > p) & (finishing | ~(dt - t > tol))
         stalled = ~scalar & (left > 0) & (p < k - 1e-9) & ((rate <= 0) | (x <= p))
         simple_l, stalled_l = simple.tolist(), stalled.tolist()
@@ -790,7 +808,7 @@ class Simulator:
                 out.append((job, StepResult(elapsed=dt)))
                 continue
             if not simple_l[i] or job.unread_cached != unread_l[i]:
-                out.append((job, advance(job, now, dt, float(caps[i]), cache)))
+                out.append((job, advance(job, now, dt, float(caps[i]), cache, substeps)))
                 continue
             res = StepResult()
             lo, hi = looked_l[i], last_l[i]

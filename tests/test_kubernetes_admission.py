@@ -156,6 +156,10 @@ def test_preemption_suspends_and_readmission_resumes_without_deleting_pods(clust
     job = cluster.obj("jobs", "alice", "long", group="batch")
     assert job["spec"]["suspend"] is True
     cluster.wait(lambda: not cluster.pods_of("alice", "long"), what="the Job controller to remove the pods")
+    # silod re-admits only once the Job's status counts no active pod (the controller writes that
+    # after the pods are gone; until then start() defers to the next poll).
+    cluster.wait(lambda: not (cluster.obj("jobs", "alice", "long", group="batch").get("status") or {}).get("active"),
+                 what="the Job controller to count no active pod")
     # The Job controller keeps startTime on suspension (Kubernetes <= 1.35): silod clears it
     # through the status subresource before it re-admits (tests/test_kubernetes_real.py checks
     # the same against the real API server and Job controller).

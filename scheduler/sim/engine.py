@@ -812,10 +812,14 @@ class Simulator:
                 continue
             res = StepResult()
             lo, hi = looked_l[i], last_l[i]
+            fetched = 0.0
             if hi > lo:
                 hits = cache.access(job, job.perm[lo:hi])
                 job.looked_up(int(np.count_nonzero(hits)), lo, hi)
                 job.looked = hi
+                fetched = job.fetched(hits)
+            if fin_l[i]:
+                fetched -= job.unread_tail(x_l[i])
             done, missed = done_l[i], missed_l[i]
             job.consumed += done
             job.remote_bytes += missed
@@ -823,7 +827,7 @@ class Simulator:
             job.epoch_read += done
             job.epoch_remote += missed
             res.bytes_read = done
-            res.remote_bytes = missed
+            res.remote_bytes = fetched
             job.pos = x_l[i]
             if fin_l[i] or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
                 job.consumed = job.total_bytes

@@ -1077,9 +1077,10 @@ def experiment_stagger(runner: ExperimentRunner, out: Path, capacity: ClusterCap
     headline = []
     for system, ys in table.items():
         best = int(np.argmin(ys))
+        lo, hi = f"{min(remote[system]) / GB:.0f}", f"{max(remote[system]) / GB:.0f}"
         headline.append((f"SiloD model, {system}: makespan at 0% / best stagger / 100%",
                          f"{ys[0] / 60:.0f} / {ys[best] / 60:.0f} min at {STAGGER_STEPS[best]}% / {ys[-1] / 60:.0f} min; "
-                         f"remote bytes {min(remote[system]) / GB:.0f}-{max(remote[system]) / GB:.0f} GB at every stagger"))
+                         f"remote bytes {lo if lo == hi else f'{lo}-{hi}'} GB at every stagger"))
     best = int(np.argmin(measured))
     headline.append(("paper's setting (simulated): makespan at 0% / best / 100%",
                      f"{measured[0]:.0f} / {measured[best]:.0f} s at {STAGGER_STEPS[best]}% / {measured[-1]:.0f} s"))

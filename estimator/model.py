@@ -30,35 +30,48 @@ Number = float | np.ndarray
 
 def _as_array(value: ArrayLike, name: str, *, positive: bool = False) -> np.ndarray:
     arr = np.asarray(value, dtype=float)
+    # One pass on the good path (NaN fails both comparisons); the errors are told apart after.
+    if (arr > 0).all() if positive else (arr >= 0).all():
+        return arr
     if np.isnan(arr).any():
         raise ValueError(f"{name} is NaN; give a number of bytes (or bytes/s)")
     if (arr < 0).any():
         bad = arr[arr < 0].flat[0]
         raise ValueError(f"{name} = {bad!r} is negative; sizes and rates must be >= 0")
-    if positive and (arr <= 0).any():
-        raise ValueError(f"{name} must be > 0 (got {arr[arr <= 0].flat[0]!r}); an empty dataset has no throughput model")
-    return arr
+    raise ValueError(f"{name} must be > 0 (got {arr[arr <= 0].flat[0]!r}); an empty dataset has no throughput model")
 
 
 def _out(result: np.ndarray) -> Number:
     return float(result) if result.ndim == 0 else result
 
 
+# The formulas on inputs already checked by _as_array (the `_k` kernels): the public functions
+# check and call them, and callers that evaluate the model many times on the same inputs
+# (estimator/pipeline.py's diagnose) check once.
+
+def _hit_k(c: np.ndarray, d: np.ndarray) -> np.ndarray:
+    return np.minimum(c / d, 1.0)
+
+
+def _io_k(b: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """b / (1 - h), +inf where nothing misses."""
+    miss = 1.0 - h
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss)), dtype=float)
+
+
 def hit_ratio(cache: ArrayLike, dataset_size: ArrayLike) -> Number:
     """Expected hit ratio c/d of uniform caching, clipped to [0, 1]."""
     c = _as_array(cache, "cache")
     d = _as_array(dataset_size, "dataset_size", positive=True)
-    return _out(np.minimum(c / d, 1.0))
+    return _out(_hit_k(c, d))
 
 
 def io_perf(remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike) -> Number:
     """Data-loading throughput b / (1 - c/d) (Eq. 3); +inf once the whole dataset is cached."""
     b = _as_array(remote_io, "remote_io")
     h = np.asarray(hit_ratio(cache, dataset_size))
-    miss = 1.0 - h
-    with np.errstate(divide="ignore", invalid="ignore"):
-        result = np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss))
-    return _out(np.asarray(result, dtype=float))
+    return _out(_io_k(b, h))
 
 
 def silod_perf(ideal: ArrayLike, remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike) -> Number:

@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from estimator.errors import UserError
-from estimator.model import Number, _as_array, _out, hit_ratio, io_perf
+from estimator.model import Number, _as_array, _hit_k, _io_k, _out, hit_ratio
 from estimator.units import parse_rate
 
 #: Preprocessed data per source byte accepted at an autocache point: decoded images are ~6x
@@ -135,23 +135,37 @@ def pipeline_hit_ratio(cache: ArrayLike, dataset_size: ArrayLike, expansion: Arr
     return hit_ratio(cache, e * d)  # the cache holds the preprocessed dataset, e d bytes
 
 
+def _cost_k(r: np.ndarray, p: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """h/p + (1-h)/r on checked inputs (estimator/model.py's kernels)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(np.where(h > 0, h / p, 0.0) + np.where(h < 1, (1.0 - h) / r, 0.0), dtype=float)
+
+
+def _cpu_k(k: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """k / cost, +inf where a byte costs no CPU."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(np.where(cost <= 0, np.inf, k / np.where(cost <= 0, 1.0, cost)), dtype=float)
+
+
+def _perf_k(f: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, k: np.ndarray, r: np.ndarray,
+            e: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """pipeline_perf on checked inputs (p: post_cpu_rate, r where the job caches source bytes)."""
+    h = _hit_k(c, e * d)  # the cache holds the preprocessed dataset, e d bytes
+    return np.minimum(np.minimum(f, _cpu_k(k, _cost_k(r, p, h))), _io_k(b, h))
+
+
 def cpu_seconds_per_byte(cpu_rate: ArrayLike, hit: ArrayLike = 0.0, post_cpu_rate: ArrayLike | None = None) -> Number:
     """Core-seconds one source byte of training input costs: h/p + (1-h)/r (0 when not CPU-bound)."""
     r, p = _rates(cpu_rate, post_cpu_rate)
     h = np.clip(_as_array(hit, "hit"), 0.0, 1.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cost = np.where(h > 0, h / p, 0.0) + np.where(h < 1, (1.0 - h) / r, 0.0)
-    return _out(np.asarray(cost, dtype=float))
+    return _out(_cost_k(r, p, h))
 
 
 def cpu_perf(cores: ArrayLike, cpu_rate: ArrayLike, hit: ArrayLike = 0.0, post_cpu_rate: ArrayLike | None = None) -> Number:
     """Throughput the CPU stage allows with `cores`: k / (h/p + (1-h)/r); +inf when not CPU-bound
     (cost 0) or when cores are unconstrained (inf)."""
     k = _as_array(cores, "cores")
-    cost = np.asarray(cpu_seconds_per_byte(cpu_rate, hit, post_cpu_rate), dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        result = np.where(cost <= 0, np.inf, k / np.where(cost <= 0, 1.0, cost))
-    return _out(np.asarray(result, dtype=float))
+    return _out(_cpu_k(k, np.asarray(cpu_seconds_per_byte(cpu_rate, hit, post_cpu_rate), dtype=float)))
 
 
 def cores_needed(throughput: ArrayLike, cpu_rate: ArrayLike, hit: ArrayLike = 0.0, post_cpu_rate: ArrayLike | None = None) -> Number:
@@ -175,12 +189,10 @@ def pipeline_perf(
 
     With the defaults (unconstrained cores, not CPU-bound, source caching) this is exactly
     `silod_perf` (Eq. 4)."""
-    f = _as_array(ideal, "ideal")
-    h = np.asarray(pipeline_hit_ratio(cache, dataset_size, expansion), dtype=float)
-    d = _as_array(dataset_size, "dataset_size", positive=True)
-    io = np.asarray(io_perf(remote_io, cache, _as_array(expansion, "expansion", positive=True) * d), dtype=float)
-    cpu = np.asarray(cpu_perf(cores, cpu_rate, h, post_cpu_rate), dtype=float)
-    return _out(np.minimum(np.minimum(f, cpu), io))
+    r, p = _rates(cpu_rate, post_cpu_rate)
+    return _out(_perf_k(_as_array(ideal, "ideal"), _as_array(remote_io, "remote_io"), _as_array(cache, "cache"),
+                        _as_array(dataset_size, "dataset_size", positive=True), _as_array(cores, "cores"), r,
+                        _as_array(expansion, "expansion", positive=True), p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,17 +227,16 @@ def diagnose(
 ) -> Diagnosis:
     """Plumber's question for every job at once: which resource bounds it, and the speed-up of
     one more unit of each (a GPU, a core, +10% cache, +10% remote IO)."""
-    f = _as_array(ideal, "ideal")
-    g = _as_array(gpus, "gpus", positive=True)
-    k = _as_array(cores, "cores")
-    c = _as_array(cache, "cache")
-    b = _as_array(remote_io, "remote_io")
-    f, g, b, c, d, k, r, e = np.broadcast_arrays(f, g, b, c, _as_array(dataset_size, "dataset_size", positive=True), k,
-                                                 _as_array(cpu_rate, "cpu_rate"), _as_array(expansion, "expansion", positive=True))
-    p = None if post_cpu_rate is None else np.broadcast_to(_as_array(post_cpu_rate, "post_cpu_rate"), f.shape)
+    # Checked once here; the five evaluations below run the model's kernels on checked arrays
+    # (checking them every time was 4/5 of a one-job diagnosis: 0.8 ms per GET /v1/jobs/{id}).
+    rate, post = _rates(cpu_rate, post_cpu_rate)
+    f, g, b, c, d, k, r, e, p = np.broadcast_arrays(
+        _as_array(ideal, "ideal"), _as_array(gpus, "gpus", positive=True), _as_array(remote_io, "remote_io"),
+        _as_array(cache, "cache"), _as_array(dataset_size, "dataset_size", positive=True), _as_array(cores, "cores"),
+        rate, _as_array(expansion, "expansion", positive=True), post)
 
     def perf(f_=f, b_=b, c_=c, k_=k):
-        return np.asarray(pipeline_perf(f_, b_, c_, d, k_, r, e, p), dtype=float)
+        return _perf_k(f_, b_, c_, d, k_, r, e, p)
 
     now = perf()
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -239,8 +250,7 @@ def diagnose(
         # cap but no cache is labelled remote_io too: +10% of its f* of link, the most it could use).
         s_cache = ratio(perf(c_=c * 1.1))
         s_io = ratio(perf(b_=np.where(b > 0, b * 1.1, 0.1 * f)))
-    h = np.asarray(pipeline_hit_ratio(c, d, e), dtype=float)
-    cpu_bound = np.asarray(cpu_perf(k, r, h, p), dtype=float)
+    cpu_bound = _cpu_k(k, _cost_k(r, p, _hit_k(c, e * d)))
     tol = 1e-9
     bound = np.where(
         now >= f * (1 - tol), "gpu",

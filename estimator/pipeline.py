@@ -147,11 +147,17 @@ def _cpu_k(k: np.ndarray, cost: np.ndarray) -> np.ndarray:
         return np.asarray(np.where(cost <= 0, np.inf, k / np.where(cost <= 0, 1.0, cost)), dtype=float)
 
 
-def _perf_k(f: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, k: np.ndarray, r: np.ndarray,
-            e: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """pipeline_perf on checked inputs (p: post_cpu_rate, r where the job caches source bytes)."""
-    h = _hit_k(c, e * d)  # the cache holds the preprocessed dataset, e d bytes
+def _perf_k(f: np.ndarray, b: np.ndarray, h: np.ndarray, k: np.ndarray, r: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """pipeline_perf on checked inputs, at hit ratio h (p: post_cpu_rate, r where the job
+    caches source bytes)."""
     return np.minimum(np.minimum(f, _cpu_k(k, _cost_k(r, p, h))), _io_k(b, h))
+
+
+def _checked_hit(c: np.ndarray, e: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(e d, c / (e d) clipped): the cache holds the preprocessed dataset, e d bytes. Refuses an
+    e d that underflows to 0 and a NaN ratio (an infinite cache over an infinite dataset)."""
+    ed = _as_array(e * d, "dataset_size", positive=True)
+    return ed, _as_array(_hit_k(c, ed), "hit")
 
 
 def cpu_seconds_per_byte(cpu_rate: ArrayLike, hit: ArrayLike = 0.0, post_cpu_rate: ArrayLike | None = None) -> Number:
@@ -189,10 +195,14 @@ def pipeline_perf(
 
     With the defaults (unconstrained cores, not CPU-bound, source caching) this is exactly
     `silod_perf` (Eq. 4)."""
+    f = _as_array(ideal, "ideal")
+    d = _as_array(dataset_size, "dataset_size", positive=True)
+    e = _as_array(expansion, "expansion", positive=True)
+    _, h = _checked_hit(_as_array(cache, "cache"), e, d)
+    b = _as_array(remote_io, "remote_io")
+    k = _as_array(cores, "cores")
     r, p = _rates(cpu_rate, post_cpu_rate)
-    return _out(_perf_k(_as_array(ideal, "ideal"), _as_array(remote_io, "remote_io"), _as_array(cache, "cache"),
-                        _as_array(dataset_size, "dataset_size", positive=True), _as_array(cores, "cores"), r,
-                        _as_array(expansion, "expansion", positive=True), p))
+    return _out(_perf_k(f, b, h, k, r, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,14 +239,21 @@ def diagnose(
     one more unit of each (a GPU, a core, +10% cache, +10% remote IO)."""
     # Checked once here; the five evaluations below run the model's kernels on checked arrays
     # (checking them every time was 4/5 of a one-job diagnosis: 0.8 ms per GET /v1/jobs/{id}).
+    f = _as_array(ideal, "ideal")
+    g = _as_array(gpus, "gpus", positive=True)
+    if not np.isfinite(g).all():
+        raise ValueError(f"gpus = {float(g[~np.isfinite(g)].flat[0])!r} is not a GPU count; give a whole number of GPUs")
+    k = _as_array(cores, "cores")
+    c = _as_array(cache, "cache")
+    b = _as_array(remote_io, "remote_io")
+    d = _as_array(dataset_size, "dataset_size", positive=True)
+    e = _as_array(expansion, "expansion", positive=True)
     rate, post = _rates(cpu_rate, post_cpu_rate)
-    f, g, b, c, d, k, r, e, p = np.broadcast_arrays(
-        _as_array(ideal, "ideal"), _as_array(gpus, "gpus", positive=True), _as_array(remote_io, "remote_io"),
-        _as_array(cache, "cache"), _as_array(dataset_size, "dataset_size", positive=True), _as_array(cores, "cores"),
-        rate, _as_array(expansion, "expansion", positive=True), post)
+    f, g, b, c, d, k, r, e, p = np.broadcast_arrays(f, g, b, c, d, k, rate, e, post)
+    ed, h = _checked_hit(c, e, d)
 
     def perf(f_=f, b_=b, c_=c, k_=k):
-        return _perf_k(f_, b_, c_, d, k_, r, e, p)
+        return _perf_k(f_, b_, h if c_ is c else _hit_k(c_, ed), k_, r, p)
 
     now = perf()
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -250,7 +267,7 @@ def diagnose(
         # cap but no cache is labelled remote_io too: +10% of its f* of link, the most it could use).
         s_cache = ratio(perf(c_=c * 1.1))
         s_io = ratio(perf(b_=np.where(b > 0, b * 1.1, 0.1 * f)))
-    cpu_bound = _cpu_k(k, _cost_k(r, p, _hit_k(c, e * d)))
+    cpu_bound = _cpu_k(k, _cost_k(r, p, h))
     tol = 1e-9
     bound = np.where(
         now >= f * (1 - tol), "gpu",

@@ -113,3 +113,18 @@ def test_autocache_choice_hand_computed():
     assert choose_autocache(cache=[60 * GB], **{**args, "remote_io": [20 * MB]}).tolist() == [False]
     # A job without an autocache point: both modes equal, source kept.
     assert choose_autocache(cache=[300 * GB], **{**args, "expansion": [1.0], "post_cpu_rate": [35 * MB]}).tolist() == [False]
+
+
+@pytest.mark.parametrize("call,name", [
+    # An infinite cache over an infinite dataset has no hit ratio (inf / inf).
+    (lambda: pipeline_perf(100.0, 10.0, np.inf, np.inf), "hit"),
+    (lambda: diagnose(100.0, 1, 10.0, np.inf, np.inf), "hit"),
+    # expansion x dataset_size underflowing to 0 is an empty dataset, as it was before the
+    # checks moved out of the model's kernels.
+    (lambda: pipeline_perf(100.0, 10.0, 1.0, 1e-200, expansion=1e-200), "dataset_size"),
+    (lambda: diagnose(100.0, 1, 10.0, 1.0, 1e-200, expansion=1e-200), "dataset_size"),
+    (lambda: diagnose(100.0, np.inf, 10.0, 1.0, 1000.0), "gpus"),
+])
+def test_degenerate_inputs_are_refused_not_answered_with_nan(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

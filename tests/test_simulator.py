@@ -61,16 +61,37 @@ def test_whole_dataset_cached_reads_nothing_remote_after_epoch_one():
 
 @pytest.mark.parametrize("system", ["silod", "alluxio"])
 @pytest.mark.parametrize("seed", range(6))
-def test_two_readers_of_a_dataset_that_fits_fetch_it_exactly_once(system, seed):
-    # Two jobs start together on one 100 GB dataset, a 200 GB cache, a 50 MB/s link: every chunk
-    # is fetched by whichever reader reaches it first and then served to both, so remote bytes
-    # are 100 GB exactly. The second job stops 0.3 of a chunk into its last one (2.5 epochs):
-    # the part of a fetched chunk it never reads is not counted. (Summing the jobs' expected
-    # misses gave 96.9-100.4 GB over these seeds; per job they stay expected misses.)
-    jobs = [one_job(job_id="a"), one_job(job_id="b", epochs=2.5 + 0.7 / 256)]
+@pytest.mark.parametrize("epochs", [(3.0, 2.5 + 0.7 / 128), (1.0, 0.5 + 0.3 / 128)])
+def test_two_readers_of_a_dataset_that_fits_fetch_it_exactly_once(system, seed, epochs):
+    # Two jobs start together on one 100 GB dataset (128 chunks), a 200 GB cache, a 50 MB/s
+    # link: every chunk is fetched by whichever reader reaches it first and then served to
+    # both, so remote bytes are 100 GB exactly. The second job stops inside a chunk: if it
+    # fetched that chunk, the cache holds the whole chunk and the first job reads it from there,
+    # so the whole chunk counts once. (Summing the jobs' expected misses gave 96.9-100.4 GB in
+    # the first setting; per job they stay expected misses.)
+    jobs = [one_job(job_id="a", epochs=epochs[0]), one_job(job_id="b", epochs=epochs[1])]
     result = run(jobs, {"ds": 100 * GB}, gpus=2, cache=200 * GB, io=50 * MB, system=system, resolution=128, seed=seed)
     assert result.remote_bytes == pytest.approx(100 * GB, rel=1e-9)
-    assert sum(r.remote_bytes + r.hit_bytes for r in result.jobs) == pytest.approx((5.5 + 0.7 / 256) * 100 * GB, rel=1e-9)
+    assert sum(r.remote_bytes + r.hit_bytes for r in result.jobs) == pytest.approx(sum(epochs) * 100 * GB, rel=1e-9)
+
+
+def test_a_step_never_counts_negative_remote_bytes():
+    # One job on an uncached 10-chunk dataset reads 5.5 chunks over two steps that end inside
+    # chunks: each step counts the chunks it looks up, never less than zero, and the total is
+    # the 6 chunks fetched (the last one whole: a fetch is a chunk's worth of items here).
+    from scheduler.sim.cache_systems import SiloDCache
+    from scheduler.sim.reader import SimJob, advance
+    from scheduler.sim.types import SimDataset
+
+    ds = SimDataset("ds", 10 * GB, 10, 0)
+    cache = SiloDCache(0.0, 1, 0)
+    job = SimJob(one_job(epochs=0.55), ds, 100 * MB, 5.5 * GB, np.random.default_rng(0))
+    cache.register(job)
+    job.start_epoch_view(cache)
+    first = advance(job, 0.0, 53.0, 100 * MB, cache)
+    second = advance(job, 53.0, 100.0, 100 * MB, cache)
+    assert first.remote_bytes == pytest.approx(6 * GB) and second.remote_bytes == 0.0
+    assert second.finished_at == pytest.approx(55.0)
 
 
 def test_quiver_caches_whole_datasets_only():

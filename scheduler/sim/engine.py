@@ -818,8 +818,6 @@ class Simulator:
                 job.looked_up(int(np.count_nonzero(hits)), lo, hi)
                 job.looked = hi
                 fetched = job.fetched(hits)
-            if fin_l[i]:
-                fetched -= job.unread_tail(x_l[i])
             done, missed = done_l[i], missed_l[i]
             job.consumed += done
             job.remote_bytes += missed

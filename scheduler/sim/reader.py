@@ -75,7 +75,6 @@ class SimJob:
     remote_bytes: float = 0.0
     hit_bytes: float = 0.0
     epoch_remote: float = 0.0  # remote bytes in the current epoch
-    tail_missed: bool = False  # the chunk looked up last was fetched (a reader may stop inside it)
     epoch_read: float = 0.0  # bytes read in the current epoch
     epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
     last_rate: float = 0.0  # bytes/s in the last step it ran
@@ -160,25 +159,16 @@ class SimJob:
 
     def fetched(self, hits: np.ndarray) -> float:
         """Bytes fetched from remote storage for the chunks just looked up (`hits`: which were
-        cached): each miss is one whole chunk, read through once, as item by item each missed
-        item is fetched once. This is the link's traffic (StepResult.remote_bytes: the run's
-        remote bytes and timeline). The job's own remote bytes and epoch hit ratios stay its
-        expected misses, like its pace: at 128-256 chunks the chunks one epoch happens to hit
-        scatter 2-3x more than item by item (tests/test_sim_curriculum.py, mixed-alluxio),
-        while summed over readers expected charges miss the chunks fetched by -4..+5% seed to
-        seed (two readers of a dataset that fits the cache; tests/test_simulator.py)."""
-        if not hits.size:
-            return 0.0
-        self.tail_missed = not bool(hits[-1])
+        cached): each miss is one whole chunk, counted when it is looked up. This is the link's
+        traffic (StepResult.remote_bytes: the run's remote bytes and timeline), and it agrees
+        with the cache: every chunk a cache holds was fetched once. A job that stops inside a
+        fetched chunk is counted the whole chunk, as the cache holds all of it for the next
+        reader. The job's own remote bytes and epoch hit ratios stay its expected misses, like
+        its pace: at 128-256 chunks the chunks one epoch happens to hit scatter 2-3x more than
+        item by item (tests/test_sim_curriculum.py, mixed-alluxio), while summed over readers
+        expected charges miss the chunks fetched by -4..+5% seed to seed (two readers of a
+        dataset that fits the cache; tests/test_simulator.py)."""
         return float(hits.size - int(np.count_nonzero(hits))) * self.dataset.chunk_size
-
-    def unread_tail(self, x: float) -> float:
-        """Bytes of the last fetched chunk a reader that finishes at position `x` never reads:
-        counted in `fetched`, handed back here (a whole-chunk fetch models a fetch of the items
-        it needs, and the items after its end are never requested)."""
-        if not self.tail_missed:
-            return 0.0
-        return max(math.ceil(x - 1e-12) - x, 0.0) * self.dataset.chunk_size
 
     def looked_up(self, hits: int, before: int, after: int) -> None:
         """The job looked up chunks perm[before:after] itself, `hits` of them cached: its own
@@ -373,8 +363,6 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             job.looked = last
         elif not curriculum:
             fetched = 0.0  # inside a chunk looked up (and counted) before
-        if finishing and not curriculum:
-            fetched -= job.unread_tail(x)
         job.consumed += done
         job.remote_bytes += missed
         job.hit_bytes += done - missed

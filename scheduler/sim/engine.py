@@ -814,10 +814,10 @@ class Simulator:
             lo, hi = looked_l[i], last_l[i]
             fetched = 0.0
             if hi > lo:
-                hits = cache.access(job, job.perm[lo:hi])
-                job.looked_up(int(np.count_nonzero(hits)), lo, hi)
+                n_hits = int(np.count_nonzero(cache.access(job, job.perm[lo:hi])))
+                job.looked_up(n_hits, lo, hi)
                 job.looked = hi
-                fetched = job.fetched(hits)
+                fetched = job.fetched(hi - lo, n_hits)
             done, missed = done_l[i], missed_l[i]
             job.consumed += done
             job.remote_bytes += missed

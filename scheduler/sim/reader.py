@@ -157,9 +157,9 @@ class SimJob:
             self.synced = self.unread_cached
         return self.expected_cached
 
-    def fetched(self, hits: np.ndarray) -> float:
-        """Bytes fetched from remote storage for the chunks just looked up (`hits`: which were
-        cached): each miss is one whole chunk, counted when it is looked up. This is the link's
+    def fetched(self, looked: int, hits: int) -> float:
+        """Bytes fetched from remote storage for the `looked` chunks just looked up, `hits` of
+        them cached: each miss is one whole chunk, counted when it is looked up. This is the link's
         traffic (StepResult.remote_bytes: the run's remote bytes and timeline), and it agrees
         with the cache: every chunk a cache holds was fetched once. A job that stops inside a
         fetched chunk is counted the whole chunk, as the cache holds all of it for the next
@@ -168,7 +168,7 @@ class SimJob:
         item by item (tests/test_sim_curriculum.py, mixed-alluxio), while summed over readers
         expected charges miss the chunks fetched by -4..+5% seed to seed (two readers of a
         dataset that fits the cache; tests/test_simulator.py)."""
-        return float(hits.size - int(np.count_nonzero(hits))) * self.dataset.chunk_size
+        return float(looked - hits) * self.dataset.chunk_size
 
     def looked_up(self, hits: int, before: int, after: int) -> None:
         """The job looked up chunks perm[before:after] itself, `hits` of them cached: its own
@@ -357,9 +357,9 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
                 job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
             else:
                 job.unread_expected(volatile)
-                hits = cache.access(job, job.perm[job.looked:last])
-                job.looked_up(int(np.count_nonzero(hits)), job.looked, last)
-                fetched = job.fetched(hits)
+                n_hits = int(np.count_nonzero(cache.access(job, job.perm[job.looked:last])))
+                job.looked_up(n_hits, job.looked, last)
+                fetched = job.fetched(last - job.looked, n_hits)
             job.looked = last
         elif not curriculum:
             fetched = 0.0  # inside a chunk looked up (and counted) before

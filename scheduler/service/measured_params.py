@@ -95,15 +95,21 @@ def params_of(row: JobMeasurementRow | None, declared_fstar: float, declared_cpu
         row.observed, m.max_observed, m.bound, client, row.client_at, row.updated_at)
 
 
+def client_report_fresh(client_at: float | None, now: float) -> bool:
+    """Whether a client report made at `client_at` still speaks for its job at `now`."""
+    return client_at is not None and now - client_at <= CLIENT_REPORT_TTL_S
+
+
 def planned(declared_fstar: float, declared_cpu: float | None, measured_fstar: float | None,
             measured_cpu: float | None, step_s: float | None, batch_bytes: float | None, client_at: float | None,
             now: float) -> tuple[float, float | None]:
-    """(f*, per-core rate) planning uses, from a job's row columns (the round's hot path: no ORM)."""
+    """(f*, per-core rate) planning uses, from a job's row columns (the round's hot path: no ORM).
+    Depends on `now` only through `client_report_fresh(client_at, now)` (round_jobs.py relies on it)."""
     if measured_fstar is None and step_s is None:
         return declared_fstar, declared_cpu
     fs = FStarEstimate(declared_fstar, declared_fstar)
     est = fs.clip(measured_fstar) if measured_fstar is not None else declared_fstar
-    if step_s and batch_bytes and client_at is not None and now - client_at <= CLIENT_REPORT_TTL_S:
+    if step_s and batch_bytes and client_report_fresh(client_at, now):
         est = min(est, fs.clip(batch_bytes / step_s))
     cpu = declared_cpu
     if declared_cpu is not None and measured_cpu is not None:
@@ -236,4 +242,4 @@ class MeasurementStore:
 
 
 __all__ = ["CLIENT_REPORT_TTL_S", "MAX_BATCH_BYTES", "MAX_STEP_S", "MIN_STEP_S", "MeasuredParams",
-           "MeasurementStore", "Observation", "client_fstar", "io_bound", "params_of", "planned", "state_from_row"]
+           "MeasurementStore", "Observation", "client_fstar", "client_report_fresh", "io_bound", "params_of", "planned", "state_from_row"]

@@ -31,23 +31,29 @@ class TenantJob:
 
 def admit(jobs: Sequence[TenantJob], quotas: Mapping[str, TenantQuota], default: TenantQuota
           ) -> tuple[list[JobView], list[JobView]]:
-    """(admitted, held back), each in the input order."""
-    order = sorted(
-        range(len(jobs)),
-        key=lambda i: (not jobs[i].view.running, -jobs[i].view.priority, jobs[i].view.submit_time, i),
-    )
-    gpus: dict[str, int] = {}
-    count: dict[str, int] = {}
+    """(admitted, held back), each in the input order.
+
+    A tenant's admissions depend only on its own jobs, so each tenant's jobs are ordered on their
+    own (the same order as one sort of all jobs would give them), and a tenant without a GPU or
+    running-jobs limit has every job admitted without ordering any (30,000 jobs each round)."""
+    by_owner: dict[str, list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_owner.setdefault(job.owner, []).append(i)
     held: set[int] = set()
-    for i in order:
-        job = jobs[i]
-        q = quotas.get(job.owner, default)
-        g = gpus.get(job.owner, 0) + job.view.gpus
-        n = count.get(job.owner, 0) + 1
-        if (q.gpus is not None and g > q.gpus) or (q.running_jobs is not None and n > q.running_jobs):
-            held.add(i)
+    for owner, mine in by_owner.items():
+        q = quotas.get(owner, default)
+        if q.gpus is None and q.running_jobs is None:
             continue
-        gpus[job.owner], count[job.owner] = g, n
+        mine.sort(key=lambda i: (not jobs[i].view.running, -jobs[i].view.priority, jobs[i].view.submit_time, i))
+        gpus = count = 0
+        for i in mine:
+            g, n = gpus + jobs[i].view.gpus, count + 1
+            if (q.gpus is not None and g > q.gpus) or (q.running_jobs is not None and n > q.running_jobs):
+                held.add(i)
+                continue
+            gpus, count = g, n
+    if not held:
+        return [j.view for j in jobs], []
     admitted = [j.view for i, j in enumerate(jobs) if i not in held]
     return admitted, [j.view for i, j in enumerate(jobs) if i in held]
 

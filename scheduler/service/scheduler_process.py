@@ -3,7 +3,8 @@ backend (runs jobs) and the data manager (enforces cache and remote IO).
 
 One round, as explicit stages:
   1. events   - apply what the backend reported (progress, bounded by f*; finished, failed);
-  2. snapshot - read the active jobs, their datasets and the quotas in one read transaction;
+  2. snapshot - read the active jobs, their datasets and the quotas in one read transaction
+                (round_jobs.py: a job's view is rebuilt only when its row changed);
                 admit each tenant's jobs within its quota (quota_admission.py);
   3. plan     - `SchedulingCore(policy, SiloDEstimator()).plan(snapshot)` (pure, no I/O);
                 then each tenant's cache within its quota;
@@ -49,7 +50,6 @@ from scheduler.service.storage_push import StoragePush
 from scheduler.service.views import ClusterStatus, ReadViews
 from scheduler.core.planner import RoundPlan, SchedulingCore
 from scheduler.service.db.models import (
-    ACTIVE_STATES,
     AllocationChange,
     Dataset,
     CacheAllocationRow,
@@ -78,9 +78,10 @@ from scheduler.service.types import (  # noqa: F401 - re-exported: callers impor
     access_from_row,
     pipeline_from_row,
 )
-from scheduler.service.quota_admission import TenantJob, admit, clamp_cache
+from scheduler.service.quota_admission import admit, clamp_cache
+from scheduler.service.round_jobs import RoundJobs
 from scheduler.service.round_persistence import Pending, diff_round, read_current, write_round
-from scheduler.service.measured_params import MeasurementStore, Observation, planned
+from scheduler.service.measured_params import MeasurementStore, Observation
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,7 @@ class SchedulerService(ReadViews):
         self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger, workloads=backend)
         self.measurements = MeasurementStore(self.sessions, self._write_lock)
         self._consumed_seen: dict[str, tuple[float, float]] = {}  # job -> (read bytes, time): node agents' rate
+        self._round_jobs = RoundJobs()  # the active jobs' views, rebuilt only for changed rows
         self.publish_status()
 
     @property
@@ -292,43 +294,11 @@ class SchedulerService(ReadViews):
 
     def _round_input(self, now: float | None = None) -> _RoundInput:
         now = time.time() if now is None else now
-        q = (
-            select(
-                Job.id, Job.gpus, Dataset.id, Dataset.name, Job.ideal_throughput, Job.total_bytes, Job.consumed_bytes,
-                Job.submit_time, Job.state, Job.priority, Dataset.size, Job.owner, Job.access,
-                Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
-                Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
-                JobMeasurementRow.ideal_throughput, JobMeasurementRow.cpu_rate, JobMeasurementRow.client_step_s,
-                JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at,
-            )
-            .join(Dataset, Job.dataset_id == Dataset.id)
-            .outerjoin(JobMeasurementRow, JobMeasurementRow.job_id == Job.id)
-            .where(Job.state.in_(ACTIVE_STATES))
-            .order_by(Job.submit_time, Job.id)
-        )
-        jobs: list[TenantJob] = []
-        sizes: dict[str, float] = {}
         owners: dict[str, str] = {}
         cached = self.measured_cache()
         # One read transaction: the jobs, their datasets and the quotas are one consistent state.
         with self.sessions() as s, s.begin():
-            for jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, size, owner, *rest in s.execute(q):
-                access = rest[:5]
-                # Measured, self-correcting parameters (measured_params.py): the estimate once
-                # there is evidence, else what the job declared.
-                ideal, cpu_rate = planned(ideal, rest[5], rest[8], rest[9], *rest[10:13], now)
-                if cpu_rate is not None and rest[7] is not None:
-                    cpu_rate = min(cpu_rate, rest[7])  # the autocache point's rate bounds the whole pipeline's
-                pipeline = pipeline_from_row(cpu_rate, *rest[6:8])
-                ds = storage_key(ds_id, ds_name)
-                view = JobView(
-                    job_id=str(jid), gpus=gpus, dataset=ds, ideal_throughput=ideal,
-                    remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
-                    running=state == JobState.RUNNING, priority=prio, access=access_from_row(*access),
-                    pipeline=pipeline,
-                )
-                jobs.append(TenantJob(view, owner))
-                sizes[ds] = size
+            jobs, sizes = self._round_jobs.read(s.connection(), now)
             if jobs:
                 for ds_id, ds_name, ds_owner in s.execute(
                     select(Dataset.id, Dataset.name, Dataset.owner).where(Dataset.id.in_({dataset_id_of_key(k) for k in sizes}))
@@ -339,11 +309,12 @@ class SchedulerService(ReadViews):
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
         # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
-        # 1e15 bytes for another tenant's dataset reached the policy as is).
+        # 1e15 bytes for another tenant's dataset reached the policy as is). One view per dataset,
+        # in the order the admitted jobs first read them.
         datasets = {
-            v.dataset: DatasetView(v.dataset, sizes[v.dataset], cached=None if cached is None else
-                                   min(max(float(cached.get(v.dataset, 0.0)), 0.0), sizes[v.dataset]))
-            for v in admitted
+            ds: DatasetView(ds, sizes[ds], cached=None if cached is None else
+                            min(max(float(cached.get(ds, 0.0)), 0.0), sizes[ds]))
+            for ds in dict.fromkeys(v.dataset for v in admitted)
         }
         snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
         return _RoundInput(snapshot, tuple(held_back), owners, quotas)

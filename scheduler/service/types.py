@@ -4,6 +4,7 @@ the catalogue, the scheduling loop and the API; no I/O here."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -382,10 +383,15 @@ def pipeline_columns(pipeline: InputPipeline | None) -> dict[str, Any]:
     }
 
 
+# Memoised: a round calls these for each of tens of thousands of active jobs, which share a few
+# patterns. The results are frozen (immutable) and typed=True keeps 1 and 1.0 apart, so a cached
+# result is exactly what a call would build; a call that raises is never cached.
+@functools.lru_cache(maxsize=4096, typed=True)
 def pipeline_from_row(cpu_rate: Any, expansion: Any, post: Any) -> InputPipeline | None:
     return None if cpu_rate is None else InputPipeline(float(cpu_rate), expansion, post)
 
 
+@functools.lru_cache(maxsize=4096, typed=True)
 def access_from_row(kind: str | None, starting_percent: Any, alpha: Any, step: Any, batch: Any) -> AccessPattern:
     """The access pattern stored by access_columns (None or "epoch": the default)."""
     if kind in (None, "epoch"):

@@ -401,6 +401,7 @@ class Simulator:
         last_dt: float | None = None
         self._static = None  # the running jobs' static columns (_step_state)
         self._by_id: dict[str, SimJob] = {}  # the active jobs by id
+        self._fair = None  # the fairness columns (_fairness)
         time_shared = False
         self._static_layout = -1
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
@@ -422,6 +423,7 @@ class Simulator:
                 job.start_epoch_view(self.cache)
                 active.append(job)
                 self._by_id[job.job_id] = job
+                self._fair = None
                 next_arrival += 1
                 need_decision = True
             if not active:
@@ -467,6 +469,7 @@ class Simulator:
                 self._references(snapshot, active)
                 for job in active:
                     job.share = allocation.gpu_share.get(job.job_id, 0.0)
+                self._fair = None
                 # Shares change only here (and finished jobs only leave).
                 time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
             if need_decision or now >= round_end - 1e-9:
@@ -590,6 +593,7 @@ class Simulator:
 
             if finished:
                 self._static = None
+                self._fair = None
             for job in finished:
                 active.remove(job)
                 del self._by_id[job.job_id]
@@ -836,12 +840,27 @@ class Simulator:
             out.append((job, res))
         return out
 
-    @staticmethod
-    def _fairness(active: list[SimJob]) -> float | None:
+    def _fairness(self, active: list[SimJob]) -> float | None:
         """Eq. 8 now: min over active jobs of perf(j, R_j) / perf(j, R_equal), where perf(j, R_j)
-        is the job's share of GPU time times the throughput it reads at while it holds them."""
-        ratios = [j.share * j.last_rate / j.reference for j in active if j.reference > 0]
-        return min(ratios) if ratios else None
+        is the job's share of GPU time times the throughput it reads at while it holds them.
+
+        Shares and references change only at decisions and the active set only at arrivals and
+        completions, so the jobs that count and their shares and references are kept as columns
+        until then (`self._fair`, reset there); only the rates are read at every step. A job that
+        counts with no GPU share makes the minimum 0 (the queue under FIFO and SJF): the ratios
+        are products of non-negative finite numbers."""
+        cols = self._fair
+        if cols is None:
+            counted = [j for j in active if j.reference > 0]
+            share = np.array([j.share for j in counted], dtype=float)
+            cols = self._fair = (counted, share, np.array([j.reference for j in counted], dtype=float), bool((share == 0.0).any()))
+        counted, share, reference, some_zero = cols
+        if not counted:
+            return None
+        if some_zero:
+            return 0.0
+        rate = np.fromiter((j.last_rate for j in counted), dtype=float, count=len(counted))
+        return float((share * rate / reference).min())
 
     def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness, acc_remote_irregular=0.0) -> TimelineRow:
         cached = self.cache.cached_bytes()

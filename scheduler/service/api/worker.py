@@ -4,6 +4,7 @@ process): an ApiService over the database, the same routes as in-process, no sch
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -33,4 +34,10 @@ def create_worker_app() -> FastAPI:
         build["cluster_file"] = Path(build["cluster_file"])
     service = build_api_service(**build, default_quota=parse_quota(cfg.get("default_quota")))
     tokens = make_token_store(service.engine, Path(cfg["state_dir"]), None, require_any=False)
-    return create_app(service, tokens, run_loop=False, max_body=int(cfg["max_body"]))
+    app = create_app(service, tokens, run_loop=False, max_body=int(cfg["max_body"]))
+    # What is built by now lives as long as the worker: frozen out of the cyclic GC's reach, a
+    # full collection no longer walks it (~25 ms each over the modules and app a worker holds,
+    # paid by whichever request set it off: GET's p99 at 16 clients was 1.6-2.1x the bare app's).
+    gc.collect()
+    gc.freeze()
+    return app

@@ -193,3 +193,52 @@ def test_curriculum_mix_keeps_the_traces_own_item_sizes():
     # Step = iterations / 12, iterations = 2 x 100 GB / (256 x item): 36x more items at 110 KB.
     assert step["given"] == int(2 * 100e9 / (256 * 4e6) / 12)
     assert step["no-size"] == int(2 * 100e9 / (256 * 110e3) / 12)
+
+
+def _run(jobs, datasets: dict, tmp_path: Path, gpus: int, cache: float, link: float, seed: int = 0, **config):
+    from policies.registry import estimator_for, get_policy
+    from policies.types import ClusterCapacity
+    from scheduler.sim.engine import SimConfig, Simulator
+    from traces.csv_trace import load_csv_trace
+
+    trace_path = tmp_path / f"t{seed}.csv"
+    _write_trace(trace_path, jobs, datasets, ITEMS)
+    capacity = ClusterCapacity(gpus=gpus, cache=cache, remote_io=link, gpus_per_node=gpus)
+    result = Simulator(load_csv_trace(trace_path), capacity, get_policy("fifo"), estimator_for("silod"), "silod",
+                       SimConfig(seed=seed, **config)).run()
+    assert not result.unfinished
+    return result
+
+
+def test_a_cached_eligible_set_does_not_shorten_steps(tmp_path):
+    """A curriculum job whose eligible set never grows (10% of its items) and fits its LRU
+    partition: once it is cached the job reads at f* and admits nothing, so nothing but the
+    longest step (1,800 s) bounds its steps. By hand: 2 passes of 80 GB at 20 MB/s = 8,000 s,
+    never held by the 50 MB/s link. Its fill takes the curriculum bound's 25-s steps (1/16 of
+    the 8 GB set at 20 MB/s) until its last chunk is cached (about 80). The engine before took
+    320 steps (25 s each to the end: the bound ignored that nothing was left to fill); and with
+    a small LRU partition, steps of free space / whole link, which made a 200-job irregular-mix
+    trace take 339 CPU s instead of 10."""
+    never_grows = (0.1, 2.0, 10**7, 8)
+    for cache in (20 * GB, 9 * GB):
+        result = _run((cur("c", "d2", 20, 2.0, never_grows),), {"d2": 80 * GB}, tmp_path, 1, cache, 50 * MB)
+        assert result.jobs[0].jct_s == pytest.approx(8000.0, rel=1e-9)
+        assert result.steps <= 100, result.steps
+
+
+def test_curriculum_steps_are_converged(tmp_path):
+    """As tests/test_sim_convergence.py for the epoch readers: halving the step bound moves no
+    job's mean JCT by 1% in the partition cases, where a curriculum job's demand decays as it
+    fills its own LRU partition and the link it frees goes to the others at the next step
+    (a bound taken at its own IO alone moved mixed-silod's regular job by 1.0%)."""
+    from scheduler.sim.engine import SimConfig
+
+    tol = SimConfig().demand_tolerance
+    for case in CASES:
+        if case.system != "silod" or not case.partition:
+            continue
+        runs = {t: [_run(case.jobs, case.datasets, tmp_path, case.gpus, case.cache, case.link, seed=s, demand_tolerance=t)
+                    for s in range(SEEDS)] for t in (tol, tol / 2)}
+        for j in case.jobs:
+            base, finer = ([next(r.jct_s for r in res.jobs if r.job_id == j.job_id) for res in runs[t]] for t in (tol, tol / 2))
+            assert float(np.mean(finer)) == pytest.approx(float(np.mean(base)), rel=0.01), (case.name, j.job_id)

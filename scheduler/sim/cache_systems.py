@@ -223,17 +223,20 @@ class SimCacheSystem(ABC):
     def job_stopped(self, job: CacheReader) -> None:
         """`job` finished or was descheduled."""
 
-    def volatile_bytes(self) -> float | None:
-        """Bytes whose cached state moves under the readers as others read: the smallest LRU
-        that evicts at every miss, or domain that several readers share while it fills; None
-        if there is none. An LRU of C bytes admitting at b bytes/s turns its contents over in
-        about C/b seconds, so a reader's hit ratio moves by about b x dt / C in dt."""
-        return None
+    def volatile_bytes(self) -> list[tuple[float, Sequence[CacheReader] | None]]:
+        """Bytes whose cached state moves under the readers as others read: each LRU that
+        evicts at every miss, or domain that several readers share while it fills, with the
+        readers whose misses are admitted into it (None: a cache every reader admits into,
+        bounded only by the link). An LRU of C bytes admitting at b bytes/s turns its contents
+        over in about C/b seconds, so a reader's hit ratio moves by about b x dt / C in dt; b
+        is at most the IO of the readers that admit into it."""
+        return []
 
-    def free_before_eviction(self) -> float | None:
-        """Bytes that can still be admitted before an LRU starts evicting (None: none fills).
-        Until then others' reads move nobody's cached chunks out; from then on, at every miss."""
-        return None
+    def free_before_eviction(self) -> list[tuple[float, Sequence[CacheReader] | None]]:
+        """Bytes each LRU can still admit before it starts evicting, with the readers that
+        admit into it (None: every reader). Until then others' reads move nobody's cached
+        chunks out; from then on, at every miss."""
+        return []
 
     def moves_under(self, job: CacheReader) -> bool:
         """Whether other reads can change which of `job`'s unread chunks are cached while it
@@ -357,16 +360,23 @@ class SiloDCache(SimCacheSystem):
         return {n: d.cached_bytes for n, d in self.domains.items() if d.count}
 
     def volatile_bytes(self):
-        sizes = [d.limit_chunks * d.dataset.chunk_size if isinstance(d, LruDomain) else d.dataset.size
-                 for n, d in self.domains.items()
-                 if self.readers.get(n) and (isinstance(d, LruDomain) or (d.filling and len(self.readers[n]) > 1))]
-        sizes = [x for x in sizes if x > 0]
-        return min(sizes) if sizes else None
+        # An LRU domain admits only its own dataset's readers' misses. A filling uniform domain
+        # is still bounded by the whole link (conservative; its readers' IO would do, but
+        # that moves the Fig. 12 runs' steps and was not re-measured).
+        out = []
+        for n, d in self.domains.items():
+            group = self.readers.get(n)
+            if not group:
+                continue
+            if isinstance(d, LruDomain) and d.limit_chunks > 0:
+                out.append((d.limit_chunks * d.dataset.chunk_size, group))
+            elif not isinstance(d, LruDomain) and d.filling and len(group) > 1 and d.dataset.size > 0:
+                out.append((d.dataset.size, None))
+        return out
 
     def free_before_eviction(self):
-        free = [(d.limit_chunks - d.count) * d.dataset.chunk_size for n, d in self.domains.items()
+        return [((d.limit_chunks - d.count) * d.dataset.chunk_size, self.readers[n]) for n, d in self.domains.items()
                 if isinstance(d, LruDomain) and d.count < d.limit_chunks and self.readers.get(n)]
-        return min(free) if free else None
 
     def moves_under(self, job):
         dom = self.domains.get(job.dataset.name)
@@ -563,15 +573,15 @@ class AlluxioLRUCache(SimCacheSystem):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
 
     def volatile_bytes(self):
-        return self.capacity
+        return [(self.capacity, None)]  # one cache: every reader's misses are admitted into it
 
     def free_before_eviction(self):
         # Less than a chunk free is what a full cache of unequal chunks keeps: it evicts already.
         free = self.capacity - self.total_bytes
         if free < self.min_chunk:
-            return None  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
+            return []  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
         chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
-        return free if chunks and free >= min(chunks) else None
+        return [(free, None)] if chunks and free >= min(chunks) else []
 
 
 def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0, profile_noise: float = 0.0) -> SimCacheSystem:

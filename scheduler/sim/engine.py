@@ -372,17 +372,19 @@ class Simulator:
             # (nor the link): stop where it may become full.
             free = self.cache.free_before_eviction()
             volatile = self.cache.volatile_bytes()
-            if free or volatile:
+            if any(readers is not None for _, readers in (*free, *volatile)):
                 admits = self._admission_rates(running, caps, m, link)
-                for nbytes, readers in free:
-                    rate = _admission_rate(readers, admits, link)
-                    if rate > 0:
-                        limit = min(limit, nbytes / rate)
-                # The turnover of the volatile bytes bounds the drift on average (a noisy count).
-                for nbytes, readers in volatile:
-                    rate = _admission_rate(readers, admits, link)
-                    if rate > 0:
-                        limit = min(limit, tol * nbytes / rate)
+            else:
+                admits = {}  # one cache every reader shares (Alluxio): the link bounds it
+            for nbytes, readers in free:
+                rate = _admission_rate(readers, admits, link)
+                if rate > 0:
+                    limit = min(limit, nbytes / rate)
+            # The turnover of the volatile bytes bounds the drift on average (a noisy count).
+            for nbytes, readers in volatile:
+                rate = _admission_rate(readers, admits, link)
+                if rate > 0:
+                    limit = min(limit, tol * nbytes / rate)
         for i in np.flatnonzero(st.curriculum).tolist():
             job = running[i]
             if m[i] <= 0 and st.ideal[i] > 0:

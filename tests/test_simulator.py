@@ -75,6 +75,18 @@ def test_two_readers_of_a_dataset_that_fits_fetch_it_exactly_once(system, seed, 
     assert sum(r.remote_bytes + r.hit_bytes for r in result.jobs) == pytest.approx(sum(epochs) * 100 * GB, rel=1e-9)
 
 
+@pytest.mark.parametrize("system", ["silod", "alluxio", "coordl", "quiver"])
+def test_no_cache_at_all_runs_at_the_links_share(system):
+    # --cache 0: nothing is ever cached. Two 100 MB/s jobs on a 50 MB/s link read 2 epochs of
+    # 20 GB each at 25 MB/s: 1,600 s. Alluxio's turnover bound (tolerance x its 0 bytes / link)
+    # made 1-ms steps here: 1.6 million of them.
+    jobs = [one_job(2.0, dataset="d1", job_id="a"), one_job(2.0, dataset="d2", job_id="b")]
+    result = run(jobs, {"d1": 20 * GB, "d2": 20 * GB}, gpus=2, cache=0.0, io=50 * MB, system=system)
+    assert jct(result, "a") == pytest.approx(1600, rel=1e-9)
+    assert jct(result, "b") == pytest.approx(1600, rel=1e-9)
+    assert result.steps <= 10, result.steps
+
+
 def test_a_step_never_counts_negative_remote_bytes():
     # One job on an uncached 10-chunk dataset reads 5.5 chunks over two steps that end inside
     # chunks: each step counts the chunks it looks up, never less than zero, and the total is

@@ -573,7 +573,9 @@ class AlluxioLRUCache(SimCacheSystem):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
 
     def volatile_bytes(self):
-        return [(self.capacity, None)]  # one cache: every reader's misses are admitted into it
+        # One cache: every reader's misses are admitted into it. No cache: nothing moves (a
+        # zero-byte turnover bound made 1-ms steps).
+        return [(self.capacity, None)] if self.capacity > 0 else []
 
     def free_before_eviction(self):
         # Less than a chunk free is what a full cache of unequal chunks keeps: it evicts already.

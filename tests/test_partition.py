@@ -103,6 +103,24 @@ def test_without_irregular_jobs_it_is_the_plain_policy_call(policy_name):
     assert allocate_partitioned(s, policy, SILOD).partition is None
 
 
+def test_a_queued_regular_reader_does_not_keep_a_running_curriculum_jobs_dataset_uniform():
+    # One GPU: the curriculum job holds it (it came first), a regular job on the same dataset
+    # waits. The regular partition plans cache only for the jobs it runs (none), so with the
+    # dataset kept uniform there the curriculum job had no cache at all. It is the LRU
+    # partition's now: s = 1 (no regular job holds GPUs), all 20 GB of the cache to "shared".
+    c = job("c", 1, 100 * MB, "shared", CURRICULUM, submit=0.0, running=True)
+    r = job("r", 1, 100 * MB, "shared", submit=10.0)
+    s = snap([c, r], {"shared": 40 * GB}, gpus=1, cache=20 * GB, io=30 * MB)
+    a = allocate_partitioned(s, get_policy("fifo"), SILOD)
+    assert dict(a.gpu_share) == {"c": 1.0, "r": 0.0}
+    assert a.partition.lru_datasets == {"shared"}
+    assert dict(a.cache) == pytest.approx({"shared": 20 * GB})
+    assert partition_violations(s, a) == []
+    # Once the regular reader holds GPUs, the dataset is uniform again, whoever else reads it.
+    assert lru_datasets([c, r], {"c": 1.0, "r": 1.0}) == set()
+    assert lru_datasets([c, r], {"c": 1.0, "r": 0.0}) == {"shared"}
+
+
 def test_storage_unaware_estimator_is_one_plain_call():
     s = snap([job("a", 1, 100 * MB, "A"), job("c", 1, 100 * MB, "B", IRREGULAR)], {"A": 1 * TB, "B": 1 * TB},
              gpus=2, cache=1 * TB, io=100 * MB)

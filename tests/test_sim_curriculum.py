@@ -64,6 +64,11 @@ CASES = [
     # Two curriculum jobs of different speeds and pacing on two datasets.
     *(Case(f"two-{s}", (cur("a", "d1", 100, 4.0), cur("b", "d2", 50, 3.0, SLOW_PACE, submit=300.0)),
            {"d1": 60 * GB, "d2": 80 * GB}, 2, 50 * GB, 40 * MB, s) for s in ("silod", "alluxio")),
+    # A curriculum job holds the only GPU while a regular job on its dataset waits: the
+    # dataset is the LRU partition's until the regular job runs (it had no cache at all: 3.1x
+    # the item-level JCT; found by fuzzing the two models against each other).
+    Case("queued-regular-silod", (cur("c", "d", 100, 2.0), epoch("r", "d", 100, 1.0, submit=10.0)),
+         {"d": 40 * GB}, 1, 20 * GB, 30 * MB, "silod"),
     # Two curriculum jobs on one dataset, the second arriving later.
     *(Case(f"shared-{s}", (cur("a", "d1", 100, 4.0), cur("b", "d1", 60, 3.0, submit=500.0)),
            {"d1": 80 * GB}, 2, 40 * GB, 40 * MB, s) for s in ("silod", "alluxio")),

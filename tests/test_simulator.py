@@ -87,6 +87,21 @@ def test_no_cache_at_all_runs_at_the_links_share(system):
     assert result.steps <= 10, result.steps
 
 
+@pytest.mark.parametrize("system", ["silod", "quiver"])
+def test_the_rest_of_an_epochs_last_chunk_is_read_at_its_own_miss_ratio(system):
+    # One 256 MB/s job reads a cold 60 GB dataset once on a 36 MB/s link: 60 GB / 36 MB/s =
+    # 1,666.7 s, whatever the steps. A second reader queued at 572 s cuts the steps (drift
+    # bounds), and one ends inside the epoch's last chunk (seed 0). Every chunk has been looked up
+    # there; the engine charged the rest of that chunk at the next epoch's miss ratio (0: the
+    # dataset is cached by then), read it at f* and finished at 1,656.9 s. The queued job then
+    # reads the cached dataset at its f*: 1,666.7 - 572 + 60 GB / 212 MB/s.
+    jobs = [one_job(1.0, f=256 * MB, dataset="d1", job_id="j0"), one_job(1.0, f=212 * MB, dataset="d1", job_id="j2", submit=572.0)]
+    result = run(jobs, {"d1": 60 * GB, "d0": 66 * GB}, gpus=1, cache=115 * GB, io=36 * MB, system=system, resolution=128)
+    assert jct(result, "j0") == pytest.approx(60 * GB / (36 * MB), rel=1e-9)
+    assert jct(result, "j2") == pytest.approx(60 * GB / (36 * MB) - 572 + 60 * GB / (212 * MB), rel=1e-9)
+    assert result.steps > 2  # the steps really were cut (else this checks nothing)
+
+
 def test_a_step_never_counts_negative_remote_bytes():
     # One job on an uncached 10-chunk dataset reads 5.5 chunks over two steps that end inside
     # chunks: each step counts the chunks it looks up, never less than zero, and the total is

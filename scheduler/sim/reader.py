@@ -68,6 +68,9 @@ class SimJob:
     synced: int = 0  # unread_cached when expected_cached last took in the cache's changes
     moved: int = 0  # of those counts, changes made by others' admissions and evictions since the engine reset it
     pos: float = 0.0  # chunks of the current epoch already read (fractional)
+    #: The miss ratio the epoch's last look-up was charged at: once every chunk is looked up,
+    #: the rest of the last chunk is still read at it (the next epoch's ratio starts at its end).
+    tail_miss: float = 1.0
     epoch: int = 0
     start_time: float | None = None
     finish_time: float | None = None
@@ -226,6 +229,8 @@ class SimJob:
             return self.curriculum_miss(cache.cached_mask(self))
         left = self.dataset.n_chunks - self.looked
         if left <= 0:
+            if self.pos < self.dataset.n_chunks - 1e-9:
+                return self.tail_miss  # inside the last chunk, already looked up
             return 1.0 - cache.visible_chunks(self) / self.dataset.n_chunks
         return min(max(1.0 - self.unread_expected(cache.volatile_for(self)) / left, 0.0), 1.0)
 
@@ -330,9 +335,12 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             reach = min(math.floor(p + 1e-9) + draws, p + job.bytes_to_growth() / s)
         else:
             left = k - job.looked
-            m = 1.0 - (job.unread_expected(volatile) / left if left > 0 else cache.visible_chunks(job) / k)
+            # left == 0: a step ended inside the last chunk, looked up (and charged) before.
+            m = 1.0 - job.unread_expected(volatile) / left if left > 0 else job.tail_miss
             reach = math.floor(p + 1e-9) + substep
         m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
+        if not curriculum:
+            job.tail_miss = m
         if preprocessed:
             ideal = job.ideal_at(m)
         rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)

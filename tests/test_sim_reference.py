@@ -74,6 +74,14 @@ CASES = [
     Case("five-lru-alluxio", (job("a", "d1", 300, 3.0), job("b", "d2", 200, 3.0, submit=50.0), job("c", "d1", 100, 3.0, submit=100.0),
                               job("d", "d2", 50, 3.0, submit=150.0), job("e", "d1", 25, 3.0, submit=200.0)),
          {"d1": 30 * GB, "d2": 30 * GB}, 5, 40 * GB, 50 * MB, "alluxio", seeds=8),
+    # A slow job rereads a cached dataset while a fast one streams another through the same
+    # full LRU (the fuzzed scenario 1025, docs/known-gaps.md): the slow job's miss ratio starts
+    # at 0 at each epoch and rises as the stream evicts its unread chunks. A cap fixed at its
+    # demand at a step's start (0) stalled it at its first miss: 1.17x item level, and 4% apart
+    # when the step bound was halved.
+    Case("stream-through-alluxio", (job("a", "d1", 294, 3.0), job("b", "d1", 113, 4.0, submit=1746.0),
+                                    job("c", "d0", 240, 3.0, submit=1874.0)),
+         {"d0": 74 * GB, "d1": 64 * GB}, 2, 115 * GB, 56 * MB, "alluxio"),
     # Two GPUs, a 2-GPU job holds them; the second waits (FIFO gang scheduling) and then runs.
     Case("gang-wait-alluxio", (job("a", "d1", 100, 2.0, gpus=2), job("b", "d2", 100, 2.0, submit=100.0)),
          {"d1": 50 * GB, "d2": 50 * GB}, 2, 40 * GB, 50 * MB, "alluxio"),
@@ -113,8 +121,11 @@ def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
 #: s), at 256 chunks 1,562 s; see docs/simulator.md. And: with three jobs of different speeds on one LRU cache the
 #: slowest job's second epoch hits 3-4 points less in the simulator than item by item (at any
 #: resolution, 128 to 1,000 chunks, and any interleaving grain); JCT agrees within 3%. Every
-#: other case is held to the issue's 3 points. See README, "How close is the simulator".
-HIT_TOLERANCE = {"three-compete-alluxio": 0.05, "five-lru-alluxio": 0.05}
+#: other case is held to the issue's 3 points. See README, "How close is the simulator". The
+#: same holds where a fast job streams a dataset through the LRU a slow one rereads
+#: (stream-through-alluxio): the slow job's last epoch hits 0.74 against 0.78 item by item over
+#: 3 seeds, its JCT 2-4% longer.
+HIT_TOLERANCE = {"three-compete-alluxio": 0.05, "five-lru-alluxio": 0.05, "stream-through-alluxio": 0.05}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -244,6 +244,11 @@ class SimCacheSystem(ABC):
         while it fills (their admissions are its hits)."""
         return self.volatile_for(job)
 
+    def evicting(self, job: CacheReader) -> bool:
+        """Whether `job`'s chunks sit in an LRU that is full: every miss admitted into it now
+        evicts, so others' reads can move its unread chunks out at any time."""
+        return False
+
 
 def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Look `chunks` up in a uniform domain (mark them read, count the hits) and admit the
@@ -383,6 +388,10 @@ class SiloDCache(SimCacheSystem):
         if dom is None:
             return False
         return isinstance(dom, LruDomain) or (dom.filling and len(self.readers.get(job.dataset.name, ())) > 1)
+
+    def evicting(self, job):
+        dom = self.domains.get(job.dataset.name)
+        return isinstance(dom, LruDomain) and 0 < dom.limit_chunks <= dom.count
 
 
 class QuiverCache(SiloDCache):
@@ -571,6 +580,9 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def room(self, job):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
+
+    def evicting(self, job):
+        return 0 < self.capacity and self.capacity - self.total_bytes < job.dataset.chunk_size
 
     def volatile_bytes(self):
         # One cache: every reader's misses are admitted into it. No cache: nothing moves (a

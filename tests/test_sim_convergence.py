@@ -50,8 +50,10 @@ def test_halving_the_step_bound_moves_no_jct_by_one_percent(case):
 #: seeds is 1,661 / 1,562 / 1,616 / 1,582 s at 128 / 256 / 512 / 1,000 chunks (item level
 #: 1,565 s): chunk-level LRU order moves it by a few percent either way, so that case (256
 #: chunks at the default --resolution 128, AlluxioLRUCache.resolution_factor) is held to 5% when
-#: doubled. Every other case: 1%.
-RESOLUTION_TOLERANCE = {"five-lru-alluxio": 0.05}
+#: doubled. The same grain moves the slow rereader of stream-through-alluxio: 2,588 / 2,546 /
+#: 2,559 s at 256 / 512 / 1,024 chunks over 24 seeds (item level 2,506 s over 3), held to 2%.
+#: Every other case: 1%.
+RESOLUTION_TOLERANCE = {"five-lru-alluxio": 0.05, "stream-through-alluxio": 0.02}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -181,6 +181,19 @@ class StepState:
     consumed: np.ndarray
     pos: np.ndarray
 
+    def take(self, idx: np.ndarray) -> StepState:
+        """The columns of the jobs at positions `idx`, in that order."""
+        return StepState([self.ids[i] for i in idx.tolist()], *(getattr(self, f)[idx] for f in self.__slots__[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class Claimers:
+    """Jobs capped at what they could claim on a contended link (Simulator._claimable)."""
+
+    mask: np.ndarray  # bool per running job: a claimer
+    at_level: np.ndarray  # bool per running job: at the max-min water level
+    demands: np.ndarray  # bytes/s per running job at the step's start (f* x m)
+
 
 class Simulator:
     def __init__(
@@ -550,7 +563,7 @@ class Simulator:
             m = self._miss_vector(running, st)
             pre = self._preprocessed(running)
             ideal_m = self._ideal_at(running, st, m, pre)
-            caps_arr, contended = self._io_caps(plan, running, st, m, ideal_m)
+            caps_arr, contended, claimers = self._io_caps(plan, running, st, m, ideal_m)
             managed = plan.remote_io is not None and cfg.manage_io
             step_end = min(step_end, now + self._seconds_to_event(running, st, caps_arr, m, contended, ideal_m))
             caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
@@ -575,7 +588,7 @@ class Simulator:
             step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
             if self.cache.volatile and len(running) >= 2:
-                results = self._advance_all(running, st, m, caps_arr, now, dt, pre)
+                results = self._advance_all(running, st, m, caps_arr, now, dt, pre, claimers)
             else:
                 results = self._advance_vector(running, st, m, caps_arr, now, dt, pre)
             if watch:
@@ -671,10 +684,44 @@ class Simulator:
         )
 
     def _advance_all(self, running: list[SimJob], st: StepState, m0: np.ndarray, caps_arr: np.ndarray, now: float, dt: float,
-                     pre: list[int] = ()):
+                     pre: list[int] = (), claimers: Claimers | None = None):
         """Advance every running job through the step. Where the cached set moves at every
-        miss (LRU), jobs advance interleaved in time, sub-step by sub-step, earliest first, so
-        that which chunk is least recently used follows the real order of accesses.
+        miss (LRU), jobs advance interleaved in time (`_interleave`).
+
+        `claimers` (`_claimable`): jobs in a full LRU whose cap is the share they could claim,
+        above their demand at the step's start. They read first; the jobs at the link's water
+        level then share what they left of it (max-min by demand), so the link never carries
+        more than its capacity. Their reads are interleaved among themselves, not with the
+        others': within one step (the drift bound keeps it short), the claimers' look-ups
+        count as older than the others' in the LRU's order."""
+        if not self.cache.volatile or len(running) < 2:
+            caps = caps_arr.tolist()
+            return [(job, advance(job, now, dt, caps[i], self.cache)) for i, job in enumerate(running)]
+        if claimers is None:
+            return self._interleave(running, st, m0, caps_arr, now, dt, pre)
+        first = np.flatnonzero(claimers.mask)
+        rest = np.flatnonzero(~claimers.mask)
+        positions = {p: n for n, p in enumerate(first.tolist())}
+        before = [running[i].remote_bytes for i in first.tolist()]
+        out = self._interleave([running[i] for i in first.tolist()], st.take(first), m0[first], caps_arr[first], now, dt,
+                               [positions[p] for p in pre if p in positions])
+        used = sum(job.remote_bytes - b for (job, _), b in zip(out, before, strict=True)) / dt
+        caps_rest = caps_arr[rest].copy()
+        at_level = claimers.at_level[rest]
+        if at_level.any():
+            below = float(caps_rest[~at_level].sum())
+            caps_rest[at_level] = max_min_share(claimers.demands[rest][at_level], max(self.capacity.remote_io - used - below, 0.0))
+        positions = {p: n for n, p in enumerate(rest.tolist())}
+        out += self._interleave([running[i] for i in rest.tolist()], st.take(rest), m0[rest], caps_rest, now, dt,
+                                [positions[p] for p in pre if p in positions])
+        by_id = {job.job_id: res for job, res in out}
+        return [(job, by_id[job.job_id]) for job in running]
+
+    def _interleave(self, running: list[SimJob], st: StepState, m0: np.ndarray, caps_arr: np.ndarray, now: float, dt: float,
+                    pre: list[int] = ()):
+        """Advance the jobs through the step interleaved in time, sub-step by sub-step,
+        earliest first, so that which chunk is least recently used follows the real order of
+        accesses.
 
         Every job's first sub-step starts at the step's start, so those are taken first, in
         the order of `running`; most jobs on a contended link read less than a sub-step in a
@@ -682,7 +729,7 @@ class Simulator:
         `first_substep`, exactly what `advance(substeps=1)` does). Only the jobs with step
         left go on through the clock, earliest first."""
         caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
-        if not self.cache.volatile or len(running) < 2:
+        if len(running) < 2:
             return [(job, advance(job, now, dt, caps[job.job_id], self.cache)) for job in running]
         first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True)
         results = {job.job_id: res for job, res in first}
@@ -703,8 +750,9 @@ class Simulator:
                 heapq.heappush(clock, (t, i))
         return [(job, results[job.job_id]) for job in running]
 
-    def _io_caps(self, plan, running: list[SimJob], st, m: np.ndarray, ideal_m: np.ndarray) -> tuple[np.ndarray, bool]:
-        """Remote IO per running job for this step (same order), and whether the link is contended.
+    def _io_caps(self, plan, running: list[SimJob], st, m: np.ndarray, ideal_m: np.ndarray) -> tuple[np.ndarray, bool, Claimers | None]:
+        """Remote IO per running job for this step (same order), whether the link is contended,
+        and the jobs whose cap is what they could claim (`_claimable`; None: no such job).
 
         Managed (SiloD): the policy's caps, with work conservation: a job holds no more than it
         can use now (f* times its miss ratio now), and what the caps leave goes max-min to the
@@ -714,6 +762,7 @@ class Simulator:
         total = self.capacity.remote_io
         demands = ideal_m * m
         contended = sum(demands.tolist()) > total * (1 - 1e-9)
+        claimers = None
         if plan.remote_io is not None and self.config.manage_io:
             planned = plan.remote_io
             floors = np.minimum(np.fromiter((planned.get(i, 0.0) for i in st.ids), dtype=float, count=len(st.ids)), demands)
@@ -721,35 +770,35 @@ class Simulator:
         else:
             caps = max_min_share(demands, total)
             if contended:
-                caps = self._claimable(running, caps, total)
+                caps, claimers = self._claimable(running, caps, demands, total)
         if not contended:
             # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
             # rises within the step (a new epoch) is not held to the demand it had at its start.
             caps = _spread(caps, ideal_m, total)
-        return caps, contended
+        return caps, contended, claimers
 
-    def _claimable(self, running: list[SimJob], caps: np.ndarray, total: float) -> np.ndarray:
+    def _claimable(self, running: list[SimJob], caps: np.ndarray, demands: np.ndarray, total: float) -> tuple[np.ndarray, Claimers | None]:
         """Max-min caps on a contended link, where a job in a full LRU gets below the water level
         what it could claim if its demand rose, not just its demand now: others' admissions evict
         its unread chunks within the step, so its miss ratio (its demand) rises as it reads, and
         a cap fixed at its demand at the step's start stalls it at its first new miss (a job
         whose every unread chunk was cached got a cap of 0). Like a TCP flow that starts
         fetching, it can take up to the share the link would give it then,
-        (link - what the other jobs below the level take) / (jobs at the level + 1); the jobs at
-        the level keep theirs, so within a step the link may carry up to the rise the step bound
-        allows above its capacity (a fast job streaming another dataset through Alluxio while a
-        slow one rereads its own: 17% slower than item level without this, 3% with it;
-        docs/known-gaps.md)."""
+        (link - what the other jobs below the level take) / (jobs at the level + 1). The jobs at
+        the level get what the claimers leave (`_advance_all`). A fast job streaming another
+        dataset through Alluxio while a slow one rereads its own: the slow one 17% slower than
+        item level without this, 3% with it (docs/known-gaps.md)."""
         level = float(caps.max())
         below = caps < level * (1 - 1e-9)
         at_level = int(np.count_nonzero(~below))
         if not below.any() or not at_level:
-            return caps
+            return caps, None
         evicting = np.fromiter((self.cache.evicting(j) for j in running), dtype=bool, count=len(running))
-        if not evicting.any():
-            return caps
+        mask = below & evicting
+        if not mask.any():
+            return caps, None
         claim = (total - (float(caps[below].sum()) - caps)) / (at_level + 1)
-        return np.where(below & evicting, np.maximum(caps, claim), caps)
+        return np.where(mask, np.maximum(caps, claim), caps), Claimers(mask, ~below, demands)
 
     def _step_state(self, running: list[SimJob], prev: StepState | None = None) -> StepState:
         """Columns of the running jobs: the static ones are kept while the plan and the running

@@ -587,7 +587,7 @@ class Simulator:
             finished: list[SimJob] = []
             step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
-            if self.cache.volatile and len(running) >= 2:
+            if claimers is not None or (self.cache.volatile and len(running) >= 2):
                 results = self._advance_all(running, st, m, caps_arr, now, dt, pre, claimers)
             else:
                 results = self._advance_vector(running, st, m, caps_arr, now, dt, pre)
@@ -694,10 +694,10 @@ class Simulator:
         more than its capacity. Their reads are interleaved among themselves, not with the
         others': within one step (the drift bound keeps it short), the claimers' look-ups
         count as older than the others' in the LRU's order."""
-        if not self.cache.volatile or len(running) < 2:
-            caps = caps_arr.tolist()
-            return [(job, advance(job, now, dt, caps[i], self.cache)) for i, job in enumerate(running)]
         if claimers is None:
+            if not self.cache.volatile:
+                caps = caps_arr.tolist()
+                return [(job, advance(job, now, dt, caps[i], self.cache)) for i, job in enumerate(running)]
             return self._interleave(running, st, m0, caps_arr, now, dt, pre)
         first = np.flatnonzero(claimers.mask)
         rest = np.flatnonzero(~claimers.mask)

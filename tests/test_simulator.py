@@ -253,3 +253,30 @@ def test_timeline_splits_cache_and_io_by_partition():
     lru = Simulator(trace, cap, get_policy("fifo"), estimator_for("alluxio"), "alluxio", SimConfig(timeline_interval_s=200.0)).run()
     assert all(r.cache_cached_irregular == 0 for r in lru.timeline)
     assert max(r.remote_io_irregular for r in lru.timeline) > 0
+
+
+@pytest.mark.parametrize("system", ["silod", "alluxio", "coordl", "quiver"])
+@pytest.mark.parametrize("policy", ["fifo", "gavel"])
+def test_the_column_advance_is_exactly_the_per_job_advance(system, policy, monkeypatch):
+    # The engine advances most jobs on numpy columns (`Simulator._advance_vector`) and says the
+    # result is exactly the per-job `advance`'s. Four jobs on three datasets with staggered
+    # arrivals, run both ways: the same steps and JCTs. (The column path once left
+    # `SimJob.tail_miss` behind; a step ending inside an epoch's last chunk then read the rest at
+    # a stale miss ratio: Alluxio 0.9% apart, 273 steps against 260.)
+    from scheduler.sim import engine
+    from scheduler.sim.reader import advance
+
+    jobs = [one_job(3.0, f=100 * MB, dataset="d1", job_id="a"), one_job(2.0, f=150 * MB, dataset="d2", job_id="b", submit=700.0),
+            one_job(2.0, f=60 * MB, dataset="d1", job_id="c", submit=1500.0), one_job(1.0, f=200 * MB, dataset="d3", job_id="d", submit=2600.0)]
+    sizes = {"d1": 60 * GB, "d2": 40 * GB, "d3": 30 * GB}
+    columns = run(jobs, sizes, gpus=3, cache=70 * GB, io=60 * MB, system=system, policy=policy, resolution=128)
+
+    def per_job(self, running, st, m0, caps_arr, now, dt, pre=(), first_substep=False):
+        caps = caps_arr.tolist()
+        return [(job, advance(job, now, dt, caps[i], self.cache, 1 if first_substep else None)) for i, job in enumerate(running)]
+
+    monkeypatch.setattr(engine.Simulator, "_advance_vector", per_job)
+    scalar = run(jobs, sizes, gpus=3, cache=70 * GB, io=60 * MB, system=system, policy=policy, resolution=128)
+    assert columns.steps == scalar.steps
+    for job in ("a", "b", "c", "d"):
+        assert jct(columns, job) == pytest.approx(jct(scalar, job), rel=1e-12), job

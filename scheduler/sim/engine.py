@@ -919,6 +919,7 @@ class Simulator:
         last_l = np.where(simple, last, 0.0).astype(np.int64).tolist()
         looked_l, unread_l = looked.astype(np.int64).tolist(), st.unread_real.astype(np.int64).tolist()
         x_l, done_l, missed_l, t_l, fin_l = x.tolist(), done.tolist(), missed.tolist(), t.tolist(), finishing.tolist()
+        m_l = m.tolist()
         out = []
         for i, job in enumerate(running):
             if stalled_l[i] and job.unread_cached == unread_l[i]:
@@ -928,6 +929,7 @@ class Simulator:
                 out.append((job, advance(job, now, dt, float(caps[i]), cache, substeps)))
                 continue
             res = StepResult()
+            job.tail_miss = m_l[i]  # as advance() keeps it: the rest of a last chunk is read at it
             lo, hi = looked_l[i], last_l[i]
             fetched = 0.0
             if hi > lo:

@@ -40,6 +40,12 @@ def test_a_scenario_runs_through_both_sides(tmp_path):
         assert ratio == pytest.approx(1.0, abs=0.02), (job, ratio)
 
 
-def test_bad_arguments_are_refused(tmp_path):
-    with pytest.raises(SystemExit):
-        main(["--n", "-1", "--out", str(tmp_path / "x")])
+@pytest.mark.parametrize("args, says", [(["--n", "-1"], "--start and --n must be >= 0"),
+                                         (["--only", "3,x"], "give scenario indices as integers"),
+                                         (["--only=-3"], "indices >= 0")])
+def test_bad_arguments_are_refused(tmp_path, capsys, args, says):
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from reference.trace_csv import trace_csv
 from reference.itemsim import RefJob, RefScenario, simulate
 from scheduler.cli import app
 
@@ -76,12 +77,7 @@ CASES = [
 
 
 def _write_trace(path: Path, jobs, datasets: dict, items: int) -> None:
-    rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,access,starting_percent,alpha,step,batch,item_size"]
-    for j in jobs:
-        access = "curriculum," + ",".join(str(v) for v in j.curriculum) if j.curriculum else ",,,,"
-        rows.append(f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{datasets[j.dataset]:.0f},{j.ideal:.0f},{j.epochs},{access},"
-                    f"{datasets[j.dataset] / items:.0f}")
-    path.write_text("\n".join(rows) + "\n")
+    path.write_text(trace_csv(jobs, datasets, items))
 
 
 def _silod(jobs, datasets, items, tmp: Path, seed: int, *args: str) -> dict:

@@ -695,25 +695,25 @@ class Simulator:
         others': within one step (the drift bound keeps it short), the claimers' look-ups
         count as older than the others' in the LRU's order."""
         if claimers is None:
-            if not self.cache.volatile:
-                caps = caps_arr.tolist()
-                return [(job, advance(job, now, dt, caps[i], self.cache)) for i, job in enumerate(running)]
             return self._interleave(running, st, m0, caps_arr, now, dt, pre)
+
+        def interleave(idx: np.ndarray, caps: np.ndarray):
+            """`_interleave` on the jobs at positions `idx` of `running`."""
+            positions = {p: n for n, p in enumerate(idx.tolist())}
+            return self._interleave([running[i] for i in idx.tolist()], st.take(idx), m0[idx], caps, now, dt,
+                                    [positions[p] for p in pre if p in positions])
+
         first = np.flatnonzero(claimers.mask)
         rest = np.flatnonzero(~claimers.mask)
-        positions = {p: n for n, p in enumerate(first.tolist())}
         before = [running[i].remote_bytes for i in first.tolist()]
-        out = self._interleave([running[i] for i in first.tolist()], st.take(first), m0[first], caps_arr[first], now, dt,
-                               [positions[p] for p in pre if p in positions])
+        out = interleave(first, caps_arr[first])
         used = sum(job.remote_bytes - b for (job, _), b in zip(out, before, strict=True)) / dt
         caps_rest = caps_arr[rest].copy()
         at_level = claimers.at_level[rest]
         if at_level.any():
             below = float(caps_rest[~at_level].sum())
             caps_rest[at_level] = max_min_share(claimers.demands[rest][at_level], max(self.capacity.remote_io - used - below, 0.0))
-        positions = {p: n for n, p in enumerate(rest.tolist())}
-        out += self._interleave([running[i] for i in rest.tolist()], st.take(rest), m0[rest], caps_rest, now, dt,
-                                [positions[p] for p in pre if p in positions])
+        out += interleave(rest, caps_rest)
         by_id = {job.job_id: res for job, res in out}
         return [(job, by_id[job.job_id]) for job in running]
 

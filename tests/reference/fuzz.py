@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from reference.itemsim import RefJob, RefScenario, simulate
+from reference.trace_csv import trace_csv
 
 GB, MB = 1e9, 1e6
 ITEMS = 1000  # items per dataset on both sides
@@ -63,20 +64,6 @@ def scenarios(count: int) -> list[RefScenario]:
     return [scenario(rng, i) for i in range(count)]
 
 
-def _trace_csv(sc: RefScenario) -> str:
-    """The scenario's jobs as a silod trace CSV (curriculum columns only where a job has them)."""
-    if any(j.curriculum for j in sc.jobs):
-        rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,access,starting_percent,alpha,step,batch,item_size"]
-        for j in sc.jobs:
-            access = "curriculum," + ",".join(str(v) for v in j.curriculum) if j.curriculum else ",,,,"
-            size = sc.dataset_bytes[j.dataset]
-            rows.append(f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{size:.0f},{j.ideal:.0f},{j.epochs},{access},{size / ITEMS:.0f}")
-    else:
-        rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs"]
-        rows += [f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{sc.dataset_bytes[j.dataset]:.0f},{j.ideal:.0f},{j.epochs}" for j in sc.jobs]
-    return "\n".join(rows) + "\n"
-
-
 def run_simulator(sc: RefScenario, seeds) -> dict[str, list[float]]:
     """Job id -> JCT per seed from the simulator, configured as `silod simulate` would be."""
     from scheduler.core.cluster import load_cluster
@@ -86,7 +73,7 @@ def run_simulator(sc: RefScenario, seeds) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {j.job_id: [] for j in sc.jobs}
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.csv"
-        trace.write_text(_trace_csv(sc))
+        trace.write_text(trace_csv(sc.jobs, sc.dataset_bytes, ITEMS))
         for seed in seeds:
             cap, speed = load_cluster(None, gpus=str(sc.gpus), gpus_per_node=str(sc.gpus), cache=f"{sc.cache:.0f}",
                                       remote_io=f"{sc.link:.0f}", defaults=DEFAULT_CLUSTER)
@@ -127,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.n < 0 or a.start < 0:
         ap.error("--start and --n must be >= 0")
-    only = sorted({int(x) for x in a.only.split(",") if x.strip()}) if a.only else []
+    try:
+        only = sorted({int(x) for x in a.only.split(",") if x.strip()}) if a.only else []
+    except ValueError:
+        ap.error(f"--only {a.only!r}: give scenario indices as integers, e.g. --only 180,244")
     if any(i < 0 for i in only):
         ap.error("--only takes scenario indices >= 0")
     wanted = only or list(range(a.start, a.start + a.n))

@@ -126,6 +126,17 @@ def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _condition(conds: list[dict[str, Any]], kind: str, status: str, reason: str) -> dict[str, Any]:
+    """The condition as the real Job controller writes it: an unchanged condition keeps its
+    lastTransitionTime, so a settled Job's status is not rewritten every second (a rewrite
+    each tick made silod's own status and spec writes race it with 409s, which the real
+    control plane does not do)."""
+    for c in conds:
+        if c["type"] == kind and c["status"] == status:
+            return c
+    return {"type": kind, "status": status, "reason": reason, "lastTransitionTime": now_iso()}
+
+
 # --- selectors -------------------------------------------------------------------------------
 
 def parse_label_selector(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -659,13 +670,11 @@ class Emulator:
                     self.delete(pods, p["metadata"]["namespace"], p["metadata"]["name"])
                 active = []
                 # startTime stays (Kubernetes <= 1.35; see the module docstring).
-                new_conds.append({"type": "Suspended", "status": "True", "reason": "JobSuspended",
-                                  "lastTransitionTime": now_iso()})
+                new_conds.append(_condition(conds, "Suspended", "True", "JobSuspended"))
             else:
                 status.setdefault("startTime", now_iso())
                 if any(c["type"] == "Suspended" for c in conds):
-                    new_conds.append({"type": "Suspended", "status": "False", "reason": "JobResumed",
-                                      "lastTransitionTime": now_iso()})
+                    new_conds.append(_condition(conds, "Suspended", "False", "JobResumed"))
                 if failed > spec.get("backoffLimit", 6):
                     for p in active:
                         self.delete(pods, p["metadata"]["namespace"], p["metadata"]["name"])

@@ -11,6 +11,8 @@ import copy
 import json
 import threading
 
+import time
+
 import pytest
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -79,6 +81,12 @@ def test_job_suspend_semantics_and_template_immutability(cluster):
     # As the real Job controller through 1.35 (checked against the v1.24 snapshot): startTime
     # stays, so the template's scheduling directives stay frozen until someone clears it.
     assert status.start_time is not None and any(c.type == "Suspended" and c.status == "True" for c in status.conditions)
+    # A settled Job is not rewritten: an unchanged condition keeps its lastTransitionTime, as the
+    # real controller's (tests/test_kubernetes_real.py checks the same there). Rewriting it at
+    # every reconcile raced silod's own writes into 409s.
+    settled = batch.read_namespaced_job("j", "open").metadata.resource_version
+    time.sleep(2.5)
+    assert batch.read_namespaced_job("j", "open").metadata.resource_version == settled
     with pytest.raises(ApiException) as err:
         batch.patch_namespaced_job("j", "open", {"spec": {"template": {"spec": {"nodeSelector": {"a": "d"}}}}})
     assert err.value.status == 422

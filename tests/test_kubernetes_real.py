@@ -12,6 +12,7 @@ kube-scheduler's taints and tolerations, RBAC of deploy/base, the webhook called
 
 from __future__ import annotations
 
+import time
 import types
 import uuid
 from collections.abc import Iterator
@@ -113,6 +114,13 @@ def test_readmission_after_preemption_moves_the_job_to_other_nodes(tenant):
     backend.stop("901")
     cp.core.patch_node(first[0], {"spec": {"unschedulable": True}})
     step_until(lambda: not cp.pods(ns), "the Job controller to remove the pod (kubelet finishing it)")
+    # The Job controller does not rewrite a settled suspended Job (the emulator, tests/k8s_emulator.py,
+    # models this: an unchanged condition keeps its lastTransitionTime).
+    wait(lambda: not (cp.job(ns, "silod-901").get("status") or {}).get("active"), timeout=30,
+         what="the Job controller to count no active pod", interval=0.2)
+    settled = cp.job(ns, "silod-901")["metadata"]["resourceVersion"]
+    time.sleep(3.0)
+    assert cp.job(ns, "silod-901")["metadata"]["resourceVersion"] == settled
     backend.refresh()
     backend.start(spec, alloc(spec))
     job = step_until(lambda: (j := cp.job(ns, "silod-901"))["spec"].get("suspend") is False and j,

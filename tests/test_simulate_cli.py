@@ -111,6 +111,8 @@ def test_bad_trace_gives_one_clear_error_and_exit_2(tmp_path, header, body, expe
         (["--gpus", "many"], "is not a whole number"),
         (["--trace", "/nonexistent.csv"], "does not exist"),
         (["--resolution", "0"], "resolution 0"),
+        # Was a MemoryError reported as "a bug in silod" (745 GiB for one job's chunk order).
+        (["--resolution", "100000000000"], "is more than 65,536 chunks per dataset"),
         (["--gpu-speed", "-2"], "must be a positive factor"),
     ],
 )
@@ -131,6 +133,7 @@ def test_bad_flags_give_clear_errors(tmp_path, args, expected):
         (["matrix", "--trace", "/nonexistent.trace"], "not found"),
         (["micro", "--workers", "0"], "--workers 0 must be >= 1"),
         (["micro", "--workers", "two"], "--workers"),
+        (["micro", "--resolution", "100000000"], "is more than 65,536 chunks per dataset"),
     ],
 )
 def test_bad_experiment_input_gives_clear_errors(tmp_path, args, expected):

@@ -41,6 +41,9 @@ from scheduler.sim.types import CacheReader
 from scheduler.sim.types import SimDataset
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
+#: Chunks per dataset the LRU's integer keys leave room for (AlluxioLRUCache.order); the
+#: engine's MAX_RESOLUTION keeps every dataset far below it.
+KEY_STRIDE = 1 << 32
 
 
 @dataclass(eq=False)
@@ -200,9 +203,9 @@ class SimCacheSystem(ABC):
         """Which chunks of `job`'s dataset are cached for it right now (read-only view)."""
 
     @abstractmethod
-    def access(self, job: CacheReader, chunks: np.ndarray) -> np.ndarray:
+    def access(self, job: CacheReader, chunks: np.ndarray) -> int:
         """`job` starts reading `chunks` (in this order, now): mark them read in its epoch,
-        admit and evict as the cache system does, and return which were hits."""
+        admit and evict as the cache system does, and return how many were hits."""
 
     @abstractmethod
     def cached_bytes(self) -> dict[str, float]:
@@ -250,16 +253,17 @@ class SimCacheSystem(ABC):
         return False
 
 
-def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[int, np.ndarray]:
     """Look `chunks` up in a uniform domain (mark them read, count the hits) and admit the
     misses while it has room; returns (hits, chunks admitted)."""
     if dom is None:
         job.read_mask[chunks] = True
-        return np.zeros(chunks.size, dtype=bool), chunks[:0]
+        return 0, chunks[:0]
     hits = dom.cached[chunks]
     job.read_mask[chunks] = True
-    job.unread_cached -= int(np.count_nonzero(hits))
-    return hits, (dom.admit(chunks[~hits]) if dom.filling else chunks[:0])
+    n_hits = int(np.count_nonzero(hits))
+    job.unread_cached -= n_hits
+    return n_hits, (dom.admit(chunks[~hits]) if dom.filling else chunks[:0])
 
 
 class SiloDCache(SimCacheSystem):
@@ -342,14 +346,14 @@ class SiloDCache(SimCacheSystem):
         self._changed(name, admitted, +1)
         return hits
 
-    def _access_lru(self, job, dom: LruDomain, chunks: np.ndarray) -> np.ndarray:
+    def _access_lru(self, job, dom: LruDomain, chunks: np.ndarray) -> int:
         name = job.dataset.name
-        hits = np.zeros(chunks.size, dtype=bool)
+        hits = 0
         read = job.read_mask
-        for k, c in enumerate(chunks.tolist()):
+        for c in chunks.tolist():
             read[c] = True
             if dom.cached[c]:
-                hits[k] = True
+                hits += 1
                 job.unread_cached -= 1
                 dom.touch(c)
                 continue
@@ -513,7 +517,12 @@ class AlluxioLRUCache(SimCacheSystem):
         self.cached: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
         self.datasets: dict[str, SimDataset] = {}
-        self.order: OrderedDict[tuple[str, int], float] = OrderedDict()  # least recent first -> chunk bytes
+        #: Least recent first: key -> chunk bytes. A key is base + chunk, `base` a multiple of
+        #: KEY_STRIDE per dataset (_array): int keys hash and compare faster than (name, chunk)
+        #: tuples, and a look-up is made for every chunk every job reads.
+        self.order: OrderedDict[int, float] = OrderedDict()
+        self.base: dict[str, int] = {}
+        self.by_base: list[str] = []  # base // KEY_STRIDE -> dataset name
         self.total_bytes = 0.0
         self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
@@ -523,6 +532,8 @@ class AlluxioLRUCache(SimCacheSystem):
             arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
             self.counts[dataset.name] = 0
             self.datasets[dataset.name] = dataset
+            self.base[dataset.name] = len(self.by_base) * KEY_STRIDE
+            self.by_base.append(dataset.name)
             self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         return arr
 
@@ -540,31 +551,35 @@ class AlluxioLRUCache(SimCacheSystem):
         name = job.dataset.name
         size = job.dataset.chunk_size
         cached = self._array(job.dataset)
-        hits = np.zeros(chunks.size, dtype=bool)
+        base = self.base[name]
+        hits = 0
         order = self.order
         read = job.read_mask
         admit = size <= self.capacity
-        for k, c in enumerate(chunks.tolist()):
+        others = None  # the dataset's other readers, gathered at the first admission
+        for c in chunks.tolist():
             read[c] = True
-            key = (name, c)
             if cached[c]:
-                hits[k] = True
+                hits += 1
                 job.unread_cached -= 1
-                order.move_to_end(key)
+                order.move_to_end(base + c)
                 continue
             if not admit:
                 continue
+            if others is None:
+                others = [o for o in self.readers.get(name, ()) if o is not job]
             cached[c] = True
             self.counts[name] += 1
-            order[key] = size
+            order[base + c] = size
             self.total_bytes += size
-            others = self.readers.get(name, ())
             for other in others:
-                if other is not job and not other.read_mask[c]:
+                if not other.read_mask[c]:
                     other.unread_cached += 1
                     other.moved += 1
             while self.total_bytes > self.capacity * (1 + 1e-12):
-                (victim_ds, victim), vsize = order.popitem(last=False)
+                key, vsize = order.popitem(last=False)
+                victim_ds = self.by_base[key // KEY_STRIDE]
+                victim = key % KEY_STRIDE
                 self.cached[victim_ds][victim] = False
                 self.counts[victim_ds] -= 1
                 self.total_bytes -= vsize

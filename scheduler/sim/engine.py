@@ -44,6 +44,9 @@ from traces.model import Trace, TraceJob
 CURRICULUM_MIN_CHUNKS = 64
 _EPOCH = AccessPattern.epoch()
 MAX_CURRICULUM_CHUNKS = 4096
+#: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
+#: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
+MAX_RESOLUTION = 65_536
 
 #: A curriculum job's step may let the link bring in at most 1/VOLATILE_STEPS of its eligible
 #: set while its cache fills (its own admissions move its miss ratio).
@@ -90,6 +93,9 @@ class SimConfig:
             raise UserError(f"round length {self.round_s} s must be > 0")
         if self.resolution < 1:
             raise UserError(f"resolution {self.resolution} must be >= 1 chunk per dataset")
+        if self.resolution > MAX_RESOLUTION:
+            raise UserError(f"resolution {self.resolution:,} is more than {MAX_RESOLUTION:,} chunks per dataset; every active job"
+                            f" keeps an order and a read mask per chunk (about 9 bytes each), so lower --resolution")
         if not self.gpu_speed > 0:
             raise UserError(f"GPU speed {self.gpu_speed} must be > 0")
         if not self.decision_interval_s >= 0:
@@ -933,7 +939,7 @@ class Simulator:
             lo, hi = looked_l[i], last_l[i]
             fetched = 0.0
             if hi > lo:
-                n_hits = int(np.count_nonzero(cache.access(job, job.perm[lo:hi])))
+                n_hits = cache.access(job, job.perm[lo:hi])
                 job.looked_up(n_hits, lo, hi)
                 job.looked = hi
                 fetched = job.fetched(hi - lo, n_hits)

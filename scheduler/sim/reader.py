@@ -365,7 +365,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
                 job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
             else:
                 job.unread_expected(volatile)
-                n_hits = int(np.count_nonzero(cache.access(job, job.perm[job.looked:last])))
+                n_hits = cache.access(job, job.perm[job.looked:last])
                 job.looked_up(n_hits, job.looked, last)
                 fetched = job.fetched(last - job.looked, n_hits)
             job.looked = last

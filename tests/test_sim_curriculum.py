@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from reference.trace_csv import trace_csv
 from reference.itemsim import RefJob, RefScenario, simulate
+from reference.trace_csv import trace_csv
 from scheduler.cli import app
 
 GB = 1e9

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from reference.itemsim import RefJob, RefScenario, simulate
+from reference.trace_csv import trace_csv
 from scheduler.cli import app
 
 GB = 1e9
@@ -98,9 +99,7 @@ def _reference(case: Case) -> tuple[dict, dict]:
 
 def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
     trace = tmp / "trace.csv"
-    rows = ["job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs"]
-    rows += [f"{j.job_id},{j.submit},{j.gpus},m,{j.dataset},{case.datasets[j.dataset]:.0f},{j.ideal:.0f},{j.epochs}" for j in case.jobs]
-    trace.write_text("\n".join(rows) + "\n")
+    trace.write_text(trace_csv(case.jobs, case.datasets, ITEMS))
     out = tmp / f"out{seed}"
     result = CliRunner().invoke(app, [
         "simulate", "--trace", str(trace), "--gpus", str(case.gpus), "--gpus-per-node", str(case.gpus),

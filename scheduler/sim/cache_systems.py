@@ -578,8 +578,8 @@ class AlluxioLRUCache(SimCacheSystem):
                     other.moved += 1
             while self.total_bytes > self.capacity * (1 + 1e-12):
                 key, vsize = order.popitem(last=False)
-                victim_ds = self.by_base[key // KEY_STRIDE]
-                victim = key % KEY_STRIDE
+                ds_index, victim = divmod(key, KEY_STRIDE)
+                victim_ds = self.by_base[ds_index]
                 self.cached[victim_ds][victim] = False
                 self.counts[victim_ds] -= 1
                 self.total_bytes -= vsize

@@ -69,3 +69,37 @@ def test_a_grant_revoked_while_a_submission_is_checked_refuses_it(tmp_path, monk
             assert len(client.get("/v1/jobs", headers=H_BOB).json()) == 1
     finally:
         service.close()
+
+
+def test_job_json_is_asdicts_for_every_kind_of_field() -> None:
+    """GET /v1/jobs/{id} and the listings serialise a JobRecord field by field (asdict's
+    recursive copy was a third of the handler). The result must be exactly asdict's, with the
+    access pattern flattened, for a record whose every dataclass-valued field is set."""
+    from dataclasses import asdict, fields, is_dataclass
+
+    from estimator.access import AccessPattern
+    from scheduler.service.api.app import _JOB_NESTED, _record_dict
+    from scheduler.service.measured_params import MeasuredParams
+    from scheduler.service.types import Bottleneck, JobRecord
+
+    access = AccessPattern.curriculum_learning(0.04, 1.9, 50_000, 256)
+    record = JobRecord(
+        id="7", name="r50", owner="alice", gpus=4, dataset="imagenet", dataset_owner="alice", model=None,
+        ideal_throughput=4e8, epochs=2.0, steps=None, step_bytes=None, total_bytes=2.8e11, consumed_bytes=1e9,
+        remaining_bytes=2.79e11, priority=0, state="running", submit_time=1.0, start_time=2.0, finish_time=None,
+        message="", allocated_gpus=4, gpu_share=1.0, remote_io=2e8, access=access, cpu_rate=5e7,
+        autocache_expansion=None, post_cpu_rate=None, allocated_cpus=8.0,
+        bottleneck=Bottleneck("remote_io", 2e8, 1.0, 1.0, 1.05, 1.1),
+        cache_mode="source", cache_expansion=None,
+        measured_parameters=MeasuredParams(4e8, 3.5e8, 60.0, 5e7, 5e7, 0.0, 3.4e8, 3.6e8, "remote_io", None, None, 9.0),
+    )
+    nested = {f.name for f in fields(JobRecord) if f.name != "access" and is_dataclass(getattr(record, f.name))}
+    assert nested == set(_JOB_NESTED)  # a new dataclass-valued field must be added to _JOB_NESTED
+    expected = asdict(record)
+    flat = access.fields()
+    expected["access"] = {"kind": flat.pop("access"), **flat}
+    got = _record_dict(record)
+    assert got == expected and list(got) == list(expected)
+    queued = JobRecord(**{**{f.name: getattr(record, f.name) for f in fields(JobRecord)},
+                          "bottleneck": None, "measured_parameters": None, "access": AccessPattern()})
+    assert _record_dict(queued)["bottleneck"] is None and _record_dict(queued)["access"]["kind"] == "epoch"

@@ -206,7 +206,7 @@ def test_a_query_error_on_one_row_is_not_reported_as_an_outage(world, monkeypatc
 
     from scheduler.service.consumption import ConsumptionStore
 
-    def broken(self, job_ids):  # type: ignore[no-untyped-def]
+    def broken(self, job_ids, connection=None):  # type: ignore[no-untyped-def]
         raise sqlalchemy.exc.OperationalError("SELECT sum(...)", {}, Exception("integer overflow"))
 
     monkeypatch.setattr(ConsumptionStore, "measured", broken)

@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -168,7 +169,8 @@ _GET_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"))
 _GET_OWN_JOB = _JOB_QUERY.where(Job.id == bindparam("jid"), Job.owner == bindparam("owner"))
 
 
-def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
+def _row_record(r, **extra: Any) -> JobRecord:  # type: ignore[no-untyped-def]
+    """`extra`: fields a listing leaves at their defaults (GET one job: its cache mode)."""
     return JobRecord(
         id=str(r[0]), name=r[1], owner=r[2], gpus=r[3], dataset=r[4], dataset_owner=r[5], model=r[6],
         ideal_throughput=r[7], epochs=r[8], steps=r[9], step_bytes=r[10], total_bytes=r[11], consumed_bytes=r[12],
@@ -178,6 +180,7 @@ def _row_record(r) -> JobRecord:  # type: ignore[no-untyped-def]
         post_cpu_rate=r[29], allocated_cpus=r[30],
         measured_parameters=None if r[33] is None else params_of(
             JobMeasurementRow(**dict(zip(_MEASURED_COLUMNS, r[33:33 + len(_MEASURED_COLUMNS)]))), r[7], r[27]),
+        **extra,
     )
 
 
@@ -619,21 +622,22 @@ class Catalogue:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
         return job
 
-    def get_job(self, who: Principal, job_id: str) -> JobRecord:
+    def get_job(self, who: Principal, job_id: str, connection: Connection | None = None) -> JobRecord:
+        """One job, or NotFoundError. `connection`: read on it (the API reads the job's
+        consumption on the same one), else on a connection of its own."""
         pk = parse_job_id(job_id)
         row = None
         if pk is not None:
             # A plain connection, not an ORM session: this is the hottest read (GET /v1/jobs/{id}).
-            with self.sessions.kw["bind"].connect() as c:
+            with nullcontext(connection) if connection is not None else self.sessions.kw["bind"].connect() as c:
                 if who.is_admin:
                     row = c.execute(_GET_JOB, {"jid": pk}).first()
                 else:
                     row = c.execute(_GET_OWN_JOB, {"jid": pk, "owner": who.user}).first()
         if row is None:
             raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
-        record = _row_record(row)
         expansion = row[_EXPANSION]
-        record = replace(record, cache_mode="source" if expansion is None else "preprocessed", cache_expansion=expansion)
+        record = _row_record(row, cache_mode="source" if expansion is None else "preprocessed", cache_expansion=expansion)
         return _with_bottlenecks([row], [record], self.config.capacity)[0]
 
     def list_jobs(

@@ -27,8 +27,9 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from contextlib import nullcontext
 
-from sqlalchemy import Select, bindparam, case, func, select, update
+from sqlalchemy import Connection, Select, bindparam, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -170,7 +171,9 @@ class ConsumptionStore:
 
     # --- reading ------------------------------------------------------------------------------
 
-    def measured(self, job_ids: Iterable[str]) -> dict[str, Measured]:
+    def measured(self, job_ids: Iterable[str], connection: Connection | None = None) -> dict[str, Measured]:
+        """What the node agents reported of these jobs' pods, summed per job. `connection`: read
+        on it (GET /v1/jobs/{id} reads the job on the same one), else on one of its own."""
         ids = [int(j) for j in job_ids if str(j).isdigit()]
         if not ids:
             return {}
@@ -178,7 +181,7 @@ class ConsumptionStore:
         # A prebuilt statement on a plain connection (GET /v1/jobs/{id} calls this per request:
         # building the query and an ORM session each time cost more than the query itself).
         q = _measured_query(engine.dialect.name == "sqlite", len(ids) == 1)
-        with engine.connect() as c:
+        with nullcontext(connection) if connection is not None else engine.connect() as c:
             rows = c.execute(q, {"jid": ids[0]} if len(ids) == 1 else {"ids": ids})
             return {str(row[0]): Measured(*(int(v or 0) for v in row[1:6]), pods=int(row[6]), updated_at=float(row[7]))
                     for row in rows}

@@ -209,8 +209,8 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                 continue
             row = dict(job_id=jid, gpus=g, gpu_share=sh, remote_io=io, running=run, cpu=cpu, round_id=rid, updated_at=now)
             (changed_rows if existed else new_rows).append(row)
-        if new_rows:
-            s.execute(insert(JobAllocationRow), new_rows)
+        if new_rows:  # Core executemany on the table: the ORM's bulk insert walks each row in Python
+            s.connection().execute(insert(JobAllocationRow.__table__), new_rows)
         if changed_rows:  # Core executemany (bindparam WHERE): one statement, no ORM objects
             s.connection().execute(
                 update(JobAllocationRow).where(JobAllocationRow.job_id == bindparam("b_job_id")).values(
@@ -264,7 +264,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                      for did, (b, e, ex) in d.cache_set.items() if not ex]
         old_cache = [dict(b_id=did, bytes=b, expansion=e, round_id=rid, updated_at=now) for did, (b, e, ex) in d.cache_set.items() if ex]
         if new_cache:
-            s.execute(insert(CacheAllocationRow), new_cache)
+            s.connection().execute(insert(CacheAllocationRow.__table__), new_cache)
         if old_cache:
             s.connection().execute(update(CacheAllocationRow).where(CacheAllocationRow.dataset_id == bindparam("b_id")).values(
                 bytes=bindparam("bytes"), expansion=bindparam("expansion"), round_id=bindparam("round_id"),
@@ -279,7 +279,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                 audit += _audit(now, "dataset", key, {"cache": (olds.get(did), 0.0)})
                 pending.cache[key] = 0.0
             s.execute(delete(CacheAllocationRow).where(CacheAllocationRow.dataset_id.in_(d.cache_release)))
-        if audit:  # one executemany instead of thousands of ORM objects
-            s.execute(insert(AllocationChange), [{**a, "round_id": rid} for a in audit])
+        if audit:  # one Core executemany: no ORM objects, nor the ORM's per-row bulk-insert pass
+            s.connection().execute(insert(AllocationChange.__table__), [{**a, "round_id": rid} for a in audit])
         s.execute(update(Round).where(Round.id == rid).values(changes=len(audit), duration_s=time.perf_counter() - t0))
     return pending, rid, len(audit)

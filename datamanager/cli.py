@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from estimator.errors import UserError
+from contract.log_level import parse_log_level
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -24,6 +25,7 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("warning", "--log-level"),
     ) -> None:
         """Run the data manager: cache/remote-IO allocation API for FUSE clients (SiloD Table 3)."""
+        log_level = parse_log_level(log_level)
         host, port = parse_listen(listen)
         from http_guard.listen import listen_problem
 
@@ -38,6 +40,11 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--state {str(state)!r} cannot be created: {exc.strerror}") from exc
         if not state.is_dir():
             raise UserError(f"--state {str(state)!r} is not a directory")
+        state_file = state / "state.json"
+        if state_file.exists() and not state_file.is_file():
+            kind = "a directory" if state_file.is_dir() else "not a regular file"
+            raise UserError(f"--state {str(state)!r}: {str(state_file)!r} is {kind}; it must be a file (the data "
+                            "manager's saved allocations): remove or rename it, or pass another --state")
         import ipaddress
 
         import uvicorn
@@ -68,4 +75,4 @@ def register(app: typer.Typer) -> None:
         from http_guard.timeouts import HeaderTimeoutH11Protocol
 
         # h11 with a header read timeout: slow-header clients are cut off (http_guard/timeouts.py)
-        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower(), http=HeaderTimeoutH11Protocol)
+        uvicorn.run(app_, host=host, port=port, log_level=log_level, http=HeaderTimeoutH11Protocol)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+from contract.log_level import parse_log_level
+
 
 def _node_name(value: str) -> str:
     from estimator.errors import UserError
@@ -55,11 +57,12 @@ def register(app: typer.Typer) -> None:
         from fuse_client.lru_cache import parse_mode
         from fuse_client.mount import MountConfig, run_mount
 
+        level = parse_log_level(log_level).upper()
         try:
             mode = None if cache_mode is None else parse_mode(cache_mode)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         cfg = MountConfig(
             mountpoint=mountpoint.absolute(),
             source=source,

@@ -72,6 +72,11 @@ def test_cluster_flags_use_the_bounds():
     ("j1,0,1,m,d,1e30,100MB/s,1", "dataset_size", "1EB"),
     ("j1,0,1,m,d,10GB,1PB/s,1", "ideal_throughput", "10TB/s"),
     ("j1,0,2000000,m,d,10GB,100MB/s,1", "num_gpus", "1,000,000"),
+    # 1e300 epochs overflowed the job's bytes to inf: the job "finished" in 10 s (GPU use 187%).
+    ("j1,0,1,m,d,1GB,100MB/s,1e300", "epochs", "1e+06"),
+    ("j1,0,1,m,d,1GB,100MB/s,1000001", "epochs", "1e+06"),
+    # A 1e-300-byte dataset finished inside the engine's shortest step (GPU use 1040%).
+    ("j1,0,1,m,d,1e-300,100MB/s,1", "dataset_size", "at least 1 byte"),
 ])
 def test_trace_rows_out_of_range_name_line_column_and_range(tmp_path, row, column, limit):
     from traces.csv_trace import TraceError, load_csv_trace
@@ -81,6 +86,32 @@ def test_trace_rows_out_of_range_name_line_column_and_range(tmp_path, row, colum
     with pytest.raises(TraceError) as info:
         load_csv_trace(path)
     assert f"line 2, column {column!r}" in str(info.value) and limit in str(info.value)
+
+
+def test_a_column_given_twice_is_refused(tmp_path):
+    """csv.DictReader keeps the last of two same-named columns: `job_id,job_id,...` read the
+    second id and ignored the first without a word."""
+    from traces.csv_trace import TraceError, load_csv_trace
+
+    path = tmp_path / "t.csv"
+    path.write_text("job_id," + HEADER + "j0,j1,0,1,m,d,10GB,100MB/s,1\n")
+    with pytest.raises(TraceError, match="line 1, column 'job_id': appears twice"):
+        load_csv_trace(path)
+
+
+def test_durations_outside_the_simulated_horizon_are_refused(tmp_path):
+    """1 GB at 1e-3 B/s (1e12 s) had the engine step through ten simulated years for minutes;
+    at 1e-300 B/s it warned of an overflow and never ended. Both name the job and its units."""
+    import subprocess
+    import sys
+
+    for rate, shown in (("1e-3", "1e+12 s"), ("1e-300", "inf s")):
+        path = tmp_path / "t.csv"
+        path.write_text(HEADER + f"j1,0,1,m,d,1GB,{rate},1\n")
+        r = subprocess.run([sys.executable, "-m", "scheduler", "simulate", "--trace", str(path), "--out", str(tmp_path / "out")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert "job j1" in r.stderr and shown in r.stderr and "ideal_throughput" in r.stderr
 
 
 def test_binary_trace_is_a_clear_error(tmp_path):

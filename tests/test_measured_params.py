@@ -187,9 +187,13 @@ def test_report_endpoint_trust_and_bounds(svc):
     assert c.post("/v1/jobs/999/report", json=ok, headers=H_ALICE).status_code == 404
     for bad in ({"step_seconds": 0, "batch_bytes": 1}, {"step_seconds": 1e9, "batch_bytes": 1},
                 {"step_seconds": 0.1, "batch_bytes": -5}, {"step_seconds": 0.1, "batch_bytes": 1e300},
-                {"step_seconds": 0.1}, {"step_seconds": 0.1, "batch_bytes": 1, "extra": 1}):
+                {"step_seconds": 0.1}, {"step_seconds": 0.1, "batch_bytes": 1, "extra": 1},
+                # each in range, their ratio not: 2^50 B per 0.1 ms would be stored as 1.1e19 B/s
+                {"step_seconds": 1e-4, "batch_bytes": 2.0**50}, {"step_seconds": 86_400, "batch_bytes": 1e-300}):
         r = c.post(url, json=bad, headers=H_ALICE)
         assert r.status_code == 422, (bad, r.text)
+    r = c.post(url, content=b'{"step_seconds": NaN, "batch_bytes": 1}', headers={**H_ALICE, "Content-Type": "application/json"})
+    assert r.status_code == 422 and "finite" in r.text, r.text  # not "should be <= 86400"
     r = c.post(url, json=ok, headers=H_ALICE)
     assert r.status_code == 202 and r.json()["client_ideal_throughput"] == pytest.approx(50 * MB)
     # The client may lower what planning uses (50 < 100 declared), before any measurement.

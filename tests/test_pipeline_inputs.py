@@ -73,9 +73,9 @@ def test_cluster_cpus_per_node_from_flags_and_yaml(tmp_path):
     assert cap.cpus_per_node is None and not cap.manages_cpu and cap.cpus == float("inf")
 
 
-@pytest.mark.parametrize("value,fragment", [("0", "must be between 0 and 1,000,000"), ("-4", "must be between 0 and 1,000,000"),
-                                            ("many", "not a core count"), ("nan", "must be between 0 and 1,000,000"),
-                                            ("1e30", r"1e\+30 must be between 0 and 1,000,000")])
+@pytest.mark.parametrize("value,fragment", [("0", "must be > 0 and at most 1,000,000"), ("-4", "must be > 0 and at most 1,000,000"),
+                                            ("many", "not a core count"), ("nan", "must be > 0 and at most 1,000,000"),
+                                            ("1e30", r"1e\+30 must be > 0 and at most 1,000,000")])
 def test_cluster_bad_cpus_per_node(value, fragment):
     with pytest.raises(UserError, match=fragment):
         load_cluster(None, gpus=8, cache="1TB", remote_io="1GB/s", cpus_per_node=value)

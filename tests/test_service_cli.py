@@ -118,3 +118,44 @@ def test_serve_startup_errors_exit_2(tmp_path: Path, args: list[str], message: s
     r = subprocess.run([*SILOD, *base, *args], env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error:") and message in r.stderr and "Traceback" not in r.stderr
+
+
+ALICE = "alice-cancel-token-123"
+
+
+@pytest.mark.slow
+def test_cancel_sends_the_job_id_as_one_path_segment(tmp_path: Path) -> None:
+    """`silod cancel` put the id into the URL as it was: "1/../2" cancelled job 2, and with the
+    admin token "../tokens/3" revoked a token. The id is one percent-encoded path segment now."""
+    (tmp_path / "tokens").write_text(f"alice:{ALICE}\n")
+    port = _port()
+    proc = _serve(tmp_path, port)
+    try:
+        assert _cli("dataset-add", "d1", "--uri", "s3://d/d1", "--size", "1GB", token=ALICE, port=port).returncode == 0
+        ids = []
+        for name in ("first", "second"):  # 8 GPUs each on an 8-GPU cluster: the second one waits
+            r = _cli("submit", "--name", name, "--gpus", "8", "--dataset", "d1", "--epochs", "1",
+                     "--ideal-throughput", "1GB/s", token=ALICE, port=port)
+            assert r.returncode == 0, r.stderr
+            ids.append(r.stdout.strip())
+        victim = ids[1]
+
+        for bad in (f"{ids[0]}/../{victim}", "..", f"../jobs/{victim}"):
+            r = _cli("cancel", bad, token=ALICE, port=port)
+            assert r.returncode == 2, r.stderr
+            assert f"no job with id {bad!r}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        # The admin token reaches every route: '../tokens/1' must not become DELETE /v1/tokens/1.
+        r = _cli("cancel", "../tokens/1", token=ADMIN_TOKEN, port=port)
+        assert r.returncode == 2 and "no job with id '../tokens/1'" in r.stderr, r.stderr
+        r = _cli("cancel", "", token=ALICE, port=port)
+        assert r.returncode == 2 and r.stderr.startswith("error: JOB_ID is empty"), r.stderr
+
+        r = _cli("jobs", "--json", token=ALICE, port=port)  # alice's token was not revoked
+        assert r.returncode == 0, r.stderr
+        states = {j["id"]: j["state"] for j in json.loads(r.stdout)}
+        assert states[victim] == "queued", states
+        assert all(s != "cancelled" for s in states.values()), states
+        r = _cli("cancel", victim, token=ALICE, port=port)  # the plain id still works
+        assert r.returncode == 0 and r.stdout.strip() == f"{victim} cancelled", r.stderr
+    finally:
+        _stop(proc)

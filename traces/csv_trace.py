@@ -37,6 +37,8 @@ ITEM_SIZE = "item_size"  # optional: bytes per item of the row's dataset
 # (`acess`) would otherwise be ignored and the run would silently use the default.
 KNOWN_COLUMNS = (*COLUMNS, "duration", *ACCESS_COLUMNS, ITEM_SIZE, *PIPELINE_FIELDS)
 MAX_GPUS_PER_JOB = MAX_GPUS
+#: The REST API's bound too (POST /v1/jobs): beyond it a job's bytes overflow the float counts.
+MAX_EPOCHS = 1e6
 
 
 class TraceError(UserError):
@@ -87,6 +89,10 @@ def _read_rows(path: Path, handle: TextIO) -> Trace:
         raise TraceError(f"{path}: the file is empty; it needs the header line {','.join(COLUMNS)} and one row per job")
     header = [h.strip() for h in header]
     reader.fieldnames = header
+    twice = [c for i, c in enumerate(header) if c in header[:i]]
+    if twice:
+        # csv.DictReader keeps the last of two same-named columns: the first would be ignored.
+        raise _fail(path, 1, twice[0], "appears twice in the header; give each column once")
     missing = [c for c in REQUIRED if c not in header]
     if "epochs" not in header and "duration" not in header:
         missing.append("epochs (or duration)")
@@ -149,8 +155,8 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
     if not dataset:
         raise _fail(path, line, "dataset", "empty; name the dataset the job reads")
     size = _size(get["dataset_size"], dataset, path, line)
-    if size <= 0:
-        raise _fail(path, line, "dataset_size", "must be > 0 bytes")
+    if size < 1:
+        raise _fail(path, line, "dataset_size", f"{size:g} B; a dataset is at least 1 byte (e.g. 143GB)")
     if dataset in sizes and not math.isclose(sizes[dataset], size, rel_tol=1e-9):
         raise _fail(path, line, "dataset_size", f"dataset {dataset!r} was given size {sizes[dataset]:.0f} B on an earlier line; one dataset has one size")
     sizes[dataset] = size
@@ -166,8 +172,13 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
         if duration <= 0:
             raise _fail(path, line, "duration", f"{duration} must be > 0 seconds")
         epochs = duration * ideal / size
+        if epochs > MAX_EPOCHS:
+            raise _fail(path, line, "duration", f"{duration:g} s at {ideal:g} B/s reads the {size:g}-byte dataset {epochs:.3g} "
+                                                f"times; at most {MAX_EPOCHS:g} epochs (check the units of duration and ideal_throughput)")
     else:
         raise _fail(path, line, "epochs", "empty; give epochs or a duration in seconds")
+    if epochs > MAX_EPOCHS:
+        raise _fail(path, line, "epochs", f"{epochs:g} is more than {MAX_EPOCHS:g} epochs; a job reads its dataset at most that often")
     return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line), _pipeline(get, path, line))
 
 

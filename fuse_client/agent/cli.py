@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from estimator.errors import UserError
+from contract.log_level import parse_log_level
 
 
 def register(app: typer.Typer) -> None:
@@ -47,7 +48,7 @@ def register(app: typer.Typer) -> None:
         from fuse_client.agent.server import Agent
         from fuse_client.agent.volumes import VolumeManager
 
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=parse_log_level(log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         node = node or os.environ.get("NODE_NAME")
         if not node:
             raise UserError("no node name: pass --node or set NODE_NAME (the DaemonSet sets it from spec.nodeName)")
@@ -102,7 +103,7 @@ def register_controller(app: typer.Typer) -> None:
 
         from fuse_client.agent.server import ControllerServer
 
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=parse_log_level(log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         resolver = _dataset_resolver(datasets, scheduler)
         server = ControllerServer(socket, resolver, namespace_prefix)
         server.start()

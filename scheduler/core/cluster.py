@@ -24,7 +24,7 @@ def _cpus(value, what: str) -> float | None:
     except ValueError:
         raise UserError(f"{what} {value!r} is not a core count; give the CPU cores of one node, e.g. 24") from None
     if not 0 < number <= 1e6:  # NaN fails this too
-        raise UserError(f"{what} {number:g} must be between 0 and 1,000,000 (the CPU cores of one node, e.g. 24);"
+        raise UserError(f"{what} {number:g} must be > 0 and at most 1,000,000 (the CPU cores of one node, e.g. 24);"
                         f" omit it when CPU is not constrained")
     return number
 

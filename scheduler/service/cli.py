@@ -6,6 +6,7 @@ simulator do not pay for them. Every user mistake is a UserError: `error: ...`, 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from estimator.errors import RuntimeFailure, UserError
+from contract.log_level import parse_log_level
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
@@ -56,6 +58,18 @@ def parse_free_listen(value: str, option: str = "--listen") -> tuple[str, int]:
     if problem:
         raise UserError(f"{option} {value}: {problem}")
     return host, port
+
+
+#: The smallest --max-body: a plain job submission or dataset registration is a few hundred bytes.
+MIN_MAX_BODY = 1024
+
+
+def _must_be_file(path: Path, what: str) -> None:
+    """`path`, when it exists, is a regular file (not a directory, socket ...): one clear error otherwise."""
+    if path.exists() and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise UserError(f"{what} {str(path)!r} is {kind}; it must be a file: remove or rename it, or pass another "
+                        f"--state-dir")
 
 
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|min|h)?\s*$")
@@ -112,7 +126,7 @@ def parse_quota(value: str | None) -> Any:
             raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
         if key == "cache":
             out[names[key]] = float(parse_size(val, what="--default-quota cache"))
-        elif val.strip().isdigit():
+        elif re.fullmatch(r"[0-9]+", val.strip()):  # ASCII digits only: str.isdigit() accepts '²'
             out[names[key]] = int(val)
         else:
             raise UserError(f"--default-quota {key}={val!r} must be a whole number >= 0")
@@ -122,8 +136,10 @@ def parse_quota(value: str | None) -> Any:
 def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None, require_any: bool = True) -> Any:
     """Tokens for `silod serve`: the admin token from the environment, the tokens file imported
     into the database (revocable there), HMAC key from SILOD_TOKEN_KEY or state_dir/token.key."""
-    from scheduler.service.api.auth import ADMIN_TOKEN_ENV, METRICS_TOKEN_ENV, TokenStore, load_token_key
+    from scheduler.service.api.auth import ADMIN_TOKEN_ENV, METRICS_TOKEN_ENV, TOKEN_KEY_ENV, TokenStore, load_token_key
 
+    if not os.environ.get(TOKEN_KEY_ENV):
+        _must_be_file(Path(state_dir) / "token.key", "the token key file")
     store = TokenStore(engine, load_token_key(state_dir), admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                        metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
     if tokens_file is not None:
@@ -367,35 +383,118 @@ def build_service(
     return service
 
 
+def _open_service_state(db: str | None, state_dir: Path) -> Any:
+    """The database of an existing `silod serve` for `silod secrets`: the key file (unless the
+    keys come from SILOD_SECRET_KEYS) and the database must exist already. Nothing is created
+    when they do not (a new key and an empty database would report success and re-seal nothing)."""
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from scheduler.service.db import open_database
+    from scheduler.service.db.engine import make_engine, normalize_url
+    from scheduler.service.sealed import SECRET_KEYS_ENV, key_file
+
+    fix = "pass the --db and --state-dir of the running `silod serve`"
+    if not os.environ.get(SECRET_KEYS_ENV, "").strip():
+        keys = key_file(state_dir)
+        if not keys.is_file():
+            problem = "is not a file" if keys.exists() else "does not exist"
+            raise UserError(f"secret key file {str(keys)!r} {problem} (--state-dir {str(state_dir)!r}); {fix}")
+    url = normalize_url(db or f"sqlite:///{state_dir / 'silod.db'}")
+    shown = url
+    if url.startswith("sqlite"):
+        path = url.split(":///", 1)[1].split("?", 1)[0] if ":///" in url else ""
+        if not path or path == ":memory:" or not Path(path).expanduser().is_file():
+            where = f"database {path!r}" if path else f"database {url!r}"
+            raise UserError(f"{where} does not exist{'' if db else ' (the default in --state-dir)'}; {fix}")
+    engine = make_engine(url)
+    try:
+        shown = engine.url.render_as_string(hide_password=True)
+        has_schema = inspect(engine).has_table("credentials")
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        raise UserError(f"cannot open database {shown}: {getattr(exc, 'orig', None) or exc}") from None
+    engine.dispose()
+    if not has_schema:
+        raise UserError(f"database {shown} has no silod tables (not a silod serve database); {fix}")
+    return open_database(url)
+
+
 # ---------------------------------------------------------------- HTTP client side
+
+
+def _check_token(token: str, option: str) -> str:
+    """A bearer token goes into an HTTP header: printable ASCII only (the token itself is never echoed)."""
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            raise UserError(f"{option} must be printable ASCII (letters, digits, punctuation), as the tokens silod "
+                            f"issues are; it has {('a control' if ch.isascii() else 'a non-ASCII')} character at "
+                            f"position {i + 1}; pass the token exactly as you were given it")
+    return token
+
+
+def _check_server(server: str, option: str) -> str:
+    import httpx
+
+    example = "e.g. http://127.0.0.1:8080"
+    try:
+        url = httpx.URL(server)
+    except httpx.InvalidURL as exc:
+        raise UserError(f"{option} {server!r} is not a valid URL ({exc}); {example}") from None
+    if url.scheme not in ("http", "https"):
+        raise UserError(f"{option} {server!r} is not an http(s) URL; {example}")
+    if not url.host:
+        raise UserError(f"{option} {server!r} is not a valid URL (no host); {example}")
+    return server
+
+
+def _path_segment(value: str) -> str:
+    """`value` as one URL path segment: '/', '?', '#', '%' ... percent-encoded, and '.' / '..'
+    encoded too, so that no client or proxy resolves them as dot segments."""
+    from urllib.parse import quote
+
+    encoded = quote(value, safe="")
+    return encoded.replace(".", "%2E") if encoded in (".", "..") else encoded
 
 
 def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-def]
     import httpx
 
+    server_option = "--server" if server else ("SILOD_SERVER" if os.environ.get("SILOD_SERVER") else "--server")
+    token_option = "--token" if token else "SILOD_TOKEN"
     server = server or os.environ.get("SILOD_SERVER") or DEFAULT_SERVER
     token = token or os.environ.get("SILOD_TOKEN")
     if not token:
         raise UserError("no API token: pass --token or set SILOD_TOKEN")
+    _check_token(token, token_option)
+    _check_server(server, server_option)
     return httpx.Client(base_url=server, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
 
 
-def _call(server: str | None, token: str | None, method: str, path: str, **kwargs: Any) -> Any:
+def _call(server: str | None, token: str | None, method: str, path: str, *, not_found: str | None = None,
+          **kwargs: Any) -> Any:
+    """`not_found`: the error for an HTTP 404 (e.g. "no job with id '7'"), instead of the server's text."""
     import httpx
 
     with _client(server, token) as client:
         try:
             response = client.request(method, path, **kwargs)
-        except httpx.UnsupportedProtocol as exc:
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
             raise UserError(f"--server {str(client.base_url)!r} is not an http(s) URL ({exc}); e.g. http://127.0.0.1:8080") from exc
         except httpx.HTTPError as exc:
             raise RuntimeFailure(f"cannot reach the silod server at {client.base_url}: {exc}; is `silod serve` running "
                                  f"there? (set --server or SILOD_SERVER)") from exc
     if response.status_code >= 500:
         raise RuntimeFailure(f"{method} {path}: the server failed (HTTP {response.status_code}): {_error_text(response)}")
+    if response.status_code == 404 and not_found is not None:
+        raise UserError(f"{method} {path}: HTTP 404: {not_found}")
     if response.status_code >= 400:
         raise UserError(f"{method} {path}: HTTP {response.status_code}: {_error_text(response)}")
-    return response.json()
+    try:
+        return response.json()
+    except ValueError:
+        raise RuntimeFailure(f"{method} {path}: the server's answer is not JSON (HTTP {response.status_code}); "
+                             f"is --server a silod server?") from None
 
 
 def _error_text(response: Any) -> str:
@@ -504,9 +603,13 @@ def register(app: typer.Typer) -> None:
 
         from estimator.units import parse_size
 
+        log_level = parse_log_level(log_level)
         host, port = parse_free_listen(listen)
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
+        if body_cap < MIN_MAX_BODY:
+            raise UserError(f"--max-body {max_body!r} is below 1KiB: every job submission would be refused (413); "
+                            "the default is 1MiB")
         if (tls_cert is None) != (tls_key is None):
             raise UserError("--tls-cert and --tls-key go together")
         for f in (tls_cert, tls_key):
@@ -632,6 +735,8 @@ def register(app: typer.Typer) -> None:
         from estimator.units import parse_gpus, parse_rate, parse_size
 
         parse_gpus(gpus, "--gpus")  # bad values fail here, before any network call
+        if epochs is not None and not (math.isfinite(epochs) and epochs > 0):
+            raise UserError(f"--epochs {epochs:g} must be a finite number > 0, e.g. --epochs 2 or --epochs 0.5")
         if step_bytes is not None:
             parse_size(step_bytes, "--step-bytes")
         if ideal_throughput is not None:
@@ -723,7 +828,10 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Cancel a job."""
-        job = _call(server, token, "DELETE", f"/v1/jobs/{job_id}")
+        if not job_id.strip():
+            raise UserError("JOB_ID is empty; give the id of a job (the first column of `silod jobs`)")
+        job = _call(server, token, "DELETE", f"/v1/jobs/{_path_segment(job_id)}",
+                    not_found=f"no job with id {job_id!r}; `silod jobs` lists your jobs")
         typer.echo(f"{job['id']} {job['state']}")
 
     @app.command("dataset-add")
@@ -756,12 +864,13 @@ def register(app: typer.Typer) -> None:
         retire: Annotated[bool, typer.Option("--retire", help="re-seal under the current key, then drop the older keys (after every process was restarted)")] = False,
     ) -> None:
         """A new current key first in STATE_DIR/secret.keys and every stored secret re-sealed with it."""
-        from scheduler.service.db import open_database
-        from scheduler.service.sealed import load_secret_box, reseal_all, rotate_key_file
+        from scheduler.service.sealed import SECRET_KEYS_ENV, load_secret_box, reseal_all, rotate_key_file
 
+        if os.environ.get(SECRET_KEYS_ENV, "").strip():  # before anything is opened
+            raise UserError(f"the keys come from {SECRET_KEYS_ENV}: put the new key first there, restart, then run"
+                            " `silod secrets reseal`")
         state_dir = default_state_dir() if state_dir is None else state_dir
-        _prepare_state_dir(state_dir)
-        engine = open_database(db or f"sqlite:///{state_dir / 'silod.db'}")
+        engine = _open_service_state(db, state_dir)
         try:
             if retire:
                 n = reseal_all(engine, load_secret_box(state_dir))  # first: nothing may stay under a dropped key
@@ -779,12 +888,10 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[Path | None, typer.Option("--state-dir", help="where secret.keys is [default: as silod serve]")] = None,
     ) -> None:
         """Re-seal every stored secret under the current key (the first of SILOD_SECRET_KEYS or secret.keys)."""
-        from scheduler.service.db import open_database
         from scheduler.service.sealed import load_secret_box, reseal_all
 
         state_dir = default_state_dir() if state_dir is None else state_dir
-        _prepare_state_dir(state_dir)
-        engine = open_database(db or f"sqlite:///{state_dir / 'silod.db'}")
+        engine = _open_service_state(db, state_dir)
         try:
             typer.echo(f"{reseal_all(engine, load_secret_box(state_dir))} secrets re-sealed")
         finally:

@@ -221,6 +221,7 @@ class Simulator:
             )
         if not trace.jobs:
             raise UserError("the trace has no jobs")
+        _check_durations(trace, config)
         self.item_sizes = {j.dataset: _item_size(trace, j) for j in trace.jobs if j.access.curriculum is not None}
         self.trace = trace
         self.capacity = capacity
@@ -1031,6 +1032,26 @@ def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:
     if spare <= 0 or not extra_want.any():
         return base
     return base + max_min_share(extra_want, spare)
+
+
+#: A job shorter than this at its ideal rate is below the engine's time resolution (a step is
+#: at least a microsecond; a job done in less would be charged more GPU time than it ran).
+MIN_JOB_SECONDS = 1e-3
+
+
+def _check_durations(trace: Trace, config: SimConfig) -> None:
+    """Every job can finish within the simulated horizon and lasts longer than a step can be
+    short: a job of 1 GB at 1e-3 B/s would have the engine step through ten years of an idle
+    cluster, and one of 1e-300 bytes would finish in less than its first step."""
+    for j in trace.jobs:
+        seconds = j.ideal_duration(trace.dataset_sizes[j.dataset]) / config.gpu_speed
+        if not MIN_JOB_SECONDS <= seconds <= config.max_sim_time_s:
+            raise UserError(
+                f"job {j.job_id} reads {j.total_bytes(trace.dataset_sizes[j.dataset]):.3g} bytes at an ideal "
+                f"{j.ideal_throughput * config.gpu_speed:.3g} B/s: {seconds:.3g} s, outside what the simulator runs "
+                f"({MIN_JOB_SECONDS:g} s to {config.max_sim_time_s:.3g} s, its horizon); check the units of its "
+                f"dataset_size, ideal_throughput and epochs"
+            )
 
 
 def _item_size(trace: Trace, job: TraceJob) -> float:

@@ -229,7 +229,7 @@ def _record(r: ApiToken) -> TokenRecord:
 def parse_tokens_file(path: Path) -> list[tuple[str, str]]:
     """(tenant, token) pairs from a `tenant:token` file; errors name the file and line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is not part of the first user
     except OSError as exc:
         raise UserError(f"cannot read tokens file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError:

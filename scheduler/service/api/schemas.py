@@ -311,8 +311,18 @@ class ClientReportIn(_Strict):
     """A training job's own figures (POST /v1/jobs/{id}/report): the time its GPUs spend per step,
     not counting waiting for input, and the source bytes one step consumes."""
 
-    step_seconds: float = Field(ge=MIN_STEP_S, le=MAX_STEP_S, description="compute time per step, seconds")
-    batch_bytes: float = Field(gt=0, le=MAX_BATCH_BYTES, description="source bytes one step consumes")
+    step_seconds: float = Field(ge=MIN_STEP_S, le=MAX_STEP_S, allow_inf_nan=False, description="compute time per step, seconds")
+    batch_bytes: float = Field(ge=1, le=MAX_BATCH_BYTES, allow_inf_nan=False, description="source bytes one step consumes")
+
+    @model_validator(mode="after")
+    def _rate_in_range(self) -> ClientReportIn:
+        # Each figure alone may be in range and their ratio (the rate stored as the job's
+        # client_ideal_throughput) not: 2^50 bytes per 0.1 ms is 1e19 B/s.
+        rate = self.batch_bytes / self.step_seconds
+        if rate > MAX_RATE_BYTES_PER_S:
+            raise ValueError(f"batch_bytes / step_seconds = {rate:.3g} B/s is above {MAX_RATE_BYTES_PER_S:.0e} B/s "
+                             "(10 TB/s); check that step_seconds is in seconds and batch_bytes in bytes")
+        return self
 
 
 class JobOut(BaseModel):

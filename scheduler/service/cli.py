@@ -864,11 +864,8 @@ def register(app: typer.Typer) -> None:
         retire: Annotated[bool, typer.Option("--retire", help="re-seal under the current key, then drop the older keys (after every process was restarted)")] = False,
     ) -> None:
         """A new current key first in STATE_DIR/secret.keys and every stored secret re-sealed with it."""
-        from scheduler.service.sealed import SECRET_KEYS_ENV, load_secret_box, reseal_all, rotate_key_file
+        from scheduler.service.sealed import load_secret_box, reseal_all, rotate_key_file
 
-        if os.environ.get(SECRET_KEYS_ENV, "").strip():  # before anything is opened
-            raise UserError(f"the keys come from {SECRET_KEYS_ENV}: put the new key first there, restart, then run"
-                            " `silod secrets reseal`")
         state_dir = default_state_dir() if state_dir is None else state_dir
         engine = _open_service_state(db, state_dir)
         try:

@@ -26,6 +26,8 @@ field and the fix; state is only changed after the whole request validated.
 from __future__ import annotations
 
 import logging
+import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +101,58 @@ def _workers(value: int | None) -> int | None:
     return value
 
 
+# A mount's client id is "<node>-<job>-<pid>-<hex>" (fuse_client/mount.py) and its node a host
+# name: one path segment each, no '..', nothing a JSON or Prometheus encoder could refuse.
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,511}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+MAX_PID = 2**31
+
+
+def _text(value: str, field: str, max_len: int = 4096) -> None:
+    """Free text kept in the state file (a source URI, a mountpoint): printable and UTF-8, or a
+    400 naming the field. A lone surrogate ('\\ud800') passed JSON parsing, then failed every later
+    save of the state, which made every write a 500 until a restart."""
+    if len(value) > max_len:
+        raise UserError(f"{field} is {len(value):,} characters; at most {max_len:,}")
+    if _CONTROL_RE.search(value):
+        raise UserError(f"{field} {value[:80]!r} contains a control character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{field} {value[:80]!r} is not valid UTF-8 text (a lone surrogate)") from None
+
+
+def _check_registration(body: ClientRegistration) -> None:
+    if not _CLIENT_ID_RE.match(body.client_id):
+        raise UserError(f"client_id {body.client_id[:80]!r} must be 1-512 letters, digits, '.', '_' or '-', starting with a "
+                        f"letter or digit (a mount's is <node>-<job>-<pid>-<hex>)")
+    if not _HOST_RE.match(body.node):
+        raise UserError(f"node {body.node[:80]!r} is not a host name: letters, digits, '.', '_' and '-', at most 253")
+    validate_name(body.dataset, "dataset")
+    validate_name(body.job, "job")
+    _text(body.source, "source")
+    _text(body.mountpoint, "mountpoint")
+    if not 0 <= body.pid <= MAX_PID:
+        raise UserError(f"pid {body.pid} is not a process id (0 to {MAX_PID:,})")
+
+
+def _check_stats(value: Any, field: str = "stats") -> None:
+    """A heartbeat's stats are shown by /v1/status and /metrics as they came: a NaN or an
+    unencodable string among them made both answer 500 for as long as the client kept them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{field} is {value!r}; numbers in stats must be finite")
+    if isinstance(value, str):
+        _text(value, field)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _text(k, f"{field} key")
+            _check_stats(v, f"{field}.{k[:80]}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_stats(v, f"{field}[{i}]")
+
+
 def _check_uri(uri: str) -> None:
     """The operator's allow-list (contract.uri_policy), when SILOD_ALLOWED_URIS is set: the
     data manager records sources, it does not read them, so without the variable it accepts any."""
@@ -157,6 +211,7 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     def declare_dataset(name: str, body: DatasetDecl | None = None) -> dict:
         validate_name(name, "dataset")
         if body is not None and body.uri is not None:
+            _text(body.uri, "uri")
             _check_uri(body.uri)
         return store.declare_dataset(name, None if body is None else body.uri).model_dump()
 
@@ -249,6 +304,7 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
 
     @app.post("/v1/clients")
     def register_client(body: ClientRegistrationBody, request: Request) -> dict:
+        _check_registration(body)
         _own_node(request, body.node)
         _own_mount(request, body)
         _placed(request, body)
@@ -256,18 +312,15 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
             _own_node(request, store.client_node(body.client_id))
         except UnknownEntity:
             pass
-        validate_name(body.dataset, "dataset")
-        validate_name(body.job, "job")
         if body.source:
             _check_uri(body.source)
-        if not body.client_id or "/" in body.client_id:
-            raise UserError(f"client_id {body.client_id!r} must be non-empty and contain no '/'")
         alloc = store.register_client(ClientState(**body.model_dump()))
         return {"client_id": body.client_id, "allocation": alloc.as_dict()}
 
     @app.put("/v1/clients/{client_id}/heartbeat")
     def heartbeat(client_id: str, body: HeartbeatBody, request: Request) -> dict:
         _own_node(request, store.client_node(client_id))
+        _check_stats(body.stats)
         return {"allocation": store.heartbeat(client_id, body.stats).as_dict()}
 
     @app.delete("/v1/clients/{client_id}")

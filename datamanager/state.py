@@ -58,6 +58,11 @@ def _bounded(value: object, allocated: int | None) -> int:
     return n if allocated is None else min(n, int(allocated))
 
 
+def _bounded_or_none(value: object, allocated: int | None) -> int | None:
+    """`_bounded`, or None when the client did not report the figure (absent or null)."""
+    return None if value is None else _bounded(value, allocated)
+
+
 def _rate_at_most(value: object, allocated: float | None) -> float | None:
     """A reported rate (bytes/s) as a finite non-negative float, at most `allocated` when known;
     None when absent or not a number."""
@@ -320,19 +325,18 @@ class StateStore:
                 # A mount's cache never holds more than the dataset's allocation: a larger figure
                 # (an agent reported 1e15 for another tenant's dataset, issue 20) is capped there.
                 entry["cached_bytes"] = max(entry["cached_bytes"], _bounded(stats.get("cached_bytes"), entry["allocated_bytes"]))
-                entry["items_cached"] = max(entry["items_cached"], int(stats.get("items_cached", 0) or 0))
+                entry["items_cached"] = max(entry["items_cached"], _bounded(stats.get("items_cached"), None))
                 alloc_rate = self.allocation_for(c.client_id).remote_io_bytes_per_s
                 entry["jobs"][c.job] = {
                     "client_id": c.client_id, "live": live,
-                    "effective_cached_bytes": stats.get("effective_cached_bytes"),
+                    "effective_cached_bytes": _bounded_or_none(stats.get("effective_cached_bytes"), entry["allocated_bytes"]),
                     "remote_io_bytes_per_s": alloc_rate,
                     # The mount reads remote storage no faster than its allocation (its rate limiter):
                     # a larger figure (issue 20: an agent's report is not believed beyond what its
                     # node may carry) is capped there.
                     "remote_rate_bytes_per_s": _rate_at_most(stats.get("remote_rate_bytes_per_s"), alloc_rate),
-                    "throughput_bytes_per_s": stats.get("throughput_bytes_per_s"),
-                    "hit_bytes": stats.get("hit_bytes"), "miss_bytes": stats.get("miss_bytes"),
-                    "remote_bytes": stats.get("remote_bytes"), "epoch": stats.get("epoch"),
+                    "throughput_bytes_per_s": _rate_at_most(stats.get("throughput_bytes_per_s"), None),
+                    **{k: _bounded_or_none(stats.get(k), None) for k in ("hit_bytes", "miss_bytes", "remote_bytes", "epoch")},
                 }
             datasets = {}
             for ds in self.state.datasets.values():

@@ -258,6 +258,12 @@ def test_credentials_are_per_tenant_and_never_returned(client: TestClient) -> No
     for endpoint in ("http://127.0.0.1:9000", "https://169.254.169.254", "http://example.com"):
         r = client.post("/v1/credentials", json={**cred, "name": "x", "endpoint_url": endpoint}, headers=H_ALICE)
         assert r.status_code == 400 and r.json()["field"] == "endpoint_url", endpoint
+    # Keys become a job's environment variables and request headers: a NUL or a line break was
+    # stored (201) and would only fail the job's start.
+    for field, value in (("access_key_id", "AKIA\u0000X"), ("secret_access_key", "s\r\nX-Injected: y")):
+        r = client.post("/v1/credentials", json={**cred, "name": "y", field: value}, headers=H_ALICE)
+        assert r.status_code == 422 and field in r.text, (field, r.text)
+    assert [c["name"] for c in client.get("/v1/credentials", headers=H_ALICE).json()] == ["prod"]
 
 
 # ------------------------------------------------------------------ dataset URIs

@@ -122,6 +122,18 @@ BAD_REQUESTS = [
     ("PUT", "/v1/datasets/known/cache", {"bytes": "2EB"}, 400, "1EB"),
     ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": "11TB/s"}, 400, "10TB/s"),
     ("PUT", "/v1/jobs/known-job/remote-io", {"bytes_per_s": 5, "workers": 10**9}, 400, "1,000,000"),
+    # A lone surrogate passed JSON parsing, then failed every later save of the state (every
+    # write a 500 until a restart); names that are no path segment, control characters, huge pids.
+    ("POST", "/v1/clients", {"client_id": "x\ud800", "node": "n", "dataset": "known", "job": "j"}, 400, "client_id"),
+    ("POST", "/v1/clients", {"client_id": "..", "node": "n", "dataset": "known", "job": "j"}, 400, "client_id"),
+    ("POST", "/v1/clients", {"client_id": "c\u0000\n", "node": "n", "dataset": "known", "job": "j"}, 400, "client_id"),
+    ("POST", "/v1/clients", {"client_id": "c" * 10_000, "node": "n", "dataset": "known", "job": "j"}, 400, "client_id"),
+    ("POST", "/v1/clients", {"client_id": "x", "node": "../../etc", "dataset": "known", "job": "j"}, 400, "not a host name"),
+    ("POST", "/v1/clients", {"client_id": "x", "node": "n\u00f6de\n}x", "dataset": "known", "job": "j"}, 400, "not a host name"),
+    ("POST", "/v1/clients", {"client_id": "x", "node": "n", "dataset": "known", "job": "j", "pid": 10**26}, 400, "pid"),
+    ("POST", "/v1/clients", {"client_id": "x", "node": "n", "dataset": "known", "job": "j", "source": "s3://x/\ud800"}, 400,
+     "source"),
+    ("PUT", "/v1/datasets/known", {"uri": "s3://x/\ud800"}, 400, "uri"),
 ]
 
 
@@ -139,7 +151,9 @@ def test_bad_requests_are_4xx_with_a_clear_message_and_change_nothing(dm, method
         client.allocate_remote_io("known-job", 1000)
     before = _allocations(dm)
     state_before = (dm.state_dir / "state.json").read_text()
-    r = httpx.request(method, dm.url + path, json=body)
+    # json.dumps escapes a lone surrogate as \\ud800 (httpx's own encoder cannot send one)
+    r = httpx.request(method, dm.url + path, content=None if body is None else json.dumps(body),
+                      headers={"Content-Type": "application/json"})
     assert r.status_code == code, r.text
     assert message in r.json()["detail"]
     assert _allocations(dm) == before
@@ -178,3 +192,27 @@ def test_state_store_writes_atomically(tmp_path):
     store.allocate_cache_size("d", 10)
     assert json.loads((tmp_path / "state.json").read_text())["datasets"]["d"]["cache_bytes"] == 10
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_bad_heartbeat_stats_never_break_status_or_metrics(dm):
+    """A heartbeat's stats are the client's word: a NaN in them is refused, and a figure that is
+    not a number is left out of /v1/status and /metrics (it made both answer 500 for as long as
+    the client kept sending it)."""
+    with DataManagerClient(dm.url) as client:
+        client.allocate_cache_size("hb-ds", 1000)
+    reg = {"client_id": "n1-hb-1", "node": "n1", "dataset": "hb-ds", "job": "hb-job"}
+    httpx.post(dm.url + "/v1/clients", json=reg).raise_for_status()
+    url = dm.url + "/v1/clients/n1-hb-1/heartbeat"
+    for raw in (b'{"stats": {"items_cached": NaN}}', b'{"stats": {"pods": {"p": {"read_bytes": Infinity}}}}'):
+        r = httpx.put(url, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "finite" in r.json()["detail"], r.text
+    r = httpx.put(url, json={"stats": {"items_cached": "lots", "effective_cached_bytes": "x", "throughput_bytes_per_s": "y",
+                                       "hit_bytes": "z", "cached_bytes": 10**30}})
+    assert r.status_code == 200, r.text
+    status = httpx.get(dm.url + "/v1/status")
+    assert status.status_code == 200, status.text
+    node = status.json()["nodes"]["n1"]["datasets"]["hb-ds"]
+    assert node["items_cached"] == 0 and node["cached_bytes"] == 1000  # capped at the allocation
+    job = node["jobs"]["hb-job"]
+    assert job["effective_cached_bytes"] == 0 and job["throughput_bytes_per_s"] is None and job["hit_bytes"] == 0
+    assert httpx.get(dm.url + "/metrics").status_code == 200

@@ -189,7 +189,8 @@ def test_report_endpoint_trust_and_bounds(svc):
                 {"step_seconds": 0.1, "batch_bytes": -5}, {"step_seconds": 0.1, "batch_bytes": 1e300},
                 {"step_seconds": 0.1}, {"step_seconds": 0.1, "batch_bytes": 1, "extra": 1},
                 # each in range, their ratio not: 2^50 B per 0.1 ms would be stored as 1.1e19 B/s
-                {"step_seconds": 1e-4, "batch_bytes": 2.0**50}, {"step_seconds": 86_400, "batch_bytes": 1e-300}):
+                {"step_seconds": 1e-4, "batch_bytes": 2.0**50}, {"step_seconds": 86_400, "batch_bytes": 1e-300},
+                {"step_seconds": True, "batch_bytes": 1}, {"step_seconds": "0.5", "batch_bytes": 1}):
         r = c.post(url, json=bad, headers=H_ALICE)
         assert r.status_code == 422, (bad, r.text)
     r = c.post(url, content=b'{"step_seconds": NaN, "batch_bytes": 1}', headers={**H_ALICE, "Content-Type": "application/json"})

@@ -311,8 +311,11 @@ class ClientReportIn(_Strict):
     """A training job's own figures (POST /v1/jobs/{id}/report): the time its GPUs spend per step,
     not counting waiting for input, and the source bytes one step consumes."""
 
-    step_seconds: float = Field(ge=MIN_STEP_S, le=MAX_STEP_S, allow_inf_nan=False, description="compute time per step, seconds")
-    batch_bytes: float = Field(ge=1, le=MAX_BATCH_BYTES, allow_inf_nan=False, description="source bytes one step consumes")
+    # strict: `true` and "0.5" are not numbers of seconds or bytes
+    step_seconds: float = Field(ge=MIN_STEP_S, le=MAX_STEP_S, allow_inf_nan=False, strict=True,
+                                description="compute time per step, seconds")
+    batch_bytes: float = Field(ge=1, le=MAX_BATCH_BYTES, allow_inf_nan=False, strict=True,
+                               description="source bytes one step consumes")
 
     @model_validator(mode="after")
     def _rate_in_range(self) -> ClientReportIn:
@@ -516,8 +519,10 @@ class QuotaOut(BaseModel):
 class CredentialIn(_Strict):
     name: Name
     kind: str = Field(default="s3", max_length=16)
-    access_key_id: str = Field(min_length=1, max_length=256)
-    secret_access_key: str = Field(min_length=1, max_length=1024)
+    # Printable ASCII: the keys reach the job as environment variables and HTTP headers, where a
+    # NUL or a line break fails the job's start (or splits a header), long after the 201.
+    access_key_id: str = Field(min_length=1, max_length=256, pattern=r"^[\x20-\x7e]+$")
+    secret_access_key: str = Field(min_length=1, max_length=1024, pattern=r"^[\x20-\x7e]+$")
     endpoint_url: str | None = Field(default=None, max_length=2048, pattern=URI_PATTERN)
     region: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9-]+$")
 

@@ -234,6 +234,11 @@ def test_dataset_shared_only_by_explicit_grant(client: TestClient) -> None:
     assert r.status_code == 200 and r.json()["shared_with"] == ["bob"]
     assert client.get("/v1/datasets/imagenet", params={"owner": "alice"}, headers=H_BOB).status_code == 200
     assert [d["owner"] for d in client.get("/v1/datasets", headers=H_BOB).json()] == ["alice"]
+    # Whom alice shares with is hers to see: bob, a grantee, sees his own grant only.
+    assert client.put("/v1/datasets/imagenet/grants/carol", headers=H_ALICE).json()["shared_with"] == ["bob", "carol"]
+    assert client.get("/v1/datasets/imagenet", params={"owner": "alice"}, headers=H_BOB).json()["shared_with"] == ["bob"]
+    assert [d["shared_with"] for d in client.get("/v1/datasets", headers=H_BOB).json()] == [["bob"]]
+    assert client.get("/v1/datasets/imagenet", params={"owner": "alice"}, headers=H_ADMIN).json()["shared_with"] == ["bob", "carol"]
     job = client.post("/v1/jobs", json=shared, headers=H_BOB)
     assert job.status_code == 201 and job.json()["owner"] == "bob" and job.json()["dataset_owner"] == "alice"
     # The grantee can neither re-share nor revoke.

@@ -208,10 +208,14 @@ class Catalogue:
 
     # ------------------------------------------------------------------ datasets
 
-    def _dataset_record(self, s: Session, d: Dataset) -> DatasetRecord:
+    def _dataset_record(self, s: Session, d: Dataset, who: Principal) -> DatasetRecord:
+        """`who`'s view: whom a dataset is shared with is its owner's (and the admin's) to see; a
+        grantee sees only its own grant."""
         cred = s.get(Credential, d.credential_id) if d.credential_id is not None else None
         grants = tuple(s.scalars(select(DatasetGrant.grantee).where(DatasetGrant.dataset_id == d.id)
                                  .order_by(DatasetGrant.grantee)))
+        if not who.is_admin and who.user != d.owner:
+            grants = tuple(g for g in grants if g == who.user)
         expansion = s.scalar(select(CacheAllocationRow.expansion).where(CacheAllocationRow.dataset_id == d.id))
         return DatasetRecord(d.name, d.uri, d.size, d.item_count, d.owner, d.created_at, storage_key(d.id, d.name),
                              cred.name if cred else None, grants, "source" if expansion is None else "preprocessed", expansion)
@@ -257,14 +261,14 @@ class Catalogue:
                     req.uri, req.size, req.item_count, cred_id)
                 if not same:
                     raise ConflictError(f"dataset {req.name!r} is already registered with different fields", field="name")
-                return self._dataset_record(s, existing), False
+                return self._dataset_record(s, existing, who), False
             row = Dataset(
                 name=req.name, uri=req.uri, size=float(req.size), item_count=req.item_count,
                 owner=who.user, created_at=time.time(), credential_id=cred_id,
             )
             s.add(row)
             s.flush()
-            return self._dataset_record(s, row), True
+            return self._dataset_record(s, row, who), True
 
     def list_datasets(self, who: Principal) -> list[DatasetRecord]:
         """Own datasets and those granted to the caller (the admin: all)."""
@@ -273,7 +277,7 @@ class Catalogue:
             if not who.is_admin:
                 granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
                 q = q.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
-            return [self._dataset_record(s, d) for d in s.scalars(q)]
+            return [self._dataset_record(s, d, who) for d in s.scalars(q)]
 
     def get_dataset(self, who: Principal, name: str, owner: str | None = None) -> DatasetRecord:
         with self.sessions() as s:
@@ -284,7 +288,7 @@ class Catalogue:
                 d = self._visible_dataset(s, who, name, owner)
             if d is None:
                 raise NotFoundError(f"no dataset named {name!r}", field="name")
-            return self._dataset_record(s, d)
+            return self._dataset_record(s, d, who)
 
     def dataset_source_credential(self, who: Principal, name: str, owner: str) -> SourceCredential | None:
         """The credential the node agent of `who` mounts `owner`'s dataset `name` with, for that
@@ -373,7 +377,7 @@ class Catalogue:
             if grantee != d.owner and s.get(DatasetGrant, (d.id, grantee)) is None:
                 s.add(DatasetGrant(dataset_id=d.id, grantee=grantee, created_at=time.time()))
                 s.flush()
-            return self._dataset_record(s, d)
+            return self._dataset_record(s, d, who)
 
     def revoke_grant(self, who: Principal, name: str, grantee: str, owner: str | None = None) -> DatasetRecord:
         """Take a grant back. Jobs the grantee already submitted keep running (they were admitted
@@ -385,7 +389,7 @@ class Catalogue:
                 raise NotFoundError(f"dataset {name!r} is not shared with {grantee!r}", field="grantee")
             s.delete(row)
             s.flush()
-            return self._dataset_record(s, d)
+            return self._dataset_record(s, d, who)
 
     # ------------------------------------------------------------------ credentials
 

@@ -387,7 +387,7 @@ def _open_service_state(db: str | None, state_dir: Path) -> Any:
     """The database of an existing `silod serve` for `silod secrets`: the key file (unless the
     keys come from SILOD_SECRET_KEYS) and the database must exist already. Nothing is created
     when they do not (a new key and an empty database would report success and re-seal nothing)."""
-    from sqlalchemy import inspect
+    from sqlalchemy import inspect, make_url
     from sqlalchemy.exc import SQLAlchemyError
 
     from scheduler.service.db import open_database
@@ -403,7 +403,7 @@ def _open_service_state(db: str | None, state_dir: Path) -> Any:
     url = normalize_url(db or f"sqlite:///{state_dir / 'silod.db'}")
     shown = url
     if url.startswith("sqlite"):
-        path = url.split(":///", 1)[1].split("?", 1)[0] if ":///" in url else ""
+        path = make_url(url).database or ""
         if not path or path == ":memory:" or not Path(path).expanduser().is_file():
             where = f"database {path!r}" if path else f"database {url!r}"
             raise UserError(f"{where} does not exist{'' if db else ' (the default in --state-dir)'}; {fix}")

@@ -14,10 +14,11 @@ Rules that are easy to get wrong, in one place:
 from __future__ import annotations
 
 import math
-
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -31,6 +32,11 @@ LIVE_TIMEOUT_S = 5.0
 
 class UnknownEntity(LookupError):
     """A dataset, job or client the manager has never heard of (HTTP 404)."""
+
+
+class StateNotSaved(OSError):
+    """The state file could not be written (disk full, directory gone): the change was undone in
+    memory too, so what the manager serves is what a restart would load (HTTP 503)."""
 
 
 class DatasetState(BaseModel):
@@ -144,19 +150,42 @@ class StateStore:
     def _save(self) -> None:
         tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
         data = self.state.model_dump_json(indent=1).encode()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)  # readers (and a restart) see the old or the new state, never half
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)  # readers (and a restart) see the old or the new state, never half
+        except OSError as exc:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise StateNotSaved(f"could not write {self.path} ({exc.strerror or exc}); nothing was changed: "
+                                f"free space or fix the state directory, then retry") from exc
+
+    @contextmanager
+    def _change(self) -> Iterator[PersistedState]:
+        """One change of the persisted state, all or nothing. Each change checks its input
+        before it touches the state; if the save then fails, the state in memory is put back to
+        the file's (which the atomic replace keeps whole), so the manager never serves an
+        allocation or a client that a restart would not have. Reloading only on failure costs
+        the common path nothing (no copy per write)."""
+        with self.lock:
+            yield self.state
+            try:
+                self._save()
+            except StateNotSaved:
+                self.state = self._load()
+                self.runtime.last_seen = {c: t for c, t in self.runtime.last_seen.items() if c in self.state.clients}
+                raise
 
     # -- placements: which node may mount which dataset ------------------------------------------
 
     def set_placements(self, nodes: dict[str, list[str]]) -> dict[str, list[str]]:
         """Replace the scheduler's map of node -> storage keys it has a reason to mount."""
-        with self.lock:
+        with self._change():
             self.state.placements = {str(n): sorted({str(k) for k in keys}) for n, keys in nodes.items()}
-            self._save()
             return dict(self.state.placements)
 
     def placed_on(self, node: str, dataset: str) -> bool | None:
@@ -170,17 +199,16 @@ class StateStore:
     # -- declarations and allocations (Table 3) ----------------------------------------------
 
     def declare_dataset(self, name: str, uri: str | None = None) -> DatasetState:
-        with self.lock:
+        with self._change():
             ds = self.state.datasets.get(name)
             if ds is None:
                 ds = self.state.datasets[name] = DatasetState(name=name, uri=uri)
             elif uri is not None:
                 ds.uri = uri
-            self._save()
             return ds
 
     def declare_job(self, job_id: str, dataset: str | None = None, workers: int | None = None) -> JobState:
-        with self.lock:
+        with self._change():
             if dataset is not None and dataset not in self.state.datasets:
                 # Not an implicit create: a typo in the dataset name would otherwise make a new,
                 # empty dataset that no cache allocation ever reaches.
@@ -193,7 +221,6 @@ class StateStore:
                 job.dataset = dataset
             if workers is not None:
                 job.workers = workers
-            self._save()
             return job
 
     def dataset(self, name: str) -> DatasetState:
@@ -209,40 +236,36 @@ class StateStore:
         return job
 
     def allocate_cache_size(self, name: str, nbytes: int) -> DatasetState:
-        with self.lock:
+        with self._change():
             ds = self.dataset(name)
             ds.cache_bytes = int(nbytes)
-            self._save()
             return ds
 
     def set_cache_mode(self, name: str, mode: str) -> DatasetState:
         """uniform | lru for the dataset's cache on every node (the scheduler sets it from the
         access pattern of the jobs that read the dataset)."""
-        with self.lock:
+        with self._change():
             ds = self.dataset(name)
             ds.cache_mode = mode  # type: ignore[assignment]  # checked by the API
-            self._save()
             return ds
 
     def allocate_remote_io(self, job_id: str, bytes_per_s: float, workers: int | None = None) -> JobState:
-        with self.lock:
+        with self._change():
             job = self.job(job_id)
             job.bytes_per_s = float(bytes_per_s)
             if workers is not None:
                 job.workers = workers
-            self._save()
             return job
 
     def delete_job(self, job_id: str) -> None:
-        with self.lock:
+        with self._change():
             self.job(job_id)
             del self.state.jobs[job_id]
-            self._save()
 
     # -- clients -----------------------------------------------------------------------------
 
     def register_client(self, client: ClientState) -> ClientAllocation:
-        with self.lock:
+        with self._change():
             if client.dataset not in self.state.datasets:
                 self.state.datasets[client.dataset] = DatasetState(name=client.dataset, uri=client.source or None)
             job = self.state.jobs.get(client.job)
@@ -252,7 +275,6 @@ class StateStore:
                 job.dataset = client.dataset
             self.state.clients[client.client_id] = client
             self.runtime.last_seen[client.client_id] = self.clock()
-            self._save()
             return self.allocation_for(client.client_id)
 
     def client_node(self, client_id: str) -> str:
@@ -271,13 +293,12 @@ class StateStore:
             return self.allocation_for(client_id)
 
     def unregister_client(self, client_id: str) -> None:
-        with self.lock:
+        with self._change():
             if client_id not in self.state.clients:
                 raise UnknownEntity(f"unknown client {client_id!r}")
             del self.state.clients[client_id]
             self.runtime.last_seen.pop(client_id, None)
             self.runtime.stats.pop(client_id, None)
-            self._save()
 
     def is_live(self, client_id: str) -> bool:
         seen = self.runtime.last_seen.get(client_id)

@@ -4,6 +4,7 @@ persistence across a restart, and bad input."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import httpx
@@ -216,3 +217,58 @@ def test_bad_heartbeat_stats_never_break_status_or_metrics(dm):
     job = node["jobs"]["hb-job"]
     assert job["effective_cached_bytes"] == 0 and job["throughput_bytes_per_s"] is None and job["hit_bytes"] == 0
     assert httpx.get(dm.url + "/metrics").status_code == 200
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 64 KiB tmpfs, so a save can fail the way a full disk makes it fail (ENOSPC)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_change_the_disk_cannot_hold_is_a_503_and_changes_nothing(tiny_disk):
+    """A write whose save fails (disk full) used to stay in memory: the manager answered 500 but
+    served the new allocation until a restart, which then lost it. Now the change is undone, the
+    answer is a 503 that says so, and once there is room the same write works."""
+    state = tiny_disk / "state"
+    dm = start_datamanager(state)
+    try:
+        with DataManagerClient(dm.url) as client:
+            client.allocate_cache_size("d", 1000)
+            client.allocate_remote_io("j", 5e6)
+        before = _allocations(dm)
+        saved = (state / "state.json").read_text()
+        filler = tiny_disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # fill the disk to the last block
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        for method, path, body in [("PUT", "/v1/datasets/d/cache", {"bytes": 2000}),
+                                   ("PUT", "/v1/datasets/new", {}),
+                                   ("PUT", "/v1/jobs/j/remote-io", {"bytes_per_s": 9e6}),
+                                   ("POST", "/v1/clients", {"client_id": "c1", "node": "n1", "dataset": "d", "job": "j"})]:
+            r = httpx.request(method, dm.url + path, json=body)
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            assert "nothing was changed" in r.json()["detail"] and "state.json" in r.json()["detail"]
+            assert _allocations(dm) == before, path
+        assert (state / "state.json").read_text() == saved
+        assert sorted(p.name for p in state.iterdir()) == ["state.json"]  # no temporary file left
+        filler.unlink()
+        r = httpx.put(dm.url + "/v1/datasets/d/cache", json={"bytes": 2000})
+        assert r.status_code == 200 and r.json()["cache_bytes"] == 2000
+    finally:
+        dm.kill()
+    restarted = start_datamanager(state)
+    try:
+        assert httpx.get(restarted.url + "/v1/status").json()["datasets"]["d"]["allocated_bytes"] == 2000
+    finally:
+        restarted.kill()

@@ -187,7 +187,7 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
 
     @app.exception_handler(BodyShapeError)
     async def _shape(request: Request, exc: BodyShapeError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": exc.detail})
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
 
     @app.exception_handler(NotYourNode)
     async def _not_your_node(request: Request, exc: NotYourNode) -> JSONResponse:

@@ -41,6 +41,25 @@ class BodyShapeError(HTTPException):
         self.where = where
 
 
+class NotJsonBody(BodyShapeError):
+    """A body sent with a Content-Type that is not JSON to a route that takes JSON: 415 saying
+    which header to send (FastAPI would hand the raw bytes to the model, whose 422 "Input should
+    be a valid dictionary" does not say that the header is what is wrong)."""
+
+    def __init__(self, content_type: str):
+        HTTPException.__init__(self, status_code=415, detail=(
+            f"request body sent as {content_type[:100]!r}; send it as JSON with the header 'Content-Type: application/json'"))
+        self.where = ""
+
+
+def is_json_content_type(value: str) -> bool:
+    """application/json or application/<anything>+json, parameters ignored (FastAPI's own rule
+    for parsing a body as JSON)."""
+    media = value.split(";", 1)[0].strip().lower()
+    kind, _, sub = media.partition("/")
+    return kind == "application" and (sub == "json" or sub.endswith("+json"))
+
+
 def check_shape(value: Any, limits: JsonLimits) -> None:
     """Raise BodyShapeError at the first value past a bound. Iterative (a deep body cannot
     exhaust the stack here) and bounded by `limits.max_values` visits."""
@@ -91,8 +110,17 @@ def limited_json_route(limits: JsonLimits) -> type[APIRoute]:
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
+            takes_body = self.body_field is not None
+
             async def limited(request: Request) -> Response:
-                return await handler(LimitedRequest(request.scope, request.receive))
+                request = LimitedRequest(request.scope, request.receive)
+                content_type = request.headers.get("content-type")
+                # FastAPI parses a body as JSON when it has no Content-Type or a JSON one. The
+                # body (already bounded by the request guard) is read only for a wrong type, and
+                # Starlette keeps it on the request for the handler.
+                if takes_body and content_type is not None and not is_json_content_type(content_type) and await request.body():
+                    raise NotJsonBody(content_type)
+                return await handler(request)
 
             return limited
 

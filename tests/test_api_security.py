@@ -479,9 +479,10 @@ def test_a_node_agent_looks_up_any_tenants_dataset_and_nothing_more(tmp_path) ->
 
 def _cpu_of(client: TestClient, path: str, body: bytes, headers: dict[str, str]) -> tuple[float, "object"]:
     """CPU seconds this process (the app and the in-process client) spent on one request; the
-    least of three, as CPU time, not wall-clock, on a shared machine."""
+    least of five, as CPU time, not wall-clock, on a shared machine (where one run in three can
+    be slowed past the bound by the neighbours' cache and frequency)."""
     best, r = float("inf"), None
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.process_time()
         r = client.post(path, content=body, headers={**headers, "content-type": "application/json"})
         best = min(best, time.process_time() - t0)
@@ -766,3 +767,32 @@ def test_processes_starting_together_agree_on_one_secret_key(tmp_path) -> None:
     assert len(keys) == 8 and len(set(keys)) == 1
     assert (tmp_path / "state" / "secret.keys").stat().st_mode & 0o077 == 0
     assert [p.name for p in (tmp_path / "state").iterdir()] == ["secret.keys"]  # no temporary file left
+
+
+def test_a_self_grant_is_refused_with_a_message(client: TestClient) -> None:
+    """A grant to the dataset's own owner answered 200 and did nothing, so a caller who typed
+    their own name for another tenant's never learned that nobody got the grant."""
+    client.post("/v1/datasets", json=IMAGENET, headers=H_ALICE)
+    r = client.put("/v1/datasets/imagenet/grants/alice", headers=H_ALICE)
+    assert r.status_code == 422 and r.json()["field"] == "tenant" and "needs no grant" in r.json()["detail"]
+    assert client.get("/v1/datasets/imagenet", headers=H_ALICE).json()["shared_with"] == []
+
+
+def test_a_body_that_is_not_sent_as_json_is_a_415_naming_the_header(client: TestClient) -> None:
+    body = '{"name": "imagenet", "uri": "s3://bucket/imagenet", "size": "1GB"}'
+    r = client.post("/v1/datasets", content=body, headers={**H_ALICE, "Content-Type": "text/plain"})
+    assert r.status_code == 415, r.text
+    assert "Content-Type: application/json" in r.json()["detail"] and "text/plain" in r.json()["detail"]
+    assert client.get("/v1/datasets", headers=H_ALICE).json() == []
+    # Authentication still comes first: without a token it is a 401, whatever the type.
+    assert client.post("/v1/datasets", content=body, headers={"Content-Type": "text/plain"}).status_code == 401
+    # JSON types with parameters or a +json suffix are JSON, as for FastAPI.
+    for kind in ("application/json; charset=utf-8", "application/merge-patch+json"):
+        r = client.post("/v1/datasets", content=body, headers={**H_ALICE, "Content-Type": kind})
+        assert r.status_code in (200, 201), (kind, r.text)  # 200: the same dataset again
+
+
+def test_error_messages_do_not_echo_long_input_whole(client: TestClient) -> None:
+    """An id from the path was quoted whole in the 404 (10 kB in, 10 kB back)."""
+    r = client.get("/v1/jobs/" + "x" * 10_000, headers=H_ALICE)
+    assert r.status_code == 404 and len(r.json()["detail"]) < 1200 and "more characters" in r.json()["detail"]

@@ -374,7 +374,12 @@ class Catalogue:
         check_name(grantee, "grantee")
         with self._write_lock, self.sessions.begin() as s:
             d = self._own_dataset(s, who, name, owner)
-            if grantee != d.owner and s.get(DatasetGrant, (d.id, grantee)) is None:
+            if grantee == d.owner:
+                # It answered 200 and did nothing: a caller who meant another tenant's name
+                # would never learn that nobody got the grant.
+                raise ServiceError(f"dataset {name!r} belongs to {grantee!r}, who needs no grant to use it; "
+                                   f"name the tenant to share it with", field="tenant")
+            if s.get(DatasetGrant, (d.id, grantee)) is None:
                 s.add(DatasetGrant(dataset_id=d.id, grantee=grantee, created_at=time.time()))
                 s.flush()
             return self._dataset_record(s, d, who)

@@ -77,6 +77,15 @@ log = logging.getLogger("silod.api")
 # 256 args and 64 env entries), far below what made validation expensive.
 BODY_LIMITS = JsonLimits(max_depth=8, max_keys=64, max_items=1000, max_values=16_384)
 MAX_ERRORS = 20
+#: characters of an error message answered: messages quote the caller's own input (an id from the
+#: path, a name), which the server has no reason to echo back whole
+MAX_DETAIL = 1024
+
+
+def _bounded_detail(message: str) -> str:
+    if len(message) <= MAX_DETAIL:
+        return message
+    return f"{message[:MAX_DETAIL]}... ({len(message) - MAX_DETAIL} more characters)"
 
 _bearer = HTTPBearer(auto_error=False, description="a token from the admin API or --tokens FILE, or the admin token")
 
@@ -186,7 +195,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req: Request, exc: ServiceError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status, content={"detail": str(exc), "field": exc.field})
+        return JSONResponse(status_code=exc.status, content={"detail": _bounded_detail(str(exc)), "field": exc.field})
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -203,11 +212,11 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.exception_handler(BodyShapeError)
     async def _body_shape_error(_req: Request, exc: BodyShapeError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": exc.detail, "field": None})
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail, "field": None})
 
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": str(exc), "field": None})
+        return JSONResponse(status_code=422, content={"detail": _bounded_detail(str(exc)), "field": None})
 
     @app.exception_handler(Exception)
     async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:

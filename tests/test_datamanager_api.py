@@ -272,3 +272,11 @@ def test_a_change_the_disk_cannot_hold_is_a_503_and_changes_nothing(tiny_disk):
         assert httpx.get(restarted.url + "/v1/status").json()["datasets"]["d"]["allocated_bytes"] == 2000
     finally:
         restarted.kill()
+
+
+def test_a_body_not_sent_as_json_is_a_415_and_changes_nothing(dm):
+    httpx.put(dm.url + "/v1/datasets/typed", json={}).raise_for_status()
+    before = _allocations(dm)
+    r = httpx.put(dm.url + "/v1/datasets/typed/cache", content=b'{"bytes": 5}', headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["detail"]
+    assert _allocations(dm) == before

@@ -6,8 +6,8 @@ One `silod serve --backend kubernetes` program (REST over real HTTP, SQLite, the
 admission controller, authenticated as its service account) and one real `silod agent` (CSI over a
 real unix socket, real FUSE and bind mounts). A job submitted by REST and a Job created "with
 kubectl" (running: the real API server has the webhook store it suspended) are admitted in policy
-order, time-shared by suspension in Gavel rounds, and finished; the first node is cordoned after
-the first preemption, so re-admission must move a job to the other node (the real API server
+order, time-shared by suspension in Gavel rounds, and finished; the REST job's node is cordoned as soon as
+its first run is seen, so re-admission must move a job to the other node (the real API server
 refuses that unless silod clears status.startTime). The test plays the kubelet: it calls the agent's
 CSI socket for each pod as kubelet does (NodePublishVolume before the pod runs,
 NodeUnpublishVolume when it ends or is deleted) and plays the containers, which read the dataset
@@ -231,17 +231,21 @@ def test_rest_and_kubectl_jobs_time_shared_and_moved_on_the_real_control_plane(c
                         continue
                     seen.add(uid)
                     runs[name].append(pod["spec"]["nodeName"])
+                    if not cordoned and name == rest_job:
+                        # Node maintenance while the first run is on: its node is cordoned at once
+                        # (before the slow read below), so whatever runs after it, the REST job's
+                        # next run included, must go to the other node (a move the API server
+                        # refuses while startTime is set). Cordoning only once both jobs had been
+                        # seen let a lagging loop (a loaded CI machine, 4-s rounds) see the REST
+                        # job's second run already placed on the first node.
+                        cp.core.patch_node(pod["spec"]["nodeName"], {"spec": {"unschedulable": True}})
+                        cordoned = True
                     try:
                         read_all(kubelet.published[(uid, vol)][1], ds)  # the container reads its data through CSI
                     except (OSError, KeyError):
                         continue  # preempted while reading: kubelet unpublished its volume
                     if len(runs[name]) >= 2:  # finish on its second run: it was preempted and resumed first
                         kubelet.finish(pod["metadata"]["name"])
-            # Node maintenance after the first preemption: the first node is cordoned, so whatever
-            # runs next must go to the other one (a move the API server refuses while startTime is set).
-            if not cordoned and len(runs[rest_job]) >= 1 and len(runs["by-kubectl"]) >= 1:
-                cp.core.patch_node(runs[rest_job][0], {"spec": {"unschedulable": True}})
-                cordoned = True
             time.sleep(0.1)
         admin = Principal(ADMIN, is_admin=True)
         jobs = {j.name: j for j in service.list_jobs(admin)}

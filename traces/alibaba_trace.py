@@ -25,6 +25,7 @@ GPUs; `node_summary` reads it for the experiment's cluster.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections import Counter
 from pathlib import Path
@@ -35,7 +36,7 @@ from estimator.errors import UserError
 from estimator.pipeline import InputPipeline
 from estimator.units import MAX_GPUS
 from traces.catalog import DATASETS, MODELS
-from traces.model import Trace, TraceJob
+from traces.model import MAX_SUBMIT_S, Trace, TraceJob
 from traces.synthetic import MODEL_MIX
 
 COLUMNS = ("name", "cpu_milli", "num_gpu", "gpu_milli", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
@@ -81,9 +82,14 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
     sizes: dict[str, float] = {}
     skipped: Counter = Counter()
     try:
-        handle = path.open(newline="", encoding="utf-8")
+        # Decoded whole, here, so that a byte that is not UTF-8 is reported with the file's name.
+        handle = io.StringIO(path.read_bytes().decode("utf-8"), newline="")
+    except UnicodeDecodeError as exc:
+        raise AlibabaTraceError(f"Alibaba openb trace {path} is not UTF-8 text (byte {exc.start}); give openb_pod_list_default.csv "
+                                "as published") from None
     except OSError as exc:
         raise AlibabaTraceError(f"Alibaba openb trace {path} cannot be read: {exc.strerror}") from None
+    seen: dict[str, int] = {}
     with handle:
         reader = csv.DictReader(handle)
         missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
@@ -92,6 +98,12 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
                                     "(--format alibaba-openb)?")
         for row in reader:
             line = reader.line_num
+            if None in row or None in row.values():
+                # DictReader fills a short row with None (it was read as "never scheduled" and skipped
+                # without a word) and files a long row's extra fields under the key None.
+                fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or ())
+                raise AlibabaTraceError(f"{path}, line {line}: {fields} fields, but the header has {len(reader.fieldnames)}; "
+                                        "is the file cut short or damaged?")
             gpus = _number(row, "num_gpu", path, line)
             # Draw for every row, so a task's model does not depend on which rows were skipped.
             model = names[int(rng.choice(len(names), p=probs))]
@@ -104,6 +116,9 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
                 skipped["never scheduled"] += 1
                 continue
             created = _number(row, "creation_time", path, line)
+            if created > MAX_SUBMIT_S:
+                raise AlibabaTraceError(f"{path}, line {line}, column 'creation_time': {created:g} s is after the simulator's horizon "
+                                        f"({MAX_SUBMIT_S:.3g} s, ten years); the openb trace gives seconds from its start")
             if window_s is not None:
                 if not window_s[0] <= created < window_s[1]:
                     skipped["outside the window"] += 1
@@ -119,11 +134,19 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
             spec = MODELS[model]
             rate = spec.ideal_per_gpu * n_gpus
             job_id = (row.get("name") or "").strip() or f"openb-{line}"
+            if job_id in seen:  # two jobs with one id crashed the simulator (KeyError)
+                raise AlibabaTraceError(f"{path}, line {line}, column 'name': task {job_id!r} is also on line {seen[job_id]}; "
+                                        "every task needs its own name")
+            seen[job_id] = line
             dataset = spec.dataset if shared else f"{spec.dataset}/{job_id}"
             size = DATASETS[spec.dataset].size
             sizes[dataset] = size
             cores = (_number(row, "cpu_milli", path, line) or 0.0) / 1000.0
-            pipeline = InputPipeline(rate / cores) if cores > 0 else None
+            try:
+                pipeline = InputPipeline(rate / cores) if cores > 0 else None
+            except UserError:  # a request so small that f* per core is no rate (inf)
+                raise AlibabaTraceError(f"{path}, line {line}, column 'cpu_milli': {cores * 1000:g} is too small a CPU request for a "
+                                        "task that uses GPUs; the openb trace gives thousandths of a core (e.g. 12000)") from None
             jobs.append(TraceJob(job_id, created, n_gpus, spec.name, dataset, rate, duration * rate / size, pipeline=pipeline))
     if not jobs:
         raise AlibabaTraceError(f"{path}: no GPU task that ran{' in the window' if window_s else ''}; nothing to simulate")

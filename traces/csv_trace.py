@@ -27,7 +27,7 @@ from estimator.errors import UserError, did_you_mean
 from estimator.pipeline import PIPELINE_FIELDS, parse_pipeline
 from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
-from traces.model import Trace, TraceJob
+from traces.model import MAX_SUBMIT_S, Trace, TraceJob
 
 REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_size", "ideal_throughput")
 COLUMNS = (*REQUIRED, "epochs")
@@ -148,6 +148,9 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
     submit = _number(get["submit_time"], path, line, "submit_time")
     if submit < 0:
         raise _fail(path, line, "submit_time", f"{submit} is negative; use seconds from the trace start (>= 0)")
+    if submit > MAX_SUBMIT_S:
+        raise _fail(path, line, "submit_time", f"{submit:g} s is after the simulator's horizon ({MAX_SUBMIT_S:.3g} s, ten years); "
+                                               "use seconds from the trace start (not a Unix timestamp or milliseconds)")
     gpus = int(_number(get["num_gpus"], path, line, "num_gpus", integer=True))
     if not 1 <= gpus <= MAX_GPUS_PER_JOB:
         raise _fail(path, line, "num_gpus", f"{gpus} is not a GPU count; use an integer between 1 and {MAX_GPUS_PER_JOB:,}")

@@ -24,7 +24,7 @@ import numpy as np
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS
 from traces.catalog import DATASETS, MODELS
-from traces.model import Trace, TraceJob
+from traces.model import MAX_SUBMIT_S, Trace, TraceJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,13 @@ def _steps_per_second(table: dict, job_type: str, gpus: int) -> float:
     if not measured:
         raise UserError(f"no throughput for {job_type!r} in simulation_throughputs.json")
     k = measured[0]
-    return float(table[f"('{job_type}', {k})"]["null"]) * gpus / k
+    key = f"('{job_type}', {k})"
+    entry = table[key]
+    rate = entry.get("null") if isinstance(entry, dict) else None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise UserError(f"simulation_throughputs.json: v100 entry {key} needs \"null\": the steps per second running alone, "
+                        f"a number > 0 (it is {rate if isinstance(entry, dict) else entry!r:.80}); use Gavel's file from ../shared/traces/gavel-msr")
+    return float(rate) * gpus / k
 
 
 def default_throughputs_path(trace_path: Path) -> Path:
@@ -113,6 +119,9 @@ def load_gavel_trace(
             raise UserError(f"{path}:{number}: total_steps, arrival_time and scale_factor must be numbers") from None
         if steps <= 0 or arrival < 0 or not 1 <= gpus <= MAX_GPUS or not math.isfinite(steps + arrival):
             raise UserError(f"{path}:{number}: steps must be > 0, arrival >= 0 and GPUs between 1 and {MAX_GPUS:,}")
+        if arrival > MAX_SUBMIT_S:
+            raise UserError(f"{path}:{number}: arrival_time {arrival:g} s is after the simulator's horizon ({MAX_SUBMIT_S:.3g} s, "
+                            "ten years); give seconds from the trace start")
         fam = _family(job_type)
         duration = steps / _steps_per_second(table, job_type, gpus)
         speedup = _steps_per_second(table, job_type, gpus) / _steps_per_second(table, job_type, 1)

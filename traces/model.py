@@ -10,6 +10,12 @@ from estimator.access import EPOCH, AccessPattern
 from estimator.pipeline import InputPipeline
 
 
+#: Latest submit time a trace may give, seconds from its start: the simulator's horizon (ten
+#: years, SimConfig.max_sim_time_s). A job submitted later never runs, and the simulation used to
+#: end at once with "0 jobs" and exit 0.
+MAX_SUBMIT_S = 10 * 365 * 86400.0
+
+
 @dataclass(frozen=True, slots=True)
 class TraceJob:
     job_id: str

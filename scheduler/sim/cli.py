@@ -138,7 +138,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
-        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, Executor, ExperimentRunner
+        from scheduler.sim.experiments import EXPERIMENTS, LARGE_CLUSTER, Distribution, Executor, ExperimentRunner, result_from_json
         from scheduler.sim.shards import Shard, ShardWritten, load_parts
 
         names = list(EXPERIMENTS) if name.casefold() == "all" else [resolve_name("experiment", name, [*EXPERIMENTS, "all"])]
@@ -162,7 +162,7 @@ def register(app: typer.Typer) -> None:
                                                         ("--seed", seed, 0)) if value != default]
             if given:
                 raise UserError(f"--merge takes the configuration from the parts; drop {', '.join(given)}")
-            merged = [load_parts(n, parts) for n in names]  # every check before anything is written
+            merged = [load_parts(n, parts, result_from_json) for n in names]  # every check before anything is written
             ensure_writable_dir(out, "--out")
             headlines = []
             for m in merged:
@@ -238,7 +238,9 @@ def _register_trace(app: typer.Typer) -> None:
             tr = experiment_trace(name, trace, max_jobs, seed, dataset_sharing, irregular, catalog_cpu, autocache_points)
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; give a file name such as {out / 'trace.csv'}")
-        out.parent.mkdir(parents=True, exist_ok=True)
+        from scheduler.outputs import ensure_writable_dir
+
+        ensure_writable_dir(out.parent, "--out's directory")  # a file there was "error: ...: File exists", exit 1
         write_csv_trace(tr, out)
         typer.echo(f"wrote {out}: {len(tr)} jobs, {len({j.dataset for j in tr.jobs})} datasets")
 

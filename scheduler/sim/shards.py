@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
     from traces.model import Trace
 
 PART_FORMAT = "silod-experiment-part/1"
+#: More shards than any experiment has simulations; bounds what `--shard` and a part may claim
+#: (a part claiming shard 1/10^20 made --merge list 10^20 missing shards).
+MAX_SHARDS = 10_000
+#: The configuration a part records (ExperimentRunner.config plus the cluster).
+CONFIG_KEYS = ("trace", "max_jobs", "seed", "round_s", "resolution", "capacity")
 #: Fields of a run's summary that are measurements of the machine, not results of the model.
 TIMING_FIELDS = ("sim_wall_s", "sim_cpu_s")
 
@@ -47,7 +53,10 @@ class Shard:
         if not match:
             raise UserError(f"--shard {text!r} is not I/N; give the shard number and the number of shards, e.g. --shard 2/4")
         index, count = int(match[1]), int(match[2])
-        if count < 1 or not 1 <= index <= count:
+        if not 1 <= count <= MAX_SHARDS:
+            raise UserError(f"--shard {text}: N must be from 1 to {MAX_SHARDS:,}, more shards than any experiment has "
+                            "simulations (e.g. --shard 1/4)")
+        if not 1 <= index <= count:
             raise UserError(f"--shard {text}: I must be from 1 to N and N >= 1 (e.g. --shard 1/{max(count, 2)})")
         return cls(index, count)
 
@@ -117,16 +126,85 @@ def write_part(out: Path, experiment: str, shard: Shard, fp: str, config: dict, 
     return path
 
 
-def _load_part(path: Path) -> Part:
+def _not_finite(text: str) -> float:
+    """json.loads hook for NaN, Infinity and numbers beyond a float (1e400): a part holds none."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is not finite")
+    return value
+
+
+def _whole(value: object, what: str, low: int, high: int | None = None) -> int:
+    # bool is an int to Python, and int(1.5) is 1: a part holds exact whole numbers only.
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low:,}" if high is None else f"from {low:,} to {high:,}"
+        raise ValueError(f"{what} is {value!r}, not a whole number {bounds}")
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_result(r: dict, read_result: Callable[[dict], object]) -> None:
+    """A run's result as the plotting code reads it (what result_to_json writes)."""
+    read_result(r)  # the run, the fairness series and queued_until
+    summary = r["summary"]
+    if not isinstance(summary, dict) or not isinstance(r["jct_by_kind"], dict):
+        raise ValueError(f"run {r['index']}: summary and jct_by_kind must be objects")
+    for key, value in [*summary.items(), *r["jct_by_kind"].items()]:
+        ok = isinstance(value, str) if key in ("policy", "cache_system") else \
+            isinstance(value, dict) and all(map(_is_number, value.values())) if key == "cluster" else _is_number(value)
+        if not ok:
+            raise ValueError(f"run {r['index']}: {key} is {value!r}")
+
+
+def _check_config(config: object) -> dict:
+    from policies.types import ClusterCapacity
+
+    if not isinstance(config, dict) or any(k not in config for k in CONFIG_KEYS):
+        raise ValueError(f"config must be an object with {', '.join(CONFIG_KEYS)}")
+    if config["trace"] is not None and not isinstance(config["trace"], str):
+        raise ValueError(f"config trace is {config['trace']!r}, not a path")
+    if config["max_jobs"] is not None:
+        _whole(config["max_jobs"], "config max_jobs", 1)
+    _whole(config["seed"], "config seed", 0, 2**32 - 1)
+    _whole(config["resolution"], "config resolution", 1)
+    if isinstance(config["round_s"], bool) or not isinstance(config["round_s"], (int, float)) or not config["round_s"] > 0:
+        raise ValueError(f"config round_s is {config['round_s']!r}, not a number of seconds > 0")
+    ClusterCapacity(**config["capacity"])  # TypeError on a missing or unknown field, UserError on a bad value
+    return config
+
+
+def _load_part(path: Path, read_result: Callable[[dict], object]) -> Part:
     try:
-        body = json.loads(path.read_text())
+        # A FIFO or device named like a part (or a symlink to one) would block the read or never end.
+        if not path.is_file():
+            raise ValueError("not a regular file")
+        body = json.loads(path.read_text(encoding="utf-8"), parse_constant=_not_finite, parse_float=_not_finite)
+        if not isinstance(body, dict):
+            raise ValueError(f"a JSON {type(body).__name__}, not an object")
         if body.get("format") != PART_FORMAT:
             raise ValueError(f"format {body.get('format')!r}, expected {PART_FORMAT!r}")
-        index, count = body["shard"]
-        return Part(path, body["experiment"], body["fingerprint"], Shard(int(index), int(count)), int(body["total_runs"]),
-                    body["config"], int(body["trace_jobs"]), body["trace_digest"], {int(r["index"]): r for r in body["results"]})
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path} is not a part written by `silod experiment --shard` ({exc}); remove it or rerun that shard") from None
+        shard = body["shard"]
+        if not isinstance(shard, list) or len(shard) != 2:
+            raise ValueError(f"shard is {shard!r}, not [I, N]")
+        count = _whole(shard[1], "shard N", 1, MAX_SHARDS)
+        index = _whole(shard[0], "shard I", 1, count)
+        for key in ("experiment", "fingerprint", "trace_digest"):
+            if not isinstance(body[key], str):
+                raise ValueError(f"{key} is {body[key]!r}, not a string")
+        if not isinstance(body["results"], list) or not all(isinstance(r, dict) for r in body["results"]):
+            raise ValueError("results must be a list of objects")
+        results = {_whole(r["index"], "a result's index", 0): r for r in body["results"]}
+        for r in results.values():
+            _check_result(r, read_result)  # a damaged run fails here, naming the file, not in the plotting code
+        return Part(path, body["experiment"], body["fingerprint"], Shard(index, count), _whole(body["total_runs"], "total_runs", 0),
+                    _check_config(body["config"]), _whole(body["trace_jobs"], "trace_jobs", 0), body["trace_digest"], results)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # UserError is a ValueError: a bad cluster in the config is reported with the file too.
+        detail = f"no field {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+        raise UserError(f"{path} is not a part written by `silod experiment --shard` ({detail}); remove it or rerun that shard") from None
 
 
 @dataclass(frozen=True)
@@ -140,9 +218,11 @@ class MergedParts:
     paths: tuple[Path, ...]
 
 
-def load_parts(experiment: str, dirs: Sequence[Path]) -> MergedParts:
+def load_parts(experiment: str, dirs: Sequence[Path], read_result: Callable[[dict], object]) -> MergedParts:
     """The parts of `experiment` in `dirs`, checked: one experiment, configuration and trace
-    (the fingerprint), every shard 1..N exactly once, every run exactly once."""
+    (the fingerprint), every shard 1..N exactly once, every run exactly once, and every run's
+    result readable by `read_result` (experiments.result_from_json, passed in: experiments
+    imports this module)."""
     stem = experiment.replace("-", "_")
     paths: list[Path] = []
     for d in dirs:
@@ -152,7 +232,7 @@ def load_parts(experiment: str, dirs: Sequence[Path]) -> MergedParts:
     if not paths:
         raise UserError(f"no part of experiment {experiment} in {', '.join(map(str, dirs))}; "
                         f"run `silod experiment {experiment} --shard I/N --out DIR` for I = 1..N first")
-    parts = [_load_part(p) for p in paths]
+    parts = [_load_part(p, read_result) for p in paths]
     first = parts[0]
     for p in parts:
         if p.experiment != experiment:
@@ -163,6 +243,9 @@ def load_parts(experiment: str, dirs: Sequence[Path]) -> MergedParts:
         if p.shard.count != first.shard.count:
             raise UserError(f"{p.path} is shard {p.shard} and {first.path} shard {first.shard}: one run split into different N; "
                             "merge the parts of one split only")
+        if p.total_runs != first.total_runs:  # the fingerprint covers it; a hand-edited part might not
+            raise UserError(f"{p.path} splits {p.total_runs} runs and {first.path} {first.total_runs}; one of them was edited, "
+                            "rerun its shard")
     seen: dict[int, Path] = {}
     for p in parts:
         if p.shard.index in seen:
@@ -171,15 +254,17 @@ def load_parts(experiment: str, dirs: Sequence[Path]) -> MergedParts:
         seen[p.shard.index] = p.path
     missing = [i for i in range(1, first.shard.count + 1) if i not in seen]
     if missing:
-        raise UserError(f"experiment {experiment}: shard(s) {', '.join(f'{i}/{first.shard.count}' for i in missing)} missing "
+        listed = ", ".join(f"{i}/{first.shard.count}" for i in missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise UserError(f"experiment {experiment}: shard(s) {listed} missing "
                         f"from {', '.join(map(str, dirs))}; run them (--shard I/{first.shard.count}) or add their directories")
     results: dict[int, dict] = {}
     owner: dict[int, Path] = {}
     for p in parts:
-        expected = set(p.shard.picks(p.total_runs))
-        if set(p.results) != expected:
-            raise UserError(f"{p.path} holds runs {sorted(p.results)}, but shard {p.shard} of {p.total_runs} runs is "
-                            f"{sorted(expected)}; the part is damaged, rerun that shard")
+        # A range, not a list: total_runs comes from the file (10^12 was a MemoryError).
+        expected = range(p.shard.index - 1, p.total_runs, p.shard.count)
+        if len(p.results) != len(expected) or any(i not in expected for i in p.results):
+            raise UserError(f"{p.path} holds runs {sorted(p.results)[:20]}, but shard {p.shard} of {p.total_runs} runs is "
+                            f"{list(expected[:20])}{' ...' if len(expected) > 20 else ''}; the part is damaged, rerun that shard")
         for i, r in p.results.items():
             if i in owner:  # unreachable with consistent shards; a hand-edited part could do it
                 raise UserError(f"run {i} of {experiment} is in both {owner[i]} and {p.path}")

@@ -219,3 +219,13 @@ def test_trace_export_out_under_a_file(tmp_path):
     proc = silod("trace", "export", "--out", str(tmp_path / "f" / "trace.csv"), "--max-jobs", "2")
     user_error(proc, "--out's directory", "exists and is not a directory")
     assert (tmp_path / "f").read_text() == "mine\n"
+
+
+def test_a_curriculum_that_grows_too_many_times_is_refused(tmp_path):
+    """Found by the review: starting_percent 1e-6 at alpha 1.0000001 is 1.4e8 growths, which the
+    simulator stepped through one by one for hours. Refused at its line and column now."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,access,starting_percent,alpha,step,batch,item_size\n"
+                     "a,0,1,x,d,5GB,10MB/s,1,curriculum,0.000001,1.0000001,1,1,1B\n")
+    user_error(silod("simulate", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet"), "alpha", "at most 1,000", "line 2")
+    assert not (tmp_path / "o" / "summary.json").exists()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from policies.base import Policy
 from policies.cpu import cpu_for_running, effective_jobs
 from policies.estimators import Estimator
-from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, max_min_share
+from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, keep_for_waiting, max_min_share
 from policies.types import Allocation, JobView, Snapshot
 
 
@@ -47,13 +47,16 @@ def storage_for_running(
     snapshot: Snapshot,
     estimator: Estimator,
     io_rule: str = "priority",
+    waiting: Sequence[JobView] = (),
 ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """Cache by Algorithm 2 over the running jobs; IO by `io_rule` ('priority' in the order of
-    `running`, or 'fair' max-min by demand). None, None when storage is unmanaged."""
+    """Cache by Algorithm 2 over the running jobs, then what they leave keeps what is cached of
+    the `waiting` jobs' datasets (policies.storage.keep_for_waiting); IO by `io_rule` ('priority'
+    in the order of `running`, or 'fair' max-min by demand). None, None when storage is
+    unmanaged."""
     if not estimator.manages_storage:
         return None, None
     cap = snapshot.capacity
-    cache = greedy_cache(running, snapshot.datasets, cap.cache)
+    cache = keep_for_waiting(greedy_cache(running, snapshot.datasets, cap.cache), waiting, snapshot.datasets, cap.cache)
     demands = demands_at_full_speed(running, cache, snapshot.datasets)
     if io_rule == "priority":
         granted = io_in_priority_order(demands, cap.remote_io)
@@ -68,7 +71,9 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
     """GPUs to `running`, then CPU cores (policies/cpu.py), then cache and IO planned for the
     speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests)."""
     cpu = cpu_for_running(running, snapshot.jobs, snapshot.capacity)
-    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
+    running_ids = {j.job_id for j in running}
+    waiting = [j for j in snapshot.jobs if j.job_id not in running_ids]
+    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule, waiting)
     share = {j.job_id: 0.0 for j in snapshot.jobs}
     share.update({j.job_id: 1.0 for j in running})
     return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=cpu)

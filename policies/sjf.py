@@ -8,8 +8,9 @@ lengthens the job while saving IO it could not use), so b = f* (1 - c/d) and the
     W/f* * (g/G + c/C) + W (1 - c/d) / B  [+ W / (r K) with CPU: f*/r cores for W/f* s],
 
 linear in c: the minimum is at c = 0 or c = min(d, C). Jobs are ranked by ascending score each
-round (preemptive, shortest remaining first); cache goes to the running jobs by Algorithm 2 and
-remote IO to them in score order.
+round (preemptive, shortest remaining first); cache goes to the running jobs by Algorithm 2 (the
+room they leave keeps what is cached of paused and queued jobs' datasets) and remote IO to them
+in score order.
 """
 
 from __future__ import annotations

@@ -52,6 +52,39 @@ def greedy_cache(
     return {n: float(v) for n, v, k in zip(names, per_dataset, keep, strict=True) if k}
 
 
+def keep_for_waiting(
+    cache: Mapping[str, float],
+    waiting: Sequence[JobView],
+    datasets: Mapping[str, DatasetView],
+    capacity: float,
+) -> dict[str, float]:
+    """`cache` (the running jobs' Algorithm 2) plus, in the room it leaves, what is already
+    cached of the datasets that only waiting jobs (paused by a preemptive policy, or queued) will
+    read, most efficient first (sum of f*/d over their waiting readers).
+
+    Without this a preempted job's dataset got no allocation and was evicted at once, although
+    the cache had room: the job resumed cold and re-fetched it (one SJF-preempted job on a 200 GB
+    cache, 190 GB of it free: 8,900 s instead of 6,400). Only bytes already cached are kept, not
+    room reserved: nobody fills a dataset that only waiting jobs read, and the running jobs'
+    plan, computed first, is never reduced by it (as Quiver keeps a paused job's cache unless a
+    better candidate needs the space)."""
+    out = dict(cache)
+    left = capacity - sum(out.values())
+    names = sorted({j.dataset for j in waiting})
+    if left <= 0 or not names:
+        return out
+    index = {n: i for i, n in enumerate(names)}
+    rate = np.bincount([index[j.dataset] for j in waiting], weights=[j.ideal_throughput for j in waiting], minlength=len(names))
+    sizes = np.array([datasets[n].size for n in names], dtype=float)
+    cached = np.array([min(datasets[n].cached or 0.0, datasets[n].size) for n in names], dtype=float)
+    extra = np.maximum(cached - np.array([out.get(n, 0.0) for n in names]), 0.0)
+    granted = fill_in_order(extra, rate / sizes, left)
+    for n, g in zip(names, granted.tolist(), strict=True):
+        if g > 0:
+            out[n] = out.get(n, 0.0) + g
+    return out
+
+
 def fill_in_order(sizes: np.ndarray, efficiency: np.ndarray, capacity: float) -> np.ndarray:
     """Give `capacity` to items in descending efficiency, each up to its size (fractional knapsack)."""
     order = np.argsort(-efficiency, kind="stable")

@@ -280,3 +280,20 @@ def test_the_column_advance_is_exactly_the_per_job_advance(system, policy, monke
     assert columns.steps == scalar.steps
     for job in ("a", "b", "c", "d"):
         assert jct(columns, job) == pytest.approx(jct(scalar, job), rel=1e-12), job
+
+
+@pytest.mark.parametrize("policy", ["sjf", "fifo"])
+def test_a_waiting_jobs_cached_dataset_is_kept_while_there_is_room(policy):
+    # a: 100 GB, f* 100 MB/s, 3 epochs, link 25 MB/s, cache 200 GB (room for both datasets).
+    # Epoch 1 is cold: 4,000 s, and d1 is then cached whole. b (10 GB, 1 epoch) arrives at
+    # 4,500 s. SJF preempts a for b: b reads cold at 25 MB/s, 400 s; a resumes at 4,900 s with
+    # 1,500 s of cached work left (the rest of epoch 2 and epoch 3 at f*): JCT 6,400 s.
+    # FIFO keeps a running, b waits: a ends at 6,000 s, b reads 400 s: 6,400 - 4,500 = 1,900 s.
+    # SiloD's SJF planned cache for the running jobs only, so d1 got no allocation while a was
+    # paused and was evicted with 190 of 200 GB free: a resumed cold, 8,900 s.
+    a = one_job(epochs=3, job_id="a")
+    b = TraceJob("b", 4500.0, 1, "m", "d2", 100 * MB, 1.0)
+    result = run([a, b], {"ds": 100 * GB, "d2": 10 * GB}, cache=200 * GB, io=25 * MB, policy=policy)
+    expected = {"sjf": (6400, 400), "fifo": (6000, 1900)}[policy]
+    assert (jct(result, "a"), jct(result, "b")) == pytest.approx(expected, rel=1e-6)
+    assert result.remote_bytes == pytest.approx(110 * GB, rel=1e-6)  # each dataset fetched once

@@ -229,3 +229,34 @@ def test_a_curriculum_that_grows_too_many_times_is_refused(tmp_path):
                      "a,0,1,x,d,5GB,10MB/s,1,curriculum,0.000001,1.0000001,1,1,1B\n")
     user_error(silod("simulate", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet"), "alpha", "at most 1,000", "line 2")
     assert not (tmp_path / "o" / "summary.json").exists()
+
+
+def test_numbers_in_a_trace_are_ascii_digits(tmp_path):
+    """int() and float() read any script's digits: '٣' GPUs was a 3-GPU job."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a,0,\u0663,x,d,5GB,10MB/s,1\n", encoding="utf-8")
+    user_error(silod("simulate", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet"), "num_gpus", "line 2")
+
+
+def test_trace_export_on_a_full_disk_keeps_the_earlier_file(tmp_path):
+    """The export wrote --out in place: a failure half-way left a cut-off trace where the user's
+    file was. On a real 64 KiB tmpfs filled to the last block the earlier file now stays whole."""
+    disk = tmp_path / "tiny"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        earlier = disk / "trace.csv"
+        earlier.write_text(HEADER + "a,0,1,x,d,5GB,10MB/s,1\n")
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        user_error(silod("trace", "export", "--out", str(earlier)), str(earlier), "unchanged")
+        assert earlier.read_text() == HEADER + "a,0,1,x,d,5GB,10MB/s,1\n"
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "trace.csv"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

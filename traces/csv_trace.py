@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 from typing import TextIO
 
@@ -52,6 +53,8 @@ def _fail(path: Path, line: int, column: str | None, problem: str) -> TraceError
 
 def _number(text: str, path: Path, line: int, column: str, *, integer: bool = False) -> float:
     try:
+        if not text.isascii():  # int() and float() read any script's digits: '٣' would be 3
+            raise ValueError(text)
         value = int(text) if integer else float(text)
     except ValueError:
         kind = "a whole number" if integer else "a number"
@@ -247,19 +250,32 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
     def num(v: float | None) -> str:
         return "" if v is None else repr(v) if isinstance(v, float) else str(v)
 
-    with Path(path).open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow((*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ()),
-                         *(PIPELINE_FIELDS if with_pipeline else ())))
-        for j in trace.jobs:
-            row = [j.job_id, num(float(j.submit_time)), j.num_gpus, j.model, j.dataset,
-                   num(float(trace.dataset_sizes[j.dataset])), num(float(j.ideal_throughput)), num(float(j.epochs))]
-            if with_access:
-                row += [v if isinstance(v, str) else num(v) for v in j.access.fields().values()]
-            if with_items:
-                item = trace.item_sizes.get(j.dataset)
-                row.append(num(None if item is None else float(item)))
-            if with_pipeline:
-                p = j.pipeline
-                row += ["", "", ""] if p is None else [num(float(p.cpu_rate)), num(p.autocache_expansion), num(p.post_cpu_rate)]
-            writer.writerow(row)
+    rows = [(*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ()),
+             *(PIPELINE_FIELDS if with_pipeline else ()))]
+    for j in trace.jobs:
+        row = [j.job_id, num(float(j.submit_time)), j.num_gpus, j.model, j.dataset,
+               num(float(trace.dataset_sizes[j.dataset])), num(float(j.ideal_throughput)), num(float(j.epochs))]
+        if with_access:
+            row += [v if isinstance(v, str) else num(v) for v in j.access.fields().values()]
+        if with_items:
+            item = trace.item_sizes.get(j.dataset)
+            row.append(num(None if item is None else float(item)))
+        if with_pipeline:
+            p = j.pipeline
+            row += ["", "", ""] if p is None else [num(float(p.cpu_rate)), num(p.autocache_expansion), num(p.post_cpu_rate)]
+        rows.append(row)
+    # Written beside the target and renamed over it: a failure half-way (a full disk) leaves the
+    # user's earlier file whole instead of a cut-off trace.
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", newline="", encoding="utf-8") as handle:
+            csv.writer(handle).writerows(rows)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"could not write the trace {path} ({exc.strerror or exc}); "
+                        f"{'the file there is unchanged' if path.exists() else 'nothing was written'}: free space or choose another --out") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -260,3 +260,25 @@ def test_trace_export_on_a_full_disk_keeps_the_earlier_file(tmp_path):
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "trace.csv"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_jobs_that_cannot_finish_are_named_in_a_warning(tmp_path, monkeypatch):
+    """Jobs still queued at the simulator's horizon were only a count in summary.json. Reaching
+    the real ten-year horizon takes a million steps, so the horizon is shortened here (in
+    process): three 600-s jobs on one GPU, a 1,000-s horizon (checked at each step's start, so the
+    second, started at 600 s, still ends)."""
+    import functools
+
+    from typer.testing import CliRunner
+
+    import scheduler.sim.engine as engine
+    from scheduler.cli import app
+
+    monkeypatch.setattr(engine, "SimConfig", functools.partial(engine.SimConfig, max_sim_time_s=1000.0))
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "".join(f"{j},0,1,x,d,6GB,10MB/s,1\n" for j in "abc"))
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--gpus", "1", "--gpus-per-node", "1",
+                                      "--remote-io", "1GB/s", "--out", str(tmp_path / "o"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "warning: 1 job(s) did not finish (c)" in result.output
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["unfinished_jobs"] == 1

@@ -114,6 +114,10 @@ def register(app: typer.Typer) -> None:
             extra["profile_noise"] = profile_noise
         summary = write_outputs(result, out, policy, cache_system, extra)
         _print_summary(summary, out)
+        if result.unfinished:
+            shown = ", ".join(result.unfinished[:5]) + (f" and {len(result.unfinished) - 5} more" if len(result.unfinished) > 5 else "")
+            typer.echo(f"warning: {len(result.unfinished)} job(s) did not finish ({shown}) and are not in the JCTs: the simulation "
+                       "stops at its ten-year horizon, or when no job can progress (e.g. --remote-io 0 with nothing cached)", err=True)
 
 
     @app.command()

@@ -4,7 +4,6 @@ persistence across a restart, and bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import httpx
@@ -14,6 +13,7 @@ from datamanager.client import DataManagerClient, DataManagerError
 from datamanager.state import StateStore
 
 from dataplane_helpers import free_port, silod_cmd, start_datamanager
+from full_disk import fill_to_the_last_block, tiny_tmpfs
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +221,8 @@ def test_bad_heartbeat_stats_never_break_status_or_metrics(dm):
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A real 64 KiB tmpfs, so a save can fail the way a full disk makes it fail (ENOSPC)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tiny_tmpfs(tmp_path / "tiny") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_change_the_disk_cannot_hold_is_a_503_and_changes_nothing(tiny_disk):
@@ -244,14 +238,7 @@ def test_a_change_the_disk_cannot_hold_is_a_503_and_changes_nothing(tiny_disk):
         before = _allocations(dm)
         saved = (state / "state.json").read_text()
         filler = tiny_disk / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # fill the disk to the last block
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill_to_the_last_block(filler)
         for method, path, body in [("PUT", "/v1/datasets/d/cache", {"bytes": 2000}),
                                    ("PUT", "/v1/datasets/new", {}),
                                    ("PUT", "/v1/jobs/j/remote-io", {"bytes_per_s": 9e6}),

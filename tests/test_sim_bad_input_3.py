@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from full_disk import fill_to_the_last_block, tiny_tmpfs
+
 SILOD = [sys.executable, "-m", "scheduler"]
 HEADER = "job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs\n"
 OPENB_HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
@@ -241,25 +243,13 @@ def test_numbers_in_a_trace_are_ascii_digits(tmp_path):
 def test_trace_export_on_a_full_disk_keeps_the_earlier_file(tmp_path):
     """The export wrote --out in place: a failure half-way left a cut-off trace where the user's
     file was. On a real 64 KiB tmpfs filled to the last block the earlier file now stays whole."""
-    disk = tmp_path / "tiny"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
+    with tiny_tmpfs(tmp_path / "tiny") as disk:
         earlier = disk / "trace.csv"
         earlier.write_text(HEADER + "a,0,1,x,d,5GB,10MB/s,1\n")
-        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill_to_the_last_block(disk / "filler")
         user_error(silod("trace", "export", "--out", str(earlier)), str(earlier), "unchanged")
         assert earlier.read_text() == HEADER + "a,0,1,x,d,5GB,10MB/s,1\n"
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "trace.csv"]
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_jobs_that_cannot_finish_are_named_in_a_warning(tmp_path, monkeypatch):

@@ -71,8 +71,10 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
     """GPUs to `running`, then CPU cores (policies/cpu.py), then cache and IO planned for the
     speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests)."""
     cpu = cpu_for_running(running, snapshot.jobs, snapshot.capacity)
-    running_ids = {j.job_id for j in running}
-    waiting = [j for j in snapshot.jobs if j.job_id not in running_ids]
+    waiting: list[JobView] = []
+    if estimator.manages_storage:
+        running_ids = {j.job_id for j in running}
+        waiting = [j for j in snapshot.jobs if j.job_id not in running_ids]
     cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule, waiting)
     share = {j.job_id: 0.0 for j in snapshot.jobs}
     share.update({j.job_id: 1.0 for j in running})

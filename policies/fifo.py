@@ -47,16 +47,18 @@ def storage_for_running(
     snapshot: Snapshot,
     estimator: Estimator,
     io_rule: str = "priority",
-    waiting: Sequence[JobView] = (),
 ) -> tuple[dict[str, float] | None, dict[str, float] | None]:
     """Cache by Algorithm 2 over the running jobs, then what they leave keeps what is cached of
-    the `waiting` jobs' datasets (policies.storage.keep_for_waiting); IO by `io_rule` ('priority'
-    in the order of `running`, or 'fair' max-min by demand). None, None when storage is
+    the other jobs' datasets (policies.storage.keep_for_waiting); IO by `io_rule` ('priority' in
+    the order of `running`, or 'fair' max-min by demand). None, None when storage is
     unmanaged."""
     if not estimator.manages_storage:
         return None, None
     cap = snapshot.capacity
-    cache = keep_for_waiting(greedy_cache(running, snapshot.datasets, cap.cache), waiting, snapshot.datasets, cap.cache)
+    cache = greedy_cache(running, snapshot.datasets, cap.cache)
+    if sum(cache.values()) < cap.cache:  # on a busy cluster the running jobs fill it: no pass over the queue
+        running_ids = {j.job_id for j in running}
+        cache = keep_for_waiting(cache, [j for j in snapshot.jobs if j.job_id not in running_ids], snapshot.datasets, cap.cache)
     demands = demands_at_full_speed(running, cache, snapshot.datasets)
     if io_rule == "priority":
         granted = io_in_priority_order(demands, cap.remote_io)
@@ -71,11 +73,7 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
     """GPUs to `running`, then CPU cores (policies/cpu.py), then cache and IO planned for the
     speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests)."""
     cpu = cpu_for_running(running, snapshot.jobs, snapshot.capacity)
-    waiting: list[JobView] = []
-    if estimator.manages_storage:
-        running_ids = {j.job_id for j in running}
-        waiting = [j for j in snapshot.jobs if j.job_id not in running_ids]
-    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule, waiting)
+    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
     share = {j.job_id: 0.0 for j in snapshot.jobs}
     share.update({j.job_id: 1.0 for j in running})
     return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=cpu)

@@ -91,6 +91,8 @@ def test_merge_refuses_incomplete_overlapping_or_mixed_parts(tmp_path):
 
     refused("a", expect="shard(s) 2/2 missing")
     refused("a", "b", "b2", expect="shard 2/2 of micro is given twice")
+    refused("a", "b", "b", expect="names the directory")  # not "shard 2/2 given twice"
+    refused("a", "b", "a/../b", expect="names the directory")
     refused("a", "c", expect="different N")
     refused("a", "d", expect="parts of different runs of micro")
     (tmp_path / "empty").mkdir()

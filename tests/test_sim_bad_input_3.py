@@ -177,7 +177,16 @@ def test_gavel_damaged_throughputs_are_user_errors(tmp_path, throughput):
     # reported as a job reading a negative number of bytes.
     trace = _gavel(tmp_path, throughput="not-an-object" if throughput == "not-an-object" else throughput)
     proc = silod("simulate", "--trace", str(trace), "--format", "gavel", "--gpus", "8", "--out", str(tmp_path / "o"), "--quiet")
-    user_error(proc, "simulation_throughputs.json", "('Transformer (batch size 128)', 1)")
+    # The file's whole path and the trace line that asked (the message named neither).
+    user_error(proc, str(tmp_path / "simulation_throughputs.json"), "('Transformer (batch size 128)', 1)", f"{trace}:1")
+
+
+def test_gavel_job_type_without_throughputs_names_the_file_and_line(tmp_path):
+    trace = _gavel(tmp_path)
+    trace.write_text("Transformer (batch size 128)\tcmd\t-step\t1\t14612\t0\t1\n"
+                     "ResNet-50 (batch size 64)\tcmd\t-step\t1\t100\t5\t2\n")
+    proc = silod("simulate", "--trace", str(trace), "--format", "gavel", "--gpus", "8", "--out", str(tmp_path / "o"), "--quiet")
+    user_error(proc, str(tmp_path / "simulation_throughputs.json"), f"{trace}:2", "'ResNet-50 (batch size 64)'", "2 or fewer GPUs")
 
 
 # ---------------------------------------------------------------- 4. Alibaba openb rows

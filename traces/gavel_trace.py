@@ -58,18 +58,20 @@ def _family(job_type: str) -> FamilyMapping:
     raise UserError(f"Gavel job type {job_type!r} has no mapping; known families: {', '.join(f.family for f in FAMILIES)}")
 
 
-def _steps_per_second(table: dict, job_type: str, gpus: int) -> float:
+def _steps_per_second(table: dict, job_type: str, gpus: int, where: str) -> float:
     """Gavel's measured rate; for a GPU count it has no entry for, the largest measured count
-    below it, scaled linearly (the README of the traces says so for counts above 8)."""
+    below it, scaled linearly (the README of the traces says so for counts above 8). `where`
+    names the throughputs file and the trace line that asked, for the errors."""
     measured = [k for k in (8, 4, 2, 1) if k <= gpus and f"('{job_type}', {k})" in table]
     if not measured:
-        raise UserError(f"no throughput for {job_type!r} in simulation_throughputs.json")
+        raise UserError(f"{where}: no throughput for {job_type!r} on {gpus} or fewer GPUs; add its v100 entries to the file "
+                        "or use Gavel's file from ../shared/traces/gavel-msr")
     k = measured[0]
     key = f"('{job_type}', {k})"
     entry = table[key]
     rate = entry.get("null") if isinstance(entry, dict) else None
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
-        raise UserError(f"simulation_throughputs.json: v100 entry {key} needs \"null\": the steps per second running alone, "
+        raise UserError(f"{where}: v100 entry {key} needs \"null\": the steps per second running alone, "
                         f"a number > 0 (it is {rate if isinstance(entry, dict) else entry!r:.80}); use Gavel's file from ../shared/traces/gavel-msr")
     return float(rate) * gpus / k
 
@@ -123,8 +125,9 @@ def load_gavel_trace(
             raise UserError(f"{path}:{number}: arrival_time {arrival:g} s is after the simulator's horizon ({MAX_SUBMIT_S:.3g} s, "
                             "ten years); give seconds from the trace start")
         fam = _family(job_type)
-        duration = steps / _steps_per_second(table, job_type, gpus)
-        speedup = _steps_per_second(table, job_type, gpus) / _steps_per_second(table, job_type, 1)
+        where = f"{tp_path} (asked by {path}:{number})"
+        duration = steps / _steps_per_second(table, job_type, gpus, where)
+        speedup = _steps_per_second(table, job_type, gpus, where) / _steps_per_second(table, job_type, 1, where)
         job_id = f"job{len(jobs):05d}"
         if fam.model == "a3c":
             rate, size, base = _A3C_RATE * speedup, _A3C_DATASET_SIZE, "rl-env"

@@ -225,9 +225,13 @@ def load_parts(experiment: str, dirs: Sequence[Path], read_result: Callable[[dic
     imports this module)."""
     stem = experiment.replace("-", "_")
     paths: list[Path] = []
+    given: dict[Path, Path] = {}
     for d in dirs:
         if not d.is_dir():
             raise UserError(f"--merge {d}: not a directory; give the --out directories of the shards")
+        same = given.setdefault(d.resolve(), d)
+        if same is not d:
+            raise UserError(f"--merge names the directory {d} twice ({same} and {d}); give each directory once")
         paths += sorted(d.glob(f"{stem}.part-*-of-*.json"))
     if not paths:
         raise UserError(f"no part of experiment {experiment} in {', '.join(map(str, dirs))}; "

@@ -78,6 +78,11 @@ DAMAGE = {
     "huge-number": (lambda p: p.write_text(p.read_text().replace('"total_runs": 4', '"total_runs": 1e400')), "1e400 is not finite"),
     # were tracebacks in the merge or the plotting code ("This is a bug in silod")
     "text-result": (_set_summary("avg_jct_s", "fast"), "avg_jct_s is 'fast'"),
+    # finite but no run's: merged into a table of 300-digit JCTs, exit 0
+    "huge-jct": (_set_summary("avg_jct_s", 1e308), "avg_jct_s is 1e+308 s, outside 0 to"),
+    "huge-jct-by-kind": (_edit(lambda b: b["results"][0]["jct_by_kind"].__setitem__("regular", 1e300)), "regular is 1e+300 s"),
+    "negative-bytes": (_set_summary("remote_bytes", -5.0), "remote_bytes is -5.0, which no run gives (negative)"),
+    "negative-utilization": (_set_summary("gpu_utilization", -3.0), "gpu_utilization is -3.0, which no run gives"),
     "missing-run": (_edit(lambda b: b["results"][0].pop("run")), "no field 'run'"),
     "short-fairness": (_edit(lambda b: b["results"][0].__setitem__("fairness", [[1.0]])), "not enough values"),
     "extra-run-field": (_edit(lambda b: b["results"][0]["run"].__setitem__("color", "red")), "color"),

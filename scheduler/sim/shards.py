@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from estimator.errors import UserError
+from traces.model import MAX_SUBMIT_S
 
 if TYPE_CHECKING:
     from traces.model import Trace
@@ -157,6 +158,17 @@ def _check_result(r: dict, read_result: Callable[[dict], object]) -> None:
             isinstance(value, dict) and all(map(_is_number, value.values())) if key == "cluster" else _is_number(value)
         if not ok:
             raise ValueError(f"run {r['index']}: {key} is {value!r}")
+    # Finite is not enough: 1e308 s merged into a table of 300-digit JCTs. No simulated time (a
+    # JCT, a makespan; jct_by_kind is seconds too) passes the simulator's horizon, and nothing a
+    # run counts is negative. (Utilisation is not bounded by 1 here: with jobs left unfinished at
+    # the horizon it is taken over the finished jobs' makespan.)
+    seconds = [(k, v) for k, v in summary.items() if k.endswith("_s")] + list(r["jct_by_kind"].items())
+    for key, value in seconds:
+        if not 0 <= value <= MAX_SUBMIT_S:
+            raise ValueError(f"run {r['index']}: {key} is {value!r} s, outside 0 to {MAX_SUBMIT_S:.3g} s (the simulator's horizon)")
+    for key, value in summary.items():
+        if _is_number(value) and value < 0:
+            raise ValueError(f"run {r['index']}: {key} is {value!r}, which no run gives (negative)")
 
 
 def _check_config(config: object) -> dict:

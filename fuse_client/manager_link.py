@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+
+import httpx
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,14 @@ class ClientRegistration:
     pid: int
 
 
-class _FileBearer:
-    """httpx auth: `Authorization: Bearer` from a file read at each request (or a fixed token)."""
+class _FileBearer(httpx.Auth):
+    """httpx auth: `Authorization: Bearer` from a file read at each request (or a fixed token).
+    httpx takes only `httpx.Auth` subclasses (0.28 refuses anything else with a TypeError)."""
 
     def __init__(self, path: str | None, token: str | None = None) -> None:
         self.path, self.token = path, token
 
-    def auth_flow(self, request: Any) -> Any:
+    def auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
         token = self.token
         if self.path is not None:
             try:
@@ -69,8 +71,6 @@ class ManagerLink:
         get_stats: Callable[[], dict],
         on_allocation: Callable[[PulledAllocation], None],
     ) -> None:
-        import httpx
-
         self.base_url = base_url.rstrip("/")
         self.registration = registration
         self._get_stats = get_stats
@@ -80,7 +80,7 @@ class ManagerLink:
         # or SILOD_DM_TOKEN.
         token_file = os.environ.get("SILOD_DM_TOKEN_FILE")
         token = os.environ.get("SILOD_DM_TOKEN")
-        auth: Any = None
+        auth: _FileBearer | None = None
         if token_file:
             auth = _FileBearer(token_file)
         elif token:

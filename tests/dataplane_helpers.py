@@ -189,6 +189,7 @@ class DataManagerProcess:
     port: int
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    env: dict | None = None  # added to this environment (e.g. SILOD_DM_AGENT_TOKENS_FILE)
 
     def start(self, timeout: float = 20.0) -> "DataManagerProcess":
         import httpx
@@ -197,7 +198,7 @@ class DataManagerProcess:
         log_file = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [*silod_cmd(), "datamanager", "--listen", f"127.0.0.1:{self.port}", "--state", str(self.state_dir)],
-            stdout=log_file, stderr=subprocess.STDOUT,
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})},
         )
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -215,9 +216,9 @@ class DataManagerProcess:
             self.proc.wait(10)
 
 
-def start_datamanager(state_dir: Path) -> DataManagerProcess:
+def start_datamanager(state_dir: Path, env: dict | None = None) -> DataManagerProcess:
     port = free_port()
-    return DataManagerProcess(url=f"http://127.0.0.1:{port}", state_dir=state_dir, port=port).start()
+    return DataManagerProcess(url=f"http://127.0.0.1:{port}", state_dir=state_dir, port=port, env=env).start()
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05, message: str = "condition"):

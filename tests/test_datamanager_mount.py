@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from contract.names import node_mount_job
 from datamanager.client import DataManagerClient
 
 from dataplane_helpers import make_dataset, mounted, read_epoch, start_datamanager, wait_until
@@ -152,5 +153,37 @@ def test_a_client_reporting_garbage_stats_cannot_break_metrics(tmp_path):
         assert 'job="j"' not in r.text.split("silod_job_read_bytes")[1].split("# HELP")[0]
         assert "silod_job_open_latency_seconds_bucket" not in r.text
         assert 'job="j"' not in r.text  # nor any other family: every value was refused
+    finally:
+        dm.kill()
+
+
+@pytest.mark.parametrize("how", ["token-file", "token"])
+def test_a_mount_with_a_node_bound_token_registers_and_pulls_its_allocation(tmp_path, how):
+    """A mount that authenticates to the data manager (the node-bound agent tokens of issue 20):
+    `silod mount --manager` exited 1 at start with httpx's TypeError "Invalid 'auth' argument",
+    so every CSI publish with --manager failed. The token file is re-read at every request."""
+    n1, n2 = "node-n1-agent-token-0001", "node-n2-agent-token-0002"
+    (tmp_path / "agents").write_text(f"n1:{n1}\nn2:{n2}\n")
+    sched_token = "scheduler-dm-token-0001"
+    dm = start_datamanager(tmp_path / "state", env={"SILOD_DM_AGENT_TOKENS_FILE": str(tmp_path / "agents"),
+                                                   "SILOD_DM_SCHEDULER_TOKEN": sched_token})
+    ds = make_dataset(tmp_path / "remote", n_files=20, seed=3)
+    token_file = tmp_path / "token"
+    token_file.write_text(n1 + "\n")
+    env = {"SILOD_DM_TOKEN_FILE": str(token_file)} if how == "token-file" else {"SILOD_DM_TOKEN": n1}
+    job = node_mount_job("n1", "ds")  # what a node's agent may register (datamanager/app.py, _own_mount)
+    try:
+        with DataManagerClient(dm.url, token=sched_token) as sched:
+            sched.allocate_cache_size("ds", 123_456)
+            with mounted(tmp_path / "mnt", str(ds.root), "ds", job, tmp_path / "cache", "--manager", dm.url, "--node", "n1",
+                         env=env) as m:
+                s = wait_until(lambda: (st := m.stats())["manager_connected"] and st["cache_allocation_bytes"] == 123_456 and st,
+                               5.0, message="registered with the token and allocation pulled")
+                assert s["manager_connected"] is True
+                assert job in sched.status()["nodes"]["n1"]["datasets"]["ds"]["jobs"]
+                if how == "token-file":
+                    # Another node's token in the file (re-read): this node's heartbeats are refused.
+                    token_file.write_text(n2 + "\n")
+                    wait_until(lambda: not m.stats()["manager_connected"], 5.0, message="refused with node n2's token")
     finally:
         dm.kill()

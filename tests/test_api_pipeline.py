@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 try:
-    from test_api import H_ALICE, IMAGENET, make_app
+    from test_api import H_ADMIN, H_ALICE, IMAGENET, make_app
 except ImportError:  # tests/ imported as a package
-    from tests.test_api import H_ALICE, IMAGENET, make_app
+    from tests.test_api import H_ADMIN, H_ALICE, IMAGENET, make_app
 
 JOB = {"name": "r50", "gpus": 1, "dataset": "imagenet", "epochs": 2, "ideal_throughput": "100MB/s"}
 
@@ -102,7 +102,7 @@ def test_metrics_count_cores_and_bottlenecks(cpu_client):
     c.post("/v1/jobs", json={**JOB, "name": "big", "gpus": 4, "ideal_throughput": "400MB/s", "cpu_rate": "35MB/s"}, headers=H_ALICE)
     c.post("/v1/jobs", json={**JOB, "name": "small", "cpu_rate": "35MB/s"}, headers=H_ALICE)
     service.run_round("test")
-    text = c.get("/metrics").text
+    text = c.get("/metrics", headers=H_ADMIN).text
     assert "silod_cpus_total 8.0" in text
     assert f"silod_cpus_allocated {4 + 100 / 35}" in text
     assert 'silod_running_jobs_bound{resource="cpu"} 1.0' in text

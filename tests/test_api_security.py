@@ -183,12 +183,30 @@ def test_metrics_can_be_protected(tmp_path, monkeypatch) -> None:  # type: ignor
     app, service = make_app(f"sqlite:///{tmp_path / 'm.db'}", tmp_path, run_loop=False)
     with TestClient(app) as c:
         assert c.get("/metrics").status_code == 401
-        assert c.get("/metrics", headers=H_ALICE).status_code == 401  # a user token is not a scrape token
+        assert c.get("/metrics", headers=H_ALICE).status_code == 403  # a user token is not a scrape token
         assert c.get("/metrics", headers={"Authorization": "Bearer scrape-token-123"}).status_code == 200
         assert c.get("/v1/jobs", headers={"Authorization": "Bearer scrape-token-123"}).status_code == 401
         assert c.get("/metrics", headers=H_ADMIN).status_code == 200
         assert c.get("/healthz").status_code == 200
     service.close()
+
+
+def test_an_anonymous_scrape_gets_cluster_totals_and_no_tenant_names(client: TestClient) -> None:
+    """Issue 20 review: with SILOD_METRICS_TOKEN unset an anonymous GET /metrics listed every
+    tenant's name, job names, dataset names and storage keys (what /v1/cluster hides from other
+    tenants). Now the totals only; the per-job series need the admin's (or the metrics) token."""
+    assert client.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+    assert client.post("/v1/jobs", json={**JOB, "name": "secret-project-x"}, headers=H_ALICE).status_code == 201
+    anonymous = client.get("/metrics")
+    assert anonymous.status_code == 200
+    for name in ("alice", "secret-project-x", "imagenet", "silod_job_", "silod_dataset_"):
+        assert name not in anonymous.text, name
+    assert "silod_queue_length 1.0" in anonymous.text and "silod_gpus_total" in anonymous.text
+    full = client.get("/metrics", headers=H_ADMIN).text
+    assert 'name="secret-project-x"' in full and 'tenant="alice"' in full and "silod_queue_length 1.0" in full
+    refused = client.get("/metrics", headers=H_BOB)  # a tenant's token does not open the others' series
+    assert refused.status_code == 403 and "admin" in refused.json()["detail"]
+    assert client.get("/metrics", headers={"Authorization": "Bearer not-a-token"}).status_code == 401
 
 
 # ------------------------------------------------------------------ tenancy: every object, two tenants
@@ -684,7 +702,7 @@ def test_token_owners_are_validated_like_the_tokens_file(client: TestClient, tmp
     try:
         with TestClient(app) as c:
             tok = c.post("/v1/tokens", json={"owner": "metrics"}, headers=H_ADMIN).json()["token"]
-            assert c.get("/metrics", headers={"Authorization": f"Bearer {tok}"}).status_code == 401
+            assert c.get("/metrics", headers={"Authorization": f"Bearer {tok}"}).status_code == 403
             assert c.get("/metrics", headers={"Authorization": "Bearer scrape-token-123"}).status_code == 200
     finally:
         service.close()

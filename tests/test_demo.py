@@ -38,7 +38,7 @@ def _watch(proc: subprocess.Popen, base: str, token: str) -> dict[str, bool]:
     while proc.poll() is None:
         try:
             o = httpx.get(f"{base}/v1/overview", headers=headers, timeout=5).json()
-            metrics = httpx.get(f"{base}/metrics", timeout=5).text
+            metrics = httpx.get(f"{base}/metrics", headers=headers, timeout=5).text
         except (httpx.HTTPError, ValueError):
             time.sleep(0.5)
             continue

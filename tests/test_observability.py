@@ -182,7 +182,8 @@ def test_overview_shows_position_reason_and_allocation_to_the_owner_only(server)
 
 
 def test_metrics_export_per_job_and_per_dataset_gauges(server):
-    text = httpx.get(f"{server['base']}/metrics", timeout=30).text
+    assert "alice" not in httpx.get(f"{server['base']}/metrics", timeout=30).text  # anonymous: the totals only
+    text = httpx.get(f"{server['base']}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
     job = server["running"]
     assert re.search(rf'silod_job_gpus{{[^}}]*job="{job}"[^}}]*}} 6\.0', text)
     assert re.search(rf'silod_job_queue_position{{[^}}]*job="{server["waiting"]}"[^}}]*}} 1\.0', text)
@@ -203,7 +204,8 @@ def test_grafana_dashboard_uses_only_exported_metrics(server):
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bsilod_[a-z0-9_]+", e)}
-    exported = _exported_names(httpx.get(f"{server['base']}/metrics", timeout=30).text)
+    exported = _exported_names(httpx.get(f"{server['base']}/metrics", headers={"Authorization": f"Bearer {ADMIN}"},
+                                         timeout=30).text)
     assert used - exported == set(), f"the dashboard queries metrics /metrics does not export: {sorted(used - exported)}"
     # and it covers what the issue asks for: queue, admissions, per-job allocation and hit ratio, link, cache
     for needed in ("silod_queue_length", "silod_jobs_admitted_total", "silod_job_gpus", "silod_job_hit_ratio",

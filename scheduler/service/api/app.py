@@ -188,7 +188,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                        agent_node=service.config.agent_node if service is not None else None,
                        body_timeouts=body_timeouts,
                        reviewer=service.config.agent_reviewer if service is not None else None)
-    registry = make_registry(service) if service is not None else None
+    registries = {per_job: make_registry(service, per_job) for per_job in (False, True)} if service is not None else None
     catalogue = service.catalogue if service is not None else None
     consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
                    if service is not None else None)
@@ -271,8 +271,11 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return ReadyOut(status="ready", scheduling="ok")
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
-    def metrics() -> Response:
-        body, content_type = metrics_response(registry)
+    def metrics(request: Request) -> Response:
+        """Cluster totals; with the metrics token or an admin's (RequestGuard lets no other token
+        through here), every per-job and per-dataset series too: they name tenants and jobs."""
+        per_job = request.scope.get("state", {}).get("principal") is not None
+        body, content_type = metrics_response(registries[per_job])
         return Response(content=body, media_type=content_type)
 
     # ---- the web view (static files from the package; the data comes from /v1/overview)

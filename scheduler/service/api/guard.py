@@ -100,8 +100,11 @@ class RequestGuard:
         # server only for a JWT no static token matched, so other callers' path is unchanged.
         self.reviewer = reviewer
 
-    def _public(self, path: str) -> bool:
-        return path in PUBLIC_PATHS or (path == "/metrics" and not self.tokens.protects_metrics)
+    def _public(self, path: str, headers: dict[bytes, bytes]) -> bool:
+        # /metrics without SILOD_METRICS_TOKEN: the cluster totals need no token; a token asks for
+        # the per-job series and is checked like any other (the admin's or the metrics token).
+        return path in PUBLIC_PATHS or (path == "/metrics" and not self.tokens.protects_metrics
+                                        and b"authorization" not in headers)
 
     async def _principal(self, token: str) -> Principal | None:
         hit, who = self.tokens.cached(token)
@@ -121,7 +124,7 @@ class RequestGuard:
             # Which one would count differs between proxies and servers (here the last won): refuse.
             await send_json(send, 400, {"detail": "more than one Authorization header; send exactly one", "field": None})
             return
-        if not self._public(path):
+        if not self._public(path, headers):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             token = token.strip()
@@ -154,7 +157,13 @@ class RequestGuard:
                                                             " up and report its node's consumption", "field": None})
                                 return
             # /metrics: the metrics token or an admin's (not any tenant who happens to be named "metrics")
-            if who is None or (path == "/metrics" and not (who.is_admin or metrics_token)):
+            if who is not None and path == "/metrics" and not (who.is_admin or metrics_token):
+                await send_json(send, 403, {"detail": "the per-job and per-dataset series of /metrics name every tenant's jobs"
+                                            " and datasets: they need the metrics token (SILOD_METRICS_TOKEN) or an admin's"
+                                            + ("" if self.tokens.protects_metrics else "; without a token /metrics gives the"
+                                               " cluster totals"), "field": None})
+                return
+            if who is None:
                 await send_json(
                     send, 401, {"detail": "missing or invalid bearer token (Authorization: Bearer TOKEN)", "field": None},
                     [(b"www-authenticate", b"Bearer")],

@@ -2,7 +2,12 @@
 
 A collector (rather than gauges updated by the loop) keeps the figures consistent with the
 database even when several processes read it, and costs nothing between scrapes. Each app has
-its own registry so that several services in one process (tests) do not collide.
+its own registries so that several services in one process (tests) do not collide.
+
+Two views: the cluster totals, which a scrape without a token gets (when SILOD_METRICS_TOKEN is
+not set), and the totals with every per-job and per-dataset series, which name tenants, their
+jobs and datasets: only for the metrics token or an admin's (issue 20: an anonymous scrape read
+every tenant's names, which /v1/cluster hides from other tenants).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from scheduler.service.types import Principal
 
 
 class ServiceCollector(Collector):
-    def __init__(self, service: SchedulerService):
+    def __init__(self, service: SchedulerService, per_job: bool):
         self.service = service
+        self.per_job = per_job  # the per-job and per-dataset series (names of tenants, jobs, datasets)
 
     def collect(self) -> Iterator[Metric]:
         c = self.service.cluster()
@@ -62,7 +68,11 @@ class ServiceCollector(Collector):
             admitted = s.scalar(select(func.count()).select_from(Job).where(Job.start_time.is_not(None))) or 0
         yield CounterMetricFamily("silod_jobs_admitted", "Jobs that have been started at least once",
                                   value=int(admitted))
-        yield from overview_metrics(self.service.overview(Principal("metrics", is_admin=True)))
+        if self.per_job:
+            yield from overview_metrics(self.service.overview(Principal("metrics", is_admin=True)))
+        else:
+            # overview.py's waiting jobs: the active ones that do not hold GPUs, i.e. the queued
+            yield GaugeMetricFamily("silod_queue_length", QUEUE_LENGTH_HELP, value=c.jobs_by_state.get(JobState.QUEUED.value, 0))
 
 
 # Per-job and per-dataset gauges (docs/observability.md lists them; deploy/grafana's dashboard
@@ -121,12 +131,15 @@ def overview_metrics(o: Overview) -> Iterator[Metric]:
         if d.cached is not None:
             dfam["silod_dataset_cached_bytes"].add_metric(lv, d.cached)
     yield from dfam.values()
-    yield GaugeMetricFamily("silod_queue_length", "Jobs waiting for GPUs", value=o.queued_total)
+    yield GaugeMetricFamily("silod_queue_length", QUEUE_LENGTH_HELP, value=o.queued_total)
 
 
-def make_registry(service: SchedulerService) -> CollectorRegistry:
+QUEUE_LENGTH_HELP = "Jobs waiting for GPUs"
+
+
+def make_registry(service: SchedulerService, per_job: bool = True) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServiceCollector(service))
+    registry.register(ServiceCollector(service, per_job))
     return registry
 
 

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datamanager.auth import NODE_RE, DataManagerAuth, DataManagerGuard
 from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_route
 from datamanager.metrics import render_metrics
-from datamanager.state import ClientRegistration, ClientState, StateNotSaved, StateStore, UnknownEntity
+from datamanager.state import ClientRegistration, ClientState, StateNotSaved, StateStore, TooManyClients, UnknownEntity
 from estimator.errors import UserError
 from estimator.units import MAX_GPUS, parse_rate, parse_size
 from contract.names import node_mount_job, validate_name
@@ -192,6 +192,10 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     @app.exception_handler(NotYourNode)
     async def _not_your_node(request: Request, exc: NotYourNode) -> JSONResponse:
         return JSONResponse(status_code=403, content={"detail": exc.args[0]})
+
+    @app.exception_handler(TooManyClients)
+    async def _too_many(request: Request, exc: TooManyClients) -> JSONResponse:
+        return JSONResponse(status_code=429, content={"detail": exc.args[0]}, headers={"Retry-After": "5"})
 
     @app.exception_handler(StateNotSaved)
     async def _not_saved(request: Request, exc: StateNotSaved) -> JSONResponse:

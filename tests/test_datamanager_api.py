@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -267,3 +268,36 @@ def test_a_body_not_sent_as_json_is_a_415_and_changes_nothing(dm):
     r = httpx.put(dm.url + "/v1/datasets/typed/cache", content=b'{"bytes": 5}', headers={"Content-Type": "text/plain"})
     assert r.status_code == 415 and "application/json" in r.json()["detail"]
     assert _allocations(dm) == before
+
+
+def test_a_node_cannot_register_clients_without_bound(tmp_path, monkeypatch):
+    """Issue 20 review: one agent registered 1,500 clients; every save (the whole state file)
+    went from 8 to 81 ms for every node. At the bound (4 here, 512 in production) a node's clients
+    that are not live are dropped to make room; if all are live, a 429. Other nodes are unaffected."""
+    import datamanager.state as state
+    from fastapi.testclient import TestClient
+
+    from datamanager.app import create_app
+    from datamanager.auth import DataManagerAuth
+
+    assert 64 <= state.MAX_CLIENTS_PER_NODE <= 4096
+    monkeypatch.setattr(state, "MAX_CLIENTS_PER_NODE", 4)
+    monkeypatch.setattr(state, "LIVE_TIMEOUT_S", 0.5)
+    (tmp_path / "s").mkdir()
+    with TestClient(create_app(tmp_path / "s", DataManagerAuth.from_tokens(None, None))) as c:
+        def register(node: str, i: int):
+            return c.post("/v1/clients", json={"client_id": f"{node}-c{i}", "node": node, "dataset": "d", "job": f"j{i}"})
+
+        assert [register("n1", i).status_code for i in range(4)] == [200] * 4
+        assert register("n1", 0).status_code == 200  # re-registering a known client takes no room
+        refused = register("n1", 4)
+        assert refused.status_code == 429 and "4 live clients" in refused.json()["detail"], refused.text
+        assert register("n2", 0).status_code == 200
+        before = (tmp_path / "s" / "state.json").read_text()
+        assert register("n1", 5).status_code == 429 and (tmp_path / "s" / "state.json").read_text() == before
+        time.sleep(0.6)  # n1's clients stop being live; one of them keeps heartbeating
+        assert c.put("/v1/clients/n1-c2/heartbeat", json={"stats": {}}).status_code == 200
+        assert register("n1", 4).status_code == 200
+        clients = {x["client_id"] for x in c.get("/v1/status").json()["clients"]}
+        assert clients == {"n1-c2", "n1-c4", "n2-c0"}
+        assert c.put("/v1/clients/n1-c0/heartbeat", json={"stats": {}}).status_code == 404  # it registers again

@@ -168,7 +168,7 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     """The API over the state in `state_dir`. `auth` (default: from the environment, see
     datamanager/auth.py) decides who may call what; errors never echo internal paths."""
     store = StateStore(state_dir)
-    app = FastAPI(title="silod data manager", version="1")
+    app = FastAPI(title="silod data manager", version="1", redirect_slashes=False)  # no Host-built redirects
     # JSON bodies checked for their shape before validation (http_guard/json_limits.py): a
     # heartbeat's stats carry per-pod figures, so its bounds are wider than the scheduler API's.
     app.router.route_class = limited_json_route(JsonLimits(max_depth=8, max_keys=4096, max_items=10_000,

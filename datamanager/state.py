@@ -161,7 +161,9 @@ class StateStore:
         tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
         data = self.state.model_dump_json(indent=1).encode()
         try:
-            with open(tmp, "wb") as f:
+            # 0600 (a umask can only take bits away): it names every node's mounts, jobs and
+            # dataset sources; no secrets, but not every local user's to read.
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

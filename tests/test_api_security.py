@@ -209,6 +209,15 @@ def test_an_anonymous_scrape_gets_cluster_totals_and_no_tenant_names(client: Tes
     assert client.get("/metrics", headers={"Authorization": "Bearer not-a-token"}).status_code == 401
 
 
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(client: TestClient) -> None:
+    """Issue 20 review: GET /v1/jobs/ answered 307 with Location http://evil.example/v1/jobs when
+    sent with Host: evil.example (Starlette's slash redirect builds it from the Host header)."""
+    r = client.get("/v1/jobs/", headers={**H_ALICE, "Host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404 and "location" not in r.headers, (r.status_code, r.headers)
+    assert client.get("/v1/jobs", headers=H_ALICE).status_code == 200
+    assert client.get("/ui/").status_code == 200  # the web view answers with and without the slash
+
+
 # ------------------------------------------------------------------ tenancy: every object, two tenants
 
 
@@ -695,6 +704,16 @@ def test_two_authorization_headers_are_400(client: TestClient) -> None:
 def test_token_owners_are_validated_like_the_tokens_file(client: TestClient, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     r = client.post("/v1/tokens", json={"owner": "admin"}, headers=H_ADMIN)
     assert r.status_code == 422 and r.json()["field"] == "owner", r.text
+    for variant in ("ADMIN", "Admin"):  # were 201: a tenant passing for the admin in every listing
+        r = client.post("/v1/tokens", json={"owner": variant}, headers=H_ADMIN)
+        assert r.status_code == 422 and r.json()["field"] == "owner", r.text
+    bad = tmp_path / "tokens-admin-variant"
+    bad.write_text("Admin:a-long-enough-token-01\n")
+    from estimator.errors import UserError
+    from scheduler.service.api.auth import parse_tokens_file
+
+    with pytest.raises(UserError, match="reserved"):
+        parse_tokens_file(bad)
     assert client.post("/v1/tokens", json={"owner": "admin", "admin": True}, headers=H_ADMIN).status_code == 201
     # A tenant that happens to be called "metrics" is not the scrape token.
     monkeypatch.setenv("SILOD_METRICS_TOKEN", "scrape-token-123")

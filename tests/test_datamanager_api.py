@@ -194,6 +194,7 @@ def test_state_store_writes_atomically(tmp_path):
     store.allocate_cache_size("d", 10)
     assert json.loads((tmp_path / "state.json").read_text())["datasets"]["d"]["cache_bytes"] == 10
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+    assert (tmp_path / "state.json").stat().st_mode & 0o777 == 0o600  # was 0644 (issue 20 review)
 
 
 def test_bad_heartbeat_stats_never_break_status_or_metrics(dm):

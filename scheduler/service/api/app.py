@@ -178,6 +178,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         version="1",
         description="Co-schedules GPUs, dataset cache and remote IO. Authenticate with `Authorization: Bearer TOKEN`.",
         lifespan=lifespan,
+        # No 307 from /v1/jobs/ to /v1/jobs: Starlette builds its Location from the Host header
+        # (Host: evil.example sent clients there). A path is served as written or is a 404.
+        redirect_slashes=False,
     )
     # Bodies are parsed once, with bounds on depth, keys, list items and values, before any
     # model validates them (http_guard/json_limits.py); set before the routes are declared.
@@ -306,10 +309,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def create_token(body: TokenIn, who: Who) -> NewTokenOut:
         """Admin: a new token for a tenant; the plain token is in this answer only."""
         _admin(who, "create tokens")
-        if body.owner == "admin" and not body.admin:
+        if body.owner.lower() == "admin" and not body.admin:
             # As in the tokens file: 'admin' is the admin's name; a non-admin token owned by it
-            # would act for objects the admin created without being the admin.
-            raise ServiceError("owner 'admin' is reserved for admin tokens; give the tenant's name", field="owner")
+            # would act for objects the admin created without being the admin (and 'ADMIN' would
+            # pass for it in every listing).
+            raise ServiceError(f"owner {body.owner[:64]!r} is reserved for admin tokens (in any case); give the tenant's name",
+                               field="owner")
         now = time.time()
         expires = None if body.expires_in_s is None else now + body.expires_in_s
         record, token = tokens.create(body.owner, is_admin=body.admin, expires_at=expires, label=body.label, now=now)

@@ -247,8 +247,8 @@ def parse_tokens_file(path: Path) -> list[tuple[str, str]]:
             raise UserError(f"{where}: expected 'user:token'")
         if not TENANT_RE.match(user) or ".." in user:
             raise UserError(f"{where}: user name {user!r} may use letters, digits, '.', '_', '-' (max 64)")
-        if user == ADMIN:
-            raise UserError(f"{where}: 'admin' is reserved for the {ADMIN_TOKEN_ENV} token")
+        if user.lower() == ADMIN:
+            raise UserError(f"{where}: {user!r}: 'admin' (in any case) is reserved for the {ADMIN_TOKEN_ENV} token")
         if len(token) < MIN_TOKEN_LEN:
             raise UserError(f"{where}: the token of {user!r} is shorter than {MIN_TOKEN_LEN} characters")
         if token in seen:

@@ -141,7 +141,9 @@ def parse_rate(value: str | int | float, what: str = "rate") -> float:
         raise UnitError(f"{what} {text!r} is not a rate; {RATE_HELP}")
     number, unit, per_second = float(m.group(1)), m.group(2), m.group(3)
     if unit and not per_second:
-        raise UnitError(f"{what} {text!r} has no time unit; write it per second, e.g. {text}/s")
+        if unit.endswith(("B", "b")) or unit.upper() in ("K", "M", "G", "T", "P", "KI", "MI", "GI", "TI", "PI"):
+            raise UnitError(f"{what} {text!r} has no time unit; write it per second, e.g. {text}/s")
+        raise UnitError(f"{what} {text!r} is not a rate; {RATE_HELP}")  # "35 cores" is not bytes per second
     prefix, bits = _split_unit(unit)
     if per_second and per_second.lower() == "ps" and unit and not unit.endswith(("b", "B")):
         bits = True  # "Gps" is not a thing people write; "Gbps" is handled by _split_unit

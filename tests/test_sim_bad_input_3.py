@@ -286,3 +286,34 @@ def test_jobs_that_cannot_finish_are_named_in_a_warning(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "warning: 1 job(s) did not finish (c)" in result.output
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["unfinished_jobs"] == 1
+
+
+@pytest.mark.parametrize("cpu_rate, cpus_per_node, expect", [
+    ("1B/s", "4", "4 cores at most x 1 B/s per core"),  # ran on for minutes towards a horizon it never reached
+    ("20MB/s", "1e-9", "1e-09 cores at most"),  # ran 3 CPU minutes, then "average JCT 0.00 h", exit 0
+])
+def test_a_job_its_cores_cannot_finish_is_refused(tmp_path, cpu_rate, cpus_per_node, expect):
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER.strip() + ",cpu_rate\n" + f"a,0,1,x,d,10GB,100MB/s,1,{cpu_rate}\n")
+    out = tmp_path / "o"
+    proc = silod("simulate", "--trace", str(trace), "--gpus", "1", "--gpus-per-node", "1", "--cpus-per-node", cpus_per_node,
+                 "--out", str(out), "--quiet")
+    user_error(proc, "job a", expect, "horizon", "cpu_rate and the cluster's CPU cores per node")
+    assert not (out / "summary.json").exists()
+    # The same job with enough cores runs.
+    ok = silod("simulate", "--trace", str(trace), "--gpus", "1", "--gpus-per-node", "1", "--cpus-per-node", "4",
+               "--out", str(out), "--quiet") if cpu_rate != "1B/s" else None
+    assert ok is None or ok.returncode == 0, ok.stderr
+
+
+def test_cpu_allocation_without_cores_and_a_rate_in_cores_are_clear_errors(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a,0,1,x,d,10GB,100MB/s,1\n")
+    # --cpu-allocation without --cpus-per-node was ignored (exit 0): CPU was not modelled at all.
+    proc = silod("simulate", "--trace", str(trace), "--gpus", "1", "--cpu-allocation", "gpu-proportional", "--out", str(tmp_path / "o"))
+    user_error(proc, "--cpu-allocation", "give --cpus-per-node")
+    # "35 cores" was told to write "35 cores/s", which is refused in turn.
+    trace.write_text(HEADER.strip() + ",cpu_rate\n" + "a,0,1,x,d,10GB,100MB/s,1,35 cores\n")
+    proc = silod("simulate", "--trace", str(trace), "--gpus", "1", "--cpus-per-node", "4", "--out", str(tmp_path / "o"))
+    user_error(proc, "'35 cores' is not a rate")
+    assert "cores/s" not in proc.stderr

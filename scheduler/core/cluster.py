@@ -93,6 +93,9 @@ def load_cluster(
                       ("irregular_share", irregular_share), ("cpus_per_node", cpus_per_node), ("cpu_allocation", cpu_allocation)):
         if flag is not None:
             values[key] = flag
+    if values.get("cpu_allocation") is not None and values.get("cpus_per_node") is None:
+        raise UserError("--cpu-allocation (cluster key cpu_allocation) chooses how the cores of --cpus-per-node are divided; "
+                        "give --cpus-per-node (cpus_per_node) too, or drop it: without it CPU is not modelled")
     missing = [k for k in ("gpus", "cache", "remote_io") if k not in values]
     if missing:
         raise UserError(f"cluster is missing {', '.join('--' + m.replace('_', '-') for m in missing)} (or give --cluster FILE)")

@@ -221,7 +221,7 @@ class Simulator:
             )
         if not trace.jobs:
             raise UserError("the trace has no jobs")
-        _check_durations(trace, config)
+        _check_durations(trace, config, capacity)
         self.item_sizes = {j.dataset: _item_size(trace, j) for j in trace.jobs if j.access.curriculum is not None}
         self.trace = trace
         self.capacity = capacity
@@ -1039,18 +1039,32 @@ def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:
 MIN_JOB_SECONDS = 1e-3
 
 
-def _check_durations(trace: Trace, config: SimConfig) -> None:
+def _check_durations(trace: Trace, config: SimConfig, capacity: ClusterCapacity) -> None:
     """Every job can finish within the simulated horizon and lasts longer than a step can be
     short: a job of 1 GB at 1e-3 B/s would have the engine step through ten years of an idle
-    cluster, and one of 1e-300 bytes would finish in less than its first step."""
+    cluster, and one of 1e-300 bytes would finish in less than its first step. With CPU modelled
+    its fastest rate is also bounded by the most cores it can hold times its best per-core rate
+    (a 1 B/s pipeline, or 1e-9 cores per node, ran for minutes towards a horizon it never
+    reached)."""
     for j in trace.jobs:
-        seconds = j.ideal_duration(trace.dataset_sizes[j.dataset]) / config.gpu_speed
+        rate = j.ideal_throughput * config.gpu_speed
+        cpu_bound = ""
+        if capacity.manages_cpu and j.pipeline is not None:
+            cores = (capacity.gpu_proportional_cpu(j.num_gpus) if capacity.cpu_allocation == "gpu-proportional"
+                     else capacity.cpu_cap(j.num_gpus))
+            per_core = max(j.pipeline.cpu_rate, j.pipeline.post_cpu_rate or 0.0)  # autocache can only speed it up
+            if cores * per_core < rate:
+                rate = cores * per_core
+                cpu_bound = f" ({cores:.3g} cores at most x {per_core:.3g} B/s per core)"
+        total = j.total_bytes(trace.dataset_sizes[j.dataset])
+        seconds = total / rate
         if not MIN_JOB_SECONDS <= seconds <= config.max_sim_time_s:
+            what = ("its cpu_rate and the cluster's CPU cores per node" if cpu_bound
+                    else "its dataset_size, ideal_throughput and epochs")
             raise UserError(
-                f"job {j.job_id} reads {j.total_bytes(trace.dataset_sizes[j.dataset]):.3g} bytes at an ideal "
-                f"{j.ideal_throughput * config.gpu_speed:.3g} B/s: {seconds:.3g} s, outside what the simulator runs "
-                f"({MIN_JOB_SECONDS:g} s to {config.max_sim_time_s:.3g} s, its horizon); check the units of its "
-                f"dataset_size, ideal_throughput and epochs"
+                f"job {j.job_id} reads {total:.3g} bytes at an ideal {rate:.3g} B/s{cpu_bound}: {seconds:.3g} s, outside what "
+                f"the simulator runs ({MIN_JOB_SECONDS:g} s to {config.max_sim_time_s:.3g} s, its horizon); check the units of "
+                f"{what}"
             )
 
 

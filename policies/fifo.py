@@ -8,11 +8,12 @@ order, a rule the paper does not have; see docs/results.md (Fig. 12) for what it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 
 from policies.base import Policy
-from policies.cpu import cpu_for_running, effective_jobs
+from policies.cpu import cores_in_order, cpu_for_running, effective_jobs
 from policies.estimators import Estimator
 from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, keep_for_waiting, max_min_share
 from policies.types import Allocation, JobView, Snapshot
@@ -69,14 +70,42 @@ def storage_for_running(
     return cache, dict(zip((j.job_id for j in running), granted.tolist(), strict=True))
 
 
+#: Passes of "cores a job's IO leaves idle go to the others" (running_allocation).
+MAX_CORE_PASSES = 4
+
+
 def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator: Estimator, io_rule: str = "priority") -> Allocation:
     """GPUs to `running`, then CPU cores (policies/cpu.py), then cache and IO planned for the
-    speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests)."""
-    cpu = cpu_for_running(running, snapshot.jobs, snapshot.capacity)
-    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
+    speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests).
+    With cores allocated by the model, the cores a job's IO leaves idle then go to the others,
+    and cache and IO are planned again for the speeds that gives."""
+    cap = snapshot.capacity
+    cpu = cpu_for_running(running, snapshot.jobs, cap)
+    effective = effective_jobs(running, cpu)
+    cache, io = storage_for_running(effective, snapshot, estimator, io_rule)
+    if cpu is not None and io is not None and cap.cpu_allocation == "model" and running:
+        # The IO a job then gets depends on the others' new speeds (a fair link): a few rounds
+        # of this settle it (each only moves cores to jobs whose IO can keep them busy).
+        for _ in range(MAX_CORE_PASSES):
+            held = cores_in_order(running, cap, _io_bound_rates(effective, cache, io, snapshot))
+            if all(abs(held[j.job_id] - cpu[j.job_id]) <= 1e-9 * max(cpu[j.job_id], 1.0) for j in running):
+                break
+            cpu = {**cpu, **held}
+            effective = effective_jobs(running, cpu)
+            cache, io = storage_for_running(effective, snapshot, estimator, io_rule)
     share = {j.job_id: 0.0 for j in snapshot.jobs}
     share.update({j.job_id: 1.0 for j in running})
     return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=cpu)
+
+
+def _io_bound_rates(jobs: Sequence[JobView], cache: Mapping[str, float], io: Mapping[str, float], snapshot: Snapshot) -> np.ndarray:
+    """b / (1 - h) per job: the most it reads with its planned remote IO b and hit ratio h (the
+    planner's, demands_at_full_speed); +inf for a job that misses nothing."""
+    f = np.array([j.ideal_throughput for j in jobs], dtype=float)
+    demand = demands_at_full_speed(jobs, cache, snapshot.datasets)  # f (1 - h)
+    b = np.array([io[j.job_id] for j in jobs], dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(demand > 0, b * f / np.where(demand > 0, demand, 1.0), np.inf)
 
 
 class FifoPolicy(Policy):

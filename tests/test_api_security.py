@@ -273,6 +273,28 @@ def test_dataset_shared_only_by_explicit_grant(client: TestClient) -> None:
     assert client.delete("/v1/datasets/imagenet/grants/bob", params={"owner": "alice"}, headers=H_BOB).status_code == 404
     assert client.delete("/v1/datasets/imagenet/grants/bob", headers=H_ALICE).status_code == 200
     assert client.post("/v1/jobs", json=shared, headers=H_BOB).status_code == 404
+    # bob's job, queued and never started, fails: it would have started later and read alice's
+    # data with her credential (it stayed queued; issue 20 review).
+    failed = client.get(f"/v1/jobs/{job.json()['id']}", headers=H_BOB).json()
+    assert failed["state"] == "failed" and "alice revoked the grant" in failed["message"], failed
+
+
+def test_a_revoked_grant_fails_the_grantees_unstarted_jobs_and_keeps_the_started(app_service, client: TestClient) -> None:
+    _app, service = app_service
+    client.post("/v1/datasets", json=IMAGENET, headers=H_ALICE)
+    client.put("/v1/datasets/imagenet/grants/bob", headers=H_ALICE)
+    shared = {**JOB, "dataset_owner": "alice"}
+    started = client.post("/v1/jobs", json=shared, headers=H_BOB).json()["id"]
+    service.run_round("test")
+    assert client.get(f"/v1/jobs/{started}", headers=H_BOB).json()["state"] == "running"
+    waiting = client.post("/v1/jobs", json={**shared, "gpus": service.config.capacity.gpus}, headers=H_BOB).json()["id"]
+    own = client.post("/v1/jobs", json={**JOB, "name": "alices"}, headers=H_ALICE).json()["id"]
+    assert client.delete("/v1/datasets/imagenet/grants/bob", headers=H_ALICE).status_code == 200
+    assert client.get(f"/v1/jobs/{started}", headers=H_BOB).json()["state"] == "running"
+    assert client.get(f"/v1/jobs/{waiting}", headers=H_BOB).json()["state"] == "failed"
+    assert client.get(f"/v1/jobs/{own}", headers=H_ALICE).json()["state"] == "queued"  # the owner's own jobs are hers
+    service.run_round("test")
+    assert client.get(f"/v1/jobs/{waiting}", headers=H_BOB).json()["state"] == "failed"
 
 
 def test_credentials_are_per_tenant_and_never_returned(client: TestClient) -> None:

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, select, text
+from sqlalchemy import Connection, bindparam, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -385,14 +385,20 @@ class Catalogue:
             return self._dataset_record(s, d, who)
 
     def revoke_grant(self, who: Principal, name: str, grantee: str, owner: str | None = None) -> DatasetRecord:
-        """Take a grant back. Jobs the grantee already submitted keep running (they were admitted
-        with the grant); new submissions are refused."""
+        """Take a grant back. New submissions are refused, and the grantee's jobs on the dataset
+        that have not started yet fail (they would otherwise start later and read the owner's
+        data with the owner's credential). Jobs that have started keep running: they were
+        admitted with the grant and have read its data already."""
         with self._write_lock, self.sessions.begin() as s:
             d = self._own_dataset(s, who, name, owner)
             row = s.get(DatasetGrant, (d.id, grantee))
             if row is None:
                 raise NotFoundError(f"dataset {name!r} is not shared with {grantee!r}", field="grantee")
             s.delete(row)
+            s.execute(update(Job).where(Job.dataset_id == d.id, Job.owner == grantee, Job.state == JobState.QUEUED,
+                                        Job.start_time.is_(None))
+                      .values(state=JobState.FAILED, finish_time=time.time(),
+                              message=f"{d.owner} revoked the grant of dataset {d.name!r} before the job started"))
             s.flush()
             return self._dataset_record(s, d, who)
 

@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from datamanager.app import create_app
-        from datamanager.auth import AGENT_TOKEN_ENV, SCHEDULER_TOKEN_ENV, DataManagerAuth
+        from datamanager.auth import AGENT_SA_ENV, AGENT_TOKEN_ENV, AGENT_TOKENS_FILE_ENV, SCHEDULER_TOKEN_ENV, DataManagerAuth
 
         try:
             auth = DataManagerAuth.from_env()
@@ -72,6 +72,12 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--state {str(state)!r}: state.json cannot be read ({exc})") from exc
         if not auth.enabled:  # after every check, so that an error is the first line on stderr
             typer.echo(f"silod datamanager: no {SCHEDULER_TOKEN_ENV}/{AGENT_TOKEN_ENV}: unauthenticated, loopback only", err=True)
+        elif auth.agent_digest is not None:
+            # Still accepted (the local backend's mounts use it), but its holder may act on every
+            # node's clients and report figures for any of them (issue 20, finding 1).
+            typer.echo(f"silod datamanager: warning: {AGENT_TOKEN_ENV} is one token for every node; whoever holds it may act "
+                       f"on any node's mounts. Give each node its own ({AGENT_TOKENS_FILE_ENV}) or use the agent pods' "
+                       f"service-account tokens ({AGENT_SA_ENV})", err=True)
         from http_guard.timeouts import HeaderTimeoutH11Protocol
 
         # h11 with a header read timeout: slow-header clients are cut off (http_guard/timeouts.py)

@@ -13,7 +13,7 @@ from datamanager.app import create_app
 from datamanager.auth import DataManagerAuth
 from datamanager.client import DataManagerClient, DataManagerError
 
-from dataplane_helpers import silod_cmd  # noqa: I001 - sibling test helper
+from dataplane_helpers import free_port, silod_cmd  # noqa: I001 - sibling test helper
 
 SCHED = "scheduler-token-0123456789"
 AGENT = "agent-token-0123456789abc"
@@ -176,3 +176,20 @@ def test_expensive_bodies_and_two_authorization_headers_are_refused(client) -> N
     assert r.status_code == 422 and "list of 20000 items" in r.json()["detail"], r.text[:300]
     both = [("Authorization", f"Bearer {AGENT}"), ("Authorization", f"Bearer {SCHED}")]
     assert client.get("/v1/status", headers=both).status_code == 400
+
+
+def test_the_shared_agent_token_is_warned_about(tmp_path) -> None:
+    """Issue 20 review: SILOD_DM_AGENT_TOKEN, one token for every node, was accepted without a word."""
+    import os
+    import signal
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SILOD_DM_")},
+           "SILOD_DM_SCHEDULER_TOKEN": SCHED, "SILOD_DM_AGENT_TOKEN": AGENT}
+    proc = subprocess.Popen([*silod_cmd(), "datamanager", "--listen", f"127.0.0.1:{free_port()}", "--state", str(tmp_path / "s")],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert "SILOD_DM_AGENT_TOKEN is one token for every node" in line and "SILOD_DM_AGENT_TOKENS_FILE" in line, line

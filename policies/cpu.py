@@ -8,12 +8,7 @@ Rules, pure and vectorised:
 - `cores_in_order` (FIFO, SJF, greedy): the running jobs get cores by marginal speed-up, i.e.
   a fractional knapsack in descending r_j / f*_j (the share of its full speed one core buys a
   job), each job up to what makes it no longer CPU-bound (min(f*/r, its node cap)). This
-  maximises the sum of the running jobs' normalised speeds under the core budget. Once the
-  remote IO is planned, a job whose IO lets it read less than its cores could preprocess is
-  held to the cores that IO keeps busy, and the rest go to the next jobs in that order
-  (`fifo.running_allocation`): before, an IO-bound job could hold every core while another job
-  held its GPUs with none (2 GPUs, 4 cores, a 20 MB/s link: average JCT 581 s, against 437.5 s
-  with GPU-proportional cores).
+  maximises the sum of the running jobs' normalised speeds under the core budget.
 - `gpu_proportional` (the baseline, today's practice): cores follow GPUs, cpus_per_node /
   gpus_per_node per GPU, whatever the job needs.
 - Gavel's max-min allocates cores inside its closed form (policies/gavel.py).
@@ -48,17 +43,11 @@ def gpu_proportional(jobs: Sequence[JobView], capacity: ClusterCapacity) -> dict
     return {j.job_id: capacity.gpu_proportional_cpu(j.gpus) for j in jobs}
 
 
-def cores_in_order(jobs: Sequence[JobView], capacity: ClusterCapacity, usable: np.ndarray | None = None) -> dict[str, float]:
-    """Cores for jobs that all hold their GPUs: knapsack by marginal speed-up r/f* (see module).
-    `usable` (bytes/s per job): the most each job can read for another reason (its remote IO),
-    beyond which more cores would sit idle."""
+def cores_in_order(jobs: Sequence[JobView], capacity: ClusterCapacity) -> dict[str, float]:
+    """Cores for jobs that all hold their GPUs: knapsack by marginal speed-up r/f* (see module)."""
     if not jobs:
         return {}
     need = cores_to_full_speed(jobs, capacity)
-    if usable is not None:
-        r = np.array([j.cpu_rate for j in jobs], dtype=float)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.minimum(need, np.where(np.isinf(r), 0.0, usable / r))
     f = np.array([j.ideal_throughput for j in jobs], dtype=float)
     r = np.array([j.cpu_rate for j in jobs], dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -8,13 +8,11 @@ order, a rule the paper does not have; see docs/results.md (Fig. 12) for what it
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 
-import numpy as np
 
 from policies.base import Policy
-from policies.cpu import cores_in_order, cpu_for_running, effective_jobs
+from policies.cpu import cpu_for_running, effective_jobs
 from policies.estimators import Estimator
 from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, keep_for_waiting, max_min_share
 from policies.types import Allocation, JobView, Snapshot
@@ -61,64 +59,24 @@ def storage_for_running(
     if sum(cache.values()) < cap.cache:  # on a busy cluster the running jobs fill it: no pass over the queue
         running_ids = {j.job_id for j in running}
         cache = keep_for_waiting(cache, [j for j in snapshot.jobs if j.job_id not in running_ids], snapshot.datasets, cap.cache)
-    return cache, io_for_running(running, cache, snapshot, io_rule)
-
-
-def io_for_running(running: Sequence[JobView], cache: Mapping[str, float], snapshot: Snapshot, io_rule: str) -> dict[str, float]:
-    """The remote link divided among `running` for the cache `cache` (storage_for_running)."""
     demands = demands_at_full_speed(running, cache, snapshot.datasets)
     if io_rule == "priority":
-        granted = io_in_priority_order(demands, snapshot.capacity.remote_io)
+        granted = io_in_priority_order(demands, cap.remote_io)
     elif io_rule == "fair":
-        granted = max_min_share(demands, snapshot.capacity.remote_io)
+        granted = max_min_share(demands, cap.remote_io)
     else:
         raise ValueError(f"unknown io_rule {io_rule!r}")
-    return dict(zip((j.job_id for j in running), granted.tolist(), strict=True))
-
-
-#: Passes of "cores a job's IO leaves idle go to the others" (running_allocation).
-MAX_CORE_PASSES = 4
+    return cache, dict(zip((j.job_id for j in running), granted.tolist(), strict=True))
 
 
 def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator: Estimator, io_rule: str = "priority") -> Allocation:
     """GPUs to `running`, then CPU cores (policies/cpu.py), then cache and IO planned for the
-    speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests).
-    With cores allocated by the model, the cores a job's IO leaves idle then go to the others,
-    and cache and IO are planned again for the speeds that gives."""
-    cap = snapshot.capacity
-    cpu = cpu_for_running(running, snapshot.jobs, cap)
-    effective = effective_jobs(running, cpu)
-    cache, io = storage_for_running(effective, snapshot, estimator, io_rule)
-    if cpu is not None and io is not None and cap.cpu_allocation == "model" and running:
-        # The IO a job then gets depends on the others' new speeds (a fair link): a few rounds
-        # of this settle it (each only moves cores to jobs whose IO can keep them busy). The
-        # cache ranks each job by the faster of its first and its new speed: a job that gains
-        # cores gains cache claims, but one held to its IO keeps its claim (ranked by the
-        # IO-bound speed it would lose cache, need more IO and be held lower still: FIFO's
-        # average JCT in `silod experiment cpu` went from 37.3 to 46.8 h that way).
-        first = {j.job_id: j.ideal_throughput for j in effective}
-        for _ in range(MAX_CORE_PASSES):
-            held = cores_in_order(running, cap, _io_bound_rates(effective, cache, io, snapshot))
-            if all(abs(held[j.job_id] - cpu[j.job_id]) <= 1e-9 * max(cpu[j.job_id], 1.0) for j in running):
-                break
-            cpu = {**cpu, **held}
-            effective = effective_jobs(running, cpu)
-            ranked = [replace(j, ideal_throughput=max(j.ideal_throughput, first[j.job_id])) for j in effective]
-            cache, _ = storage_for_running(ranked, snapshot, estimator, io_rule)
-            io = io_for_running(effective, cache, snapshot, io_rule)
+    speed each job reaches with its cores (a CPU-bound job needs less IO than f* suggests)."""
+    cpu = cpu_for_running(running, snapshot.jobs, snapshot.capacity)
+    cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
     share = {j.job_id: 0.0 for j in snapshot.jobs}
     share.update({j.job_id: 1.0 for j in running})
     return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=cpu)
-
-
-def _io_bound_rates(jobs: Sequence[JobView], cache: Mapping[str, float], io: Mapping[str, float], snapshot: Snapshot) -> np.ndarray:
-    """b / (1 - h) per job: the most it reads with its planned remote IO b and hit ratio h (the
-    planner's, demands_at_full_speed); +inf for a job that misses nothing."""
-    f = np.array([j.ideal_throughput for j in jobs], dtype=float)
-    demand = demands_at_full_speed(jobs, cache, snapshot.datasets)  # f (1 - h)
-    b = np.array([io[j.job_id] for j in jobs], dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(demand > 0, b * f / np.where(demand > 0, demand, 1.0), np.inf)
 
 
 class FifoPolicy(Policy):

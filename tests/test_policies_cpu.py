@@ -59,38 +59,6 @@ def test_cpu_bound_job_asks_for_less_io():
     assert alloc.remote_io["a"] == pytest.approx(70 * MB)  # 2 x 35, not f* = 100
 
 
-def test_cores_an_io_bound_job_cannot_use_go_to_the_next_job():
-    """A hand check (review of 2026-11-28): on 2 GPUs, 4 cores and a 20 MB/s link, job a (25
-    MB/s per core) bought every core first, though its link share lets it read 20 MB/s (0.8
-    cores' worth), and job b held its GPU with no core at all. With no cache both are IO-bound:
-    the fair link gives each 10 MB/s, so a keeps 0.4 cores and b gets 0.5 (10 / 20 MB/s)."""
-    a = job("a", 1, 100 * MB, "d1", cpu=25 * MB, work=10 * GB)
-    b = job("b", 1, 100 * MB, "d2", cpu=20 * MB, work=10 * GB, submit=1.0)
-    s = snap([a, b], gpus=2, cpus_per_node=4, cache=0.0, io=20 * MB, gpus_per_node=2, sizes={"d1": 10 * GB, "d2": 1 * GB})
-    alloc = validate_allocation(s, FifoPolicy().allocate(s, SiloDEstimator()))
-    assert alloc.remote_io == pytest.approx({"a": 10 * MB, "b": 10 * MB})
-    assert alloc.cpu == pytest.approx({"a": 0.4, "b": 0.5})  # were a 4, b 0
-
-
-def test_an_io_bound_job_cedes_its_idle_cores_in_the_simulator():
-    """The same two jobs end to end (b: 1 GB read 10 times, its dataset fits the 1 GB cache).
-    FIFO by hand: a 0.8 cores, b 3.2 (64 MB/s); the link is shared fairly while b reads its
-    first epoch (10 MB/s each: b's 1 GB takes 100 s), then b runs from cache at 64 MB/s (9 GB in
-    140.625 s: done at 240.625 s) while a reads at 20 MB/s; a then has 10 - 1 - 2.8125 = 6.1875 GB
-    left at 20 MB/s: done at 550 s. Before: a 500 s, b 662.5 s (b had no core until a ended)."""
-    from scheduler.sim.engine import SimConfig, Simulator
-    from traces.model import Trace, TraceJob
-
-    jobs = (TraceJob("a", 0.0, 1, "m", "d1", 100 * MB, epochs=1.0, pipeline=InputPipeline(25 * MB)),
-            TraceJob("b", 0.0, 1, "m", "d2", 100 * MB, epochs=10.0, pipeline=InputPipeline(20 * MB)))
-    cap = ClusterCapacity(gpus=2, cache=1 * GB, remote_io=20 * MB, gpus_per_node=2, cpus_per_node=4)
-    result = Simulator(Trace(jobs, {"d1": 10 * GB, "d2": 1 * GB}), cap, FifoPolicy(), SiloDEstimator(), "silod",
-                       SimConfig()).run()
-    jct = {r.job_id: r.jct_s for r in result.jobs}
-    assert jct["b"] == pytest.approx(240.625, rel=1e-3)
-    assert jct["a"] == pytest.approx(550.0, rel=1e-3)
-
-
 def test_gpu_proportional_baseline():
     s = snap([IMAGE_A, IMAGE_B, TEXT], gpus=4, cpus_per_node=4, rule="gpu-proportional")
     for policy in (FifoPolicy(), SjfPolicy(), GavelPolicy()):

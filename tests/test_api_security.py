@@ -8,6 +8,7 @@ socket, because only there can one send headers and withhold the body."""
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -538,16 +539,31 @@ def _cpu_of(client: TestClient, path: str, body: bytes, headers: dict[str, str])
     return best, r
 
 
+_MEGABYTE_OF_KEYS = json.dumps({f"field{i:05d}": 1 for i in range(60_000)}).encode()
+
+
+def _cpu_bound() -> float:
+    """The issue's bound, 50 ms of CPU, on the machine it was set on; on a slower one, 4x what
+    parsing a 1 MB body once costs here (the work no server can skip; a refusal costs about one
+    parse). These VMs differ by 2.5x in single-core speed, and the bodies this guards against
+    took 4.5-6 s."""
+    parse = float("inf")
+    for _ in range(3):
+        t0 = time.process_time()
+        json.loads(_MEGABYTE_OF_KEYS)
+        parse = min(parse, time.process_time() - t0)
+    return max(0.050, 4 * parse)
+
+
 def test_a_megabyte_of_unknown_keys_is_refused_cheaply(client: TestClient) -> None:
     """Issue 20: 1 MB of 60,000 unknown keys took 4.5-6.1 s and answered a 5.4 MB 422."""
-    import json as _json
-
-    body = _json.dumps({f"field{i:05d}": 1 for i in range(60_000)}).encode()
+    body = _MEGABYTE_OF_KEYS
     assert 900_000 < len(body) < (1 << 20)
     client.post("/v1/jobs", json={"bogus": 1}, headers=H_ALICE)  # warm: lazy imports and caches
     cpu, r = _cpu_of(client, "/v1/jobs", body, H_ALICE)
     assert r.status_code == 422 and len(r.content) < 2000, (r.status_code, len(r.content))
-    assert cpu < 0.050, f"{cpu * 1000:.0f} ms of CPU for one refused body"
+    bound = _cpu_bound()
+    assert cpu < bound, f"{cpu * 1000:.0f} ms of CPU for one refused body (bound {bound * 1000:.0f} ms)"
 
 
 @pytest.mark.parametrize("name, body", [
@@ -562,7 +578,8 @@ def test_bodies_past_a_shape_bound_are_422_naming_it(client: TestClient, name: s
     cpu, r = _cpu_of(client, "/v1/jobs", body, H_ALICE)
     assert r.status_code == 422, (name, r.text[:300])
     assert len(r.content) < 2000 and "request body" in r.json()["detail"], r.text[:300]
-    assert cpu < 0.050, f"{name}: {cpu * 1000:.0f} ms of CPU"
+    bound = _cpu_bound()
+    assert cpu < bound, f"{name}: {cpu * 1000:.0f} ms of CPU (bound {bound * 1000:.0f} ms)"
 
 
 def test_unknown_fields_are_rejected_at_the_first_and_errors_are_capped(client: TestClient) -> None:

@@ -95,6 +95,11 @@ class NotYourNode(Exception):
     """A node-bound agent token used on another node's client."""
 
 
+class PlacementsUnknown(Exception):
+    """A node-bound agent registers a mount before the scheduler said where jobs run: 503, retried
+    at the mount's next heartbeat (the scheduler pushes placements every minute)."""
+
+
 def _workers(value: int | None) -> int | None:
     if value is not None and not 1 <= value <= MAX_GPUS:
         raise UserError(f"workers {value!r} must be an integer between 1 and {MAX_GPUS:,} (one per mount of the job)")
@@ -193,6 +198,10 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     async def _not_your_node(request: Request, exc: NotYourNode) -> JSONResponse:
         return JSONResponse(status_code=403, content={"detail": exc.args[0]})
 
+    @app.exception_handler(PlacementsUnknown)
+    async def _placements_unknown(_req: Request, exc: PlacementsUnknown) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": exc.args[0]}, headers={"Retry-After": "5"})
+
     @app.exception_handler(TooManyClients)
     async def _too_many(request: Request, exc: TooManyClients) -> JSONResponse:
         return JSONResponse(status_code=429, content={"detail": exc.args[0]}, headers={"Retry-After": "5"})
@@ -288,12 +297,18 @@ def create_app(state_dir: Path, auth: DataManagerAuth | None = None) -> FastAPI:
     def _placed(request: Request, body: ClientRegistrationBody) -> None:
         """A node-bound agent registers a mount only of a dataset its node has a reason to mount:
         an active job reading it has a pod bound to that node, in the scheduler's record (pushed
-        as PUT /v1/placements). Until the scheduler has pushed placements once, nothing is known
-        and nothing is refused (a data manager without a scheduler keeps working)."""
+        as PUT /v1/placements). Until the scheduler has pushed placements once, a node-bound agent
+        registers nothing (503, retried at the next heartbeat): node-bound tokens are issued where a
+        scheduler pushes them. Other callers (the local backend's mounts, the scheduler) are not
+        asked, so a data manager without a scheduler keeps working."""
         who = request.scope.get("state", {}).get("dm_identity")
         if getattr(who, "node", None) is None:
             return
-        if store.placed_on(body.node, body.dataset) is False:
+        placed = store.placed_on(body.node, body.dataset)
+        if placed is None:
+            raise PlacementsUnknown("the scheduler has not yet told this data manager where jobs run (PUT /v1/placements,"
+                                    " pushed every minute); a node's agent registers mounts after that: retry")
+        if placed is False:
             raise NotYourNode(f"node {body.node!r} has no reason to mount dataset {body.dataset!r}: no active silod job"
                               f" reading it has a pod on that node (the scheduler's record; a pod just bound is"
                               f" pushed within seconds, and the mount registers again at its next heartbeat)")

@@ -60,6 +60,22 @@ def is_json_content_type(value: str) -> bool:
     return kind == "application" and (sub == "json" or sub.endswith("+json"))
 
 
+#: Python's own bound on int(str) (sys.int_info.default_max_str_digits): json.loads raised a
+#: ValueError past it, which FastAPI answered with a 400 naming no field.
+MAX_INT_DIGITS = 4300
+
+
+@dataclass(frozen=True, slots=True)
+class _LongInteger:
+    """A JSON integer past MAX_INT_DIGITS, kept as its length until check_shape says where it is."""
+
+    digits: int
+
+
+def _parse_int(text: str) -> int | _LongInteger:
+    return int(text) if len(text) <= MAX_INT_DIGITS else _LongInteger(len(text.lstrip("-")))
+
+
 def check_shape(value: Any, limits: JsonLimits) -> None:
     """Raise BodyShapeError at the first value past a bound. Iterative (a deep body cannot
     exhaust the stack here) and bounded by `limits.max_values` visits."""
@@ -82,13 +98,16 @@ def check_shape(value: Any, limits: JsonLimits) -> None:
             if len(v) > limits.max_items:
                 raise BodyShapeError(f"has a list of {len(v)} items (at most {limits.max_items})", where)
             stack.extend((x, depth + 1, f"{where}[{i}]"[:200]) for i, x in enumerate(v))
+        elif isinstance(v, _LongInteger):
+            raise BodyShapeError(f"has an integer of {v.digits} digits (at most {MAX_INT_DIGITS}; no field takes"
+                                 f" one that large)", where)
 
 
 def loads_limited(body: bytes, limits: JsonLimits) -> Any:
     """json.loads, then check_shape. A body nested past the interpreter's recursion limit
     fails inside the parser at once (RecursionError), answered as too deep."""
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_int=_parse_int)
     except RecursionError:
         raise BodyShapeError(f"is nested deeper than {limits.max_depth} levels", "") from None
     check_shape(value, limits)

@@ -105,6 +105,9 @@ def bound(tmp_path):  # type: ignore[no-untyped-def]
         else:
             os.environ["SILOD_DM_AGENT_TOKENS_FILE"] = old
     with TestClient(create_app(tmp_path / "state", auth)) as c:
+        # What the scheduler pushes (scheduler_process.push_placements): both nodes run d1-coco.
+        assert c.put("/v1/placements", json={"nodes": {"n1": ["d1-coco"], "n2": ["d1-coco"]}},
+                     headers=H_SCHED).status_code == 200
         yield c
 
 

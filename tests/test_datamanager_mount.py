@@ -175,6 +175,7 @@ def test_a_mount_with_a_node_bound_token_registers_and_pulls_its_allocation(tmp_
     try:
         with DataManagerClient(dm.url, token=sched_token) as sched:
             sched.allocate_cache_size("ds", 123_456)
+            sched.set_placements({"n1": ["ds"]})  # as the scheduler does: node n1 runs a job reading ds
             with mounted(tmp_path / "mnt", str(ds.root), "ds", job, tmp_path / "cache", "--manager", dm.url, "--node", "n1",
                          env=env) as m:
                 s = wait_until(lambda: (st := m.stats())["manager_connected"] and st["cache_allocation_bytes"] == 123_456 and st,

@@ -55,6 +55,10 @@ def test_a_node_agent_registers_only_mounts_its_node_has_a_reason_for(tmp_path):
     (tmp_path / "dm").mkdir()
     app = create_app(tmp_path / "dm", DataManagerAuth.from_tokens(SCHED, None, node_agents=NODE_TOKENS))
     with TestClient(app) as c:
+        # Before the scheduler's first push a node's agent registers nothing (it registered any
+        # dataset on its own node until 2026-11-28): 503, retried at the next heartbeat.
+        r = register(c, "node-a", bob_key, H["node-a"])
+        assert r.status_code == 503 and "PUT /v1/placements" in r.json()["detail"] and r.headers["retry-after"], r.text
         # Only the scheduler sets placements.
         assert c.put("/v1/placements", json={"nodes": placements}, headers=H["node-a"]).status_code == 403
         assert c.put("/v1/placements", json={"nodes": placements}, headers=H_SCHED).status_code == 200

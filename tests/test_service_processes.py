@@ -371,6 +371,43 @@ def test_a_queued_jobs_quota_is_exact_under_50_concurrent_submits_across_workers
         _stop(proc)
 
 
+def test_a_tenants_dataset_limit_is_exact_under_30_concurrent_registrations_across_workers(db_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 20's review: a tenant could register datasets without bound. `--object-limits
+    datasets=5` on a real `silod serve --workers 4`, 30 registrations at once, SQLite and PostgreSQL."""
+    import threading
+
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    (tmp_path / "tokens").write_text("alice:alice-token-race-01\n")
+    proc = subprocess.Popen(
+        [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", db_url, "--backend", "null", "--gpus", "8",
+         "--gpus-per-node", "8", "--cache", "1TB", "--remote-io", "1GB/s", "--workers", "4", "--state-dir",
+         str(tmp_path / "state"), "--tokens", str(tmp_path / "tokens"), "--object-limits", "datasets=5",
+         "--log-level", "warning"],
+        stdout=open(tmp_path / "serve.log", "ab"), stderr=subprocess.STDOUT,
+        env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN}, start_new_session=True)
+    alice = {"Authorization": "Bearer alice-token-race-01"}
+    try:
+        _wait_up(url, proc, tmp_path)
+        start = threading.Barrier(30)
+        codes: list[int] = []
+
+        def register(i: int) -> None:
+            with httpx.Client(timeout=120) as c:
+                start.wait()
+                codes.append(c.post(f"{url}/v1/datasets", json={**IMAGENET, "name": f"d{i}"}, headers=alice).status_code)
+
+        threads = [threading.Thread(target=register, args=(i,)) for i in range(30)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert sorted(codes) == [201] * 5 + [403] * 25, sorted(codes)
+        assert len(httpx.get(f"{url}/v1/datasets", headers=alice).json()) == 5
+    finally:
+        _stop(proc)
+
+
 def _tcp_sockets(port: int) -> dict[int, str]:
     """Socket inode -> state ("listen" or "established") of this host's TCP sockets whose local
     port is `port` (the server's side of its connections)."""

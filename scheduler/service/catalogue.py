@@ -93,6 +93,21 @@ def _write_first(s: Session | Connection) -> None:
         s.execute(_TAKE_WRITE_LOCK)
 
 
+def _lock_tenant_objects(s: Session, tenant: str) -> None:
+    """Before counting a tenant's objects to add one: no other worker adds one of them until this
+    transaction ends (SQLite: the database's write lock; PostgreSQL: a per-tenant advisory lock)."""
+    _write_first(s)
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(_SUBMIT_LOCK_PG, {"k": f"silod-objects:{tenant}"})
+
+
+def _check_room(s: Session, count_query: Any, limit: int, what: str, field: str) -> None:
+    held = s.scalar(count_query) or 0
+    if held >= limit:
+        raise ForbiddenError(f"{what}: {held} of at most {limit} (the service's object limit); delete one first",
+                             field=field)
+
+
 @dataclass(frozen=True, slots=True)
 class NewCredential:
     name: str
@@ -249,6 +264,7 @@ class Catalogue:
         except UserError as exc:
             raise BadUri(str(exc), field="uri") from None
         with self._write_lock, self.sessions.begin() as s:
+            _lock_tenant_objects(s, who.user)
             cred_id = None
             if req.credential is not None:
                 cred_id = s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.credential))
@@ -262,6 +278,8 @@ class Catalogue:
                 if not same:
                     raise ConflictError(f"dataset {req.name!r} is already registered with different fields", field="name")
                 return self._dataset_record(s, existing, who), False
+            _check_room(s, select(func.count()).select_from(Dataset).where(Dataset.owner == who.user),
+                        self.config.objects.datasets, "you have registered as many datasets as a tenant may", "name")
             row = Dataset(
                 name=req.name, uri=req.uri, size=float(req.size), item_count=req.item_count,
                 owner=who.user, created_at=time.time(), credential_id=cred_id,
@@ -270,14 +288,14 @@ class Catalogue:
             s.flush()
             return self._dataset_record(s, row, who), True
 
-    def list_datasets(self, who: Principal) -> list[DatasetRecord]:
-        """Own datasets and those granted to the caller (the admin: all)."""
+    def list_datasets(self, who: Principal, limit: int = 1000, offset: int = 0) -> list[DatasetRecord]:
+        """Own datasets and those granted to the caller (the admin: all), a page in (owner, name) order."""
         with self.sessions() as s:
             q = select(Dataset).order_by(Dataset.owner, Dataset.name)
             if not who.is_admin:
                 granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
                 q = q.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
-            return [self._dataset_record(s, d, who) for d in s.scalars(q)]
+            return [self._dataset_record(s, d, who) for d in s.scalars(q.limit(limit).offset(offset))]
 
     def get_dataset(self, who: Principal, name: str, owner: str | None = None) -> DatasetRecord:
         with self.sessions() as s:
@@ -373,6 +391,7 @@ class Catalogue:
         """Let `grantee` run jobs on the caller's dataset `name`."""
         check_name(grantee, "grantee")
         with self._write_lock, self.sessions.begin() as s:
+            _lock_tenant_objects(s, owner or who.user)
             d = self._own_dataset(s, who, name, owner)
             if grantee == d.owner:
                 # It answered 200 and did nothing: a caller who meant another tenant's name
@@ -380,6 +399,9 @@ class Catalogue:
                 raise ServiceError(f"dataset {name!r} belongs to {grantee!r}, who needs no grant to use it; "
                                    f"name the tenant to share it with", field="tenant")
             if s.get(DatasetGrant, (d.id, grantee)) is None:
+                _check_room(s, select(func.count()).select_from(DatasetGrant).where(DatasetGrant.dataset_id == d.id),
+                            self.config.objects.grants, f"dataset {name!r} is shared with as many tenants as one may be",
+                            "tenant")
                 s.add(DatasetGrant(dataset_id=d.id, grantee=grantee, created_at=time.time()))
                 s.flush()
             return self._dataset_record(s, d, who)
@@ -420,8 +442,11 @@ class Catalogue:
                                " give silod serve a --state-dir)", field=None)
         sealed = self.config.secrets.seal(req.secret_access_key)  # never stored in the clear
         with self._write_lock, self.sessions.begin() as s:
+            _lock_tenant_objects(s, who.user)
             if s.scalar(select(Credential.id).where(Credential.owner == who.user, Credential.name == req.name)) is not None:
                 raise ConflictError(f"credential {req.name!r} already exists; delete it first to replace it", field="name")
+            _check_room(s, select(func.count()).select_from(Credential).where(Credential.owner == who.user),
+                        self.config.objects.credentials, "you hold as many credentials as a tenant may", "name")
             row = Credential(owner=who.user, name=req.name, kind=req.kind, access_key_id=req.access_key_id,
                              secret_access_key=sealed, endpoint_url=req.endpoint_url, region=req.region,
                              created_at=time.time())
@@ -429,12 +454,12 @@ class Catalogue:
             s.flush()
             return _credential_record(row)
 
-    def list_credentials(self, who: Principal) -> list[CredentialRecord]:
+    def list_credentials(self, who: Principal, limit: int = 1000, offset: int = 0) -> list[CredentialRecord]:
         with self.sessions() as s:
             q = select(Credential).order_by(Credential.owner, Credential.name)
             if not who.is_admin:
                 q = q.where(Credential.owner == who.user)
-            return [_credential_record(c) for c in s.scalars(q)]
+            return [_credential_record(c) for c in s.scalars(q.limit(limit).offset(offset))]
 
     def delete_credential(self, who: Principal, name: str) -> None:
         with self._write_lock, self.sessions.begin() as s:

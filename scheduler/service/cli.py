@@ -133,6 +133,26 @@ def parse_quota(value: str | None) -> Any:
     return TenantQuota(**out)
 
 
+def parse_object_limits(value: str | None) -> Any:
+    """`datasets=10000,credentials=1000,grants=256` -> ObjectLimits (omitted keys: the default)."""
+    from dataclasses import fields
+
+    from scheduler.service.types import ObjectLimits
+
+    if not value:
+        return ObjectLimits()
+    names = [f.name for f in fields(ObjectLimits)]
+    out: dict[str, int] = {}
+    for item in value.split(","):
+        key, sep, val = item.strip().partition("=")
+        if not sep or key not in names:
+            raise UserError(f"--object-limits item {item!r} must be KEY=N with KEY one of {', '.join(names)}")
+        if not re.fullmatch(r"[0-9]{1,9}", val.strip()) or int(val) < 1:
+            raise UserError(f"--object-limits {key}={val!r} must be a whole number from 1 to 999999999")
+        out[key] = int(val)
+    return ObjectLimits(**out)
+
+
 def make_token_store(engine: Any, state_dir: Path, tokens_file: Path | None, require_any: bool = True) -> Any:
     """Tokens for `silod serve`: the admin token from the environment, the tokens file imported
     into the database (revocable there), HMAC key from SILOD_TOKEN_KEY or state_dir/token.key."""
@@ -227,6 +247,7 @@ def build_api_service(
     cpu_allocation: str | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
+    object_limits: str | None = None,
     node_agents: list[str] | None = None,
     agent_service_accounts: list[str] | None = None,
     agent_audience: str | None = None,
@@ -253,7 +274,7 @@ def build_api_service(
     from scheduler.service.sealed import load_secret_box
 
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(),
+                           default_quota=default_quota or TenantQuota(), objects=parse_object_limits(object_limits),
                            **_agents(node_agents, agent_service_accounts, agent_audience),
                            secrets=load_secret_box(Path(state_dir or default_state_dir())))
     workloads = None
@@ -327,6 +348,7 @@ def build_service(
     backend_opts: dict[str, str] | None = None,
     allowed_uris: list[str] | None = None,
     default_quota: Any = None,
+    object_limits: str | None = None,
     node_agents: list[str] | None = None,
     agent_service_accounts: list[str] | None = None,
     agent_audience: str | None = None,
@@ -373,6 +395,7 @@ def build_service(
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
         uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+        objects=parse_object_limits(object_limits),
         **_agents(node_agents, agent_service_accounts, agent_audience), secrets=secrets,
         tenant_namespace_prefix=(backend_opts or {}).get("namespace-prefix", ""),
     )
@@ -588,6 +611,7 @@ def register(app: typer.Typer) -> None:
         agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
         agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
         default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
+        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256 (grants: tenants one dataset is shared with) [default: those]")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
         tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
@@ -629,6 +653,7 @@ def register(app: typer.Typer) -> None:
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
             irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
+            object_limits=object_limits,
             agent_service_accounts=agent_service_account, agent_audience=agent_audience,
         )
         # Check everything once, here, so that a mistake is one clear error before any process

@@ -31,6 +31,17 @@ from scheduler.service.types import RoundResult, ServiceConfig
 log = logging.getLogger("silod.loop")
 
 LEASE_TTL_S = 15.0  # a leader that stops renewing (killed) is replaced after this long
+#: Event-triggered rounds take at most this share of one core: after a round of d seconds the next
+#: event round waits at least d * (1 / share - 1). A burst of submissions over 20k jobs otherwise
+#: had the scheduling process take a round (0.4-0.7 s) every 2 s, CPU the API workers serving the
+#: burst needed on a 2-core machine. Timer rounds and forced rounds (POST /v1/rounds) do not wait.
+EVENT_ROUND_CPU_SHARE = 0.1
+
+
+def event_round_gap(min_gap_s: float, last_round_s: float) -> float:
+    """Seconds from the end of the last event round to the next: the configured gap, or more
+    when rounds are long (EVENT_ROUND_CPU_SHARE)."""
+    return max(min_gap_s, last_round_s * (1.0 / EVENT_ROUND_CPU_SHARE - 1.0))
 
 
 class RoundService(Protocol):
@@ -115,6 +126,7 @@ class LoopRunner:
         svc, cfg = self.service, self.service.config
         next_round = time.monotonic()  # the first round runs at once
         last_event_round = 0.0
+        gap = cfg.min_event_gap_s
         while not self._stop.is_set():
             now = time.monotonic()
             timeout = max(0.0, min(next_round - now, cfg.poll_seconds))
@@ -143,18 +155,20 @@ class LoopRunner:
                 reason = None
                 if now >= next_round:
                     reason = "timer"
-                elif self._wake.is_set() and now - last_event_round >= cfg.min_event_gap_s:
+                elif self._wake.is_set() and now - last_event_round >= gap:
                     reason = ",".join(sorted(self._wake_reasons)) or "event"
                 elif self._wake.is_set():
-                    # Too soon after the last event round: sleep off the gap, then run.
-                    time.sleep(cfg.min_event_gap_s - (now - last_event_round))
+                    # Too soon after the last event round: sleep off the gap (at most a poll
+                    # interval at a time, so a forced round or the timer is not kept waiting), then run.
+                    time.sleep(min(gap - (now - last_event_round), cfg.poll_seconds))
                     continue
                 if reason is None:
                     continue
                 self._wake.clear()
                 self._wake_reasons.clear()
-                svc.run_round(reason)
+                result = svc.run_round(reason)
                 last_event_round = time.monotonic()
+                gap = event_round_gap(cfg.min_event_gap_s, getattr(result, "duration_s", 0.0) or 0.0)
                 if reason == "timer":
                     next_round = last_event_round + cfg.round_seconds
             except Exception:  # the loop must survive a bad round (or a database outage); the next one retries

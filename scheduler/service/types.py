@@ -269,6 +269,17 @@ class TenantQuota:
 
 
 @dataclass(frozen=True, slots=True)
+class ObjectLimits:
+    """How many objects one tenant may make the service hold (issue 20: datasets and grants were
+    unbounded, and every one is in the owner's listing). Counted in the write transaction that
+    adds one, so exact across API workers; a 403 naming the limit past it."""
+
+    datasets: int = 10_000  # datasets one tenant registers
+    credentials: int = 1_000  # credentials one tenant stores
+    grants: int = 256  # tenants one dataset is shared with (each grantee is in the dataset's record)
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceConfig:
     capacity: ClusterCapacity
     default_quota: TenantQuota = field(default_factory=TenantQuota)  # tenants without their own
@@ -293,6 +304,7 @@ class ServiceConfig:
     #: Seals tenants' secrets at rest (scheduler/service/sealed.py); None: credentials cannot be
     #: added (a service built without a state directory or SILOD_SECRET_KEYS).
     secrets: Any = None
+    objects: ObjectLimits = field(default_factory=ObjectLimits)
 
     def agent_node(self, user: str) -> str | None:
         return dict(self.agent_nodes).get(user)

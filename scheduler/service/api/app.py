@@ -110,6 +110,9 @@ async def principal(request: Request, _creds: Annotated[HTTPAuthorizationCredent
 
 Who = Annotated[Principal, Depends(principal)]
 OwnerQ = Annotated[str | None, Query(max_length=64, description="the owning tenant, for a dataset shared with you")]
+#: A page of a listing: at most 1,000 objects per answer (a tenant may hold 10,000 datasets).
+PageLimit = Annotated[int, Query(ge=1, le=1000, description="at most this many (a page)")]
+PageOffset = Annotated[int, Query(ge=0, le=1_000_000_000, description="skip this many first")]
 
 
 _JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
@@ -355,8 +358,8 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return CredentialOut.model_validate(catalogue.add_credential(who, req))
 
     @app.get("/v1/credentials", response_model=list[CredentialOut], responses=_ERRORS, tags=["credentials"])
-    def list_credentials(who: Who) -> list[CredentialOut]:
-        return [CredentialOut.model_validate(c) for c in catalogue.list_credentials(who)]
+    def list_credentials(who: Who, limit: PageLimit = 1000, offset: PageOffset = 0) -> list[CredentialOut]:
+        return [CredentialOut.model_validate(c) for c in catalogue.list_credentials(who, limit, offset)]
 
     @app.delete("/v1/credentials/{name}", status_code=204, responses=_ERRORS, tags=["credentials"])
     def delete_credential(name: str, who: Who) -> Response:
@@ -374,8 +377,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return DatasetOut.model_validate(record)
 
     @app.get("/v1/datasets", response_model=list[DatasetOut], responses=_ERRORS, tags=["datasets"])
-    def list_datasets(who: Who) -> list[DatasetOut]:
-        return [DatasetOut.model_validate(d) for d in catalogue.list_datasets(who)]
+    def list_datasets(who: Who, limit: PageLimit = 1000, offset: PageOffset = 0) -> list[DatasetOut]:
+        """Yours and those shared with you (the admin: all), a page at a time in (owner, name) order."""
+        return [DatasetOut.model_validate(d) for d in catalogue.list_datasets(who, limit, offset)]
 
     @app.get("/v1/datasets/{name}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
     def get_dataset(name: str, who: Who, owner: OwnerQ = None) -> DatasetOut:

@@ -44,6 +44,10 @@ AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before th
 # What an agent pod's own token (a reviewed service-account token) may call: its dataset look-ups
 # and its node's reports. It is no tenant: it registers, submits and lists nothing.
 _REVIEWED_AGENT_ROUTES = re.compile(r"^(GET /v1/datasets/[^/]+(/source-credential)?|POST /v1/agents/[^/]+/consumption)$")
+# The admin's routes: any other token is refused here, before its body is read or parsed (the
+# routes check again; this only spares the server a tenant's body it would throw away).
+_ADMIN_ROUTES = re.compile(r"^(POST /v1/tokens|GET /v1/tokens|DELETE /v1/tokens/[^/]+|PUT /v1/quotas/[^/]+"
+                           r"|PUT /v1/policy|POST /v1/rounds)$")
 
 Scope = dict[str, Any]
 
@@ -170,6 +174,9 @@ class RequestGuard:
                 )
                 return
             scope.setdefault("state", {})["principal"] = who
+            if not who.is_admin and _ADMIN_ROUTES.match(f"{scope.get('method', 'GET')} {path}"):
+                await send_json(send, 403, {"detail": "only an admin token may call this route", "field": None})
+                return
             if path.startswith(AGENT_PATH):
                 node = path[len(AGENT_PATH):].split("/", 1)[0]
                 bound = who.node or self.agent_node(who.user)

@@ -98,7 +98,7 @@ def _lock_tenant_objects(s: Session, tenant: str) -> None:
     transaction ends (SQLite: the database's write lock; PostgreSQL: a per-tenant advisory lock)."""
     _write_first(s)
     if s.get_bind().dialect.name == "postgresql":
-        s.execute(_SUBMIT_LOCK_PG, {"k": f"silod-objects:{tenant}"})
+        s.execute(_TENANT_LOCK_PG, {"k": f"silod-objects:{tenant}"})
 
 
 def _check_room(s: Session, count_query: Any, limit: int, what: str, field: str) -> None:
@@ -147,7 +147,7 @@ _QUOTA = select(Quota.__table__.c.gpus, Quota.__table__.c.cache_bytes, Quota.__t
                 Quota.__table__.c.queued_jobs).where(Quota.__table__.c.tenant == bindparam("tenant"))
 _QUEUED_OF_OWNER = select(func.count()).select_from(Job.__table__).where(
     Job.__table__.c.owner == bindparam("owner"), Job.__table__.c.state == JobState.QUEUED)
-_SUBMIT_LOCK_PG = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
+_TENANT_LOCK_PG = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
 _UNKNOWN_DATASET = ("unknown dataset {!r}; register it first with POST /v1/datasets"
                     " (another tenant's dataset needs its grant and dataset_owner)")
 
@@ -627,7 +627,7 @@ class Catalogue:
         # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
         # advisory lock until commit, so the count sees every earlier submission committed.
         if c.dialect.name == "postgresql":
-            c.execute(_SUBMIT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
+            c.execute(_TENANT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
         waiting = c.execute(_QUEUED_OF_OWNER, {"owner": who.user}).scalar() or 0
         if waiting >= limit:
             raise QuotaExceeded(

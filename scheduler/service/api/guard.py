@@ -32,6 +32,7 @@ log = logging.getLogger("silod.api")
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a job or dataset is a few hundred bytes
 RETRY_AFTER_S = 5
+LOOKUP_THREADS = 2  # threads of a worker that look tokens up (a cache miss: one indexed read)
 
 # Paths anyone may call: probes, the API description. /metrics is here unless a metrics token
 # is configured.
@@ -103,6 +104,9 @@ class RequestGuard:
         # Agent pods' service-account tokens (http_guard/agent_identity.py): asked of the API
         # server only for a JWT no static token matched, so other callers' path is unchanged.
         self.reviewer = reviewer
+        # Token look-ups on threads of their own: every request waits for its look-up, so one
+        # stuck behind slow routes on the shared default pool would stall the whole API.
+        self._lookups: list[anyio.CapacityLimiter] = []  # made in the worker's event loop, at first use
 
     def _public(self, path: str, headers: dict[bytes, bytes]) -> bool:
         # /metrics without SILOD_METRICS_TOKEN: the cluster totals need no token; a token asks for
@@ -115,7 +119,9 @@ class RequestGuard:
         if hit:
             return who
         # A cache miss reads the database: off the event loop, one thread hop per token per TTL.
-        return await anyio.to_thread.run_sync(self.tokens.authenticate, token)
+        if not self._lookups:
+            self._lookups.append(anyio.CapacityLimiter(LOOKUP_THREADS))
+        return await anyio.to_thread.run_sync(self.tokens.authenticate, token, limiter=self._lookups[0])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -327,42 +327,61 @@ except ImportError:
     from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401,E402
 
 
-@pytest.mark.slow
-def test_a_queued_jobs_quota_is_exact_under_50_concurrent_submits_across_workers(db_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Issue 20: quotas overshot across API workers (on main: 12 of 50 accepted for a quota of
-    10, SQLite, `--workers 4`). A real `silod serve --workers 4` on SQLite and on PostgreSQL; the
-    tenant's running_jobs quota of 0 keeps rounds from starting (and so un-queueing) its jobs."""
-    import threading
+ALICE_RACE = {"Authorization": "Bearer alice-token-race-01"}
 
+
+def _serve_four_workers(db_url: str, tmp_path, *extra: str) -> tuple[subprocess.Popen, str]:  # type: ignore[no-untyped-def]
+    """A real `silod serve --workers 4` (null backend) with tenant alice (ALICE_RACE), up."""
     port = _port()
     url = f"http://127.0.0.1:{port}"
     (tmp_path / "tokens").write_text("alice:alice-token-race-01\n")
     proc = subprocess.Popen(
         [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", db_url, "--backend", "null", "--gpus", "64",
          "--gpus-per-node", "8", "--cache", "1TB", "--remote-io", "1GB/s", "--workers", "4", "--state-dir",
-         str(tmp_path / "state"), "--tokens", str(tmp_path / "tokens"), "--log-level", "warning"],
+         str(tmp_path / "state"), "--tokens", str(tmp_path / "tokens"), "--log-level", "warning", *extra],
         stdout=open(tmp_path / "serve.log", "ab"), stderr=subprocess.STDOUT,
         env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN}, start_new_session=True)
-    alice = {"Authorization": "Bearer alice-token-race-01"}
     try:
         _wait_up(url, proc, tmp_path)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, url
+
+
+def _at_once(n: int, post) -> list[int]:  # type: ignore[no-untyped-def]
+    """The status codes of `post(client, i)` for i < n, sent from n threads released together."""
+    import threading
+
+    start = threading.Barrier(n)
+    codes: list[int] = []
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            start.wait()
+            codes.append(post(c, i).status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return sorted(codes)
+
+
+@pytest.mark.slow
+def test_a_queued_jobs_quota_is_exact_under_50_concurrent_submits_across_workers(db_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 20: quotas overshot across API workers (on main: 12 of 50 accepted for a quota of
+    10, SQLite, `--workers 4`). A real `silod serve --workers 4` on SQLite and on PostgreSQL; the
+    tenant's running_jobs quota of 0 keeps rounds from starting (and so un-queueing) its jobs."""
+    proc, url = _serve_four_workers(db_url, tmp_path)
+    alice = ALICE_RACE
+    try:
         assert httpx.put(f"{url}/v1/quotas/alice", json={"queued_jobs": 10, "running_jobs": 0}, headers=H).status_code == 200
         assert httpx.post(f"{url}/v1/datasets", json=IMAGENET, headers=alice).status_code == 201
         for trial in range(3):
-            start = threading.Barrier(50)
-            codes: list[int] = []
-
-            def submit(i: int) -> None:
-                with httpx.Client(timeout=120) as c:
-                    start.wait()
-                    codes.append(c.post(f"{url}/v1/jobs", json={**JOB, "name": f"t{trial}-{i}"}, headers=alice).status_code)
-
-            threads = [threading.Thread(target=submit, args=(i,)) for i in range(50)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(180)
-            assert sorted(codes) == [201] * 10 + [429] * 40, (trial, sorted(codes))
+            codes = _at_once(50, lambda c, i: c.post(f"{url}/v1/jobs", json={**JOB, "name": f"t{trial}-{i}"}, headers=alice))
+            assert codes == [201] * 10 + [429] * 40, (trial, codes)
             queued = httpx.get(f"{url}/v1/jobs", params={"state": "queued"}, headers=alice).json()
             assert len(queued) == 10
             for j in queued:
@@ -374,36 +393,12 @@ def test_a_queued_jobs_quota_is_exact_under_50_concurrent_submits_across_workers
 def test_a_tenants_dataset_limit_is_exact_under_30_concurrent_registrations_across_workers(db_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Issue 20's review: a tenant could register datasets without bound. `--object-limits
     datasets=5` on a real `silod serve --workers 4`, 30 registrations at once, SQLite and PostgreSQL."""
-    import threading
-
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    (tmp_path / "tokens").write_text("alice:alice-token-race-01\n")
-    proc = subprocess.Popen(
-        [*silod_cmd(), "serve", "--listen", f"127.0.0.1:{port}", "--db", db_url, "--backend", "null", "--gpus", "8",
-         "--gpus-per-node", "8", "--cache", "1TB", "--remote-io", "1GB/s", "--workers", "4", "--state-dir",
-         str(tmp_path / "state"), "--tokens", str(tmp_path / "tokens"), "--object-limits", "datasets=5",
-         "--log-level", "warning"],
-        stdout=open(tmp_path / "serve.log", "ab"), stderr=subprocess.STDOUT,
-        env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN}, start_new_session=True)
-    alice = {"Authorization": "Bearer alice-token-race-01"}
+    proc, url = _serve_four_workers(db_url, tmp_path, "--object-limits", "datasets=5")
     try:
-        _wait_up(url, proc, tmp_path)
-        start = threading.Barrier(30)
-        codes: list[int] = []
-
-        def register(i: int) -> None:
-            with httpx.Client(timeout=120) as c:
-                start.wait()
-                codes.append(c.post(f"{url}/v1/datasets", json={**IMAGENET, "name": f"d{i}"}, headers=alice).status_code)
-
-        threads = [threading.Thread(target=register, args=(i,)) for i in range(30)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert sorted(codes) == [201] * 5 + [403] * 25, sorted(codes)
-        assert len(httpx.get(f"{url}/v1/datasets", headers=alice).json()) == 5
+        codes = _at_once(30, lambda c, i: c.post(f"{url}/v1/datasets", json={**IMAGENET, "name": f"d{i}"},
+                                                 headers=ALICE_RACE))
+        assert codes == [201] * 5 + [403] * 25, codes
+        assert len(httpx.get(f"{url}/v1/datasets", headers=ALICE_RACE).json()) == 5
     finally:
         _stop(proc)
 

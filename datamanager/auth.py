@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from http_guard import capped_receive, send_json
+from http_guard import BAD_PATH_DETAIL, capped_receive, has_control_character, send_json
 from http_guard.agent_identity import AgentReviewer, KubeAPI, ReviewUnavailable, looks_like_jwt, parse_service_account
 from http_guard.timeouts import BodyTimeout, timed_receive
 
@@ -182,6 +182,9 @@ class DataManagerGuard:
             await self.app(scope, receive, send)
             return
         path, method = scope.get("path", ""), scope.get("method", "GET")
+        if has_control_character(path):
+            await send_json(send, 400, {"detail": BAD_PATH_DETAIL})
+            return
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         public = path == "/healthz" or (path == "/metrics" and self.auth.metrics_digest is None)
         if self.auth.enabled and not public:

@@ -72,6 +72,16 @@ def _check_finite(value: float, what: str, text: str) -> float:
     return value
 
 
+def _number(value: int | float, what: str) -> tuple[float, str]:
+    """(value as a float, its text for messages). An int beyond a float's range (JSON allows
+    300-digit integers) is a UnitError, not an OverflowError; its text is its length, not its digits."""
+    try:
+        return float(value), str(value)
+    except OverflowError:
+        digits = int(int(value).bit_length() * math.log10(2)) + 1  # str() of a huge int is slow, or refused
+        raise UnitError(f"{what} is an integer of about {digits} digits, beyond any size or rate silod accepts") from None
+
+
 def check_size(value: float, what: str = "size", text: str | None = None) -> float:
     """`value` bytes if it is finite and within 0 .. MAX_SIZE_BYTES, else a UnitError with the range."""
     text = str(value) if text is None else text
@@ -112,7 +122,8 @@ def parse_size(value: str | int | float, what: str = "size") -> float:
     if isinstance(value, bool):
         raise UnitError(f"{what} {value!r} is not a size; {SIZE_HELP}")
     if isinstance(value, (int, float)):
-        return check_size(float(value), what, str(value))
+        number, text = _number(value, what)
+        return check_size(number, what, text)
     text = str(value)
     if text.strip().startswith("-"):
         raise UnitError(f"{what} {text!r} is negative; it must be >= 0")
@@ -132,7 +143,8 @@ def parse_rate(value: str | int | float, what: str = "rate") -> float:
     if isinstance(value, bool):
         raise UnitError(f"{what} {value!r} is not a rate; {RATE_HELP}")
     if isinstance(value, (int, float)):
-        return check_rate(float(value), what, str(value))
+        number, text = _number(value, what)
+        return check_rate(number, what, text)
     text = str(value)
     if text.strip().startswith("-"):
         raise UnitError(f"{what} {text!r} is negative; it must be >= 0")

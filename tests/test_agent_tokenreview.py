@@ -160,6 +160,12 @@ def test_agent_pod_tokens_are_bound_to_their_node_at_the_scheduler_and_the_data_
             "gone": _pod(cp, f"agent-gone-{tag}", n1), "x": _pod(cp, f"intruder-{tag}", n1, sa=f"intruder-{tag}")}
     try:
         ta, tb = _token(cp, pods["a"]), _token(cp, pods["b"])
+        # What the scheduler pushes: a job reading d1-files has a pod on each node. Until this
+        # first push a node-bound agent registers nothing (503).
+        assert _register(dm, n1, ta, f"c0-{tag}") == 503
+        r = httpx.put(f"{dm}/v1/placements", json={"nodes": {n1: ["d1-files"], n2: ["d1-files"]}},
+                      headers={"Authorization": f"Bearer {DM_SCHEDULER}"}, timeout=30)
+        assert r.status_code == 200, r.text
 
         # Its own node: accepted by both.
         assert _report(sched, n1, ta) == 200

@@ -210,6 +210,35 @@ def test_an_anonymous_scrape_gets_cluster_totals_and_no_tenant_names(client: Tes
     assert client.get("/metrics", headers={"Authorization": "Bearer not-a-token"}).status_code == 401
 
 
+def test_a_control_character_in_the_path_is_a_400_not_a_way_around_the_guard(app_service) -> None:  # type: ignore[no-untyped-def]
+    """Issue 20, outside review: GET /metrics%0a with a tenant's token answered 200 with every
+    tenant's per-job series. The guard compared `path == "/metrics"`, while the route's regex
+    `^/metrics$` also matches "/metrics\n" (Python's `$` matches before a trailing newline).
+    Real server, raw request line, so the client library cannot normalise the path."""
+    app, service = app_service
+    with TestClient(app) as c:
+        assert c.post("/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
+        assert c.post("/v1/jobs", json={**JOB, "name": "secret-project-x"}, headers=H_ALICE).status_code == 201
+    with ServerThread(app) as server:
+        def get(path: str, token: str) -> tuple[int, bytes]:
+            status, data, _ = _raw(server.port, f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}"
+                                                "\r\nConnection: close\r\n\r\n")
+            return status, data
+
+        assert get("/metrics", TOKENS["bob"])[0] == 403
+        for path in ("/metrics%0a", "/metrics%0A", "/metrics%0d%0a", "/metrics%00", "/metrics%09", "/metrics%7f",
+                     "/v1/tokens%0a", "/v1/jobs%0a"):
+            status, data = get(path, TOKENS["bob"])
+            assert status == 400, (path, status, data[-300:])
+            assert b"secret-project-x" not in data and b"alice" not in data and b"control character" in data, path
+        # Anonymous too: refused before the token is looked at.
+        status, data, _ = _raw(server.port, "GET /healthz%0a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert status == 400
+        # Encoded characters that are not control characters still reach their routes.
+        assert get("/v1/datasets/imagenet%20x", TOKENS["alice"])[0] == 404
+        assert get("/metrics", ADMIN_TOKEN)[0] == 200
+
+
 def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(client: TestClient) -> None:
     """Issue 20 review: GET /v1/jobs/ answered 307 with Location http://evil.example/v1/jobs when
     sent with Host: evil.example (Starlette's slash redirect builds it from the Host header)."""

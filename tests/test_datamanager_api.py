@@ -48,6 +48,15 @@ def test_units_are_accepted_in_bodies(dm):
     assert r.status_code == 200 and r.json()["bytes_per_s"] == 125e6
 
 
+def test_a_control_character_in_the_path_is_refused(dm):
+    """The scheduler's guard let /metrics%0a reach /metrics (tests/test_api_security.py); the data
+    manager refuses such paths the same way."""
+    for path in ("/metrics%0a", "/healthz%0a", "/v1/status%00"):
+        r = httpx.get(dm.url + path)
+        assert r.status_code == 400 and "control character" in r.json()["detail"], (path, r.text)
+    assert httpx.get(dm.url + "/metrics").status_code == 200
+
+
 def test_client_registration_splits_remote_io_among_workers(dm):
     with DataManagerClient(dm.url) as client:
         client.allocate_remote_io("train", 100e6, workers=2)

@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from http_guard import BodyTooLarge, capped_receive, send_json
+from http_guard import BAD_PATH_DETAIL, BodyTooLarge, capped_receive, has_control_character, send_json
 from http_guard.agent_identity import ReviewUnavailable, looks_like_jwt
 from http_guard.body import Receive, Send
 from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S, BodyTimeout, timed_receive
@@ -128,6 +128,9 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        if has_control_character(path):
+            await send_json(send, 400, {"detail": BAD_PATH_DETAIL, "field": None})
+            return
         raw_headers = scope.get("headers", ())
         headers = {k.lower(): v for k, v in raw_headers}
         if sum(1 for k, _ in raw_headers if k.lower() == b"authorization") > 1:

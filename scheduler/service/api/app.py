@@ -31,6 +31,7 @@ from http_guard.json_limits import BodyShapeError, JsonLimits, limited_json_rout
 from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S
 from policies.registry import available_policies
 from scheduler.service.api.auth import TokenStore, check_tenant
+from scheduler.service.api.fair_pool import FairThreadPool
 from scheduler.service.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
 from scheduler.service.api.metrics import make_registry, metrics_response
 from scheduler.service.api.schemas import (
@@ -156,13 +157,15 @@ def _ui_file(name: str) -> bytes:
     return resources.files("scheduler.service.api").joinpath("ui", name).read_bytes()
 
 
-#: Threads of an API worker that run the hot routes (submit, get and list jobs). FastAPI runs a sync
-#: route on anyio's default pool of 40 threads; under load 40 threads contend for the GIL (SQLite
-#: releases it at every call), which cost 35% more CPU per submission at 64 clients than 4 threads
-#: did: 3.1 against 2.3 ms, 460 against 710-760 submissions/s on 2 workers (2026-11-28, a script
-#: driving bench_api's silod). The other routes keep the default pool, so a slow one (a forced
-#: round waits for the scheduling process; a pod template goes to the Kubernetes API) never holds
-#: these threads.
+#: Threads of an API worker that run the hot routes: 4 for reads (get and list jobs), 4 for
+#: submissions. FastAPI runs a sync route on anyio's default pool of 40 threads; under load 40
+#: threads contend for the GIL (SQLite releases it at every call), which cost 35% more CPU per
+#: submission at 64 clients than 4 threads did: 3.1 against 2.3 ms, 460 against 710-760
+#: submissions/s on 2 workers (2026-11-28, a script driving bench_api's silod). Reads and writes
+#: have separate threads so submissions waiting on the database's write lock never hold the
+#: threads a read needs; each pool is shared fairly between tenants (fair_pool.py). The other
+#: routes keep the default pool, so a slow one (a forced round waits for the scheduling process;
+#: a pod template goes to the Kubernetes API) never holds these threads.
 HOT_THREADS = 4
 
 
@@ -205,12 +208,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                        body_timeouts=body_timeouts,
                        reviewer=service.config.agent_reviewer if service is not None else None)
     registries = {per_job: make_registry(service, per_job) for per_job in (False, True)} if service is not None else None
-    hot_pool: list[anyio.CapacityLimiter] = []  # made in the worker's event loop, at first use
-
-    async def hot(fn: Any, *args: Any) -> Any:
-        if not hot_pool:
-            hot_pool.append(anyio.CapacityLimiter(HOT_THREADS))
-        return await anyio.to_thread.run_sync(fn, *args, limiter=hot_pool[0])
+    reads, writes = FairThreadPool(HOT_THREADS), FairThreadPool(HOT_THREADS)
     catalogue = service.catalogue if service is not None else None
     consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
                    if service is not None else None)
@@ -444,7 +442,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         if req.pod_template is not None:  # creates the job's workload on the Kubernetes API: the default pool
             record, created = await anyio.to_thread.run_sync(catalogue.submit_job, who, req, idempotency_key)
         else:
-            record, created = await hot(catalogue.submit_job, who, req, idempotency_key)
+            record, created = await writes.run(who.user, catalogue.submit_job, who, req, idempotency_key)
         return _json(record, 201 if created else 200)
 
     @app.get("/v1/jobs", response_model=list[JobOut], responses=_ERRORS, tags=["jobs"])
@@ -457,7 +455,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     ) -> Any:
         # The records go straight to FastAPI's response validation (from_attributes): validating
         # them here as well would do the work twice on the hottest endpoint.
-        return await hot(lambda: _json(catalogue.list_jobs(who, state, owner, limit, offset)))
+        return await reads.run(who.user, lambda: _json(catalogue.list_jobs(who, state, owner, limit, offset)))
 
     def read_job(job_id: str, who: Principal) -> Response:
         # One pooled connection (and one read transaction) for the job and its consumption.
@@ -470,7 +468,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
     async def get_job(job_id: str, who: Who) -> Any:
-        return await hot(read_job, job_id, who)
+        return await reads.run(who.user, read_job, job_id, who)
 
     @app.post("/v1/jobs/{job_id}/report", response_model=MeasuredParamsOut, status_code=202, responses=_ERRORS,
               tags=["jobs"])

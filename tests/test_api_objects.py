@@ -1,6 +1,7 @@
 """Issue 20's review, what a tenant could still make the service hold or read: objects without
 bound (datasets, credentials, grants) and listings without pages, an admin route that read a
-tenant's body before refusing it, and an integer too long to convert whose 400 named no field.
+tenant's body before refusing it, an integer too long to convert whose 400 named no field, and
+one beyond a float's range that was a 500 in a size or rate field.
 
 Each test fails on 3d77954 (every dataset a 201, a tenant's malformed body to an admin route a
 422, a waiting one held until its timeout, a 400 "There was an error parsing the body")."""
@@ -121,54 +122,6 @@ def test_object_limits_flag_errors_name_the_item() -> None:
                         ("datasets=²", "whole number"), ("datasets", "KEY=N")):
         with pytest.raises(UserError, match=needle):
             parse_object_limits(bad)
-
-
-def test_reading_jobs_is_answered_while_every_default_thread_waits(tmp_path) -> None:
-    """The hot routes (submit, get, list jobs) run on a thread pool of their own: with all 40 of
-    anyio's default threads waiting (here: 45 dataset registrations queued behind a write lock
-    another process holds), a job is still read at once, its token looked up on threads of their
-    own too. On 3d77954 the GET waited with them (and with the hot pool alone, for its token)."""
-    import sqlite3
-    import threading
-
-    import httpx
-
-    db = tmp_path / "pool.db"
-    app, service = make_app(f"sqlite:///{db}", tmp_path, run_loop=False)
-    try:
-        with ServerThread(app) as server:
-            url = f"http://127.0.0.1:{server.port}"
-            assert httpx.post(f"{url}/v1/datasets", json=IMAGENET, headers=H_ALICE).status_code == 201
-            job = httpx.post(f"{url}/v1/jobs", json=JOB, headers=H_ALICE).json()["id"]
-            holder = sqlite3.connect(db, timeout=30)
-            holder.execute("BEGIN IMMEDIATE")  # another process's write transaction
-            codes: list[int] = []
-
-            def register(i: int) -> None:
-                with httpx.Client(timeout=120) as c:
-                    codes.append(c.post(f"{url}/v1/datasets", json={**IMAGENET, "name": f"w{i}"}, headers=H_ALICE).status_code)
-
-            threads = [threading.Thread(target=register, args=(i,)) for i in range(45)]
-            try:
-                for t in threads:
-                    t.start()
-                import time
-
-                # Every registration is in a default-pool thread by now, and the token cache's entry
-                # (2 s) has expired: the GET's token is looked up again, on the look-up threads.
-                time.sleep(2.5)
-                assert not codes
-                with httpx.Client(timeout=5) as c:
-                    assert c.get(f"{url}/v1/jobs/{job}", headers=H_ALICE).json()["state"] == "queued"
-                    assert [j["id"] for j in c.get(f"{url}/v1/jobs", headers=H_ALICE).json()] == [job]
-            finally:
-                holder.rollback()
-                holder.close()
-                for t in threads:
-                    t.join(120)
-            assert codes == [201] * 45
-    finally:
-        service.close()
 
 
 def _body_fields(schema: dict, components: dict, depth: int = 0) -> list[tuple[str, ...]]:

@@ -142,11 +142,18 @@ def _check_registration(body: ClientRegistration) -> None:
         raise UserError(f"pid {body.pid} is not a process id (0 to {MAX_PID:,})")
 
 
+_MAX_STAT = 2**63 - 1  # counters of bytes, items and errors fit a signed 64-bit integer
+
+
 def _check_stats(value: Any, field: str = "stats") -> None:
     """A heartbeat's stats are shown by /v1/status and /metrics as they came: a NaN or an
     unencodable string among them made both answer 500 for as long as the client kept them."""
     if isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"{field} is {value!r}; numbers in stats must be finite")
+    if isinstance(value, int) and abs(value) > _MAX_STAT:
+        # A 400-digit count passed float() nowhere: /v1/status and /metrics answered 500.
+        raise UserError(f"{field} is an integer of about {int(value.bit_length() * 0.30103) + 1} digits;"
+                        f" numbers in stats must be within +-2^63")
     if isinstance(value, str):
         _text(value, field)
     elif isinstance(value, dict):

@@ -20,7 +20,10 @@ def _number(value) -> float | None:
     """A finite, non-negative number from a client's stats, or None (stats are untrusted input)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past a float's range (stats stored before the API refused them)
+        return None
     return value if math.isfinite(value) and value >= 0 else None
 
 

@@ -84,7 +84,7 @@ def _rate_at_most(value: object, allocated: float | None) -> float | None:
     None when absent or not a number."""
     try:
         r = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if not math.isfinite(r):
         return None

@@ -58,6 +58,43 @@ def test_a_freed_thread_goes_to_the_waiting_tenant_holding_fewest_then_served_lo
     assert started == ["a0", "a1", "b0", "c0", "a2", "b1", "a3", "a4"]
 
 
+def test_a_tenant_with_a_second_request_waiting_is_not_overtaken_forever() -> None:
+    """Outside review of the first version, which forgot a tenant once it held and waited for
+    nothing: five tenants each keeping one request in flight then looked never served at every
+    return, and overtook B's second request for as long as they kept going (1,175 of theirs in
+    3 s, B's second never ran)."""
+    done: list[float] = []
+    while_others_ran: list[int] = []
+
+    async def main() -> None:
+        pool = FairThreadPool(4)
+        stop = anyio.Event()
+
+        async def light(i: int) -> None:
+            while not stop.is_set():
+                await pool.run(f"light{i}", time.sleep, 0.01)
+
+        async def b() -> None:
+            t0 = time.perf_counter()
+            await pool.run("B", time.sleep, 0.01)
+            done.append(time.perf_counter() - t0)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(light, i)
+            await anyio.sleep(0.2)
+            tg.start_soon(b)
+            tg.start_soon(b)
+            with anyio.move_on_after(10):
+                while len(done) < 2:
+                    await anyio.sleep(0.01)
+            while_others_ran.append(len(done))  # before the others stop (then B's would run anyway)
+            stop.set()
+
+    anyio.run(main)
+    assert while_others_ran == [2], "B's second request got no thread in 10 s while the others kept asking"
+
+
 def test_a_request_cancelled_while_waiting_gives_up_its_place() -> None:
     release = threading.Event()
 

@@ -218,8 +218,17 @@ def test_bad_heartbeat_stats_never_break_status_or_metrics(dm):
     for raw in (b'{"stats": {"items_cached": NaN}}', b'{"stats": {"pods": {"p": {"read_bytes": Infinity}}}}'):
         r = httpx.put(url, content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "finite" in r.json()["detail"], r.text
+    # Integers past +-2^63 (legal JSON; 400 digits made float() raise in /v1/status and /metrics).
+    for key in ("remote_rate_bytes_per_s", "throughput_bytes_per_s", "hit_bytes", "remote_errors", "items_cached",
+                "cached_bytes"):
+        r = httpx.put(url, content=b'{"stats": {"%s": %s}}' % (key.encode(), b"9" * 400),
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "2^63" in r.json()["detail"] and key in r.json()["detail"], r.text
+    r = httpx.put(url, content=b'{"stats": {"latency": {"buckets": [[%s, 1], ["+Inf", 1]], "sum_s": 1}}}' % (b"9" * 400),
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
     r = httpx.put(url, json={"stats": {"items_cached": "lots", "effective_cached_bytes": "x", "throughput_bytes_per_s": "y",
-                                       "hit_bytes": "z", "cached_bytes": 10**30}})
+                                       "hit_bytes": "z", "cached_bytes": 2**62}})
     assert r.status_code == 200, r.text
     status = httpx.get(dm.url + "/v1/status")
     assert status.status_code == 200, status.text

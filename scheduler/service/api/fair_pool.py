@@ -14,7 +14,7 @@ All bookkeeping runs on the worker's event loop (one thread), so it needs no loc
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,6 +31,8 @@ class _Waiter:
 
 
 class FairThreadPool:
+    REMEMBERED = 10_000
+
     def __init__(self, threads: int):
         if threads < 1:
             raise ValueError(f"a thread pool needs at least 1 thread, not {threads}")
@@ -39,9 +41,11 @@ class FairThreadPool:
         self._free = threads
         self._held: dict[str, int] = {}
         self._waiting: dict[str, deque[_Waiter]] = {}
-        # When each holding or waiting tenant last got a thread (kept only while it holds or
-        # waits, so the table is bounded by the requests in flight).
-        self._served: dict[str, int] = {}
+        # When each tenant last got a thread, for the most recent REMEMBERED tenants. Kept after
+        # a tenant goes idle: forgetting it made a tenant that keeps one request in flight look
+        # never served at each return, so it overtook, forever, a tenant with a second request
+        # waiting. A tenant dropped from the table only gains (it counts as never served).
+        self._served: OrderedDict[str, int] = OrderedDict()
         self._seq = itertools.count()
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
@@ -79,16 +83,14 @@ class FairThreadPool:
                 queue.remove(waiter)
                 if not queue:
                     del self._waiting[tenant]
-                    self._forget_if_idle(tenant)
             raise
 
     def _grant(self, tenant: str) -> None:
         self._held[tenant] = self._held.get(tenant, 0) + 1
         self._served[tenant] = next(self._seq)
-
-    def _forget_if_idle(self, tenant: str) -> None:
-        if tenant not in self._held and tenant not in self._waiting:
-            self._served.pop(tenant, None)
+        self._served.move_to_end(tenant)
+        if len(self._served) > self.REMEMBERED:
+            self._served.popitem(last=False)
 
     def _release(self, tenant: str) -> None:
         held = self._held[tenant] - 1
@@ -96,7 +98,6 @@ class FairThreadPool:
             self._held[tenant] = held
         else:
             del self._held[tenant]
-            self._forget_if_idle(tenant)
         if not self._waiting:
             self._free += 1
             return

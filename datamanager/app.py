@@ -152,7 +152,7 @@ def _check_stats(value: Any, field: str = "stats") -> None:
         raise UserError(f"{field} is {value!r}; numbers in stats must be finite")
     if isinstance(value, int) and abs(value) > _MAX_STAT:
         # A 400-digit count passed float() nowhere: /v1/status and /metrics answered 500.
-        raise UserError(f"{field} is an integer of about {int(value.bit_length() * 0.30103) + 1} digits;"
+        raise UserError(f"{field} is an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits;"
                         f" numbers in stats must be within +-2^63")
     if isinstance(value, str):
         _text(value, field)

@@ -5,8 +5,9 @@ the 40 of anyio's default pool, which cost a third more CPU per request in GIL c
 (app.py, HOT_THREADS). A plain limiter of four threads is first come, first served: one tenant
 with 32 requests in flight held all four, and another tenant's single GET waited behind its whole
 queue (3.8 s median, 12 s worst, in an outside review). Here a freed thread goes to the waiting
-tenant that holds the fewest, and among those to the one waiting longest, so a tenant's wait is
-bounded by one request of whoever holds the threads, however many requests others queue.
+tenant that holds the fewest; among those, to the one served least recently (round robin); within
+a tenant, in arrival order. A tenant's wait is bounded by one request of whoever holds the
+threads, however many requests others queue.
 
 All bookkeeping runs on the worker's event loop (one thread), so it needs no lock.
 """

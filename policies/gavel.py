@@ -145,8 +145,9 @@ class GavelProblem:
         names = tuple(sorted(set(cols.datasets)))
         index = {n: i for i, n in enumerate(names)}
         dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
-        sizes = np.array([snapshot.datasets[n].size for n in names], dtype=float)
-        cached = [snapshot.datasets[n] for n in names]
+        views = [snapshot.datasets[n] for n in names]
+        sizes = np.array([d.size for d in views], dtype=float)
+        cached = [d.cached for d in views]
         return cls(
             job_ids=cols.ids,
             gpus=cols.gpus,
@@ -161,7 +162,8 @@ class GavelProblem:
             hit_now=cols.hit_now,
             reuse=(cols.remaining > sizes[dataset_index]).astype(float),  # can_reuse_new_cache
             dataset_cached=(
-                None if all(d.cached is None for d in cached) else np.array([d.filled(d.size) for d in cached], dtype=float)
+                # DatasetView.filled(size) of each, in one pass
+                None if all(c is None for c in cached) else np.minimum(sizes, [np.inf if c is None else c for c in cached])
             ),
         )
 
@@ -345,14 +347,60 @@ def spread_gpu_time(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> n
         return share
     if float(np.sum(gpus[active])) <= total_gpus:
         return np.where(active, 1.0, 0.0)
+    return np.minimum(share * _common_factor(share, gpus, total_gpus, active), 1.0)
+
+
+#: Steps of the bisection on the common factor (its result defines spread_gpu_time's).
+BISECTION_STEPS = 60
+
+
+def _common_factor(share: np.ndarray, gpus: np.ndarray, total_gpus: float, active: np.ndarray) -> float:
+    """The bisection's factor: the largest of BISECTION_STEPS midpoints between 1 and
+    1 / (least share) at which sum(gpus x min(share x c, 1)) <= total_gpus, as computed in floats.
+
+    Its path is walked by comparing each midpoint with the root of the piecewise-linear GPU use
+    (one sort), and the two ends it arrives at are checked with the real sum: the float sum is
+    monotone in c (every rounding is), so if the end it keeps passes and the end it drops fails,
+    every step went the way the bisection's own test would have sent it, and the result is the
+    same bit for bit. Only when the root falls within rounding of a midpoint does it run the
+    bisection itself. 60 sums per Gavel decision were 3.4% of a Fig. 12 run."""
+
+    def fits(c: float) -> bool:
+        return float(np.sum(gpus * np.minimum(share * c, 1.0))) <= total_gpus
+
     lo, hi = 1.0, 1.0 / float(share[active].min())
-    for _ in range(60):  # bisection on the common factor; GPU use is monotone in it
+    top = hi
+    root = _gpu_use_root(share[active], gpus[active], total_gpus)
+    for _ in range(BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
-        if float(np.sum(gpus * np.minimum(share * mid, 1.0))) <= total_gpus:
+        if mid <= root:
             lo = mid
         else:
             hi = mid
-    return np.minimum(share * lo, 1.0)
+    if (lo == 1.0 or fits(lo)) and (hi == top or not fits(hi)):
+        return lo
+    lo, hi = 1.0, top
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _gpu_use_root(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> float:
+    """c where sum(gpus x min(share x c, 1)) = total_gpus (shares > 0, sum(gpus) > total_gpus):
+    between two jobs' caps (c = 1 / share) the use is linear in c."""
+    order = np.argsort(1.0 / share, kind="stable")
+    caps, g, s = 1.0 / share[order], gpus[order], share[order]
+    capped_before = np.concatenate(([0.0], np.cumsum(g)[:-1]))  # GPUs of the jobs capped before each cap
+    slope_from = np.cumsum((g * s)[::-1])[::-1]  # sum of gpus x share over the jobs not capped yet
+    use_at_cap = capped_before + caps * slope_from
+    k = int(np.searchsorted(use_at_cap, total_gpus, side="right"))  # caps reached below the root
+    if k >= len(caps):
+        return float(caps[-1])
+    return float((total_gpus - capped_before[k]) / slope_from[k])
 
 
 class GavelPolicy(Policy):

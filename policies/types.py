@@ -50,6 +50,34 @@ class JobView:
         return self.remaining_bytes / self.ideal_throughput
 
 
+_JOB_VIEW_SLOTS = ("job_id", "gpus", "dataset", "ideal_throughput", "remaining_bytes", "submit_time", "running", "priority",
+                   "hit_ratio_now", "access", "pipeline")
+assert JobView.__slots__ == _JOB_VIEW_SLOTS, "job_view() sets JobView's slots by position: update it with the fields"
+_set_job_view = tuple(JobView.__dict__[f].__set__ for f in _JOB_VIEW_SLOTS)
+
+
+def job_view(job_id: str, gpus: int, dataset: str, ideal_throughput: float, remaining_bytes: float, submit_time: float,
+             running: bool, priority: int, hit_ratio_now: float | None, access: AccessPattern,
+             pipeline: InputPipeline | None) -> JobView:
+    """JobView(...) with every field given in order, its slots set directly: the same object
+    without the keyword handling and the frozen dataclass's per-field `object.__setattr__`
+    (1.65 -> 0.8 us). The simulator rebuilds about a million views in a Fig. 12 run."""
+    v = object.__new__(JobView)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _set_job_view
+    s0(v, job_id)
+    s1(v, gpus)
+    s2(v, dataset)
+    s3(v, ideal_throughput)
+    s4(v, remaining_bytes)
+    s5(v, submit_time)
+    s6(v, running)
+    s7(v, priority)
+    s8(v, hit_ratio_now)
+    s9(v, access)
+    s10(v, pipeline)
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class DatasetView:
     name: str

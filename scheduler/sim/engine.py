@@ -29,7 +29,7 @@ from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
-from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot
+from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.diagnosis import bound_labels, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.types import SimDataset
@@ -286,8 +286,8 @@ class Simulator:
             view = j.view
             if view is None or view.remaining_bytes != rem or view.running != j.running or view.hit_ratio_now != hit or view.ideal_throughput != f:
                 access = j.trace.access if told else _EPOCH
-                view = j.view = JobView(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running,
-                                        hit_ratio_now=hit, access=access, pipeline=j.trace.pipeline)
+                view = j.view = job_view(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running, 0, hit,
+                                         access, j.trace.pipeline)
             views.append(view)
             ids.append(view.job_id)
             names.append(view.dataset)

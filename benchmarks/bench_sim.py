@@ -78,14 +78,16 @@ def main() -> None:
 
     from concurrent.futures import ProcessPoolExecutor
 
-    from scheduler.sim.experiments import CACHE_SYSTEMS, Run, TraceSource, _capacity, simulate_run
+    from scheduler.sim.experiments import CACHE_SYSTEMS, Run, TraceSource, _capacity, longest_first, simulate_run
 
     reference = machine_reference()
     results: dict = {"machine_reference_cpu_s": reference, "matrix": {}, "growth": [], "memory": {}}
     print(f"machine reference: {REFERENCE_LOOP:,}-iteration Python loop {reference:.3f} CPU s; 'ref' below = CPU s / that", flush=True)
     if not args.skip_matrix:
         source = TraceSource(args.trace, None, 0)
-        runs = [Run(f"{p}/{c}", p, c, _capacity()) for p in ("fifo", "sjf", "gavel") for c in CACHE_SYSTEMS]
+        # In the order `silod experiment matrix` hands them to its workers (costliest first).
+        runs = [run for _, run in longest_first(list(enumerate(Run(f"{p}/{c}", p, c, _capacity())
+                                                                for p in ("fifo", "sjf", "gavel") for c in CACHE_SYSTEMS)))]
         t0 = time.perf_counter()
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
             for r in pool.map(simulate_run, runs, [source] * len(runs), [360.0] * len(runs), [128] * len(runs)):

@@ -52,7 +52,8 @@ class JobView:
 
 _JOB_VIEW_SLOTS = ("job_id", "gpus", "dataset", "ideal_throughput", "remaining_bytes", "submit_time", "running", "priority",
                    "hit_ratio_now", "access", "pipeline")
-assert JobView.__slots__ == _JOB_VIEW_SLOTS, "job_view() sets JobView's slots by position: update it with the fields"
+if JobView.__slots__ != _JOB_VIEW_SLOTS:  # a field added or moved: job_view() would set the wrong slots
+    raise RuntimeError(f"JobView's fields are {JobView.__slots__}; update job_view() and _JOB_VIEW_SLOTS with them")
 _set_job_view = tuple(JobView.__dict__[f].__set__ for f in _JOB_VIEW_SLOTS)
 
 

@@ -357,3 +357,15 @@ def test_ray_unreachable_or_doubled_executor_is_one_line(tmp_path):
     proc = silod("experiment", "micro", "--quiet", "--ray", f"127.0.0.1:{port}", "--dask", f"tcp://127.0.0.1:{port}",
                  "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "give one of them" in proc.stderr, proc.stderr
+
+
+def test_workers_get_the_costliest_runs_first():
+    """Longest processing time first: the LRU cells, then the time-sharing policy's, each group
+    in the experiment's own order (a run's result is still filed under its index)."""
+    from scheduler.sim.experiments import CACHE_SYSTEMS, Run, _capacity, longest_first
+
+    jobs = list(enumerate(Run(f"{p}/{c}", p, c, _capacity()) for p in ("fifo", "sjf", "gavel") for c in CACHE_SYSTEMS))
+    order = [run.label for _, run in longest_first(jobs)]
+    assert order[:3] == ["gavel/alluxio", "fifo/alluxio", "sjf/alluxio"]
+    assert order[3:6] == ["gavel/silod", "gavel/coordl", "gavel/quiver"]
+    assert sorted(longest_first(jobs)) == sorted(jobs, key=lambda j: j[0])  # the same runs, indices kept

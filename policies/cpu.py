@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from policies.storage import fill_in_order
-from policies.types import ClusterCapacity, JobView
+from policies.types import ClusterCapacity, DatasetView, JobView
 
 
 def cores_to_full_speed(jobs: Sequence[JobView], capacity: ClusterCapacity) -> np.ndarray:
@@ -43,11 +43,35 @@ def gpu_proportional(jobs: Sequence[JobView], capacity: ClusterCapacity) -> dict
     return {j.job_id: capacity.gpu_proportional_cpu(j.gpus) for j in jobs}
 
 
-def cores_in_order(jobs: Sequence[JobView], capacity: ClusterCapacity) -> dict[str, float]:
-    """Cores for jobs that all hold their GPUs: knapsack by marginal speed-up r/f* (see module)."""
+def cores_the_link_can_feed(jobs: Sequence[JobView], cache: Mapping[str, float] | None, datasets: Mapping[str, DatasetView],
+                            capacity: ClusterCapacity) -> np.ndarray:
+    """The most cores each job could keep busy this round, whatever the others do: with the whole
+    remote link to itself it reads at most link / m bytes/s, where m >= 1 - a/d (a: the most of
+    its dataset the cache may hold this round, its allocation in `cache`, or the cluster's cache
+    where storage is not managed), and a byte costs at most 1/r core-seconds (a preprocessed hit
+    costs 1/p, and p >= r). inf where the link does not bound it (m = 0, or not CPU-bound)."""
+    link = capacity.remote_io
+    out = np.full(len(jobs), np.inf)
+    for i, j in enumerate(jobs):
+        r = j.cpu_rate
+        if np.isinf(r):
+            continue
+        d = datasets[j.dataset].size
+        held = capacity.cache if cache is None else cache.get(j.dataset, 0.0)
+        miss = 1.0 - min(held, d) / d if d > 0 else 0.0
+        if miss > 1e-12:
+            out[i] = link / miss / r
+    return out
+
+
+def cores_in_order(jobs: Sequence[JobView], capacity: ClusterCapacity, ceiling: np.ndarray | None = None) -> dict[str, float]:
+    """Cores for jobs that all hold their GPUs: knapsack by marginal speed-up r/f* (see module),
+    each job also up to `ceiling` (per job, in the order of `jobs`; `cores_the_link_can_feed`)."""
     if not jobs:
         return {}
     need = cores_to_full_speed(jobs, capacity)
+    if ceiling is not None:
+        need = np.minimum(need, ceiling)
     f = np.array([j.ideal_throughput for j in jobs], dtype=float)
     r = np.array([j.cpu_rate for j in jobs], dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -56,15 +80,16 @@ def cores_in_order(jobs: Sequence[JobView], capacity: ClusterCapacity) -> dict[s
     return dict(zip((j.job_id for j in jobs), granted.tolist(), strict=True))
 
 
-def cpu_for_running(running: Sequence[JobView], all_jobs: Sequence[JobView], capacity: ClusterCapacity) -> dict[str, float] | None:
+def cpu_for_running(running: Sequence[JobView], all_jobs: Sequence[JobView], capacity: ClusterCapacity,
+                    ceiling: np.ndarray | None = None) -> dict[str, float] | None:
     """Cores per job (0 for jobs without GPUs) by the cluster's cpu_allocation rule; None when
-    the cluster does not model CPU."""
+    the cluster does not model CPU. `ceiling`: see cores_in_order (the model rule only)."""
     if not capacity.manages_cpu:
         return None
     if capacity.cpu_allocation == "gpu-proportional":
         granted = gpu_proportional(running, capacity)
     else:
-        granted = cores_in_order(running, capacity)
+        granted = cores_in_order(running, capacity, ceiling)
     return {j.job_id: 0.0 for j in all_jobs} | granted
 
 
@@ -82,4 +107,4 @@ def effective_jobs(jobs: Sequence[JobView], cpu: Mapping[str, float] | None) -> 
     return out
 
 
-__all__ = ["cores_in_order", "cores_to_full_speed", "cpu_for_running", "effective_jobs", "gpu_proportional"]
+__all__ = ["cores_in_order", "cores_the_link_can_feed", "cores_to_full_speed", "cpu_for_running", "effective_jobs", "gpu_proportional"]

@@ -164,3 +164,27 @@ def test_validator_rejects_cpu_over_capacity():
     assert any("not a non-negative" in p for p in allocation_violations(s, Allocation(**base, cpu={"a": -1.0, "b": 0.0})))
     no_cpu = snap([IMAGE_A, IMAGE_B], gpus=2, gpus_per_node=2)
     assert any("without cpus_per_node" in p for p in allocation_violations(no_cpu, Allocation(**base, cpu={"a": 1.0})))
+
+
+def test_cores_the_link_cannot_feed_go_to_the_next_job():
+    """policies.fifo.running_allocation: a job the whole link can feed at 20 MB/s with nothing of
+    its dataset cached keeps 20 / 25 = 0.8 cores, not the 4 its f* asks; b gets the rest, and the
+    cache goes to b's dataset (planned for b's speed with them)."""
+    from policies.cpu import cores_the_link_can_feed
+    from policies.estimators import SiloDEstimator
+    from policies.fifo import FifoPolicy
+    from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
+    from estimator.pipeline import InputPipeline
+
+    cap = ClusterCapacity(gpus=2, cache=1e9, remote_io=20e6, gpus_per_node=2, cpus_per_node=4)
+    jobs = (JobView("a", 1, "dsa", 100e6, 10e9, 0.0, pipeline=InputPipeline(25e6)),
+            JobView("b", 1, "dsb", 100e6, 10e9, 1.0, pipeline=InputPipeline(20e6)))
+    datasets = {"dsa": DatasetView("dsa", 10e9), "dsb": DatasetView("dsb", 1e9)}
+    alloc = FifoPolicy().allocate(Snapshot(0.0, jobs, datasets, cap), SiloDEstimator())
+    assert alloc.cpu == pytest.approx({"a": 0.8, "b": 3.2})
+    assert alloc.cache["dsb"] == pytest.approx(1e9) and not alloc.cache.get("dsa")
+    # The bound itself: the whole link over the least miss ratio the cache allows, per core.
+    fed = cores_the_link_can_feed(jobs, {"dsa": 5e9}, datasets, cap)
+    assert fed.tolist() == pytest.approx([20e6 / 0.5 / 25e6, 20e6 / 1.0 / 20e6])  # b's dataset: nothing allocated
+    # Unmanaged storage: the cluster's cache is the most any dataset can hold (1 GB of a's 10).
+    assert cores_the_link_can_feed(jobs, None, datasets, cap).tolist() == pytest.approx([20e6 / 0.9 / 25e6, float("inf")])

@@ -131,3 +131,30 @@ def test_without_cpus_per_node_cpu_rate_changes_nothing(tmp_path):
         assert res.exit_code == 0, res.output
         outs.append((out / "jobs.csv").read_text())
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("policy, hand", [
+    # FIFO shares the link max-min: in b's first epoch both get 10 MB/s (b's first GB in 100 s),
+    # then b reads from cache at 3.2 x 20 = 64 MB/s (9 GB in 140.625 s) and a streams at 20.
+    ("fifo", {"a": 100.0 + 9e9 / 20e6, "b": 100.0 + 9e9 / 64e6}),
+    # SJF serves the link in score order, b first: its first GB at 20 MB/s (50 s); a waits.
+    ("sjf", {"a": 50.0 + 10e9 / 20e6, "b": 50.0 + 9e9 / 64e6}),
+])
+def test_an_io_starved_job_hands_on_the_cores_it_cannot_use(policy, hand, tmp_path):
+    """2 GPUs and 4 cores on one node, 1 GB of cache, a 20 MB/s link. a streams 10 GB once (f*
+    100 MB/s, 25 MB/s per core), b reads a 1 GB dataset ten times (f* 100 MB/s, 20 MB/s per core).
+    By marginal speed-up a (25/100) comes before b (20/100) and would take all 4 cores, but the
+    link can feed it 20 MB/s (its dataset gets no cache: b's is worth 62x more per byte), 0.8
+    cores' worth: b gets the other 3.2. Before, a held all 4 and b's GPU sat idle until a
+    finished: FIFO and SJF a 500 s, b 662.5 s (average 581.25 s; now 395.3 s under FIFO)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,cpu_rate\n"
+                     "a,0,1,m,dsa,10GB,100MB/s,1,25MB/s\n"
+                     "b,0,1,m,dsb,1GB,100MB/s,10,20MB/s\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--gpus", "2", "--gpus-per-node", "2", "--cpus-per-node", "4",
+                                      "--cache", "1GB", "--remote-io", "20MB/s", "--policy", policy, "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    with (out / "jobs.csv").open() as fh:
+        jct = {r["job_id"]: float(r["jct_s"]) for r in csv.DictReader(fh)}
+    assert jct == pytest.approx(hand, rel=1e-6)

@@ -49,12 +49,14 @@ def cores_the_link_can_feed(jobs: Sequence[JobView], cache: Mapping[str, float] 
     remote link to itself it reads at most link / m bytes/s, where m >= 1 - a/d (a: the most of
     its dataset the cache may hold this round, its allocation in `cache`, or the cluster's cache
     where storage is not managed), and a byte costs at most 1/r core-seconds (a preprocessed hit
-    costs 1/p, and p >= r). inf where the link does not bound it (m = 0, or not CPU-bound)."""
+    costs 1/p, and p >= r). inf where the link does not bound it (m = 0, or not CPU-bound), and for
+    jobs that do not read their dataset uniformly (`JobView.access` not `epoch`: a curriculum job
+    reads a prefix of it, which may all be cached while a/d is small)."""
     link = capacity.remote_io
     out = np.full(len(jobs), np.inf)
     for i, j in enumerate(jobs):
         r = j.cpu_rate
-        if np.isinf(r):
+        if np.isinf(r) or not j.access.regular:
             continue
         d = datasets[j.dataset].size
         held = capacity.cache if cache is None else cache.get(j.dataset, 0.0)

@@ -371,13 +371,14 @@ def _common_factor(share: np.ndarray, gpus: np.ndarray, total_gpus: float, activ
     lo, hi = 1.0, 1.0 / float(share[active].min())
     top = hi
     root = _gpu_use_root(share[active], gpus[active], total_gpus)
+    kept = dropped = False  # whether an end moved (a moved end may equal the start's in floats)
     for _ in range(BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
         if mid <= root:
-            lo = mid
+            lo, kept = mid, True
         else:
-            hi = mid
-    if (lo == 1.0 or fits(lo)) and (hi == top or not fits(hi)):
+            hi, dropped = mid, True
+    if (not kept or fits(lo)) and (not dropped or not fits(hi)):
         return lo
     lo, hi = 1.0, top
     for _ in range(BISECTION_STEPS):

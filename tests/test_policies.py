@@ -604,6 +604,10 @@ def test_spread_gpu_time_is_the_bisection_bit_for_bit():
     share, gpus = np.array([0.5, 0.25]), np.array([1.0, 1.0])
     assert np.array_equal(spread_gpu_time(share, gpus, 1.5), _bisection_spread(share, gpus, 1.5))
     assert checked > 1000
+    # An end that moved onto the start's value in floats is checked too (found by an outside
+    # review: one ulp below the bisection's when the drop moved hi onto 1 / least share).
+    share, gpus = np.array([0.5019083405080652, 0.16620589396668428]), np.array([1.0, 3.0])
+    assert np.array_equal(spread_gpu_time(share, gpus, 3.9999999999999996), _bisection_spread(share, gpus, 3.9999999999999996))
 
 
 def test_job_view_builds_the_same_view_as_the_constructor():

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from policies.base import Policy
-from policies.cpu import cpu_for_running
+from policies.cpu import cores_the_link_can_feed, cpu_for_running
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
 from policies.types import Allocation, ClusterCapacity, JobView, Snapshot, StoragePartition
@@ -112,8 +112,11 @@ def allocate_partitioned(
         irregular_jobs=frozenset(j.job_id for j in irregular),
     )
     # CPU is not partitioned: cores go to the jobs that hold GPUs by the cluster's CPU rule
-    # (policies/cpu.py), once the partitions have said who runs.
-    cpu = cpu_for_running([j for j in snapshot.jobs if gpu_share.get(j.job_id, 0.0) > 0], snapshot.jobs, cap)
+    # (policies/cpu.py), once the partitions have said who runs, each no more than the whole link
+    # could keep busy with its dataset's allocation cached (as policies.fifo.running_allocation).
+    holding = [j for j in snapshot.jobs if gpu_share.get(j.job_id, 0.0) > 0]
+    ceiling = cores_the_link_can_feed(holding, cache, snapshot.datasets, cap) if cap.manages_cpu else None
+    cpu = cpu_for_running(holding, snapshot.jobs, cap, ceiling)
     result = Allocation(gpu_share=gpu_share, cache=cache, remote_io=remote_io, cpu=cpu,
                         objective=min(objectives) if objectives else None, partition=partition)
     problems = partition_violations(snapshot, result)

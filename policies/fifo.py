@@ -95,7 +95,7 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
     cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
     if bound is not None and cache is not None:
         for _ in range(CORE_PASSES):
-            fed = np.minimum(bound, cores_the_link_can_feed(running, cache, snapshot.datasets, cap))
+            fed = cores_the_link_can_feed(running, cache, snapshot.datasets, cap)  # an allocation <= the cache: <= bound
             held = np.array([cpu[j.job_id] for j in running], dtype=float)
             if not (held > fed * (1 + 1e-9)).any():
                 break

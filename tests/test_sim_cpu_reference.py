@@ -133,6 +133,18 @@ def test_without_cpus_per_node_cpu_rate_changes_nothing(tmp_path):
     assert outs[0] == outs[1]
 
 
+def _jcts(tmp_path, name, rows, *args, policy="fifo"):
+    header = "job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,access,starting_percent,alpha,step,batch,item_size,cpu_rate\n"
+    trace = tmp_path / f"{name}.csv"
+    trace.write_text(header + "".join(r + "\n" for r in rows))
+    out = tmp_path / name
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--remote-io", "20MB/s", "--policy", policy, "--out", str(out),
+                                      "--quiet", *args])
+    assert result.exit_code == 0, result.output
+    with (out / "jobs.csv").open() as fh:
+        return {r["job_id"]: float(r["jct_s"]) for r in csv.DictReader(fh)}
+
+
 @pytest.mark.parametrize("policy, hand", [
     # FIFO shares the link max-min: in b's first epoch both get 10 MB/s (b's first GB in 100 s),
     # then b reads from cache at 3.2 x 20 = 64 MB/s (9 GB in 140.625 s) and a streams at 20.
@@ -147,29 +159,9 @@ def test_an_io_starved_job_hands_on_the_cores_it_cannot_use(policy, hand, tmp_pa
     link can feed it 20 MB/s (its dataset gets no cache: a reads it once, so caching it saves nothing), 0.8
     cores' worth: b gets the other 3.2. Before, a held all 4 and b's GPU sat idle until a
     finished: FIFO and SJF a 500 s, b 662.5 s (average 581.25 s; now 395.3 s under FIFO)."""
-    trace = tmp_path / "trace.csv"
-    trace.write_text("job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,cpu_rate\n"
-                     "a,0,1,m,dsa,10GB,100MB/s,1,25MB/s\n"
-                     "b,0,1,m,dsb,1GB,100MB/s,10,20MB/s\n")
-    out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--gpus", "2", "--gpus-per-node", "2", "--cpus-per-node", "4",
-                                      "--cache", "1GB", "--remote-io", "20MB/s", "--policy", policy, "--out", str(out), "--quiet"])
-    assert result.exit_code == 0, result.output
-    with (out / "jobs.csv").open() as fh:
-        jct = {r["job_id"]: float(r["jct_s"]) for r in csv.DictReader(fh)}
+    jct = _jcts(tmp_path, "case", ["a,0,1,m,dsa,10GB,100MB/s,1,,,,,,,25MB/s", "b,0,1,m,dsb,1GB,100MB/s,10,,,,,,,20MB/s"],
+                "--gpus", "2", "--gpus-per-node", "2", "--cpus-per-node", "4", "--cache", "1GB", policy=policy)
     assert jct == pytest.approx(hand, rel=1e-6)
-
-
-def _jcts(tmp_path, name, rows, *args):
-    header = "job_id,submit_time,num_gpus,model,dataset,dataset_size,ideal_throughput,epochs,access,starting_percent,alpha,step,batch,item_size,cpu_rate\n"
-    trace = tmp_path / f"{name}.csv"
-    trace.write_text(header + "".join(r + "\n" for r in rows))
-    out = tmp_path / name
-    result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--remote-io", "20MB/s", "--policy", "fifo", "--out", str(out),
-                                      "--quiet", *args])
-    assert result.exit_code == 0, result.output
-    with (out / "jobs.csv").open() as fh:
-        return {r["job_id"]: float(r["jct_s"]) for r in csv.DictReader(fh)}
 
 
 @pytest.mark.parametrize("system", ["alluxio", "coordl", "silod"])

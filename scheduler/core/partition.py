@@ -115,7 +115,7 @@ def allocate_partitioned(
     # (policies/cpu.py), once the partitions have said who runs, each no more than the whole link
     # could keep busy with its dataset's allocation cached (as policies.fifo.running_allocation).
     holding = [j for j in snapshot.jobs if gpu_share.get(j.job_id, 0.0) > 0]
-    ceiling = cores_the_link_can_feed(holding, cache, snapshot.datasets, cap) if cap.manages_cpu else None
+    ceiling = cores_the_link_can_feed(holding, cache, snapshot.datasets, cap) if cap.manages_cpu and cap.cpu_allocation == "model" else None
     cpu = cpu_for_running(holding, snapshot.jobs, cap, ceiling)
     result = Allocation(gpu_share=gpu_share, cache=cache, remote_io=remote_io, cpu=cpu,
                         objective=min(objectives) if objectives else None, partition=partition)

@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=18.0, help="bob's reads in the idle and listing phases")
     ap.add_argument("--out", type=Path, default=Path("out/bench_api_fairness.json"))
     args = ap.parse_args()
+    if not 1.0 <= args.seconds <= 3600.0:  # wrk takes whole seconds; nan fails too
+        ap.error(f"--seconds {args.seconds:g}: give the seconds of each phase, 1 to 3600 (e.g. 18)")
     if shutil.which("wrk") is None:
         raise SystemExit("benchmarks/bench_api_fairness.py needs wrk (apt-get install wrk)")
     with tempfile.TemporaryDirectory(prefix="silod-fair-") as tmpdir:

@@ -1,0 +1,19 @@
+"""The benchmark scripts refuse bad arguments before they start any server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "1e9", "ten"])
+def test_bench_api_fairness_refuses_bad_seconds(value):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_api_fairness.py"), "--seconds", value],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "--seconds" in out.stderr

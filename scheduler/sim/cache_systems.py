@@ -93,13 +93,14 @@ class UniformDomain(CacheDomain):
         return victims
 
     def admit(self, missed: np.ndarray) -> np.ndarray:
-        """Admit missed chunks while there is room; returns the ones admitted."""
+        """Admit missed chunks, in order, while there is room; returns the ones admitted.
+        `missed` are distinct chunks that are not cached: one look-up's misses (an epoch's
+        chunks are a permutation; a curriculum job's draws repeat only where nothing can be
+        admitted, reader.advance)."""
         room = self.limit_chunks - self.count
         if room <= 0 or missed.size == 0:
             return missed[:0]
-        fresh = missed[~self.cached[missed]]
-        if fresh.size > room:
-            fresh = fresh[:room]
+        fresh = missed[:room] if missed.size > room else missed
         self.cached[fresh] = True
         self.count += int(fresh.size)
         return fresh
@@ -223,6 +224,12 @@ class SimCacheSystem(ABC):
         """Chunks `job`'s misses may still add to what it sees cached (0 where unknown)."""
         return 0
 
+    def visible_and_room(self, jobs: Sequence[CacheReader]) -> tuple[np.ndarray, np.ndarray]:
+        """visible_chunks and room of every job in `jobs`, as two float columns."""
+        n = len(jobs)
+        return (np.fromiter((self.visible_chunks(j) for j in jobs), dtype=float, count=n),
+                np.fromiter((self.room(j) for j in jobs), dtype=float, count=n))
+
     def job_stopped(self, job: CacheReader) -> None:
         """`job` finished or was descheduled."""
 
@@ -336,6 +343,9 @@ class SiloDCache(SimCacheSystem):
     def room(self, job):
         dom = self.domains.get(job.dataset.name)
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
+
+    def visible_and_room(self, jobs):
+        return _domain_counts([self.domains.get(j.dataset.name) for j in jobs])
 
     def access(self, job, chunks):
         name = job.dataset.name
@@ -476,7 +486,12 @@ class CoorDLCache(SimCacheSystem):
     def job_stopped(self, job):
         dom = self.domains.pop(job.job_id, None)
         if dom is not None and dom.count:
-            self._changed(job.job_id, np.flatnonzero(dom.cached), -1)
+            # _changed(key, cached chunks, -1) for its only reader (none once it finished),
+            # counted in one pass: a job pauses at nearly every Gavel round.
+            for reader in self.readers.get(job.job_id, ()):
+                moved = int(np.count_nonzero(dom.cached & ~reader.read_mask))
+                reader.unread_cached -= moved
+                reader.moved += moved
 
     def cached_mask(self, job):
         dom = self.domains.get(job.job_id)
@@ -489,6 +504,9 @@ class CoorDLCache(SimCacheSystem):
     def room(self, job):
         dom = self.domains.get(job.job_id)
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
+
+    def visible_and_room(self, jobs):
+        return _domain_counts([self.domains.get(j.job_id) for j in jobs])
 
     def access(self, job, chunks):
         return _access_uniform(job, self.domains.get(job.job_id), chunks)[0]  # private: nobody else's ratio moves
@@ -611,6 +629,14 @@ class AlluxioLRUCache(SimCacheSystem):
             return []  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
         chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         return [(free, None)] if chunks and free >= min(chunks) else []
+
+
+def _domain_counts(domains: Sequence[CacheDomain | None]) -> tuple[np.ndarray, np.ndarray]:
+    """(cached chunks, room) of each domain (None: no domain, 0 and 0) as float columns."""
+    n = len(domains)
+    counts = np.fromiter((0 if d is None else d.count for d in domains), dtype=float, count=n)
+    limits = np.fromiter((0 if d is None else d.limit_chunks for d in domains), dtype=float, count=n)
+    return counts, np.maximum(limits - counts, 0.0)
 
 
 def make_cache_system(name: str, capacity: float, total_gpus: int, seed: int = 0, profile_noise: float = 0.0) -> SimCacheSystem:

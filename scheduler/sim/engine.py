@@ -32,6 +32,7 @@ from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.diagnosis import bound_labels, counts, cpu_bound_at, observe_fstar
+from scheduler.sim.job_table import JobTable
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import DEMAND_CHANGE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore
@@ -173,6 +174,7 @@ class StepState:
     does not change between plans (`static`), and the reading position (gathered per step)."""
 
     ids: list[str]
+    slots: np.ndarray  # rows in the job table (job_table.py)
     k: np.ndarray  # chunks per epoch
     chunk: np.ndarray  # bytes per chunk
     total: np.ndarray  # bytes to read in all
@@ -459,6 +461,7 @@ class Simulator:
         steps = 0
         last_dt: float | None = None
         self._static = None  # the running jobs' static columns (_step_state)
+        self._table = JobTable()
         self._by_id: dict[str, SimJob] = {}  # the active jobs by id
         self._fair = None  # the fairness columns (_fairness)
         time_shared = False
@@ -480,6 +483,7 @@ class Simulator:
                     job.fstar = FStarEstimate.start(tj.declared_throughput * cfg.gpu_speed)
                 self.cache.register(job)
                 job.start_epoch_view(self.cache)
+                self._table.add(job, self.cache)
                 active.append(job)
                 self._by_id[job.job_id] = job
                 self._fair = None
@@ -546,7 +550,8 @@ class Simulator:
                     if job.start_time is None:
                         job.start_time = now
                     job.running = True
-                    job.set_cores(math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0))
+                    if self._table.set_cores(job, math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0)):
+                        self._static = None
                 if len(chosen) != len(running) or any(a is not b for a, b in zip(chosen, running)):
                     self._static = None  # the static columns hold while the same jobs run (cores: _step_state)
                 running = chosen
@@ -605,24 +610,30 @@ class Simulator:
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
             m_list = m.tolist()
-            for i, (job, res) in enumerate(results):
-                ran = dt if res.finished_at is None else max(res.finished_at - now, 1e-9)
-                bound = bounds[i]
-                job.bound_s[bound] = job.bound_s.get(bound, 0.0) + ran
+            gpus_running = 0
+            rates = []
+            for i, ((job, res), bound, u0) in enumerate(zip(results, bounds, unread0)):
+                finished_at = res.finished_at
+                ran = dt if finished_at is None else max(finished_at - now, 1e-9)
+                bound_s = job.bound_s
+                bound_s[bound] = bound_s.get(bound, 0.0) + ran
+                read = res.bytes_read
                 if job.fstar is not None:
-                    job.fstar = observe_fstar(job, res.bytes_read / ran, ran, caps_arr[i], m_list[i])
-                job.last_rate = res.bytes_read / ran
+                    job.fstar = observe_fstar(job, read / ran, ran, caps_arr[i], m_list[i])
+                rates.append(read / ran)
                 # Counted over a few chunks the rate is noisy: average it over the last steps
                 # (each weighing half the one after it).
-                job.drift_m = DRIFT_MEMORY * job.drift_m + job.moved / unread0[i]
+                job.drift_m = DRIFT_MEMORY * job.drift_m + job.moved / u0
                 job.drift_t = DRIFT_MEMORY * job.drift_t + dt
-                step_bytes += res.bytes_read
+                step_bytes += read
                 step_remote += res.remote_bytes
+                gpus_running += job.trace.num_gpus
                 if not job.regular:
                     step_remote_irregular += res.remote_bytes
-                if res.finished_at is not None:
-                    job.finish_time = res.finished_at
+                if finished_at is not None:
+                    job.finish_time = finished_at
                     finished.append(job)
+            self._table.last_rate[st.slots] = rates
             fair = self._fairness(active)
             if fair is not None:
                 fairness_area += fair * dt
@@ -632,7 +643,7 @@ class Simulator:
             self.core.record(snapshot, plan, dt)
             steps += 1
             last_dt = dt
-            gpu_seconds += sum(j.gpus for j in running) * dt
+            gpu_seconds += gpus_running * dt
             remote_total += step_remote
             done_work += step_bytes
             idle_steps = idle_steps + 1 if step_bytes <= 0 and next_arrival >= len(pending) else 0
@@ -661,6 +672,7 @@ class Simulator:
                 self.cache.unregister(job)
                 self.cache.job_stopped(job)
                 self.core.forget(job.job_id)
+                self._table.remove(job)
                 records.append(
                     JobRecord(job.job_id, job.trace.submit_time, job.start_time or job.trace.submit_time, job.finish_time,
                               job.gpus, job.dataset.name, job.remote_bytes, job.hit_bytes, tuple(job.epoch_hit_ratios),
@@ -808,29 +820,21 @@ class Simulator:
         return np.where(mask, np.maximum(caps, claim), caps), Claimers(mask, ~below, demands)
 
     def _step_state(self, running: list[SimJob], prev: StepState | None = None) -> StepState:
-        """Columns of the running jobs: the static ones are kept while the plan and the running
-        set stay the same (`self._static`, reset where either changes)."""
+        """Columns of the running jobs: the static ones (the job table's rows) are kept while
+        the running set, their cores and the cache's layout stay the same (`self._static`,
+        reset where one changes)."""
         n = len(running)
-        static = self._static if prev is None else (prev.ids, prev.k, prev.chunk, prev.total, prev.ideal, prev.gpu_ideal,
-                                                     prev.cpu_bound, prev.curriculum, prev.scalar)
-        if static is not None and prev is None:
-            # Cores (so ideal rates) and whether a job's cache is volatile change only with a plan.
-            ideal = static[4]
-            if self.cache.layout_version != self._static_layout or any(j.ideal != f for j, f in zip(running, ideal.tolist())):
-                static = None
-        if static is None or len(static[0]) != n:
-            self._static_layout = self.cache.layout_version
-            cache = self.cache
-            # One pass over the jobs: (k, chunk, total, ideal, gpu_ideal, cpu bound, curriculum, volatile).
-            rows = np.array([(j.dataset.n_chunks, j.dataset.chunk_size, j.total_bytes, j.ideal, j.gpu_ideal,
-                              math.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate,
-                              j.pacing is not None, cache.volatile_for(j)) for j in running], dtype=float).reshape(n, 8).T.copy()
-            curriculum = rows[6] != 0.0
-            static = self._static = ([j.job_id for j in running], rows[0], rows[1], rows[2], rows[3], rows[4], rows[5],
-                                     curriculum, curriculum | (rows[7] != 0.0))
+        static = self._static if prev is None else (prev.ids, prev.slots, prev.k, prev.chunk, prev.total, prev.ideal,
+                                                     prev.gpu_ideal, prev.cpu_bound, prev.curriculum, prev.scalar)
+        if static is None or len(static[0]) != n or (prev is None and self.cache.layout_version != self._static_layout):
+            if self.cache.layout_version != self._static_layout:
+                # Whether a job's cache is volatile changes only with the layout.
+                self._static_layout = self.cache.layout_version
+                self._table.refresh_volatile(list(self._by_id.values()), self.cache)
+            static = self._static = self._table.columns(running)
         # One pass over the jobs (unread_expected syncs a job's expectation; the rest are reads).
         rows = np.array([(j.looked, j.unread_expected(v), j.unread_cached, j.consumed, j.pos)
-                         for j, v in zip(running, static[8].tolist())], dtype=float).reshape(n, 5).T.copy()
+                         for j, v in zip(running, static[9].tolist())], dtype=float).reshape(n, 5).T.copy()
         return StepState(*static, rows[0], rows[1], rows[2], rows[3], rows[4])
 
     def _preprocessed(self, running: list[SimJob]) -> list[int]:
@@ -871,8 +875,7 @@ class Simulator:
         left = st.total - st.consumed
         if contended:
             cache = self.cache
-            visible = np.fromiter((cache.visible_chunks(j) for j in running), dtype=float, count=len(running))
-            room = np.fromiter((cache.room(j) for j in running), dtype=float, count=len(running))
+            visible, room = cache.visible_and_room(running)
             k = st.k
             misses_left = (k - st.looked) - st.unread_real
             next_miss = 1.0 - (visible + np.minimum(room, misses_left)) / k
@@ -935,31 +938,32 @@ class Simulator:
             if not simple_l[i] or job.unread_cached != unread_l[i]:
                 out.append((job, advance(job, now, dt, float(caps[i]), cache, substeps)))
                 continue
-            res = StepResult()
             job.tail_miss = m_l[i]  # as advance() keeps it: the rest of a last chunk is read at it
             lo, hi = looked_l[i], last_l[i]
             fetched = 0.0
             if hi > lo:
+                # cache.access, then SimJob.looked_up and SimJob.fetched inlined (the hot loop).
                 n_hits = cache.access(job, job.perm[lo:hi])
-                job.looked_up(n_hits, lo, hi)
+                job.synced -= n_hits
+                n = job.dataset.n_chunks
+                left = n - lo
+                job.expected_cached = job.expected_cached * (n - hi) / left if left > 0 else 0.0
                 job.looked = hi
-                fetched = job.fetched(hi - lo, n_hits)
+                fetched = float(hi - lo - n_hits) * job.dataset.chunk_size
             done, missed = done_l[i], missed_l[i]
             job.consumed += done
             job.remote_bytes += missed
             job.hit_bytes += done - missed
             job.epoch_read += done
             job.epoch_remote += missed
-            res.bytes_read = done
-            res.remote_bytes = fetched
             job.pos = x_l[i]
+            finished_at = None
             if fin_l[i] or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
                 job.consumed = job.total_bytes
                 if job.pos >= job.dataset.n_chunks - 1e-6:
                     job.new_epoch(cache)  # records the last epoch's hit ratio
-                res.finished_at = now + t_l[i]
-            res.elapsed = t_l[i]
-            out.append((job, res))
+                finished_at = now + t_l[i]
+            out.append((job, StepResult(done, fetched, finished_at, t_l[i])))
         return out
 
     def _fairness(self, active: list[SimJob]) -> float | None:
@@ -975,14 +979,14 @@ class Simulator:
         if cols is None:
             counted = [j for j in active if j.reference > 0]
             share = np.array([j.share for j in counted], dtype=float)
-            cols = self._fair = (counted, share, np.array([j.reference for j in counted], dtype=float), bool((share == 0.0).any()))
-        counted, share, reference, some_zero = cols
-        if not counted:
+            slots = np.array([j.slot for j in counted], dtype=np.int64)
+            cols = self._fair = (slots, share, np.array([j.reference for j in counted], dtype=float), bool((share == 0.0).any()))
+        slots, share, reference, some_zero = cols
+        if not slots.size:
             return None
         if some_zero:
             return 0.0
-        rate = np.fromiter((j.last_rate for j in counted), dtype=float, count=len(counted))
-        return float((share * rate / reference).min())
+        return float((share * self._table.last_rate[slots] / reference).min())
 
     def _sample(self, t, active, running, plan, acc_remote, acc_bytes, acc_time, fairness, acc_remote_irregular=0.0) -> TimelineRow:
         cached = self.cache.cached_bytes()

@@ -80,7 +80,6 @@ class SimJob:
     epoch_remote: float = 0.0  # remote bytes in the current epoch
     epoch_read: float = 0.0  # bytes read in the current epoch
     epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
-    last_rate: float = 0.0  # bytes/s in the last step it ran
     job_id: str = field(init=False)
     reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
     share: float = 0.0
@@ -93,6 +92,7 @@ class SimJob:
     drift_t: float = 0.0  # decayed sum of those steps' seconds (0: never measured)
     view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
     regular: bool = field(init=False)  # reads as `epoch` (trace.access.regular, asked at every step)
+    slot: int = -1  # its row in the engine's job table while active (job_table.py)
 
     def __post_init__(self) -> None:
         if self.gpu_ideal is None:
@@ -285,7 +285,7 @@ class SimJob:
 DEMAND_CHANGE = 0.05
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     bytes_read: float = 0.0
     remote_bytes: float = 0.0

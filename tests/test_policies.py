@@ -578,9 +578,9 @@ def _bisection_spread(share, gpus, total_gpus):
 
 
 def test_spread_gpu_time_is_the_bisection_bit_for_bit():
-    """It walks the bisection by the root of the GPU use and checks only the two ends: the
-    result must be the bisection's to the last bit, also with equal shares, ties at 1, gangs
-    of many sizes and a root on a cap."""
+    """It walks the bisection by the root of the GPU use away from the root and by the real sum
+    near it, and checks the root's outermost decisions: the result must be the bisection's to
+    the last bit, also with equal shares, ties at 1, gangs of many sizes and a root on a cap."""
     from policies.gavel import spread_gpu_time
 
     rng = np.random.default_rng(7)
@@ -608,6 +608,23 @@ def test_spread_gpu_time_is_the_bisection_bit_for_bit():
     # review: one ulp below the bisection's when the drop moved hi onto 1 / least share).
     share, gpus = np.array([0.5019083405080652, 0.16620589396668428]), np.array([1.0, 3.0])
     assert np.array_equal(spread_gpu_time(share, gpus, 3.9999999999999996), _bisection_spread(share, gpus, 3.9999999999999996))
+
+
+@pytest.mark.parametrize("off", [0.97, 1.03, 1 + 1e-12, 1 - 1e-12])
+def test_spread_gpu_time_catches_a_root_that_sent_a_step_the_wrong_way(monkeypatch, off):
+    """A root off by more than the margin decides some midpoints wrongly; the check of the
+    outermost ones catches it and the bisection runs itself (same result, bit for bit)."""
+    from policies import gavel
+
+    real_root = gavel._gpu_use_root
+    monkeypatch.setattr(gavel, "_gpu_use_root", lambda *a: real_root(*a) * off)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(2, 400))
+        share = rng.random(n) ** 2
+        gpus = rng.choice([1.0, 2.0, 4.0, 8.0], n)
+        total = float(rng.integers(1, int(gpus.sum())))
+        assert np.array_equal(gavel.spread_gpu_time(share, gpus, total), _bisection_spread(share, gpus, total))
 
 
 def test_job_view_builds_the_same_view_as_the_constructor():

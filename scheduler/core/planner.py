@@ -163,8 +163,9 @@ class RoundPlanner:
             id_rank = np.empty(cand.size, dtype=np.int64)
             id_rank[np.array(sorted(range(cand.size), key=ids.__getitem__), dtype=np.int64)] = np.arange(cand.size)
             not_full = share[cand] < 1.0 - 1e-9
-            ledger.allocation, ledger.ranked = allocation, (share, cand, submit, ids, id_rank, not_full)
-        share, cand, submit, ids, id_rank, not_full = ledger.ranked
+            need = snapshot.columns.gpus[cand].tolist()
+            ledger.allocation, ledger.ranked = allocation, (share, cand, submit, ids, id_rank, not_full, need, min(need, default=0))
+        share, cand, submit, ids, id_rank, not_full, need, least = ledger.ranked
         if cand.size == 0:
             return ()
         got, seen = ledger.got, ledger.seen
@@ -173,13 +174,14 @@ class RoundPlanner:
             priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
         order = np.lexsort((id_rank, submit, -share[cand], -priority[cand], not_full))
         free = snapshot.capacity.gpus
-        gpus = snapshot.columns.gpus
         chosen: list[str] = []
         for k in order.tolist():
-            g = gpus[cand[k]]
+            g = need[k]
             if g <= free:
                 chosen.append(ids[k])
                 free -= g
+                if free < least:
+                    break  # no candidate fits any more
         return tuple(chosen)
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:

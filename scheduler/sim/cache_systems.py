@@ -224,11 +224,20 @@ class SimCacheSystem(ABC):
         """Chunks `job`'s misses may still add to what it sees cached (0 where unknown)."""
         return 0
 
+    # The engine asks these of every running job at every step: one call for all of them.
     def visible_and_room(self, jobs: Sequence[CacheReader]) -> tuple[np.ndarray, np.ndarray]:
         """visible_chunks and room of every job in `jobs`, as two float columns."""
         n = len(jobs)
         return (np.fromiter((self.visible_chunks(j) for j in jobs), dtype=float, count=n),
                 np.fromiter((self.room(j) for j in jobs), dtype=float, count=n))
+
+    def moves_under_all(self, jobs: Sequence[CacheReader]) -> np.ndarray:
+        """moves_under of every job in `jobs` (bool column)."""
+        return np.fromiter((self.moves_under(j) for j in jobs), dtype=bool, count=len(jobs))
+
+    def evicting_all(self, jobs: Sequence[CacheReader]) -> np.ndarray:
+        """evicting of every job in `jobs` (bool column)."""
+        return np.fromiter((self.evicting(j) for j in jobs), dtype=bool, count=len(jobs))
 
     def job_stopped(self, job: CacheReader) -> None:
         """`job` finished or was descheduled."""
@@ -617,6 +626,21 @@ class AlluxioLRUCache(SimCacheSystem):
     def evicting(self, job):
         return 0 < self.capacity and self.capacity - self.total_bytes < job.dataset.chunk_size
 
+    def visible_and_room(self, jobs):
+        n = len(jobs)
+        counts = self.counts
+        visible = np.fromiter((counts.get(j.dataset.name, 0) for j in jobs), dtype=float, count=n)
+        room = np.maximum(np.trunc((self.capacity - self.total_bytes) / _chunk_sizes(jobs) + 1e-9), 0.0)
+        return visible, room
+
+    def moves_under_all(self, jobs):
+        return np.ones(len(jobs), dtype=bool)  # volatile for every reader
+
+    def evicting_all(self, jobs):
+        if not 0 < self.capacity:
+            return np.zeros(len(jobs), dtype=bool)
+        return self.capacity - self.total_bytes < _chunk_sizes(jobs)
+
     def volatile_bytes(self):
         # One cache: every reader's misses are admitted into it. No cache: nothing moves (a
         # zero-byte turnover bound made 1-ms steps).
@@ -629,6 +653,10 @@ class AlluxioLRUCache(SimCacheSystem):
             return []  # below every dataset's chunk (the usual case: a full LRU), so below the readers'
         chunks = [self.datasets[n].chunk_size for n, group in self.readers.items() if group and n in self.datasets]
         return [(free, None)] if chunks and free >= min(chunks) else []
+
+
+def _chunk_sizes(jobs: Sequence[CacheReader]) -> np.ndarray:
+    return np.fromiter((j.dataset.chunk_size for j in jobs), dtype=float, count=len(jobs))
 
 
 def _domain_counts(domains: Sequence[CacheDomain | None]) -> tuple[np.ndarray, np.ndarray]:

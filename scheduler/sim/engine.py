@@ -377,7 +377,7 @@ class Simulator:
         if contended or (self._expanded and any(j.dataset.expansion != 1.0 for j in running)):
             tol = self.config.demand_tolerance
             n = len(running)
-            moves = np.fromiter((self.cache.moves_under(j) for j in running), dtype=bool, count=n)
+            moves = self.cache.moves_under_all(running)
             if moves.any():
                 # Per job: measured drift, dt <= tol / drift; unmeasured, dt <= tol x unread / link.
                 drift_t = np.fromiter((j.drift_t for j in running), dtype=float, count=n)
@@ -812,7 +812,7 @@ class Simulator:
         at_level = int(np.count_nonzero(~below))
         if not below.any() or not at_level:
             return caps, None
-        evicting = np.fromiter((self.cache.evicting(j) for j in running), dtype=bool, count=len(running))
+        evicting = self.cache.evicting_all(running)
         mask = below & evicting
         if not mask.any():
             return caps, None

@@ -41,15 +41,16 @@ def greedy_cache(
     reuse = np.asarray(can_reuse_new_cache([j.remaining_bytes for j in jobs], [datasets[j.dataset].size for j in jobs]), dtype=float)
     full = np.bincount(job_ds, weights=rate, minlength=len(names))
     fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
-    sizes = np.array([datasets[n].size for n in names], dtype=float)
-    filled = np.array([min(datasets[n].cached, datasets[n].size) if datasets[n].cached is not None else 0.0 for n in names])
-    known = np.array([datasets[n].cached is not None for n in names])
+    views = [datasets[n] for n in names]
+    sizes = np.array([d.size for d in views], dtype=float)
+    filled = np.array([0.0 if d.cached is None else min(d.cached, d.size) for d in views], dtype=float)
+    known = np.array([d.cached is not None for d in views], dtype=bool)
     fresh = np.where(known, fresh, full)  # unknown state: the paper's rule for every byte
     # Two knapsack items per dataset: its cached bytes at f*/d, the rest at the reuse-weighted rate.
     granted = fill_in_order(np.concatenate([filled, sizes - filled]), np.concatenate([full, fresh]) / np.concatenate([sizes, sizes]), capacity)
     per_dataset = granted[: len(names)] + granted[len(names) :]
     keep = (full > 0) | (per_dataset > 0)
-    return {n: float(v) for n, v, k in zip(names, per_dataset, keep, strict=True) if k}
+    return {n: v for n, v, k in zip(names, per_dataset.tolist(), keep.tolist(), strict=True) if k}
 
 
 def keep_for_waiting(

@@ -277,27 +277,40 @@ class Simulator:
         remaining: list[float] = []
         running: list[bool] = []
         gpus: list[int] = []
-        hits: list[float] = []
+        hits: list[float | None] = []
+        # Bound appends and the epoch case of SimJob.miss_ratio inlined: this loop runs over
+        # every active job at every decision (a third of a million times in a FIFO run).
+        add_view, add_id, add_name, add_ideal = views.append, ids.append, names.append, ideal.append
+        add_rem, add_running, add_gpus, add_hit = remaining.append, running.append, gpus.append, hits.append
+        volatile_for = cache.volatile_for
         all_regular = True
+        hit = None
         for j in active:
-            f = j.gpu_ideal if j.fstar is None else j.fstar.estimate
+            fstar = j.fstar
+            f = j.gpu_ideal if fstar is None else fstar.estimate
             rem = j.total_bytes - j.consumed
             if rem < 0.0:
                 rem = 0.0
-            hit = 1.0 - j.miss_ratio(cache) if measured else None  # SimJob.hit_ratio_now
+            if measured:  # SimJob.hit_ratio_now
+                left = j.dataset.n_chunks - j.looked
+                if j.pacing is None and left > 0:
+                    hit = 1.0 - min(max(1.0 - j.unread_expected(volatile_for(j)) / left, 0.0), 1.0)
+                else:
+                    hit = 1.0 - j.miss_ratio(cache)
+            is_running = j.running
             view = j.view
-            if view is None or view.remaining_bytes != rem or view.running != j.running or view.hit_ratio_now != hit or view.ideal_throughput != f:
+            if view is None or view.remaining_bytes != rem or view.running != is_running or view.hit_ratio_now != hit or view.ideal_throughput != f:
                 access = j.trace.access if told else _EPOCH
-                view = j.view = job_view(j.job_id, j.gpus, j.dataset.name, f, rem, j.trace.submit_time, j.running, 0, hit,
-                                         access, j.trace.pipeline)
-            views.append(view)
-            ids.append(view.job_id)
-            names.append(view.dataset)
-            ideal.append(f)
-            remaining.append(rem)
-            running.append(j.running)
-            gpus.append(view.gpus)
-            hits.append(hit)
+                view = j.view = job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0,
+                                         hit, access, j.trace.pipeline)
+            add_view(view)
+            add_id(view.job_id)
+            add_name(view.dataset)
+            add_ideal(f)
+            add_rem(rem)
+            add_running(is_running)
+            add_gpus(view.gpus)
+            add_hit(hit)
             if all_regular and told and not j.regular:
                 all_regular = False
         jobs = tuple(views)

@@ -166,3 +166,53 @@ def test_decision_interval_must_not_be_negative():
 
     with pytest.raises(UserError, match="decision interval"):
         SimConfig(decision_interval_s=-1.0)
+
+
+class TableCheckingSimulator(Simulator):
+    """Checks at every step that the job table's columns (scheduler/sim/job_table.py) are what
+    the running jobs hold now: the engine writes rows only when it thinks they changed."""
+
+    steps_checked = 0
+    cores_changed = 0
+
+    def _step_state(self, running, prev=None):
+        st = super()._step_state(running, prev)
+        if prev is None and running:
+            expect = np.array([(j.dataset.n_chunks, j.dataset.chunk_size, j.total_bytes, j.ideal, j.gpu_ideal,
+                                np.inf if j.trace.pipeline is None else j.cores * j.trace.pipeline.cpu_rate,
+                                j.pacing is not None, self.cache.volatile_for(j)) for j in running], dtype=float).T
+            got = np.array([st.k, st.chunk, st.total, st.ideal, st.gpu_ideal, st.cpu_bound, st.curriculum, st.scalar], dtype=float)
+            expect[7] = np.logical_or(expect[6], expect[7])  # scalar: curriculum or a volatile cache
+            assert np.array_equal(got, expect), "the job table's rows are stale"
+            assert st.ids == [j.job_id for j in running]
+            assert [int(s) for s in st.slots] == [j.slot for j in running]
+            self.steps_checked += 1
+        return st
+
+
+@pytest.mark.parametrize("policy,system", [("gavel", "silod"), ("fifo", "coordl"), ("sjf", "alluxio")])
+def test_the_job_table_follows_cores_time_sharing_and_reused_slots(policy, system, monkeypatch):
+    """CPU modelled (cores change from plan to plan), Gavel's time sharing (the running set
+    changes every round) and jobs finishing and arriving (slots freed and reused)."""
+    from estimator.pipeline import InputPipeline
+    from scheduler.sim.job_table import JobTable
+
+    base = generate_trace(40, mean_interarrival_s=900.0, seed=5)
+    jobs = tuple(replace(j, pipeline=InputPipeline(cpu_rate=j.ideal_throughput / (1 + i % 4))) if i % 3 else j
+                 for i, j in enumerate(base.jobs))
+    trace = Trace(jobs, base.dataset_sizes)
+    cap = ClusterCapacity(gpus=8, cache=trace_cache(trace), remote_io=1 * GB, gpus_per_node=4, cpus_per_node=3)
+    sim = TableCheckingSimulator(trace, cap, get_policy(policy), estimator_for(system), system, SimConfig())
+    seen_cores: dict[str, set] = {}
+    original = JobTable.set_cores
+
+    def counting(table, job, cores):
+        seen_cores.setdefault(job.job_id, set()).add(cores)
+        return original(table, job, cores)
+
+    monkeypatch.setattr(JobTable, "set_cores", counting)
+    result = sim.run()
+    assert not result.unfinished
+    assert sim.steps_checked > 50
+    assert sum(len(c) > 1 for c in seen_cores.values()) >= 3, "cores never changed: the test would not see a stale row"
+    assert sim._table._next < len(trace.jobs), "no slot was reused"

@@ -34,6 +34,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+import math
+
 import numpy as np
 
 from estimator.errors import UserError
@@ -41,6 +43,8 @@ from scheduler.sim.types import CacheReader
 from scheduler.sim.types import SimDataset
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
+_NO_CHUNKS = np.zeros(0, dtype=np.int64)
+_NO_CHUNKS.flags.writeable = False
 #: Chunks per dataset the LRU's integer keys leave room for (AlluxioLRUCache.order); the
 #: engine's MAX_RESOLUTION keeps every dataset far below it.
 KEY_STRIDE = 1 << 32
@@ -60,8 +64,11 @@ class CacheDomain:
         self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
 
     def _limit(self, nbytes: float) -> None:
-        # A partial chunk cannot be cached: round down (resolution controls this error).
-        self.limit_chunks = int(min(self.dataset.n_chunks, np.floor(nbytes / self.dataset.cached_chunk_bytes + 1e-9)))
+        # A partial chunk cannot be cached: round down (resolution controls this error). On
+        # Python floats: a CoorDL job sets a new domain's limit at every Gavel round it resumes.
+        q = nbytes / self.dataset.cached_chunk_bytes + 1e-9
+        n = self.dataset.n_chunks
+        self.limit_chunks = n if not q < n else math.floor(q)
 
     def take_over(self, other: CacheDomain) -> None:
         """Keep what `other` held (a dataset switching between uniform and LRU caching)."""
@@ -86,7 +93,7 @@ class UniformDomain(CacheDomain):
         self._limit(nbytes)
         excess = self.count - self.limit_chunks
         if excess <= 0:
-            return np.zeros(0, dtype=np.int64)
+            return _NO_CHUNKS
         victims = rng.choice(np.flatnonzero(self.cached), size=excess, replace=False)
         self.cached[victims] = False
         self.count -= excess
@@ -181,6 +188,13 @@ class SimCacheSystem(ABC):
         read them yet in their epoch see a different rest-of-epoch hit ratio."""
         if chunks.size == 0:
             return
+        if chunks.size == 1:  # the common case (_access_uniform), on scalars
+            c = int(chunks[0])
+            for job in self.readers.get(key, ()):
+                if not job.read_mask[c]:
+                    job.unread_cached += delta
+                    job.moved += 1
+            return
         for job in self.readers.get(key, ()):
             moved = int(np.count_nonzero(~job.read_mask[chunks]))
             job.unread_cached += delta * moved
@@ -272,6 +286,21 @@ class SimCacheSystem(ABC):
 def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndarray) -> tuple[int, np.ndarray]:
     """Look `chunks` up in a uniform domain (mark them read, count the hits) and admit the
     misses while it has room; returns (hits, chunks admitted)."""
+    if chunks.size == 1:
+        # One chunk (55-87% of the look-ups in a Fig. 12 run): the same steps on scalars, without
+        # numpy's per-call cost of fancy indexing (3 us -> under 1).
+        c = int(chunks[0])
+        job.read_mask[c] = True
+        if dom is None:
+            return 0, chunks[:0]
+        if dom.cached[c]:
+            job.unread_cached -= 1
+            return 1, chunks[:0]
+        if dom.count < dom.limit_chunks:
+            dom.cached[c] = True
+            dom.count += 1
+            return 0, chunks
+        return 0, chunks[:0]
     if dom is None:
         job.read_mask[chunks] = True
         return 0, chunks[:0]

@@ -50,7 +50,7 @@ _NO_CHUNKS.flags.writeable = False
 KEY_STRIDE = 1 << 32
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CacheDomain:
     """One dataset's cached chunks within a limit (an allocation); subclasses say what to
     admit and what to evict."""
@@ -84,7 +84,7 @@ class CacheDomain:
         return self.count * self.dataset.cached_chunk_bytes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class UniformDomain(CacheDomain):
     """A uniform cache over one dataset's chunks with a limit (SiloD §2.2)."""
 
@@ -113,7 +113,7 @@ class UniformDomain(CacheDomain):
         return fresh
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LruDomain(CacheDomain):
     """An LRU cache over one dataset's chunks with a limit (the irregular partition's datasets,
     as the mount's `--cache-mode lru` keeps them)."""
@@ -121,7 +121,7 @@ class LruDomain(CacheDomain):
     order: OrderedDict = field(default_factory=OrderedDict)  # chunk -> None, least recent first
 
     def take_over(self, other: CacheDomain) -> None:
-        super().take_over(other)
+        CacheDomain.take_over(self, other)  # slots dataclass: zero-argument super() does not work
         for c in np.flatnonzero(other.cached).tolist():  # recency unknown: chunk order
             self.order[c] = None
 

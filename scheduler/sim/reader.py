@@ -45,7 +45,7 @@ from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimJob:
     trace: TraceJob
     dataset: SimDataset

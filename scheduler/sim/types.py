@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimDataset:
     name: str
     size: float

@@ -306,27 +306,35 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
         return target
     miss = job_miss_ratio(p, sol.cache) if p.manages_storage else np.zeros(p.n)
     per_core = p.cpu_per_throughput()
+    cpu = bool(per_core.any())  # without CPU stages its sums are exactly 0 (targets are finite)
     tol = 1e-9
     frozen = ref <= 0
+    # What does not change between levels, per job; each level's sums take the growing jobs'
+    # entries of these, the same numbers in the same order as computing them on the subset.
+    top = f * (1 - tol)
+    gpu_per_ref = g * ref / f
+    io_per_ref = ref * miss
+    cpu_per_ref = ref * per_core
+    misses, cpu_bound = miss > 0, per_core > 0
     for _ in range(p.n + 2):
         gpu_left = p.total_gpus - float(np.sum(g * target / f))
         io_left = p.total_io - float(np.sum(target * miss)) if p.manages_storage else np.inf
-        cpu_left = p.total_cpus - float(np.sum(target * per_core))
-        frozen |= target >= f * (1 - tol)
+        cpu_left = p.total_cpus - (float(np.sum(target * per_core)) if cpu else 0.0)
+        frozen |= target >= top
         if gpu_left <= tol * p.total_gpus:
             break
         if io_left <= tol * max(p.total_io, 1.0):
-            frozen |= miss > 0
+            frozen |= misses
         if cpu_left <= tol * max(p.total_cpus, 1.0):
-            frozen |= per_core > 0
+            frozen |= cpu_bound
         grow = ~frozen
         if not grow.any():
             break
-        bounds = [float(np.min((f[grow] - target[grow]) / ref[grow])), gpu_left / float(np.sum(g[grow] * ref[grow] / f[grow]))]
-        io_rate = float(np.sum(ref[grow] * miss[grow]))
+        bounds = [float(np.min((f[grow] - target[grow]) / ref[grow])), gpu_left / float(np.sum(gpu_per_ref[grow]))]
+        io_rate = float(np.sum(io_per_ref[grow]))
         if io_rate > 0:
             bounds.append(io_left / io_rate)
-        cpu_rate = float(np.sum(ref[grow] * per_core[grow]))
+        cpu_rate = float(np.sum(cpu_per_ref[grow])) if cpu else 0.0
         if cpu_rate > 0 and np.isfinite(cpu_left):
             bounds.append(cpu_left / cpu_rate)
         step = max(min(bounds), 0.0)

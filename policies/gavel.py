@@ -264,10 +264,10 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
         return GavelSolution(0.0, np.zeros(p.n), np.zeros(p.n), np.zeros(n_ds), ref)
     f = p.gpu_ideal
     bounds = [
-        float(np.min(f[counted] / ref[counted])),
-        p.total_gpus / float(np.sum(p.gpus * ref / f)),
+        float((f[counted] / ref[counted]).min()),
+        p.total_gpus / float((p.gpus * ref / f).sum()),
     ]
-    cpu_per_t = float(np.sum(ref * p.cpu_per_throughput()))
+    cpu_per_t = float((ref * p.cpu_per_throughput()).sum())
     if np.isfinite(p.total_cpus) and cpu_per_t > 0:
         bounds.append(p.total_cpus / cpu_per_t)
     cache = np.zeros(n_ds)
@@ -278,7 +278,7 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
         # The cache decision does not depend on t; the IO needed now counts a dataset's cache only
         # as far as it is filled, which keeps it linear in t.
         miss = job_miss_ratio(p, cache)
-        io_per_unit_t = float(np.sum(ref * miss))
+        io_per_unit_t = float((ref * miss).sum())
         if io_per_unit_t > 1e-12 * float(ref.sum()):
             bounds.append(p.total_io / io_per_unit_t)
     t = min(bounds)
@@ -317,9 +317,10 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
     cpu_per_ref = ref * per_core
     misses, cpu_bound = miss > 0, per_core > 0
     for _ in range(p.n + 2):
-        gpu_left = p.total_gpus - float(np.sum(g * target / f))
-        io_left = p.total_io - float(np.sum(target * miss)) if p.manages_storage else np.inf
-        cpu_left = p.total_cpus - (float(np.sum(target * per_core)) if cpu else 0.0)
+        # ndarray.sum/min: the same reductions as np.sum/np.min without their Python wrappers.
+        gpu_left = p.total_gpus - float((g * target / f).sum())
+        io_left = p.total_io - float((target * miss).sum()) if p.manages_storage else np.inf
+        cpu_left = p.total_cpus - (float((target * per_core).sum()) if cpu else 0.0)
         frozen |= target >= top
         if gpu_left <= tol * p.total_gpus:
             break
@@ -330,11 +331,11 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
         grow = ~frozen
         if not grow.any():
             break
-        bounds = [float(np.min((f[grow] - target[grow]) / ref[grow])), gpu_left / float(np.sum(gpu_per_ref[grow]))]
-        io_rate = float(np.sum(io_per_ref[grow]))
+        bounds = [float(((f[grow] - target[grow]) / ref[grow]).min()), gpu_left / float(gpu_per_ref[grow].sum())]
+        io_rate = float(io_per_ref[grow].sum())
         if io_rate > 0:
             bounds.append(io_left / io_rate)
-        cpu_rate = float(np.sum(cpu_per_ref[grow])) if cpu else 0.0
+        cpu_rate = float(cpu_per_ref[grow].sum()) if cpu else 0.0
         if cpu_rate > 0 and np.isfinite(cpu_left):
             bounds.append(cpu_left / cpu_rate)
         step = max(min(bounds), 0.0)
@@ -384,7 +385,7 @@ def _common_factor(share: np.ndarray, gpus: np.ndarray, total_gpus: float, activ
     at 516 jobs)."""
 
     def fits(c: float) -> bool:
-        return float(np.sum(gpus * np.minimum(share * c, 1.0))) <= total_gpus
+        return float((gpus * np.minimum(share * c, 1.0)).sum()) <= total_gpus
 
     lo, hi = 1.0, 1.0 / float(share[active].min())
     top = hi

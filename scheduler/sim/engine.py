@@ -350,7 +350,7 @@ class Simulator:
         for job, r in zip(active, ref.tolist(), strict=True):
             job.reference = r
 
-    def _step_limit(self, running: list[SimJob], st: StepState, caps: dict[str, float], m: np.ndarray, last_dt: float | None) -> float:
+    def _step_limit(self, running: list[SimJob], st: StepState, caps_arr: np.ndarray, m: np.ndarray, last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)
         may be taken as fixed: the link is re-divided between steps, so a job whose m rises
         within a step (its unread chunks evicted by an LRU, or admitted by a co-reader of a
@@ -408,7 +408,7 @@ class Simulator:
             free = self.cache.free_before_eviction()
             volatile = self.cache.volatile_bytes()
             if any(readers is not None for _, readers in (*free, *volatile)):
-                admits = self._admission_rates(running, caps, m, link)
+                admits = self._admission_rates(running, caps_arr, m, link)
             else:
                 admits = {}  # one cache every reader shares (Alluxio): the link bounds it
             for nbytes, readers in free:
@@ -427,25 +427,26 @@ class Simulator:
                 # then its demand jumps and the link is re-divided.
                 limit = min(limit, job.bytes_to_growth() / float(st.ideal[i]))
                 continue
-            if caps.get(job.job_id, 0.0) > 0 and self.cache.room(job) > 0:
+            cap = float(caps_arr[i])
+            if cap > 0 and self.cache.room(job) > 0:
                 eligible = job.eligible_chunks() * job.dataset.chunk_size
-                limit = min(limit, eligible / (VOLATILE_STEPS * caps[job.job_id]))
+                limit = min(limit, eligible / (VOLATILE_STEPS * cap))
                 if contended:
                     # Its fetch rate min(cap, f* m) falls by f* x (its fetch / eligible bytes)
                     # per second as its misses are admitted: the link it frees is re-divided
                     # once that is tolerance x link.
-                    fetch = min(caps[job.job_id], float(st.ideal[i]) * float(m[i]))
+                    fetch = min(cap, float(st.ideal[i]) * float(m[i]))
                     if fetch > 0:
                         limit = min(limit, self.config.demand_tolerance * link * eligible / (float(st.ideal[i]) * fetch))
         return max(limit, 1e-3)
 
     @staticmethod
-    def _admission_rates(running: list[SimJob], caps: dict[str, float], m: np.ndarray, link: float) -> dict[str, float]:
+    def _admission_rates(running: list[SimJob], caps_arr: np.ndarray, m: np.ndarray, link: float) -> dict[str, float]:
         """Job id -> the most a running job's misses can bring into a cache per second: its IO
         cap. A curriculum job whose eligible items are all cached misses nothing until its set
         grows, which ends the step (_step_limit)."""
-        return {j.job_id: 0.0 if j.pacing is not None and mi <= 0.0 else min(caps.get(j.job_id, 0.0), link)
-                for j, mi in zip(running, m.tolist(), strict=True)}
+        return {j.job_id: 0.0 if j.pacing is not None and mi <= 0.0 else min(cap, link)
+                for j, mi, cap in zip(running, m.tolist(), caps_arr.tolist(), strict=True)}
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> SimResult:
@@ -591,19 +592,18 @@ class Simulator:
             caps_arr, contended, claimers = self._io_caps(plan, running, st, m, ideal_m)
             managed = plan.remote_io is not None and cfg.manage_io
             step_end = min(step_end, now + self._seconds_to_event(running, st, caps_arr, m, contended, ideal_m))
-            caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
             for i in pre:
                 # Autocaching: a preprocessed reader's CPU cost per byte changes at its epoch
                 # boundaries, so they end a step even on a link that could serve everyone.
                 step_end = min(step_end, now + running[i].seconds_to_event(float(caps_arr[i]), self.cache, True, float(m[i])))
-            step_end = min(step_end, now + self._step_limit(running, st, caps, m, last_dt))
+            step_end = min(step_end, now + self._step_limit(running, st, caps_arr, m, last_dt))
             dt = max(step_end - now, 1e-6)
             cpu_now = st.cpu_bound
             if pre:
                 cpu_now = cpu_now.copy()
                 for i in pre:
                     cpu_now[i] = cpu_bound_at(running[i], float(m[i]))
-            bounds = bound_labels(st.gpu_ideal, cpu_now, caps_arr, np.clip(m, 0.0, 1.0)) if running else []
+            bounds = bound_labels(st.gpu_ideal, cpu_now, caps_arr, m.clip(0.0, 1.0)) if running else []
             k_arr = st.k
             unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR).tolist()
             for job in running:
@@ -618,7 +618,7 @@ class Simulator:
                 results = self._advance_vector(running, st, m, caps_arr, now, dt, pre)
             if watch:
                 m_after = self._miss_vector(running, self._step_state(running, st))
-                if np.any(np.abs(m_after - m) > DEMAND_CHANGE):
+                if (np.abs(m_after - m) > DEMAND_CHANGE).any():
                     # A job's demand on a contended link changed: the policy re-divides the link
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True

@@ -738,16 +738,20 @@ class Simulator:
         first = np.flatnonzero(claimers.mask)
         rest = np.flatnonzero(~claimers.mask)
         before = [running[i].remote_bytes for i in first.tolist()]
-        out = interleave(first, caps_arr[first])
-        used = sum(job.remote_bytes - b for (job, _), b in zip(out, before, strict=True)) / dt
+        out_first = interleave(first, caps_arr[first])
+        used = sum(job.remote_bytes - b for (job, _), b in zip(out_first, before, strict=True)) / dt
         caps_rest = caps_arr[rest].copy()
         at_level = claimers.at_level[rest]
         if at_level.any():
             below = float(caps_rest[~at_level].sum())
             caps_rest[at_level] = max_min_share(claimers.demands[rest][at_level], max(self.capacity.remote_io - used - below, 0.0))
-        out += interleave(rest, caps_rest)
-        by_id = {job.job_id: res for job, res in out}
-        return [(job, by_id[job.job_id]) for job in running]
+        out_rest = interleave(rest, caps_rest)
+        out = [None] * len(running)  # back in the order of `running`
+        for p, pair in zip(first.tolist(), out_first):
+            out[p] = pair
+        for p, pair in zip(rest.tolist(), out_rest):
+            out[p] = pair
+        return out
 
     def _interleave(self, running: list[SimJob], st: StepState, m0: np.ndarray, caps_arr: np.ndarray, now: float, dt: float,
                     pre: list[int] = ()):
@@ -760,27 +764,26 @@ class Simulator:
         step, and those are done at once on the columns (`_advance_vector` with
         `first_substep`, exactly what `advance(substeps=1)` does). Only the jobs with step
         left go on through the clock, earliest first."""
-        caps = dict(zip(st.ids, caps_arr.tolist(), strict=True))
+        caps = caps_arr.tolist()
         if len(running) < 2:
-            return [(job, advance(job, now, dt, caps[job.job_id], self.cache)) for job in running]
+            return [(job, advance(job, now, dt, cap, self.cache)) for job, cap in zip(running, caps)]
         first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True)
-        results = {job.job_id: res for job, res in first}
-        clock = [(res.elapsed, i) for i, (job, res) in enumerate(first)
-                 if res.finished_at is None and dt - res.elapsed > 1e-9 * max(dt, 1.0) and res.elapsed > 0]
+        tol = 1e-9 * max(dt, 1.0)
+        clock = [(res.elapsed, i) for i, (_, res) in enumerate(first)
+                 if res.finished_at is None and dt - res.elapsed > tol and res.elapsed > 0]
         heapq.heapify(clock)
         while clock:
             t, i = heapq.heappop(clock)
-            job = running[i]
-            part = advance(job, now + t, dt - t, caps[job.job_id], self.cache, substeps=1)
-            total = results[job.job_id]
+            job, total = first[i]
+            part = advance(job, now + t, dt - t, caps[i], self.cache, substeps=1)
             total.bytes_read += part.bytes_read
             total.remote_bytes += part.remote_bytes
             t += max(part.elapsed, 0.0)
             if part.finished_at is not None:
                 total.finished_at = part.finished_at
-            elif dt - t > 1e-9 * max(dt, 1.0) and part.elapsed > 0:
+            elif dt - t > tol and part.elapsed > 0:
                 heapq.heappush(clock, (t, i))
-        return [(job, results[job.job_id]) for job in running]
+        return first  # its results, with the later sub-steps added
 
     def _io_caps(self, plan, running: list[SimJob], st, m: np.ndarray, ideal_m: np.ndarray) -> tuple[np.ndarray, bool, Claimers | None]:
         """Remote IO per running job for this step (same order), whether the link is contended,

@@ -579,6 +579,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self.order: OrderedDict[int, float] = OrderedDict()
         self.base: dict[str, int] = {}
         self.by_base: list[str] = []  # base // KEY_STRIDE -> dataset name
+        self.cached_by_base: list[np.ndarray] = []  # base // KEY_STRIDE -> its `cached` array
         self.total_bytes = 0.0
         self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
@@ -590,6 +591,7 @@ class AlluxioLRUCache(SimCacheSystem):
             self.datasets[dataset.name] = dataset
             self.base[dataset.name] = len(self.by_base) * KEY_STRIDE
             self.by_base.append(dataset.name)
+            self.cached_by_base.append(arr)
             self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         return arr
 
@@ -613,6 +615,12 @@ class AlluxioLRUCache(SimCacheSystem):
         read = job.read_mask
         admit = size <= self.capacity
         others = None  # the dataset's other readers, gathered at the first admission
+        # The running totals in locals, written back at the end (the same additions in the same
+        # order): this loop runs for every chunk every job reads.
+        total = self.total_bytes
+        evicted = self.evicted_bytes
+        full = self.capacity * (1 + 1e-12)
+        counts, readers, by_base, cached_by_base = self.counts, self.readers, self.by_base, self.cached_by_base
         for c in chunks.tolist():
             read[c] = True
             if cached[c]:
@@ -623,27 +631,29 @@ class AlluxioLRUCache(SimCacheSystem):
             if not admit:
                 continue
             if others is None:
-                others = [o for o in self.readers.get(name, ()) if o is not job]
+                others = [o for o in readers.get(name, ()) if o is not job]
             cached[c] = True
-            self.counts[name] += 1
+            counts[name] += 1
             order[base + c] = size
-            self.total_bytes += size
+            total += size
             for other in others:
                 if not other.read_mask[c]:
                     other.unread_cached += 1
                     other.moved += 1
-            while self.total_bytes > self.capacity * (1 + 1e-12):
+            while total > full:
                 key, vsize = order.popitem(last=False)
                 ds_index, victim = divmod(key, KEY_STRIDE)
-                victim_ds = self.by_base[ds_index]
-                self.cached[victim_ds][victim] = False
-                self.counts[victim_ds] -= 1
-                self.total_bytes -= vsize
-                self.evicted_bytes += vsize
-                for reader in self.readers.get(victim_ds, ()):
+                cached_by_base[ds_index][victim] = False
+                victim_ds = by_base[ds_index]
+                counts[victim_ds] -= 1
+                total -= vsize
+                evicted += vsize
+                for reader in readers.get(victim_ds, ()):
                     if not reader.read_mask[victim]:
                         reader.unread_cached -= 1
                         reader.moved += 1
+        self.total_bytes = total
+        self.evicted_bytes = evicted
         return hits
 
     def cached_bytes(self):

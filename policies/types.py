@@ -212,7 +212,8 @@ class Snapshot:
     def __post_init__(self) -> None:
         if not isinstance(self.datasets, MappingProxyType):
             object.__setattr__(self, "datasets", MappingProxyType(dict(self.datasets)))
-        missing = {j.dataset for j in self.jobs} - set(self.datasets)
+        cols = self.job_columns()
+        missing = (set(cols.datasets) if cols is not None else {j.dataset for j in self.jobs}) - self.datasets.keys()
         if missing:
             raise UserError(f"jobs read unknown dataset(s) {sorted(missing)}; register them first")
 

@@ -308,7 +308,8 @@ class SchedulingCore:
         # whose decoded copy takes cache from other jobs must pay for it.
         # (A dataset a reader without the same autocache point now reads goes back to source.)
         eligible = eligible_expansions(snapshot)
-        read = {j.dataset for j in snapshot.jobs}
+        cols = snapshot.job_columns()
+        read = set(cols.datasets) if cols is not None else {j.dataset for j in snapshot.jobs}
         modes = {n: e for n, e in self.autocache.items() if n in snapshot.datasets and (eligible.get(n) == e or n not in read)}
         allocation = self._allocate(snapshot, modes)
         chosen = plan_autocache(snapshot, allocation, modes)

@@ -17,3 +17,14 @@ def test_bench_api_fairness_refuses_bad_seconds(value):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--seconds" in out.stderr
+
+
+@pytest.mark.parametrize("args, flag", [(["--base", "no-such-revision"], "--base"),
+                                        (["--base", "HEAD", "--cells", "fifo/lru"], "--cells"),
+                                        (["--base", "HEAD", "--cells", "fifo"], "--cells")])
+def test_bench_sim_ab_refuses_a_bad_revision_or_cell(args, flag):
+    """Refused before any worktree is made or engine runs."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sim_ab.py"), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert flag in out.stderr

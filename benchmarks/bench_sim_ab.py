@@ -70,13 +70,20 @@ def result(proc: subprocess.Popen, which: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def out_file(text: str) -> Path:
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"--out {text!r}: directory {str(path.parent)!r} does not exist; create it first")
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, type=resolve, help="revision to compare against (e.g. main~3)")
     ap.add_argument("--cells", type=parse_cells, default=[(p, c) for p in POLICIES for c in CACHE_SYSTEMS],
                     help="comma-separated POLICY/CACHE cells (default: all 12)")
     ap.add_argument("--require-identical", action="store_true", help="exit 1 if any cell's summary differs")
-    ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    ap.add_argument("--out", type=out_file, help="write the figures as JSON")
     args = ap.parse_args()
 
     rows = []

@@ -21,7 +21,8 @@ def test_bench_api_fairness_refuses_bad_seconds(value):
 
 @pytest.mark.parametrize("args, flag", [(["--base", "no-such-revision"], "--base"),
                                         (["--base", "HEAD", "--cells", "fifo/lru"], "--cells"),
-                                        (["--base", "HEAD", "--cells", "fifo"], "--cells")])
+                                        (["--base", "HEAD", "--cells", "fifo"], "--cells"),
+                                        (["--base", "HEAD", "--out", "/no/such/dir/ab.json"], "--out")])
 def test_bench_sim_ab_refuses_a_bad_revision_or_cell(args, flag):
     """Refused before any worktree is made or engine runs."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sim_ab.py"), *args],

@@ -278,11 +278,9 @@ class Simulator:
         running: list[bool] = []
         gpus: list[int] = []
         hits: list[float | None] = []
-        # Bound appends and the epoch case of SimJob.miss_ratio inlined: this loop runs over
-        # every active job at every decision (a third of a million times in a FIFO run).
+        # Bound appends: this loop runs over every active job at every decision.
         add_view, add_id, add_name, add_ideal = views.append, ids.append, names.append, ideal.append
         add_rem, add_running, add_gpus, add_hit = remaining.append, running.append, gpus.append, hits.append
-        volatile_for = cache.volatile_for
         all_regular = True
         hit = None
         for j in active:
@@ -291,12 +289,8 @@ class Simulator:
             rem = j.total_bytes - j.consumed
             if rem < 0.0:
                 rem = 0.0
-            if measured:  # SimJob.hit_ratio_now
-                left = j.dataset.n_chunks - j.looked
-                if j.pacing is None and left > 0:
-                    hit = 1.0 - min(max(1.0 - j.unread_expected(volatile_for(j)) / left, 0.0), 1.0)
-                else:
-                    hit = 1.0 - j.miss_ratio(cache)
+            if measured:
+                hit = 1.0 - j.miss_ratio(cache)  # SimJob.hit_ratio_now
             is_running = j.running
             view = j.view
             if view is None or view.remaining_bytes != rem or view.running != is_running or view.hit_ratio_now != hit or view.ideal_throughput != f:

@@ -271,9 +271,11 @@ def test_the_column_advance_is_exactly_the_per_job_advance(system, policy, monke
     sizes = {"d1": 60 * GB, "d2": 40 * GB, "d3": 30 * GB}
     columns = run(jobs, sizes, gpus=3, cache=70 * GB, io=60 * MB, system=system, policy=policy, resolution=128)
 
-    def per_job(self, running, st, m0, caps_arr, now, dt, pre=(), first_substep=False):
-        caps = caps_arr.tolist()
-        return [(job, advance(job, now, dt, caps[i], self.cache, 1 if first_substep else None)) for i, job in enumerate(running)]
+    def per_job(self, running, st, m0, caps_arr, now, dt, pre=(), first_substep=False, fresh=True):
+        out = engine.Outcome.empty(len(running), dt)
+        for i, (job, cap) in enumerate(zip(running, caps_arr.tolist())):
+            out.put(i, advance(job, now, dt, cap, self.cache, 1 if first_substep else None))
+        return out
 
     monkeypatch.setattr(engine.Simulator, "_advance_vector", per_job)
     scalar = run(jobs, sizes, gpus=3, cache=70 * GB, io=60 * MB, system=system, policy=policy, resolution=128)

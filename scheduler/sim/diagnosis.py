@@ -10,7 +10,7 @@ jobs per resource at each timeline sample (timeline.csv: bound_*).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -34,6 +34,11 @@ def cpu_bound_at(job: SimJob, miss: float) -> float:
 def bound_labels(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray) -> list[str]:
     """gpu | cpu | cache | remote_io from f*, the CPU bound, the IO cap and the miss ratio (source
     caching; see estimator.pipeline.diagnose for the rule)."""
+    return [RESOURCES[i] for i in bound_indices(f, cpu, b, miss).tolist()]
+
+
+def bound_indices(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray) -> np.ndarray:
+    """bound_labels as positions in RESOURCES (int column)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         io = np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss))
         now = np.minimum(np.minimum(f, cpu), io)
@@ -43,9 +48,9 @@ def bound_labels(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray
         new_miss = np.maximum(1.0 - 1.1 * (1.0 - miss), 0.0)
         cache_more = np.minimum(top, np.where(new_miss <= 0.0, np.inf, b / np.where(new_miss <= 0.0, 1.0, new_miss)))
     tol = 1e-9
-    labels = np.where(now >= f * (1 - tol), "gpu",
-                      np.where(now >= cpu * (1 - tol), "cpu", np.where(cache_more > io_more * (1 + tol), "cache", "remote_io")))
-    return labels.tolist()
+    gpu, cpu_, cache, remote_io = range(len(RESOURCES))
+    return np.where(now >= f * (1 - tol), gpu,
+                    np.where(now >= cpu * (1 - tol), cpu_, np.where(cache_more > io_more * (1 + tol), cache, remote_io)))
 
 
 def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, miss: float) -> FStarEstimate:
@@ -57,13 +62,9 @@ def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, m
     return observe(job.fstar, observed, seconds, io_bound, cpu_bound)
 
 
-def record_bounds(running: Sequence[SimJob], bounds: Sequence[str], dt: float) -> None:
-    for job, bound in zip(running, bounds, strict=True):
-        job.bound_s[bound] = job.bound_s.get(bound, 0.0) + dt
-
-
-def counts(bounds: Sequence[str]) -> dict[str, int]:
-    return {r: sum(1 for b in bounds if b == r) for r in RESOURCES}
+def counts(bounds: np.ndarray) -> dict[str, int]:
+    """Jobs per resource, from bound_indices."""
+    return dict(zip(RESOURCES, np.bincount(bounds, minlength=len(RESOURCES)).tolist()))
 
 
 def main_bottleneck(bound_s: Mapping[str, float]) -> str:
@@ -71,4 +72,4 @@ def main_bottleneck(bound_s: Mapping[str, float]) -> str:
     return max(RESOURCES, key=lambda r: bound_s.get(r, 0.0)) if any(v > 0 for v in bound_s.values()) else ""
 
 
-__all__ = ["bound_labels", "counts", "cpu_bound_at", "main_bottleneck", "record_bounds"]
+__all__ = ["bound_indices", "bound_labels", "counts", "cpu_bound_at", "main_bottleneck"]

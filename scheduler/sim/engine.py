@@ -31,10 +31,11 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.diagnosis import bound_labels, counts, cpu_bound_at, observe_fstar
-from scheduler.sim.job_table import JobTable
+from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
+from scheduler.sim.job_table import TOTAL, JobTable
 from scheduler.sim.types import SimDataset
-from scheduler.sim.reader import DEMAND_CHANGE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
+from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, HIT, POS, REMOTE,
+                                  TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
 from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -181,6 +182,9 @@ class StepState:
     ideal: np.ndarray  # bytes/s without IO limits (f* and cores)
     gpu_ideal: np.ndarray  # f* (bytes/s)
     cpu_bound: np.ndarray  # cores x cpu_rate (inf: not CPU-bound)
+    gpus: np.ndarray  # int
+    irregular: np.ndarray  # bool: not read as `epoch` (SimJob.regular)
+    fstar: np.ndarray  # bool: corrects a declared f* (SimJob.fstar)
     curriculum: np.ndarray  # bool
     scalar: np.ndarray  # bool: advanced by the per-job `advance` (curriculum, volatile cache)
     looked: np.ndarray
@@ -188,6 +192,10 @@ class StepState:
     unread_real: np.ndarray  # cached unread chunks (SimJob.unread_cached)
     consumed: np.ndarray
     pos: np.ndarray
+
+    def static(self) -> tuple:
+        """The fields up to `scalar` (what JobTable.columns gives)."""
+        return tuple(getattr(self, f) for f in self.__slots__[:self.__slots__.index("scalar") + 1])
 
     def take(self, idx: np.ndarray) -> StepState:
         """The columns of the jobs at positions `idx`, in that order."""
@@ -201,6 +209,24 @@ class Claimers:
     mask: np.ndarray  # bool per running job: a claimer
     at_level: np.ndarray  # bool per running job: at the max-min water level
     demands: np.ndarray  # bytes/s per running job at the step's start (f* x m)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a step did for each running job (same order), as columns."""
+
+    read: np.ndarray  # bytes read
+    remote: np.ndarray  # bytes fetched from remote storage (the link's traffic)
+    finished_at: np.ndarray  # when the job finished (nan: it did not)
+    elapsed: np.ndarray  # seconds of the step used (less than dt only for a first sub-step)
+
+    @staticmethod
+    def empty(n: int, dt: float) -> Outcome:
+        return Outcome(np.zeros(n), np.zeros(n), np.full(n, np.nan), np.full(n, dt))
+
+    def put(self, i: int, res: StepResult) -> None:
+        self.read[i], self.remote[i], self.elapsed[i] = res.bytes_read, res.remote_bytes, res.elapsed
+        self.finished_at[i] = np.nan if res.finished_at is None else res.finished_at
 
 
 class Simulator:
@@ -283,12 +309,12 @@ class Simulator:
         add_rem, add_running, add_gpus, add_hit = remaining.append, running.append, gpus.append, hits.append
         all_regular = True
         hit = None
-        for j in active:
+        # What is left to read, from the job table's columns (SimJob.consumed reads one cell).
+        slots = np.fromiter((j.slot for j in active), dtype=np.int64, count=len(active))
+        left = np.maximum(self._table.rows[slots, TOTAL] - self._table.state[slots, CONSUMED], 0.0).tolist()
+        for j, rem in zip(active, left):
             fstar = j.fstar
             f = j.gpu_ideal if fstar is None else fstar.estimate
-            rem = j.total_bytes - j.consumed
-            if rem < 0.0:
-                rem = 0.0
             if measured:
                 hit = 1.0 - j.miss_ratio(cache)  # SimJob.hit_ratio_now
             is_running = j.running
@@ -383,12 +409,11 @@ class Simulator:
         contended = sum(st.ideal.tolist()) > link
         if contended or (self._expanded and any(j.dataset.expansion != 1.0 for j in running)):
             tol = self.config.demand_tolerance
-            n = len(running)
             moves = self.cache.moves_under_all(running)
             if moves.any():
                 # Per job: measured drift, dt <= tol / drift; unmeasured, dt <= tol x unread / link.
-                drift_t = np.fromiter((j.drift_t for j in running), dtype=float, count=n)
-                drift_m = np.fromiter((j.drift_m for j in running), dtype=float, count=n)
+                drift = self._table.state[st.slots]
+                drift_t, drift_m = drift[:, DRIFT_T], drift[:, DRIFT_M]
                 k = st.k
                 a_priori = tol * (np.maximum(k - st.looked, k * DRIFT_FLOOR) * st.chunk) / link
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -597,14 +622,12 @@ class Simulator:
                 cpu_now = cpu_now.copy()
                 for i in pre:
                     cpu_now[i] = cpu_bound_at(running[i], float(m[i]))
-            bounds = bound_labels(st.gpu_ideal, cpu_now, caps_arr, m.clip(0.0, 1.0)) if running else []
+            bounds = bound_indices(st.gpu_ideal, cpu_now, caps_arr, m.clip(0.0, 1.0))
             k_arr = st.k
-            unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR).tolist()
+            unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR)
             for job in running:
                 job.moved = 0
 
-            finished: list[SimJob] = []
-            step_bytes = step_remote = step_remote_irregular = 0.0
             watch = managed and contended
             if claimers is not None or (self.cache.volatile and len(running) >= 2):
                 results = self._advance_all(running, st, m, caps_arr, now, dt, pre, claimers)
@@ -616,31 +639,29 @@ class Simulator:
                     # A job's demand on a contended link changed: the policy re-divides the link
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
-            m_list = m.tolist()
-            gpus_running = 0
-            rates = []
-            for i, ((job, res), bound, u0) in enumerate(zip(results, bounds, unread0)):
-                finished_at = res.finished_at
-                ran = dt if finished_at is None else max(finished_at - now, 1e-9)
-                bound_s = job.bound_s
-                bound_s[bound] = bound_s.get(bound, 0.0) + ran
-                read = res.bytes_read
-                if job.fstar is not None:
-                    job.fstar = observe_fstar(job, read / ran, ran, caps_arr[i], m_list[i])
-                rates.append(read / ran)
-                # Counted over a few chunks the rate is noisy: average it over the last steps
-                # (each weighing half the one after it).
-                job.drift_m = DRIFT_MEMORY * job.drift_m + job.moved / u0
-                job.drift_t = DRIFT_MEMORY * job.drift_t + dt
-                step_bytes += read
-                step_remote += res.remote_bytes
-                gpus_running += job.trace.num_gpus
-                if not job.regular:
-                    step_remote_irregular += res.remote_bytes
-                if finished_at is not None:
-                    job.finish_time = finished_at
-                    finished.append(job)
-            self._table.last_rate[st.slots] = rates
+            finished_at = results.finished_at
+            ended = ~np.isnan(finished_at)
+            ran = np.where(ended, np.maximum(finished_at - now, 1e-9), dt)
+            read, remote = results.read, results.remote
+            rates = read / ran
+            slots = st.slots
+            state = self._table.state
+            state[slots, BOUND + bounds] += ran
+            for i in np.flatnonzero(st.fstar).tolist():
+                job = running[i]
+                job.fstar = observe_fstar(job, float(rates[i]), float(ran[i]), caps_arr[i], float(m[i]))
+            # Counted over a few chunks the rate is noisy: average it over the last steps (each
+            # weighing half the one after it).
+            moved = np.fromiter((j.moved for j in running), dtype=float, count=len(running))
+            state[slots, DRIFT_M] = DRIFT_MEMORY * state[slots, DRIFT_M] + moved / unread0
+            state[slots, DRIFT_T] = DRIFT_MEMORY * state[slots, DRIFT_T] + dt
+            step_bytes, step_remote = _sequential_sum(read), _sequential_sum(remote)
+            step_remote_irregular = _sequential_sum(remote[st.irregular]) if st.irregular.any() else 0.0
+            gpus_running = int(st.gpus.sum())
+            finished = [running[i] for i in np.flatnonzero(ended).tolist()]
+            for job, at in zip(finished, finished_at[ended].tolist()):
+                job.finish_time = at
+            self._table.last_rate[slots] = rates
             fair = self._fairness(active)
             if fair is not None:
                 fairness_area += fair * dt
@@ -723,32 +744,31 @@ class Simulator:
         if claimers is None:
             return self._interleave(running, st, m0, caps_arr, now, dt, pre)
 
-        def interleave(idx: np.ndarray, caps: np.ndarray):
+        def interleave(idx: np.ndarray, caps: np.ndarray, fresh: bool):
             """`_interleave` on the jobs at positions `idx` of `running`."""
             positions = {p: n for n, p in enumerate(idx.tolist())}
             return self._interleave([running[i] for i in idx.tolist()], st.take(idx), m0[idx], caps, now, dt,
-                                    [positions[p] for p in pre if p in positions])
+                                    [positions[p] for p in pre if p in positions], fresh)
 
         first = np.flatnonzero(claimers.mask)
         rest = np.flatnonzero(~claimers.mask)
-        before = [running[i].remote_bytes for i in first.tolist()]
-        out_first = interleave(first, caps_arr[first])
-        used = sum(job.remote_bytes - b for (job, _), b in zip(out_first, before, strict=True)) / dt
+        state, first_slots = self._table.state, st.slots[first]
+        before = state[first_slots, REMOTE]
+        out_first = interleave(first, caps_arr[first], True)
+        used = sum((state[first_slots, REMOTE] - before).tolist()) / dt
         caps_rest = caps_arr[rest].copy()
         at_level = claimers.at_level[rest]
         if at_level.any():
             below = float(caps_rest[~at_level].sum())
             caps_rest[at_level] = max_min_share(claimers.demands[rest][at_level], max(self.capacity.remote_io - used - below, 0.0))
-        out_rest = interleave(rest, caps_rest)
-        out = [None] * len(running)  # back in the order of `running`
-        for p, pair in zip(first.tolist(), out_first):
-            out[p] = pair
-        for p, pair in zip(rest.tolist(), out_rest):
-            out[p] = pair
+        out_rest = interleave(rest, caps_rest, False)  # the claimers' reads moved the cache since `st`
+        out = Outcome.empty(len(running), dt)  # back in the order of `running`
+        for idx, part in ((first, out_first), (rest, out_rest)):
+            out.read[idx], out.remote[idx], out.finished_at[idx], out.elapsed[idx] = part.read, part.remote, part.finished_at, part.elapsed
         return out
 
     def _interleave(self, running: list[SimJob], st: StepState, m0: np.ndarray, caps_arr: np.ndarray, now: float, dt: float,
-                    pre: list[int] = ()):
+                    pre: list[int] = (), fresh: bool = True):
         """Advance the jobs through the step interleaved in time, sub-step by sub-step,
         earliest first, so that which chunk is least recently used follows the real order of
         accesses.
@@ -760,21 +780,24 @@ class Simulator:
         left go on through the clock, earliest first."""
         caps = caps_arr.tolist()
         if len(running) < 2:
-            return [(job, advance(job, now, dt, cap, self.cache)) for job, cap in zip(running, caps)]
-        first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True)
+            out = Outcome.empty(len(running), dt)
+            for i, (job, cap) in enumerate(zip(running, caps)):
+                out.put(i, advance(job, now, dt, cap, self.cache))
+            return out
+        first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True, fresh=fresh)
         tol = 1e-9 * max(dt, 1.0)
-        clock = [(res.elapsed, i) for i, (_, res) in enumerate(first)
-                 if res.finished_at is None and dt - res.elapsed > tol and res.elapsed > 0]
+        elapsed, unfinished = first.elapsed.tolist(), np.isnan(first.finished_at).tolist()
+        clock = [(e, i) for i, e in enumerate(elapsed) if unfinished[i] and dt - e > tol and e > 0]
         heapq.heapify(clock)
+        read, remote, finished_at = first.read, first.remote, first.finished_at
         while clock:
             t, i = heapq.heappop(clock)
-            job, total = first[i]
-            part = advance(job, now + t, dt - t, caps[i], self.cache, substeps=1)
-            total.bytes_read += part.bytes_read
-            total.remote_bytes += part.remote_bytes
+            part = advance(running[i], now + t, dt - t, caps[i], self.cache, substeps=1)
+            read[i] += part.bytes_read
+            remote[i] += part.remote_bytes
             t += max(part.elapsed, 0.0)
             if part.finished_at is not None:
-                total.finished_at = part.finished_at
+                finished_at[i] = part.finished_at
             elif dt - t > tol and part.elapsed > 0:
                 heapq.heappush(clock, (t, i))
         return first  # its results, with the later sub-steps added
@@ -834,8 +857,7 @@ class Simulator:
         the running set, their cores and the cache's layout stay the same (`self._static`,
         reset where one changes)."""
         n = len(running)
-        static = self._static if prev is None else (prev.ids, prev.slots, prev.k, prev.chunk, prev.total, prev.ideal,
-                                                     prev.gpu_ideal, prev.cpu_bound, prev.curriculum, prev.scalar)
+        static = self._static if prev is None else prev.static()
         if static is None or len(static[0]) != n or (prev is None and self.cache.layout_version != self._static_layout):
             if self.cache.layout_version != self._static_layout:
                 # Whether a job's cache is volatile changes only with the layout.
@@ -843,9 +865,10 @@ class Simulator:
                 self._table.refresh_volatile(list(self._by_id.values()), self.cache)
             static = self._static = self._table.columns(running)
         # One pass over the jobs (unread_expected syncs a job's expectation; the rest are reads).
-        rows = np.array([(j.looked, j.unread_expected(v), j.unread_cached, j.consumed, j.pos)
-                         for j, v in zip(running, static[9].tolist())], dtype=float).reshape(n, 5).T.copy()
-        return StepState(*static, rows[0], rows[1], rows[2], rows[3], rows[4])
+        rows = np.array([(j.looked, j.unread_expected(v), j.unread_cached) for j, v in zip(running, static[-1].tolist())],
+                        dtype=float).reshape(n, 3).T.copy()
+        position = self._table.state[static[1]]
+        return StepState(*static, rows[0], rows[1], rows[2], position[:, CONSUMED], position[:, POS])
 
     def _preprocessed(self, running: list[SimJob]) -> list[int]:
         """Positions of the running jobs whose dataset's cache holds preprocessed data
@@ -897,7 +920,7 @@ class Simulator:
         return float(seconds.min())
 
     def _advance_vector(self, running: list[SimJob], st, m0: np.ndarray, caps: np.ndarray, now: float, dt: float,
-                        pre: list[int] = (), first_substep: bool = False):
+                        pre: list[int] = (), first_substep: bool = False, fresh: bool = True):
         """`advance` for every running job at once where a step is one stretch of one epoch at
         one miss ratio (uniform caches: the common case), the per-job `advance` elsewhere (an
         epoch boundary inside the step, a volatile cache, curriculum reads). Jobs are taken in
@@ -908,7 +931,10 @@ class Simulator:
         `first_substep` (interleaved LRU readers, `_advance_all`): each job's first sub-step
         only, `advance(substeps=1)`: a volatile job's stretch also ends where its sub-step does
         (VOLATILE_SUBSTEP of an epoch), and a job that needs more than one is left to the
-        per-job `advance` with its elapsed time (less than `dt`)."""
+        per-job `advance` with its elapsed time (less than `dt`).
+
+        `fresh`: the cache has not changed since `st` was gathered (else every job's count is
+        checked at its turn, not only those after a job that may have changed it)."""
         cache = self.cache
         n = len(running)
         k, s, ideal = st.k, st.chunk, st.ideal
@@ -935,45 +961,63 @@ class Simulator:
         substeps = 1 if first_substep else None
         simple = ~scalar & (left > 0) & (p < k - 1e-9) & (rate > 0) & (x > p) & (finishing | ~(dt - t > tol))
         stalled = ~scalar & (left > 0) & (p < k - 1e-9) & ((rate <= 0) | (x <= p))
-        simple_l, stalled_l = simple.tolist(), stalled.tolist()
-        last_l = np.where(simple, last, 0.0).astype(np.int64).tolist()
-        looked_l, unread_l = looked.astype(np.int64).tolist(), st.unread_real.astype(np.int64).tolist()
-        x_l, done_l, missed_l, t_l, fin_l = x.tolist(), done.tolist(), missed.tolist(), t.tolist(), finishing.tolist()
-        m_l = m.tolist()
-        out = []
-        for i, job in enumerate(running):
-            if stalled_l[i] and job.unread_cached == unread_l[i]:
-                out.append((job, StepResult(elapsed=dt)))
+        last = np.where(simple, last, 0.0).astype(np.int64)
+        looks = simple & (last > looked)
+        out = Outcome(np.where(simple, done, 0.0), np.zeros(n), np.full(n, np.nan), np.where(simple, t, dt))
+        # Jobs are taken in order, as the per-job loop would: only those that look chunks up or
+        # need the per-job `advance` touch the cache; the others (reading inside chunks looked
+        # up before, or stalled) are checked at their turn only once the cache has changed.
+        applied = simple.copy()  # whose step is the columns' (the rest: advance's)
+        visit = np.flatnonzero(looks | ~(simple | stalled)).tolist()
+        unread_l = st.unread_real.astype(np.int64).tolist()
+        simple_l = simple.tolist()
+        changed = not fresh  # whether the cache may have changed since `st` was gathered
+        prev = 0
+        for q in (*visit, n):
+            if changed:
+                for i in range(prev, q):
+                    job = running[i]
+                    if job.unread_cached != unread_l[i]:  # an earlier job's admissions or evictions moved it
+                        out.put(i, advance(job, now, dt, float(caps[i]), cache, substeps))
+                        applied[i] = False
+            if q == n:
+                break
+            prev = q + 1
+            job = running[q]
+            changed = True
+            if not simple_l[q] or job.unread_cached != unread_l[q]:
+                out.put(q, advance(job, now, dt, float(caps[q]), cache, substeps))
+                applied[q] = False
                 continue
-            if not simple_l[i] or job.unread_cached != unread_l[i]:
-                out.append((job, advance(job, now, dt, float(caps[i]), cache, substeps)))
-                continue
-            job.tail_miss = m_l[i]  # as advance() keeps it: the rest of a last chunk is read at it
-            lo, hi = looked_l[i], last_l[i]
-            fetched = 0.0
-            if hi > lo:
-                # cache.access, then SimJob.looked_up and SimJob.fetched inlined (the hot loop).
-                n_hits = cache.access(job, job.perm[lo:hi])
-                job.synced -= n_hits
-                n = job.dataset.n_chunks
-                left = n - lo
-                job.expected_cached = job.expected_cached * (n - hi) / left if left > 0 else 0.0
-                job.looked = hi
-                fetched = float(hi - lo - n_hits) * job.dataset.chunk_size
-            done, missed = done_l[i], missed_l[i]
-            job.consumed += done
-            job.remote_bytes += missed
-            job.hit_bytes += done - missed
-            job.epoch_read += done
-            job.epoch_remote += missed
-            job.pos = x_l[i]
-            finished_at = None
-            if fin_l[i] or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
+            lo, hi = int(looked[q]), int(last[q])
+            # cache.access, then SimJob.looked_up and SimJob.fetched inlined (the hot loop).
+            n_hits = cache.access(job, job.perm[lo:hi])
+            job.synced -= n_hits
+            size = job.dataset.n_chunks
+            job.expected_cached = job.expected_cached * (size - hi) / (size - lo)
+            job.looked = hi
+            out.remote[q] = float(hi - lo - n_hits) * job.dataset.chunk_size
+        # The position of the jobs the columns advanced, as advance() moves it.
+        idx = np.flatnonzero(applied)
+        if idx.size:
+            rows = st.slots[idx]
+            state = self._table.state
+            done_a, missed_a = done[idx], missed[idx]
+            state[rows, CONSUMED] += done_a
+            state[rows, REMOTE] += missed_a
+            state[rows, HIT] += done_a - missed_a
+            state[rows, EPOCH_READ] += done_a
+            state[rows, EPOCH_REMOTE] += missed_a
+            state[rows, POS] = x[idx]
+            state[rows, TAIL_MISS] = m[idx]
+            total = st.total[idx]
+            ending = finishing[idx] | (total - state[rows, CONSUMED] <= 1e-9 * total)
+            for i in idx[ending].tolist():
+                job = running[i]
                 job.consumed = job.total_bytes
                 if job.pos >= job.dataset.n_chunks - 1e-6:
                     job.new_epoch(cache)  # records the last epoch's hit ratio
-                finished_at = now + t_l[i]
-            out.append((job, StepResult(done, fetched, finished_at, t_l[i])))
+                out.finished_at[i] = now + float(t[i])
         return out
 
     def _fairness(self, active: list[SimJob]) -> float | None:
@@ -1036,6 +1080,12 @@ def _admission_rate(readers, admits: dict[str, float], link: float) -> float:
     if readers is None:
         return link
     return min(link, sum(admits.get(r.job_id, 0.0) for r in readers))
+
+
+def _sequential_sum(values: np.ndarray) -> float:
+    """The sum added left to right, as a loop over the jobs adds it (np.sum adds pairwise, so
+    its last bits differ)."""
+    return float(np.add.accumulate(values)[-1]) if values.size else 0.0
 
 
 def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:

@@ -1,9 +1,13 @@
 """The active jobs' per-job columns as engine-owned numpy rows.
 
-Every active job holds a row (`SimJob.slot`) from its arrival to its completion; the engine
-writes a row when what it holds changes (arrival, new cores, a cache layout change) and a step
-gathers the running jobs' rows by slot. Under Gavel's time sharing the running set changes at
-nearly every round, and rebuilding these columns job by job was 3-4% of a Fig. 12 run.
+Every active job holds a row (`SimJob.slot`) from its arrival to its completion, in two arrays:
+`rows`, what changes only with a plan, which the engine writes when it changes (arrival, new
+cores, a cache layout change); and `state`, the job's reading position (reader.py's columns:
+bytes consumed, position in the epoch, byte counters, drift, seconds per bound), which the job
+itself reads and writes through its row (`SimJob.state`) and a step advances as columns for
+all running jobs at once. A step gathers the running jobs' rows by slot. Under Gavel's time
+sharing the running set changes at nearly every round, and rebuilding these columns job by job
+was 3-4% of a Fig. 12 run.
 """
 
 from __future__ import annotations
@@ -13,17 +17,19 @@ import math
 import numpy as np
 
 from scheduler.sim.cache_systems import SimCacheSystem
-from scheduler.sim.reader import SimJob
+from scheduler.sim.reader import N_COLUMNS, SimJob
 
 #: Column order of a row (StepState's static fields, before `curriculum` and `scalar` are derived).
-K, CHUNK, TOTAL, IDEAL, GPU_IDEAL, CPU_BOUND, CURRICULUM, VOLATILE = range(8)
+K, CHUNK, TOTAL, IDEAL, GPU_IDEAL, CPU_BOUND, GPUS, IRREGULAR, FSTAR, CURRICULUM, VOLATILE = range(11)
 
 
 class JobTable:
     def __init__(self) -> None:
-        self.rows = np.zeros((64, 8), dtype=float)
+        self.rows = np.zeros((64, VOLATILE + 1), dtype=float)
         #: Bytes/s each job read at in the last step it ran (Eq. 8's perf, engine._fairness).
         self.last_rate = np.zeros(64, dtype=float)
+        self.state = np.zeros((64, N_COLUMNS), dtype=float)
+        self._owner: list[SimJob | None] = [None] * 64  # whose `state` points here (repointed when it grows)
         self._free: list[int] = []
         self._next = 0
 
@@ -36,13 +42,25 @@ class JobTable:
             if slot >= len(self.rows):
                 self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
                 self.last_rate = np.concatenate([self.last_rate, np.zeros_like(self.last_rate)])
+                self.state = np.concatenate([self.state, np.zeros_like(self.state)])
+                self._owner.extend([None] * len(self._owner))
+                for owner in self._owner:
+                    if owner is not None:
+                        owner.state = self.state
         job.slot = slot
+        self.state[slot] = job.state[job.row]
+        job.state, job.row = self.state, slot
+        self._owner[slot] = job
         self.last_rate[slot] = 0.0
         self.rows[slot] = (job.dataset.n_chunks, job.dataset.chunk_size, job.total_bytes, job.ideal, job.gpu_ideal,
-                           _cpu_bound(job), job.pacing is not None, cache.volatile_for(job))
+                           _cpu_bound(job), job.gpus, not job.regular, job.fstar is not None, job.pacing is not None,
+                           cache.volatile_for(job))
 
     def remove(self, job: SimJob) -> None:
+        """The job leaves the table with its reading position (its own copy of its row)."""
         self._free.append(job.slot)
+        self._owner[job.slot] = None
+        job.state, job.row = self.state[job.slot:job.slot + 1].copy(), 0
         job.slot = -1
 
     def set_cores(self, job: SimJob, cores: float) -> bool:
@@ -63,14 +81,15 @@ class JobTable:
             self.rows[slots, VOLATILE] = np.fromiter((cache.volatile_for(j) for j in jobs), dtype=bool, count=len(jobs))
 
     def columns(self, jobs: list[SimJob]) -> tuple:
-        """(ids, slots, k, chunk, total, ideal, gpu_ideal, cpu bound, curriculum, scalar) of
-        `jobs`, in their order: StepState's static fields (scalar: curriculum or a volatile cache)."""
+        """(ids, slots, k, chunk, total, ideal, gpu_ideal, cpu bound, gpus, irregular, fstar,
+        curriculum, scalar) of `jobs`, in their order: StepState's static fields (fstar: the job
+        corrects a declared f*; scalar: curriculum or a volatile cache)."""
         n = len(jobs)
         slots = np.fromiter((j.slot for j in jobs), dtype=np.int64, count=n)
         cols = self.rows[slots].T.copy()
         curriculum = cols[CURRICULUM] != 0.0
         return ([j.job_id for j in jobs], slots, cols[K], cols[CHUNK], cols[TOTAL], cols[IDEAL], cols[GPU_IDEAL], cols[CPU_BOUND],
-                curriculum, curriculum | (cols[VOLATILE] != 0.0))
+                cols[GPUS].astype(np.int64), cols[IRREGULAR] != 0.0, cols[FSTAR] != 0.0, curriculum, curriculum | (cols[VOLATILE] != 0.0))
 
 
 def _cpu_bound(job: SimJob) -> float:

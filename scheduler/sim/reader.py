@@ -39,10 +39,29 @@ import numpy as np
 
 from estimator.access import CurriculumPacing
 from estimator.measured import FStarEstimate
+from estimator.pipeline import RESOURCES
 from policies.types import JobView
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
+
+
+#: Columns of a job's reading position (SimJob.state): what every step changes, kept as numpy
+#: columns so that a step advances all running jobs at once (engine._advance_vector). BOUND
+#: starts one column per resource of estimator.pipeline.RESOURCES (seconds bound by it).
+CONSUMED, POS, REMOTE, HIT, EPOCH_READ, EPOCH_REMOTE, TAIL_MISS, DRIFT_M, DRIFT_T, BOUND = range(10)
+N_ADVANCED = DRIFT_M  # the columns before it are what `advance` moves
+N_COLUMNS = BOUND + len(RESOURCES)
+
+
+def _column(index: int, doc: str) -> property:
+    def get(job: SimJob) -> float:
+        return float(job.state[job.row, index])
+
+    def set_(job: SimJob, value: float) -> None:
+        job.state[job.row, index] = value
+
+    return property(get, set_, doc=doc)
 
 
 @dataclass(eq=False, slots=True)
@@ -54,9 +73,7 @@ class SimJob:
     rng: np.random.Generator
     gpu_ideal: float | None = None  # f*, bytes/s, after GPU-speed scaling (default: `ideal`)
     cores: float = math.inf  # CPU cores this round (inf: CPU not modelled)
-    bound_s: dict = field(default_factory=dict)  # seconds running, per resource that bound it (diagnosis.py)
     fstar: FStarEstimate | None = None  # the scheduler's f* when the declared one is not exact
-    consumed: float = 0.0
     perm: np.ndarray = field(init=False)
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
     looked: int = 0  # chunks of the current epoch looked up (a prefix of perm)
@@ -67,18 +84,10 @@ class SimJob:
     expected_cached: float = 0.0
     synced: int = 0  # unread_cached when expected_cached last took in the cache's changes
     moved: int = 0  # of those counts, changes made by others' admissions and evictions since the engine reset it
-    pos: float = 0.0  # chunks of the current epoch already read (fractional)
-    #: The miss ratio the epoch's last look-up was charged at: once every chunk is looked up,
-    #: the rest of the last chunk is still read at it (the next epoch's ratio starts at its end).
-    tail_miss: float = 1.0
     epoch: int = 0
     start_time: float | None = None
     finish_time: float | None = None
     running: bool = False
-    remote_bytes: float = 0.0
-    hit_bytes: float = 0.0
-    epoch_remote: float = 0.0  # remote bytes in the current epoch
-    epoch_read: float = 0.0  # bytes read in the current epoch
     epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
     job_id: str = field(init=False)
     reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
@@ -88,13 +97,36 @@ class SimJob:
     _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for
     _eligible: float = 0.0
     _growth_at: float = math.inf
-    drift_m: float = 0.0  # decayed sum of the share of its unread chunks others moved, per step (engine._step_limit)
-    drift_t: float = 0.0  # decayed sum of those steps' seconds (0: never measured)
     view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
     regular: bool = field(init=False)  # reads as `epoch` (trace.access.regular, asked at every step)
     slot: int = -1  # its row in the engine's job table while active (job_table.py)
+    #: The 2-D array holding its reading position (row `row`, columns below): its own one-row
+    #: array until the engine's job table takes the row over (job_table.py), so that a step can
+    #: advance every running job's position as columns.
+    state: np.ndarray = field(init=False)
+    row: int = 0
+
+    consumed = _column(CONSUMED, "bytes read so far")
+    pos = _column(POS, "chunks of the current epoch already read (fractional)")
+    #: The miss ratio the epoch's last look-up was charged at: once every chunk is looked up,
+    #: the rest of the last chunk is still read at it (the next epoch's ratio starts at its end).
+    tail_miss = _column(TAIL_MISS, "the miss ratio the epoch's last look-up was charged at")
+    remote_bytes = _column(REMOTE, "expected remote bytes so far (its misses, as it read them)")
+    hit_bytes = _column(HIT, "bytes read as hits so far")
+    epoch_read = _column(EPOCH_READ, "bytes read in the current epoch")
+    epoch_remote = _column(EPOCH_REMOTE, "remote bytes in the current epoch")
+    drift_m = _column(DRIFT_M, "decayed sum of the share of its unread chunks others moved, per step (engine._step_limit)")
+    drift_t = _column(DRIFT_T, "decayed sum of those steps' seconds (0: never measured)")
+
+    @property
+    def bound_s(self) -> dict[str, float]:
+        """Seconds running, per resource that bound it (diagnosis.py), in RESOURCES order."""
+        row = self.state[self.row]
+        return {r: float(row[BOUND + i]) for i, r in enumerate(RESOURCES) if row[BOUND + i] > 0.0}
 
     def __post_init__(self) -> None:
+        self.state = np.zeros((1, N_COLUMNS), dtype=float)
+        self.state[0, TAIL_MISS] = 1.0
         if self.gpu_ideal is None:
             self.gpu_ideal = self.ideal
         self.job_id = self.trace.job_id
@@ -305,20 +337,32 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks
     ideal = job.ideal
+    total = job.total_bytes
     preprocessed = job.dataset.expansion != 1.0  # autocaching: the CPU cost per byte follows m
     curriculum = job.pacing is not None
     volatile = cache.volatile_for(job)
     substep = max(1, int(k * VOLATILE_SUBSTEP)) if volatile else k
+    # The position in locals (its row is a numpy row: job_table.py), written back before
+    # anything that reads it from the job (new_epoch, the curriculum's pacing) and at the end.
+    row = job.state[job.row]
+    consumed, pos, remote, hit, epoch_read, epoch_remote, tail_miss = row[:N_ADVANCED].tolist()
+
+    def store() -> None:
+        row[:N_ADVANCED] = (consumed, pos, remote, hit, epoch_read, epoch_remote, tail_miss)
+
     t = 0.0
-    while dt - t > 1e-9 * max(dt, 1.0) and job.total_bytes > job.consumed:
+    while dt - t > 1e-9 * max(dt, 1.0) and total > consumed:
         if substeps is not None:
             if substeps <= 0:
                 break
             substeps -= 1
-        if job.pos >= k - 1e-9:
+        if pos >= k - 1e-9:
+            store()
             job.new_epoch(cache)
-        p = job.pos
+            pos = epoch_read = epoch_remote = 0.0
+        p = pos
         if curriculum:
+            row[CONSUMED] = consumed
             e = job.eligible_chunks()
             m = job.curriculum_miss(cache.cached_mask(job), e)
             if m > 0.0 and cache.room(job) > 0:
@@ -336,18 +380,18 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         else:
             left = k - job.looked
             # left == 0: a step ended inside the last chunk, looked up (and charged) before.
-            m = 1.0 - job.unread_expected(volatile) / left if left > 0 else job.tail_miss
+            m = 1.0 - job.unread_expected(volatile) / left if left > 0 else tail_miss
             reach = math.floor(p + 1e-9) + substep
         m = 0.0 if m < 1e-12 else (1.0 if m > 1.0 else m)
         if not curriculum:
-            job.tail_miss = m
+            tail_miss = m
         if preprocessed:
             ideal = job.ideal_at(m)
         rate = ideal if m == 0.0 else (min(ideal, io_cap / m) if io_cap > 0 else 0.0)
         if rate <= 0:
             t = dt
             break  # every read left misses and there is no remote bandwidth: stalled
-        x_need = p + (job.total_bytes - job.consumed) / s
+        x_need = p + (total - consumed) / s
         x = min(p + rate * (dt - t) / s, x_need, float(k), reach)
         if x <= p:
             t = dt  # what is left of the step moves the position by less than float resolution
@@ -371,21 +415,23 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             job.looked = last
         elif not curriculum:
             fetched = 0.0  # inside a chunk looked up (and counted) before
-        job.consumed += done
-        job.remote_bytes += missed
-        job.hit_bytes += done - missed
-        job.epoch_read += done
-        job.epoch_remote += missed
+        consumed += done
+        remote += missed
+        hit += done - missed
+        epoch_read += done
+        epoch_remote += missed
         result.bytes_read += done
         result.remote_bytes += fetched
-        job.pos = x
+        pos = x
         t += done / rate
-        if finishing or job.total_bytes - job.consumed <= 1e-9 * job.total_bytes:
-            job.consumed = job.total_bytes
-            if job.pos >= k - 1e-6:
+        if finishing or total - consumed <= 1e-9 * total:
+            consumed = total
+            store()
+            if pos >= k - 1e-6:
                 job.new_epoch(cache)  # records the last epoch's hit ratio
             result.finished_at = now + t
             result.elapsed = t
             return result
+    store()
     result.elapsed = t
     return result

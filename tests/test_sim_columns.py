@@ -7,6 +7,8 @@
   from its JobViews, and every column path (the Gavel problem, the round planner's choice, the
   allocation check) answers as the per-view path does, on every decision of a real run.
 - --decision-interval: off by default; on, decisions while jobs run are that far apart.
+- The job table's rows equal what the running jobs hold at every step: with cores, time
+  sharing and reused slots, and when autocaching drops an LRU dataset's domain.
 """
 
 from __future__ import annotations
@@ -216,3 +218,35 @@ def test_the_job_table_follows_cores_time_sharing_and_reused_slots(policy, syste
     assert sim.steps_checked > 50
     assert sum(len(c) > 1 for c in seen_cores.values()) >= 3, "cores never changed: the test would not see a stale row"
     assert sim._table._next < len(trace.jobs), "no slot was reused"
+
+
+def test_the_job_table_follows_an_lru_dataset_that_autocaching_drops():
+    """An irregular job alone caches its dataset preprocessed in the irregular partition's LRU;
+    a regular reader without its autocache point arrives, so the dataset goes back to source
+    caching (its LRU domain dropped) and, with the partition pinned to the irregular jobs, the
+    regular partition gives it no cache: no new domain, so nothing else said the layout
+    changed, and both readers' rows called their cache volatile."""
+    from estimator.access import AccessPattern
+    from estimator.pipeline import InputPipeline
+    from scheduler.sim.cache_systems import LruDomain
+
+    jobs = (TraceJob("a", 0.0, 1, "resnet50", "d", 200 * MB, 3.0, access=AccessPattern.irregular(),
+                     pipeline=InputPipeline(20 * MB, 2.0, 100 * MB)),
+            TraceJob("r", 50.0, 1, "resnet50", "d", 200 * MB, 3.0, pipeline=InputPipeline(20 * MB)))
+    trace = Trace(jobs, {"d": 10 * GB})
+    cap = ClusterCapacity(gpus=2, cache=100 * GB, remote_io=1 * GB, gpus_per_node=2, cpus_per_node=8, irregular_share=1.0)
+    seen = []
+
+    class Watching(TableCheckingSimulator):
+        def _step_state(self, running, prev=None):
+            if prev is None:
+                dom = self.cache.domains.get("d")
+                seen.append((len(running), type(dom), self.datasets["d"].expansion))
+            return super()._step_state(running, prev)
+
+    sim = Watching(trace, cap, get_policy("fifo"), estimator_for("silod"), "silod", SimConfig())
+    result = sim.run()
+    assert not result.unfinished
+    # The path itself, so that a change of policy cannot make this test pass without it.
+    lru_preprocessed = seen.index((1, LruDomain, 2.0))
+    assert (2, type(None), 1.0) in seen[lru_preprocessed:], "the LRU domain was never dropped while both ran"

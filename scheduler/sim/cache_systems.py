@@ -346,6 +346,10 @@ class SiloDCache(SimCacheSystem):
             if e == ds.expansion:
                 continue
             dom = self.domains.pop(name, None)
+            if dom is not None:
+                # An LRU domain gone makes its readers non-volatile; if the plan gives the
+                # dataset no allocation, no new domain bumps the version for it.
+                self.layout_version += 1
             if dom is not None and dom.count:
                 victims = np.flatnonzero(dom.cached)
                 self.evicted_bytes += victims.size * ds.cached_chunk_bytes

@@ -188,6 +188,11 @@ class TableCheckingSimulator(Simulator):
             assert np.array_equal(got, expect), "the job table's rows are stale"
             assert st.ids == [j.job_id for j in running]
             assert [int(s) for s in st.slots] == [j.slot for j in running]
+            assert st.gpus.tolist() == [j.gpus for j in running]
+            assert st.irregular.tolist() == [not j.regular for j in running]
+            assert st.fstar.tolist() == [j.fstar is not None for j in running]
+            # Each job reads and writes its position in its own table row (after the table grew too).
+            assert all(j.state is self._table.state and j.row == j.slot for j in running)
             self.steps_checked += 1
         return st
 
@@ -250,3 +255,34 @@ def test_the_job_table_follows_an_lru_dataset_that_autocaching_drops():
     # The path itself, so that a change of policy cannot make this test pass without it.
     lru_preprocessed = seen.index((1, LruDomain, 2.0))
     assert (2, type(None), 1.0) in seen[lru_preprocessed:], "the LRU domain was never dropped while both ran"
+
+
+def test_a_jobs_position_moves_into_the_table_and_back_out_with_it():
+    """A SimJob keeps its reading position in a row of its own until the job table takes it
+    (job_table.py); the table grows past its first 64 rows without losing any job's row, and a
+    job that leaves takes its position with it (the engine reads its counters after removal)."""
+    from scheduler.sim.cache_systems import make_cache_system
+    from scheduler.sim.job_table import JobTable
+    from scheduler.sim.reader import SimJob
+    from scheduler.sim.types import SimDataset
+
+    ds = SimDataset("d", 10 * GB, 128, 0)
+    cache = make_cache_system("silod", 0.0, 8)
+    jobs = [SimJob(TraceJob(f"j{i}", 0.0, 1, "m", "d", 100 * MB, 1.0), ds, 100 * MB, 10 * GB, np.random.default_rng(i))
+            for i in range(100)]
+    for i, job in enumerate(jobs):
+        assert job.tail_miss == 1.0 and job.consumed == 0.0  # a fresh job's position
+        job.consumed, job.remote_bytes = float(i), 2.0 * i
+    table = JobTable()
+    for job in jobs:
+        table.add(job, cache)
+    assert len(table.state) >= 100
+    for i, job in enumerate(jobs):
+        assert job.state is table.state and job.row == job.slot
+        assert (job.consumed, job.remote_bytes, job.tail_miss) == (float(i), 2.0 * i, 1.0)
+    table.state[jobs[70].slot, 0] += 5.0  # a step's column update is the job's
+    assert jobs[70].consumed == 75.0
+    gone = jobs[3]
+    table.remove(gone)
+    table.state[:] = -1.0  # what reuses the row does not touch the job that left
+    assert gone.slot == -1 and gone.consumed == 3.0 and gone.remote_bytes == 6.0

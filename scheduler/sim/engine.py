@@ -32,10 +32,10 @@ from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
-from scheduler.sim.job_table import TOTAL, JobTable
+from scheduler.sim.job_table import CURRICULUM, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.types import SimDataset
-from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, HIT, POS, REMOTE,
-                                  TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
+from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS,
+                                  REMOTE, SYNCED, TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
 from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -308,15 +308,15 @@ class Simulator:
         add_view, add_id, add_name, add_ideal = views.append, ids.append, names.append, ideal.append
         add_rem, add_running, add_gpus, add_hit = remaining.append, running.append, gpus.append, hits.append
         all_regular = True
-        hit = None
-        # What is left to read, from the job table's columns (SimJob.consumed reads one cell).
-        slots = np.fromiter((j.slot for j in active), dtype=np.int64, count=len(active))
-        left = np.maximum(self._table.rows[slots, TOTAL] - self._table.state[slots, CONSUMED], 0.0).tolist()
-        for j, rem in zip(active, left):
+        # What is left to read and the hit ratio now, from the job table's columns.
+        n = len(active)
+        slots = np.fromiter((j.slot for j in active), dtype=np.int64, count=n)
+        table = self._table
+        left = np.maximum(table.rows[slots, TOTAL] - table.state[slots, CONSUMED], 0.0).tolist()
+        hits_now = self._hit_ratios(active, slots) if measured else [None] * n
+        for j, rem, hit in zip(active, left, hits_now):
             fstar = j.fstar
             f = j.gpu_ideal if fstar is None else fstar.estimate
-            if measured:
-                hit = 1.0 - j.miss_ratio(cache)  # SimJob.hit_ratio_now
             is_running = j.running
             view = j.view
             if view is None or view.remaining_bytes != rem or view.running != is_running or view.hit_ratio_now != hit or view.ideal_throughput != f:
@@ -351,6 +351,25 @@ class Simulator:
                              np.array(running, dtype=bool), np.array(hits, dtype=float) if measured and active else None, all_regular,
                              tuple(ids), tuple(names))
         return Snapshot(now, jobs, dviews, self.capacity, columns)
+
+    def _hit_ratios(self, active: list[SimJob], slots: np.ndarray) -> list[float]:
+        """SimJob.hit_ratio_now of every active job: on the job table's columns for epoch
+        readers inside an epoch, by the job for the others (curriculum jobs, an epoch's end)."""
+        self._refresh_layout()
+        table = self._table
+        rows = table.rows[slots]
+        k = rows[:, K]
+        left = k - table.state[slots, LOOKED]
+        inside = (rows[:, CURRICULUM] == 0.0) & (left > 0)
+        idx = np.flatnonzero(inside)
+        unread = np.fromiter((active[i].unread_cached for i in idx.tolist()), dtype=float, count=idx.size)
+        _, expected = table.sync(slots[idx], unread, rows[idx, VOLATILE] != 0.0, k[idx])
+        hits = np.empty(len(active))
+        hits[idx] = 1.0 - np.minimum(np.maximum(1.0 - expected / left[idx], 0.0), 1.0)
+        out = hits.tolist()
+        for i in np.flatnonzero(~inside).tolist():
+            out[i] = 1.0 - active[i].miss_ratio(self.cache)
+        return out
 
     def _apply_autocache(self, autocache) -> None:
         """The plan's autocaching choice, for the datasets whose mode can change: those it
@@ -857,18 +876,26 @@ class Simulator:
         the running set, their cores and the cache's layout stay the same (`self._static`,
         reset where one changes)."""
         n = len(running)
+        if prev is None:
+            self._refresh_layout()
         static = self._static if prev is None else prev.static()
-        if static is None or len(static[0]) != n or (prev is None and self.cache.layout_version != self._static_layout):
-            if self.cache.layout_version != self._static_layout:
-                # Whether a job's cache is volatile changes only with the layout.
-                self._static_layout = self.cache.layout_version
-                self._table.refresh_volatile(list(self._by_id.values()), self.cache)
+        if static is None or len(static[0]) != n:
             static = self._static = self._table.columns(running)
-        # One pass over the jobs (unread_expected syncs a job's expectation; the rest are reads).
-        rows = np.array([(j.looked, j.unread_expected(v), j.unread_cached) for j, v in zip(running, static[-1].tolist())],
-                        dtype=float).reshape(n, 3).T.copy()
-        position = self._table.state[static[1]]
-        return StepState(*static, rows[0], rows[1], rows[2], position[:, CONSUMED], position[:, POS])
+        # SimJob.unread_expected of every running job (called with its `scalar` flag, as the
+        # per-job advance calls it), on the job table's columns.
+        slots = static[1]
+        unread = np.fromiter((j.unread_cached for j in running), dtype=float, count=n)
+        looked, expected = self._table.sync(slots, unread, static[-1], static[2])
+        position = self._table.state[slots]
+        return StepState(*static, looked, expected, unread, position[:, CONSUMED], position[:, POS])
+
+    def _refresh_layout(self) -> None:
+        """Whether a job's cache is volatile changes only with the cache's layout: the job
+        table's column follows it (and the running jobs' static columns are rebuilt)."""
+        if self.cache.layout_version != self._static_layout:
+            self._static_layout = self.cache.layout_version
+            self._table.refresh_volatile(list(self._by_id.values()), self.cache)
+            self._static = None
 
     def _preprocessed(self, running: list[SimJob]) -> list[int]:
         """Positions of the running jobs whose dataset's cache holds preprocessed data
@@ -972,6 +999,9 @@ class Simulator:
         unread_l = st.unread_real.astype(np.int64).tolist()
         simple_l = simple.tolist()
         changed = not fresh  # whether the cache may have changed since `st` was gathered
+        lo_l, hi_l = looked.astype(np.int64).tolist(), last.tolist()
+        lookups: list[int] = []
+        hits: list[int] = []
         prev = 0
         for q in (*visit, n):
             if changed:
@@ -989,14 +1019,17 @@ class Simulator:
                 out.put(q, advance(job, now, dt, float(caps[q]), cache, substeps))
                 applied[q] = False
                 continue
-            lo, hi = int(looked[q]), int(last[q])
-            # cache.access, then SimJob.looked_up and SimJob.fetched inlined (the hot loop).
-            n_hits = cache.access(job, job.perm[lo:hi])
-            job.synced -= n_hits
-            size = job.dataset.n_chunks
-            job.expected_cached = job.expected_cached * (size - hi) / (size - lo)
-            job.looked = hi
-            out.remote[q] = float(hi - lo - n_hits) * job.dataset.chunk_size
+            lookups.append(q)
+            hits.append(cache.access(job, job.perm[lo_l[q]:hi_l[q]]))
+        if lookups:
+            # SimJob.looked_up and SimJob.fetched of the jobs that looked chunks up, as columns.
+            li = np.array(lookups, dtype=np.int64)
+            rows, lo, hi, n_hits, size = st.slots[li], looked[li], last[li], np.array(hits, dtype=float), k[li]
+            state = self._table.state
+            state[rows, SYNCED] -= n_hits
+            state[rows, EXPECTED] = state[rows, EXPECTED] * (size - hi) / (size - lo)
+            state[rows, LOOKED] = hi
+            out.remote[li] = (hi - lo - n_hits) * s[li]
         # The position of the jobs the columns advanced, as advance() moves it.
         idx = np.flatnonzero(applied)
         if idx.size:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from scheduler.sim.cache_systems import SimCacheSystem
-from scheduler.sim.reader import N_COLUMNS, SimJob
+from scheduler.sim.reader import EXPECTED, LOOKED, N_COLUMNS, SYNCED, SimJob
 
 #: Column order of a row (StepState's static fields, before `curriculum` and `scalar` are derived).
 K, CHUNK, TOTAL, IDEAL, GPU_IDEAL, CPU_BOUND, GPUS, IRREGULAR, FSTAR, CURRICULUM, VOLATILE = range(11)
@@ -79,6 +79,19 @@ class JobTable:
         if jobs:
             slots = np.fromiter((j.slot for j in jobs), dtype=np.int64, count=len(jobs))
             self.rows[slots, VOLATILE] = np.fromiter((cache.volatile_for(j) for j in jobs), dtype=bool, count=len(jobs))
+
+    def sync(self, slots: np.ndarray, unread: np.ndarray, volatile: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """SimJob.unread_expected of the jobs in rows `slots` at once (`unread`: their
+        unread_cached; `volatile`: the argument; `k`: chunks per epoch): their expectations
+        take in the cache's changes. Returns their (looked, expected cached unread chunks)."""
+        state = self.state
+        looked, synced, expected = state[slots, LOOKED], state[slots, SYNCED], state[slots, EXPECTED]
+        delta = unread - synced
+        expected = np.where(volatile, unread,
+                            np.where(delta != 0, np.minimum(np.maximum(expected + delta, 0.0), np.maximum(k - looked, 0.0)), expected))
+        state[slots, EXPECTED] = expected
+        state[slots, SYNCED] = unread
+        return looked, expected
 
     def columns(self, jobs: list[SimJob]) -> tuple:
         """(ids, slots, k, chunk, total, ideal, gpu_ideal, cpu bound, gpus, irregular, fstar,

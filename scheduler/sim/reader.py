@@ -47,16 +47,18 @@ from traces.model import TraceJob
 
 
 #: Columns of a job's reading position (SimJob.state): what every step changes, kept as numpy
-#: columns so that a step advances all running jobs at once (engine._advance_vector). BOUND
+#: columns so that a step advances all running jobs at once (engine._advance_vector); LOOKED,
+#: SYNCED and EXPECTED are the epoch's look-ups and the expected cached share of the rest
+#: (SimJob.unread_expected), which a step and a snapshot take in as columns (JobTable.sync). BOUND
 #: starts one column per resource of estimator.pipeline.RESOURCES (seconds bound by it).
-CONSUMED, POS, REMOTE, HIT, EPOCH_READ, EPOCH_REMOTE, TAIL_MISS, DRIFT_M, DRIFT_T, BOUND = range(10)
+CONSUMED, POS, REMOTE, HIT, EPOCH_READ, EPOCH_REMOTE, TAIL_MISS, DRIFT_M, DRIFT_T, LOOKED, SYNCED, EXPECTED, BOUND = range(13)
 N_ADVANCED = DRIFT_M  # the columns before it are what `advance` moves
 N_COLUMNS = BOUND + len(RESOURCES)
 
 
-def _column(index: int, doc: str) -> property:
+def _column(index: int, doc: str, kind: type = float) -> property:
     def get(job: SimJob) -> float:
-        return float(job.state[job.row, index])
+        return kind(job.state[job.row, index])
 
     def set_(job: SimJob, value: float) -> None:
         job.state[job.row, index] = value
@@ -76,13 +78,7 @@ class SimJob:
     fstar: FStarEstimate | None = None  # the scheduler's f* when the declared one is not exact
     perm: np.ndarray = field(init=False)
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
-    looked: int = 0  # chunks of the current epoch looked up (a prefix of perm)
     unread_cached: int = 0  # cached chunks not looked up yet this epoch
-    #: Cached chunks expected among the unread ones: what the cache does to them is taken in
-    #: (`unread_expected`), the job's own look-ups are not (they leave the expected share as it
-    #: is; see `looked_up`), so a cache nobody else moves gives one miss ratio for the whole epoch.
-    expected_cached: float = 0.0
-    synced: int = 0  # unread_cached when expected_cached last took in the cache's changes
     moved: int = 0  # of those counts, changes made by others' admissions and evictions since the engine reset it
     epoch: int = 0
     start_time: float | None = None
@@ -117,6 +113,12 @@ class SimJob:
     epoch_remote = _column(EPOCH_REMOTE, "remote bytes in the current epoch")
     drift_m = _column(DRIFT_M, "decayed sum of the share of its unread chunks others moved, per step (engine._step_limit)")
     drift_t = _column(DRIFT_T, "decayed sum of those steps' seconds (0: never measured)")
+    looked = _column(LOOKED, "chunks of the current epoch looked up (a prefix of perm)", int)
+    #: Cached chunks expected among the unread ones: what the cache does to them is taken in
+    #: (`unread_expected`), the job's own look-ups are not (they leave the expected share as it
+    #: is; see `looked_up`), so a cache nobody else moves gives one miss ratio for the whole epoch.
+    expected_cached = _column(EXPECTED, "cached chunks expected among the epoch's unread ones")
+    synced = _column(SYNCED, "unread_cached when expected_cached last took in the cache's changes", int)
 
     @property
     def bound_s(self) -> dict[str, float]:
@@ -346,6 +348,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     # anything that reads it from the job (new_epoch, the curriculum's pacing) and at the end.
     row = job.state[job.row]
     consumed, pos, remote, hit, epoch_read, epoch_remote, tail_miss = row[:N_ADVANCED].tolist()
+    looked = int(row[LOOKED])  # written through: unread_expected reads it from the row
 
     def store() -> None:
         row[:N_ADVANCED] = (consumed, pos, remote, hit, epoch_read, epoch_remote, tail_miss)
@@ -360,6 +363,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
             store()
             job.new_epoch(cache)
             pos = epoch_read = epoch_remote = 0.0
+            looked = 0
         p = pos
         if curriculum:
             row[CONSUMED] = consumed
@@ -378,7 +382,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
                 draws = max(1, int(e * VOLATILE_SUBSTEP))
             reach = min(math.floor(p + 1e-9) + draws, p + job.bytes_to_growth() / s)
         else:
-            left = k - job.looked
+            left = k - looked
             # left == 0: a step ended inside the last chunk, looked up (and charged) before.
             m = 1.0 - job.unread_expected(volatile) / left if left > 0 else tail_miss
             reach = math.floor(p + 1e-9) + substep
@@ -402,17 +406,18 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
         done = (x - p) * s
         missed = m * done
         fetched = missed  # curriculum reads draw with replacement: their expected misses
-        if last > job.looked:
+        if last > looked:
             if curriculum:
-                draws = np.minimum((job.rng.random(last - job.looked) * e).astype(np.int64), k - 1)
+                draws = np.minimum((job.rng.random(last - looked) * e).astype(np.int64), k - 1)
                 cache.access(job, draws)
                 job.read_mask[draws] = False  # drawn with replacement: nothing is "read this epoch"
             else:
                 job.unread_expected(volatile)
-                n_hits = cache.access(job, job.perm[job.looked:last])
-                job.looked_up(n_hits, job.looked, last)
-                fetched = job.fetched(last - job.looked, n_hits)
-            job.looked = last
+                n_hits = cache.access(job, job.perm[looked:last])
+                job.looked_up(n_hits, looked, last)
+                fetched = job.fetched(last - looked, n_hits)
+            looked = last
+            row[LOOKED] = last
         elif not curriculum:
             fetched = 0.0  # inside a chunk looked up (and counted) before
         consumed += done

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from operator import attrgetter
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,10 +30,10 @@ from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
-from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, Snapshot, job_view
+from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
-from scheduler.sim.job_table import CURRICULUM, K, TOTAL, VOLATILE, JobTable
+from scheduler.sim.job_table import CURRICULUM, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS,
                                   REMOTE, SYNCED, TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
@@ -45,6 +46,7 @@ from traces.model import Trace, TraceJob
 #: set (`--resolution` still sets the minimum), and at most MAX_CURRICULUM_CHUNKS chunks.
 CURRICULUM_MIN_CHUNKS = 64
 _EPOCH = AccessPattern.epoch()
+_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME = (attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name"))
 MAX_CURRICULUM_CHUNKS = 4096
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
@@ -296,43 +298,34 @@ class Simulator:
         measured = self.core.estimator.manages_storage
         told = self.config.partition
         cache = self.cache
-        views: list[JobView] = []
-        ids: list[str] = []
-        names: list[str] = []
-        ideal: list[float] = []
-        remaining: list[float] = []
-        running: list[bool] = []
-        gpus: list[int] = []
-        hits: list[float | None] = []
-        # Bound appends: this loop runs over every active job at every decision.
-        add_view, add_id, add_name, add_ideal = views.append, ids.append, names.append, ideal.append
-        add_rem, add_running, add_gpus, add_hit = remaining.append, running.append, gpus.append, hits.append
-        all_regular = True
-        # What is left to read and the hit ratio now, from the job table's columns.
+        # The columns from the job table; the views only where what they hold changed.
         n = len(active)
-        slots = np.fromiter((j.slot for j in active), dtype=np.int64, count=n)
         table = self._table
-        left = np.maximum(table.rows[slots, TOTAL] - table.state[slots, CONSUMED], 0.0).tolist()
-        hits_now = self._hit_ratios(active, slots) if measured else [None] * n
-        for j, rem, hit in zip(active, left, hits_now):
-            fstar = j.fstar
-            f = j.gpu_ideal if fstar is None else fstar.estimate
-            is_running = j.running
-            view = j.view
-            if view is None or view.remaining_bytes != rem or view.running != is_running or view.hit_ratio_now != hit or view.ideal_throughput != f:
-                access = j.trace.access if told else _EPOCH
-                view = j.view = job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0,
-                                         hit, access, j.trace.pipeline)
-            add_view(view)
-            add_id(view.job_id)
-            add_name(view.dataset)
-            add_ideal(f)
-            add_rem(rem)
-            add_running(is_running)
-            add_gpus(view.gpus)
-            add_hit(hit)
-            if all_regular and told and not j.regular:
-                all_regular = False
+        slots = np.fromiter(map(_SLOT, active), dtype=np.int64, count=n)
+        rows = table.rows[slots]
+        remaining = np.maximum(rows[:, TOTAL] - table.state[slots, CONSUMED], 0.0)
+        ideal = rows[:, GPU_IDEAL].copy()
+        for i in np.flatnonzero(rows[:, FSTAR] != 0.0).tolist():
+            ideal[i] = active[i].fstar.estimate  # the scheduler's f*, not the declared one
+        running = np.fromiter(map(_RUNNING, active), dtype=bool, count=n)
+        hits = self._hit_ratios(active, slots) if measured else None
+        seen = table.seen[slots]
+        changed = (seen[:, 0] != remaining) | (seen[:, 1] != running) | (seen[:, 3] != ideal)
+        if measured:
+            changed |= seen[:, 2] != hits
+        idx = np.flatnonzero(changed)
+        if idx.size:
+            rem_l, run_l, f_l = remaining[idx].tolist(), running[idx].tolist(), ideal[idx].tolist()
+            hit_l = hits[idx].tolist() if measured else [None] * idx.size
+            for i, rem, is_running, f, hit in zip(idx.tolist(), rem_l, run_l, f_l, hit_l):
+                j = active[i]
+                j.view = job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0,
+                                  hit, j.trace.access if told else _EPOCH, j.trace.pipeline)
+            table.seen[slots[idx]] = np.column_stack([remaining[idx], running[idx], hits[idx] if measured else np.full(idx.size, np.nan),
+                                                      ideal[idx]])
+        views = list(map(_VIEW, active))
+        names = tuple(map(_DATASET_NAME, active))
+        all_regular = not (told and bool((rows[:, IRREGULAR] != 0.0).any()))
         jobs = tuple(views)
         needed = set(names)
         if measured:
@@ -347,12 +340,11 @@ class Simulator:
                 dviews[n] = dv
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
-        columns = JobColumns(jobs, np.array(gpus, dtype=float), np.array(ideal, dtype=float), np.array(remaining, dtype=float),
-                             np.array(running, dtype=bool), np.array(hits, dtype=float) if measured and active else None, all_regular,
-                             tuple(ids), tuple(names))
+        columns = JobColumns(jobs, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
+                             tuple(map(_JOB_ID, active)), names)
         return Snapshot(now, jobs, dviews, self.capacity, columns)
 
-    def _hit_ratios(self, active: list[SimJob], slots: np.ndarray) -> list[float]:
+    def _hit_ratios(self, active: list[SimJob], slots: np.ndarray) -> np.ndarray:
         """SimJob.hit_ratio_now of every active job: on the job table's columns for epoch
         readers inside an epoch, by the job for the others (curriculum jobs, an epoch's end)."""
         self._refresh_layout()
@@ -366,10 +358,9 @@ class Simulator:
         _, expected = table.sync(slots[idx], unread, rows[idx, VOLATILE] != 0.0, k[idx])
         hits = np.empty(len(active))
         hits[idx] = 1.0 - np.minimum(np.maximum(1.0 - expected / left[idx], 0.0), 1.0)
-        out = hits.tolist()
         for i in np.flatnonzero(~inside).tolist():
-            out[i] = 1.0 - active[i].miss_ratio(self.cache)
-        return out
+            hits[i] = 1.0 - active[i].miss_ratio(self.cache)
+        return hits
 
     def _apply_autocache(self, autocache) -> None:
         """The plan's autocaching choice, for the datasets whose mode can change: those it

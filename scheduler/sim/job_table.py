@@ -29,6 +29,9 @@ class JobTable:
         #: Bytes/s each job read at in the last step it ran (Eq. 8's perf, engine._fairness).
         self.last_rate = np.zeros(64, dtype=float)
         self.state = np.zeros((64, N_COLUMNS), dtype=float)
+        #: What the policy last saw of each job (its JobView's remaining bytes, running, hit ratio
+        #: and f*; NaN: no view yet): a snapshot rebuilds only the views whose values changed.
+        self.seen = np.full((64, 4), np.nan)
         self._owner: list[SimJob | None] = [None] * 64  # whose `state` points here (repointed when it grows)
         self._free: list[int] = []
         self._next = 0
@@ -43,6 +46,7 @@ class JobTable:
                 self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
                 self.last_rate = np.concatenate([self.last_rate, np.zeros_like(self.last_rate)])
                 self.state = np.concatenate([self.state, np.zeros_like(self.state)])
+                self.seen = np.concatenate([self.seen, np.full_like(self.seen, np.nan)])
                 self._owner.extend([None] * len(self._owner))
                 for owner in self._owner:
                     if owner is not None:
@@ -52,6 +56,7 @@ class JobTable:
         job.state, job.row = self.state, slot
         self._owner[slot] = job
         self.last_rate[slot] = 0.0
+        self.seen[slot] = np.nan
         self.rows[slot] = (job.dataset.n_chunks, job.dataset.chunk_size, job.total_bytes, job.ideal, job.gpu_ideal,
                            _cpu_bound(job), job.gpus, not job.regular, job.fstar is not None, job.pacing is not None,
                            cache.volatile_for(job))

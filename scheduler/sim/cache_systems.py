@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 import math
+from operator import attrgetter
 
 import numpy as np
 
@@ -322,11 +323,17 @@ class SiloDCache(SimCacheSystem):
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
         self.domains: dict[str, CacheDomain] = {}
+        self._lru_names: list[str] = []  # the LRU domains' datasets as of layout `_lru_version`
+        self._lru_version = -1
 
     @property
     def volatile(self) -> bool:  # type: ignore[override]
         """LRU datasets read by several jobs: their reads must interleave in time."""
-        return any(isinstance(d, LruDomain) and len(self.readers.get(n, ())) > 1 for n, d in self.domains.items())
+        if self._lru_version != self.layout_version:  # which domains are LRUs changes only with the layout
+            self._lru_names = [n for n, d in self.domains.items() if isinstance(d, LruDomain)]
+            self._lru_version = self.layout_version
+        readers = self.readers
+        return any(len(readers.get(n, ())) > 1 for n in self._lru_names)
 
     def volatile_for(self, job):
         return isinstance(self.domains.get(job.dataset.name), LruDomain)
@@ -680,7 +687,7 @@ class AlluxioLRUCache(SimCacheSystem):
     def visible_and_room(self, jobs):
         n = len(jobs)
         counts = self.counts
-        visible = np.fromiter((counts.get(j.dataset.name, 0) for j in jobs), dtype=float, count=n)
+        visible = np.fromiter((counts.get(name, 0) for name in map(_DATASET_NAME, jobs)), dtype=float, count=n)
         room = np.maximum(np.trunc((self.capacity - self.total_bytes) / _chunk_sizes(jobs) + 1e-9), 0.0)
         return visible, room
 
@@ -706,8 +713,11 @@ class AlluxioLRUCache(SimCacheSystem):
         return [(free, None)] if chunks and free >= min(chunks) else []
 
 
+_CHUNK_SIZE, _DATASET_NAME = attrgetter("dataset.chunk_size"), attrgetter("dataset.name")
+
+
 def _chunk_sizes(jobs: Sequence[CacheReader]) -> np.ndarray:
-    return np.fromiter((j.dataset.chunk_size for j in jobs), dtype=float, count=len(jobs))
+    return np.fromiter(map(_CHUNK_SIZE, jobs), dtype=float, count=len(jobs))
 
 
 def _domain_counts(domains: Sequence[CacheDomain | None]) -> tuple[np.ndarray, np.ndarray]:

@@ -13,11 +13,14 @@ was 3-4% of a Fig. 12 run.
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import numpy as np
 
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.reader import EXPECTED, LOOKED, N_COLUMNS, SYNCED, SimJob
+
+_SLOT, _JOB_ID = attrgetter("slot"), attrgetter("job_id")
 
 #: Column order of a row (StepState's static fields, before `curriculum` and `scalar` are derived).
 K, CHUNK, TOTAL, IDEAL, GPU_IDEAL, CPU_BOUND, GPUS, IRREGULAR, FSTAR, CURRICULUM, VOLATILE = range(11)
@@ -82,7 +85,7 @@ class JobTable:
     def refresh_volatile(self, jobs: list[SimJob], cache: SimCacheSystem) -> None:
         """Whether each job's cache is volatile (after the cache system's layout changed)."""
         if jobs:
-            slots = np.fromiter((j.slot for j in jobs), dtype=np.int64, count=len(jobs))
+            slots = np.fromiter(map(_SLOT, jobs), dtype=np.int64, count=len(jobs))
             self.rows[slots, VOLATILE] = np.fromiter((cache.volatile_for(j) for j in jobs), dtype=bool, count=len(jobs))
 
     def sync(self, slots: np.ndarray, unread: np.ndarray, volatile: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -103,10 +106,10 @@ class JobTable:
         curriculum, scalar) of `jobs`, in their order: StepState's static fields (fstar: the job
         corrects a declared f*; scalar: curriculum or a volatile cache)."""
         n = len(jobs)
-        slots = np.fromiter((j.slot for j in jobs), dtype=np.int64, count=n)
+        slots = np.fromiter(map(_SLOT, jobs), dtype=np.int64, count=n)
         cols = self.rows[slots].T.copy()
         curriculum = cols[CURRICULUM] != 0.0
-        return ([j.job_id for j in jobs], slots, cols[K], cols[CHUNK], cols[TOTAL], cols[IDEAL], cols[GPU_IDEAL], cols[CPU_BOUND],
+        return (list(map(_JOB_ID, jobs)), slots, cols[K], cols[CHUNK], cols[TOTAL], cols[IDEAL], cols[GPU_IDEAL], cols[CPU_BOUND],
                 cols[GPUS].astype(np.int64), cols[IRREGULAR] != 0.0, cols[FSTAR] != 0.0, curriculum, curriculum | (cols[VOLATILE] != 0.0))
 
 

@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 from fuse_client.accounting import JobAccounting
 from fuse_client.breaker import CircuitBreaker, RemoteUnavailable
 from fuse_client.cache_store import DatasetCache, item_key
+from fuse_client.pause_log import PauseLog
 from fuse_client.peer_watch import PeerWatch
 from fuse_client.remote import FileEntry, RemoteFetchError, RemoteStore
 from fuse_client.single_flight import Flight, Flights
@@ -80,6 +81,7 @@ class ItemResolver:
         self._active_lock = threading.Lock()
         self._last_progress = time.monotonic()  # any fetch of this mount delivered / started
         self._throttled_fetches = 0  # leaders waiting for tokens now
+        self._pauses = PauseLog()  # when this process did not run: not the remote's stall
 
     def close(self) -> None:
         """At unmount: stop the prober, cancel queued fetches and wake the opens waiting for them.
@@ -104,7 +106,8 @@ class ItemResolver:
         renamed into the cache. A miss waits in slices: it raises InterruptedError (EINTR) as
         soon as `cancelled()` (the FUSE request was interrupted, e.g. its reader was killed), and
         RemoteFetchError once its fetch - or, while it is queued, every fetch of this mount - has
-        made no progress for the open deadline (see _stalled). The fetch itself goes on.
+        made no progress for the open deadline while this process ran (see _stalled; time it
+        was stopped does not count: pause_log.py). The fetch itself goes on.
         """
         t0 = time.perf_counter()
         hit = self.resolve_cached(entry, t0)
@@ -195,7 +198,13 @@ class ItemResolver:
               result: list[_LeaderResult] | None = None) -> None:
         """Wait for `flight` in slices; leave it (InterruptedError / RemoteFetchError) when the
         request is cancelled or the fetch stalls. Returns once the flight is done."""
+        seen = time.monotonic()
         while not flight.done.wait(WAIT_SLICE_S):
+            # From one look to the next should take a slice; much longer, and this process was
+            # not running (stopped, frozen, starved): the stall clock must not count that span.
+            now = time.monotonic()
+            self._pauses.woke(seen + WAIT_SLICE_S, now)
+            seen = now
             if cancelled is not None and cancelled():
                 error: OSError = InterruptedError(errno.EINTR, f"open of {entry.path!r} interrupted")
             elif self._stalled(flight):
@@ -215,19 +224,25 @@ class ItemResolver:
         return policy.deadline_s + policy.client_timeout_s + 1.0
 
     def _stalled(self, flight: Flight) -> bool:
-        now = time.monotonic()
-        limit = self._stall_limit()
+        # Read in the reverse order of the leader's writes (it stamps `progress` before it sets
+        # `started` or clears a wait's mark): a cleared mark is then never seen with the stamp
+        # from before the wait.
         if flight.waiting_peer or flight.throttled:
             # Another process fetches it, or it waits for the job's own tokens: slow by decision
             # (a rate the data manager set, 0 included), not the remote's stall. Such a wait still
             # ends at once on an interrupt.
             return False
         if flight.started:
-            return now - flight.progress > limit
-        # Queued behind other fetches: a stall only if none of this mount's fetches progresses.
-        if self._throttled_fetches:
+            since = flight.progress
+        elif self._throttled_fetches:
             return False
-        return now - max(flight.created, self._last_progress) > limit
+        else:
+            # Queued behind other fetches: a stall only if none of this mount's fetches progresses.
+            since = max(flight.created, self._last_progress)
+        now = time.monotonic()
+        # Only the time this process ran since then: the remote cannot be blamed for a span in
+        # which nothing here could read what it sent.
+        return now - since - self._pauses.paused(since, now) > self._stall_limit()
 
     def _progressed(self, flight: Flight) -> None:
         flight.progress = self._last_progress = time.monotonic()
@@ -237,8 +252,10 @@ class ItemResolver:
     def _lead(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
         with self._active_lock:
             self._active += 1
+        # Its own clock starts (the mount's does not: no data yet), before it is marked started:
+        # a waiter must never see it started with no stamp (0.0, a stall since boot).
+        flight.progress = time.monotonic()
         flight.started = True
-        flight.progress = time.monotonic()  # its own clock starts; the mount's does not (no data yet)
         try:
             self._lead_flight(flight, entry, key, result)
         finally:
@@ -256,8 +273,11 @@ class ItemResolver:
                 try:
                     locks.acquire(key, self._peer_check(entry, key))
                 finally:
-                    flight.waiting_peer = False
+                    # Stamped before the mark is cleared: the peer's fetch may have taken longer
+                    # than the stall limit, and a waiter that saw the mark gone with the stamp from
+                    # before it would fail the open just as its item arrives.
                     flight.progress = time.monotonic()
+                    flight.waiting_peer = False
                     locks.unmark_waiting(key)
             try:
                 r = self._lead_locked(entry, key, flight)
@@ -399,12 +419,16 @@ class _FlightThrottle:
         try:
             r.throttle.acquire(nbytes)
         finally:
+            # The wait for our own tokens is not the remote's stall (as in RemoteStore.fetch);
+            # a grant is not progress of the remote either. Shifted before the mark is cleared:
+            # a gap between grants can be longer than the stall limit (a low rate), and a waiter
+            # that saw the mark gone with the stamp from before the wait failed the open with EIO
+            # (test_fuse_peer_freeze.py, the stopped peer's own read, whose wake-up at SIGCONT
+            # lined up with the grant's).
+            f.progress += time.monotonic() - t0
             f.throttled -= 1
             with r._active_lock:
                 r._throttled_fetches -= 1
-            # The wait for our own tokens is not the remote's stall (as in RemoteStore.fetch);
-            # a grant is not progress of the remote either.
-            f.progress += time.monotonic() - t0
 
 
 __all__ = ["ItemResolver", "LocalItem", "RemoteUnavailable"]

@@ -376,11 +376,17 @@ class Simulator:
 
     def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
         """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
-        if not active:
-            return
-        ref = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
-        for job, r in zip(active, ref.tolist(), strict=True):
-            job.reference = r
+        if active:
+            self._table.reference[self._active_slots(active)] = equal_share_throughput(
+                GavelProblem.from_snapshot(snapshot, manages_storage=True))
+
+    def _active_slots(self, active: list[SimJob]) -> np.ndarray:
+        return np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active))
+
+    def _time_shared(self, active: list[SimJob]) -> bool:
+        """Whether some active job holds a GPU share strictly between 0 and 1."""
+        share = self._table.share[self._active_slots(active)]
+        return bool(((share > 0.0) & (share < 1.0 - 1e-9)).any())
 
     def _step_limit(self, running: list[SimJob], st: StepState, caps_arr: np.ndarray, m: np.ndarray, last_dt: float | None) -> float:
         """Longest step over which every running job's demand on the link (f* x its miss ratio m)
@@ -575,11 +581,12 @@ class Simulator:
                 snapshot = self._snapshot(now, active)
                 allocation = self.core.decide(snapshot)
                 self._references(snapshot, active)
-                for job in active:
-                    job.share = allocation.gpu_share.get(job.job_id, 0.0)
+                gpu_share = allocation.gpu_share
+                self._table.share[self._active_slots(active)] = np.fromiter((gpu_share.get(i, 0.0) for i in snapshot.columns.ids),
+                                                                            dtype=float, count=len(active))
                 self._fair = None
                 # Shares change only here (and finished jobs only leave).
-                time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
+                time_shared = self._time_shared(active)
             if need_decision or now >= round_end - 1e-9:
                 # Who holds GPUs changes only at round boundaries (and when the jobs change).
                 plan = self.core.plan_round(snapshot, allocation)
@@ -722,7 +729,7 @@ class Simulator:
                 )
                 need_decision = True
             if finished:
-                time_shared = any(0.0 < j.share < 1.0 - 1e-9 for j in active)
+                time_shared = self._time_shared(active)
             now += dt
             if self.progress is not None:
                 self.progress(min(done_work / total_work, 1.0) if total_work > 0 else 1.0)
@@ -1057,10 +1064,11 @@ class Simulator:
         are products of non-negative finite numbers."""
         cols = self._fair
         if cols is None:
-            counted = [j for j in active if j.reference > 0]
-            share = np.array([j.share for j in counted], dtype=float)
-            slots = np.array([j.slot for j in counted], dtype=np.int64)
-            cols = self._fair = (slots, share, np.array([j.reference for j in counted], dtype=float), bool((share == 0.0).any()))
+            table = self._table
+            slots = self._active_slots(active)
+            counted = slots[table.reference[slots] > 0]
+            share = table.share[counted]
+            cols = self._fair = (counted, share, table.reference[counted], bool((share == 0.0).any()))
         slots, share, reference, some_zero = cols
         if not slots.size:
             return None

@@ -31,6 +31,10 @@ class JobTable:
         self.rows = np.zeros((64, VOLATILE + 1), dtype=float)
         #: Bytes/s each job read at in the last step it ran (Eq. 8's perf, engine._fairness).
         self.last_rate = np.zeros(64, dtype=float)
+        #: The job's GPU share and Eq. 8's reference (SiloDPerf at the equal share) from the last
+        #: decision (0 until its first).
+        self.share = np.zeros(64, dtype=float)
+        self.reference = np.zeros(64, dtype=float)
         self.state = np.zeros((64, N_COLUMNS), dtype=float)
         #: What the policy last saw of each job (its JobView's remaining bytes, running, hit ratio
         #: and f*; NaN: no view yet): a snapshot rebuilds only the views whose values changed.
@@ -48,6 +52,8 @@ class JobTable:
             if slot >= len(self.rows):
                 self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
                 self.last_rate = np.concatenate([self.last_rate, np.zeros_like(self.last_rate)])
+                self.share = np.concatenate([self.share, np.zeros_like(self.share)])
+                self.reference = np.concatenate([self.reference, np.zeros_like(self.reference)])
                 self.state = np.concatenate([self.state, np.zeros_like(self.state)])
                 self.seen = np.concatenate([self.seen, np.full_like(self.seen, np.nan)])
                 self._owner.extend([None] * len(self._owner))
@@ -58,7 +64,7 @@ class JobTable:
         self.state[slot] = job.state[job.row]
         job.state, job.row = self.state, slot
         self._owner[slot] = job
-        self.last_rate[slot] = 0.0
+        self.last_rate[slot] = self.share[slot] = self.reference[slot] = 0.0
         self.seen[slot] = np.nan
         self.rows[slot] = (job.dataset.n_chunks, job.dataset.chunk_size, job.total_bytes, job.ideal, job.gpu_ideal,
                            _cpu_bound(job), job.gpus, not job.regular, job.fstar is not None, job.pacing is not None,

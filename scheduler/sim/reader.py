@@ -86,8 +86,6 @@ class SimJob:
     running: bool = False
     epoch_hit_ratios: list[float] = field(default_factory=list)  # completed epochs
     job_id: str = field(init=False)
-    reference: float = 0.0  # SiloDPerf at the equal share (Eq. 8 denominator)
-    share: float = 0.0
     pacing: CurriculumPacing | None = None  # curriculum jobs: their pacing function
     item_size: float = 0.0  # bytes per item (curriculum jobs count items and iterations)
     _level: int = -1  # pacing level floor(i / step) that _eligible and _growth_at are for

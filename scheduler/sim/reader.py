@@ -94,9 +94,9 @@ class SimJob:
     view: JobView | None = None  # what the policy last saw of it (the engine rebuilds it when it changes)
     regular: bool = field(init=False)  # reads as `epoch` (trace.access.regular, asked at every step)
     slot: int = -1  # its row in the engine's job table while active (job_table.py)
-    #: The 2-D array holding its reading position (row `row`, columns below): its own one-row
-    #: array until the engine's job table takes the row over (job_table.py), so that a step can
-    #: advance every running job's position as columns.
+    #: The 2-D array holding its reading position (row `row`, the columns CONSUMED... above): a
+    #: one-row array of its own until the engine's job table takes the row over (job_table.py),
+    #: so that a step can advance every running job's position as columns.
     state: np.ndarray = field(init=False)
     row: int = 0
 

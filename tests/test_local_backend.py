@@ -240,7 +240,11 @@ def test_kill_9_of_silod_serve_loses_no_job(tmp_path):
                 time.sleep(0.2)
         r = httpx.post(f"{url}/v1/datasets", headers=h, json={"name": "ds", "uri": (tmp_path / "remote" / "ds").as_uri(), "size": d})
         assert r.status_code == 201, r.text
-        ids = [httpx.post(f"{url}/v1/jobs", headers=h, json={"name": f"j{i}", "gpus": 1, "dataset": "ds", "epochs": 4,
+        # 12 epochs of 2.5 MB at about 4 MB/s each: ~7 s, so neither job can finish between the
+        # poll that sees both running and the status check (with 4 epochs, ~3 s, the check once
+        # found a job no longer running in CI on a 2-core VM).
+        epochs = 12
+        ids = [httpx.post(f"{url}/v1/jobs", headers=h, json={"name": f"j{i}", "gpus": 1, "dataset": "ds", "epochs": epochs,
                                                               "ideal_throughput": 3e6}).json()["id"] for i in range(2)]
         deadline = time.time() + 40
         while time.time() < deadline:
@@ -255,7 +259,7 @@ def test_kill_9_of_silod_serve_loses_no_job(tmp_path):
         time.sleep(1.0)
         jobs_dir = tmp_path / "state" / "local" / "jobs"
         statuses = {i: json.loads((jobs_dir / i / "status.json").read_text()) for i in ids}
-        assert all(s["state"] == "running" for s in statuses.values()), "workers keep running without the service"
+        assert all(s["state"] == "running" for s in statuses.values()), f"workers keep running without the service: {statuses}"
         serve = _serve(tmp_path, port)
         deadline = time.time() + 90
         jobs = []
@@ -268,7 +272,7 @@ def test_kill_9_of_silod_serve_loses_no_job(tmp_path):
                 pass
             time.sleep(0.5)
         assert [j["state"] for j in jobs] == ["finished", "finished"], jobs
-        assert all(j["consumed_bytes"] == pytest.approx(4 * d) for j in jobs)
+        assert all(j["consumed_bytes"] == pytest.approx(epochs * d) for j in jobs)
         for i in ids:  # the restarted attempt resumed from recorded progress, not from zero
             st = json.loads((jobs_dir / i / "status.json").read_text())
             assert st["attempt"] == 1 or st["start_consumed_bytes"] > 0

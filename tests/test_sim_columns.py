@@ -54,8 +54,8 @@ class CheckingSimulator(Simulator):
 
     checked = 0
 
-    def _snapshot(self, now, active):
-        snap = super()._snapshot(now, active)
+    def _snapshot(self, now, active, slots):
+        snap = super()._snapshot(now, active, slots)
         cols = snap.job_columns()
         assert cols is not None
         ref = JobColumns.of(snap.jobs)

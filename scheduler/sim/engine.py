@@ -290,27 +290,28 @@ class Simulator:
         items = int(trace.dataset_sizes[name] / self.item_sizes[name])
         return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / start)))
 
-    def _snapshot(self, now: float, active: list[SimJob]) -> Snapshot:
+    def _snapshot(self, now: float, active: list[SimJob], slots: np.ndarray) -> Snapshot:
         """The jobs as the policy sees them, with the same jobs as columns (JobColumns).
 
         A job's JobView is kept between decisions and rebuilt only when what the policy sees of
         it changed (a queued job's view stays the same until it runs): building ~300 frozen
         views per decision was the largest single cost of a Fig. 12 run. Likewise a dataset's
-        view is kept while its cached bytes stay the same."""
+        view is kept while its cached bytes stay the same. `slots`: the active jobs' rows in the
+        job table (_active_slots)."""
         measured = self.core.estimator.manages_storage
         told = self.config.partition
         cache = self.cache
         # The columns from the job table; the views only where what they hold changed.
         n = len(active)
         table = self._table
-        slots = np.fromiter(map(_SLOT, active), dtype=np.int64, count=n)
+        self._refresh_layout()  # the volatile column, which the hit ratios read, follows the layout
         rows = table.rows[slots]
         remaining = np.maximum(rows[:, TOTAL] - table.state[slots, CONSUMED], 0.0)
         ideal = rows[:, GPU_IDEAL].copy()
         for i in np.flatnonzero(rows[:, FSTAR] != 0.0).tolist():
             ideal[i] = active[i].fstar.estimate  # the scheduler's f*, not the declared one
         running = np.fromiter(map(_RUNNING, active), dtype=bool, count=n)
-        hits = self._hit_ratios(active, slots) if measured else None
+        hits = self._hit_ratios(active, slots, rows) if measured else None
         seen = table.seen[slots]
         changed = (seen[:, 0] != remaining) | (seen[:, 1] != running) | (seen[:, 3] != ideal)
         if measured:
@@ -346,12 +347,11 @@ class Simulator:
                              tuple(map(_JOB_ID, active)), names)
         return Snapshot(now, jobs, dviews, self.capacity, columns)
 
-    def _hit_ratios(self, active: list[SimJob], slots: np.ndarray) -> np.ndarray:
-        """SimJob.hit_ratio_now of every active job: on the job table's columns for epoch
-        readers inside an epoch, by the job for the others (curriculum jobs, an epoch's end)."""
-        self._refresh_layout()
+    def _hit_ratios(self, active: list[SimJob], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """SimJob.hit_ratio_now of every active job (`rows`: their job-table rows): on the table's
+        columns for epoch readers inside an epoch, by the job for the others (curriculum jobs, an
+        epoch's end)."""
         table = self._table
-        rows = table.rows[slots]
         k = rows[:, K]
         left = k - table.state[slots, LOOKED]
         inside = (rows[:, CURRICULUM] == 0.0) & (left > 0)
@@ -374,18 +374,17 @@ class Simulator:
         self.cache.apply_autocache(autocache, {n: datasets[n] for n in sorted(names & datasets.keys(), key=lambda n: datasets[n].index)})
         self._expanded = {n for n in names if n in datasets and datasets[n].expansion != 1.0}
 
-    def _references(self, snapshot: Snapshot, active: list[SimJob]) -> None:
+    def _references(self, snapshot: Snapshot, slots: np.ndarray) -> None:
         """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
-        if active:
-            self._table.reference[self._active_slots(active)] = equal_share_throughput(
-                GavelProblem.from_snapshot(snapshot, manages_storage=True))
+        if slots.size:
+            self._table.reference[slots] = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
 
     def _active_slots(self, active: list[SimJob]) -> np.ndarray:
         return np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active))
 
-    def _time_shared(self, active: list[SimJob]) -> bool:
-        """Whether some active job holds a GPU share strictly between 0 and 1."""
-        share = self._table.share[self._active_slots(active)]
+    def _time_shared(self, slots: np.ndarray) -> bool:
+        """Whether some active job (`slots`: their rows) holds a GPU share strictly between 0 and 1."""
+        share = self._table.share[slots]
         return bool(((share > 0.0) & (share < 1.0 - 1e-9)).any())
 
     def _step_limit(self, running: list[SimJob], st: StepState, caps_arr: np.ndarray, m: np.ndarray, last_dt: float | None) -> float:
@@ -545,7 +544,7 @@ class Simulator:
                     deferred = False
                     # The last job finished: apply the plan for no jobs as at any completion
                     # (silod and quiver drop the datasets nobody reads any more), idle or not.
-                    snapshot = self._snapshot(now, [])
+                    snapshot = self._snapshot(now, [], np.zeros(0, dtype=np.int64))
                     allocation = self.core.decide(snapshot)
                     plan = self.core.plan_round(snapshot, allocation)
                     running = []
@@ -578,15 +577,16 @@ class Simulator:
                     deferred, need_decision = False, True
             if need_decision:
                 last_decision = now
-                snapshot = self._snapshot(now, active)
+                slots = self._active_slots(active)
+                snapshot = self._snapshot(now, active, slots)
                 allocation = self.core.decide(snapshot)
-                self._references(snapshot, active)
+                self._references(snapshot, slots)
                 gpu_share = allocation.gpu_share
-                self._table.share[self._active_slots(active)] = np.fromiter((gpu_share.get(i, 0.0) for i in snapshot.columns.ids),
-                                                                            dtype=float, count=len(active))
+                self._table.share[slots] = np.fromiter((gpu_share.get(i, 0.0) for i in snapshot.columns.ids), dtype=float,
+                                                       count=len(active))
                 self._fair = None
                 # Shares change only here (and finished jobs only leave).
-                time_shared = self._time_shared(active)
+                time_shared = self._time_shared(slots)
             if need_decision or now >= round_end - 1e-9:
                 # Who holds GPUs changes only at round boundaries (and when the jobs change).
                 plan = self.core.plan_round(snapshot, allocation)
@@ -729,7 +729,7 @@ class Simulator:
                 )
                 need_decision = True
             if finished:
-                time_shared = self._time_shared(active)
+                time_shared = self._time_shared(self._active_slots(active))
             now += dt
             if self.progress is not None:
                 self.progress(min(done_work / total_work, 1.0) if total_work > 0 else 1.0)

@@ -50,12 +50,9 @@ class JobTable:
             slot = self._next
             self._next += 1
             if slot >= len(self.rows):
-                self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
-                self.last_rate = np.concatenate([self.last_rate, np.zeros_like(self.last_rate)])
-                self.share = np.concatenate([self.share, np.zeros_like(self.share)])
-                self.reference = np.concatenate([self.reference, np.zeros_like(self.reference)])
-                self.state = np.concatenate([self.state, np.zeros_like(self.state)])
-                self.seen = np.concatenate([self.seen, np.full_like(self.seen, np.nan)])
+                for name in ("rows", "last_rate", "share", "reference", "state"):
+                    setattr(self, name, _doubled(getattr(self, name), 0.0))
+                self.seen = _doubled(self.seen, np.nan)
                 self._owner.extend([None] * len(self._owner))
                 for owner in self._owner:
                     if owner is not None:
@@ -117,6 +114,11 @@ class JobTable:
         curriculum = cols[CURRICULUM] != 0.0
         return (list(map(_JOB_ID, jobs)), slots, cols[K], cols[CHUNK], cols[TOTAL], cols[IDEAL], cols[GPU_IDEAL], cols[CPU_BOUND],
                 cols[GPUS].astype(np.int64), cols[IRREGULAR] != 0.0, cols[FSTAR] != 0.0, curriculum, curriculum | (cols[VOLATILE] != 0.0))
+
+
+def _doubled(a: np.ndarray, fill: float) -> np.ndarray:
+    """`a` with as many rows again, filled with `fill`."""
+    return np.concatenate([a, np.full_like(a, fill)])
 
 
 def _cpu_bound(job: SimJob) -> float:

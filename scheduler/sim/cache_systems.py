@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 import math
 from operator import attrgetter
@@ -40,15 +40,15 @@ from operator import attrgetter
 import numpy as np
 
 from estimator.errors import UserError
+from scheduler.sim.lru_kernel import lru_access, lru_turns
+from scheduler.sim.reader_rows import MOVED, UNREAD
+from scheduler.sim.reader_rows import ReaderRows
 from scheduler.sim.types import CacheReader
 from scheduler.sim.types import SimDataset
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 _NO_CHUNKS = np.zeros(0, dtype=np.int64)
 _NO_CHUNKS.flags.writeable = False
-#: Chunks per dataset the LRU's integer keys leave room for (AlluxioLRUCache.order); the
-#: engine's MAX_RESOLUTION keeps every dataset far below it.
-KEY_STRIDE = 1 << 32
 
 
 @dataclass(eq=False, slots=True)
@@ -169,6 +169,7 @@ class SimCacheSystem(ABC):
         self.total_gpus = total_gpus
         self.rng = np.random.default_rng(seed)
         self.readers: dict[str, list[CacheReader]] = {}  # domain key -> active jobs reading it
+        self.rows = ReaderRows()  # the registered readers' epoch state
         self.evicted_bytes = 0.0  # bytes evicted to make room or on shrink (cache churn)
 
     # ----------------------------------------------------------------- readers
@@ -177,6 +178,7 @@ class SimCacheSystem(ABC):
         return job.dataset.name
 
     def register(self, job: CacheReader) -> None:
+        self.rows.add(job)
         self.readers.setdefault(self.key(job), []).append(job)
 
     def unregister(self, job: CacheReader) -> None:
@@ -184,6 +186,7 @@ class SimCacheSystem(ABC):
         group = self.readers.get(key)
         if group is not None and job in group:
             group.remove(job)
+            self.rows.remove(job)
             if not group:
                 # Only keys with active readers stay: Quiver ranks every one at every plan, and
                 # a Fig. 12 trace's 1,400 datasets made that a pass over mostly empty groups.
@@ -194,17 +197,50 @@ class SimCacheSystem(ABC):
         read them yet in their epoch see a different rest-of-epoch hit ratio."""
         if chunks.size == 0:
             return
+        counts = self.rows.counts
         if chunks.size == 1:  # the common case (_access_uniform), on scalars
             c = int(chunks[0])
             for job in self.readers.get(key, ()):
                 if not job.read_mask[c]:
-                    job.unread_cached += delta
-                    job.moved += 1
+                    row = job.crow
+                    counts[row, UNREAD] += delta
+                    counts[row, MOVED] += 1
             return
         for job in self.readers.get(key, ()):
             moved = int(np.count_nonzero(~job.read_mask[chunks]))
-            job.unread_cached += delta * moved
-            job.moved += moved
+            counts[job.crow, UNREAD] += delta * moved
+            counts[job.crow, MOVED] += moved
+
+    def look_up_in_turn(self, jobs: Sequence[CacheReader], crows: np.ndarray, turns: np.ndarray, simple: np.ndarray,
+                        unread: np.ndarray, lo: np.ndarray, hi: np.ndarray, fresh: bool, hits: np.ndarray,
+                        per_job: Callable[[int], None]) -> None:
+        """A step's look-ups, job by job in order, as the per-job loop makes them (the engine's
+        column advance). `turns`: the positions in `jobs` (ascending) of the jobs that look
+        chunks `perm[lo:hi]` up if `simple`, else are advanced by `per_job(i)`. A job whose count
+        of cached unread chunks is no longer `unread` (its rows `crows` in `self.rows`) when its
+        turn comes, because an earlier job's admissions or evictions moved it, is advanced by
+        `per_job` instead, at its turn: among the turns, and among the jobs between them once
+        the cache may have changed (from the start unless `fresh`). `hits[i]` gets the hits of
+        each look-up made."""
+        unread_col = self.rows.counts[:, UNREAD]
+        crow_l, simple_l, unread_l, lo_l, hi_l = crows.tolist(), simple.tolist(), unread.tolist(), lo.tolist(), hi.tolist()
+        changed = not fresh
+        prev = 0
+        n = len(jobs)
+        for q in (*turns.tolist(), n):
+            if changed:
+                for i in range(prev, q):
+                    if unread_col[crow_l[i]] != unread_l[i]:
+                        per_job(i)
+            if q == n:
+                break
+            prev = q + 1
+            changed = True
+            if not simple_l[q] or unread_col[crow_l[q]] != unread_l[q]:
+                per_job(q)
+                continue
+            job = jobs[q]
+            hits[q] = self.access(job, job.perm[lo_l[q]:hi_l[q]])
 
     # ----------------------------------------------------------------- interface
     def apply_autocache(self, autocache: Mapping[str, float], datasets: Mapping[str, SimDataset]) -> None:
@@ -300,7 +336,7 @@ def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndar
         if dom is None:
             return 0, chunks[:0]
         if dom.cached[c]:
-            job.unread_cached -= 1
+            job.counts[job.crow, UNREAD] -= 1
             return 1, chunks[:0]
         if dom.count < dom.limit_chunks:
             dom.cached[c] = True
@@ -313,7 +349,7 @@ def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndar
     hits = dom.cached[chunks]
     job.read_mask[chunks] = True
     n_hits = int(np.count_nonzero(hits))
-    job.unread_cached -= n_hits
+    job.counts[job.crow, UNREAD] -= n_hits
     return n_hits, (dom.admit(chunks[~hits]) if dom.filling else chunks[:0])
 
 
@@ -588,31 +624,91 @@ class AlluxioLRUCache(SimCacheSystem):
     resolution_factor = 2
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
+        self._totals = np.zeros(2, dtype=float)  # bytes cached, bytes evicted (lru_access keeps both)
         super().__init__(capacity, total_gpus, seed)
-        self.cached: dict[str, np.ndarray] = {}
-        self.counts: dict[str, int] = {}
         self.datasets: dict[str, SimDataset] = {}
-        #: Least recent first: key -> chunk bytes. A key is base + chunk, `base` a multiple of
-        #: KEY_STRIDE per dataset (_array): int keys hash and compare faster than (name, chunk)
-        #: tuples, and a look-up is made for every chunk every job reads.
-        self.order: OrderedDict[int, float] = OrderedDict()
-        self.base: dict[str, int] = {}
-        self.by_base: list[str] = []  # base // KEY_STRIDE -> dataset name
-        self.cached_by_base: list[np.ndarray] = []  # base // KEY_STRIDE -> its `cached` array
-        self.total_bytes = 0.0
+        self.index: dict[str, int] = {}  # dataset name -> its index in the arrays below
+        # Per chunk key (a dataset's offset + the chunk; key 0 heads the LRU list), the arrays
+        # lru_kernel.lru_access works on: cached or not, the LRU order as a doubly linked list
+        # (least recent first), and the key's dataset.
+        self._cached = np.zeros(1024, dtype=bool)
+        self._next = np.zeros(1024, dtype=np.int64)
+        self._prev = np.zeros(1024, dtype=np.int64)
+        self._key_ds = np.zeros(1024, dtype=np.int64)
+        self._keys = 1
+        self.cached: dict[str, np.ndarray] = {}  # per dataset, a view of its keys' `_cached`
+        # Per dataset index: its first key, chunk bytes and cached chunks.
+        self._offsets = np.zeros(16, dtype=np.int64)
+        self._ds_size = np.zeros(16, dtype=float)
+        self._ds_counts = np.zeros(16, dtype=np.int64)
+        self._reader_ptr = np.zeros(17, dtype=np.int64)  # each dataset's readers' rows (CSR; _readers_csr)
+        self._reader_rows = np.zeros(0, dtype=np.int64)
+        self._readers_stale = True
         self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
-    def _array(self, dataset: SimDataset) -> np.ndarray:
-        arr = self.cached.get(dataset.name)
-        if arr is None:
-            arr = self.cached[dataset.name] = np.zeros(dataset.n_chunks, dtype=bool)
-            self.counts[dataset.name] = 0
-            self.datasets[dataset.name] = dataset
-            self.base[dataset.name] = len(self.by_base) * KEY_STRIDE
-            self.by_base.append(dataset.name)
-            self.cached_by_base.append(arr)
-            self.min_chunk = min(self.min_chunk, dataset.chunk_size)
-        return arr
+    # The running totals live in `_totals`, where the compiled look-up adds to them.
+    total_bytes = property(lambda self: float(self._totals[0]))
+
+    @property
+    def evicted_bytes(self) -> float:
+        return float(self._totals[1])
+
+    @evicted_bytes.setter
+    def evicted_bytes(self, value: float) -> None:
+        self._totals[1] = value
+
+    def register(self, job):
+        super().register(job)
+        self._readers_stale = True
+
+    def unregister(self, job):
+        super().unregister(job)
+        self._readers_stale = True
+
+    def _dataset_index(self, dataset: SimDataset) -> int:
+        i = self.index.get(dataset.name)
+        if i is not None:
+            return i
+        i = self.index[dataset.name] = len(self.datasets)
+        self.datasets[dataset.name] = dataset
+        n = dataset.n_chunks
+        if self._keys + n > len(self._cached):
+            size = max(2 * len(self._cached), self._keys + n)
+            for name in ("_cached", "_next", "_prev", "_key_ds"):
+                old = getattr(self, name)
+                grown = np.zeros(size, dtype=old.dtype)
+                grown[:len(old)] = old
+                setattr(self, name, grown)
+            for name, j in self.index.items():  # the views follow the grown array
+                if name in self.cached:
+                    self.cached[name] = self._cached[self._offsets[j]:self._offsets[j] + self.datasets[name].n_chunks]
+        if i >= len(self._offsets):
+            for name in ("_offsets", "_ds_size", "_ds_counts"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
+        self._offsets[i], self._ds_size[i] = self._keys, dataset.chunk_size
+        self._key_ds[self._keys:self._keys + n] = i
+        self.cached[dataset.name] = self._cached[self._keys:self._keys + n]
+        self._keys += n
+        self.min_chunk = min(self.min_chunk, dataset.chunk_size)
+        self._readers_stale = True
+        return i
+
+    def _readers_csr(self) -> None:
+        """Each known dataset's readers' rows, as the compiled look-up reads them."""
+        index, ds, rows = self.index, [], []
+        for name, group in self.readers.items():
+            i = index.get(name)
+            if i is not None:
+                for job in group:
+                    ds.append(i)
+                    rows.append(job.crow)
+        ds_arr = np.array(ds, dtype=np.int64)
+        order = np.argsort(ds_arr, kind="stable")
+        self._reader_rows = np.array(rows, dtype=np.int64)[order]
+        self._reader_ptr = np.zeros(len(self.datasets) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(ds_arr, minlength=len(self.datasets)), out=self._reader_ptr[1:])
+        self._readers_stale = False
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         return None  # LRU takes no allocation: that is the point of the baseline
@@ -622,61 +718,39 @@ class AlluxioLRUCache(SimCacheSystem):
         return arr if arr is not None else np.zeros(job.dataset.n_chunks, dtype=bool)
 
     def visible_chunks(self, job):
-        return self.counts.get(job.dataset.name, 0)
+        i = self.index.get(job.dataset.name)
+        return 0 if i is None else int(self._ds_counts[i])
 
     def access(self, job, chunks):
-        name = job.dataset.name
-        size = job.dataset.chunk_size
-        cached = self._array(job.dataset)
-        base = self.base[name]
-        hits = 0
-        order = self.order
-        read = job.read_mask
-        admit = size <= self.capacity
-        others = None  # the dataset's other readers, gathered at the first admission
-        # The running totals in locals, written back at the end (the same additions in the same
-        # order): this loop runs for every chunk every job reads.
-        total = self.total_bytes
-        evicted = self.evicted_bytes
+        ds = self._dataset_index(job.dataset)
+        if self._readers_stale:
+            self._readers_csr()
+        rows = self.rows
+        return lru_access(chunks, job.crow, ds, job.dataset.chunk_size <= self.capacity, self.capacity * (1 + 1e-12), rows.reads,
+                          rows.counts, self._cached, self._ds_counts, self._next, self._prev, self._key_ds, self._offsets,
+                          self._ds_size, self._totals, self._reader_ptr, self._reader_rows)
+
+    def look_up_in_turn(self, jobs, crows, turns, simple, unread, lo, hi, fresh, hits, per_job):
+        # SimCacheSystem.look_up_in_turn's loop, compiled: it returns to call `per_job`.
+        ds_of = np.fromiter((self._dataset_index(j.dataset) for j in jobs), dtype=np.int64, count=len(jobs))
+        if self._readers_stale:
+            self._readers_csr()
+        admit = self._ds_size <= self.capacity
         full = self.capacity * (1 + 1e-12)
-        counts, readers, by_base, cached_by_base = self.counts, self.readers, self.by_base, self.cached_by_base
-        for c in chunks.tolist():
-            read[c] = True
-            if cached[c]:
-                hits += 1
-                job.unread_cached -= 1
-                order.move_to_end(base + c)
-                continue
-            if not admit:
-                continue
-            if others is None:
-                others = [o for o in readers.get(name, ()) if o is not job]
-            cached[c] = True
-            counts[name] += 1
-            order[base + c] = size
-            total += size
-            for other in others:
-                if not other.read_mask[c]:
-                    other.unread_cached += 1
-                    other.moved += 1
-            while total > full:
-                key, vsize = order.popitem(last=False)
-                ds_index, victim = divmod(key, KEY_STRIDE)
-                cached_by_base[ds_index][victim] = False
-                victim_ds = by_base[ds_index]
-                counts[victim_ds] -= 1
-                total -= vsize
-                evicted += vsize
-                for reader in readers.get(victim_ds, ()):
-                    if not reader.read_mask[victim]:
-                        reader.unread_cached -= 1
-                        reader.moved += 1
-        self.total_bytes = total
-        self.evicted_bytes = evicted
-        return hits
+        turns = np.append(turns, len(jobs))
+        rows = self.rows
+        at, prev, changed = 0, 0, not fresh
+        while True:
+            i, at, prev = lru_turns(turns, at, prev, changed, simple, unread, crows, lo, hi, ds_of, admit, full, hits, rows.perms,
+                                    rows.reads, rows.counts, self._cached, self._ds_counts, self._next, self._prev, self._key_ds,
+                                    self._offsets, self._ds_size, self._totals, self._reader_ptr, self._reader_rows)
+            if i < 0:
+                return
+            per_job(i)
+            changed = True
 
     def cached_bytes(self):
-        return {n: self.counts[n] * self.datasets[n].chunk_size for n in self.cached if self.counts[n]}
+        return {n: int(self._ds_counts[i]) * self.datasets[n].chunk_size for n, i in self.index.items() if self._ds_counts[i]}
 
     def room(self, job):
         return max(int((self.capacity - self.total_bytes) / job.dataset.chunk_size + 1e-9), 0)
@@ -686,8 +760,8 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def visible_and_room(self, jobs):
         n = len(jobs)
-        counts = self.counts
-        visible = np.fromiter((counts.get(name, 0) for name in map(_DATASET_NAME, jobs)), dtype=float, count=n)
+        index, counts = self.index, self._ds_counts
+        visible = np.fromiter((counts[index[name]] if name in index else 0 for name in map(_DATASET_NAME, jobs)), dtype=float, count=n)
         room = np.maximum(np.trunc((self.capacity - self.total_bytes) / _chunk_sizes(jobs) + 1e-9), 0.0)
         return visible, room
 

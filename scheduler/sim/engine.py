@@ -32,8 +32,10 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
+from scheduler.sim.column_kernel import column_step
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
+from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset
 from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS,
                                   REMOTE, SYNCED, TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
@@ -47,8 +49,8 @@ from traces.model import Trace, TraceJob
 CURRICULUM_MIN_CHUNKS = 64
 _EPOCH = AccessPattern.epoch()
 # Per-job reads of every running or active job (map(attrgetter) is about twice a generator's speed).
-_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _MOVED, _UNREAD = (
-    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "moved", "unread_cached"))
+_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW = (
+    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow"))
 MAX_CURRICULUM_CHUNKS = 4096
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
@@ -196,6 +198,7 @@ class StepState:
     unread_real: np.ndarray  # cached unread chunks (SimJob.unread_cached)
     consumed: np.ndarray
     pos: np.ndarray
+    crows: np.ndarray  # rows in the cache system's reader rows (reader_rows.py)
 
     def static(self) -> tuple:
         """The fields up to `scalar` (what JobTable.columns gives)."""
@@ -356,7 +359,8 @@ class Simulator:
         left = k - table.state[slots, LOOKED]
         inside = (rows[:, CURRICULUM] == 0.0) & (left > 0)
         idx = np.flatnonzero(inside)
-        unread = np.fromiter((active[i].unread_cached for i in idx.tolist()), dtype=float, count=idx.size)
+        crows = np.fromiter((active[i].crow for i in idx.tolist()), dtype=np.int64, count=idx.size)
+        unread = self.cache.rows.counts[crows, UNREAD].astype(float)
         _, expected = table.sync(slots[idx], unread, rows[idx, VOLATILE] != 0.0, k[idx])
         hits = np.empty(len(active))
         hits[idx] = 1.0 - np.minimum(np.maximum(1.0 - expected / left[idx], 0.0), 1.0)
@@ -644,8 +648,8 @@ class Simulator:
             bounds = bound_indices(st.gpu_ideal, cpu_now, caps_arr, m.clip(0.0, 1.0))
             k_arr = st.k
             unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR)
-            for job in running:
-                job.moved = 0
+            reader_counts = self.cache.rows.counts
+            reader_counts[st.crows, MOVED] = 0
 
             watch = managed and contended
             if claimers is not None or (self.cache.volatile and len(running) >= 2):
@@ -671,7 +675,7 @@ class Simulator:
                 job.fstar = observe_fstar(job, float(rates[i]), float(ran[i]), caps_arr[i], float(m[i]))
             # Counted over a few chunks the rate is noisy: average it over the last steps (each
             # weighing half the one after it).
-            moved = np.fromiter(map(_MOVED, running), dtype=float, count=len(running))
+            moved = reader_counts[st.crows, MOVED].astype(float)
             state[slots, DRIFT_M] = DRIFT_MEMORY * state[slots, DRIFT_M] + moved / unread0
             state[slots, DRIFT_T] = DRIFT_MEMORY * state[slots, DRIFT_T] + dt
             step_bytes, step_remote = _sequential_sum(read), _sequential_sum(remote)
@@ -884,10 +888,11 @@ class Simulator:
         # SimJob.unread_expected of every running job (called with its `scalar` flag, as the
         # per-job advance calls it), on the job table's columns.
         slots = static[1]
-        unread = np.fromiter(map(_UNREAD, running), dtype=float, count=n)
+        crows = np.fromiter(map(_CROW, running), dtype=np.int64, count=n)
+        unread = self.cache.rows.counts[crows, UNREAD].astype(float)
         looked, expected = self._table.sync(slots, unread, static[-1], static[2])
         position = self._table.state[slots]
-        return StepState(*static, looked, expected, unread, position[:, CONSUMED], position[:, POS])
+        return StepState(*static, looked, expected, unread, position[:, CONSUMED], position[:, POS], crows)
 
     def _refresh_layout(self) -> None:
         """Whether a job's cache is volatile changes only with the cache's layout: the job
@@ -966,65 +971,37 @@ class Simulator:
         n = len(running)
         k, s, ideal = st.k, st.chunk, st.ideal
         p, looked, unread = st.pos, st.looked, st.unread
-        left = k - looked
-        with np.errstate(divide="ignore", invalid="ignore"):
-            m = 1.0 - unread / left
-            m = np.where(m < 1e-12, 0.0, np.where(m > 1.0, 1.0, m))
-            rate = np.where(m == 0.0, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
-            x_need = p + (st.total - st.consumed) / s
-            x = np.minimum(np.minimum(p + rate * dt / s, x_need), k)
-            if first_substep:  # advance's `reach`: a volatile job's sub-step, a whole epoch for the others
-                x = np.minimum(x, np.floor(p + 1e-9) + np.where(st.scalar, np.maximum(1.0, np.floor(k * VOLATILE_SUBSTEP)), k))
-            finishing = x >= x_need - 1e-9
-            last = np.minimum(k, np.ceil(x - np.where(finishing, 1e-12, 1e-9)))
-            done = (x - p) * s
-            missed = m * done
-            t = done / rate
         tol = 1e-9 * max(dt, 1.0)
         scalar = st.curriculum.copy() if first_substep else st.scalar
         if pre:  # preprocessed readers' rate follows their miss ratio: the per-job advance
             scalar = scalar.copy()
             scalar[pre] = True
         substeps = 1 if first_substep else None
-        simple = ~scalar & (left > 0) & (p < k - 1e-9) & (rate > 0) & (x > p) & (finishing | ~(dt - t > tol))
-        stalled = ~scalar & (left > 0) & (p < k - 1e-9) & ((rate <= 0) | (x <= p))
-        last = np.where(simple, last, 0.0).astype(np.int64)
-        looks = simple & (last > looked)
+        m, x, done, missed, t = (np.empty(n) for _ in range(5))
+        finishing, simple, stalled, looks = (np.empty(n, dtype=bool) for _ in range(4))
+        last = np.empty(n, dtype=np.int64)
+        # advance's `reach` in a first sub-step: a volatile job's sub-step, a whole epoch for the others
+        column_step(k, s, ideal, p, looked, unread, st.total, st.consumed, caps, dt, tol, VOLATILE_SUBSTEP if first_substep else 0.0,
+                    st.scalar, scalar, m, x, finishing, last, done, missed, t, simple, stalled, looks)
         out = Outcome(np.where(simple, done, 0.0), np.zeros(n), np.full(n, np.nan), np.where(simple, t, dt))
         # Jobs are taken in order, as the per-job loop would: only those that look chunks up or
         # need the per-job `advance` touch the cache; the others (reading inside chunks looked
         # up before, or stalled) are checked at their turn only once the cache has changed.
         applied = simple.copy()  # whose step is the columns' (the rest: advance's)
-        visit = np.flatnonzero(looks | ~(simple | stalled)).tolist()
-        unread_l = st.unread_real.astype(np.int64).tolist()
-        simple_l = simple.tolist()
-        changed = not fresh  # whether the cache may have changed since `st` was gathered
-        lo_l, hi_l = looked.astype(np.int64).tolist(), last.tolist()
-        lookups: list[int] = []
-        hits: list[int] = []
-        prev = 0
-        for q in (*visit, n):
-            if changed:
-                for i in range(prev, q):
-                    job = running[i]
-                    if job.unread_cached != unread_l[i]:  # an earlier job's admissions or evictions moved it
-                        out.put(i, advance(job, now, dt, float(caps[i]), cache, substeps))
-                        applied[i] = False
-            if q == n:
-                break
-            prev = q + 1
-            job = running[q]
-            changed = True
-            if not simple_l[q] or job.unread_cached != unread_l[q]:
-                out.put(q, advance(job, now, dt, float(caps[q]), cache, substeps))
-                applied[q] = False
-                continue
-            lookups.append(q)
-            hits.append(cache.access(job, job.perm[lo_l[q]:hi_l[q]]))
-        if lookups:
+        visit = np.flatnonzero(looks | ~(simple | stalled))
+
+        def per_job(i: int) -> None:
+            out.put(i, advance(running[i], now, dt, float(caps[i]), cache, substeps))
+            applied[i] = False
+
+        hits = np.full(n, -1, dtype=np.int64)
+        cache.look_up_in_turn(running, st.crows, visit, simple, st.unread_real.astype(np.int64), looked.astype(np.int64), last,
+                              fresh, hits, per_job)
+        lookups = np.flatnonzero(hits >= 0)
+        if lookups.size:
             # SimJob.looked_up and SimJob.fetched of the jobs that looked chunks up, as columns.
-            li = np.array(lookups, dtype=np.int64)
-            rows, lo, hi, n_hits, size = st.slots[li], looked[li], last[li], np.array(hits, dtype=float), k[li]
+            li = lookups
+            rows, lo, hi, n_hits, size = st.slots[li], looked[li], last[li], hits[li].astype(float), k[li]
             state = self._table.state
             state[rows, SYNCED] -= n_hits
             state[rows, EXPECTED] = state[rows, EXPECTED] * (size - hi) / (size - lo)

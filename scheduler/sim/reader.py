@@ -42,6 +42,7 @@ from estimator.measured import FStarEstimate
 from estimator.pipeline import RESOURCES
 from policies.types import JobView
 from scheduler.sim.cache_systems import SimCacheSystem
+from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
 
@@ -66,6 +67,16 @@ def _column(index: int, doc: str, kind: type = float) -> property:
     return property(get, set_, doc=doc)
 
 
+def _count(index: int, doc: str) -> property:
+    def get(job: SimJob) -> int:
+        return int(job.counts[job.crow, index])
+
+    def set_(job: SimJob, value: int) -> None:
+        job.counts[job.crow, index] = value
+
+    return property(get, set_, doc=doc)
+
+
 @dataclass(eq=False, slots=True)
 class SimJob:
     trace: TraceJob
@@ -76,10 +87,12 @@ class SimJob:
     gpu_ideal: float | None = None  # f*, bytes/s, after GPU-speed scaling (default: `ideal`)
     cores: float = math.inf  # CPU cores this round (inf: CPU not modelled)
     fstar: FStarEstimate | None = None  # the scheduler's f* when the declared one is not exact
-    perm: np.ndarray = field(init=False)
+    # The epoch's state the cache system reads and writes at every look-up: arrays of its own
+    # until the cache system registers the job, views of its row there (reader_rows.py).
+    perm: np.ndarray = field(init=False)  # the epoch's order of chunks
     read_mask: np.ndarray = field(init=False)  # chunks looked up in the current epoch (§6 bitset)
-    unread_cached: int = 0  # cached chunks not looked up yet this epoch
-    moved: int = 0  # of those counts, changes made by others' admissions and evictions since the engine reset it
+    counts: np.ndarray = field(init=False)  # row `crow`: (unread_cached, moved)
+    crow: int = 0
     epoch: int = 0
     start_time: float | None = None
     finish_time: float | None = None
@@ -118,6 +131,9 @@ class SimJob:
     expected_cached = _column(EXPECTED, "cached chunks expected among the epoch's unread ones")
     synced = _column(SYNCED, "unread_cached when expected_cached last took in the cache's changes", int)
 
+    unread_cached = _count(UNREAD, "cached chunks not looked up yet this epoch")
+    moved = _count(MOVED, "of those counts, changes made by others' admissions and evictions since the engine reset it")
+
     @property
     def bound_s(self) -> dict[str, float]:
         """Seconds running, per resource that bound it (diagnosis.py), in RESOURCES order."""
@@ -133,6 +149,7 @@ class SimJob:
         self.regular = self.trace.access.regular
         self.perm = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask = np.zeros(self.dataset.n_chunks, dtype=bool)
+        self.counts = np.zeros((1, 2), dtype=np.int64)
 
     @property
     def gpus(self) -> int:
@@ -280,7 +297,7 @@ class SimJob:
         self.epoch_remote = self.epoch_read = 0.0
         if self.pacing is not None:
             return  # `pos` and `looked` count draws; there is no order to shuffle
-        self.perm = self.rng.permutation(self.dataset.n_chunks)
+        self.perm[:] = self.rng.permutation(self.dataset.n_chunks)
         self.read_mask[:] = False
         self.unread_cached = self.synced = cache.visible_chunks(self)
         self.expected_cached = float(self.unread_cached)

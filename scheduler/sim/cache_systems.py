@@ -34,6 +34,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 import math
 from operator import attrgetter
 
@@ -749,6 +750,16 @@ class AlluxioLRUCache(SimCacheSystem):
             per_job(i)
             changed = True
 
+    def recency(self) -> list[tuple[str, int]]:
+        """The cached chunks as (dataset, chunk), least recently used first."""
+        names = list(self.datasets)
+        out, key = [], int(self._next[0])
+        while key:
+            ds = int(self._key_ds[key])
+            out.append((names[ds], key - int(self._offsets[ds])))
+            key = int(self._next[key])
+        return out
+
     def cached_bytes(self):
         return {n: int(self._ds_counts[i]) * self.datasets[n].chunk_size for n, i in self.index.items() if self._ds_counts[i]}
 
@@ -760,8 +771,8 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def visible_and_room(self, jobs):
         n = len(jobs)
-        index, counts = self.index, self._ds_counts
-        visible = np.fromiter((counts[index[name]] if name in index else 0 for name in map(_DATASET_NAME, jobs)), dtype=float, count=n)
+        ds = np.fromiter(map(self.index.get, map(_DATASET_NAME, jobs), repeat(-1, n)), dtype=np.int64, count=n)
+        visible = np.where(ds >= 0, self._ds_counts[ds], 0).astype(float)  # -1: a dataset nobody has read yet
         room = np.maximum(np.trunc((self.capacity - self.total_bytes) / _chunk_sizes(jobs) + 1e-9), 0.0)
         return visible, room
 

@@ -22,7 +22,12 @@ def _min(a: float, b: float) -> float:
     return a if a <= b else b
 
 
-@numba.njit(cache=True, error_model="numpy")
+F, B, I = numba.float64[:], numba.boolean[:], numba.int64[:]  # any layout: positions are strided columns of the job table
+
+
+# A signature compiles (or loads from numba's cache) at import, not inside the first step.
+@numba.njit(numba.void(F, F, F, F, F, F, F, F, F, numba.float64, numba.float64, numba.float64, B, B, F, F, B, I, F, F, F, B, B, B),
+            cache=True, error_model="numpy")
 def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, looked: np.ndarray, unread: np.ndarray,
                 total: np.ndarray, consumed: np.ndarray, caps: np.ndarray, dt: float, tol: float, sub_step: float,
                 reach_sub: np.ndarray, scalar: np.ndarray, m: np.ndarray, x: np.ndarray, finishing: np.ndarray,

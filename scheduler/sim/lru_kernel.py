@@ -35,7 +35,12 @@ def _append(nxt: np.ndarray, prv: np.ndarray, key: int) -> None:
     prv[0] = key
 
 
-@numba.njit(cache=True, error_model="numpy")
+F, B, I = numba.float64[:], numba.boolean[:], numba.int64[:]
+B2, I2, i8 = numba.boolean[:, :], numba.int64[:, :], numba.int64
+
+
+# The signatures compile (or load from numba's cache) at import, not inside a run's first step.
+@numba.njit(i8(I, i8, i8, numba.boolean, numba.float64, B2, I2, B, I, I, I, I, I, F, F, I, I), cache=True, error_model="numpy")
 def lru_access(chunks: np.ndarray, row: int, ds: int, admit: bool, full: float, reads: np.ndarray, counts: np.ndarray,
                cached: np.ndarray, ds_counts: np.ndarray, nxt: np.ndarray, prv: np.ndarray, key_ds: np.ndarray,
                offsets: np.ndarray, ds_size: np.ndarray, totals: np.ndarray, reader_ptr: np.ndarray, reader_rows: np.ndarray) -> int:
@@ -86,7 +91,8 @@ def lru_access(chunks: np.ndarray, row: int, ds: int, admit: bool, full: float, 
     return hits
 
 
-@numba.njit(cache=True, error_model="numpy")
+@numba.njit(numba.types.UniTuple(i8, 3)(I, i8, i8, numba.boolean, B, I, I, I, I, I, B, numba.float64, I, I2, B2, I2, B, I, I, I, I,
+                                          I, F, F, I, I), cache=True, error_model="numpy")
 def lru_turns(turns: np.ndarray, at: int, prev: int, changed: bool, simple: np.ndarray, unread: np.ndarray, crows: np.ndarray,
               lo: np.ndarray, hi: np.ndarray, ds_of: np.ndarray, admit: np.ndarray, full: float, hits: np.ndarray,
               perms: np.ndarray, reads: np.ndarray, counts: np.ndarray, cached: np.ndarray, ds_counts: np.ndarray,

@@ -1,0 +1,168 @@
+"""The simulator's compiled parts against plain references.
+
+- Reader rows (scheduler/sim/reader_rows.py): a job's read mask, permutation and counts move
+  into its cache system's rows when it registers, follow the rows as they grow (more readers, a
+  dataset of more chunks), and leave with the job.
+- Alluxio's compiled LRU (scheduler/sim/lru_kernel.py) against an LRU written here on an
+  OrderedDict, look-up by look-up: the same hits, the same cached chunks in the same recency
+  order, the same evicted bytes; and every reader's count of cached unread chunks equals what
+  its read mask and the cache say, counted from scratch.
+- The compiled turn-by-turn loop (AlluxioLRUCache.look_up_in_turn) against SimCacheSystem's
+  Python loop: the same jobs handed to the per-job advance, the same hits, the same cache.
+The column advance's compiled arithmetic is checked against the per-job advance by
+tests/test_simulator.py::test_the_column_advance_is_exactly_the_per_job_advance.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
+from scheduler.sim.reader import SimJob
+from scheduler.sim.types import SimDataset
+from traces.model import TraceJob
+
+GB = 1e9
+MB = 1e6
+
+
+def _job(name: str, ds: SimDataset, seed: int) -> SimJob:
+    return SimJob(TraceJob(name, 0.0, 1, "m", ds.name, 100 * MB, 1.0), ds, 100 * MB, 10 * GB, np.random.default_rng(seed))
+
+
+def test_a_readers_epoch_state_moves_into_the_cache_systems_rows_and_back_out():
+    small, big = SimDataset("small", 1 * GB, 8, 0), SimDataset("big", 4 * GB, 100, 1)
+    cache = make_cache_system("silod", 0.0, 8)
+    jobs = [_job(f"j{i}", small if i % 3 else big, i) for i in range(40)]  # past 16 rows; a wider dataset after the first
+    perms = [job.perm.copy() for job in jobs]
+    for i, job in enumerate(jobs):
+        job.read_mask[: i % 5] = True
+        job.unread_cached, job.moved = i, 2 * i
+        cache.register(job)
+    rows = cache.rows
+    assert rows.reads.shape[0] >= 40 and rows.reads.shape[1] >= 100
+    for i, job in enumerate(jobs):
+        n = job.dataset.n_chunks
+        assert np.shares_memory(job.read_mask, rows.reads) and np.shares_memory(job.perm, rows.perms) and job.counts is rows.counts
+        assert job.read_mask.sum() == i % 5 and (job.perm == perms[i]).all() and (job.unread_cached, job.moved) == (i, 2 * i)
+        assert not rows.reads[job.crow, n:].any()  # a narrower dataset's row beyond its chunks stays clear
+    rows.counts[jobs[7].crow, 0] += 5  # a compiled update is the job's
+    rows.reads[jobs[7].crow, 3] = True
+    assert jobs[7].unread_cached == 12 and jobs[7].read_mask[3]
+    jobs[8].new_epoch(cache)  # a new permutation in place: the row follows
+    assert (rows.perms[jobs[8].crow, :jobs[8].dataset.n_chunks] == jobs[8].perm).all() and not jobs[8].read_mask.any()
+    gone = jobs[7]
+    row = gone.crow
+    cache.unregister(gone)
+    rows.reads[:] = False
+    rows.counts[:] = -1  # what reuses the row does not touch the job that left
+    assert gone.unread_cached == 12 and gone.moved == 14 and gone.read_mask[3] and gone.read_mask.sum() == 3
+    again = _job("again", big, 99)
+    cache.register(again)
+    assert again.crow == row and again.unread_cached == 0 and not again.read_mask.any()
+
+
+class _ReferenceLru:
+    """Alluxio's cache as its docstring says, on an OrderedDict: read-through, every miss
+    admitted, least recently used chunks evicted at admission."""
+
+    def __init__(self, capacity: float):
+        self.capacity, self.order, self.total, self.evicted = capacity, OrderedDict(), 0.0, 0.0
+
+    def access(self, ds: SimDataset, chunks) -> int:
+        hits = 0
+        for c in chunks:
+            key = (ds.name, int(c))
+            if key in self.order:
+                hits += 1
+                self.order.move_to_end(key)
+                continue
+            if ds.chunk_size > self.capacity:
+                continue
+            self.order[key] = ds.chunk_size
+            self.total += ds.chunk_size
+            while self.total > self.capacity * (1 + 1e-12):
+                _, size = self.order.popitem(last=False)
+                self.total -= size
+                self.evicted += size
+        return hits
+
+
+def _lru_scenario(seed: int):
+    datasets = [SimDataset("a", 1 * GB, 64, 0), SimDataset("b", 3 * GB, 128, 1), SimDataset("c", 0.5 * GB, 16, 2)]
+    cache = make_cache_system("alluxio", 2.2 * GB, 8)
+    jobs = [_job(f"j{i}", datasets[i % 3], seed * 100 + i) for i in range(7)]
+    for job in jobs:
+        cache.register(job)
+        job.start_epoch_view(cache)
+    return cache, jobs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_compiled_lru_answers_as_an_ordered_dict_lru(seed):
+    cache, jobs = _lru_scenario(seed)
+    ref = _ReferenceLru(cache.capacity)
+    rng = np.random.default_rng(seed)
+    for _ in range(600):
+        job = jobs[int(rng.integers(len(jobs)))]
+        if job.looked >= job.dataset.n_chunks:
+            job.new_epoch(cache)
+        lo = job.looked
+        hi = min(job.dataset.n_chunks, lo + int(rng.integers(1, 6)))
+        chunks = job.perm[lo:hi]
+        assert cache.access(job, chunks) == ref.access(job.dataset, chunks.tolist())
+        job.looked = hi
+        assert list(ref.order) == cache.recency()
+        assert cache.evicted_bytes == ref.evicted and cache.total_bytes == ref.total
+        for other in jobs:  # every reader's count, from scratch
+            assert other.unread_cached == int(np.count_nonzero(cache.cached_mask(other) & ~other.read_mask))
+    assert ref.evicted > 10 * GB  # the scenario did evict, across datasets
+
+
+def test_the_compiled_turns_hand_the_same_jobs_to_the_per_job_advance():
+    """AlluxioLRUCache.look_up_in_turn (compiled) and SimCacheSystem.look_up_in_turn (the Python
+    loop every other cache system runs) on the same turns: the per-job advance here looks up
+    the job's next chunks itself, as reader.advance does, so later jobs' counts move."""
+    outcomes = []
+    for compiled in (True, False):
+        cache, jobs = _lru_scenario(5)
+        for job in jobs:  # warm the cache up
+            cache.access(job, job.perm[:6])
+            job.looked = 6
+        rng = np.random.default_rng(11)
+        n = len(jobs)
+        advanced: list[int] = []
+
+        def per_job(i: int) -> None:
+            advanced.append(i)
+            job = jobs[i]
+            cache.access(job, job.perm[job.looked:job.looked + 2])
+            job.looked = min(job.looked + 2, job.dataset.n_chunks)
+
+        for step in range(40):
+            crows = np.array([j.crow for j in jobs], dtype=np.int64)
+            unread = np.array([j.unread_cached for j in jobs], dtype=np.int64)
+            simple = rng.random(n) < 0.8
+            lo = np.array([j.looked for j in jobs], dtype=np.int64)
+            hi = np.minimum(lo + rng.integers(0, 3, n), [j.dataset.n_chunks for j in jobs]).astype(np.int64)
+            turns = np.flatnonzero(~simple | (hi > lo))
+            hits = np.full(n, -1, dtype=np.int64)
+            look = AlluxioLook if compiled else SimCacheSystem.look_up_in_turn
+            look(cache, jobs, crows, turns, simple, unread, lo, hi, step % 2 == 0, hits, per_job)
+            for i in np.flatnonzero(hits >= 0).tolist():
+                jobs[i].looked = int(hi[i])
+            for job in jobs:
+                if job.looked >= job.dataset.n_chunks - 2:
+                    job.new_epoch(cache)
+            outcomes.append((compiled, step, tuple(advanced), tuple(hits.tolist()), cache.evicted_bytes,
+                             tuple(j.unread_cached for j in jobs), tuple(j.moved for j in jobs)))
+            advanced.clear()
+    half = len(outcomes) // 2
+    assert [o[1:] for o in outcomes[:half]] == [o[1:] for o in outcomes[half:]]
+    assert sum(len(o[2]) for o in outcomes[:half]) > 20  # the per-job path was taken, also for moved counts
+
+
+AlluxioLook = type(make_cache_system("alluxio", 1.0, 1)).look_up_in_turn

@@ -41,10 +41,10 @@ from operator import attrgetter
 import numpy as np
 
 from estimator.errors import UserError
-from scheduler.sim.lru_kernel import lru_access, lru_turns
+from scheduler.sim.lru_kernel import EPOCH, FINISHED_EPOCH, lru_access, lru_advance, lru_turns
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.reader_rows import ReaderRows
-from scheduler.sim.types import CacheReader
+from scheduler.sim.types import CacheReader, TurnAdvance
 from scheduler.sim.types import SimDataset
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
@@ -164,6 +164,8 @@ class SimCacheSystem(ABC):
     layout_version = 0
     #: Chunks per dataset as a multiple of the engine's resolution (`--resolution`).
     resolution_factor = 1
+    #: reader.advance compiled for this cache system's epoch readers (None: the Python one).
+    compiled_advance: Callable[..., np.ndarray] | None = None
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         self.capacity = capacity
@@ -214,7 +216,7 @@ class SimCacheSystem(ABC):
 
     def look_up_in_turn(self, jobs: Sequence[CacheReader], crows: np.ndarray, turns: np.ndarray, simple: np.ndarray,
                         unread: np.ndarray, lo: np.ndarray, hi: np.ndarray, fresh: bool, hits: np.ndarray,
-                        per_job: Callable[[int], None]) -> None:
+                        per_job: Callable[[int], None], step: TurnAdvance | None = None) -> None:
         """A step's look-ups, job by job in order, as the per-job loop makes them (the engine's
         column advance). `turns`: the positions in `jobs` (ascending) of the jobs that look
         chunks `perm[lo:hi]` up if `simple`, else are advanced by `per_job(i)`. A job whose count
@@ -222,7 +224,8 @@ class SimCacheSystem(ABC):
         turn comes, because an earlier job's admissions or evictions moved it, is advanced by
         `per_job` instead, at its turn: among the turns, and among the jobs between them once
         the cache may have changed (from the start unless `fresh`). `hits[i]` gets the hits of
-        each look-up made."""
+        each look-up made. `step`: what a compiled per-job advance needs (AlluxioLRUCache; the
+        others call `per_job`)."""
         unread_col = self.rows.counts[:, UNREAD]
         crow_l, simple_l, unread_l, lo_l, hi_l = crows.tolist(), simple.tolist(), unread.tolist(), lo.tolist(), hi.tolist()
         changed = not fresh
@@ -642,6 +645,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self._offsets = np.zeros(16, dtype=np.int64)
         self._ds_size = np.zeros(16, dtype=float)
         self._ds_counts = np.zeros(16, dtype=np.int64)
+        self._admit = np.zeros(16, dtype=bool)  # whether its chunk fits the cache at all
         self._reader_ptr = np.zeros(17, dtype=np.int64)  # each dataset's readers' rows (CSR; _readers_csr)
         self._reader_rows = np.zeros(0, dtype=np.int64)
         self._readers_stale = True
@@ -684,10 +688,10 @@ class AlluxioLRUCache(SimCacheSystem):
                 if name in self.cached:
                     self.cached[name] = self._cached[self._offsets[j]:self._offsets[j] + self.datasets[name].n_chunks]
         if i >= len(self._offsets):
-            for name in ("_offsets", "_ds_size", "_ds_counts"):
+            for name in ("_offsets", "_ds_size", "_ds_counts", "_admit"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
-        self._offsets[i], self._ds_size[i] = self._keys, dataset.chunk_size
+        self._offsets[i], self._ds_size[i], self._admit[i] = self._keys, dataset.chunk_size, dataset.chunk_size <= self.capacity
         self._key_ds[self._keys:self._keys + n] = i
         self.cached[dataset.name] = self._cached[self._keys:self._keys + n]
         self._keys += n
@@ -722,33 +726,68 @@ class AlluxioLRUCache(SimCacheSystem):
         i = self.index.get(job.dataset.name)
         return 0 if i is None else int(self._ds_counts[i])
 
+    def kernel_state(self) -> tuple:
+        """The arrays lru_kernel works on (its LRU tuple), the readers' rows brought up to date."""
+        if self._readers_stale:
+            self._readers_csr()
+        rows = self.rows
+        return (rows.reads, rows.counts, rows.perms, self._cached, self._next, self._prev, self._key_ds, self._ds_counts,
+                self._offsets, self._ds_size, self._admit, self._totals, self._reader_ptr, self._reader_rows, self.capacity * (1 + 1e-12))
+
     def access(self, job, chunks):
         ds = self._dataset_index(job.dataset)
-        if self._readers_stale:
-            self._readers_csr()
-        rows = self.rows
-        return lru_access(chunks, job.crow, ds, job.dataset.chunk_size <= self.capacity, self.capacity * (1 + 1e-12), rows.reads,
-                          rows.counts, self._cached, self._ds_counts, self._next, self._prev, self._key_ds, self._offsets,
-                          self._ds_size, self._totals, self._reader_ptr, self._reader_rows)
+        return lru_access(chunks, job.crow, ds, self.kernel_state())
 
-    def look_up_in_turn(self, jobs, crows, turns, simple, unread, lo, hi, fresh, hits, per_job):
-        # SimCacheSystem.look_up_in_turn's loop, compiled: it returns to call `per_job`.
-        ds_of = np.fromiter((self._dataset_index(j.dataset) for j in jobs), dtype=np.int64, count=len(jobs))
-        if self._readers_stale:
-            self._readers_csr()
-        admit = self._ds_size <= self.capacity
-        full = self.capacity * (1 + 1e-12)
-        turns = np.append(turns, len(jobs))
-        rows = self.rows
+    def compiled_advance(self, job, now: float, dt: float, io_cap: float, substeps: int | None, substep: int) -> np.ndarray:
+        """reader.advance of an epoch reader (not curriculum, not preprocessed), compiled:
+        (bytes read, bytes fetched, finished at or NaN, elapsed). `substep`: its chunks per sub-step."""
+        ds = self._dataset_index(job.dataset)
+        lru = self.kernel_state()
+        res = np.array([0.0, 0.0, np.nan, 0.0])
+        k = job.dataset.n_chunks
+        code, t, left = lru_advance(job.row, job.crow, ds, k, substep, job.dataset.chunk_size, job.ideal, job.total_bytes, io_cap, now,
+                                    dt, 0.0, -1 if substeps is None else substeps, True, res, job.state, lru)
+        self._advance_on(job, ds, code, t, left, substep, io_cap, now, dt, res, lru)
+        return res
+
+    def _advance_on(self, job, ds: int, code: int, t: float, left: int, substep: int, io_cap: float, now: float, dt: float,
+                    res: np.ndarray, lru: tuple) -> None:
+        """Where lru_advance stopped at an epoch's end: the job's next epoch (a new permutation
+        from its own generator), and on with its advance."""
+        while code == EPOCH:
+            job.new_epoch(self)
+            code, t, left = lru_advance(job.row, job.crow, ds, job.dataset.n_chunks, substep, job.dataset.chunk_size, job.ideal,
+                                        job.total_bytes, io_cap, now, dt, t, left, False, res, job.state, lru)
+        if code == FINISHED_EPOCH:
+            job.new_epoch(self)  # records the last epoch's hit ratio
+
+    def look_up_in_turn(self, jobs, crows, turns, simple, unread, lo, hi, fresh, hits, per_job, step=None):
+        # SimCacheSystem.look_up_in_turn's loop, compiled, with the per-job advance compiled
+        # where `step` says what it needs: it returns to Python for `per_job` and epoch ends.
+        n = len(jobs)
+        ds_of = np.fromiter((self._dataset_index(j.dataset) for j in jobs), dtype=np.int64, count=n)
+        lru = self.kernel_state()
+        turns = np.append(turns, n)
+        if step is None:  # every per-job advance in Python
+            z, zi = np.zeros(n), np.zeros(n, dtype=np.int64)
+            step = TurnAdvance(python=np.ones(n, dtype=bool), slots=zi, substep=zi, k=z, chunk=z, ideal=z, total=z, caps=z, now=0.0,
+                               dt=0.0, substeps=-1, state=np.zeros((1, 1)), read=z, remote=z, finished_at=z, elapsed=z,
+                               applied=np.zeros(n, dtype=bool))
+        res = np.empty(4)
         at, prev, changed = 0, 0, not fresh
         while True:
-            i, at, prev = lru_turns(turns, at, prev, changed, simple, unread, crows, lo, hi, ds_of, admit, full, hits, rows.perms,
-                                    rows.reads, rows.counts, self._cached, self._ds_counts, self._next, self._prev, self._key_ds,
-                                    self._offsets, self._ds_size, self._totals, self._reader_ptr, self._reader_rows)
+            i, at, prev, need, t, left = lru_turns(
+                turns, at, prev, changed, simple, unread, crows, lo, hi, ds_of, hits, lru, step.python, step.slots, step.k,
+                step.chunk, step.ideal, step.total, step.substep, step.caps, step.now, step.dt, step.substeps, step.state, step.read,
+                step.remote, step.finished_at, step.elapsed, step.applied, res)
             if i < 0:
                 return
-            per_job(i)
             changed = True
+            if need < 0:
+                per_job(i)
+                continue
+            self._advance_on(jobs[i], int(ds_of[i]), need, t, left, int(step.substep[i]), float(step.caps[i]), step.now, step.dt, res, lru)
+            step.read[i], step.remote[i], step.finished_at[i], step.elapsed[i] = res
 
     def recency(self) -> list[tuple[str, int]]:
         """The cached chunks as (dataset, chunk), least recently used first."""

@@ -36,7 +36,7 @@ from scheduler.sim.column_kernel import column_step
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
-from scheduler.sim.types import SimDataset
+from scheduler.sim.types import SimDataset, TurnAdvance
 from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS,
                                   REMOTE, SYNCED, TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
 from scheduler.core.planner import SchedulingCore
@@ -995,8 +995,15 @@ class Simulator:
             applied[i] = False
 
         hits = np.full(n, -1, dtype=np.int64)
+        step = None
+        if cache.compiled_advance is not None:
+            python = st.curriculum.copy()
+            python[pre] = True
+            step = TurnAdvance(python, st.slots, np.maximum((k * VOLATILE_SUBSTEP).astype(np.int64), 1), k, s, ideal, st.total, caps, now,
+                               dt, -1 if substeps is None else substeps, self._table.state, out.read, out.remote, out.finished_at,
+                               out.elapsed, applied)
         cache.look_up_in_turn(running, st.crows, visit, simple, st.unread_real.astype(np.int64), looked.astype(np.int64), last,
-                              fresh, hits, per_job)
+                              fresh, hits, per_job, step)
         lookups = np.flatnonzero(hits >= 0)
         if lookups.size:
             # SimJob.looked_up and SimJob.fetched of the jobs that looked chunks up, as columns.

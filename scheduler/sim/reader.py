@@ -42,19 +42,13 @@ from estimator.measured import FStarEstimate
 from estimator.pipeline import RESOURCES
 from policies.types import JobView
 from scheduler.sim.cache_systems import SimCacheSystem
+from scheduler.sim.position import (BOUND, CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, N_ADVANCED,
+                                    N_COLUMNS, POS, REMOTE, SYNCED, TAIL_MISS)
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset
 from traces.model import TraceJob
 
 
-#: Columns of a job's reading position (SimJob.state): what every step changes, kept as numpy
-#: columns so that a step advances all running jobs at once (engine._advance_vector); LOOKED,
-#: SYNCED and EXPECTED are the epoch's look-ups and the expected cached share of the rest
-#: (SimJob.unread_expected), which a step and a snapshot take in as columns (JobTable.sync). BOUND
-#: starts one column per resource of estimator.pipeline.RESOURCES (seconds bound by it).
-CONSUMED, POS, REMOTE, HIT, EPOCH_READ, EPOCH_REMOTE, TAIL_MISS, DRIFT_M, DRIFT_T, LOOKED, SYNCED, EXPECTED, BOUND = range(13)
-N_ADVANCED = DRIFT_M  # the columns before it are what `advance` moves
-N_COLUMNS = BOUND + len(RESOURCES)
 
 
 def _column(index: int, doc: str, kind: type = float) -> property:
@@ -349,7 +343,20 @@ VOLATILE_SUBSTEP = 1 / 16
 
 def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:
     """Let `job` read for `dt` seconds from `now` with remote bandwidth `io_cap` (bytes/s);
-    with `substeps`, stop after that many looks at the miss ratio (to interleave jobs)."""
+    with `substeps`, stop after that many looks at the miss ratio (to interleave jobs).
+
+    An epoch reader of a cache system with a compiled advance (Alluxio's LRU: lru_kernel.py)
+    takes that, which makes the same steps as `python_advance`."""
+    compiled = cache.compiled_advance
+    if compiled is not None and job.pacing is None and job.dataset.expansion == 1.0:
+        k = job.dataset.n_chunks
+        read, remote, finished_at, elapsed = compiled(job, now, dt, io_cap, substeps, max(1, int(k * VOLATILE_SUBSTEP))).tolist()
+        return StepResult(read, remote, None if math.isnan(finished_at) else finished_at, elapsed)
+    return python_advance(job, now, dt, io_cap, cache, substeps)
+
+
+def python_advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSystem, substeps: int | None = None) -> StepResult:
+    """`advance`, in Python: every cache system, every kind of reader."""
     result = StepResult()
     s = job.dataset.chunk_size
     k = job.dataset.n_chunks

@@ -46,3 +46,28 @@ class CacheReader(Protocol):
 
     @property
     def gpus(self) -> int: ...
+
+
+@dataclass(slots=True)
+class TurnAdvance:
+    """What a compiled per-job advance needs of a step (engine._advance_vector hands it to
+    SimCacheSystem.look_up_in_turn): the running jobs' columns, in their order, and where the
+    results go."""
+
+    python: np.ndarray  # bool: jobs only the Python advance takes (curriculum draws, preprocessed data)
+    slots: np.ndarray  # their rows in the job table's `state`
+    substep: np.ndarray  # int: chunks per sub-step
+    k: np.ndarray  # chunks per epoch
+    chunk: np.ndarray  # bytes per chunk
+    ideal: np.ndarray  # bytes/s
+    total: np.ndarray  # bytes to read in all
+    caps: np.ndarray  # remote IO, bytes/s
+    now: float
+    dt: float
+    substeps: int  # sub-steps each may take (-1: no limit)
+    state: np.ndarray  # the job table's reading positions
+    read: np.ndarray  # out: bytes read
+    remote: np.ndarray  # out: bytes fetched
+    finished_at: np.ndarray  # out: when it finished (NaN: it did not)
+    elapsed: np.ndarray  # out: seconds of the step used
+    applied: np.ndarray  # out: cleared for each job advanced per job

@@ -8,7 +8,10 @@
   order, the same evicted bytes; and every reader's count of cached unread chunks equals what
   its read mask and the cache say, counted from scratch.
 - The compiled turn-by-turn loop (AlluxioLRUCache.look_up_in_turn) against SimCacheSystem's
-  Python loop: the same jobs handed to the per-job advance, the same hits, the same cache.
+  Python loop: the same jobs handed to the per-job advance, the same hits, the same cache; and
+  with the per-job advance compiled inside the loop, the same results as reader.python_advance.
+- The compiled per-job advance (lru_kernel.lru_advance, through reader.advance) against
+  reader.python_advance, call by call: epoch ends, finishing, sub-step limits, no IO.
 The column advance's compiled arithmetic is checked against the per-job advance by
 tests/test_simulator.py::test_the_column_advance_is_exactly_the_per_job_advance.
 """
@@ -21,16 +24,16 @@ import numpy as np
 import pytest
 
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.reader import SimJob
-from scheduler.sim.types import SimDataset
+from scheduler.sim.reader import VOLATILE_SUBSTEP, SimJob, StepResult, advance, python_advance
+from scheduler.sim.types import SimDataset, TurnAdvance
 from traces.model import TraceJob
 
 GB = 1e9
 MB = 1e6
 
 
-def _job(name: str, ds: SimDataset, seed: int) -> SimJob:
-    return SimJob(TraceJob(name, 0.0, 1, "m", ds.name, 100 * MB, 1.0), ds, 100 * MB, 10 * GB, np.random.default_rng(seed))
+def _job(name: str, ds: SimDataset, seed: int, total: float = 10 * GB) -> SimJob:
+    return SimJob(TraceJob(name, 0.0, 1, "m", ds.name, 100 * MB, 1.0), ds, 100 * MB, total, np.random.default_rng(seed))
 
 
 def test_a_readers_epoch_state_moves_into_the_cache_systems_rows_and_back_out():
@@ -94,7 +97,8 @@ class _ReferenceLru:
 def _lru_scenario(seed: int):
     datasets = [SimDataset("a", 1 * GB, 64, 0), SimDataset("b", 3 * GB, 128, 1), SimDataset("c", 0.5 * GB, 16, 2)]
     cache = make_cache_system("alluxio", 2.2 * GB, 8)
-    jobs = [_job(f"j{i}", datasets[i % 3], seed * 100 + i) for i in range(7)]
+    # Totals of a few epochs, not whole ones, so that jobs finish inside an epoch and at its end.
+    jobs = [_job(f"j{i}", datasets[i % 3], seed * 100 + i, (2.37 + i % 3) * datasets[i % 3].size) for i in range(7)]
     for job in jobs:
         cache.register(job)
         job.start_epoch_view(cache)
@@ -166,3 +170,86 @@ def test_the_compiled_turns_hand_the_same_jobs_to_the_per_job_advance():
 
 
 AlluxioLook = type(make_cache_system("alluxio", 1.0, 1)).look_up_in_turn
+
+
+def _state(cache, jobs) -> tuple:
+    return (cache.recency(), cache.evicted_bytes, tuple(j.unread_cached for j in jobs), tuple(j.moved for j in jobs),
+            tuple(tuple(j.state[j.row].tolist()) for j in jobs), tuple(tuple(j.epoch_hit_ratios) for j in jobs),
+            tuple(j.perm.tolist() for j in jobs), tuple(j.read_mask.tolist() for j in jobs))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_compiled_advance_makes_the_python_advances_steps(seed):
+    runs = []
+    for step in (advance, python_advance):
+        cache, jobs = _lru_scenario(seed)
+        rng = np.random.default_rng(seed + 7)
+        calls = []
+        for _ in range(400):
+            job = jobs[int(rng.integers(len(jobs)))]
+            if job.consumed >= job.total_bytes:
+                continue
+            cap = float(rng.choice([0.0, 20 * MB, 80 * MB, 1 * GB]))
+            dt = float(rng.choice([0.5, 3.0, 40.0]))
+            substeps = [None, 1, 3][int(rng.integers(3))]
+            res = step(job, float(rng.random() * 100), dt, cap, cache, substeps)
+            calls.append((res.bytes_read, res.remote_bytes, res.finished_at, res.elapsed))
+        runs.append((calls, _state(cache, jobs)))
+    assert runs[0] == runs[1]
+    calls, state = runs[0]
+    assert sum(c[2] is not None for c in calls) >= 3 and sum(len(h) for h in state[5]) >= 10  # finished jobs, ended epochs
+
+
+def test_the_compiled_turns_advance_per_job_as_the_python_advance_does():
+    """The engine's column advance hands AlluxioLRUCache.look_up_in_turn its columns
+    (TurnAdvance) and the loop advances per job inside the kernel; SimCacheSystem's Python loop
+    calls python_advance for the same jobs. Both must leave the same results and the same cache."""
+    runs = []
+    for compiled in (True, False):
+        cache, jobs = _lru_scenario(3)
+        rng = np.random.default_rng(4)
+        n = len(jobs)
+        table = np.zeros((n, jobs[0].state.shape[1]))
+        for i, job in enumerate(jobs):  # the job table the engine keeps
+            table[i] = job.state[job.row]
+            job.state, job.row = table, i
+        results = []
+        for _ in range(60):
+            live = [j for j in jobs if j.consumed < j.total_bytes]
+            if not live:
+                break
+            crows = np.array([j.crow for j in live], dtype=np.int64)
+            unread = np.array([j.unread_cached for j in live], dtype=np.int64)
+            lo = np.array([j.looked for j in live], dtype=np.int64)
+            hi = np.minimum(lo + rng.integers(0, 3, len(live)), [j.dataset.n_chunks for j in live]).astype(np.int64)
+            simple = (rng.random(len(live)) < 0.6) & (lo < [j.dataset.n_chunks for j in live])
+            turns = np.flatnonzero(~simple | (hi > lo))
+            caps = rng.choice([0.0, 30 * MB, 300 * MB], len(live))
+            now, dt = float(rng.random() * 1e3), float(rng.choice([1.0, 20.0]))
+            out = np.zeros((4, len(live)))
+            out[2] = np.nan
+            applied = np.ones(len(live), dtype=bool)
+            hits = np.full(len(live), -1, dtype=np.int64)
+
+            def per_job(i: int) -> None:
+                res = python_advance(live[i], now, dt, float(caps[i]), cache, 1)
+                out[:, i] = (res.bytes_read, res.remote_bytes, np.nan if res.finished_at is None else res.finished_at, res.elapsed)
+                applied[i] = False
+
+            if compiled:
+                k = np.array([j.dataset.n_chunks for j in live], dtype=float)
+                step = TurnAdvance(np.array([j.job_id == "j2" for j in live]), np.array([j.row for j in live], dtype=np.int64),
+                                   np.maximum((k * VOLATILE_SUBSTEP).astype(np.int64), 1), k,
+                                   np.array([j.dataset.chunk_size for j in live]), np.array([j.ideal for j in live]),
+                                   np.array([j.total_bytes for j in live]), caps, now, dt, 1, table, out[0], out[1], out[2], out[3],
+                                   applied)
+                AlluxioLook(cache, live, crows, turns, simple, unread, lo, hi, False, hits, per_job, step)
+            else:
+                SimCacheSystem.look_up_in_turn(cache, live, crows, turns, simple, unread, lo, hi, False, hits, per_job)
+            for i in np.flatnonzero(hits >= 0).tolist():
+                live[i].looked = int(hi[i])
+            results.append((hits.tolist(), applied.tolist(), np.where(np.isnan(out), -1.0, out).tolist()))  # NaN != NaN
+        runs.append((results, _state(cache, jobs)))
+    assert runs[0] == runs[1]
+    assert sum(not a for r in runs[0][0] for a in r[1]) > 30  # jobs went through the per-job advance
+    assert sum(len(h) for h in runs[0][1][5]) >= 5  # and through epoch ends

@@ -34,7 +34,6 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 import math
 from operator import attrgetter
 
@@ -646,6 +645,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self._ds_size = np.zeros(16, dtype=float)
         self._ds_counts = np.zeros(16, dtype=np.int64)
         self._admit = np.zeros(16, dtype=bool)  # whether its chunk fits the cache at all
+        self._row_ds = np.full(16, -1, dtype=np.int64)  # per reader row, its dataset's index (-1: none yet)
         self._reader_ptr = np.zeros(17, dtype=np.int64)  # each dataset's readers' rows (CSR; _readers_csr)
         self._reader_rows = np.zeros(0, dtype=np.int64)
         self._readers_stale = True
@@ -665,6 +665,9 @@ class AlluxioLRUCache(SimCacheSystem):
     def register(self, job):
         super().register(job)
         self._readers_stale = True
+        if job.crow >= len(self._row_ds):
+            self._row_ds = np.concatenate([self._row_ds, np.full(max(job.crow + 1, len(self._row_ds)), -1, dtype=np.int64)])
+        self._row_ds[job.crow] = self.index.get(job.dataset.name, -1)
 
     def unregister(self, job):
         super().unregister(job)
@@ -697,6 +700,8 @@ class AlluxioLRUCache(SimCacheSystem):
         self._keys += n
         self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         self._readers_stale = True
+        for job in self.readers.get(dataset.name, ()):
+            self._row_ds[job.crow] = i
         return i
 
     def _readers_csr(self) -> None:
@@ -765,7 +770,9 @@ class AlluxioLRUCache(SimCacheSystem):
         # SimCacheSystem.look_up_in_turn's loop, compiled, with the per-job advance compiled
         # where `step` says what it needs: it returns to Python for `per_job` and epoch ends.
         n = len(jobs)
-        ds_of = np.fromiter((self._dataset_index(j.dataset) for j in jobs), dtype=np.int64, count=n)
+        ds_of = self._row_ds[crows]
+        for i in np.flatnonzero(ds_of < 0).tolist():  # a dataset read for the first time
+            ds_of[i] = self._dataset_index(jobs[i].dataset)
         lru = self.kernel_state()
         turns = np.append(turns, n)
         if step is None:  # every per-job advance in Python
@@ -810,7 +817,7 @@ class AlluxioLRUCache(SimCacheSystem):
 
     def visible_and_room(self, jobs):
         n = len(jobs)
-        ds = np.fromiter(map(self.index.get, map(_DATASET_NAME, jobs), repeat(-1, n)), dtype=np.int64, count=n)
+        ds = self._row_ds[np.fromiter(map(_CROW, jobs), dtype=np.int64, count=n)]
         visible = np.where(ds >= 0, self._ds_counts[ds], 0).astype(float)  # -1: a dataset nobody has read yet
         room = np.maximum(np.trunc((self.capacity - self.total_bytes) / _chunk_sizes(jobs) + 1e-9), 0.0)
         return visible, room
@@ -837,7 +844,7 @@ class AlluxioLRUCache(SimCacheSystem):
         return [(free, None)] if chunks and free >= min(chunks) else []
 
 
-_CHUNK_SIZE, _DATASET_NAME = attrgetter("dataset.chunk_size"), attrgetter("dataset.name")
+_CHUNK_SIZE, _CROW = attrgetter("dataset.chunk_size"), attrgetter("crow")
 
 
 def _chunk_sizes(jobs: Sequence[CacheReader]) -> np.ndarray:

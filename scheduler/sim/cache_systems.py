@@ -649,6 +649,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self._reader_ptr = np.zeros(17, dtype=np.int64)  # each dataset's readers' rows (CSR; _readers_csr)
         self._reader_rows = np.zeros(0, dtype=np.int64)
         self._readers_stale = True
+        self._kernel: tuple = ()  # kernel_state's tuple, rebuilt while _readers_stale
         self.min_chunk = float("inf")  # smallest chunk of any dataset it has seen
 
     # The running totals live in `_totals`, where the compiled look-up adds to them.
@@ -732,12 +733,15 @@ class AlluxioLRUCache(SimCacheSystem):
         return 0 if i is None else int(self._ds_counts[i])
 
     def kernel_state(self) -> tuple:
-        """The arrays lru_kernel works on (its LRU tuple), the readers' rows brought up to date."""
+        """The arrays lru_kernel works on (its LRU tuple), the readers' rows brought up to date.
+        Kept until a reader or dataset comes or goes (which may also replace the arrays)."""
         if self._readers_stale:
             self._readers_csr()
-        rows = self.rows
-        return (rows.reads, rows.counts, rows.perms, self._cached, self._next, self._prev, self._key_ds, self._ds_counts,
-                self._offsets, self._ds_size, self._admit, self._totals, self._reader_ptr, self._reader_rows, self.capacity * (1 + 1e-12))
+            rows = self.rows
+            self._kernel = (rows.reads, rows.counts, rows.perms, self._cached, self._next, self._prev, self._key_ds, self._ds_counts,
+                            self._offsets, self._ds_size, self._admit, self._totals, self._reader_ptr, self._reader_rows,
+                            self.capacity * (1 + 1e-12))
+        return self._kernel
 
     def access(self, job, chunks):
         ds = self._dataset_index(job.dataset)
@@ -815,11 +819,18 @@ class AlluxioLRUCache(SimCacheSystem):
     def evicting(self, job):
         return 0 < self.capacity and self.capacity - self.total_bytes < job.dataset.chunk_size
 
+    def _datasets_of(self, jobs) -> tuple[np.ndarray, np.ndarray]:
+        """Each job's dataset index (-1: nobody has read it yet) and chunk bytes."""
+        ds = self._row_ds[np.fromiter(map(_CROW, jobs), dtype=np.int64, count=len(jobs))]
+        chunk = self._ds_size[ds]
+        for i in np.flatnonzero(ds < 0).tolist():
+            chunk[i] = jobs[i].dataset.chunk_size
+        return ds, chunk
+
     def visible_and_room(self, jobs):
-        n = len(jobs)
-        ds = self._row_ds[np.fromiter(map(_CROW, jobs), dtype=np.int64, count=n)]
-        visible = np.where(ds >= 0, self._ds_counts[ds], 0).astype(float)  # -1: a dataset nobody has read yet
-        room = np.maximum(np.trunc((self.capacity - self.total_bytes) / _chunk_sizes(jobs) + 1e-9), 0.0)
+        ds, chunk = self._datasets_of(jobs)
+        visible = np.where(ds >= 0, self._ds_counts[ds], 0).astype(float)
+        room = np.maximum(np.trunc((self.capacity - self.total_bytes) / chunk + 1e-9), 0.0)
         return visible, room
 
     def moves_under_all(self, jobs):
@@ -828,7 +839,7 @@ class AlluxioLRUCache(SimCacheSystem):
     def evicting_all(self, jobs):
         if not 0 < self.capacity:
             return np.zeros(len(jobs), dtype=bool)
-        return self.capacity - self.total_bytes < _chunk_sizes(jobs)
+        return self.capacity - self.total_bytes < self._datasets_of(jobs)[1]
 
     def volatile_bytes(self):
         # One cache: every reader's misses are admitted into it. No cache: nothing moves (a
@@ -844,11 +855,7 @@ class AlluxioLRUCache(SimCacheSystem):
         return [(free, None)] if chunks and free >= min(chunks) else []
 
 
-_CHUNK_SIZE, _CROW = attrgetter("dataset.chunk_size"), attrgetter("crow")
-
-
-def _chunk_sizes(jobs: Sequence[CacheReader]) -> np.ndarray:
-    return np.fromiter(map(_CHUNK_SIZE, jobs), dtype=float, count=len(jobs))
+_CROW = attrgetter("crow")
 
 
 def _domain_counts(domains: Sequence[CacheDomain | None]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""The column advance's arithmetic (engine._advance_vector), compiled (numba).
+"""The column advance's arithmetic and its results (engine._advance_vector), compiled (numba).
 
 Under an LRU the engine advances jobs in interleaved sub-steps, about two column advances per
 step and 36,000 in a Fig. 12 Alluxio run, each over ~80 jobs: as some fifty numpy operations on
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+
+from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
 
 
 @numba.njit(cache=True, inline="always")
@@ -62,3 +64,32 @@ def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, 
         stalled[i] = open_ and (rate <= 0 or xi <= pi)
         last[i] = np.int64(lst) if simp else 0
         looks[i] = simp and last[i] > looked[i]
+
+
+@numba.njit(numba.void(I, I, F, F, I, F, B, F, F, F, F, B, F, numba.float64[:, :], F, B), cache=True, error_model="numpy")
+def column_apply(hits: np.ndarray, slots: np.ndarray, k: np.ndarray, looked: np.ndarray, last: np.ndarray, s: np.ndarray,
+                 applied: np.ndarray, done: np.ndarray, missed: np.ndarray, x: np.ndarray, m: np.ndarray, finishing: np.ndarray,
+                 total: np.ndarray, state: np.ndarray, remote: np.ndarray, ending: np.ndarray) -> None:
+    """The column advance's results in the job table's `state`: for each job that looked
+    chunks up (`hits` >= 0), SimJob.looked_up and SimJob.fetched (into `remote`); for each job
+    whose step was the columns' (`applied`), its position as advance() moves it, and whether it
+    finished (`ending`)."""
+    for i in range(len(hits)):
+        row = slots[i]
+        if hits[i] >= 0:
+            n_hits, hi = float(hits[i]), float(last[i])
+            state[row, SYNCED] -= n_hits
+            state[row, EXPECTED] = state[row, EXPECTED] * (k[i] - hi) / (k[i] - looked[i])
+            state[row, LOOKED] = hi
+            remote[i] = (hi - looked[i] - n_hits) * s[i]
+        ending[i] = False
+        if applied[i]:
+            d, miss = done[i], missed[i]
+            state[row, CONSUMED] += d
+            state[row, REMOTE] += miss
+            state[row, HIT] += d - miss
+            state[row, EPOCH_READ] += d
+            state[row, EPOCH_REMOTE] += miss
+            state[row, POS] = x[i]
+            state[row, TAIL_MISS] = m[i]
+            ending[i] = finishing[i] or total[i] - state[row, CONSUMED] <= 1e-9 * total[i]

@@ -32,13 +32,13 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.column_kernel import column_step
+from scheduler.sim.column_kernel import column_apply, column_step
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset, TurnAdvance
-from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS,
-                                  REMOTE, SYNCED, TAIL_MISS, VOLATILE_SUBSTEP, SimJob, StepResult, advance)
+from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, LOOKED, POS, REMOTE, VOLATILE_SUBSTEP, SimJob,
+                                  StepResult, advance)
 from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -1004,32 +1004,13 @@ class Simulator:
                                out.elapsed, applied)
         cache.look_up_in_turn(running, st.crows, visit, simple, st.unread_real.astype(np.int64), looked.astype(np.int64), last,
                               fresh, hits, per_job, step)
-        lookups = np.flatnonzero(hits >= 0)
-        if lookups.size:
-            # SimJob.looked_up and SimJob.fetched of the jobs that looked chunks up, as columns.
-            li = lookups
-            rows, lo, hi, n_hits, size = st.slots[li], looked[li], last[li], hits[li].astype(float), k[li]
-            state = self._table.state
-            state[rows, SYNCED] -= n_hits
-            state[rows, EXPECTED] = state[rows, EXPECTED] * (size - hi) / (size - lo)
-            state[rows, LOOKED] = hi
-            out.remote[li] = (hi - lo - n_hits) * s[li]
-        # The position of the jobs the columns advanced, as advance() moves it.
-        idx = np.flatnonzero(applied)
-        if idx.size:
-            rows = st.slots[idx]
-            state = self._table.state
-            done_a, missed_a = done[idx], missed[idx]
-            state[rows, CONSUMED] += done_a
-            state[rows, REMOTE] += missed_a
-            state[rows, HIT] += done_a - missed_a
-            state[rows, EPOCH_READ] += done_a
-            state[rows, EPOCH_REMOTE] += missed_a
-            state[rows, POS] = x[idx]
-            state[rows, TAIL_MISS] = m[idx]
-            total = st.total[idx]
-            ending = finishing[idx] | (total - state[rows, CONSUMED] <= 1e-9 * total)
-            for i in idx[ending].tolist():
+        # SimJob.looked_up and SimJob.fetched of the jobs that looked chunks up, and the position
+        # of the jobs the columns advanced, as advance() moves it.
+        ending = np.empty(n, dtype=bool)
+        column_apply(hits, st.slots, k, looked, last, s, applied, done, missed, x, m, finishing, st.total, self._table.state, out.remote,
+                     ending)
+        if ending.any():
+            for i in np.flatnonzero(ending).tolist():
                 job = running[i]
                 job.consumed = job.total_bytes
                 if job.pos >= job.dataset.n_chunks - 1e-6:

@@ -253,3 +253,24 @@ def test_the_compiled_turns_advance_per_job_as_the_python_advance_does():
     assert runs[0] == runs[1]
     assert sum(not a for r in runs[0][0] for a in r[1]) > 30  # jobs went through the per-job advance
     assert sum(len(h) for h in runs[0][1][5]) >= 5  # and through epoch ends
+
+
+def test_the_kernels_compile_in_memory_where_numba_cannot_cache():
+    """A read-only install with no writable home: numba finds no cache location and refuses to
+    cache; the kernels then compile in memory in every process instead of failing the import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from numba.core import caching\n"
+        "impl = getattr(caching, 'CacheImpl', None) or caching._CacheImpl  # numba's name differs by version\n"
+        "impl._locator_classes = []  # as numba finds it when no directory can be written\n"
+        "from scheduler.sim import column_kernel, lru_kernel\n"
+        "print('ok', type(lru_kernel.lru_turns._cache).__name__, type(column_kernel.column_step._cache).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", "NullCache", "NullCache"]

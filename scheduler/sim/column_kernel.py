@@ -12,10 +12,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from scheduler.sim.compiled import kernel
 from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
 
 
-@numba.njit(cache=True, inline="always")
+@kernel(inline="always")
 def _min(a: float, b: float) -> float:
     if a != a:
         return a
@@ -27,9 +28,7 @@ def _min(a: float, b: float) -> float:
 F, B, I = numba.float64[:], numba.boolean[:], numba.int64[:]  # any layout: positions are strided columns of the job table
 
 
-# A signature compiles (or loads from numba's cache) at import, not inside the first step.
-@numba.njit(numba.void(F, F, F, F, F, F, F, F, F, numba.float64, numba.float64, numba.float64, B, B, F, F, B, I, F, F, F, B, B, B),
-            cache=True, error_model="numpy")
+@kernel(numba.void(F, F, F, F, F, F, F, F, F, numba.float64, numba.float64, numba.float64, B, B, F, F, B, I, F, F, F, B, B, B))
 def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, looked: np.ndarray, unread: np.ndarray,
                 total: np.ndarray, consumed: np.ndarray, caps: np.ndarray, dt: float, tol: float, sub_step: float,
                 reach_sub: np.ndarray, scalar: np.ndarray, m: np.ndarray, x: np.ndarray, finishing: np.ndarray,
@@ -66,7 +65,7 @@ def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, 
         looks[i] = simp and last[i] > looked[i]
 
 
-@numba.njit(numba.void(I, I, F, F, I, F, B, F, F, F, F, B, F, numba.float64[:, :], F, B), cache=True, error_model="numpy")
+@kernel(numba.void(I, I, F, F, I, F, B, F, F, F, F, B, F, numba.float64[:, :], F, B))
 def column_apply(hits: np.ndarray, slots: np.ndarray, k: np.ndarray, looked: np.ndarray, last: np.ndarray, s: np.ndarray,
                  applied: np.ndarray, done: np.ndarray, missed: np.ndarray, x: np.ndarray, m: np.ndarray, finishing: np.ndarray,
                  total: np.ndarray, state: np.ndarray, remote: np.ndarray, ending: np.ndarray) -> None:

@@ -20,18 +20,19 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from scheduler.sim.compiled import kernel
 from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
 from scheduler.sim.reader_rows import MOVED, UNREAD
 
 
-@numba.njit(cache=True, error_model="numpy")
+@kernel()
 def _unlink(nxt: np.ndarray, prv: np.ndarray, key: int) -> None:
     before, after = prv[key], nxt[key]
     nxt[before] = after
     prv[after] = before
 
 
-@numba.njit(cache=True, error_model="numpy")
+@kernel()
 def _append(nxt: np.ndarray, prv: np.ndarray, key: int) -> None:
     last = prv[0]
     nxt[last] = key
@@ -53,8 +54,7 @@ LRU = numba.types.Tuple((B2, I2, I2, B, I, I, I, I, I, F, B, F, I, I, f8))
 DONE, EPOCH, FINISHED, FINISHED_EPOCH = 0, 1, 2, 3
 
 
-# The signatures compile (or load from numba's cache) at import, not inside a run's first step.
-@numba.njit(i8(I, i8, i8, LRU), cache=True, error_model="numpy")
+@kernel(i8(I, i8, i8, LRU))
 def lru_access(chunks: np.ndarray, row: int, ds: int, lru: tuple) -> int:
     """The reader in row `row` (reader_rows.py) of dataset `ds` starts reading `chunks`, in this
     order: mark them read, refresh the hits' recency, admit the misses (if the dataset's chunk
@@ -104,8 +104,7 @@ def lru_access(chunks: np.ndarray, row: int, ds: int, lru: tuple) -> int:
     return hits
 
 
-@numba.njit(numba.types.Tuple((i8, f8, i8))(i8, i8, i8, i8, i8, f8, f8, f8, f8, f8, f8, f8, i8, b1, F, F2, LRU),
-            cache=True, error_model="numpy")
+@kernel(numba.types.Tuple((i8, f8, i8))(i8, i8, i8, i8, i8, f8, f8, f8, f8, f8, f8, f8, i8, b1, F, F2, LRU))
 def lru_advance(row: int, crow: int, ds: int, k: int, substep: int, s: float, ideal: float, total: float, io_cap: float,
                 now: float, dt: float, t: float, substeps: int, decrement: bool, res: np.ndarray, state: np.ndarray,
                 lru: tuple) -> tuple[int, float, int]:
@@ -193,9 +192,8 @@ def lru_advance(row: int, crow: int, ds: int, k: int, substep: int, s: float, id
     return code, t, substeps
 
 
-@numba.njit(numba.types.Tuple((i8, i8, i8, i8, f8, i8))(
-    I, i8, i8, b1, B, I, I, I, I, I, I, LRU, B, I, F, F, F, F, I, F, f8, f8, i8, F2, F, F, F, F, B, F),
-    cache=True, error_model="numpy")
+@kernel(numba.types.Tuple((i8, i8, i8, i8, f8, i8))(
+    I, i8, i8, b1, B, I, I, I, I, I, I, LRU, B, I, F, F, F, F, I, F, f8, f8, i8, F2, F, F, F, F, B, F))
 def lru_turns(turns: np.ndarray, at: int, prev: int, changed: bool, simple: np.ndarray, unread: np.ndarray, crows: np.ndarray,
               lo: np.ndarray, hi: np.ndarray, ds_of: np.ndarray, hits: np.ndarray, lru: tuple, python: np.ndarray,
               slots: np.ndarray, k: np.ndarray, s: np.ndarray, ideal: np.ndarray, total: np.ndarray, substep: np.ndarray,

@@ -4,7 +4,7 @@ Under an LRU the engine advances jobs in interleaved sub-steps, about two column
 step and 36,000 in a Fig. 12 Alluxio run, each over ~80 jobs: as some fifty numpy operations on
 short columns, their per-call cost was a tenth of the run. Here it is one pass over the jobs.
 Each value is computed with the same operations in the same order as the numpy expressions it
-replaces (`_min` is np.minimum: a NaN wins), so results are bit-identical.
+replaces (`np_min` is np.minimum: a NaN wins), so results are bit-identical.
 """
 
 from __future__ import annotations
@@ -12,17 +12,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from scheduler.sim.compiled import kernel
+from scheduler.sim.compiled import kernel, np_min
 from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
-
-
-@kernel(inline="always")
-def _min(a: float, b: float) -> float:
-    if a != a:
-        return a
-    if b != b:
-        return b
-    return a if a <= b else b
 
 
 F, B, I = numba.float64[:], numba.boolean[:], numba.int64[:]  # any layout: positions are strided columns of the job table
@@ -44,16 +35,16 @@ def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, 
         if mi == 0.0:
             rate = ideal[i]
         elif caps[i] > 0:
-            rate = _min(ideal[i], caps[i] / mi)
+            rate = np_min(ideal[i], caps[i] / mi)
         else:
             rate = 0.0
         pi = p[i]
         x_need = pi + (total[i] - consumed[i]) / s[i]
-        xi = _min(_min(pi + rate * dt / s[i], x_need), k[i])
+        xi = np_min(np_min(pi + rate * dt / s[i], x_need), k[i])
         if sub_step > 0:
-            xi = _min(xi, np.floor(pi + 1e-9) + (max(1.0, np.floor(k[i] * sub_step)) if reach_sub[i] else k[i]))
+            xi = np_min(xi, np.floor(pi + 1e-9) + (max(1.0, np.floor(k[i] * sub_step)) if reach_sub[i] else k[i]))
         fin = xi >= x_need - 1e-9
-        lst = _min(k[i], np.ceil(xi - (1e-12 if fin else 1e-9)))
+        lst = np_min(k[i], np.ceil(xi - (1e-12 if fin else 1e-9)))
         d = (xi - pi) * s[i]
         ti = d / rate
         open_ = not scalar[i] and left > 0 and pi < k[i] - 1e-9

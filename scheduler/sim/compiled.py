@@ -30,3 +30,13 @@ def kernel(signature: Any = None, **options: Any) -> Callable[[Callable], Callab
             return numba.njit(*args, cache=False, error_model="numpy", **options)(fn)
 
     return compile_
+
+
+@kernel(inline="always")
+def np_min(a: float, b: float) -> float:
+    """np.minimum on two floats, inside a kernel: a NaN wins (Python's min would not say)."""
+    if a != a:
+        return a
+    if b != b:
+        return b
+    return a if a <= b else b

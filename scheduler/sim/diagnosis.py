@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import numba
 import numpy as np
 
 from estimator.measured import FStarEstimate, observe
 from estimator.pipeline import RESOURCES
+from scheduler.sim.compiled import kernel, np_min
 from scheduler.sim.reader import SimJob
 
 
@@ -37,20 +39,31 @@ def bound_labels(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray
     return [RESOURCES[i] for i in bound_indices(f, cpu, b, miss).tolist()]
 
 
+@kernel(numba.int64[:](numba.float64[:], numba.float64[:], numba.float64[:], numba.float64[:]))
 def bound_indices(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarray) -> np.ndarray:
-    """bound_labels as positions in RESOURCES (int column)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        io = np.where(miss <= 0.0, np.inf, b / np.where(miss <= 0.0, 1.0, miss))
-        now = np.minimum(np.minimum(f, cpu), io)
-        top = np.minimum(f, cpu)
-        # +10% link (a job with no cap: 10% of f*); +10% cache: the hit ratio h grows to 1.1 h.
-        io_more = np.minimum(top, np.where(b > 0, 1.1 * b, 0.1 * f) / np.where(miss <= 0.0, 1.0, miss))
-        new_miss = np.maximum(1.0 - 1.1 * (1.0 - miss), 0.0)
-        cache_more = np.minimum(top, np.where(new_miss <= 0.0, np.inf, b / np.where(new_miss <= 0.0, 1.0, new_miss)))
+    """bound_labels as positions in RESOURCES (int column). Compiled: the engine asks it of every
+    running job at every step."""
     tol = 1e-9
-    gpu, cpu_, cache, remote_io = range(len(RESOURCES))
-    return np.where(now >= f * (1 - tol), gpu,
-                    np.where(now >= cpu * (1 - tol), cpu_, np.where(cache_more > io_more * (1 + tol), cache, remote_io)))
+    out = np.empty(len(f), dtype=np.int64)
+    for i in range(len(f)):
+        m = miss[i]
+        divisor = 1.0 if m <= 0.0 else m
+        io = np.inf if m <= 0.0 else b[i] / divisor
+        top = np_min(f[i], cpu[i])
+        now = np_min(top, io)
+        # +10% link (a job with no cap: 10% of f*); +10% cache: the hit ratio h grows to 1.1 h.
+        io_more = np_min(top, (1.1 * b[i] if b[i] > 0 else 0.1 * f[i]) / divisor)
+        new_miss = max(1.0 - 1.1 * (1.0 - m), 0.0)
+        cache_more = np_min(top, np.inf if new_miss <= 0.0 else b[i] / new_miss)
+        if now >= f[i] * (1 - tol):
+            out[i] = 0  # gpu
+        elif now >= cpu[i] * (1 - tol):
+            out[i] = 1  # cpu
+        elif cache_more > io_more * (1 + tol):
+            out[i] = 2  # cache
+        else:
+            out[i] = 3  # remote_io
+    return out
 
 
 def observe_fstar(job: SimJob, observed: float, seconds: float, io_cap: float, miss: float) -> FStarEstimate:

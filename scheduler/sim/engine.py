@@ -769,9 +769,13 @@ class Simulator:
 
         def interleave(idx: np.ndarray, caps: np.ndarray, fresh: bool):
             """`_interleave` on the jobs at positions `idx` of `running`."""
-            positions = {p: n for n, p in enumerate(idx.tolist())}
-            return self._interleave([running[i] for i in idx.tolist()], st.take(idx), m0[idx], caps, now, dt,
-                                    [positions[p] for p in pre if p in positions], fresh)
+            chosen = idx.tolist()
+            if pre:
+                positions = {p: n for n, p in enumerate(chosen)}
+                pre_here = [positions[p] for p in pre if p in positions]
+            else:
+                pre_here = []
+            return self._interleave([running[i] for i in chosen], st.take(idx), m0[idx], caps, now, dt, pre_here, fresh)
 
         first = np.flatnonzero(claimers.mask)
         rest = np.flatnonzero(~claimers.mask)
@@ -809,8 +813,9 @@ class Simulator:
             return out
         first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True, fresh=fresh)
         tol = 1e-9 * max(dt, 1.0)
-        elapsed, unfinished = first.elapsed.tolist(), np.isnan(first.finished_at).tolist()
-        clock = [(e, i) for i, e in enumerate(elapsed) if unfinished[i] and dt - e > tol and e > 0]
+        elapsed = first.elapsed
+        left = np.flatnonzero(np.isnan(first.finished_at) & (dt - elapsed > tol) & (elapsed > 0))
+        clock = list(zip(elapsed[left].tolist(), left.tolist()))
         heapq.heapify(clock)
         read, remote, finished_at = first.read, first.remote, first.finished_at
         while clock:

@@ -34,7 +34,7 @@ from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, j
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.column_kernel import column_apply, column_step
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
-from scheduler.sim.job_table import CURRICULUM, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
+from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset, TurnAdvance
 from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, LOOKED, POS, REMOTE, VOLATILE_SUBSTEP, SimJob,
@@ -49,8 +49,8 @@ from traces.model import Trace, TraceJob
 CURRICULUM_MIN_CHUNKS = 64
 _EPOCH = AccessPattern.epoch()
 # Per-job reads of every running or active job (map(attrgetter) is about twice a generator's speed).
-_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW = (
-    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow"))
+_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW, _INDEX = (
+    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow", "index"))
 MAX_CURRICULUM_CHUNKS = 4096
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
@@ -281,6 +281,7 @@ class Simulator:
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
         self._dataset_views: dict[str, DatasetView] = {}  # with cached bytes, kept while they stay the same (_snapshot)
         self._expanded: set[str] = set()  # datasets cached preprocessed now (_apply_autocache)
+        self._dataset_order: tuple[tuple[str, ...], np.ndarray] | None = None  # names and sizes by SimDataset.index (_references)
 
     # ------------------------------------------------------------------ helpers
     def _curriculum_chunks(self, trace: Trace, name: str, start: float | None) -> int:
@@ -379,9 +380,28 @@ class Simulator:
         self._expanded = {n for n in names if n in datasets and datasets[n].expansion != 1.0}
 
     def _references(self, snapshot: Snapshot, slots: np.ndarray) -> None:
-        """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system."""
-        if slots.size:
-            self._table.reference[slots] = equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
+        """Eq. 8 denominators: SiloDPerf at the equal share, the same for every cache system.
+
+        Without CPU modelled, the problem is built from the engine's columns with its own
+        dataset positions (all its datasets, not the active ones sorted by name, as
+        GavelProblem.from_snapshot builds it for the policy: a tenth of a FIFO run, where no
+        policy built it already): each job's reference depends only on its dataset's size
+        and readers, so the numbers are the same."""
+        if not slots.size:
+            return
+        cols = snapshot.job_columns()
+        if cols is None or self.capacity.manages_cpu:
+            problem = GavelProblem.from_snapshot(snapshot, manages_storage=True)
+        else:
+            if self._dataset_order is None:
+                order = sorted(self.datasets.values(), key=_INDEX)
+                self._dataset_order = (tuple(d.name for d in order), np.array([d.size for d in order], dtype=float))
+            names, sizes = self._dataset_order
+            cap = self.capacity
+            problem = GavelProblem(job_ids=cols.ids, gpus=cols.gpus, ideal=cols.ideal, dataset_index=self._table.rows[slots, DATASET].astype(np.int64),
+                                   dataset_names=names, dataset_size=sizes, total_gpus=float(cap.gpus), total_cache=float(cap.cache),
+                                   total_io=float(cap.remote_io), manages_storage=True)
+        self._table.reference[slots] = equal_share_throughput(problem)
 
     def _active_slots(self, active: list[SimJob]) -> np.ndarray:
         return np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active))

@@ -24,11 +24,12 @@ _SLOT, _JOB_ID = attrgetter("slot"), attrgetter("job_id")
 
 #: Column order of a row (StepState's static fields, before `curriculum` and `scalar` are derived).
 K, CHUNK, TOTAL, IDEAL, GPU_IDEAL, CPU_BOUND, GPUS, IRREGULAR, FSTAR, CURRICULUM, VOLATILE = range(11)
+DATASET = VOLATILE + 1  # the dataset's position in the engine's list (SimDataset.index); not a StepState field
 
 
 class JobTable:
     def __init__(self) -> None:
-        self.rows = np.zeros((64, VOLATILE + 1), dtype=float)
+        self.rows = np.zeros((64, DATASET + 1), dtype=float)
         #: Bytes/s each job read at in the last step it ran (Eq. 8's perf, engine._fairness).
         self.last_rate = np.zeros(64, dtype=float)
         #: The job's GPU share and Eq. 8's reference (SiloDPerf at the equal share) from the last
@@ -65,7 +66,7 @@ class JobTable:
         self.seen[slot] = np.nan
         self.rows[slot] = (job.dataset.n_chunks, job.dataset.chunk_size, job.total_bytes, job.ideal, job.gpu_ideal,
                            _cpu_bound(job), job.gpus, not job.regular, job.fstar is not None, job.pacing is not None,
-                           cache.volatile_for(job))
+                           cache.volatile_for(job), job.dataset.index)
 
     def remove(self, job: SimJob) -> None:
         """The job leaves the table with its reading position (its own copy of its row)."""

@@ -286,3 +286,41 @@ def test_a_jobs_position_moves_into_the_table_and_back_out_with_it():
     table.remove(gone)
     table.state[:] = -1.0  # what reuses the row does not touch the job that left
     assert gone.slot == -1 and gone.consumed == 3.0 and gone.remote_bytes == 6.0
+
+
+@pytest.mark.parametrize("system", ["coordl", "silod", "alluxio", "quiver"])
+def test_every_readers_count_is_its_cached_unread_chunks(system, monkeypatch):
+    """A reader's count of cached unread chunks (SimJob.unread_cached, which its miss ratio and
+    CoorDL's pause read) equals what its read mask and its cache say, at every pause and every
+    step of a time-shared run."""
+    from scheduler.sim import engine as engine_mod
+
+    checked = [0]
+
+    def check(sim):
+        for job in sim._by_id.values():
+            if job.pacing is None:
+                mask = sim.cache.cached_mask(job)
+                assert job.unread_cached == int(np.count_nonzero(mask & ~job.read_mask)), job.job_id
+                checked[0] += 1
+
+    trace = generate_trace(40, seed=3)
+    sim = Simulator(trace, ClusterCapacity(8, 200 * GB, 2 * GB), get_policy("gavel"), estimator_for(system), system,
+                    SimConfig(resolution=64, round_s=360.0))
+    stopped = type(sim.cache).job_stopped
+
+    def job_stopped(cache, job):
+        stopped(cache, job)
+        check(sim)
+
+    monkeypatch.setattr(type(sim.cache), "job_stopped", job_stopped)
+    real_step_state = engine_mod.Simulator._step_state
+
+    def step_state(self, running, prev=None):
+        if prev is None:
+            check(self)
+        return real_step_state(self, running, prev)
+
+    monkeypatch.setattr(engine_mod.Simulator, "_step_state", step_state)
+    result = sim.run()
+    assert not result.unfinished and checked[0] > 200

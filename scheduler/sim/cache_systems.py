@@ -582,11 +582,13 @@ class CoorDLCache(SimCacheSystem):
     def job_stopped(self, job):
         dom = self.domains.pop(job.job_id, None)
         if dom is not None and dom.count:
-            # _changed(key, cached chunks, -1) for its only reader (none once it finished),
-            # counted in one pass: a job pauses at nearly every Gavel round.
+            # _changed(key, cached chunks, -1) for its only reader (none once it finished): what
+            # leaves is every cached chunk it has not read, which its count of cached unread
+            # chunks is (nobody else reads a private cache), so no pass over the chunks is needed
+            # (a job pauses at nearly every Gavel round: 390,000 times in a Fig. 12 run).
             for reader in self.readers.get(job.job_id, ()):
-                moved = int(np.count_nonzero(dom.cached & ~reader.read_mask))
-                reader.unread_cached -= moved
+                moved = reader.unread_cached
+                reader.unread_cached = 0
                 reader.moved += moved
 
     def cached_mask(self, job):

@@ -648,6 +648,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self._ds_counts = np.zeros(16, dtype=np.int64)
         self._admit = np.zeros(16, dtype=bool)  # whether its chunk fits the cache at all
         self._row_ds = np.full(16, -1, dtype=np.int64)  # per reader row, its dataset's index (-1: none yet)
+        self._row_reads = np.zeros(16, dtype=bool)  # per reader row, whether a registered reader holds it
         self._reader_ptr = np.zeros(17, dtype=np.int64)  # each dataset's readers' rows (CSR; _readers_csr)
         self._reader_rows = np.zeros(0, dtype=np.int64)
         self._readers_stale = True
@@ -669,10 +670,15 @@ class AlluxioLRUCache(SimCacheSystem):
         super().register(job)
         self._readers_stale = True
         if job.crow >= len(self._row_ds):
-            self._row_ds = np.concatenate([self._row_ds, np.full(max(job.crow + 1, len(self._row_ds)), -1, dtype=np.int64)])
+            grow = max(job.crow + 1, len(self._row_ds))
+            self._row_ds = np.concatenate([self._row_ds, np.full(grow, -1, dtype=np.int64)])
+            self._row_reads = np.concatenate([self._row_reads, np.zeros(grow, dtype=bool)])
         self._row_ds[job.crow] = self.index.get(job.dataset.name, -1)
+        self._row_reads[job.crow] = True
 
     def unregister(self, job):
+        if job in self.readers.get(self.key(job), ()):
+            self._row_reads[job.crow] = False  # before the row leaves with the job
         super().unregister(job)
         self._readers_stale = True
 
@@ -708,19 +714,13 @@ class AlluxioLRUCache(SimCacheSystem):
         return i
 
     def _readers_csr(self) -> None:
-        """Each known dataset's readers' rows, as the compiled look-up reads them."""
-        index, ds, rows = self.index, [], []
-        for name, group in self.readers.items():
-            i = index.get(name)
-            if i is not None:
-                for job in group:
-                    ds.append(i)
-                    rows.append(job.crow)
-        ds_arr = np.array(ds, dtype=np.int64)
-        order = np.argsort(ds_arr, kind="stable")
-        self._reader_rows = np.array(rows, dtype=np.int64)[order]
+        """Each known dataset's readers' rows, as the compiled look-up reads them (rebuilt at
+        every arrival and completion: on columns, not a pass over the readers)."""
+        rows = np.flatnonzero(self._row_reads & (self._row_ds >= 0))
+        ds = self._row_ds[rows]
+        self._reader_rows = rows[np.argsort(ds, kind="stable")]
         self._reader_ptr = np.zeros(len(self.datasets) + 1, dtype=np.int64)
-        np.cumsum(np.bincount(ds_arr, minlength=len(self.datasets)), out=self._reader_ptr[1:])
+        np.cumsum(np.bincount(ds, minlength=len(self.datasets)), out=self._reader_ptr[1:])
         self._readers_stale = False
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):

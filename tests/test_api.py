@@ -202,6 +202,25 @@ def test_policy_get_set(client: TestClient) -> None:
     assert r.status_code == 422 and "did you mean 'gavel'" in r.json()["detail"] and r.json()["field"] == "name"
 
 
+def test_fifo_keeps_submission_order_when_the_wall_clock_steps_back(client: TestClient, monkeypatch) -> None:
+    """A wall clock stepped back (NTP) between two submissions: the later job must not get the
+    earlier submission time, or FIFO runs it first (this test's sibling below once saw j1 ahead
+    of j0 in CI)."""
+    import types
+
+    from scheduler.service import catalogue
+
+    clock = iter([1_000_000.0, 999_990.0, 999_995.0])  # the second submission sees the clock 10 s back
+    monkeypatch.setattr(catalogue, "time", types.SimpleNamespace(time=lambda: next(clock)))  # the catalogue's clock only
+    ids = [client.post("/v1/jobs", json={**JOB, "name": f"j{i}"}, headers=H_ALICE).json()["id"] for i in range(3)]
+    monkeypatch.undo()
+    jobs = {j["id"]: j for j in client.get("/v1/jobs", headers=H_ALICE).json()}
+    times = [jobs[i]["submit_time"] for i in ids]
+    assert times == sorted(times) and times[0] == 1_000_000.0
+    r = client.post("/v1/rounds", headers=H_ADMIN).json()
+    assert r["running"] == ids[:2]  # j0 and j1 in the order they were submitted
+
+
 def test_cluster_allocations_and_metrics(client: TestClient) -> None:
     ids = [client.post("/v1/jobs", json={**JOB, "name": f"j{i}"}, headers=H_ALICE).json()["id"] for i in range(3)]
     bob = client.post("/v1/jobs", json={**JOB, "name": "b", "gpus": 1}, headers=H_BOB).json()["id"]

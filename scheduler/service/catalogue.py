@@ -220,6 +220,9 @@ class Catalogue:
         self._trigger = trigger
         # A backend that creates a job's workload from its pod_template (Kubernetes), else None.
         self.workloads = workloads if callable(getattr(workloads, "create_workload", None)) else None
+        # The last submission time this process gave (under the write lock): FIFO orders by it,
+        # so a wall clock stepped back between two submissions must not invert their order.
+        self._last_submit = 0.0
 
     # ------------------------------------------------------------------ datasets
 
@@ -577,7 +580,7 @@ class Catalogue:
                 raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
             if q.queued_jobs is not None:
                 self._check_queued(c, who, q.queued_jobs)
-            now = time.time()
+            now = self._last_submit = max(time.time(), self._last_submit)
             values = dict(
                 name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
                 ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,

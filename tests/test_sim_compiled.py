@@ -10,6 +10,9 @@
 - The compiled turn-by-turn loop (AlluxioLRUCache.look_up_in_turn) against SimCacheSystem's
   Python loop: the same jobs handed to the per-job advance, the same hits, the same cache; and
   with the per-job advance compiled inside the loop, the same results as reader.python_advance.
+- The uniform caches' compiled turn loop (DomainCache.look_up_in_turn, uniform_kernel.py) against
+  the same Python loop, for silod, quiver and coordl, through rounds that make, shrink, drop and
+  switch domains (slots reused), and the chunk pool that holds their chunks.
 - The compiled per-job advance (lru_kernel.lru_advance, through reader.advance) against
   reader.python_advance, call by call: epoch ends, finishing, sub-step limits, no IO.
 The column advance's compiled arithmetic is checked against the per-job advance by
@@ -23,7 +26,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
+from scheduler.sim.cache_systems import ChunkPool, SimCacheSystem, make_cache_system
 from scheduler.sim.reader import VOLATILE_SUBSTEP, SimJob, StepResult, advance, python_advance
 from scheduler.sim.types import SimDataset, TurnAdvance
 from traces.model import TraceJob
@@ -170,6 +173,109 @@ def test_the_compiled_turns_hand_the_same_jobs_to_the_per_job_advance():
 
 
 AlluxioLook = type(make_cache_system("alluxio", 1.0, 1)).look_up_in_turn
+
+
+def _domain_scenario(system: str, seed: int):
+    """Four datasets on a uniform cache system: under silod one filling, one full, one an LRU
+    domain (the irregular partition's) and one with no allocation; quiver picks its own; under
+    coordl the first six jobs run, each with its private domain."""
+    datasets = [SimDataset("a", 1 * GB, 64, 0), SimDataset("b", 3 * GB, 128, 1), SimDataset("c", 0.5 * GB, 16, 2),
+                SimDataset("d", 0.8 * GB, 32, 3)]
+    cache = make_cache_system(system, 2.5 * GB, 8)
+    jobs = [_job(f"j{i}", datasets[i % 4], seed * 100 + i) for i in range(9)]
+    for job in jobs:
+        job.start_time = 0.0
+        cache.register(job)
+    return cache, jobs, {d.name: d for d in datasets}
+
+
+def _plan(cache, jobs, datasets, rng) -> None:
+    """A new round: new allocations (silod: growing, shrinking, dropped; LRU or not), and under
+    coordl some jobs paused and others resumed."""
+    if cache.name == "coordl":
+        running = [j for j in jobs if rng.random() < 0.7]
+        for job in jobs:
+            if job not in running:
+                cache.job_stopped(job)
+        cache.apply_plan(None, running, datasets)
+        return
+    alloc = {n: float(rng.choice([0.0, 0.3, 0.6, 1.0])) * d.size for n, d in datasets.items()}
+    lru = frozenset(n for n in datasets if rng.random() < 0.25)
+    cache.apply_plan(alloc, jobs, datasets, 0.0, lru)
+
+
+@pytest.mark.parametrize("system", ["silod", "quiver", "coordl"])
+def test_the_compiled_uniform_turns_make_the_python_loops_look_ups(system):
+    """DomainCache.look_up_in_turn (compiled, uniform_kernel.py) and SimCacheSystem's Python loop
+    on the same turns, rounds and pauses: the same jobs handed to the per-job advance, the same
+    hits, domains, cached chunks and counts, and every reader's count is its cached unread
+    chunks counted from scratch. Between rounds domains are made, shrunk, dropped, switched to
+    LRU and back, and under coordl parked and resumed, so slots are reused."""
+    outcomes = []
+    for compiled in (True, False):
+        cache, jobs, datasets = _domain_scenario(system, 3)
+        rng = np.random.default_rng(5)
+        _plan(cache, jobs, datasets, rng)
+        for job in jobs:
+            job.start_epoch_view(cache)
+        n = len(jobs)
+        advanced: list[int] = []
+
+        def per_job(i: int) -> None:
+            advanced.append(i)
+            job = jobs[i]
+            hi = min(job.looked + 2, job.dataset.n_chunks)
+            cache.access(job, job.perm[job.looked:hi])
+            job.looked = hi
+
+        for step in range(80):
+            if step % 9 == 8:
+                _plan(cache, jobs, datasets, rng)
+            crows = np.array([j.crow for j in jobs], dtype=np.int64)
+            unread = np.array([j.unread_cached for j in jobs], dtype=np.int64)
+            simple = rng.random(n) < 0.8
+            lo = np.array([j.looked for j in jobs], dtype=np.int64)
+            hi = np.minimum(lo + rng.integers(0, 4, n), [j.dataset.n_chunks for j in jobs]).astype(np.int64)
+            turns = np.flatnonzero(~simple | (hi > lo))
+            hits = np.full(n, -1, dtype=np.int64)
+            look = type(cache).look_up_in_turn if compiled else SimCacheSystem.look_up_in_turn
+            look(cache, jobs, crows, turns, simple, unread, lo, hi, step % 2 == 0, hits, per_job)
+            for i in np.flatnonzero(hits >= 0).tolist():
+                jobs[i].looked = int(hi[i])
+            for job in jobs:
+                if job.looked >= job.dataset.n_chunks - 2:
+                    job.new_epoch(cache)
+            doms = sorted((k, type(d).__name__, d.count, d.limit_chunks, tuple(np.flatnonzero(d.cached).tolist()))
+                          for k, d in cache.domains.items())
+            outcomes.append((step, tuple(advanced), tuple(hits.tolist()), tuple(doms), cache.evicted_bytes,
+                             tuple(j.unread_cached for j in jobs), tuple(j.moved for j in jobs)))
+            advanced.clear()
+            if compiled:
+                for job in jobs:
+                    assert job.unread_cached == int(np.count_nonzero(cache.cached_mask(job) & ~job.read_mask))
+    half = len(outcomes) // 2
+    assert outcomes[:half] == outcomes[half:]
+    assert sum(len(o[1]) for o in outcomes[:half]) > 20  # the per-job path was taken
+    assert sum(h for o in outcomes[:half] for h in o[2] if h > 0) > 30  # and look-ups hit
+    assert len({o[3] for o in outcomes[:half]}) > 10  # the domains changed under the readers
+
+
+def test_the_chunk_pool_reuses_a_dropped_domains_slot_zeroed_and_follows_growth():
+    pool = ChunkPool()
+    small, big = SimDataset("s", 1 * GB, 8, 0), SimDataset("b", 1 * GB, 600, 1)
+    a = pool.domain(small)
+    a.cached[[1, 3]] = True
+    pool.release(a)
+    b = pool.domain(small)
+    assert b.slot == a.slot and not b.cached.any()  # the slot again, emptied
+    with pytest.raises(RuntimeError, match="not held by this domain"):
+        pool.release(a)  # a dropped domain cannot give back a slot it no longer holds
+    b.cached[5] = True
+    others = [pool.domain(big) for _ in range(4)]  # past the first array: it grows
+    assert len(pool.cached) > 1024
+    assert np.shares_memory(b.cached, pool.cached) and b.cached[5] and b.cached.sum() == 1
+    assert all(np.shares_memory(d.cached, pool.cached) and not d.cached.any() for d in others)
+    assert len({d.slot for d in [b, *others]}) == 5
 
 
 def _state(cache, jobs) -> tuple:

@@ -45,6 +45,7 @@ from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.reader_rows import ReaderRows
 from scheduler.sim.types import CacheReader, TurnAdvance
 from scheduler.sim.types import SimDataset
+from scheduler.sim.uniform_kernel import LOOK_UP, NO_DOMAIN, PER_JOB, PYTHON_DOMAIN, uniform_turns
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 _NO_CHUNKS = np.zeros(0, dtype=np.int64)
@@ -57,12 +58,13 @@ class CacheDomain:
     admit and what to evict."""
 
     dataset: SimDataset
-    cached: np.ndarray = field(init=False)
+    cached: np.ndarray | None = None  # None: a zeroed array of its own (ChunkPool.domain gives a region instead)
     count: int = 0
     limit_chunks: int = 0
 
     def __post_init__(self) -> None:
-        self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
+        if self.cached is None:
+            self.cached = np.zeros(self.dataset.n_chunks, dtype=bool)
 
     def _limit(self, nbytes: float) -> None:
         # A partial chunk cannot be cached: round down (resolution controls this error). On
@@ -88,6 +90,8 @@ class CacheDomain:
 @dataclass(eq=False, slots=True)
 class UniformDomain(CacheDomain):
     """A uniform cache over one dataset's chunks with a limit (SiloD §2.2)."""
+
+    slot: int = -1  # its region in its cache system's ChunkPool (-1: an array of its own)
 
     def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
         """Set the allocation; returns the chunks evicted to fit it (random, as §2.2 says)."""
@@ -151,6 +155,63 @@ class LruDomain(CacheDomain):
         self.count += 1
         self.order[chunk] = None
         return self._evict()
+
+
+class ChunkPool:
+    """The uniform domains' cached chunks as regions of one array, which the compiled look-ups
+    (uniform_kernel.py) index by slot: a domain's region starts at `offset[slot]`; `count` and
+    `limit` hold its counts while a step's compiled loop runs (DomainCache.look_up_in_turn).
+
+    A domain takes a slot when it is made (`domain`) and gives it back when its cache system
+    drops it (`release`); a freed slot goes to the next domain of the same chunk count, zeroed.
+    Its region stays as it was until then, so a dropped domain's chunks can still be read (the
+    evictions it causes). When the array grows, every live domain's `cached` follows it."""
+
+    def __init__(self) -> None:
+        self.cached = np.zeros(1024, dtype=bool)
+        self.offset = np.zeros(16, dtype=np.int64)
+        self.count = np.zeros(16, dtype=np.int64)
+        self.limit = np.zeros(16, dtype=np.int64)
+        self.owners: list[UniformDomain | None] = []  # per slot, the live domain holding it
+        self._width: list[int] = []  # per slot, its chunks
+        self._free: dict[int, list[int]] = {}  # chunks -> free slots of that many
+        self._end = 0  # elements of `cached` given out
+
+    def domain(self, dataset: SimDataset) -> UniformDomain:
+        """A new, empty uniform domain of `dataset`, on a slot of its own."""
+        n = dataset.n_chunks
+        free = self._free.get(n)
+        if free:
+            slot = free.pop()
+        else:
+            slot = len(self._width)
+            if self._end + n > len(self.cached):
+                grown = np.zeros(max(2 * len(self.cached), self._end + n), dtype=bool)
+                grown[:self._end] = self.cached[:self._end]
+                self.cached = grown
+                for s, dom in enumerate(self.owners):
+                    if dom is not None:
+                        dom.cached = grown[self.offset[s]:self.offset[s] + self._width[s]]
+            if slot >= len(self.offset):
+                for name in ("offset", "count", "limit"):
+                    old = getattr(self, name)
+                    setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
+            self.offset[slot] = self._end
+            self._end += n
+            self._width.append(n)
+            self.owners.append(None)
+        region = self.cached[self.offset[slot]:self.offset[slot] + n]
+        region[:] = False
+        dom = UniformDomain(dataset, region, 0, 0, slot)
+        self.owners[slot] = dom
+        return dom
+
+    def release(self, dom: UniformDomain) -> None:
+        """`dom` was dropped: its slot goes to a later domain."""
+        if self.owners[dom.slot] is not dom:
+            raise RuntimeError(f"slot {dom.slot} of the chunk pool is not held by this domain of {dom.dataset.name!r}")
+        self.owners[dom.slot] = None
+        self._free.setdefault(self._width[dom.slot], []).append(dom.slot)
 
 
 class SimCacheSystem(ABC):
@@ -356,12 +417,137 @@ def _access_uniform(job: CacheReader, dom: UniformDomain | None, chunks: np.ndar
     return n_hits, (dom.admit(chunks[~hits]) if dom.filling else chunks[:0])
 
 
-class SiloDCache(SimCacheSystem):
-    name = "silod"
+class DomainCache(SimCacheSystem):
+    """A cache system of domains by key (`key`: SiloD's and Quiver's per dataset, CoorDL's per
+    job), the uniform ones in a ChunkPool, with a step's look-ups compiled (uniform_kernel.py).
+
+    Each reader row (reader_rows.py) holds the code of its key's domain: its slot, NO_DOMAIN or
+    PYTHON_DOMAIN (an LRU domain, which the loop leaves to `access`). Domains come and go only
+    through `_set_domain` and `_drop_domain`, which keep those codes and the pool in step."""
+
+    #: Whether a domain's admissions move other readers' counts (False: private domains, CoorDL).
+    shared = True
 
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
         self.domains: dict[str, CacheDomain] = {}
+        self.pool = ChunkPool()
+        self._row_dom = np.full(16, NO_DOMAIN, dtype=np.int64)  # per reader row, its domain's code
+        self._row_reads = np.zeros(16, dtype=bool)  # per reader row, whether a registered reader holds it
+        self._readers: tuple[np.ndarray, np.ndarray] | None = None  # each slot's readers' rows (CSR; None: stale)
+
+    @staticmethod
+    def _code(dom: CacheDomain | None) -> int:
+        if dom is None:
+            return NO_DOMAIN
+        return dom.slot if isinstance(dom, UniformDomain) else PYTHON_DOMAIN
+
+    def register(self, job):
+        super().register(job)
+        row = job.crow
+        if row >= len(self._row_dom):
+            grow = max(row + 1, len(self._row_dom))
+            self._row_dom = np.concatenate([self._row_dom, np.full(grow, NO_DOMAIN, dtype=np.int64)])
+            self._row_reads = np.concatenate([self._row_reads, np.zeros(grow, dtype=bool)])
+        self._row_dom[row] = self._code(self.domains.get(self.key(job)))
+        self._row_reads[row] = True
+        self._readers = None
+
+    def unregister(self, job):
+        if job in self.readers.get(self.key(job), ()):
+            self._row_reads[job.crow] = False  # before the row leaves with the job
+            self._readers = None
+        super().unregister(job)
+
+    def _set_domain(self, key: str, dom: CacheDomain) -> None:
+        """`dom` is `key`'s domain from now on (a uniform domain it replaces gives its slot back)."""
+        old = self.domains.get(key)
+        self.domains[key] = dom
+        if old is not None and old is not dom and type(old) is UniformDomain:
+            self.pool.release(old)
+        self._point_readers(key, self._code(dom))
+
+    def _drop_domain(self, key: str, release: bool = True) -> CacheDomain | None:
+        """`key` has no domain any more; returns the one it had (its chunks still readable).
+        `release=False`: the caller keeps the domain's slot (CoorDL's paused jobs)."""
+        dom = self.domains.pop(key, None)
+        if dom is not None:
+            if release and type(dom) is UniformDomain:
+                self.pool.release(dom)
+            self._point_readers(key, NO_DOMAIN)
+        return dom
+
+    def _point_readers(self, key: str, code: int) -> None:
+        row_dom = self._row_dom
+        for job in self.readers.get(key, ()):
+            row_dom[job.crow] = code
+        if self.shared:
+            self._readers = None
+
+    def _readers_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each slot's readers' rows, as uniform_access moves their counts (rebuilt on columns
+        once a reader or domain came or went); none where domains are private."""
+        if not self.shared:
+            if self._readers is None or len(self._readers[0]) <= len(self.pool.owners):
+                self._readers = (np.zeros(len(self.pool.owners) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+            return self._readers
+        if self._readers is None:
+            rows = np.flatnonzero(self._row_reads & (self._row_dom >= 0))
+            slots = self._row_dom[rows]
+            ptr = np.zeros(len(self.pool.owners) + 1, dtype=np.int64)
+            np.cumsum(np.bincount(slots, minlength=len(self.pool.owners)), out=ptr[1:])
+            self._readers = (ptr, rows[np.argsort(slots, kind="stable")])
+        return self._readers
+
+    def look_up_in_turn(self, jobs, crows, turns, simple, unread, lo, hi, fresh, hits, per_job, step=None):
+        # SimCacheSystem.look_up_in_turn's loop, compiled; it returns to Python for `per_job`
+        # and for look-ups in LRU domains. The domains' counts move into the pool's columns for
+        # the loop and back into the domains whenever Python takes over.
+        # Only the look-ups' domains are moved in; the per-job advance and `access` of a job read
+        # and change only the job's own domain (reader.py), so only that one moves out and back
+        # around them.
+        n = len(jobs)
+        if n == 0:
+            return
+        pool, rows, owners = self.pool, self.rows, self.pool.owners
+        dom_of = self._row_dom[crows]
+        looking = dom_of[turns[simple[turns]]]
+        moved_in = np.zeros(len(owners), dtype=bool)
+        moved_in[looking[looking >= 0]] = True
+        used = np.flatnonzero(moved_in)
+        for s in used.tolist():
+            dom = owners[s]
+            pool.count[s], pool.limit[s] = dom.count, dom.limit_chunks
+        before = pool.count[used]
+        r_ptr, r_rows = self._readers_csr()
+        turns = np.append(turns, n)
+        at, prev, changed = 0, 0, not fresh
+        while True:
+            i, at, prev, need = uniform_turns(turns, at, prev, changed, simple, unread, crows, lo, hi, dom_of, hits, rows.reads,
+                                              rows.counts, rows.perms, pool.cached, pool.offset, pool.count, pool.limit, r_ptr, r_rows)
+            if i < 0:
+                break
+            changed = True
+            d = int(dom_of[i])
+            mine = owners[d] if d >= 0 and moved_in[d] else None
+            if mine is not None:
+                mine.count = int(pool.count[d])
+            if need == PER_JOB:
+                per_job(i)
+            else:
+                job = jobs[i]
+                hits[i] = self.access(job, job.perm[lo[i]:hi[i]])
+            if mine is not None:
+                pool.count[d] = mine.count
+        for s in used[pool.count[used] != before].tolist():
+            owners[s].count = int(pool.count[s])
+
+
+class SiloDCache(DomainCache):
+    name = "silod"
+
+    def __init__(self, capacity: float, total_gpus: int, seed: int):
+        super().__init__(capacity, total_gpus, seed)
         self._lru_names: list[str] = []  # the LRU domains' datasets as of layout `_lru_version`
         self._lru_version = -1
 
@@ -381,11 +567,12 @@ class SiloDCache(SimCacheSystem):
         kind = LruDomain if lru else UniformDomain
         dom = self.domains.get(dataset.name)
         if type(dom) is not kind:
-            fresh = kind(dataset)
+            fresh = LruDomain(dataset) if lru else self.pool.domain(dataset)
             self.layout_version += 1
             if dom is not None:
                 fresh.take_over(dom)
-            dom = self.domains[dataset.name] = fresh
+            self._set_domain(dataset.name, fresh)
+            dom = fresh
         return dom
 
     def apply_autocache(self, autocache, datasets):
@@ -396,7 +583,7 @@ class SiloDCache(SimCacheSystem):
             e = float(autocache.get(name, 1.0))
             if e == ds.expansion:
                 continue
-            dom = self.domains.pop(name, None)
+            dom = self._drop_domain(name)
             if dom is not None:
                 # An LRU domain gone makes its readers non-volatile; if the plan gives the
                 # dataset no allocation, no new domain bumps the version for it.
@@ -419,7 +606,7 @@ class SiloDCache(SimCacheSystem):
                 self.evicted_bytes += victims.size * dom.dataset.cached_chunk_bytes
                 self._changed(name, victims, -1)
             if dom.count == 0 and new <= 0:
-                del self.domains[name]
+                self._drop_domain(name)
                 self.layout_version += 1
         for name, nbytes in cache_alloc.items():
             if nbytes > 0 and name in datasets and name not in self.domains:
@@ -560,27 +747,49 @@ class QuiverCache(SiloDCache):
         super().apply_plan(self._chosen, running, datasets, now)
 
 
-class CoorDLCache(SimCacheSystem):
+class CoorDLCache(DomainCache):
     """Per-job private uniform caches of a static size (the job's GPUs' share of local disk)."""
 
     name = "coordl"
 
+    shared = False
+
     def __init__(self, capacity: float, total_gpus: int, seed: int):
         super().__init__(capacity, total_gpus, seed)
-        self.domains: dict[str, UniformDomain] = {}
+        # A paused job's domain object and slot wait for it to resume, when they are emptied (it
+        # resumes with an empty cache, as with a new domain), and go back to the pool when the
+        # job leaves: a job pauses at nearly every Gavel round, 390,000 times in a Fig. 12 run.
+        self._parked: dict[str, UniformDomain] = {}
 
     def key(self, job):
         return job.job_id
 
+    def unregister(self, job):
+        super().unregister(job)
+        parked = self._parked.pop(job.job_id, None)
+        if parked is not None:
+            self.pool.release(parked)
+
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         per_gpu = self.capacity / self.total_gpus
         for job in running:
-            if job.job_id not in self.domains:
-                self.domains[job.job_id] = dom = UniformDomain(job.dataset)
+            key = job.job_id
+            if key not in self.domains:
+                dom = self._parked.pop(key, None)
+                if dom is None:
+                    dom = self.pool.domain(job.dataset)
+                else:
+                    dom.cached[:] = False
+                    dom.count = 0
+                self._set_domain(key, dom)
                 dom.set_limit(per_gpu * job.gpus, self.rng)
 
     def job_stopped(self, job):
-        dom = self.domains.pop(job.job_id, None)
+        key = job.job_id
+        registered = key in self.readers
+        dom = self._drop_domain(key, release=not registered)
+        if registered and dom is not None:
+            self._parked[key] = dom
         if dom is not None and dom.count:
             # _changed(key, cached chunks, -1) for its only reader (none once it finished): what
             # leaves is every cached chunk it has not read, which its count of cached unread

@@ -26,6 +26,11 @@ concerns at once (`_changed`), so the reader always reads at the ratio the cache
            (0 by default) redrawn when it is re-profiled every 12 h; a dataset that does not fit
            the space left gets nothing.
 See docs/simulator.md for each baseline's modelling choices and their sources.
+
+How they run: silod, quiver and coordl are DomainCaches, whose uniform domains keep their chunks
+in one ChunkPool so that a step's look-ups run compiled (uniform_kernel.py); alluxio's LRU is
+arrays that lru_kernel.py works on. SimCacheSystem.look_up_in_turn is the Python loop both
+compiled loops are tested against (tests/test_sim_compiled.py).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.reader_rows import ReaderRows
 from scheduler.sim.types import CacheReader, TurnAdvance
 from scheduler.sim.types import SimDataset
-from scheduler.sim.uniform_kernel import LOOK_UP, NO_DOMAIN, PER_JOB, PYTHON_DOMAIN, uniform_turns
+from scheduler.sim.uniform_kernel import NO_DOMAIN, PER_JOB, PYTHON_DOMAIN, uniform_turns
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 _NO_CHUNKS = np.zeros(0, dtype=np.int64)

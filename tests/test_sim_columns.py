@@ -188,6 +188,7 @@ class TableCheckingSimulator(Simulator):
             assert np.array_equal(got, expect), "the job table's rows are stale"
             assert st.ids == [j.job_id for j in running]
             assert [int(s) for s in st.slots] == [j.slot for j in running]
+            assert st.crows.tolist() == [j.crow for j in running]  # kept with the static columns
             assert st.gpus.tolist() == [j.gpus for j in running]
             assert st.irregular.tolist() == [not j.regular for j in running]
             assert st.fstar.tolist() == [j.fstar is not None for j in running]

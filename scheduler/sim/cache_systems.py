@@ -350,8 +350,9 @@ class SimCacheSystem(ABC):
         return 0
 
     # The engine asks these of every running job at every step: one call for all of them.
-    def visible_and_room(self, jobs: Sequence[CacheReader]) -> tuple[np.ndarray, np.ndarray]:
-        """visible_chunks and room of every job in `jobs`, as two float columns."""
+    def visible_and_room(self, jobs: Sequence[CacheReader], crows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """visible_chunks and room of every job in `jobs`, as two float columns (`crows`: their
+        reader rows, where the caller has them)."""
         n = len(jobs)
         return (np.fromiter((self.visible_chunks(j) for j in jobs), dtype=float, count=n),
                 np.fromiter((self.room(j) for j in jobs), dtype=float, count=n))
@@ -360,8 +361,8 @@ class SimCacheSystem(ABC):
         """moves_under of every job in `jobs` (bool column)."""
         return np.fromiter((self.moves_under(j) for j in jobs), dtype=bool, count=len(jobs))
 
-    def evicting_all(self, jobs: Sequence[CacheReader]) -> np.ndarray:
-        """evicting of every job in `jobs` (bool column)."""
+    def evicting_all(self, jobs: Sequence[CacheReader], crows: np.ndarray | None = None) -> np.ndarray:
+        """evicting of every job in `jobs` (bool column; `crows` as for visible_and_room)."""
         return np.fromiter((self.evicting(j) for j in jobs), dtype=bool, count=len(jobs))
 
     def job_stopped(self, job: CacheReader) -> None:
@@ -629,7 +630,7 @@ class SiloDCache(DomainCache):
         dom = self.domains.get(job.dataset.name)
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
 
-    def visible_and_room(self, jobs):
+    def visible_and_room(self, jobs, crows=None):
         return _domain_counts([self.domains.get(j.dataset.name) for j in jobs])
 
     def access(self, job, chunks):
@@ -817,7 +818,7 @@ class CoorDLCache(DomainCache):
         dom = self.domains.get(job.job_id)
         return max(dom.limit_chunks - dom.count, 0) if dom is not None else 0
 
-    def visible_and_room(self, jobs):
+    def visible_and_room(self, jobs, crows=None):
         return _domain_counts([self.domains.get(j.job_id) for j in jobs])
 
     def access(self, job, chunks):
@@ -1035,16 +1036,18 @@ class AlluxioLRUCache(SimCacheSystem):
     def evicting(self, job):
         return 0 < self.capacity and self.capacity - self.total_bytes < job.dataset.chunk_size
 
-    def _datasets_of(self, jobs) -> tuple[np.ndarray, np.ndarray]:
+    def _datasets_of(self, jobs, crows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Each job's dataset index (-1: nobody has read it yet) and chunk bytes."""
-        ds = self._row_ds[np.fromiter(map(_CROW, jobs), dtype=np.int64, count=len(jobs))]
+        if crows is None:
+            crows = np.fromiter(map(_CROW, jobs), dtype=np.int64, count=len(jobs))
+        ds = self._row_ds[crows]
         chunk = self._ds_size[ds]
         for i in np.flatnonzero(ds < 0).tolist():
             chunk[i] = jobs[i].dataset.chunk_size
         return ds, chunk
 
-    def visible_and_room(self, jobs):
-        ds, chunk = self._datasets_of(jobs)
+    def visible_and_room(self, jobs, crows=None):
+        ds, chunk = self._datasets_of(jobs, crows)
         visible = np.where(ds >= 0, self._ds_counts[ds], 0).astype(float)
         room = np.maximum(np.trunc((self.capacity - self.total_bytes) / chunk + 1e-9), 0.0)
         return visible, room
@@ -1052,10 +1055,10 @@ class AlluxioLRUCache(SimCacheSystem):
     def moves_under_all(self, jobs):
         return np.ones(len(jobs), dtype=bool)  # volatile for every reader
 
-    def evicting_all(self, jobs):
+    def evicting_all(self, jobs, crows=None):
         if not 0 < self.capacity:
             return np.zeros(len(jobs), dtype=bool)
-        return self.capacity - self.total_bytes < self._datasets_of(jobs)[1]
+        return self.capacity - self.total_bytes < self._datasets_of(jobs, crows)[1]
 
     def volatile_bytes(self):
         # One cache: every reader's misses are admitted into it. No cache: nothing moves (a

@@ -535,6 +535,7 @@ class Simulator:
         steps = 0
         last_dt: float | None = None
         self._static = None  # the running jobs' static columns (_step_state)
+        self._static_crows = np.zeros(0, dtype=np.int64)  # and their reader rows
         self._table = JobTable()
         self._by_id: dict[str, SimJob] = {}  # the active jobs by id
         self._fair = None  # the fairness columns (_fairness)
@@ -870,14 +871,15 @@ class Simulator:
         else:
             caps = max_min_share(demands, total)
             if contended:
-                caps, claimers = self._claimable(running, caps, demands, total)
+                caps, claimers = self._claimable(running, st.crows, caps, demands, total)
         if not contended:
             # Headroom up to f* (the most a job can read remotely), so a job whose miss ratio
             # rises within the step (a new epoch) is not held to the demand it had at its start.
             caps = _spread(caps, ideal_m, total)
         return caps, contended, claimers
 
-    def _claimable(self, running: list[SimJob], caps: np.ndarray, demands: np.ndarray, total: float) -> tuple[np.ndarray, Claimers | None]:
+    def _claimable(self, running: list[SimJob], crows: np.ndarray, caps: np.ndarray, demands: np.ndarray,
+                   total: float) -> tuple[np.ndarray, Claimers | None]:
         """Max-min caps on a contended link, where a job in a full LRU gets below the water level
         what it could claim if its demand rose, not just its demand now: others' admissions evict
         its unread chunks within the step, so its miss ratio (its demand) rises as it reads, and
@@ -893,7 +895,7 @@ class Simulator:
         at_level = int(np.count_nonzero(~below))
         if not below.any() or not at_level:
             return caps, None
-        evicting = self.cache.evicting_all(running)
+        evicting = self.cache.evicting_all(running, crows)
         mask = below & evicting
         if not mask.any():
             return caps, None
@@ -907,13 +909,16 @@ class Simulator:
         n = len(running)
         if prev is None:
             self._refresh_layout()
-        static = self._static if prev is None else prev.static()
+            static, crows = self._static, self._static_crows
+        else:
+            static, crows = prev.static(), prev.crows
         if static is None or len(static[0]) != n:
             static = self._static = self._table.columns(running)
+            # A job keeps its reader row from its arrival to its completion: with the static columns.
+            crows = self._static_crows = np.fromiter(map(_CROW, running), dtype=np.int64, count=n)
         # SimJob.unread_expected of every running job (called with its `scalar` flag, as the
         # per-job advance calls it), on the job table's columns.
         slots = static[1]
-        crows = np.fromiter(map(_CROW, running), dtype=np.int64, count=n)
         unread = self.cache.rows.counts[crows, UNREAD].astype(float)
         looked, expected = self._table.sync(slots, unread, static[-1], static[2])
         position = self._table.state[slots]
@@ -965,7 +970,7 @@ class Simulator:
         left = st.total - st.consumed
         if contended:
             cache = self.cache
-            visible, room = cache.visible_and_room(running)
+            visible, room = cache.visible_and_room(running, st.crows)
             k = st.k
             misses_left = (k - st.looked) - st.unread_real
             next_miss = 1.0 - (visible + np.minimum(room, misses_left)) / k

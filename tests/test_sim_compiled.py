@@ -140,7 +140,6 @@ def test_the_compiled_turns_hand_the_same_jobs_to_the_per_job_advance():
             cache.access(job, job.perm[:6])
             job.looked = 6
         rng = np.random.default_rng(11)
-        n = len(jobs)
         advanced: list[int] = []
 
         def per_job(i: int) -> None:
@@ -150,20 +149,7 @@ def test_the_compiled_turns_hand_the_same_jobs_to_the_per_job_advance():
             job.looked = min(job.looked + 2, job.dataset.n_chunks)
 
         for step in range(40):
-            crows = np.array([j.crow for j in jobs], dtype=np.int64)
-            unread = np.array([j.unread_cached for j in jobs], dtype=np.int64)
-            simple = rng.random(n) < 0.8
-            lo = np.array([j.looked for j in jobs], dtype=np.int64)
-            hi = np.minimum(lo + rng.integers(0, 3, n), [j.dataset.n_chunks for j in jobs]).astype(np.int64)
-            turns = np.flatnonzero(~simple | (hi > lo))
-            hits = np.full(n, -1, dtype=np.int64)
-            look = AlluxioLook if compiled else SimCacheSystem.look_up_in_turn
-            look(cache, jobs, crows, turns, simple, unread, lo, hi, step % 2 == 0, hits, per_job)
-            for i in np.flatnonzero(hits >= 0).tolist():
-                jobs[i].looked = int(hi[i])
-            for job in jobs:
-                if job.looked >= job.dataset.n_chunks - 2:
-                    job.new_epoch(cache)
+            hits = _turns(AlluxioLook if compiled else SimCacheSystem.look_up_in_turn, cache, jobs, rng, 2, step % 2 == 0, per_job)
             outcomes.append((compiled, step, tuple(advanced), tuple(hits.tolist()), cache.evicted_bytes,
                              tuple(j.unread_cached for j in jobs), tuple(j.moved for j in jobs)))
             advanced.clear()
@@ -173,6 +159,28 @@ def test_the_compiled_turns_hand_the_same_jobs_to_the_per_job_advance():
 
 
 AlluxioLook = type(make_cache_system("alluxio", 1.0, 1)).look_up_in_turn
+
+
+def _turns(look, cache, jobs, rng, most: int, fresh: bool, per_job) -> np.ndarray:
+    """One step's look-ups in turn through `look`, on random columns as the engine's column
+    advance hands them over (up to `most` chunks a job; a fifth of the jobs to the per-job
+    advance); the jobs move past what they looked up, and an epoch nearly read ends. Returns
+    the hits (-1: no look-up)."""
+    n = len(jobs)
+    crows = np.array([j.crow for j in jobs], dtype=np.int64)
+    unread = np.array([j.unread_cached for j in jobs], dtype=np.int64)
+    simple = rng.random(n) < 0.8
+    lo = np.array([j.looked for j in jobs], dtype=np.int64)
+    hi = np.minimum(lo + rng.integers(0, most + 1, n), [j.dataset.n_chunks for j in jobs]).astype(np.int64)
+    turns = np.flatnonzero(~simple | (hi > lo))
+    hits = np.full(n, -1, dtype=np.int64)
+    look(cache, jobs, crows, turns, simple, unread, lo, hi, fresh, hits, per_job)
+    for i in np.flatnonzero(hits >= 0).tolist():
+        jobs[i].looked = int(hi[i])
+    for job in jobs:
+        if job.looked >= job.dataset.n_chunks - 2:
+            job.new_epoch(cache)
+    return hits
 
 
 def _domain_scenario(system: str, seed: int):
@@ -218,7 +226,6 @@ def test_the_compiled_uniform_turns_make_the_python_loops_look_ups(system):
         _plan(cache, jobs, datasets, rng)
         for job in jobs:
             job.start_epoch_view(cache)
-        n = len(jobs)
         advanced: list[int] = []
 
         def per_job(i: int) -> None:
@@ -231,20 +238,8 @@ def test_the_compiled_uniform_turns_make_the_python_loops_look_ups(system):
         for step in range(80):
             if step % 9 == 8:
                 _plan(cache, jobs, datasets, rng)
-            crows = np.array([j.crow for j in jobs], dtype=np.int64)
-            unread = np.array([j.unread_cached for j in jobs], dtype=np.int64)
-            simple = rng.random(n) < 0.8
-            lo = np.array([j.looked for j in jobs], dtype=np.int64)
-            hi = np.minimum(lo + rng.integers(0, 4, n), [j.dataset.n_chunks for j in jobs]).astype(np.int64)
-            turns = np.flatnonzero(~simple | (hi > lo))
-            hits = np.full(n, -1, dtype=np.int64)
             look = type(cache).look_up_in_turn if compiled else SimCacheSystem.look_up_in_turn
-            look(cache, jobs, crows, turns, simple, unread, lo, hi, step % 2 == 0, hits, per_job)
-            for i in np.flatnonzero(hits >= 0).tolist():
-                jobs[i].looked = int(hi[i])
-            for job in jobs:
-                if job.looked >= job.dataset.n_chunks - 2:
-                    job.new_epoch(cache)
+            hits = _turns(look, cache, jobs, rng, 3, step % 2 == 0, per_job)
             doms = sorted((k, type(d).__name__, d.count, d.limit_chunks, tuple(np.flatnonzero(d.cached).tolist()))
                           for k, d in cache.domains.items())
             outcomes.append((step, tuple(advanced), tuple(hits.tolist()), tuple(doms), cache.evicted_bytes,

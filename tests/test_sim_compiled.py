@@ -13,6 +13,8 @@
 - The uniform caches' compiled turn loop (DomainCache.look_up_in_turn, uniform_kernel.py) against
   the same Python loop, for silod, quiver and coordl, through rounds that make, shrink, drop and
   switch domains (slots reused), and the chunk pool that holds their chunks.
+- The engine's compiled link split (link_kernel.max_min) against policies.storage.max_min_share,
+  to the sign of zero; the kernels' cache directory following every simulator source.
 - The compiled per-job advance (lru_kernel.lru_advance, through reader.advance) against
   reader.python_advance, call by call: epoch ends, finishing, sub-step limits, no IO.
 The column advance's compiled arithmetic is checked against the per-job advance by
@@ -22,11 +24,14 @@ tests/test_simulator.py::test_the_column_advance_is_exactly_the_per_job_advance.
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from policies.storage import max_min_share
 from scheduler.sim.cache_systems import ChunkPool, SimCacheSystem, make_cache_system
+from scheduler.sim.link_kernel import max_min
 from scheduler.sim.reader import VOLATILE_SUBSTEP, SimJob, StepResult, advance, python_advance
 from scheduler.sim.types import SimDataset, TurnAdvance
 from traces.model import TraceJob
@@ -356,12 +361,59 @@ def test_the_compiled_turns_advance_per_job_as_the_python_advance_does():
     assert sum(len(h) for h in runs[0][1][5]) >= 5  # and through epoch ends
 
 
+def test_the_compiled_link_split_is_max_min_share_to_the_bit():
+    """link_kernel.max_min (the engine's) against policies.storage.max_min_share on random
+    splits: uncontended and contended, ties, zeros of both signs, infinite and NaN demands, a
+    capacity of -0.0: the same values and the same signs of zero."""
+    rng = np.random.default_rng(1)
+    contended = 0
+    for trial in range(20000):
+        n = int(rng.integers(0, 40)) if trial % 10 else int(rng.integers(0, 400))
+        kind = trial % 5
+        if kind == 0:
+            d = rng.random(n) * 1e8
+        elif kind == 1:
+            d = rng.integers(0, 5, n).astype(float) * 1e7  # ties and zeros
+        elif kind == 2:
+            d = np.where(rng.random(n) < 0.1, np.inf, rng.random(n) * 1e9)
+        elif kind == 3:
+            d = np.where(rng.random(n) < 0.05, np.nan, rng.random(n) * 1e9)
+        else:
+            d = rng.choice([0.0, -0.0, 1e-300, 5e8, 5e8 + 1e-7], n)
+        cap = float(rng.choice([0.0, -0.0, d.sum() * rng.random() if n else 1.0, 4e9, 1e-300]))
+        if n and not np.isfinite(d.sum()):
+            cap = float(rng.random() * 1e9)
+        want, got = max_min_share(d, cap), max_min(d, cap)
+        contended += bool(n) and bool(d.sum() > cap)
+        assert want.shape == got.shape and np.array_equal(want, got, equal_nan=True), (d, cap)
+        assert np.array_equal(np.signbit(want), np.signbit(got)), (d, cap)
+    assert contended > 10000
+
+
+def test_kernels_are_cached_per_version_of_the_simulators_sources(tmp_path, monkeypatch):
+    """numba checks only a kernel's own file; the cache directory follows every simulator source
+    (a helper or constant inlined from another module), under NUMBA_CACHE_DIR if set."""
+    from scheduler.sim import compiled
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    here = compiled._cache_dir()
+    assert here is not None and Path(here).parent == tmp_path
+    sources = sorted(Path(compiled.__file__).parent.glob("*.py"))
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: real(p) + (b"# edited" if p.name == "position.py" else b""))
+    assert compiled._cache_dir() != here  # one constant module edited: another directory
+    assert any(p.name == "position.py" for p in sources)
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    monkeypatch.setenv("HOME", "~")  # no home to resolve: numba's own default (next to the modules)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert compiled._cache_dir() is None
+
+
 def test_the_kernels_compile_in_memory_where_numba_cannot_cache():
     """A read-only install with no writable home: numba finds no cache location and refuses to
     cache; the kernels then compile in memory in every process instead of failing the import."""
     import subprocess
     import sys
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     code = (

@@ -29,10 +29,10 @@ from estimator.measured import FStarEstimate
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
-from policies.storage import max_min_share
 from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.column_kernel import column_apply, column_step
+from scheduler.sim.link_kernel import max_min
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
@@ -808,7 +808,7 @@ class Simulator:
         at_level = claimers.at_level[rest]
         if at_level.any():
             below = float(caps_rest[~at_level].sum())
-            caps_rest[at_level] = max_min_share(claimers.demands[rest][at_level], max(self.capacity.remote_io - used - below, 0.0))
+            caps_rest[at_level] = max_min(claimers.demands[rest][at_level], max(self.capacity.remote_io - used - below, 0.0))
         out_rest = interleave(rest, caps_rest, False)  # the claimers' reads moved the cache since `st`
         out = Outcome.empty(len(running), dt)  # back in the order of `running`
         for idx, part in ((first, out_first), (rest, out_rest)):
@@ -869,7 +869,7 @@ class Simulator:
             floors = np.minimum(np.fromiter((planned.get(i, 0.0) for i in st.ids), dtype=float, count=len(st.ids)), demands)
             caps = _spread(floors, demands, total)
         else:
-            caps = max_min_share(demands, total)
+            caps = max_min(demands, total)
             if contended:
                 caps, claimers = self._claimable(running, st.crows, caps, demands, total)
         if not contended:
@@ -1124,7 +1124,7 @@ def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:
     spare = total_io - float(base.sum())
     if spare <= 0 or not extra_want.any():
         return base
-    return base + max_min_share(extra_want, spare)
+    return base + max_min(extra_want, spare)
 
 
 #: A job shorter than this at its ideal rate is below the engine's time resolution (a step is

@@ -19,15 +19,24 @@ from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED,
 F, B, I = numba.float64[:], numba.boolean[:], numba.int64[:]  # any layout: positions are strided columns of the job table
 
 
-@kernel(numba.void(F, F, F, F, F, F, F, F, F, numba.float64, numba.float64, numba.float64, B, B, F, F, B, I, F, F, F, B, B, B))
+@kernel(numba.int64(F, F, F, F, F, F, F, F, F, numba.float64, numba.float64, numba.float64, B, B, F, F, B, I, F, F, F, B, B, B,
+                    F, F, F, F, B, I, I, F, I, I))
 def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, looked: np.ndarray, unread: np.ndarray,
                 total: np.ndarray, consumed: np.ndarray, caps: np.ndarray, dt: float, tol: float, sub_step: float,
                 reach_sub: np.ndarray, scalar: np.ndarray, m: np.ndarray, x: np.ndarray, finishing: np.ndarray,
                 last: np.ndarray, done: np.ndarray, missed: np.ndarray, t: np.ndarray, simple: np.ndarray,
-                stalled: np.ndarray, looks: np.ndarray) -> None:
+                stalled: np.ndarray, looks: np.ndarray, read: np.ndarray, remote: np.ndarray, finished_at: np.ndarray,
+                elapsed: np.ndarray, applied: np.ndarray, hits: np.ndarray, visit: np.ndarray, unread_real: np.ndarray,
+                looked_i: np.ndarray, unread_i: np.ndarray) -> int:
     """One stretch of every job's epoch at its miss ratio now, as reader.advance reads it
     (see engine._advance_vector for what each output is). `sub_step` > 0: each job's first
-    sub-step only, `reach_sub` the jobs whose stretch ends after sub_step of an epoch."""
+    sub-step only, `reach_sub` the jobs whose stretch ends after sub_step of an epoch.
+
+    Also the step's starting results (the columns' stretch for the jobs it is `applied` to,
+    nothing yet for the others), `hits` cleared (-1), the positions of the jobs to `visit` in
+    turn (those that look chunks up or need the per-job advance; returns how many), and the
+    looked-up and cached-unread counts as integers, as the turn loop takes them."""
+    n_visit = 0
     for i in range(len(k)):
         left = k[i] - looked[i]
         mi = 1.0 - unread[i] / left
@@ -54,6 +63,18 @@ def column_step(k: np.ndarray, s: np.ndarray, ideal: np.ndarray, p: np.ndarray, 
         stalled[i] = open_ and (rate <= 0 or xi <= pi)
         last[i] = np.int64(lst) if simp else 0
         looks[i] = simp and last[i] > looked[i]
+        read[i] = d if simp else 0.0
+        remote[i] = 0.0
+        finished_at[i] = np.nan
+        elapsed[i] = ti if simp else dt
+        applied[i] = simp
+        hits[i] = -1
+        if looks[i] or not (simp or stalled[i]):
+            visit[n_visit] = i
+            n_visit += 1
+        looked_i[i] = np.int64(looked[i])
+        unread_i[i] = np.int64(unread_real[i])
+    return n_visit
 
 
 @kernel(numba.void(I, I, F, F, I, F, B, F, F, F, F, B, F, numba.float64[:, :], F, B))

@@ -1007,24 +1007,25 @@ class Simulator:
             scalar = scalar.copy()
             scalar[pre] = True
         substeps = 1 if first_substep else None
-        m, x, done, missed, t = (np.empty(n) for _ in range(5))
-        finishing, simple, stalled, looks = (np.empty(n, dtype=bool) for _ in range(4))
-        last = np.empty(n, dtype=np.int64)
-        # advance's `reach` in a first sub-step: a volatile job's sub-step, a whole epoch for the others
-        column_step(k, s, ideal, p, looked, unread, st.total, st.consumed, caps, dt, tol, VOLATILE_SUBSTEP if first_substep else 0.0,
-                    st.scalar, scalar, m, x, finishing, last, done, missed, t, simple, stalled, looks)
-        out = Outcome(np.where(simple, done, 0.0), np.zeros(n), np.full(n, np.nan), np.where(simple, t, dt))
-        # Jobs are taken in order, as the per-job loop would: only those that look chunks up or
-        # need the per-job `advance` touch the cache; the others (reading inside chunks looked
-        # up before, or stalled) are checked at their turn only once the cache has changed.
-        applied = simple.copy()  # whose step is the columns' (the rest: advance's)
-        visit = np.flatnonzero(looks | ~(simple | stalled))
+        m, x, done, missed, t, read, remote, finished_at, elapsed = np.empty((9, n))
+        finishing, simple, stalled, looks, applied, ending = np.empty((6, n), dtype=bool)
+        last, hits, visit, looked_i, unread_i = np.empty((5, n), dtype=np.int64)
+        # advance's `reach` in a first sub-step: a volatile job's sub-step, a whole epoch for the
+        # others. Jobs are taken in order, as the per-job loop would: only those that look chunks
+        # up or need the per-job `advance` touch the cache (`visit`); the others (reading inside
+        # chunks looked up before, or stalled) are checked at their turn only once the cache has
+        # changed. `applied`: whose step is the columns' (the rest: advance's).
+        visits = column_step(k, s, ideal, p, looked, unread, st.total, st.consumed, caps, dt, tol,
+                             VOLATILE_SUBSTEP if first_substep else 0.0, st.scalar, scalar, m, x, finishing, last, done, missed, t,
+                             simple, stalled, looks, read, remote, finished_at, elapsed, applied, hits, visit, st.unread_real,
+                             looked_i, unread_i)
+        out = Outcome(read, remote, finished_at, elapsed)
+        visit = visit[:visits]
 
         def per_job(i: int) -> None:
             out.put(i, advance(running[i], now, dt, float(caps[i]), cache, substeps))
             applied[i] = False
 
-        hits = np.full(n, -1, dtype=np.int64)
         step = None
         if cache.compiled_advance is not None:
             python = st.curriculum.copy()
@@ -1032,11 +1033,9 @@ class Simulator:
             step = TurnAdvance(python, st.slots, np.maximum((k * VOLATILE_SUBSTEP).astype(np.int64), 1), k, s, ideal, st.total, caps, now,
                                dt, -1 if substeps is None else substeps, self._table.state, out.read, out.remote, out.finished_at,
                                out.elapsed, applied)
-        cache.look_up_in_turn(running, st.crows, visit, simple, st.unread_real.astype(np.int64), looked.astype(np.int64), last,
-                              fresh, hits, per_job, step)
+        cache.look_up_in_turn(running, st.crows, visit, simple, unread_i, looked_i, last, fresh, hits, per_job, step)
         # SimJob.looked_up and SimJob.fetched of the jobs that looked chunks up, and the position
         # of the jobs the columns advanced, as advance() moves it.
-        ending = np.empty(n, dtype=bool)
         column_apply(hits, st.slots, k, looked, last, s, applied, done, missed, x, m, finishing, st.total, self._table.state, out.remote,
                      ending)
         if ending.any():

@@ -390,6 +390,20 @@ def test_the_compiled_link_split_is_max_min_share_to_the_bit():
     assert contended > 10000
 
 
+def test_the_kernels_min_and_max_are_numpys():
+    """np_min and np_max (inlined in the kernels) as np.minimum and np.maximum: a NaN wins, and
+    of two equal values (0.0 and -0.0) the second is taken."""
+    from itertools import product
+
+    from scheduler.sim.compiled import np_max, np_min
+
+    values = [0.0, -0.0, 1.0, -1.0, np.nan, np.inf, -np.inf]
+    for a, b in product(values, values):
+        for mine, theirs in ((np_min, np.minimum), (np_max, np.maximum)):
+            got, want = mine(a, b), float(theirs(a, b))
+            assert (np.isnan(got) and np.isnan(want)) or (got == want and np.signbit(got) == np.signbit(want)), (mine, a, b)
+
+
 def test_kernels_are_cached_per_version_of_the_simulators_sources(tmp_path, monkeypatch):
     """numba checks only a kernel's own file; the cache directory follows every simulator source
     (a helper or constant inlined from another module), under NUMBA_CACHE_DIR if set."""

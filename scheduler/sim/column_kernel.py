@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from scheduler.sim.compiled import kernel, np_min
+from scheduler.sim.compiled import kernel, np_max, np_min
 from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
 
 
@@ -104,3 +104,22 @@ def column_apply(hits: np.ndarray, slots: np.ndarray, k: np.ndarray, looked: np.
             state[row, POS] = x[i]
             state[row, TAIL_MISS] = m[i]
             ending[i] = finishing[i] or total[i] - state[row, CONSUMED] <= 1e-9 * total[i]
+
+
+@kernel(numba.void(numba.float64[:, :], I, F, B, F, F, F))
+def sync_expected(state: np.ndarray, slots: np.ndarray, unread: np.ndarray, volatile: np.ndarray, k: np.ndarray,
+                  looked: np.ndarray, expected: np.ndarray) -> None:
+    """JobTable.sync on the job table's `state`: each job's expected cached unread chunks take in
+    what its count `unread` moved since it was last synced (bounded by its unread chunks), or
+    are the count itself where `volatile`; `looked` and `expected` get each job's."""
+    for i in range(len(slots)):
+        row = slots[i]
+        lk, exp, u = state[row, LOOKED], state[row, EXPECTED], unread[i]
+        delta = u - state[row, SYNCED]
+        if volatile[i]:
+            exp = u
+        elif delta != 0:
+            exp = np_min(np_max(exp + delta, 0.0), np_max(k[i] - lk, 0.0))
+        state[row, EXPECTED] = exp
+        state[row, SYNCED] = u
+        looked[i], expected[i] = lk, exp

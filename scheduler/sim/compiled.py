@@ -67,3 +67,14 @@ def np_min(a: float, b: float) -> float:
     if b != b:
         return b
     return a if a < b else b
+
+
+@kernel(inline="always")
+def np_max(a: float, b: float) -> float:
+    """np.maximum on two floats, inside a kernel, with np_min's rules (a NaN wins; of two equal
+    values the second)."""
+    if a != a:
+        return a
+    if b != b:
+        return b
+    return a if a > b else b

@@ -18,7 +18,8 @@ from operator import attrgetter
 import numpy as np
 
 from scheduler.sim.cache_systems import SimCacheSystem
-from scheduler.sim.reader import EXPECTED, LOOKED, N_COLUMNS, SYNCED, SimJob
+from scheduler.sim.column_kernel import sync_expected
+from scheduler.sim.reader import N_COLUMNS, SimJob
 
 _SLOT, _JOB_ID = attrgetter("slot"), attrgetter("job_id")
 
@@ -96,13 +97,8 @@ class JobTable:
         """SimJob.unread_expected of the jobs in rows `slots` at once (`unread`: their
         unread_cached; `volatile`: the argument; `k`: chunks per epoch): their expectations
         take in the cache's changes. Returns their (looked, expected cached unread chunks)."""
-        state = self.state
-        looked, synced, expected = state[slots, LOOKED], state[slots, SYNCED], state[slots, EXPECTED]
-        delta = unread - synced
-        expected = np.where(volatile, unread,
-                            np.where(delta != 0, np.minimum(np.maximum(expected + delta, 0.0), np.maximum(k - looked, 0.0)), expected))
-        state[slots, EXPECTED] = expected
-        state[slots, SYNCED] = unread
+        looked, expected = np.empty((2, len(slots)))
+        sync_expected(self.state, slots, unread, volatile, k, looked, expected)
         return looked, expected
 
     def columns(self, jobs: list[SimJob]) -> tuple:

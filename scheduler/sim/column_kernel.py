@@ -123,3 +123,56 @@ def sync_expected(state: np.ndarray, slots: np.ndarray, unread: np.ndarray, vola
         state[row, EXPECTED] = exp
         state[row, SYNCED] = u
         looked[i], expected[i] = lk, exp
+
+
+@kernel(numba.int64(F, F, F, B, F, I))
+def miss_ratios(k: np.ndarray, looked: np.ndarray, unread: np.ndarray, curriculum: np.ndarray, m: np.ndarray,
+                ask: np.ndarray) -> int:
+    """Each job's miss ratio on the rest of its epoch into `m`, 1 - unread / (chunks left),
+    within [0, 1]; the positions of the jobs whose job must answer instead (at the epoch's very
+    end, or curriculum reads) into `ask`; returns how many."""
+    n_ask = 0
+    for i in range(len(k)):
+        left = k[i] - looked[i]
+        m[i] = np_min(np_max(1.0 - unread[i] / left, 0.0), 1.0)
+        if left <= 0 or curriculum[i]:
+            ask[n_ask] = i
+            n_ask += 1
+    return n_ask
+
+
+@kernel(numba.float64(F, F, F, F, F, numba.boolean, F, F, F, F, F, F, F, B, F, numba.float64))
+def seconds_to_event(m: np.ndarray, ideal: np.ndarray, caps: np.ndarray, total: np.ndarray, consumed: np.ndarray, contended: bool,
+                     visible: np.ndarray, room: np.ndarray, k: np.ndarray, looked: np.ndarray, unread: np.ndarray, pos: np.ndarray,
+                     chunk: np.ndarray, curriculum: np.ndarray, growth: np.ndarray, demand_change: float) -> float:
+    """The earliest SimJob.seconds_to_event over the jobs (engine._seconds_to_event): each
+    job's bytes to its next event at the rate it reads now. Where the link is `contended`, an
+    event is also where a job's miss ratio would move by `demand_change` once its room is
+    taken (`visible` cached chunks, `room` it may still add, `unread` cached unread chunks),
+    and a curriculum job's next growth of its eligible set (`growth`, bytes). A NaN anywhere
+    makes the minimum NaN, as numpy's does."""
+    best = np.inf
+    for i in range(len(m)):
+        mi = m[i]
+        if mi <= 1e-12:
+            rate = ideal[i]
+        elif caps[i] > 0:
+            rate = np_min(ideal[i], caps[i] / mi)
+        else:
+            rate = 0.0
+        left = total[i] - consumed[i]
+        if contended:
+            ki = k[i]
+            misses_left = (ki - looked[i]) - unread[i]
+            next_miss = 1.0 - (visible[i] + np_min(room[i], misses_left)) / ki
+            if abs(next_miss - mi) > demand_change:
+                left = np_min(left, (ki - pos[i]) * chunk[i])
+            if curriculum[i]:
+                whole = total[i] - consumed[i]
+                left = growth[i] if growth[i] < whole else whole  # Python's min
+        seconds = np_max(left, 0.0) / rate if rate > 0 else np.inf
+        if seconds != seconds:
+            return seconds
+        if seconds < best:
+            best = seconds
+    return best

@@ -31,7 +31,7 @@ from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.column_kernel import column_apply, column_step
+from scheduler.sim.column_kernel import column_apply, column_step, miss_ratios, seconds_to_event
 from scheduler.sim.link_kernel import max_min
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
@@ -64,6 +64,7 @@ DRIFT_FLOOR = 1 / 16
 #: Weight of a job's earlier steps in its measured drift, per step (1/2: the last step counts as
 #: much as all before it): a count over a few chunks is noisy.
 DRIFT_MEMORY = 0.5
+_NO_COLUMN = np.zeros(0)  # a kernel's column argument it does not read
 
 
 @dataclass(frozen=True, slots=True)
@@ -952,10 +953,9 @@ class Simulator:
     def _miss_vector(self, running: list[SimJob], st) -> np.ndarray:
         """SimJob.miss_ratio of every running job, from the step's columns (a job at its
         epoch's very end and curriculum jobs ask the job)."""
-        left = st.k - st.looked
-        with np.errstate(divide="ignore", invalid="ignore"):
-            m = np.minimum(np.maximum(1.0 - st.unread / left, 0.0), 1.0)
-        for i in np.flatnonzero((left <= 0) | st.curriculum).tolist():
+        n = len(running)
+        m, ask = np.empty(n), np.empty(n, dtype=np.int64)
+        for i in ask[:miss_ratios(st.k, st.looked, st.unread, st.curriculum, m, ask)].tolist():
             m[i] = running[i].miss_ratio(self.cache)
         return m
 
@@ -964,22 +964,15 @@ class Simulator:
         """The earliest SimJob.seconds_to_event over the running jobs, computed on the columns."""
         if not running:
             return np.inf
-        ideal = ideal_m
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rate = np.where(m <= 1e-12, ideal, np.where(caps > 0, np.minimum(ideal, caps / m), 0.0))
-        left = st.total - st.consumed
         if contended:
-            cache = self.cache
-            visible, room = cache.visible_and_room(running, st.crows)
-            k = st.k
-            misses_left = (k - st.looked) - st.unread_real
-            next_miss = 1.0 - (visible + np.minimum(room, misses_left)) / k
-            left = np.where(np.abs(next_miss - m) > DEMAND_CHANGE, np.minimum(left, (k - st.pos) * st.chunk), left)
+            visible, room = self.cache.visible_and_room(running, st.crows)
+            growth = np.zeros(len(running))
             for i in np.flatnonzero(st.curriculum).tolist():
-                left[i] = min(st.total[i] - st.consumed[i], running[i].bytes_to_growth())
-        with np.errstate(divide="ignore", invalid="ignore"):
-            seconds = np.where(rate > 0, np.maximum(left, 0.0) / np.where(rate > 0, rate, 1.0), np.inf)
-        return float(seconds.min())
+                growth[i] = running[i].bytes_to_growth()
+        else:
+            visible = room = growth = _NO_COLUMN
+        return seconds_to_event(m, ideal_m, caps, st.total, st.consumed, contended, visible, room, st.k, st.looked, st.unread_real,
+                                st.pos, st.chunk, st.curriculum, growth, DEMAND_CHANGE)
 
     def _advance_vector(self, running: list[SimJob], st, m0: np.ndarray, caps: np.ndarray, now: float, dt: float,
                         pre: list[int] = (), first_substep: bool = False, fresh: bool = True):

@@ -325,3 +325,50 @@ def test_every_readers_count_is_its_cached_unread_chunks(system, monkeypatch):
     monkeypatch.setattr(engine_mod.Simulator, "_step_state", step_state)
     result = sim.run()
     assert not result.unfinished and checked[0] > 200
+
+
+class EventCheckingSimulator(Simulator):
+    """Checks at every step that the compiled miss ratios and next event (column_kernel's
+    miss_ratios and seconds_to_event) are what the numpy columns and each job's own
+    SimJob.seconds_to_event say."""
+
+    events_checked = 0
+    contended_checked = 0
+
+    def _miss_vector(self, running, st):
+        m = super()._miss_vector(running, st)
+        left = st.k - st.looked
+        with np.errstate(divide="ignore", invalid="ignore"):
+            plain = np.minimum(np.maximum(1.0 - st.unread / left, 0.0), 1.0)
+        ask = (left <= 0) | st.curriculum
+        assert np.array_equal(m[~ask], plain[~ask])
+        return m
+
+    def _seconds_to_event(self, running, st, caps, m, contended, ideal_m):
+        got = super()._seconds_to_event(running, st, caps, m, contended, ideal_m)
+        want = min((j.seconds_to_event(float(caps[i]), self.cache, contended, float(m[i])) for i, j in enumerate(running)),
+                   default=np.inf)
+        assert got == want or (np.isnan(got) and np.isnan(want)), (got, want)
+        self.events_checked += 1
+        self.contended_checked += contended
+        return got
+
+
+@pytest.mark.parametrize("policy,system", [("gavel", "alluxio"), ("fifo", "silod"), ("sjf", "coordl")])
+def test_the_compiled_step_columns_answer_as_each_job_does(policy, system):
+    """Contended links (a tight remote IO and cache), curriculum readers (their growth is an
+    event) and epoch readers: at every step the compiled next event equals the minimum of the
+    jobs' own, and the compiled miss ratios the numpy columns'."""
+    from estimator.access import AccessPattern
+
+    base = generate_trace(30, mean_interarrival_s=600.0, seed=9)
+    jobs = tuple(replace(j, access=AccessPattern.curriculum_learning(0.1, 2.0, 2_000, 64)) if i % 4 == 1 else j
+                 for i, j in enumerate(base.jobs))
+    trace = Trace(jobs, base.dataset_sizes, item_sizes={n: 1e6 for n in base.dataset_sizes})
+    # A link and cache this tight make the epoch boundary the earliest event often enough that a
+    # wrong demand-change test in the kernel is caught (under Gavel/Alluxio).
+    cap = ClusterCapacity(gpus=8, cache=0.3 * trace_cache(trace), remote_io=0.1 * GB, gpus_per_node=4)
+    sim = EventCheckingSimulator(trace, cap, get_policy(policy), estimator_for(system), system, SimConfig())
+    result = sim.run()
+    assert not result.unfinished
+    assert sim.events_checked > 50 and sim.contended_checked > 20

@@ -13,7 +13,8 @@ import numba
 import numpy as np
 
 from scheduler.sim.compiled import kernel, np_max, np_min
-from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
+from scheduler.sim.position import (CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED,
+                                    TAIL_MISS)
 
 
 F, B, I = numba.float64[:], numba.boolean[:], numba.int64[:]  # any layout: positions are strided columns of the job table
@@ -175,4 +176,29 @@ def seconds_to_event(m: np.ndarray, ideal: np.ndarray, caps: np.ndarray, total: 
             return seconds
         if seconds < best:
             best = seconds
+    return best
+
+
+@kernel(numba.float64(numba.float64[:, :], I, F, F, F, B, numba.boolean, numba.float64, numba.float64, numba.float64))
+def drift_bound(state: np.ndarray, slots: np.ndarray, k: np.ndarray, looked: np.ndarray, chunk: np.ndarray, moves: np.ndarray,
+                measured: bool, tol: float, link: float, floor: float) -> float:
+    """engine._step_limit's bound from drift, over the jobs that `moves` (inf: none): a job
+    whose drift was `measured` (a step before, with time counted) may move its miss ratio by
+    `tol` at its drift's rate; one without, by `tol` x its unread bytes (at least `floor` of
+    an epoch) over the link. A NaN anywhere makes the minimum NaN, as numpy's does."""
+    best = np.inf
+    for i in range(len(slots)):
+        if not moves[i]:
+            continue
+        row = slots[i]
+        drift_t = state[row, DRIFT_T]
+        if measured and drift_t > 0:
+            drift = state[row, DRIFT_M] / drift_t
+            bound = tol / drift if drift > tol * 1e-12 else np.inf
+        else:
+            bound = tol * (np_max(k[i] - looked[i], k[i] * floor) * chunk[i]) / link
+        if bound != bound:
+            return bound
+        if bound < best:
+            best = bound
     return best

@@ -31,7 +31,7 @@ from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.column_kernel import column_apply, column_step, miss_ratios, seconds_to_event
+from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event
 from scheduler.sim.link_kernel import max_min
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
@@ -454,15 +454,8 @@ class Simulator:
             moves = self.cache.moves_under_all(running)
             if moves.any():
                 # Per job: measured drift, dt <= tol / drift; unmeasured, dt <= tol x unread / link.
-                drift = self._table.state[st.slots]
-                drift_t, drift_m = drift[:, DRIFT_T], drift[:, DRIFT_M]
-                k = st.k
-                a_priori = tol * (np.maximum(k - st.looked, k * DRIFT_FLOOR) * st.chunk) / link
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    drift = drift_m / np.where(drift_t > 0, drift_t, 1.0)
-                    measured = np.where(drift > tol * 1e-12, tol / np.where(drift > tol * 1e-12, drift, 1.0), np.inf)
-                bound = a_priori if last_dt is None else np.where(drift_t > 0, measured, a_priori)
-                limit = min(limit, float(bound[moves].min()))
+                limit = min(limit, drift_bound(self._table.state, st.slots, st.k, st.looked, st.chunk, moves, last_dt is not None, tol,
+                                               link, DRIFT_FLOOR))
             # An LRU that becomes full starts evicting at every miss: a drift the last step
             # could not see. Admissions cannot outrun the IO of the readers that admit into it
             # (nor the link): stop where it may become full.

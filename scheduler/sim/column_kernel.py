@@ -13,7 +13,8 @@ import numba
 import numpy as np
 
 from scheduler.sim.compiled import kernel, np_max, np_min
-from scheduler.sim.position import (CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED,
+from scheduler.sim.reader_rows import MOVED
+from scheduler.sim.position import (BOUND, CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED,
                                     TAIL_MISS)
 
 
@@ -202,3 +203,42 @@ def drift_bound(state: np.ndarray, slots: np.ndarray, k: np.ndarray, looked: np.
         if bound < best:
             best = bound
     return best
+
+
+@kernel(numba.types.UniTuple(numba.float64, 3)(F, numba.float64, numba.float64, F, F, B, I, I, numba.float64[:, :], numba.int64[:, :], I,
+                                               F, F, numba.float64, numba.float64, F, F, F))
+def step_results(finished_at: np.ndarray, now: float, dt: float, read: np.ndarray, remote: np.ndarray, irregular: np.ndarray,
+                 slots: np.ndarray, bounds: np.ndarray, state: np.ndarray, counts: np.ndarray, crows: np.ndarray, k: np.ndarray,
+                 looked: np.ndarray, floor: float, memory: float, ran: np.ndarray, rates: np.ndarray,
+                 last_rate: np.ndarray) -> tuple[float, float, float]:
+    """What a step leaves in the job table (engine.run): each job's time run (`ran`, to its
+    finish within the step) and rate, counted against its bound resource (`bounds`: the
+    BOUND column's offset), the drift of its miss ratio (the changes others made to its count,
+    per unread chunk at the step's start: at least `floor` of an epoch), averaged with weight
+    `memory` on the past. Returns the bytes read, fetched, and fetched by irregular jobs, each
+    summed left to right as a loop over the jobs adds them (as np.add.accumulate, not np.sum's
+    pairwise sum)."""
+    step_bytes = step_remote = step_irregular = 0.0
+    first_irregular = True
+    for i in range(len(slots)):
+        fa = finished_at[i]
+        r = np_max(fa - now, 1e-9) if fa == fa else dt
+        ran[i] = r
+        rates[i] = read[i] / r
+        row = slots[i]
+        state[row, BOUND + bounds[i]] += r
+        unread0 = np_max(k[i] - looked[i], k[i] * floor)
+        state[row, DRIFT_M] = memory * state[row, DRIFT_M] + float(counts[crows[i], MOVED]) / unread0
+        state[row, DRIFT_T] = memory * state[row, DRIFT_T] + dt
+        last_rate[row] = rates[i]
+        if i == 0:
+            step_bytes, step_remote = read[0], remote[0]  # np.add.accumulate starts from the first element
+        else:
+            step_bytes += read[i]
+            step_remote += remote[i]
+        if irregular[i]:
+            if first_irregular:
+                step_irregular, first_irregular = remote[i], False
+            else:
+                step_irregular += remote[i]
+    return step_bytes, step_remote, step_irregular

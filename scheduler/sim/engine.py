@@ -31,14 +31,13 @@ from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
 from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
-from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event
+from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event, step_results
 from scheduler.sim.link_kernel import max_min
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset, TurnAdvance
-from scheduler.sim.reader import (BOUND, CONSUMED, DEMAND_CHANGE, DRIFT_M, DRIFT_T, LOOKED, POS, REMOTE, VOLATILE_SUBSTEP, SimJob,
-                                  StepResult, advance)
+from scheduler.sim.reader import CONSUMED, DEMAND_CHANGE, LOOKED, POS, REMOTE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
 from scheduler.core.planner import SchedulingCore
 from traces.catalog import DATASETS
 from traces.model import Trace, TraceJob
@@ -661,8 +660,6 @@ class Simulator:
                 for i in pre:
                     cpu_now[i] = cpu_bound_at(running[i], float(m[i]))
             bounds = bound_indices(st.gpu_ideal, cpu_now, caps_arr, m.clip(0.0, 1.0))
-            k_arr = st.k
-            unread0 = np.maximum(k_arr - st.looked, k_arr * DRIFT_FLOOR)
             reader_counts = self.cache.rows.counts
             reader_counts[st.crows, MOVED] = 0
 
@@ -678,28 +675,20 @@ class Simulator:
                     # (FIFO and SJF by priority, Gavel by fairness), as on a real cluster.
                     need_decision = True
             finished_at = results.finished_at
-            ended = ~np.isnan(finished_at)
-            ran = np.where(ended, np.maximum(finished_at - now, 1e-9), dt)
-            read, remote = results.read, results.remote
-            rates = read / ran
-            slots = st.slots
-            state = self._table.state
-            state[slots, BOUND + bounds] += ran
+            ran, rates = np.empty((2, len(running)))
+            # The drift of each job's miss ratio is counted over a few chunks, so it is noisy:
+            # it is averaged over the last steps (each weighing half the one after it).
+            step_bytes, step_remote, step_remote_irregular = step_results(
+                finished_at, now, dt, results.read, results.remote, st.irregular, st.slots, bounds, self._table.state, reader_counts,
+                st.crows, st.k, st.looked, DRIFT_FLOOR, DRIFT_MEMORY, ran, rates, self._table.last_rate)
             for i in np.flatnonzero(st.fstar).tolist():
                 job = running[i]
                 job.fstar = observe_fstar(job, float(rates[i]), float(ran[i]), caps_arr[i], float(m[i]))
-            # Counted over a few chunks the rate is noisy: average it over the last steps (each
-            # weighing half the one after it).
-            moved = reader_counts[st.crows, MOVED].astype(float)
-            state[slots, DRIFT_M] = DRIFT_MEMORY * state[slots, DRIFT_M] + moved / unread0
-            state[slots, DRIFT_T] = DRIFT_MEMORY * state[slots, DRIFT_T] + dt
-            step_bytes, step_remote = _sequential_sum(read), _sequential_sum(remote)
-            step_remote_irregular = _sequential_sum(remote[st.irregular]) if st.irregular.any() else 0.0
             gpus_running = int(st.gpus.sum())
+            ended = ~np.isnan(finished_at)
             finished = [running[i] for i in np.flatnonzero(ended).tolist()]
             for job, at in zip(finished, finished_at[ended].tolist()):
                 job.finish_time = at
-            self._table.last_rate[slots] = rates
             fair = self._fairness(active)
             if fair is not None:
                 fairness_area += fair * dt
@@ -1094,12 +1083,6 @@ def _admission_rate(readers, admits: dict[str, float], link: float) -> float:
     if readers is None:
         return link
     return min(link, sum(admits.get(r.job_id, 0.0) for r in readers))
-
-
-def _sequential_sum(values: np.ndarray) -> float:
-    """The sum added left to right, as a loop over the jobs adds it (np.sum adds pairwise, so
-    its last bits differ)."""
-    return float(np.add.accumulate(values)[-1]) if values.size else 0.0
 
 
 def _spread(base: np.ndarray, want: np.ndarray, total_io: float) -> np.ndarray:

@@ -1,10 +1,13 @@
-"""The column advance's arithmetic and its results (engine._advance_vector), compiled (numba).
+"""A step's column arithmetic, compiled (numba): the column advance and its results
+(engine._advance_vector), the miss ratios, the next event, the step bound from drift, the job
+table's sync of expected cached unread chunks, and what a step leaves in the job table.
 
 Under an LRU the engine advances jobs in interleaved sub-steps, about two column advances per
 step and 36,000 in a Fig. 12 Alluxio run, each over ~80 jobs: as some fifty numpy operations on
-short columns, their per-call cost was a tenth of the run. Here it is one pass over the jobs.
+short columns, their per-call cost was a tenth of the run. Here each is one pass over the jobs.
 Each value is computed with the same operations in the same order as the numpy expressions it
-replaces (`np_min` is np.minimum: a NaN wins), so results are bit-identical.
+replaces (`np_min` and `np_max` are np.minimum and np.maximum: a NaN wins; a sum adds left to
+right where the numpy one did), so results are bit-identical.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ import numpy as np
 from estimator.errors import UserError
 from scheduler.sim.lru_kernel import EPOCH, FINISHED_EPOCH, lru_access, lru_advance, lru_turns
 from scheduler.sim.reader_rows import MOVED, UNREAD
-from scheduler.sim.reader_rows import ReaderRows
+from scheduler.sim.reader_rows import ReaderGroups, ReaderRows
 from scheduler.sim.types import CacheReader, TurnAdvance
 from scheduler.sim.types import SimDataset
 from scheduler.sim.uniform_kernel import NO_DOMAIN, PER_JOB, PYTHON_DOMAIN, uniform_turns
@@ -438,8 +438,7 @@ class DomainCache(SimCacheSystem):
         super().__init__(capacity, total_gpus, seed)
         self.domains: dict[str, CacheDomain] = {}
         self.pool = ChunkPool()
-        self._row_dom = np.full(16, NO_DOMAIN, dtype=np.int64)  # per reader row, its domain's code
-        self._row_reads = np.zeros(16, dtype=bool)  # per reader row, whether a registered reader holds it
+        self._groups = ReaderGroups()  # per reader row, its domain's code
         self._readers: tuple[np.ndarray, np.ndarray] | None = None  # each slot's readers' rows (CSR; None: stale)
 
     @staticmethod
@@ -450,18 +449,12 @@ class DomainCache(SimCacheSystem):
 
     def register(self, job):
         super().register(job)
-        row = job.crow
-        if row >= len(self._row_dom):
-            grow = max(row + 1, len(self._row_dom))
-            self._row_dom = np.concatenate([self._row_dom, np.full(grow, NO_DOMAIN, dtype=np.int64)])
-            self._row_reads = np.concatenate([self._row_reads, np.zeros(grow, dtype=bool)])
-        self._row_dom[row] = self._code(self.domains.get(self.key(job)))
-        self._row_reads[row] = True
+        self._groups.hold(job.crow, self._code(self.domains.get(self.key(job))))
         self._readers = None
 
     def unregister(self, job):
         if job in self.readers.get(self.key(job), ()):
-            self._row_reads[job.crow] = False  # before the row leaves with the job
+            self._groups.held[job.crow] = False  # before the row leaves with the job
             self._readers = None
         super().unregister(job)
 
@@ -484,9 +477,9 @@ class DomainCache(SimCacheSystem):
         return dom
 
     def _point_readers(self, key: str, code: int) -> None:
-        row_dom = self._row_dom
+        codes = self._groups.code
         for job in self.readers.get(key, ()):
-            row_dom[job.crow] = code
+            codes[job.crow] = code
         if self.shared:
             self._readers = None
 
@@ -498,11 +491,7 @@ class DomainCache(SimCacheSystem):
                 self._readers = (np.zeros(len(self.pool.owners) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64))
             return self._readers
         if self._readers is None:
-            rows = np.flatnonzero(self._row_reads & (self._row_dom >= 0))
-            slots = self._row_dom[rows]
-            ptr = np.zeros(len(self.pool.owners) + 1, dtype=np.int64)
-            np.cumsum(np.bincount(slots, minlength=len(self.pool.owners)), out=ptr[1:])
-            self._readers = (ptr, rows[np.argsort(slots, kind="stable")])
+            self._readers = self._groups.csr(len(self.pool.owners))
         return self._readers
 
     def look_up_in_turn(self, jobs, crows, turns, simple, unread, lo, hi, fresh, hits, per_job, step=None):
@@ -516,7 +505,7 @@ class DomainCache(SimCacheSystem):
         if n == 0:
             return
         pool, rows, owners = self.pool, self.rows, self.pool.owners
-        dom_of = self._row_dom[crows]
+        dom_of = self._groups.code[crows]
         looking = dom_of[turns[simple[turns]]]
         moved_in = np.zeros(len(owners), dtype=bool)
         moved_in[looking[looking >= 0]] = True
@@ -863,8 +852,7 @@ class AlluxioLRUCache(SimCacheSystem):
         self._ds_size = np.zeros(16, dtype=float)
         self._ds_counts = np.zeros(16, dtype=np.int64)
         self._admit = np.zeros(16, dtype=bool)  # whether its chunk fits the cache at all
-        self._row_ds = np.full(16, -1, dtype=np.int64)  # per reader row, its dataset's index (-1: none yet)
-        self._row_reads = np.zeros(16, dtype=bool)  # per reader row, whether a registered reader holds it
+        self._groups = ReaderGroups()  # per reader row, its dataset's index (-1: none yet)
         self._reader_ptr = np.zeros(17, dtype=np.int64)  # each dataset's readers' rows (CSR; _readers_csr)
         self._reader_rows = np.zeros(0, dtype=np.int64)
         self._readers_stale = True
@@ -885,16 +873,11 @@ class AlluxioLRUCache(SimCacheSystem):
     def register(self, job):
         super().register(job)
         self._readers_stale = True
-        if job.crow >= len(self._row_ds):
-            grow = max(job.crow + 1, len(self._row_ds))
-            self._row_ds = np.concatenate([self._row_ds, np.full(grow, -1, dtype=np.int64)])
-            self._row_reads = np.concatenate([self._row_reads, np.zeros(grow, dtype=bool)])
-        self._row_ds[job.crow] = self.index.get(job.dataset.name, -1)
-        self._row_reads[job.crow] = True
+        self._groups.hold(job.crow, self.index.get(job.dataset.name, -1))
 
     def unregister(self, job):
         if job in self.readers.get(self.key(job), ()):
-            self._row_reads[job.crow] = False  # before the row leaves with the job
+            self._groups.held[job.crow] = False  # before the row leaves with the job
         super().unregister(job)
         self._readers_stale = True
 
@@ -927,17 +910,13 @@ class AlluxioLRUCache(SimCacheSystem):
         self.min_chunk = min(self.min_chunk, dataset.chunk_size)
         self._readers_stale = True
         for job in self.readers.get(dataset.name, ()):
-            self._row_ds[job.crow] = i
+            self._groups.code[job.crow] = i
         return i
 
     def _readers_csr(self) -> None:
         """Each known dataset's readers' rows, as the compiled look-up reads them (rebuilt at
         every arrival and completion: on columns, not a pass over the readers)."""
-        rows = np.flatnonzero(self._row_reads & (self._row_ds >= 0))
-        ds = self._row_ds[rows]
-        self._reader_rows = rows[np.argsort(ds, kind="stable")]
-        self._reader_ptr = np.zeros(len(self.datasets) + 1, dtype=np.int64)
-        np.cumsum(np.bincount(ds, minlength=len(self.datasets)), out=self._reader_ptr[1:])
+        self._reader_ptr, self._reader_rows = self._groups.csr(len(self.datasets))
         self._readers_stale = False
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
@@ -993,7 +972,7 @@ class AlluxioLRUCache(SimCacheSystem):
         # SimCacheSystem.look_up_in_turn's loop, compiled, with the per-job advance compiled
         # where `step` says what it needs: it returns to Python for `per_job` and epoch ends.
         n = len(jobs)
-        ds_of = self._row_ds[crows]
+        ds_of = self._groups.code[crows]
         for i in np.flatnonzero(ds_of < 0).tolist():  # a dataset read for the first time
             ds_of[i] = self._dataset_index(jobs[i].dataset)
         lru = self.kernel_state()
@@ -1046,7 +1025,7 @@ class AlluxioLRUCache(SimCacheSystem):
         """Each job's dataset index (-1: nobody has read it yet) and chunk bytes."""
         if crows is None:
             crows = np.fromiter(map(_CROW, jobs), dtype=np.int64, count=len(jobs))
-        ds = self._row_ds[crows]
+        ds = self._groups.code[crows]
         chunk = self._ds_size[ds]
         for i in np.flatnonzero(ds < 0).tolist():
             chunk[i] = jobs[i].dataset.chunk_size

@@ -17,7 +17,7 @@ import numpy as np
 
 from estimator.measured import FStarEstimate, observe
 from estimator.pipeline import RESOURCES
-from scheduler.sim.compiled import kernel, np_min
+from scheduler.sim.compiled import kernel, np_max, np_min
 from scheduler.sim.reader import SimJob
 
 
@@ -53,7 +53,7 @@ def bound_indices(f: np.ndarray, cpu: np.ndarray, b: np.ndarray, miss: np.ndarra
         now = np_min(top, io)
         # +10% link (a job with no cap: 10% of f*); +10% cache: the hit ratio h grows to 1.1 h.
         io_more = np_min(top, (1.1 * b[i] if b[i] > 0 else 0.1 * f[i]) / divisor)
-        new_miss = max(1.0 - 1.1 * (1.0 - m), 0.0)
+        new_miss = np_max(1.0 - 1.1 * (1.0 - m), 0.0)
         cache_more = np_min(top, np.inf if new_miss <= 0.0 else b[i] / new_miss)
         if now >= f[i] * (1 - tol):
             out[i] = 0  # gpu

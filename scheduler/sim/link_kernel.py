@@ -51,7 +51,9 @@ def _contended(demands: np.ndarray, capacity: float) -> np.ndarray:
 
 def max_min(demands: np.ndarray, capacity: float) -> np.ndarray:
     """max_min_share(demands, capacity) (float demands)."""
-    if len(demands) == 0 or demands.sum() <= capacity:
+    if len(demands) == 0:
         return max_min_share(demands, capacity)
+    if demands.sum() <= capacity:
+        return demands.astype(float).copy()  # max_min_share's answer, without summing twice
     out = _contended(demands, float(capacity))
     return out if out.size else max_min_share(demands, capacity)

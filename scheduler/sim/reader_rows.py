@@ -75,3 +75,32 @@ class ReaderRows:
         for row, job in enumerate(self._owner):
             if job is not None:
                 self._point(job, row)
+
+
+class ReaderGroups:
+    """Per reader row, the group its reader's look-ups touch (an LRU's dataset index, a uniform
+    domain's slot; negative: none, or one the compiled loops leave to Python) and whether a
+    registered reader holds the row. `csr` gives each group's held rows: the readers whose counts
+    an admission or eviction in the group moves, as the compiled look-ups walk them."""
+
+    def __init__(self) -> None:
+        self.code = np.full(16, -1, dtype=np.int64)
+        self.held = np.zeros(16, dtype=bool)
+
+    def hold(self, row: int, code: int) -> None:
+        """A registered reader holds `row`, in group `code`."""
+        if row >= len(self.code):
+            grow = max(row + 1, len(self.code))
+            self.code = np.concatenate([self.code, np.full(grow, -1, dtype=np.int64)])
+            self.held = np.concatenate([self.held, np.zeros(grow, dtype=bool)])
+        self.code[row] = code
+        self.held[row] = True
+
+    def csr(self, groups: int) -> tuple[np.ndarray, np.ndarray]:
+        """(pointers, rows): group g's held rows are rows[pointers[g]:pointers[g + 1]], in row order
+        (on columns, not a pass over the readers)."""
+        rows = np.flatnonzero(self.held & (self.code >= 0))
+        codes = self.code[rows]
+        ptr = np.zeros(groups + 1, dtype=np.int64)
+        np.cumsum(np.bincount(codes, minlength=groups), out=ptr[1:])
+        return ptr, rows[np.argsort(codes, kind="stable")]

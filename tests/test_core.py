@@ -3,6 +3,8 @@ spreading spare IO."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,6 +22,7 @@ from policies import (
     allocation_violations,
     get_policy,
 )
+from policies.types import JobColumns
 from scheduler.core.planner import RoundPlanner, SchedulingCore, io_caps_for_round, spread_spare_io
 
 FAST = settings(max_examples=50, deadline=None)
@@ -265,3 +268,55 @@ def test_core_plans_gavel_rounds_within_capacity():
         core.record(s, plan, 1.0)
     # Every job with a positive share has run at some point.
     assert all(core.planner.received.get(j.job_id, 0.0) > 0 for j in jobs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "leave", "forget", "round", "round", "round", "choose", "peek"]),
+                              st.integers(0, 1000), st.sampled_from([0.5, 1.0, 7.25, 360.0])), min_size=1, max_size=60))
+def test_the_ledger_keeps_the_seconds_its_dictionaries_would(ops):
+    """The planner on snapshot columns keeps its seconds as arrays across arrivals, completions
+    and forget (`RoundPlanner._ledger_for` carries the jobs still there). A planner on bare
+    snapshots reads and writes its dictionaries at every round: both choose the same jobs and
+    end with the same seconds, bit for bit. Jobs leave forgotten (completed) or not (a backend
+    that stops showing a job and may show it again), and are chosen without a round recorded."""
+    columns, reference = RoundPlanner(), RoundPlanner()
+    pool = [job(f"j{i}", gpus=1 + i % 3, submit=float(i)) for i in range(14)]
+    here: list[JobView] = []
+    arrived = 0
+
+    def snapshots():
+        s = snap(here, gpus=4, sizes={"d": 1000.0})
+        with_cols = replace(s, columns=JobColumns.of(s.jobs))
+        assert with_cols.job_columns() is not None
+        return with_cols, s
+
+    s_cols, s_bare = snapshots()
+    for op, k, seconds in ops:
+        if op == "arrive":
+            away = [j for j in pool[:arrived] if j not in here]
+            if away and k % 3 == 0:
+                here.append(away[k % len(away)])  # back after leaving unforgotten
+            elif arrived < len(pool):
+                here.append(pool[arrived])
+                arrived += 1
+            s_cols, s_bare = snapshots()
+        elif op in ("leave", "forget") and here:
+            gone = here[k % len(here)]
+            if op == "leave":
+                here.remove(gone)
+            if op == "forget" or k % 2 == 0:
+                columns.forget(gone.job_id)
+                reference.forget(gone.job_id)
+            if op == "leave":
+                s_cols, s_bare = snapshots()
+        elif op in ("round", "choose"):
+            alloc = Allocation({j.job_id: ((k * 7 + i * 3) % 5) / 4 for i, j in enumerate(here)})
+            running = columns.choose(s_cols, alloc)
+            assert running == reference.choose(s_bare, alloc)
+            if op == "round":
+                columns.record(s_cols, running, seconds)
+                reference.record(s_bare, running, seconds)
+        elif op == "peek":  # reading the dictionaries writes the ledger back
+            assert columns.received == reference.received and columns.active == reference.active
+    assert columns.received == reference.received
+    assert columns.active == reference.active

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from types import MappingProxyType
 
 import numpy as np
@@ -45,7 +46,8 @@ class RoundPlan:
 class _Ledger:
     """The planner's seconds for the jobs of one snapshot, as arrays in the snapshot's order:
     a backend records every step and chooses every round on the same snapshot until its next
-    decision, so the per-job dictionaries are only read and written back when it changes."""
+    decision, so the per-job dictionaries are only read and written back for the jobs that
+    enter or leave it (`RoundPlanner._ledger_for`)."""
 
     snapshot: Snapshot
     ids: tuple[str, ...]
@@ -53,11 +55,18 @@ class _Ledger:
     got: np.ndarray  # seconds holding GPUs
     seen: np.ndarray  # seconds since first seen
     got_known: np.ndarray  # bool: in the received dictionary (it was, or has run since)
-    seen_known: bool  # every job is in the active dictionary (recorded at least once)
+    seen_known: np.ndarray  # bool: in the active dictionary (it was, or has been recorded since)
     running: tuple[str, ...] | None = None  # the last recorded running set ...
     running_at: np.ndarray | None = None  # ... and its positions (ids not in the snapshot: -1)
     allocation: Allocation | None = None  # the last chosen-on allocation ...
     ranked: tuple | None = None  # ... and what choose derives from it alone
+
+    def write_back(self, received: dict[str, float], active: dict[str, float], at: np.ndarray | None = None) -> None:
+        """Into the dictionaries: the known seconds of the jobs at positions `at` (None: all)."""
+        ids = self.ids if at is None else [self.ids[i] for i in at.tolist()]
+        got, seen, got_known, seen_known = ((a if at is None else a[at]) for a in (self.got, self.seen, self.got_known, self.seen_known))
+        received.update((j, x) for j, x, k in zip(ids, got.tolist(), got_known.tolist()) if k)
+        active.update((j, x) for j, x, k in zip(ids, seen.tolist(), seen_known.tolist()) if k)
 
 
 @dataclass
@@ -91,10 +100,7 @@ class RoundPlanner:
         if ledger is None:
             return
         self._ledger = None
-        known = ledger.got_known.tolist()
-        self._received.update((j, x) for j, x, k in zip(ledger.ids, ledger.got.tolist(), known) if k)
-        if ledger.seen_known:
-            self._active.update(zip(ledger.ids, ledger.seen.tolist()))
+        ledger.write_back(self._received, self._active)
 
     def _ledger_for(self, snapshot: Snapshot) -> _Ledger:
         ledger = self._ledger
@@ -107,17 +113,34 @@ class RoundPlanner:
             # completions): the arrays carry over.
             ledger.snapshot, ledger.running, ledger.running_at, ledger.allocation, ledger.ranked = snapshot, None, None, None, None
             return ledger
-        self._settle()
         n = len(ids)
         received, active = self._received, self._active
+        index = {j: i for i, j in enumerate(ids)}
+        if ledger is None:
+            at = np.full(n, -1, dtype=np.int64)
+        else:
+            # The jobs still here keep their arrays' seconds; those that left are written back
+            # (what writing back every job and reading the dictionaries again would give, without
+            # a pass over them per arrival or completion).
+            at = np.fromiter(map(ledger.index.get, ids, repeat(-1)), dtype=np.int64, count=n)
+            left = np.ones(len(ledger.ids), dtype=bool)
+            left[at[at >= 0]] = False
+            if left.any():
+                ledger.write_back(received, active, np.flatnonzero(left))
+        new = np.flatnonzero(at < 0).tolist()
+        here = at >= 0
+        old_at = at[here]
+        got, seen = np.empty(n), np.empty(n)
+        got_known, seen_known = np.empty(n, dtype=bool), np.empty(n, dtype=bool)
+        if ledger is not None:
+            got[here], seen[here] = ledger.got[old_at], ledger.seen[old_at]
+            got_known[here], seen_known[here] = ledger.got_known[old_at], ledger.seen_known[old_at]
         # A job not in a dictionary counts 0 s; it enters it when recorded (as before the ledger).
-        ledger = self._ledger = _Ledger(
-            snapshot, ids, {j: i for i, j in enumerate(ids)},
-            np.fromiter((received.get(j, 0.0) for j in ids), dtype=float, count=n),
-            np.fromiter((active.get(j, 0.0) for j in ids), dtype=float, count=n),
-            np.fromiter((j in received for j in ids), dtype=bool, count=n),
-            False,
-        )
+        for i in new:
+            j = ids[i]
+            got[i], seen[i] = received.get(j, 0.0), active.get(j, 0.0)
+            got_known[i], seen_known[i] = j in received, j in active
+        self._ledger = ledger = _Ledger(snapshot, ids, index, got, seen, got_known, seen_known)
         return ledger
 
     def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
@@ -186,7 +209,7 @@ class RoundPlanner:
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
         ledger = self._ledger_for(snapshot)
-        ledger.seen_known = True
+        ledger.seen_known.fill(True)
         ledger.seen += seconds
         if ledger.running is not running:
             index = ledger.index
@@ -203,7 +226,12 @@ class RoundPlanner:
         ledger.got_known[at] = True
 
     def forget(self, job_id: str) -> None:
-        self._settle()
+        ledger = self._ledger
+        i = None if ledger is None else ledger.index.get(job_id)
+        if i is not None:
+            # As if it had never been seen: 0 s, in neither dictionary until recorded again.
+            ledger.got[i] = ledger.seen[i] = 0.0
+            ledger.got_known[i] = ledger.seen_known[i] = False
         self._received.pop(job_id, None)
         self._active.pop(job_id, None)
 

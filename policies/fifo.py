@@ -9,6 +9,7 @@ order, a rule the paper does not have; see docs/results.md (Fig. 12) for what it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -70,6 +71,10 @@ def storage_for_running(
     return cache, dict(zip((j.job_id for j in running), granted.tolist(), strict=True))
 
 
+#: The arrival order's key: (submit time, job id).
+_ARRIVAL = attrgetter("submit_time", "job_id")
+_JOB_ID = attrgetter("job_id")
+
 #: Most re-plans of cores and cache in running_allocation after the first.
 CORE_PASSES = 4
 
@@ -101,8 +106,8 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
                 break
             cpu = cpu_for_running(running, snapshot.jobs, cap, fed)
             cache, io = storage_for_running(effective_jobs(running, cpu), snapshot, estimator, io_rule)
-    share = {j.job_id: 0.0 for j in snapshot.jobs}
-    share.update({j.job_id: 1.0 for j in running})
+    share = dict.fromkeys(map(_JOB_ID, snapshot.jobs), 0.0)
+    share.update(dict.fromkeys(map(_JOB_ID, running), 1.0))
     return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=cpu)
 
 
@@ -111,7 +116,7 @@ class FifoPolicy(Policy):
     description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs; Algorithm 2 cache, IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
-        jobs = sorted(snapshot.jobs, key=lambda j: (j.submit_time, j.job_id))
+        jobs = sorted(snapshot.jobs, key=_ARRIVAL)
         running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
         # §5.3: FIFO has no estimator with which to rank jobs for IO, so the link is shared fairly.
         return running_allocation(running, snapshot, estimator, io_rule="fair")
@@ -130,7 +135,7 @@ class GreedyPolicy(Policy):
     description = "FIFO GPUs; cache datasets in descending cache efficiency (Algorithm 2); IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
-        jobs = sorted(snapshot.jobs, key=lambda j: (j.submit_time, j.job_id))
+        jobs = sorted(snapshot.jobs, key=_ARRIVAL)
         running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
         return running_allocation(running, snapshot, estimator, io_rule="fair")
 

@@ -88,10 +88,11 @@ def keep_for_waiting(
 
 def fill_in_order(sizes: np.ndarray, efficiency: np.ndarray, capacity: float) -> np.ndarray:
     """Give `capacity` to items in descending efficiency, each up to its size (fractional knapsack)."""
-    order = np.argsort(-efficiency, kind="stable")
+    # (ndarray methods: numpy's functions add a Python wrapper per call, at every decision)
+    order = (-efficiency).argsort(kind="stable")
     sorted_sizes = sizes[order]
-    before = np.concatenate(([0.0], np.cumsum(sorted_sizes)[:-1]))
-    granted_sorted = np.clip(capacity - before, 0.0, sorted_sizes)
+    before = np.concatenate(([0.0], sorted_sizes.cumsum()[:-1]))
+    granted_sorted = (capacity - before).clip(0.0, sorted_sizes)
     granted = np.empty_like(granted_sorted)
     granted[order] = granted_sorted
     return granted
@@ -114,10 +115,10 @@ def max_min_share(demands: np.ndarray, capacity: float) -> np.ndarray:
         return np.zeros(0)
     if demands.sum() <= capacity:
         return demands.astype(float).copy()
-    order = np.argsort(demands, kind="stable")
+    order = demands.argsort(kind="stable")
     sorted_d = demands[order].astype(float)
     # The water level L satisfies sum(min(d_i, L)) = capacity.
-    prefix = np.concatenate(([0.0], np.cumsum(sorted_d)[:-1]))
+    prefix = np.concatenate(([0.0], sorted_d.cumsum()[:-1]))
     remaining = np.arange(n, 0, -1)
     levels = (capacity - prefix) / remaining
     k = int(np.argmax(levels <= sorted_d))  # first index whose demand exceeds its level

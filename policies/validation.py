@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -10,6 +12,7 @@ from policies.types import Allocation, Snapshot
 
 # Relative slack for floating-point sums (a knapsack filled to capacity may overshoot by ulps).
 _REL_TOL = 1e-9
+_SIZE = attrgetter("size")
 
 
 class AllocationError(ValueError):
@@ -107,18 +110,19 @@ def _clearly_valid(snapshot: Snapshot, allocation: Allocation) -> bool:
     gs = allocation.gpu_share
     if len(gs) != len(ids) or not gs.keys() == set(ids):
         return False
-    share = np.fromiter((gs[i] for i in ids), dtype=float, count=len(ids))
-    if not (np.all(share >= 0.0) and np.all(share <= 1.0 + _REL_TOL)):  # NaN fails both
+    share = np.fromiter(map(gs.__getitem__, ids), dtype=float, count=len(ids))
+    # (ndarray methods: numpy's all/any add a Python wrapper per call, at every decision)
+    if not ((share >= 0.0).all() and (share <= 1.0 + _REL_TOL).all()):  # NaN fails both
         return False
-    if np.any((share > 0) & (cols.gpus > cap.gpus)) or float(share @ cols.gpus) > cap.gpus * (1 + _REL_TOL):
+    if ((share > 0) & (cols.gpus > cap.gpus)).any() or float(share @ cols.gpus) > cap.gpus * (1 + _REL_TOL):
         return False
     if allocation.cache is not None:
         names = list(allocation.cache)
-        if any(n not in snapshot.datasets for n in names):
+        if not allocation.cache.keys() <= snapshot.datasets.keys():
             return False
         c = np.fromiter(allocation.cache.values(), dtype=float, count=len(names))
-        sizes = np.fromiter((snapshot.datasets[n].size for n in names), dtype=float, count=len(names))
-        if not (np.all(np.isfinite(c)) and np.all(c >= 0) and np.all(c <= sizes * (1 + _REL_TOL) + 1e-6)):
+        sizes = np.fromiter(map(_SIZE, map(snapshot.datasets.__getitem__, names)), dtype=float, count=len(names))
+        if not (np.isfinite(c).all() and (c >= 0).all() and (c <= sizes * (1 + _REL_TOL) + 1e-6).all()):
             return False
         if float(c.sum()) > cap.cache * (1 + _REL_TOL) + 1e-6:
             return False
@@ -126,8 +130,8 @@ def _clearly_valid(snapshot: Snapshot, allocation: Allocation) -> bool:
         io = allocation.remote_io
         if not io.keys() <= gs.keys():
             return False
-        r = np.fromiter((io.get(i, 0.0) for i in ids), dtype=float, count=len(ids))
-        if not (np.all(np.isfinite(r)) and np.all(r >= 0)):
+        r = np.fromiter(map(io.get, ids, repeat(0.0)), dtype=float, count=len(ids))
+        if not (np.isfinite(r).all() and (r >= 0).all()):
             return False
         if float(r @ share) > cap.remote_io * (1 + 1e-6) + 1e-6:
             return False

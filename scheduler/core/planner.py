@@ -126,8 +126,8 @@ class RoundPlanner:
             left = np.ones(len(ledger.ids), dtype=bool)
             left[at[at >= 0]] = False
             if left.any():
-                ledger.write_back(received, active, np.flatnonzero(left))
-        new = np.flatnonzero(at < 0).tolist()
+                ledger.write_back(received, active, left.nonzero()[0])
+        new = (at < 0).nonzero()[0].tolist()
         here = at >= 0
         old_at = at[here]
         got, seen = np.empty(n), np.empty(n)
@@ -179,8 +179,8 @@ class RoundPlanner:
         ledger = self._ledger_for(snapshot)
         if ledger.allocation is not allocation:
             gs = allocation.gpu_share
-            share = np.fromiter((gs.get(j, 0.0) for j in ledger.ids), dtype=float, count=n)
-            cand = np.flatnonzero(share > 0.0)
+            share = np.fromiter(map(gs.get, ledger.ids, repeat(0.0)), dtype=float, count=n)
+            cand = (share > 0.0).nonzero()[0]
             submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
             ids = [jobs[i].job_id for i in cand.tolist()]
             id_rank = np.empty(cand.size, dtype=np.int64)
@@ -340,9 +340,9 @@ class SchedulingCore:
         read = set(cols.datasets) if cols is not None else {j.dataset for j in snapshot.jobs}
         modes = {n: e for n, e in self.autocache.items() if n in snapshot.datasets and (eligible.get(n) == e or n not in read)}
         allocation = self._allocate(snapshot, modes)
-        chosen = plan_autocache(snapshot, allocation, modes)
+        chosen = plan_autocache(snapshot, allocation, modes) if eligible else {}  # (it finds none eligible either)
         active = read
-        if any(modes.get(n, 1.0) != chosen.get(n, 1.0) for n in active):
+        if (modes or chosen) and any(modes.get(n, 1.0) != chosen.get(n, 1.0) for n in active):
             trial = self._allocate(snapshot, chosen)
             switching = {n for n in active if modes.get(n, 1.0) != chosen.get(n, 1.0)}
             # A change must not take cache other datasets already hold (tolerance: 1 MB of

@@ -104,7 +104,7 @@ class UniformDomain(CacheDomain):
         excess = self.count - self.limit_chunks
         if excess <= 0:
             return _NO_CHUNKS
-        victims = rng.choice(np.flatnonzero(self.cached), size=excess, replace=False)
+        victims = rng.choice(self.cached.nonzero()[0], size=excess, replace=False)
         self.cached[victims] = False
         self.count -= excess
         return victims
@@ -132,7 +132,7 @@ class LruDomain(CacheDomain):
 
     def take_over(self, other: CacheDomain) -> None:
         CacheDomain.take_over(self, other)  # slots dataclass: zero-argument super() does not work
-        for c in np.flatnonzero(other.cached).tolist():  # recency unknown: chunk order
+        for c in other.cached.nonzero()[0].tolist():  # recency unknown: chunk order
             self.order[c] = None
 
     def set_limit(self, nbytes: float, rng: np.random.Generator) -> np.ndarray:
@@ -509,7 +509,7 @@ class DomainCache(SimCacheSystem):
         looking = dom_of[turns[simple[turns]]]
         moved_in = np.zeros(len(owners), dtype=bool)
         moved_in[looking[looking >= 0]] = True
-        used = np.flatnonzero(moved_in)
+        used = moved_in.nonzero()[0]
         for s in used.tolist():
             dom = owners[s]
             pool.count[s], pool.limit[s] = dom.count, dom.limit_chunks
@@ -584,7 +584,7 @@ class SiloDCache(DomainCache):
                 # dataset no allocation, no new domain bumps the version for it.
                 self.layout_version += 1
             if dom is not None and dom.count:
-                victims = np.flatnonzero(dom.cached)
+                victims = dom.cached.nonzero()[0]
                 self.evicted_bytes += victims.size * ds.cached_chunk_bytes
                 self._changed(name, victims, -1)
             ds.expansion = e
@@ -973,7 +973,7 @@ class AlluxioLRUCache(SimCacheSystem):
         # where `step` says what it needs: it returns to Python for `per_job` and epoch ends.
         n = len(jobs)
         ds_of = self._groups.code[crows]
-        for i in np.flatnonzero(ds_of < 0).tolist():  # a dataset read for the first time
+        for i in (ds_of < 0).nonzero()[0].tolist():  # a dataset read for the first time
             ds_of[i] = self._dataset_index(jobs[i].dataset)
         lru = self.kernel_state()
         turns = np.append(turns, n)
@@ -1011,7 +1011,7 @@ class AlluxioLRUCache(SimCacheSystem):
     def cached_bytes(self):
         # On the columns: a pass over every dataset the trace has read (1,400 in a Fig. 12 run)
         # by numpy scalar was most of a timeline sample.
-        held = np.flatnonzero(self._ds_counts[:len(self.datasets)]).tolist()
+        held = self._ds_counts[:len(self.datasets)].nonzero()[0].tolist()
         names = self._names
         return {names[i]: c * s for i, c, s in zip(held, self._ds_counts[held].tolist(), self._ds_size[held].tolist())}
 
@@ -1027,7 +1027,7 @@ class AlluxioLRUCache(SimCacheSystem):
             crows = np.fromiter(map(_CROW, jobs), dtype=np.int64, count=len(jobs))
         ds = self._groups.code[crows]
         chunk = self._ds_size[ds]
-        for i in np.flatnonzero(ds < 0).tolist():
+        for i in (ds < 0).nonzero()[0].tolist():
             chunk[i] = jobs[i].dataset.chunk_size
         return ds, chunk
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from itertools import repeat
 from operator import attrgetter
 import time as wallclock
 from collections.abc import Callable
@@ -229,7 +230,10 @@ class Outcome:
 
     @staticmethod
     def empty(n: int, dt: float) -> Outcome:
-        return Outcome(np.zeros(n), np.zeros(n), np.full(n, np.nan), np.full(n, dt))
+        finished_at, elapsed = np.empty(n), np.empty(n)  # (np.full is a Python function: slower)
+        finished_at.fill(np.nan)
+        elapsed.fill(dt)
+        return Outcome(np.zeros(n), np.zeros(n), finished_at, elapsed)
 
     def put(self, i: int, res: StepResult) -> None:
         self.read[i], self.remote[i], self.elapsed[i] = res.bytes_read, res.remote_bytes, res.elapsed
@@ -312,7 +316,7 @@ class Simulator:
         rows = table.rows[slots]
         remaining = np.maximum(rows[:, TOTAL] - table.state[slots, CONSUMED], 0.0)
         ideal = rows[:, GPU_IDEAL].copy()
-        for i in np.flatnonzero(rows[:, FSTAR] != 0.0).tolist():
+        for i in (rows[:, FSTAR] != 0.0).nonzero()[0].tolist():
             ideal[i] = active[i].fstar.estimate  # the scheduler's f*, not the declared one
         running = np.fromiter(map(_RUNNING, active), dtype=bool, count=n)
         hits = self._hit_ratios(active, slots, rows) if measured else None
@@ -320,7 +324,7 @@ class Simulator:
         changed = (seen[:, 0] != remaining) | (seen[:, 1] != running) | (seen[:, 3] != ideal)
         if measured:
             changed |= seen[:, 2] != hits
-        idx = np.flatnonzero(changed)
+        idx = changed.nonzero()[0]
         if idx.size:
             rem_l, run_l, f_l = remaining[idx].tolist(), running[idx].tolist(), ideal[idx].tolist()
             hit_l = hits[idx].tolist() if measured else [None] * idx.size
@@ -359,13 +363,13 @@ class Simulator:
         k = rows[:, K]
         left = k - table.state[slots, LOOKED]
         inside = (rows[:, CURRICULUM] == 0.0) & (left > 0)
-        idx = np.flatnonzero(inside)
+        idx = inside.nonzero()[0]
         crows = np.fromiter((active[i].crow for i in idx.tolist()), dtype=np.int64, count=idx.size)
         unread = self.cache.rows.counts[crows, UNREAD].astype(float)
         _, expected = table.sync(slots[idx], unread, rows[idx, VOLATILE] != 0.0, k[idx])
         hits = np.empty(len(active))
         hits[idx] = 1.0 - np.minimum(np.maximum(1.0 - expected / left[idx], 0.0), 1.0)
-        for i in np.flatnonzero(~inside).tolist():
+        for i in (~inside).nonzero()[0].tolist():
             hits[i] = 1.0 - active[i].miss_ratio(self.cache)
         return hits
 
@@ -473,7 +477,7 @@ class Simulator:
                 rate = _admission_rate(readers, admits, link)
                 if rate > 0:
                     limit = min(limit, tol * nbytes / rate)
-        for i in np.flatnonzero(st.curriculum).tolist():
+        for i in st.curriculum.nonzero()[0].tolist():
             job = running[i]
             if m[i] <= 0 and st.ideal[i] > 0:
                 # All its eligible items cached: it admits nothing, at f*, until its set grows;
@@ -600,7 +604,7 @@ class Simulator:
                 allocation = self.core.decide(snapshot)
                 self._references(snapshot, slots)
                 gpu_share = allocation.gpu_share
-                self._table.share[slots] = np.fromiter((gpu_share.get(i, 0.0) for i in snapshot.columns.ids), dtype=float,
+                self._table.share[slots] = np.fromiter(map(gpu_share.get, snapshot.columns.ids, repeat(0.0)), dtype=float,
                                                        count=len(active))
                 self._fair = None
                 # Shares change only here (and finished jobs only leave).
@@ -681,12 +685,12 @@ class Simulator:
             step_bytes, step_remote, step_remote_irregular = step_results(
                 finished_at, now, dt, results.read, results.remote, st.irregular, st.slots, bounds, self._table.state, reader_counts,
                 st.crows, st.k, st.looked, DRIFT_FLOOR, DRIFT_MEMORY, ran, rates, self._table.last_rate)
-            for i in np.flatnonzero(st.fstar).tolist():
+            for i in st.fstar.nonzero()[0].tolist():
                 job = running[i]
                 job.fstar = observe_fstar(job, float(rates[i]), float(ran[i]), caps_arr[i], float(m[i]))
             gpus_running = int(st.gpus.sum())
             ended = ~np.isnan(finished_at)
-            finished = [running[i] for i in np.flatnonzero(ended).tolist()]
+            finished = [running[i] for i in ended.nonzero()[0].tolist()]
             for job, at in zip(finished, finished_at[ended].tolist()):
                 job.finish_time = at
             fair = self._fairness(active)
@@ -781,8 +785,8 @@ class Simulator:
                 pre_here = []
             return self._interleave([running[i] for i in chosen], st.take(idx), m0[idx], caps, now, dt, pre_here, fresh)
 
-        first = np.flatnonzero(claimers.mask)
-        rest = np.flatnonzero(~claimers.mask)
+        first = claimers.mask.nonzero()[0]
+        rest = (~claimers.mask).nonzero()[0]
         state, first_slots = self._table.state, st.slots[first]
         before = state[first_slots, REMOTE]
         out_first = interleave(first, caps_arr[first], True)
@@ -818,7 +822,7 @@ class Simulator:
         first = self._advance_vector(running, st, m0, caps_arr, now, dt, pre, first_substep=True, fresh=fresh)
         tol = 1e-9 * max(dt, 1.0)
         elapsed = first.elapsed
-        left = np.flatnonzero(np.isnan(first.finished_at) & (dt - elapsed > tol) & (elapsed > 0))
+        left = (np.isnan(first.finished_at) & (dt - elapsed > tol) & (elapsed > 0)).nonzero()[0]
         clock = list(zip(elapsed[left].tolist(), left.tolist()))
         heapq.heapify(clock)
         read, remote, finished_at = first.read, first.remote, first.finished_at
@@ -949,7 +953,7 @@ class Simulator:
         if contended:
             visible, room = self.cache.visible_and_room(running, st.crows)
             growth = np.zeros(len(running))
-            for i in np.flatnonzero(st.curriculum).tolist():
+            for i in st.curriculum.nonzero()[0].tolist():
                 growth[i] = running[i].bytes_to_growth()
         else:
             visible = room = growth = _NO_COLUMN
@@ -1014,7 +1018,7 @@ class Simulator:
         column_apply(hits, st.slots, k, looked, last, s, applied, done, missed, x, m, finishing, st.total, self._table.state, out.remote,
                      ending)
         if ending.any():
-            for i in np.flatnonzero(ending).tolist():
+            for i in ending.nonzero()[0].tolist():
                 job = running[i]
                 job.consumed = job.total_bytes
                 if job.pos >= job.dataset.n_chunks - 1e-6:

@@ -99,8 +99,8 @@ class ReaderGroups:
     def csr(self, groups: int) -> tuple[np.ndarray, np.ndarray]:
         """(pointers, rows): group g's held rows are rows[pointers[g]:pointers[g + 1]], in row order
         (on columns, not a pass over the readers)."""
-        rows = np.flatnonzero(self.held & (self.code >= 0))
+        rows = (self.held & (self.code >= 0)).nonzero()[0]
         codes = self.code[rows]
         ptr = np.zeros(groups + 1, dtype=np.int64)
-        np.cumsum(np.bincount(codes, minlength=groups), out=ptr[1:])
-        return ptr, rows[np.argsort(codes, kind="stable")]
+        np.bincount(codes, minlength=groups).cumsum(out=ptr[1:])
+        return ptr, rows[codes.argsort(kind="stable")]

@@ -16,6 +16,7 @@ in score order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -24,20 +25,31 @@ from policies.estimators import Estimator
 from policies.fifo import place_in_order, running_allocation
 from policies.types import Allocation, JobView, Snapshot
 
+_SIZE, _SUBMIT, _JOB_ID = attrgetter("size"), attrgetter("submit_time"), attrgetter("job_id")
+
 
 def sjf_scores(jobs: Sequence[JobView], snapshot: Snapshot, estimator: Estimator) -> np.ndarray:
-    cap = snapshot.capacity
     work = np.array([j.remaining_bytes for j in jobs], dtype=float)
     ideal = np.array([j.ideal_throughput for j in jobs], dtype=float)
     gpus = np.array([j.gpus for j in jobs], dtype=float)
+    return _scores(jobs, work, ideal, gpus, [j.dataset for j in jobs], snapshot, estimator)
+
+
+def _scores(jobs: Sequence[JobView], work: np.ndarray, ideal: np.ndarray, gpus: np.ndarray, datasets: Sequence[str],
+            snapshot: Snapshot, estimator: Estimator) -> np.ndarray:
+    """sjf_scores on the jobs' columns (`jobs`: the same jobs' views, read only for CPU stages)."""
+    cap = snapshot.capacity
     gpu_term = gpus / cap.gpus
     # CPU (a fourth resource when the cluster models it): running at f* takes f*/r cores for
     # W/f* seconds, so its term w_cpu R_cpu duration = W / (r K), the same for every c.
-    rate = np.array([j.cpu_rate for j in jobs], dtype=float)
-    cpu_term = np.where(np.isinf(rate), 0.0, work / (rate * cap.cpus)) if cap.manages_cpu else np.zeros(len(jobs))
+    if cap.manages_cpu:
+        rate = np.array([j.cpu_rate for j in jobs], dtype=float)
+        cpu_term = np.where(np.isinf(rate), 0.0, work / (rate * cap.cpus))
+    else:
+        cpu_term = np.zeros(len(work))
     if not estimator.manages_storage:
         return work / ideal * gpu_term + cpu_term
-    size = np.array([snapshot.datasets[j.dataset].size for j in jobs], dtype=float)
+    size = np.fromiter(map(_SIZE, map(snapshot.datasets.__getitem__, datasets)), dtype=float, count=len(work))
     with np.errstate(divide="ignore", invalid="ignore"):
         # c = 0: all data from remote.
         io_only = np.where(cap.remote_io > 0, work / max(cap.remote_io, 1e-300), np.inf)
@@ -57,9 +69,14 @@ class SjfPolicy(Policy):
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
         jobs = list(snapshot.jobs)
-        scores = sjf_scores(jobs, snapshot, estimator)
-        order = sorted(range(len(jobs)), key=lambda i: (scores[i], jobs[i].submit_time, jobs[i].job_id))
-        ranked = [jobs[i] for i in order]
+        cols = snapshot.job_columns()
+        if cols is None:
+            scores = sjf_scores(jobs, snapshot, estimator)
+        else:
+            scores = _scores(jobs, cols.remaining, cols.ideal, cols.gpus, cols.datasets, snapshot, estimator)
+        # By (score, arrival, id), and position for equal keys (a stable sort's order).
+        keys = sorted(zip(scores.tolist(), map(_SUBMIT, jobs), map(_JOB_ID, jobs), range(len(jobs))))
+        ranked = [jobs[k[3]] for k in keys]
         running = place_in_order(ranked, snapshot.capacity.gpus, keep_running=False)
         rank = {j.job_id: i for i, j in enumerate(ranked)}
         running.sort(key=lambda j: rank[j.job_id])

@@ -6,11 +6,14 @@ All functions are pure and vectorised over jobs or datasets.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 import numpy as np
 
 from estimator import can_reuse_new_cache
 from policies.types import DatasetView, JobView
+
+_DATASET, _IDEAL, _REMAINING = attrgetter("dataset"), attrgetter("ideal_throughput"), attrgetter("remaining_bytes")
 
 
 def greedy_cache(
@@ -30,19 +33,20 @@ def greedy_cache(
     now helps from the next epoch on), while bytes already cached keep the full f*/d. Without
     this, a job in its last epoch would take cache it can never use from a job that can.
     """
-    names = sorted({j.dataset for j in jobs})
+    count = len(jobs)
+    names = sorted(set(map(_DATASET, jobs)))
     if not names:
         return {}
     index = {n: i for i, n in enumerate(names)}
-    job_ds = np.array([index[j.dataset] for j in jobs], dtype=np.int64)
-    rate = np.array([j.ideal_throughput for j in jobs], dtype=float)
+    job_ds = np.fromiter(map(index.__getitem__, map(_DATASET, jobs)), dtype=np.int64, count=count)
+    rate = np.fromiter(map(_IDEAL, jobs), dtype=float, count=count)
     if weights is not None:
         rate *= np.array([weights.get(j.job_id, 0.0) for j in jobs], dtype=float)
-    reuse = np.asarray(can_reuse_new_cache([j.remaining_bytes for j in jobs], [datasets[j.dataset].size for j in jobs]), dtype=float)
-    full = np.bincount(job_ds, weights=rate, minlength=len(names))
-    fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
     views = [datasets[n] for n in names]
     sizes = np.array([d.size for d in views], dtype=float)
+    reuse = np.asarray(can_reuse_new_cache(np.fromiter(map(_REMAINING, jobs), dtype=float, count=count), sizes[job_ds]), dtype=float)
+    full = np.bincount(job_ds, weights=rate, minlength=len(names))
+    fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
     filled = np.array([0.0 if d.cached is None else min(d.cached, d.size) for d in views], dtype=float)
     known = np.array([d.cached is not None for d in views], dtype=bool)
     fresh = np.where(known, fresh, full)  # unknown state: the paper's rule for every byte

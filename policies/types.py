@@ -7,7 +7,7 @@ what lets one policy implementation serve both.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -177,11 +177,16 @@ class JobColumns:
     all_regular: bool  # every job reads as `epoch` (no irregular partition)
     ids: tuple[str, ...] = ()  # job ids (what every array-computing stage asks first)
     datasets: tuple[str, ...] = ()  # each job's dataset name
+    submit: np.ndarray | None = None  # submit times (float); None: read the views
+    #: Each job's place in the order of job ids (ints; any numbers ordered as the ids are, e.g.
+    #: ranks among more jobs than these), for ties broken by id; None: sort the ids.
+    id_rank: np.ndarray | None = None
 
     @classmethod
     def of(cls, jobs: tuple[JobView, ...]) -> JobColumns:
         """Columns built from the views (the reference the simulator's own columns must equal)."""
         hits = [j.hit_ratio_now for j in jobs]
+        ids = tuple(j.job_id for j in jobs)
         return cls(
             jobs,
             np.array([j.gpus for j in jobs], dtype=float),
@@ -190,9 +195,18 @@ class JobColumns:
             np.array([j.running for j in jobs], dtype=bool),
             None if all(h is None for h in hits) else np.array([np.nan if h is None else h for h in hits], dtype=float),
             all(j.access.regular for j in jobs),
-            tuple(j.job_id for j in jobs),
+            ids,
             tuple(j.dataset for j in jobs),
+            np.array([j.submit_time for j in jobs], dtype=float),
+            id_ranks(ids),
         )
+
+
+def id_ranks(ids: Sequence[str]) -> np.ndarray:
+    """Each id's place in the sorted order of `ids` (equal ids: by position)."""
+    rank = np.empty(len(ids), dtype=np.int64)
+    rank[np.array(sorted(range(len(ids)), key=ids.__getitem__), dtype=np.int64)] = np.arange(len(ids))
+    return rank
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,8 +59,10 @@ class CheckingSimulator(Simulator):
         cols = snap.job_columns()
         assert cols is not None
         ref = JobColumns.of(snap.jobs)
-        for name in ("gpus", "ideal", "remaining", "running"):
+        for name in ("gpus", "ideal", "remaining", "running", "submit"):
             np.testing.assert_array_equal(getattr(cols, name), getattr(ref, name))
+        # The engine's ranks are among all the trace's jobs: the same order as the ids'.
+        np.testing.assert_array_equal(np.argsort(cols.id_rank, kind="stable"), np.argsort(ref.id_rank, kind="stable"))
         if ref.hit_now is None:
             assert cols.hit_now is None
         else:
@@ -276,7 +278,7 @@ def test_a_jobs_position_moves_into_the_table_and_back_out_with_it():
         job.consumed, job.remote_bytes = float(i), 2.0 * i
     table = JobTable()
     for job in jobs:
-        table.add(job, cache)
+        table.add(job, cache, 0)
     assert len(table.state) >= 100
     for i, job in enumerate(jobs):
         assert job.state is table.state and job.row == job.slot

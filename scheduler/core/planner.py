@@ -22,7 +22,7 @@ from policies.base import Policy
 from policies.stagger import stagger_holds
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
-from policies.types import Allocation, Snapshot
+from policies.types import Allocation, Snapshot, id_ranks
 from policies.validation import validate_allocation
 from scheduler.core.partition import allocate_partitioned
 
@@ -181,12 +181,14 @@ class RoundPlanner:
             gs = allocation.gpu_share
             share = np.fromiter(map(gs.get, ledger.ids, repeat(0.0)), dtype=float, count=n)
             cand = (share > 0.0).nonzero()[0]
-            submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
-            ids = [jobs[i].job_id for i in cand.tolist()]
-            id_rank = np.empty(cand.size, dtype=np.int64)
-            id_rank[np.array(sorted(range(cand.size), key=ids.__getitem__), dtype=np.int64)] = np.arange(cand.size)
+            cols = snapshot.columns
+            ids = list(map(ledger.ids.__getitem__, cand.tolist()))
+            # lexsort needs only the ids' order: the backend's ranks among all its jobs do
+            submit = cols.submit[cand] if cols.submit is not None else np.fromiter((jobs[i].submit_time for i in cand.tolist()),
+                                                                                    dtype=float, count=cand.size)
+            id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks(ids)
             not_full = share[cand] < 1.0 - 1e-9
-            need = snapshot.columns.gpus[cand].tolist()
+            need = cols.gpus[cand].tolist()
             ledger.allocation, ledger.ranked = allocation, (share, cand, submit, ids, id_rank, not_full, need, min(need, default=0))
         share, cand, submit, ids, id_rank, not_full, need, least = ledger.ranked
         if cand.size == 0:

@@ -35,7 +35,7 @@ from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event, step_results
 from scheduler.sim.link_kernel import max_min
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
-from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, IRREGULAR, K, TOTAL, VOLATILE, JobTable
+from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, ID_RANK, IRREGULAR, K, SUBMIT, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.types import SimDataset, TurnAdvance
 from scheduler.sim.reader import CONSUMED, DEMAND_CHANGE, LOOKED, POS, REMOTE, VOLATILE_SUBSTEP, SimJob, StepResult, advance
@@ -352,7 +352,7 @@ class Simulator:
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = JobColumns(jobs, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
-                             tuple(map(_JOB_ID, active)), names)
+                             tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64))
         return Snapshot(now, jobs, dviews, self.capacity, columns)
 
     def _hit_ratios(self, active: list[SimJob], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -534,6 +534,7 @@ class Simulator:
         self._static = None  # the running jobs' static columns (_step_state)
         self._static_crows = np.zeros(0, dtype=np.int64)  # and their reader rows
         self._table = JobTable()
+        id_rank = {job_id: r for r, job_id in enumerate(sorted({j.job_id for j in self.trace.jobs}))}  # JobColumns.id_rank
         self._by_id: dict[str, SimJob] = {}  # the active jobs by id
         self._fair = None  # the fairness columns (_fairness)
         time_shared = False
@@ -555,7 +556,7 @@ class Simulator:
                     job.fstar = FStarEstimate.start(tj.declared_throughput * cfg.gpu_speed)
                 self.cache.register(job)
                 job.start_epoch_view(self.cache)
-                self._table.add(job, self.cache)
+                self._table.add(job, self.cache, id_rank[job.job_id])
                 active.append(job)
                 self._by_id[job.job_id] = job
                 self._fair = None

@@ -25,12 +25,14 @@ _SLOT, _JOB_ID = attrgetter("slot"), attrgetter("job_id")
 
 #: Column order of a row (StepState's static fields, before `curriculum` and `scalar` are derived).
 K, CHUNK, TOTAL, IDEAL, GPU_IDEAL, CPU_BOUND, GPUS, IRREGULAR, FSTAR, CURRICULUM, VOLATILE = range(11)
-DATASET = VOLATILE + 1  # the dataset's position in the engine's list (SimDataset.index); not a StepState field
+# Not StepState fields: the dataset's position in the engine's list (SimDataset.index), the
+# submit time, and the job id's place in the sorted ids of the trace (JobColumns.id_rank).
+DATASET, SUBMIT, ID_RANK = VOLATILE + 1, VOLATILE + 2, VOLATILE + 3
 
 
 class JobTable:
     def __init__(self) -> None:
-        self.rows = np.zeros((64, DATASET + 1), dtype=float)
+        self.rows = np.zeros((64, ID_RANK + 1), dtype=float)
         #: Bytes/s each job read at in the last step it ran (Eq. 8's perf, engine._fairness).
         self.last_rate = np.zeros(64, dtype=float)
         #: The job's GPU share and Eq. 8's reference (SiloDPerf at the equal share) from the last
@@ -45,7 +47,7 @@ class JobTable:
         self._free: list[int] = []
         self._next = 0
 
-    def add(self, job: SimJob, cache: SimCacheSystem) -> None:
+    def add(self, job: SimJob, cache: SimCacheSystem, id_rank: int) -> None:
         if self._free:
             slot = self._free.pop()
         else:
@@ -67,7 +69,7 @@ class JobTable:
         self.seen[slot] = np.nan
         self.rows[slot] = (job.dataset.n_chunks, job.dataset.chunk_size, job.total_bytes, job.ideal, job.gpu_ideal,
                            _cpu_bound(job), job.gpus, not job.regular, job.fstar is not None, job.pacing is not None,
-                           cache.volatile_for(job), job.dataset.index)
+                           cache.volatile_for(job), job.dataset.index, job.trace.submit_time, id_rank)
 
     def remove(self, job: SimJob) -> None:
         """The job leaves the table with its reading position (its own copy of its row)."""

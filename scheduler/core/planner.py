@@ -189,15 +189,18 @@ class RoundPlanner:
             id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks(ids)
             not_full = share[cand] < 1.0 - 1e-9
             need = cols.gpus[cand].tolist()
-            ledger.allocation, ledger.ranked = allocation, (share, cand, submit, ids, id_rank, not_full, need, min(need, default=0))
-        share, cand, submit, ids, id_rank, not_full, need, least = ledger.ranked
+            # The keys below the lag, (share, age, id), as one rank: the same order in a 3-key sort.
+            tie_rank = np.empty(cand.size, dtype=np.int64)
+            tie_rank[np.lexsort((id_rank, submit, -share[cand]))] = np.arange(cand.size)
+            ledger.allocation, ledger.ranked = allocation, (share, cand, ids, tie_rank, not_full, need, min(need, default=0))
+        share, cand, ids, tie_rank, not_full, need, least = ledger.ranked
         if cand.size == 0:
             return ()
         got, seen = ledger.got, ledger.seen
-        with np.errstate(divide="ignore", invalid="ignore"):
-            fraction = np.where(seen > 0, got / np.where(seen > 0, seen, 1.0), 0.0)
-            priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
-        order = np.lexsort((id_rank, submit, -share[cand], -priority[cand], not_full))
+        # (Both denominators are positive where used: nothing to silence.)
+        fraction = np.where(seen > 0, got / np.where(seen > 0, seen, 1.0), 0.0)
+        priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
+        order = np.lexsort((tie_rank, -priority[cand], not_full))
         free = snapshot.capacity.gpus
         chosen: list[str] = []
         for k in order.tolist():
@@ -216,7 +219,7 @@ class RoundPlanner:
         if ledger.running is not running:
             index = ledger.index
             ledger.running = running
-            ledger.running_at = np.fromiter((index.get(j, -1) for j in running), dtype=np.int64, count=len(running))
+            ledger.running_at = np.fromiter(map(index.get, running, repeat(-1)), dtype=np.int64, count=len(running))
         at = ledger.running_at
         if at.size and at.min() < 0:
             # Jobs not in the snapshot: straight into the dictionaries.
@@ -246,7 +249,7 @@ def io_caps_for_round(allocation: Allocation, running: tuple[str, ...], total_io
     """
     if allocation.remote_io is None:
         return None
-    caps = np.array([allocation.remote_io.get(j, 0.0) for j in running], dtype=float)
+    caps = np.fromiter(map(allocation.remote_io.get, running, repeat(0.0)), dtype=float, count=len(running))
     total = float(caps.sum())
     if total > total_io > 0:
         caps *= total_io / total

@@ -207,7 +207,10 @@ class StepState:
 
     def take(self, idx: np.ndarray) -> StepState:
         """The columns of the jobs at positions `idx`, in that order."""
-        return StepState([self.ids[i] for i in idx.tolist()], *(getattr(self, f)[idx] for f in self.__slots__[1:]))
+        return StepState(list(map(self.ids.__getitem__, idx.tolist())), *[a[idx] for a in _COLUMN_FIELDS(self)])
+
+
+_COLUMN_FIELDS = attrgetter(*StepState.__slots__[1:])  # every field but `ids`
 
 
 @dataclass(frozen=True, slots=True)
@@ -854,7 +857,7 @@ class Simulator:
         claimers = None
         if plan.remote_io is not None and self.config.manage_io:
             planned = plan.remote_io
-            floors = np.minimum(np.fromiter((planned.get(i, 0.0) for i in st.ids), dtype=float, count=len(st.ids)), demands)
+            floors = np.minimum(np.fromiter(map(planned.get, st.ids, repeat(0.0)), dtype=float, count=len(st.ids)), demands)
             caps = _spread(floors, demands, total)
         else:
             caps = max_min(demands, total)

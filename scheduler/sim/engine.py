@@ -21,6 +21,7 @@ from operator import attrgetter
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import numpy as np
 
@@ -337,10 +338,9 @@ class Simulator:
                                   hit, j.trace.access if told else _EPOCH, j.trace.pipeline)
             table.seen[slots[idx]] = np.column_stack([remaining[idx], running[idx], hits[idx] if measured else np.full(idx.size, np.nan),
                                                       ideal[idx]])
-        views = list(map(_VIEW, active))
+        jobs = tuple(map(_VIEW, active))
         names = tuple(map(_DATASET_NAME, active))
         all_regular = not (told and bool((rows[:, IRREGULAR] != 0.0).any()))
-        jobs = tuple(views)
         needed = set(names)
         if measured:
             cached = cache.cached_bytes()
@@ -356,7 +356,8 @@ class Simulator:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = JobColumns(jobs, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
                              tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64))
-        return Snapshot(now, jobs, dviews, self.capacity, columns)
+        # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
+        return Snapshot(now, jobs, MappingProxyType(dviews), self.capacity, columns)
 
     def _hit_ratios(self, active: list[SimJob], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """SimJob.hit_ratio_now of every active job (`rows`: their job-table rows): on the table's
@@ -1065,7 +1066,7 @@ class Simulator:
             prev = by_ds.get(job.dataset.name)
             by_ds[job.dataset.name] = mask if prev is None else (prev | mask)
         for name, mask in by_ds.items():
-            effective += float(mask.sum()) * self.datasets[name].chunk_size
+            effective += float(np.count_nonzero(mask)) * self.datasets[name].chunk_size
         allocated = float(sum(plan.cache.values())) if plan.cache is not None else float(sum(cached.values()))
         return TimelineRow(
             time_s=t,

@@ -5,7 +5,9 @@ All functions are pure and vectorised over jobs or datasets.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -14,6 +16,7 @@ from estimator import can_reuse_new_cache
 from policies.types import DatasetView, JobView
 
 _DATASET, _IDEAL, _REMAINING = attrgetter("dataset"), attrgetter("ideal_throughput"), attrgetter("remaining_bytes")
+_SIZE = attrgetter("size")
 
 
 def greedy_cache(
@@ -142,14 +145,34 @@ def demands_at_full_speed(jobs: Sequence[JobView], cache: Mapping[str, float], d
     read misses whatever is cached, since what it cached itself it has already read (delayed
     effectiveness): c/d there would starve it of the IO it needs.
     """
-    ideal = np.array([j.ideal_throughput for j in jobs], dtype=float)
-    hit = np.empty(len(jobs))
-    for i, j in enumerate(jobs):
-        view = datasets[j.dataset]
-        allocated = cache.get(j.dataset, 0.0)
-        if j.hit_ratio_now is None:
-            hit[i] = min(view.filled(allocated) / view.size, 1.0)
-        else:
-            kept = 1.0 if not view.cached else min(allocated / view.cached, 1.0)
-            hit[i] = min(max(j.hit_ratio_now, 0.0) * kept, 1.0)
-    return ideal * (1.0 - hit)
+    n = len(jobs)
+    ideal = np.fromiter(map(_IDEAL, jobs), dtype=float, count=n)
+    names = list(map(_DATASET, jobs))
+    views = list(map(datasets.__getitem__, names))
+    allocated = np.fromiter(map(cache.get, names, repeat(0.0)), dtype=float, count=n)
+    size = np.fromiter(map(_SIZE, views), dtype=float, count=n)
+    cached = [v.cached for v in views]  # None: unknown
+    told = [j.hit_ratio_now for j in jobs]  # None: not measured
+    # The per-job rules on columns, each min/max as Python's (min(a, b) is b only if b < a):
+    # what the data layer did not report reads as +inf (filled: the whole allocation) or 0.0
+    # (kept: everything).
+    c = np.fromiter((math.inf if x is None else x for x in cached), dtype=float, count=n)
+    measured = np.fromiter((x is not None for x in told), dtype=bool, count=n)
+    if ((size == 0.0) & ~measured).any():
+        raise ZeroDivisionError("float division by zero (a dataset of size 0)")  # as the division per job raised
+    # Python's float arithmetic is silent on inf x 0 and the like (and the size-0 divisions left
+    # are those of measured jobs, whose results are not used).
+    with np.errstate(all="ignore"):
+        hit = _py_min(_py_min(allocated, c) / size, 1.0)  # min(view.filled(allocated) / view.size, 1)
+        if measured.any():
+            h = np.fromiter((0.0 if x is None else x for x in told), dtype=float, count=n)
+            c0 = np.fromiter((0.0 if x is None else x for x in cached), dtype=float, count=n)
+            some = c0 != 0.0  # `not view.cached`: None or zero keeps everything
+            kept = np.where(some, _py_min(allocated / np.where(some, c0, 1.0), 1.0), 1.0)
+            hit = np.where(measured, _py_min(np.where(0.0 > h, 0.0, h) * kept, 1.0), hit)  # min(max(h, 0) x kept, 1)
+        return ideal * (1.0 - hit)
+
+
+def _py_min(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
+    """Python's min(a, b) elementwise: b where b < a, else a (NaN and signed zeros as Python's)."""
+    return np.where(b < a, b, a)

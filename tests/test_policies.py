@@ -3,6 +3,7 @@ form against the cvxpy reference, and the plug-in registry (real entry-point dis
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from policies.gavel import GavelPolicy, GavelProblem, equal_share_throughput, so
 from policies.gavel_reference import reference_equal_share, solve_max_min_reference
 from policies.registry import BUILTIN_POLICIES, ENTRY_POINT_GROUP
 from policies.sjf import sjf_scores
+from policies.storage import demands_at_full_speed
 from policies.validation import AllocationError
 
 MB, GB, TB = 1e6, 1e9, 1e12
@@ -640,3 +642,47 @@ def test_job_view_builds_the_same_view_as_the_constructor():
     assert type(built) is JobView and hash(built) == hash(JobView("j", 4, "ds", 1e8, 5e11, 12.0, True, 3, 0.25, access, pipeline))
     with pytest.raises(AttributeError):
         built.remaining_bytes = 0.0  # still frozen
+
+
+def _demands_job_by_job(jobs, cache, datasets):
+    """demands_at_full_speed as it was written before it ran on columns: the specification its
+    columns must follow to the bit."""
+    out = []
+    for j in jobs:
+        view = datasets[j.dataset]
+        allocated = cache.get(j.dataset, 0.0)
+        if j.hit_ratio_now is None:
+            hit = min(view.filled(allocated) / view.size, 1.0)
+        else:
+            kept = 1.0 if not view.cached else min(allocated / view.cached, 1.0)
+            hit = min(max(j.hit_ratio_now, 0.0) * kept, 1.0)
+        out.append(j.ideal_throughput * (1.0 - hit))
+    return np.array(out, dtype=float)
+
+
+_ODD = st.sampled_from([0.0, -0.0, 1.0, 0.5, 1e-300, 2.0, -1.0, 7, math.inf, math.nan])
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.one_of(st.none(), _ODD), st.floats(0.0, 1e3) | _ODD),
+                     min_size=0, max_size=8),
+       sets=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.tuples(st.sampled_from([1.0, 3.0, 1e12]), st.one_of(st.none(), _ODD))),
+       cache=st.dictionaries(st.sampled_from(["a", "b", "c"]), _ODD | st.floats(0.0, 1e12)))
+def test_demands_on_columns_are_the_job_by_job_rule(rows, sets, cache):
+    datasets = {n: DatasetView(n, *sets.get(n, (2.0, None))) for n in "abc"}
+    jobs = [JobView(f"j{i}", 1, d, ideal, 1e9, 0.0, hit_ratio_now=h) for i, (d, h, ideal) in enumerate(rows)]
+    got = demands_at_full_speed(jobs, cache, datasets)
+    want = _demands_job_by_job(jobs, cache, datasets)
+    np.testing.assert_array_equal(got, want)
+    real = ~np.isnan(want)
+    assert np.array_equal(np.signbit(got[real]), np.signbit(want[real]))
+
+
+def test_demands_refuse_a_dataset_of_size_zero_as_the_job_by_job_rule_did():
+    datasets = {"a": DatasetView("a", 0.0, None)}
+    unmeasured = [JobView("j", 1, "a", 10.0, 1e9, 0.0)]
+    for rule in (demands_at_full_speed, _demands_job_by_job):
+        with pytest.raises(ZeroDivisionError):
+            rule(unmeasured, {"a": 0.0}, datasets)
+    measured = [JobView("j", 1, "a", 10.0, 1e9, 0.0, hit_ratio_now=0.5)]  # no division by the size
+    np.testing.assert_array_equal(demands_at_full_speed(measured, {}, datasets), _demands_job_by_job(measured, {}, datasets))

@@ -515,7 +515,7 @@ class DomainCache(SimCacheSystem):
             pool.count[s], pool.limit[s] = dom.count, dom.limit_chunks
         before = pool.count[used]
         r_ptr, r_rows = self._readers_csr()
-        turns = np.append(turns, n)
+        turns = np.concatenate((turns, (n,)))  # (np.append: a Python wrapper around it)
         at, prev, changed = 0, 0, not fresh
         while True:
             i, at, prev, need = uniform_turns(turns, at, prev, changed, simple, unread, crows, lo, hi, dom_of, hits, rows.reads,
@@ -976,7 +976,7 @@ class AlluxioLRUCache(SimCacheSystem):
         for i in (ds_of < 0).nonzero()[0].tolist():  # a dataset read for the first time
             ds_of[i] = self._dataset_index(jobs[i].dataset)
         lru = self.kernel_state()
-        turns = np.append(turns, n)
+        turns = np.concatenate((turns, (n,)))  # (np.append: a Python wrapper around it)
         if step is None:  # every per-job advance in Python
             z, zi = np.zeros(n), np.zeros(n, dtype=np.int64)
             step = TurnAdvance(python=np.ones(n, dtype=bool), slots=zi, substep=zi, k=z, chunk=z, ideal=z, total=z, caps=z, now=0.0,

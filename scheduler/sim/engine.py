@@ -288,6 +288,7 @@ class Simulator:
             self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
         self._dataset_views: dict[str, DatasetView] = {}  # with cached bytes, kept while they stay the same (_snapshot)
+        self._kept_cached: dict[str, float] = {}  # the cached bytes each kept view holds
         self._expanded: set[str] = set()  # datasets cached preprocessed now (_apply_autocache)
         self._dataset_order: tuple[tuple[str, ...], np.ndarray] | None = None  # names and sizes by SimDataset.index (_references)
 
@@ -341,17 +342,16 @@ class Simulator:
         jobs = tuple(map(_VIEW, active))
         names = tuple(map(_DATASET_NAME, active))
         all_regular = not (told and bool((rows[:, IRREGULAR] != 0.0).any()))
-        needed = set(names)
+        needed = list(set(names))
         if measured:
-            cached = cache.cached_bytes()
-            kept = self._dataset_views
-            dviews = {}
-            for n in needed:
-                c = cached.get(n, 0.0)
-                dv = kept.get(n)
-                if dv is None or dv.cached != c:
-                    dv = kept[n] = DatasetView(n, self.datasets[n].size, c)
-                dviews[n] = dv
+            # The kept views whose cached bytes changed are rebuilt (`_kept_cached`: the bytes
+            # each was built with; None: none yet); the rest is C-level maps, not a loop over
+            # the ~300 datasets of every decision.
+            kept, built = self._dataset_views, self._kept_cached
+            now_cached = list(map(cache.cached_bytes().get, needed, repeat(0.0)))
+            for n, c in [(n, c) for n, c, b in zip(needed, now_cached, map(built.get, needed)) if b is None or b != c]:
+                kept[n], built[n] = DatasetView(n, self.datasets[n].size, c), c
+            dviews = dict(zip(needed, map(kept.__getitem__, needed)))
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = JobColumns(jobs, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
@@ -1022,8 +1022,9 @@ class Simulator:
         # of the jobs the columns advanced, as advance() moves it.
         column_apply(hits, st.slots, k, looked, last, s, applied, done, missed, x, m, finishing, st.total, self._table.state, out.remote,
                      ending)
-        if ending.any():
-            for i in ending.nonzero()[0].tolist():
+        ends = ending.nonzero()[0]
+        if ends.size:
+            for i in ends.tolist():
                 job = running[i]
                 job.consumed = job.total_bytes
                 if job.pos >= job.dataset.n_chunks - 1e-6:

@@ -328,10 +328,11 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
             frozen |= misses
         if cpu_left <= tol * max(p.total_cpus, 1.0):
             frozen |= cpu_bound
-        grow = ~frozen
-        if not grow.any():
+        grow = (~frozen).nonzero()[0]  # (positions: each job's entries gathered once a level)
+        if not grow.size:
             break
-        bounds = [float(((f[grow] - target[grow]) / ref[grow]).min()), gpu_left / float(gpu_per_ref[grow].sum())]
+        f_g, t_g, r_g = f[grow], target[grow], ref[grow]
+        bounds = [float(((f_g - t_g) / r_g).min()), gpu_left / float(gpu_per_ref[grow].sum())]
         io_rate = float(io_per_ref[grow].sum())
         if io_rate > 0:
             bounds.append(io_left / io_rate)
@@ -339,7 +340,7 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
         if cpu_rate > 0 and np.isfinite(cpu_left):
             bounds.append(cpu_left / cpu_rate)
         step = max(min(bounds), 0.0)
-        target[grow] = np.minimum(target[grow] + step * ref[grow], f[grow])
+        target[grow] = np.minimum(t_g + step * r_g, f_g)
     return target
 
 

@@ -74,9 +74,10 @@ class SjfPolicy(Policy):
             scores = sjf_scores(jobs, snapshot, estimator)
         else:
             scores = _scores(jobs, cols.remaining, cols.ideal, cols.gpus, cols.datasets, snapshot, estimator)
-        # By (score, arrival, id), and position for equal keys (a stable sort's order).
-        keys = sorted(zip(scores.tolist(), map(_SUBMIT, jobs), map(_JOB_ID, jobs), range(len(jobs))))
-        ranked = [jobs[k[3]] for k in keys]
+        # By (score, arrival, id): the keys made once, of Python floats (indexing numpy scalars
+        # per key was most of the sort).
+        keys = list(zip(scores.tolist(), map(_SUBMIT, jobs), map(_JOB_ID, jobs)))
+        ranked = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]
         running = place_in_order(ranked, snapshot.capacity.gpus, keep_running=False)
         rank = {j.job_id: i for i, j in enumerate(ranked)}
         running.sort(key=lambda j: rank[j.job_id])

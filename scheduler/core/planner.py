@@ -136,10 +136,13 @@ class RoundPlanner:
             got[here], seen[here] = ledger.got[old_at], ledger.seen[old_at]
             got_known[here], seen_known[here] = ledger.got_known[old_at], ledger.seen_known[old_at]
         # A job not in a dictionary counts 0 s; it enters it when recorded (as before the ledger).
-        for i in new:
-            j = ids[i]
-            got[i], seen[i] = received.get(j, 0.0), active.get(j, 0.0)
-            got_known[i], seen_known[i] = j in received, j in active
+        # (All the jobs are new after `_settle`, which a planner on bare snapshots does each round.)
+        if new:
+            fresh, count = [ids[i] for i in new], len(new)
+            got[new] = np.fromiter(map(received.get, fresh, repeat(0.0)), dtype=float, count=count)
+            seen[new] = np.fromiter(map(active.get, fresh, repeat(0.0)), dtype=float, count=count)
+            got_known[new] = np.fromiter(map(received.__contains__, fresh), dtype=bool, count=count)
+            seen_known[new] = np.fromiter(map(active.__contains__, fresh), dtype=bool, count=count)
         self._ledger = ledger = _Ledger(snapshot, ids, index, got, seen, got_known, seen_known)
         return ledger
 

@@ -90,7 +90,9 @@ def takes_filled_cache(snapshot: Snapshot, base: Allocation, trial: Allocation, 
 
 def eligible_expansions(snapshot: Snapshot) -> dict[str, float]:
     """Datasets that may be cached preprocessed, with their readers' common expansion."""
-    if not any(job.pipeline is not None and job.pipeline.autocaches for job in snapshot.jobs):
+    cols = snapshot.job_columns()
+    if not (cols.autocaches if cols is not None and cols.autocaches is not None
+            else any(job.pipeline is not None and job.pipeline.autocaches for job in snapshot.jobs)):
         return {}  # the common case, checked once per decision: no reader declares an autocache point
     seen: dict[str, float | None] = {}
     for job in snapshot.jobs:

@@ -16,8 +16,9 @@ import numpy as np
 from policies.base import Policy
 from policies.cpu import cores_the_link_can_feed, cpu_for_running, effective_jobs
 from policies.estimators import Estimator
-from policies.storage import demands_at_full_speed, greedy_cache, io_in_priority_order, keep_for_waiting, max_min_share
-from policies.types import Allocation, JobView, Snapshot
+from policies.storage import (demands_at_full_speed, demands_of, greedy_cache, greedy_cache_of, io_in_priority_order, keep_for_waiting,
+                              keep_for_waiting_of, max_min_share)
+from policies.types import Allocation, JobColumns, JobView, Snapshot
 
 
 def place_in_order(jobs: Sequence[JobView], total_gpus: int, keep_running: bool) -> list[JobView]:
@@ -25,23 +26,24 @@ def place_in_order(jobs: Sequence[JobView], total_gpus: int, keep_running: bool)
 
     With keep_running, jobs already running keep their GPUs first (no preemption).
     """
+    return [jobs[k] for k in place_positions(list(map(_GPUS, jobs)), list(map(_RUNNING, jobs)), total_gpus, keep_running)]
+
+
+def place_positions(gpus: Sequence[float], running: Sequence[bool], total_gpus: int, keep_running: bool) -> list[int]:
+    """place_in_order on columns (each job's GPUs and whether it runs, in the given order): the
+    positions of the jobs placed, ascending."""
     free = total_gpus
-    chosen: list[JobView] = []
-    chosen_ids: set[str] = set()
+    placed = [False] * len(gpus)
     if keep_running:
-        for job in jobs:
-            if job.running and job.gpus <= free:
-                chosen.append(job)
-                chosen_ids.add(job.job_id)
-                free -= job.gpus
-    for job in jobs:
-        if job.job_id not in chosen_ids and job.gpus <= free:
-            chosen.append(job)
-            chosen_ids.add(job.job_id)
-            free -= job.gpus
-    order = {j.job_id: i for i, j in enumerate(jobs)}
-    chosen.sort(key=lambda j: order[j.job_id])
-    return chosen
+        for k, (g, r) in enumerate(zip(gpus, running, strict=True)):
+            if r and g <= free:
+                placed[k] = True
+                free -= g
+    for k, g in enumerate(gpus):
+        if not placed[k] and g <= free:
+            placed[k] = True
+            free -= g
+    return [k for k, p in enumerate(placed) if p]
 
 
 def storage_for_running(
@@ -62,18 +64,47 @@ def storage_for_running(
         running_ids = {j.job_id for j in running}
         cache = keep_for_waiting(cache, [j for j in snapshot.jobs if j.job_id not in running_ids], snapshot.datasets, cap.cache)
     demands = demands_at_full_speed(running, cache, snapshot.datasets)
+    return cache, dict(zip(map(_JOB_ID, running), _share_link(demands, cap.remote_io, io_rule).tolist(), strict=True))
+
+
+def _share_link(demands: np.ndarray, capacity: float, io_rule: str) -> np.ndarray:
     if io_rule == "priority":
-        granted = io_in_priority_order(demands, cap.remote_io)
-    elif io_rule == "fair":
-        granted = max_min_share(demands, cap.remote_io)
-    else:
-        raise ValueError(f"unknown io_rule {io_rule!r}")
-    return cache, dict(zip((j.job_id for j in running), granted.tolist(), strict=True))
+        return io_in_priority_order(demands, capacity)
+    if io_rule == "fair":
+        return max_min_share(demands, capacity)
+    raise ValueError(f"unknown io_rule {io_rule!r}")
+
+
+def running_allocation_of(placed: list[int], snapshot: Snapshot, cols: JobColumns, estimator: Estimator, io_rule: str) -> Allocation:
+    """running_allocation on the snapshot's columns for the jobs at positions `placed` (in
+    running_allocation's order), on a cluster that does not model CPU: the same allocation
+    without reading a JobView."""
+    at = np.array(placed, dtype=np.int64)
+    ids = list(map(cols.ids.__getitem__, placed))
+    cache = io = None
+    if estimator.manages_storage:
+        cap = snapshot.capacity
+        names = list(map(cols.datasets.__getitem__, placed))
+        ideal = cols.ideal[at]
+        cache = greedy_cache_of(names, ideal, cols.remaining[at], snapshot.datasets, cap.cache)
+        if sum(cache.values()) < cap.cache:
+            waiting = np.ones(len(cols.ids), dtype=bool)
+            waiting[at] = False
+            w = waiting.nonzero()[0]
+            cache = keep_for_waiting_of(cache, list(map(cols.datasets.__getitem__, w.tolist())), cols.ideal[w], snapshot.datasets, cap.cache)
+        hits = None if cols.hit_now is None else cols.hit_now[at]
+        measured = np.zeros(at.size, dtype=bool) if hits is None else ~np.isnan(hits)
+        told = np.where(measured, hits, 0.0) if measured.any() else None
+        demands = demands_of(ideal, names, measured, told, cache, snapshot.datasets)
+        io = dict(zip(ids, _share_link(demands, cap.remote_io, io_rule).tolist(), strict=True))
+    share = dict.fromkeys(cols.ids, 0.0)
+    share.update(dict.fromkeys(ids, 1.0))
+    return Allocation(gpu_share=share, cache=cache, remote_io=io, cpu=None)
 
 
 #: The arrival order's key: (submit time, job id).
 _ARRIVAL = attrgetter("submit_time", "job_id")
-_JOB_ID = attrgetter("job_id")
+_JOB_ID, _GPUS, _RUNNING = attrgetter("job_id"), attrgetter("gpus"), attrgetter("running")
 
 #: Most re-plans of cores and cache in running_allocation after the first.
 CORE_PASSES = 4
@@ -116,10 +147,21 @@ class FifoPolicy(Policy):
     description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs; Algorithm 2 cache, IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
+        cols = snapshot.job_columns()
+        if cols is not None and cols.submit is not None and cols.id_rank is not None and not snapshot.capacity.manages_cpu:
+            return fifo_on_columns(snapshot, cols, estimator)
         jobs = sorted(snapshot.jobs, key=_ARRIVAL)
         running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
         # §5.3: FIFO has no estimator with which to rank jobs for IO, so the link is shared fairly.
         return running_allocation(running, snapshot, estimator, io_rule="fair")
+
+
+def fifo_on_columns(snapshot: Snapshot, cols: JobColumns, estimator: Estimator) -> Allocation:
+    """FifoPolicy.allocate on the snapshot's columns (no CPU modelled): arrival order is (submit
+    time, id), the ids ordered by their ranks."""
+    order = np.lexsort((cols.id_rank, cols.submit))
+    placed = place_positions(cols.gpus[order].tolist(), cols.running[order].tolist(), snapshot.capacity.gpus, keep_running=True)
+    return running_allocation_of(order[placed].tolist(), snapshot, cols, estimator, io_rule="fair")
 
 
 class GreedyPolicy(Policy):
@@ -135,9 +177,13 @@ class GreedyPolicy(Policy):
     description = "FIFO GPUs; cache datasets in descending cache efficiency (Algorithm 2); IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
+        cols = snapshot.job_columns()
+        if cols is not None and cols.submit is not None and cols.id_rank is not None and not snapshot.capacity.manages_cpu:
+            return fifo_on_columns(snapshot, cols, estimator)
         jobs = sorted(snapshot.jobs, key=_ARRIVAL)
         running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
         return running_allocation(running, snapshot, estimator, io_rule="fair")
 
 
-__all__ = ["FifoPolicy", "GreedyPolicy", "place_in_order", "running_allocation", "storage_for_running"]
+__all__ = ["FifoPolicy", "GreedyPolicy", "fifo_on_columns", "place_in_order", "place_positions", "running_allocation", "running_allocation_of",
+           "storage_for_running"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from policies.base import Policy
 from policies.estimators import Estimator
-from policies.fifo import place_in_order, running_allocation
+from policies.fifo import place_in_order, place_positions, running_allocation, running_allocation_of
 from policies.types import Allocation, JobView, Snapshot
 
 _SIZE, _SUBMIT, _JOB_ID = attrgetter("size"), attrgetter("submit_time"), attrgetter("job_id")
@@ -68,8 +68,15 @@ class SjfPolicy(Policy):
     description = "multi-resource shortest job first (Eq. 7); preemptive each round"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
-        jobs = list(snapshot.jobs)
         cols = snapshot.job_columns()
+        if cols is not None and cols.submit is not None and not snapshot.capacity.manages_cpu:
+            # The same ranking, placement and allocation on the columns, without a JobView.
+            scores = _scores((), cols.remaining, cols.ideal, cols.gpus, cols.datasets, snapshot, estimator)
+            keys = list(zip(scores.tolist(), cols.submit.tolist(), cols.ids))
+            ranked = sorted(range(len(keys)), key=keys.__getitem__)
+            placed = place_positions(cols.gpus[ranked].tolist(), [False] * len(ranked), snapshot.capacity.gpus, keep_running=False)
+            return running_allocation_of(list(map(ranked.__getitem__, placed)), snapshot, cols, estimator, io_rule="priority")
+        jobs = list(snapshot.jobs)
         if cols is None:
             scores = sjf_scores(jobs, snapshot, estimator)
         else:

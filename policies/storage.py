@@ -36,18 +36,25 @@ def greedy_cache(
     now helps from the next epoch on), while bytes already cached keep the full f*/d. Without
     this, a job in its last epoch would take cache it can never use from a job that can.
     """
-    count = len(jobs)
-    names = sorted(set(map(_DATASET, jobs)))
+    rate = np.fromiter(map(_IDEAL, jobs), dtype=float, count=len(jobs))
+    if weights is not None:
+        rate *= np.array([weights.get(j.job_id, 0.0) for j in jobs], dtype=float)
+    return greedy_cache_of(list(map(_DATASET, jobs)), rate, np.fromiter(map(_REMAINING, jobs), dtype=float, count=len(jobs)), datasets,
+                           capacity)
+
+
+def greedy_cache_of(names_read: Sequence[str], rate: np.ndarray, remaining: np.ndarray, datasets: Mapping[str, DatasetView],
+                    capacity: float) -> dict[str, float]:
+    """greedy_cache on columns: each job's dataset name, weighted f* and remaining bytes."""
+    count = len(names_read)
+    names = sorted(set(names_read))
     if not names:
         return {}
     index = {n: i for i, n in enumerate(names)}
-    job_ds = np.fromiter(map(index.__getitem__, map(_DATASET, jobs)), dtype=np.int64, count=count)
-    rate = np.fromiter(map(_IDEAL, jobs), dtype=float, count=count)
-    if weights is not None:
-        rate *= np.array([weights.get(j.job_id, 0.0) for j in jobs], dtype=float)
+    job_ds = np.fromiter(map(index.__getitem__, names_read), dtype=np.int64, count=count)
     views = [datasets[n] for n in names]
     sizes = np.array([d.size for d in views], dtype=float)
-    reuse = np.asarray(can_reuse_new_cache(np.fromiter(map(_REMAINING, jobs), dtype=float, count=count), sizes[job_ds]), dtype=float)
+    reuse = np.asarray(can_reuse_new_cache(remaining, sizes[job_ds]), dtype=float)
     full = np.bincount(job_ds, weights=rate, minlength=len(names))
     fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
     filled = np.array([0.0 if d.cached is None else min(d.cached, d.size) for d in views], dtype=float)
@@ -76,13 +83,19 @@ def keep_for_waiting(
     room reserved: nobody fills a dataset that only waiting jobs read, and the running jobs'
     plan, computed first, is never reduced by it (as Quiver keeps a paused job's cache unless a
     better candidate needs the space)."""
+    return keep_for_waiting_of(cache, list(map(_DATASET, waiting)), list(map(_IDEAL, waiting)), datasets, capacity)
+
+
+def keep_for_waiting_of(cache: Mapping[str, float], names_read: Sequence[str], rates: Sequence[float],
+                        datasets: Mapping[str, DatasetView], capacity: float) -> dict[str, float]:
+    """keep_for_waiting on columns: the waiting jobs' dataset names and f*."""
     out = dict(cache)
     left = capacity - sum(out.values())
-    names = sorted({j.dataset for j in waiting})
+    names = sorted(set(names_read))
     if left <= 0 or not names:
         return out
     index = {n: i for i, n in enumerate(names)}
-    rate = np.bincount([index[j.dataset] for j in waiting], weights=[j.ideal_throughput for j in waiting], minlength=len(names))
+    rate = np.bincount(list(map(index.__getitem__, names_read)), weights=rates, minlength=len(names))
     sizes = np.array([datasets[n].size for n in names], dtype=float)
     cached = np.array([min(datasets[n].cached or 0.0, datasets[n].size) for n in names], dtype=float)
     extra = np.maximum(cached - np.array([out.get(n, 0.0) for n in names]), 0.0)
@@ -145,31 +158,37 @@ def demands_at_full_speed(jobs: Sequence[JobView], cache: Mapping[str, float], d
     read misses whatever is cached, since what it cached itself it has already read (delayed
     effectiveness): c/d there would starve it of the IO it needs.
     """
+    told = [j.hit_ratio_now for j in jobs]  # None: not measured
     n = len(jobs)
-    ideal = np.fromiter(map(_IDEAL, jobs), dtype=float, count=n)
-    names = list(map(_DATASET, jobs))
+    measured = np.fromiter((x is not None for x in told), dtype=bool, count=n)
+    h = np.fromiter((0.0 if x is None else x for x in told), dtype=float, count=n) if measured.any() else None
+    return demands_of(np.fromiter(map(_IDEAL, jobs), dtype=float, count=n), list(map(_DATASET, jobs)), measured, h, cache, datasets)
+
+
+def demands_of(ideal: np.ndarray, names: Sequence[str], measured: np.ndarray, told: np.ndarray | None, cache: Mapping[str, float],
+               datasets: Mapping[str, DatasetView]) -> np.ndarray:
+    """demands_at_full_speed on columns: f*, dataset names, whether the hit ratio now is
+    measured and its values (0.0 where not; None: measured for no job)."""
+    n = len(names)
     views = list(map(datasets.__getitem__, names))
     allocated = np.fromiter(map(cache.get, names, repeat(0.0)), dtype=float, count=n)
     size = np.fromiter(map(_SIZE, views), dtype=float, count=n)
     cached = [v.cached for v in views]  # None: unknown
-    told = [j.hit_ratio_now for j in jobs]  # None: not measured
     # The per-job rules on columns, each min/max as Python's (min(a, b) is b only if b < a):
     # what the data layer did not report reads as +inf (filled: the whole allocation) or 0.0
     # (kept: everything).
     c = np.fromiter((math.inf if x is None else x for x in cached), dtype=float, count=n)
-    measured = np.fromiter((x is not None for x in told), dtype=bool, count=n)
     if ((size == 0.0) & ~measured).any():
         raise ZeroDivisionError("float division by zero (a dataset of size 0)")  # as the division per job raised
     # Python's float arithmetic is silent on inf x 0 and the like (and the size-0 divisions left
     # are those of measured jobs, whose results are not used).
     with np.errstate(all="ignore"):
         hit = _py_min(_py_min(allocated, c) / size, 1.0)  # min(view.filled(allocated) / view.size, 1)
-        if measured.any():
-            h = np.fromiter((0.0 if x is None else x for x in told), dtype=float, count=n)
+        if told is not None:
             c0 = np.fromiter((0.0 if x is None else x for x in cached), dtype=float, count=n)
             some = c0 != 0.0  # `not view.cached`: None or zero keeps everything
             kept = np.where(some, _py_min(allocated / np.where(some, c0, 1.0), 1.0), 1.0)
-            hit = np.where(measured, _py_min(np.where(0.0 > h, 0.0, h) * kept, 1.0), hit)  # min(max(h, 0) x kept, 1)
+            hit = np.where(measured, _py_min(np.where(0.0 > told, 0.0, told) * kept, 1.0), hit)  # min(max(h, 0) x kept, 1)
         return ideal * (1.0 - hit)
 
 

@@ -7,7 +7,7 @@ what lets one policy implementation serve both.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -181,6 +181,9 @@ class JobColumns:
     #: Each job's place in the order of job ids (ints; any numbers ordered as the ids are, e.g.
     #: ranks among more jobs than these), for ties broken by id; None: sort the ids.
     id_rank: np.ndarray | None = None
+    #: Whether some job's pipeline declares an autocache point (JobView.pipeline.autocaches);
+    #: None: read the views.
+    autocaches: bool | None = None
 
     @classmethod
     def of(cls, jobs: tuple[JobView, ...]) -> JobColumns:
@@ -199,6 +202,7 @@ class JobColumns:
             tuple(j.dataset for j in jobs),
             np.array([j.submit_time for j in jobs], dtype=float),
             id_ranks(ids),
+            any(j.pipeline is not None and j.pipeline.autocaches for j in jobs),
         )
 
 
@@ -230,6 +234,85 @@ class Snapshot:
         missing = (set(cols.datasets) if cols is not None else {j.dataset for j in self.jobs}) - self.datasets.keys()
         if missing:
             raise UserError(f"jobs read unknown dataset(s) {sorted(missing)}; register them first")
+
+
+class LazyJobs:
+    """A snapshot's job views, built by `build` when first read (then kept): a backend that
+    keeps its jobs as columns (the simulator) hands a policy that reads only JobColumns no
+    views at all. `build` must return the views as they were when the snapshot was taken."""
+
+    __slots__ = ("_build", "_jobs")
+
+    def __init__(self, build: Callable[[], tuple[JobView, ...]]) -> None:
+        self._build: Callable[[], tuple[JobView, ...]] | None = build
+        self._jobs: tuple[JobView, ...] | None = None
+
+    def get(self) -> tuple[JobView, ...]:
+        if self._jobs is None:
+            self._jobs = tuple(self._build())
+            self._build = None
+        return self._jobs
+
+
+_SNAPSHOT_JOBS = Snapshot.__dict__["jobs"]  # the slot's own descriptor (LazySnapshot.jobs shadows it)
+_COLUMNS_JOBS = JobColumns.__dict__["jobs"]
+
+
+class LazyJobColumns(JobColumns):
+    """JobColumns whose `jobs` come from a LazyJobs (the same tuple as its LazySnapshot's)."""
+
+    __slots__ = ("lazy",)
+
+    @property
+    def jobs(self) -> tuple[JobView, ...]:
+        try:
+            return _COLUMNS_JOBS.__get__(self)
+        except AttributeError:
+            jobs = self.lazy.get()
+            _COLUMNS_JOBS.__set__(self, jobs)
+            return jobs
+
+    @jobs.setter
+    def jobs(self, value) -> None:  # (the dataclass __init__ sets every field)
+        if isinstance(value, LazyJobs):
+            object.__setattr__(self, "lazy", value)
+        else:
+            object.__setattr__(self, "lazy", None)
+            _COLUMNS_JOBS.__set__(self, value)
+
+
+class LazySnapshot(Snapshot):
+    """A Snapshot whose `jobs` (a tuple of JobView, as any snapshot's) are built on first read.
+
+    Construct it with a LazyJobs for `jobs` and LazyJobColumns sharing it: `job_columns()` then
+    matches them without building the views. Every other use sees a plain Snapshot; one made
+    from it by `dataclasses.replace(..., jobs=...)` holds those jobs, and its columns (which
+    describe the original jobs) are no longer valid for it, as for any snapshot."""
+
+    __slots__ = ("lazy",)
+
+    @property
+    def jobs(self) -> tuple[JobView, ...]:
+        try:
+            return _SNAPSHOT_JOBS.__get__(self)
+        except AttributeError:
+            jobs = self.lazy.get()
+            _SNAPSHOT_JOBS.__set__(self, jobs)
+            return jobs
+
+    @jobs.setter
+    def jobs(self, value) -> None:  # (the dataclass __init__ sets every field)
+        if isinstance(value, LazyJobs):
+            object.__setattr__(self, "lazy", value)
+        else:
+            object.__setattr__(self, "lazy", None)
+            _SNAPSHOT_JOBS.__set__(self, value)
+
+    def job_columns(self) -> JobColumns | None:
+        cols = self.columns
+        if self.lazy is not None and isinstance(cols, LazyJobColumns) and cols.lazy is self.lazy:
+            return cols
+        return Snapshot.job_columns(self)
 
 
 def _frozen(mapping: Mapping[str, float] | None) -> Mapping[str, float] | None:

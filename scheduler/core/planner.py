@@ -175,8 +175,8 @@ class RoundPlanner:
         """`choose` on the snapshot's columns: the same order (full shares first, then by lag,
         share, age, id) from one sort instead of a tuple per job. What depends on the
         allocation alone is kept while it is the same (every round until the next decision)."""
-        jobs = snapshot.jobs
-        n = len(jobs)
+        cols = snapshot.columns
+        n = len(cols.ids)
         if n == 0:
             return ()
         ledger = self._ledger_for(snapshot)
@@ -184,10 +184,9 @@ class RoundPlanner:
             gs = allocation.gpu_share
             share = np.fromiter(map(gs.get, ledger.ids, repeat(0.0)), dtype=float, count=n)
             cand = (share > 0.0).nonzero()[0]
-            cols = snapshot.columns
             ids = list(map(ledger.ids.__getitem__, cand.tolist()))
             # lexsort needs only the ids' order: the backend's ranks among all its jobs do
-            submit = cols.submit[cand] if cols.submit is not None else np.fromiter((jobs[i].submit_time for i in cand.tolist()),
+            submit = cols.submit[cand] if cols.submit is not None else np.fromiter((cols.jobs[i].submit_time for i in cand.tolist()),
                                                                                     dtype=float, count=cand.size)
             id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks(ids)
             not_full = share[cand] < 1.0 - 1e-9

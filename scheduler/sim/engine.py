@@ -21,6 +21,7 @@ from operator import attrgetter
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from types import MappingProxyType
 
 import numpy as np
@@ -31,7 +32,7 @@ from estimator.measured import FStarEstimate
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
-from policies.types import ClusterCapacity, DatasetView, JobColumns, Snapshot, job_view
+from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, LazyJobColumns, LazyJobs, LazySnapshot, Snapshot, job_view
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event, step_results
 from scheduler.sim.link_kernel import max_min
@@ -53,6 +54,12 @@ _EPOCH = AccessPattern.epoch()
 _SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW, _INDEX = (
     attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow", "index"))
 MAX_CURRICULUM_CHUNKS = 4096
+
+
+def _AUTOCACHES(job: SimJob) -> bool:
+    return job.trace.pipeline is not None and job.trace.pipeline.autocaches
+
+
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
 MAX_RESOLUTION = 65_536
@@ -278,6 +285,8 @@ class Simulator:
         if self.cache.name == "silod" and not estimator.manages_storage:
             raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
         self.progress = progress
+        self._autocaching = any(j.pipeline is not None and j.pipeline.autocaches for j in trace.jobs)  # (JobColumns.autocaches)
+        self._snapshots = 0  # snapshots taken (the last one's views may reuse the kept ones: _views)
         self.datasets: dict[str, SimDataset] = {}
         starts: dict[str, float] = {}  # smallest starting_percent of each dataset's curriculum readers
         for j in trace.jobs:
@@ -325,21 +334,8 @@ class Simulator:
             ideal[i] = active[i].fstar.estimate  # the scheduler's f*, not the declared one
         running = np.fromiter(map(_RUNNING, active), dtype=bool, count=n)
         hits = self._hit_ratios(active, slots, rows) if measured else None
-        seen = table.seen[slots]
-        changed = (seen[:, 0] != remaining) | (seen[:, 1] != running) | (seen[:, 3] != ideal)
-        if measured:
-            changed |= seen[:, 2] != hits
-        idx = changed.nonzero()[0]
-        if idx.size:
-            rem_l, run_l, f_l = remaining[idx].tolist(), running[idx].tolist(), ideal[idx].tolist()
-            hit_l = hits[idx].tolist() if measured else [None] * idx.size
-            for i, rem, is_running, f, hit in zip(idx.tolist(), rem_l, run_l, f_l, hit_l):
-                j = active[i]
-                j.view = job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0,
-                                  hit, j.trace.access if told else _EPOCH, j.trace.pipeline)
-            table.seen[slots[idx]] = np.column_stack([remaining[idx], running[idx], hits[idx] if measured else np.full(idx.size, np.nan),
-                                                      ideal[idx]])
-        jobs = tuple(map(_VIEW, active))
+        self._snapshots += 1
+        lazy = LazyJobs(partial(self._views, self._snapshots, tuple(active), slots, remaining, running, ideal, hits if measured else None))
         names = tuple(map(_DATASET_NAME, active))
         all_regular = not (told and bool((rows[:, IRREGULAR] != 0.0).any()))
         needed = list(set(names))
@@ -354,10 +350,41 @@ class Simulator:
             dviews = dict(zip(needed, map(kept.__getitem__, needed)))
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
-        columns = JobColumns(jobs, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
-                             tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64))
+        columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
+                             tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
+                                    self._autocaching and any(map(_AUTOCACHES, active)))
         # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
-        return Snapshot(now, jobs, MappingProxyType(dviews), self.capacity, columns)
+        return LazySnapshot(now, lazy, MappingProxyType(dviews), self.capacity, columns)
+
+    def _views(self, taken: int, active: tuple[SimJob, ...], slots: np.ndarray, remaining: np.ndarray, running: np.ndarray,
+               ideal: np.ndarray, hits: np.ndarray | None) -> tuple[JobView, ...]:
+        """The JobViews of snapshot number `taken` (LazyJobs: built when a stage first reads
+        them), from the values it was taken with. A job's view is kept between snapshots and
+        rebuilt only when what the policy sees of it changed (a queued job's view stays the same
+        until it runs); a snapshot older than the last builds its own, leaving the kept ones
+        (its jobs' table rows may belong to other jobs by now)."""
+        told = self.config.partition
+        n = len(active)
+        hit_l = hits.tolist() if hits is not None else [None] * n
+        if taken != self._snapshots:
+            return tuple(job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0, hit,
+                                  j.trace.access if told else _EPOCH, j.trace.pipeline)
+                         for j, rem, is_running, f, hit in zip(active, remaining.tolist(), running.tolist(), ideal.tolist(), hit_l))
+        table = self._table
+        seen = table.seen[slots]
+        changed = (seen[:, 0] != remaining) | (seen[:, 1] != running) | (seen[:, 3] != ideal)
+        if hits is not None:
+            changed |= seen[:, 2] != hits
+        idx = changed.nonzero()[0]
+        if idx.size:
+            rem_l, run_l, f_l = remaining[idx].tolist(), running[idx].tolist(), ideal[idx].tolist()
+            for i, rem, is_running, f in zip(idx.tolist(), rem_l, run_l, f_l):
+                j = active[i]
+                j.view = job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0,
+                                  hit_l[i], j.trace.access if told else _EPOCH, j.trace.pipeline)
+            table.seen[slots[idx]] = np.column_stack([remaining[idx], running[idx], hits[idx] if hits is not None else np.full(idx.size, np.nan),
+                                                      ideal[idx]])
+        return tuple(map(_VIEW, active))
 
     def _hit_ratios(self, active: list[SimJob], slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """SimJob.hit_ratio_now of every active job (`rows`: their job-table rows): on the table's

@@ -142,9 +142,14 @@ class GavelProblem:
     def _from_columns(cls, snapshot: Snapshot, cols, manages_storage: bool) -> GavelProblem:
         """The same problem from the snapshot's columns (no per-job Python beyond the ids and
         dataset names; CPU-modelled clusters take the per-view path)."""
-        names = tuple(sorted(set(cols.datasets)))
-        index = {n: i for i, n in enumerate(names)}
-        dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
+        if cols.dataset_rank is not None:
+            # Grouped by the ranks (one integer sort), not by sorting the names at each decision.
+            _, first, dataset_index = np.unique(cols.dataset_rank, return_index=True, return_inverse=True)
+            names = tuple(map(cols.datasets.__getitem__, first.tolist()))
+        else:
+            names = tuple(sorted(set(cols.datasets)))
+            index = {n: i for i, n in enumerate(names)}
+            dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
         views = [snapshot.datasets[n] for n in names]
         sizes = np.array([d.size for d in views], dtype=float)
         cached = [d.cached for d in views]

@@ -184,6 +184,9 @@ class JobColumns:
     #: Whether some job's pipeline declares an autocache point (JobView.pipeline.autocaches);
     #: None: read the views.
     autocaches: bool | None = None
+    #: Each job's dataset's place in the order of dataset names (ints; ranks among more names
+    #: do, e.g. all a backend knows), for grouping by dataset in name order; None: sort the names.
+    dataset_rank: np.ndarray | None = None
 
     @classmethod
     def of(cls, jobs: tuple[JobView, ...]) -> JobColumns:
@@ -203,7 +206,14 @@ class JobColumns:
             np.array([j.submit_time for j in jobs], dtype=float),
             id_ranks(ids),
             any(j.pipeline is not None and j.pipeline.autocaches for j in jobs),
+            name_ranks([j.dataset for j in jobs]),
         )
+
+
+def name_ranks(names: Sequence[str]) -> np.ndarray:
+    """Each name's place among the distinct names, sorted (equal names: the same rank)."""
+    index = {n: i for i, n in enumerate(sorted(set(names)))}
+    return np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=len(names))
 
 
 def id_ranks(ids: Sequence[str]) -> np.ndarray:

@@ -63,6 +63,8 @@ class CheckingSimulator(Simulator):
             np.testing.assert_array_equal(getattr(cols, name), getattr(ref, name))
         # The engine's ranks are among all the trace's jobs: the same order as the ids'.
         np.testing.assert_array_equal(np.argsort(cols.id_rank, kind="stable"), np.argsort(ref.id_rank, kind="stable"))
+        # Dataset ranks among all the trace's datasets: the same grouping and order as the names'.
+        np.testing.assert_array_equal(np.unique(cols.dataset_rank, return_inverse=True)[1], ref.dataset_rank)
         if ref.hit_now is None:
             assert cols.hit_now is None
         else:

@@ -296,6 +296,9 @@ class Simulator:
             chunks = max(1, int(config.resolution) * self.cache.resolution_factor, self._curriculum_chunks(trace, name, starts.get(name)))
             self.datasets[name] = SimDataset(name, float(size), chunks, len(self.datasets))
         self.dataset_views = {n: DatasetView(n, d.size) for n, d in self.datasets.items()}
+        # Each dataset's place among the sorted names, by SimDataset.index (JobColumns.dataset_rank).
+        self._name_rank = np.empty(len(self.datasets), dtype=np.int64)
+        self._name_rank[[self.datasets[n].index for n in sorted(self.datasets)]] = np.arange(len(self.datasets))
         self._dataset_views: dict[str, DatasetView] = {}  # with cached bytes, kept while they stay the same (_snapshot)
         self._kept_cached: dict[str, float] = {}  # the cached bytes each kept view holds
         self._expanded: set[str] = set()  # datasets cached preprocessed now (_apply_autocache)
@@ -352,7 +355,7 @@ class Simulator:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
                              tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
-                                    self._autocaching and any(map(_AUTOCACHES, active)))
+                                    self._autocaching and any(map(_AUTOCACHES, active)), self._name_rank[rows[:, DATASET].astype(np.int64)])
         # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
         return LazySnapshot(now, lazy, MappingProxyType(dviews), self.capacity, columns)
 

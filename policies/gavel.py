@@ -27,6 +27,7 @@ at most 1), 1/n of the remote IO, and each dataset the equal cache shares of its
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -143,16 +144,24 @@ class GavelProblem:
         """The same problem from the snapshot's columns (no per-job Python beyond the ids and
         dataset names; CPU-modelled clusters take the per-view path)."""
         if cols.dataset_rank is not None:
-            # Grouped by the ranks (one integer sort), not by sorting the names at each decision.
-            _, first, dataset_index = np.unique(cols.dataset_rank, return_index=True, return_inverse=True)
-            names = tuple(map(cols.datasets.__getitem__, first.tolist()))
+            # Grouped by the ranks (small ints: a mask over them, as np.unique's order), not by
+            # sorting the names at each decision.
+            rank = cols.dataset_rank
+            position = np.empty(int(rank.max()) + 1 if rank.size else 0, dtype=np.int64)
+            position[rank] = np.arange(rank.size)  # a job of each rank (any: they read the same dataset)
+            present = np.zeros(position.size, dtype=bool)
+            present[rank] = True
+            ranks = present.nonzero()[0]
+            names = tuple(map(cols.datasets.__getitem__, position[ranks].tolist()))
+            position[ranks] = np.arange(ranks.size)
+            dataset_index = position[rank]
         else:
             names = tuple(sorted(set(cols.datasets)))
             index = {n: i for i, n in enumerate(names)}
             dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
-        views = [snapshot.datasets[n] for n in names]
-        sizes = np.array([d.size for d in views], dtype=float)
-        cached = [d.cached for d in views]
+        views = list(map(snapshot.datasets.__getitem__, names))
+        sizes = np.fromiter(map(_SIZE, views), dtype=float, count=len(views))
+        cached = list(map(_CACHED, views))
         return cls(
             job_ids=cols.ids,
             gpus=cols.gpus,
@@ -176,6 +185,8 @@ class GavelProblem:
     def n(self) -> int:
         return len(self.job_ids)
 
+
+_SIZE, _CACHED = attrgetter("size"), attrgetter("cached")
 
 #: (snapshot, problem) of the last from_snapshot call (see there).
 _LAST_PROBLEM: tuple[Snapshot, GavelProblem] | None = None

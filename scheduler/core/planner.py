@@ -115,7 +115,7 @@ class RoundPlanner:
             return ledger
         n = len(ids)
         received, active = self._received, self._active
-        index = {j: i for i, j in enumerate(ids)}
+        index = dict(zip(ids, range(n)))
         if ledger is None:
             at = np.full(n, -1, dtype=np.int64)
         else:

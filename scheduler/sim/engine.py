@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, is_
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -656,12 +656,14 @@ class Simulator:
                         job.running = False
                         self.cache.job_stopped(job)
                 for job in chosen:
+                    if job.running and plan.cpu is None:
+                        continue  # still running, started, on unlimited cores: nothing to change
                     if job.start_time is None:
                         job.start_time = now
                     job.running = True
                     if self._table.set_cores(job, math.inf if plan.cpu is None else plan.cpu.get(job.job_id, 0.0)):
                         self._static = None
-                if len(chosen) != len(running) or any(a is not b for a, b in zip(chosen, running)):
+                if len(chosen) != len(running) or not all(map(is_, chosen, running)):
                     self._static = None  # the static columns hold while the same jobs run (cores: _step_state)
                 running = chosen
                 part = plan.allocation.partition

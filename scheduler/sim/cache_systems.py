@@ -770,17 +770,18 @@ class CoorDLCache(DomainCache):
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         per_gpu = self.capacity / self.total_gpus
-        for job in running:
+        domains = self.domains
+        # (the jobs without a domain, found at C level: most running jobs keep theirs every round)
+        for job in [j for j, held in zip(running, map(domains.__contains__, map(_JOB_ID, running))) if not held]:
             key = job.job_id
-            if key not in self.domains:
-                dom = self._parked.pop(key, None)
-                if dom is None:
-                    dom = self.pool.domain(job.dataset)
-                else:
-                    dom.cached[:] = False
-                    dom.count = 0
-                self._set_domain(key, dom)
-                dom.set_limit(per_gpu * job.gpus, self.rng)
+            dom = self._parked.pop(key, None)
+            if dom is None:
+                dom = self.pool.domain(job.dataset)
+            else:
+                dom.cached[:] = False
+                dom.count = 0
+            self._set_domain(key, dom)
+            dom.set_limit(per_gpu * job.gpus, self.rng)
 
     def job_stopped(self, job):
         key = job.job_id
@@ -1062,7 +1063,7 @@ class AlluxioLRUCache(SimCacheSystem):
         return [(free, None)] if chunks and free >= min(chunks) else []
 
 
-_CROW = attrgetter("crow")
+_CROW, _JOB_ID = attrgetter("crow"), attrgetter("job_id")
 
 
 def _domain_counts(domains: Sequence[CacheDomain | None]) -> tuple[np.ndarray, np.ndarray]:

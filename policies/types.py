@@ -264,31 +264,34 @@ class LazyJobs:
         return self._jobs
 
 
-_SNAPSHOT_JOBS = Snapshot.__dict__["jobs"]  # the slot's own descriptor (LazySnapshot.jobs shadows it)
-_COLUMNS_JOBS = JobColumns.__dict__["jobs"]
+def _lazy_jobs(slot) -> property:
+    """A `jobs` field read from the instance's LazyJobs (`lazy`) the first time, then from the
+    field's own slot (`slot`: its descriptor, which the property shadows). Set with a LazyJobs
+    (or, as dataclasses.replace does, with the views themselves)."""
+
+    def get(self) -> tuple[JobView, ...]:
+        try:
+            return slot.__get__(self)
+        except AttributeError:
+            jobs = self.lazy.get()
+            slot.__set__(self, jobs)
+            return jobs
+
+    def set_(self, value) -> None:  # (the dataclass __init__ sets every field)
+        if isinstance(value, LazyJobs):
+            object.__setattr__(self, "lazy", value)
+        else:
+            object.__setattr__(self, "lazy", None)
+            slot.__set__(self, value)
+
+    return property(get, set_)
 
 
 class LazyJobColumns(JobColumns):
     """JobColumns whose `jobs` come from a LazyJobs (the same tuple as its LazySnapshot's)."""
 
     __slots__ = ("lazy",)
-
-    @property
-    def jobs(self) -> tuple[JobView, ...]:
-        try:
-            return _COLUMNS_JOBS.__get__(self)
-        except AttributeError:
-            jobs = self.lazy.get()
-            _COLUMNS_JOBS.__set__(self, jobs)
-            return jobs
-
-    @jobs.setter
-    def jobs(self, value) -> None:  # (the dataclass __init__ sets every field)
-        if isinstance(value, LazyJobs):
-            object.__setattr__(self, "lazy", value)
-        else:
-            object.__setattr__(self, "lazy", None)
-            _COLUMNS_JOBS.__set__(self, value)
+    jobs = _lazy_jobs(JobColumns.__dict__["jobs"])
 
 
 class LazySnapshot(Snapshot):
@@ -300,23 +303,7 @@ class LazySnapshot(Snapshot):
     describe the original jobs) are no longer valid for it, as for any snapshot."""
 
     __slots__ = ("lazy",)
-
-    @property
-    def jobs(self) -> tuple[JobView, ...]:
-        try:
-            return _SNAPSHOT_JOBS.__get__(self)
-        except AttributeError:
-            jobs = self.lazy.get()
-            _SNAPSHOT_JOBS.__set__(self, jobs)
-            return jobs
-
-    @jobs.setter
-    def jobs(self, value) -> None:  # (the dataclass __init__ sets every field)
-        if isinstance(value, LazyJobs):
-            object.__setattr__(self, "lazy", value)
-        else:
-            object.__setattr__(self, "lazy", None)
-            _SNAPSHOT_JOBS.__set__(self, value)
+    jobs = _lazy_jobs(Snapshot.__dict__["jobs"])
 
     def job_columns(self) -> JobColumns | None:
         cols = self.columns

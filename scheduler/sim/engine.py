@@ -29,6 +29,7 @@ import numpy as np
 from estimator.access import AccessPattern
 from estimator.errors import UserError
 from estimator.measured import FStarEstimate
+from estimator.pipeline import InputPipeline
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
@@ -51,15 +52,13 @@ from traces.model import Trace, TraceJob
 CURRICULUM_MIN_CHUNKS = 64
 _EPOCH = AccessPattern.epoch()
 # Per-job reads of every running or active job (map(attrgetter) is about twice a generator's speed).
-_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW, _INDEX = (
-    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow", "index"))
+_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW, _INDEX, _PIPELINE = (
+    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow", "index", "trace.pipeline"))
+
+
+def _autocaches(pipeline: InputPipeline | None) -> bool:
+    return pipeline is not None and pipeline.autocaches
 MAX_CURRICULUM_CHUNKS = 4096
-
-
-def _AUTOCACHES(job: SimJob) -> bool:
-    return job.trace.pipeline is not None and job.trace.pipeline.autocaches
-
-
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
 MAX_RESOLUTION = 65_536
@@ -285,7 +284,7 @@ class Simulator:
         if self.cache.name == "silod" and not estimator.manages_storage:
             raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
         self.progress = progress
-        self._autocaching = any(j.pipeline is not None and j.pipeline.autocaches for j in trace.jobs)  # (JobColumns.autocaches)
+        self._autocaching = any(_autocaches(j.pipeline) for j in trace.jobs)  # (JobColumns.autocaches)
         self._snapshots = 0  # snapshots taken (the last one's views may reuse the kept ones: _views)
         self.datasets: dict[str, SimDataset] = {}
         starts: dict[str, float] = {}  # smallest starting_percent of each dataset's curriculum readers
@@ -354,8 +353,9 @@ class Simulator:
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
-                             tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
-                                    self._autocaching and any(map(_AUTOCACHES, active)), self._name_rank[rows[:, DATASET].astype(np.int64)])
+                                 tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
+                                 self._autocaching and any(map(_autocaches, map(_PIPELINE, active))),
+                                 self._name_rank[rows[:, DATASET].astype(np.int64)])
         # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
         return LazySnapshot(now, lazy, MappingProxyType(dviews), self.capacity, columns)
 
@@ -367,12 +367,14 @@ class Simulator:
         until it runs); a snapshot older than the last builds its own, leaving the kept ones
         (its jobs' table rows may belong to other jobs by now)."""
         told = self.config.partition
-        n = len(active)
-        hit_l = hits.tolist() if hits is not None else [None] * n
+        hit_l = hits.tolist() if hits is not None else [None] * len(active)
+
+        def view(j: SimJob, f: float, rem: float, is_running: bool, hit: float | None) -> JobView:
+            return job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0, hit,
+                            j.trace.access if told else _EPOCH, j.trace.pipeline)
+
         if taken != self._snapshots:
-            return tuple(job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0, hit,
-                                  j.trace.access if told else _EPOCH, j.trace.pipeline)
-                         for j, rem, is_running, f, hit in zip(active, remaining.tolist(), running.tolist(), ideal.tolist(), hit_l))
+            return tuple(map(view, active, ideal.tolist(), remaining.tolist(), running.tolist(), hit_l))
         table = self._table
         seen = table.seen[slots]
         changed = (seen[:, 0] != remaining) | (seen[:, 1] != running) | (seen[:, 3] != ideal)
@@ -383,8 +385,7 @@ class Simulator:
             rem_l, run_l, f_l = remaining[idx].tolist(), running[idx].tolist(), ideal[idx].tolist()
             for i, rem, is_running, f in zip(idx.tolist(), rem_l, run_l, f_l):
                 j = active[i]
-                j.view = job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0,
-                                  hit_l[i], j.trace.access if told else _EPOCH, j.trace.pipeline)
+                j.view = view(j, f, rem, is_running, hit_l[i])
             table.seen[slots[idx]] = np.column_stack([remaining[idx], running[idx], hits[idx] if hits is not None else np.full(idx.size, np.nan),
                                                       ideal[idx]])
         return tuple(map(_VIEW, active))

@@ -221,6 +221,17 @@ _COLUMN_FIELDS = attrgetter(*StepState.__slots__[1:])  # every field but `ids`
 
 
 @dataclass(frozen=True, slots=True)
+class _Members:
+    """The active jobs, in order, and what of them stays the same while they do."""
+
+    jobs: tuple[SimJob, ...]
+    slots: np.ndarray  # their job-table rows
+    ids: tuple[str, ...]
+    datasets: tuple[str, ...]  # each one's dataset name
+    needed: list[str]  # the distinct dataset names
+
+
+@dataclass(frozen=True, slots=True)
 class Claimers:
     """Jobs capped at what they could claim on a contended link (Simulator._claimable)."""
 
@@ -337,10 +348,10 @@ class Simulator:
         running = np.fromiter(map(_RUNNING, active), dtype=bool, count=n)
         hits = self._hit_ratios(active, slots, rows) if measured else None
         self._snapshots += 1
-        lazy = LazyJobs(partial(self._views, self._snapshots, tuple(active), slots, remaining, running, ideal, hits if measured else None))
-        names = tuple(map(_DATASET_NAME, active))
+        members = self._members_of(active)
+        lazy = LazyJobs(partial(self._views, self._snapshots, members.jobs, slots, remaining, running, ideal, hits if measured else None))
+        names, needed = members.datasets, members.needed
         all_regular = not (told and bool((rows[:, IRREGULAR] != 0.0).any()))
-        needed = list(set(names))
         if measured:
             # The kept views whose cached bytes changed are rebuilt (`_kept_cached`: the bytes
             # each was built with; None: none yet); the rest is C-level maps, not a loop over
@@ -353,7 +364,7 @@ class Simulator:
         else:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
-                                 tuple(map(_JOB_ID, active)), names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
+                                 members.ids, names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
                                  self._autocaching and any(map(_autocaches, map(_PIPELINE, active))),
                                  self._name_rank[rows[:, DATASET].astype(np.int64)])
         # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
@@ -443,7 +454,17 @@ class Simulator:
         self._table.reference[slots] = equal_share_throughput(problem)
 
     def _active_slots(self, active: list[SimJob]) -> np.ndarray:
-        return np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active))
+        return self._members_of(active).slots
+
+    def _members_of(self, active: list[SimJob]) -> _Members:
+        """What depends only on which jobs are active, kept until one arrives or leaves
+        (`self._members`, reset there): a decision without either reuses it."""
+        members = self._members
+        if members is None:
+            names = tuple(map(_DATASET_NAME, active))
+            members = self._members = _Members(tuple(active), np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active)),
+                                               tuple(map(_JOB_ID, active)), names, list(set(names)))
+        return members
 
     def _time_shared(self, slots: np.ndarray) -> bool:
         """Whether some active job (`slots`: their rows) holds a GPU share strictly between 0 and 1."""
@@ -572,6 +593,7 @@ class Simulator:
         id_rank = {job_id: r for r, job_id in enumerate(sorted({j.job_id for j in self.trace.jobs}))}  # JobColumns.id_rank
         self._by_id: dict[str, SimJob] = {}  # the active jobs by id
         self._fair = None  # the fairness columns (_fairness)
+        self._members: _Members | None = None  # the active jobs' ids, rows and datasets (_members_of)
         time_shared = False
         self._static_layout = -1
         idle_steps = 0  # consecutive steps in which no job read anything and none can arrive
@@ -594,7 +616,7 @@ class Simulator:
                 self._table.add(job, self.cache, id_rank[job.job_id])
                 active.append(job)
                 self._by_id[job.job_id] = job
-                self._fair = None
+                self._fair = self._members = None
                 next_arrival += 1
                 need_decision = True
             if not active:
@@ -760,7 +782,7 @@ class Simulator:
 
             if finished:
                 self._static = None
-                self._fair = None
+                self._fair = self._members = None
             for job in finished:
                 active.remove(job)
                 del self._by_id[job.job_id]

@@ -93,6 +93,14 @@ class GavelProblem:
         return problem
 
     @classmethod
+    def built_for(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem | None:
+        """The problem from_snapshot last built, if it was for this snapshot (else None)."""
+        last = _LAST_PROBLEM
+        if last is not None and last[0] is snapshot and last[1].manages_storage == manages_storage:
+            return last[1]
+        return None
+
+    @classmethod
     def _build(cls, snapshot: Snapshot, manages_storage: bool) -> GavelProblem:
         cols = snapshot.job_columns()
         if cols is not None and not snapshot.capacity.manages_cpu:

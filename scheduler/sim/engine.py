@@ -436,13 +436,15 @@ class Simulator:
         dataset positions (all its datasets, not the active ones sorted by name, as
         GavelProblem.from_snapshot builds it for the policy: a tenth of a FIFO run, where no
         policy built it already): each job's reference depends only on its dataset's size
-        and readers, so the numbers are the same."""
+        and readers, so the numbers are the same. Under Gavel the policy's own problem for this
+        snapshot is taken, whose references it computed already."""
         if not slots.size:
             return
         cols = snapshot.job_columns()
-        if cols is None or self.capacity.manages_cpu:
+        problem = GavelProblem.built_for(snapshot, manages_storage=True)
+        if problem is None and (cols is None or self.capacity.manages_cpu):
             problem = GavelProblem.from_snapshot(snapshot, manages_storage=True)
-        else:
+        elif problem is None:
             if self._dataset_order is None:
                 order = sorted(self.datasets.values(), key=_INDEX)
                 self._dataset_order = (tuple(d.name for d in order), np.array([d.size for d in order], dtype=float))
@@ -674,8 +676,8 @@ class Simulator:
                 by_id = self._by_id
                 chosen = [by_id[i] for i in plan.running]
                 chosen_ids = set(plan.running)
-                for job in running:
-                    if job.job_id not in chosen_ids and job.job_id in by_id:
+                for job in [j for j, kept in zip(running, map(chosen_ids.__contains__, map(_JOB_ID, running))) if not kept]:
+                    if job.job_id in by_id:
                         job.running = False
                         self.cache.job_stopped(job)
                 for job in chosen:

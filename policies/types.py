@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from types import MappingProxyType
 
 import numpy as np
@@ -214,6 +215,15 @@ def name_ranks(names: Sequence[str]) -> np.ndarray:
     """Each name's place among the distinct names, sorted (equal names: the same rank)."""
     index = {n: i for i, n in enumerate(sorted(set(names)))}
     return np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=len(names))
+
+
+def values_for(mapping: Mapping[str, float], keys: tuple[str, ...], default: float = 0.0) -> np.ndarray:
+    """`mapping`'s values for `keys`, in their order (`default` where missing), as floats: one pass
+    over its values when its keys are exactly `keys` in order (an allocation built from the
+    snapshot's columns), else one look-up per key (read-only mappings make those slow)."""
+    if tuple(mapping) == keys:
+        return np.fromiter(mapping.values(), dtype=float, count=len(keys))
+    return np.fromiter(map(mapping.get, keys, repeat(default)), dtype=float, count=len(keys))
 
 
 def id_ranks(ids: Sequence[str]) -> np.ndarray:

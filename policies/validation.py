@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
 
-from policies.types import Allocation, Snapshot
+from policies.types import Allocation, Snapshot, values_for
 
 # Relative slack for floating-point sums (a knapsack filled to capacity may overshoot by ulps).
 _REL_TOL = 1e-9
@@ -108,9 +107,9 @@ def _clearly_valid(snapshot: Snapshot, allocation: Allocation) -> bool:
     cap = snapshot.capacity
     ids = cols.ids
     gs = allocation.gpu_share
-    if len(gs) != len(ids) or not gs.keys() == set(ids):
+    if len(gs) != len(ids) or not (tuple(gs) == ids or gs.keys() == set(ids)):
         return False
-    share = np.fromiter(map(gs.__getitem__, ids), dtype=float, count=len(ids))
+    share = values_for(gs, ids)  # (every id is a key: the default is never taken)
     # (ndarray methods: numpy's all/any add a Python wrapper per call, at every decision)
     if not ((share >= 0.0).all() and (share <= 1.0 + _REL_TOL).all()):  # NaN fails both
         return False
@@ -130,7 +129,7 @@ def _clearly_valid(snapshot: Snapshot, allocation: Allocation) -> bool:
         io = allocation.remote_io
         if not io.keys() <= gs.keys():
             return False
-        r = np.fromiter(map(io.get, ids, repeat(0.0)), dtype=float, count=len(ids))
+        r = values_for(io, ids)
         if not (np.isfinite(r).all() and (r >= 0).all()):
             return False
         if float(r @ share) > cap.remote_io * (1 + 1e-6) + 1e-6:

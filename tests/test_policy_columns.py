@@ -10,6 +10,7 @@ equal the one from the views, down to each mapping's order (the order later sums
 from __future__ import annotations
 
 from dataclasses import replace
+from types import MappingProxyType
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from policies import ClusterCapacity, DatasetView, JobView, Snapshot, get_policy
 from policies.estimators import SiloDEstimator, VanillaEstimator
-from policies.types import JobColumns, LazyJobColumns, LazyJobs, LazySnapshot
+from policies.types import JobColumns, LazyJobColumns, LazyJobs, LazySnapshot, values_for
 
 GB, MB, TB = 1e9, 1e6, 1e12
 
@@ -86,3 +87,13 @@ def test_a_lazy_snapshot_builds_its_views_once_and_only_when_read(bare):
     assert replace(snap, columns=None).job_columns() is None
     again = replace(snap, time=1.0)  # same jobs, columns kept: still valid, by the tuple's identity
     assert again.jobs is snap.jobs and again.job_columns() is snap.columns and builds == [1]
+
+
+@given(keys=st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True),
+       present=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "x"]), st.floats(allow_nan=False)), unique_by=lambda t: t[0]))
+def test_values_for_reads_each_key_or_the_default(keys, present):
+    mapping = MappingProxyType(dict(present))
+    want = [mapping.get(k, -1.0) for k in keys]
+    assert values_for(mapping, tuple(keys), -1.0).tolist() == want
+    in_order = MappingProxyType({k: float(i) for i, k in enumerate(keys)})  # the one-pass case
+    assert values_for(in_order, tuple(keys)).tolist() == [float(i) for i in range(len(keys))]

@@ -22,7 +22,7 @@ from policies.base import Policy
 from policies.stagger import stagger_holds
 from policies.estimators import Estimator, VanillaEstimator
 from policies.storage import max_min_share
-from policies.types import Allocation, Snapshot, id_ranks
+from policies.types import Allocation, Snapshot, id_ranks, values_for
 from policies.validation import validate_allocation
 from scheduler.core.partition import allocate_partitioned
 
@@ -182,7 +182,7 @@ class RoundPlanner:
         ledger = self._ledger_for(snapshot)
         if ledger.allocation is not allocation:
             gs = allocation.gpu_share
-            share = np.fromiter(map(gs.get, ledger.ids, repeat(0.0)), dtype=float, count=n)
+            share = values_for(gs, ledger.ids)
             cand = (share > 0.0).nonzero()[0]
             ids = list(map(ledger.ids.__getitem__, cand.tolist()))
             # lexsort needs only the ids' order: the backend's ranks among all its jobs do

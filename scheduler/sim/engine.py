@@ -33,7 +33,7 @@ from estimator.pipeline import InputPipeline
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
-from policies.types import ClusterCapacity, DatasetView, JobColumns, JobView, LazyJobColumns, LazyJobs, LazySnapshot, Snapshot, job_view
+from policies.types import ClusterCapacity, DatasetView, JobView, LazyJobColumns, LazyJobs, LazySnapshot, Snapshot, job_view, values_for
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event, step_results
 from scheduler.sim.link_kernel import max_min
@@ -664,8 +664,7 @@ class Simulator:
                 allocation = self.core.decide(snapshot)
                 self._references(snapshot, slots)
                 gpu_share = allocation.gpu_share
-                self._table.share[slots] = np.fromiter(map(gpu_share.get, snapshot.columns.ids, repeat(0.0)), dtype=float,
-                                                       count=len(active))
+                self._table.share[slots] = values_for(gpu_share, snapshot.columns.ids)
                 self._fair = None
                 # Shares change only here (and finished jobs only leave).
                 time_shared = self._time_shared(slots)

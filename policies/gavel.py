@@ -183,10 +183,7 @@ class GavelProblem:
             manages_storage=manages_storage,
             hit_now=cols.hit_now,
             reuse=(cols.remaining > sizes[dataset_index]).astype(float),  # can_reuse_new_cache
-            dataset_cached=(
-                # DatasetView.filled(size) of each, in one pass
-                None if all(c is None for c in cached) else np.minimum(sizes, [np.inf if c is None else c for c in cached])
-            ),
+            dataset_cached=_filled(sizes, cached),
         )
 
     @property
@@ -195,6 +192,18 @@ class GavelProblem:
 
 
 _SIZE, _CACHED = attrgetter("size"), attrgetter("cached")
+
+
+def _filled(sizes: np.ndarray, cached: list[float | None]) -> np.ndarray | None:
+    """DatasetView.filled(size) of each dataset, in one pass (None: no cached bytes reported)."""
+    if not cached:
+        return None
+    reported = np.fromiter(cached, dtype=float, count=len(cached))  # (None reads as NaN here)
+    if np.isnan(reported).any():  # some not reported (or NaN): each one by the rule
+        if all(c is None for c in cached):
+            return None
+        reported = np.array([np.inf if c is None else c for c in cached], dtype=float)
+    return np.minimum(sizes, reported)
 
 #: (snapshot, problem) of the last from_snapshot call (see there).
 _LAST_PROBLEM: tuple[Snapshot, GavelProblem] | None = None

@@ -196,12 +196,10 @@ _SIZE, _CACHED = attrgetter("size"), attrgetter("cached")
 
 def _filled(sizes: np.ndarray, cached: list[float | None]) -> np.ndarray | None:
     """DatasetView.filled(size) of each dataset, in one pass (None: no cached bytes reported)."""
-    if not cached:
+    if not cached or (cached[0] is None and all(c is None for c in cached)):
         return None
     reported = np.fromiter(cached, dtype=float, count=len(cached))  # (None reads as NaN here)
     if np.isnan(reported).any():  # some not reported (or NaN): each one by the rule
-        if all(c is None for c in cached):
-            return None
         reported = np.array([np.inf if c is None else c for c in cached], dtype=float)
     return np.minimum(sizes, reported)
 

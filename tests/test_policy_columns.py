@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import replace
 from types import MappingProxyType
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies import ClusterCapacity, DatasetView, JobView, Snapshot, get_policy
 from policies.estimators import SiloDEstimator, VanillaEstimator
+from policies.gavel import _filled
 from policies.types import JobColumns, LazyJobColumns, LazyJobs, LazySnapshot, values_for
 
 GB, MB, TB = 1e9, 1e6, 1e12
@@ -97,3 +99,16 @@ def test_values_for_reads_each_key_or_the_default(keys, present):
     assert values_for(mapping, tuple(keys), -1.0).tolist() == want
     in_order = MappingProxyType({k: float(i) for i, k in enumerate(keys)})  # the one-pass case
     assert values_for(in_order, tuple(keys)).tolist() == [float(i) for i in range(len(keys))]
+
+
+@given(rows=st.lists(st.tuples(st.floats(0.0, 1e15), st.one_of(st.none(), st.floats(allow_infinity=True)))))
+def test_gavel_reads_cached_bytes_as_the_rule_per_dataset(rows):
+    # DatasetView.filled(size) per dataset, None when no dataset reports cached bytes.
+    sizes = np.array([s for s, _ in rows], dtype=float)
+    cached = [c for _, c in rows]
+    got = _filled(sizes, cached)
+    if all(c is None for c in cached):
+        assert got is None
+        return
+    want = [s if c is None else (c if c < s or c != c else s) for s, c in rows]  # np.minimum: NaN wins
+    np.testing.assert_array_equal(got, np.array(want, dtype=float))

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from itertools import repeat
-from types import MappingProxyType
 
 import numpy as np
 
@@ -393,7 +392,7 @@ class SchedulingCore:
             time=snapshot.time,
             allocation=allocation,
             running=running,
-            cache=None if allocation.cache is None else MappingProxyType(dict(allocation.cache)),
+            cache=allocation.cache,  # (read-only: an Allocation holds its own copy behind a proxy)
             remote_io=io_caps_for_round(allocation, running, snapshot.capacity.remote_io),
             cpu=cpu_for_round(allocation, running, snapshot.capacity.cpus),
         )

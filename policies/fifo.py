@@ -147,13 +147,19 @@ class FifoPolicy(Policy):
     description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs; Algorithm 2 cache, IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
-        cols = snapshot.job_columns()
-        if cols is not None and cols.submit is not None and cols.id_rank is not None and not snapshot.capacity.manages_cpu:
-            return fifo_on_columns(snapshot, cols, estimator)
-        jobs = sorted(snapshot.jobs, key=_ARRIVAL)
-        running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
         # §5.3: FIFO has no estimator with which to rank jobs for IO, so the link is shared fairly.
-        return running_allocation(running, snapshot, estimator, io_rule="fair")
+        return first_come_first_served(snapshot, estimator)
+
+
+def first_come_first_served(snapshot: Snapshot, estimator: Estimator) -> Allocation:
+    """GPUs in arrival order (running jobs kept), then running_allocation with a fair link: on
+    the snapshot's columns when it has them and CPU is not modelled."""
+    cols = snapshot.job_columns()
+    if cols is not None and cols.submit is not None and cols.id_rank is not None and not snapshot.capacity.manages_cpu:
+        return fifo_on_columns(snapshot, cols, estimator)
+    jobs = sorted(snapshot.jobs, key=_ARRIVAL)
+    running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
+    return running_allocation(running, snapshot, estimator, io_rule="fair")
 
 
 def fifo_on_columns(snapshot: Snapshot, cols: JobColumns, estimator: Estimator) -> Allocation:
@@ -177,13 +183,8 @@ class GreedyPolicy(Policy):
     description = "FIFO GPUs; cache datasets in descending cache efficiency (Algorithm 2); IO fair-shared"
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
-        cols = snapshot.job_columns()
-        if cols is not None and cols.submit is not None and cols.id_rank is not None and not snapshot.capacity.manages_cpu:
-            return fifo_on_columns(snapshot, cols, estimator)
-        jobs = sorted(snapshot.jobs, key=_ARRIVAL)
-        running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
-        return running_allocation(running, snapshot, estimator, io_rule="fair")
+        return first_come_first_served(snapshot, estimator)
 
 
-__all__ = ["FifoPolicy", "GreedyPolicy", "fifo_on_columns", "place_in_order", "place_positions", "running_allocation", "running_allocation_of",
-           "storage_for_running"]
+__all__ = ["FifoPolicy", "GreedyPolicy", "fifo_on_columns", "first_come_first_served", "place_in_order", "place_positions",
+           "running_allocation", "running_allocation_of", "storage_for_running"]

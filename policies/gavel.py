@@ -203,6 +203,7 @@ def _filled(sizes: np.ndarray, cached: list[float | None]) -> np.ndarray | None:
         reported = np.array([np.inf if c is None else c for c in cached], dtype=float)
     return np.minimum(sizes, reported)
 
+
 #: (snapshot, problem) of the last from_snapshot call (see there).
 _LAST_PROBLEM: tuple[Snapshot, GavelProblem] | None = None
 

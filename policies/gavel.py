@@ -35,7 +35,7 @@ from estimator import can_reuse_new_cache
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.storage import fill_in_order
-from policies.types import Allocation, Snapshot
+from policies.types import Allocation, Snapshot, name_ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,22 +151,17 @@ class GavelProblem:
     def _from_columns(cls, snapshot: Snapshot, cols, manages_storage: bool) -> GavelProblem:
         """The same problem from the snapshot's columns (no per-job Python beyond the ids and
         dataset names; CPU-modelled clusters take the per-view path)."""
-        if cols.dataset_rank is not None:
-            # Grouped by the ranks (small ints: a mask over them, as np.unique's order), not by
-            # sorting the names at each decision.
-            rank = cols.dataset_rank
-            position = np.empty(int(rank.max()) + 1 if rank.size else 0, dtype=np.int64)
-            position[rank] = np.arange(rank.size)  # a job of each rank (any: they read the same dataset)
-            present = np.zeros(position.size, dtype=bool)
-            present[rank] = True
-            ranks = present.nonzero()[0]
-            names = tuple(map(cols.datasets.__getitem__, position[ranks].tolist()))
-            position[ranks] = np.arange(ranks.size)
-            dataset_index = position[rank]
-        else:
-            names = tuple(sorted(set(cols.datasets)))
-            index = {n: i for i, n in enumerate(names)}
-            dataset_index = np.fromiter(map(index.__getitem__, cols.datasets), dtype=np.int64, count=len(cols.datasets))
+        # Grouped by the datasets' ranks (small ints: a mask over them, in the names' order), not
+        # by sorting the names at each decision when the backend hands the ranks in.
+        rank = cols.dataset_rank if cols.dataset_rank is not None else name_ranks(cols.datasets)
+        position = np.empty(int(rank.max()) + 1 if rank.size else 0, dtype=np.int64)
+        position[rank] = np.arange(rank.size)  # a job of each rank (any: they read the same dataset)
+        present = np.zeros(position.size, dtype=bool)
+        present[rank] = True
+        ranks = present.nonzero()[0]
+        names = tuple(map(cols.datasets.__getitem__, position[ranks].tolist()))
+        position[ranks] = np.arange(ranks.size)
+        dataset_index = position[rank]
         views = list(map(snapshot.datasets.__getitem__, names))
         sizes = np.fromiter(map(_SIZE, views), dtype=float, count=len(views))
         cached = list(map(_CACHED, views))

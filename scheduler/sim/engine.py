@@ -29,7 +29,6 @@ import numpy as np
 from estimator.access import AccessPattern
 from estimator.errors import UserError
 from estimator.measured import FStarEstimate
-from estimator.pipeline import InputPipeline
 from policies.base import Policy
 from policies.estimators import Estimator
 from policies.gavel import GavelProblem, equal_share_throughput
@@ -54,10 +53,6 @@ _EPOCH = AccessPattern.epoch()
 # Per-job reads of every running or active job (map(attrgetter) is about twice a generator's speed).
 _SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW, _INDEX, _PIPELINE = (
     attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow", "index", "trace.pipeline"))
-
-
-def _autocaches(pipeline: InputPipeline | None) -> bool:
-    return pipeline is not None and pipeline.autocaches
 MAX_CURRICULUM_CHUNKS = 4096
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
@@ -229,6 +224,7 @@ class _Members:
     ids: tuple[str, ...]
     datasets: tuple[str, ...]  # each one's dataset name
     needed: list[str]  # the distinct dataset names
+    autocaches: bool  # some job's pipeline declares an autocache point (JobColumns.autocaches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +291,7 @@ class Simulator:
         if self.cache.name == "silod" and not estimator.manages_storage:
             raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
         self.progress = progress
-        self._autocaching = any(_autocaches(j.pipeline) for j in trace.jobs)  # (JobColumns.autocaches)
+        self._autocaching = any(j.pipeline is not None and j.pipeline.autocaches for j in trace.jobs)  # (_Members.autocaches)
         self._snapshots = 0  # snapshots taken (the last one's views may reuse the kept ones: _views)
         self.datasets: dict[str, SimDataset] = {}
         starts: dict[str, float] = {}  # smallest starting_percent of each dataset's curriculum readers
@@ -365,7 +361,7 @@ class Simulator:
             dviews = {n: self.dataset_views[n] for n in needed}
         columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
                                  members.ids, names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
-                                 self._autocaching and any(map(_autocaches, map(_PIPELINE, active))),
+                                 members.autocaches,
                                  self._name_rank[rows[:, DATASET].astype(np.int64)])
         # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
         return LazySnapshot(now, lazy, MappingProxyType(dviews), self.capacity, columns)
@@ -465,7 +461,8 @@ class Simulator:
         if members is None:
             names = tuple(map(_DATASET_NAME, active))
             members = self._members = _Members(tuple(active), np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active)),
-                                               tuple(map(_JOB_ID, active)), names, list(set(names)))
+                                               tuple(map(_JOB_ID, active)), names, list(set(names)),
+                                               self._autocaching and any(p is not None and p.autocaches for p in map(_PIPELINE, active)))
         return members
 
     def _time_shared(self, slots: np.ndarray) -> bool:

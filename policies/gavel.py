@@ -325,49 +325,17 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
     At every level all still-unfrozen jobs grow at the same ratio until a resource binds; then
     the jobs that need that resource freeze (GPUs: all; remote IO: jobs with misses; their own
     gang, x_j = 1: that job). A fully cached job keeps growing on GPUs alone, which plain max-min
-    would leave idle. Each level freezes at least one job, so there are at most n levels.
+    would leave idle. Each level freezes at least one job, so there are at most n levels (run
+    compiled: gavel_kernel.water_fill_levels).
     """
-    ref, f, g = sol.reference, p.gpu_ideal, p.gpus
+    ref = sol.reference
     target = sol.ratio * ref
     if p.n == 0 or sol.ratio <= 0:
         return target
     miss = job_miss_ratio(p, sol.cache) if p.manages_storage else np.zeros(p.n)
     per_core = p.cpu_per_throughput()
-    cpu = bool(per_core.any())  # without CPU stages its sums are exactly 0 (targets are finite)
-    tol = 1e-9
-    frozen = ref <= 0
-    # What does not change between levels, per job; each level's sums take the growing jobs'
-    # entries of these, the same numbers in the same order as computing them on the subset.
-    top = f * (1 - tol)
-    gpu_per_ref = g * ref / f
-    io_per_ref = ref * miss
-    cpu_per_ref = ref * per_core
-    misses, cpu_bound = miss > 0, per_core > 0
-    for _ in range(p.n + 2):
-        # ndarray.sum/min: the same reductions as np.sum/np.min without their Python wrappers.
-        gpu_left = p.total_gpus - float((g * target / f).sum())
-        io_left = p.total_io - float((target * miss).sum()) if p.manages_storage else np.inf
-        cpu_left = p.total_cpus - (float((target * per_core).sum()) if cpu else 0.0)
-        frozen |= target >= top
-        if gpu_left <= tol * p.total_gpus:
-            break
-        if io_left <= tol * max(p.total_io, 1.0):
-            frozen |= misses
-        if cpu_left <= tol * max(p.total_cpus, 1.0):
-            frozen |= cpu_bound
-        grow = (~frozen).nonzero()[0]  # (positions: each job's entries gathered once a level)
-        if not grow.size:
-            break
-        f_g, t_g, r_g = f[grow], target[grow], ref[grow]
-        bounds = [float(((f_g - t_g) / r_g).min()), gpu_left / float(gpu_per_ref[grow].sum())]
-        io_rate = float(io_per_ref[grow].sum())
-        if io_rate > 0:
-            bounds.append(io_left / io_rate)
-        cpu_rate = float(cpu_per_ref[grow].sum()) if cpu else 0.0
-        if cpu_rate > 0 and np.isfinite(cpu_left):
-            bounds.append(cpu_left / cpu_rate)
-        step = max(min(bounds), 0.0)
-        target[grow] = np.minimum(t_g + step * r_g, f_g)
+    _kernels().water_fill_levels(target, ref, p.gpu_ideal, p.gpus.astype(float, copy=False), miss, per_core, float(p.total_gpus),
+                                 float(p.total_io), float(p.total_cpus), p.manages_storage, bool(per_core.any()))
     return target
 
 
@@ -377,84 +345,24 @@ def spread_gpu_time(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> n
     When IO binds, max-min leaves GPU time idle. A job's throughput target and time-averaged IO
     stay the same, but a longer share lowers the IO it needs while running (B_j / x_j): jobs
     read steadily instead of in bursts that, run together, would ask the link for more than it
-    has. If every gang fits at once, every job gets share 1.
+    has. If every gang fits at once, every job gets share 1. The factor is the bisection's
+    (gavel_kernel.common_factor, compiled).
     """
     active = share > 0
     if not active.any():
         return share
     if float(np.sum(gpus[active])) <= total_gpus:
         return np.where(active, 1.0, 0.0)
-    return np.minimum(share * _common_factor(share, gpus, total_gpus, active), 1.0)
+    factor = _kernels().common_factor(share.astype(float, copy=False), gpus.astype(float, copy=False), float(total_gpus))
+    return np.minimum(share * factor, 1.0)
 
 
-#: Steps of the bisection on the common factor (its result defines spread_gpu_time's).
-BISECTION_STEPS = 60
+def _kernels():
+    """policies.gavel_kernel, imported on first use: numba loads only in processes that run
+    Gavel (the service's API workers import this module but never allocate)."""
+    from policies import gavel_kernel
 
-
-#: Relative distance from the root of the GPU use beyond which a midpoint is taken to fit or
-#: not by the root alone (every such step is checked). 1e-10, 1e-12, 1e-13 and 1e-14 all
-#: matched the bisection on a Gavel run's 3,282 decisions; 1e-13 took the fewest real sums.
-ROOT_MARGIN = 1e-13
-
-
-def _common_factor(share: np.ndarray, gpus: np.ndarray, total_gpus: float, active: np.ndarray) -> float:
-    """The bisection's factor: the largest of BISECTION_STEPS midpoints between 1 and
-    1 / (least share) at which sum(gpus x min(share x c, 1)) <= total_gpus, as computed in floats.
-
-    The bisection is walked with the root of the piecewise-linear GPU use (one sort) deciding
-    the midpoints farther than ROOT_MARGIN from it, and the real sum deciding the rest (about
-    10 of the 60: the last steps fall within rounding of the root, where only the float sum
-    says which way the bisection went). The float sum is monotone in c (every rounding is), so
-    if the largest midpoint the root kept fits and the smallest it dropped does not, every step
-    the root decided went the way the bisection's own test would have sent it, and the result is
-    the same bit for bit; otherwise the bisection runs itself. 60 sums per Gavel decision were
-    3.4% of a Fig. 12 run; checking only the two ends of a walk by the root failed on 87% of a
-    Gavel run's decisions, whose ends sit within rounding of the root (290 -> 105 us a decision
-    at 516 jobs)."""
-
-    def fits(c: float) -> bool:
-        return float((gpus * np.minimum(share * c, 1.0)).sum()) <= total_gpus
-
-    lo, hi = 1.0, 1.0 / float(share[active].min())
-    top = hi
-    root = _gpu_use_root(share[active], gpus[active], total_gpus)
-    margin = ROOT_MARGIN * abs(root)
-    kept = dropped = None  # the largest midpoint the root kept, the smallest it dropped
-    for _ in range(BISECTION_STEPS):
-        mid = 0.5 * (lo + hi)
-        if abs(mid - root) > margin:
-            if mid <= root:
-                lo = kept = mid
-            else:
-                hi = dropped = mid
-        elif fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    if (kept is None or fits(kept)) and (dropped is None or not fits(dropped)):
-        return lo
-    lo, hi = 1.0, top
-    for _ in range(BISECTION_STEPS):
-        mid = 0.5 * (lo + hi)
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _gpu_use_root(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> float:
-    """c where sum(gpus x min(share x c, 1)) = total_gpus (shares > 0, sum(gpus) > total_gpus):
-    between two jobs' caps (c = 1 / share) the use is linear in c."""
-    order = np.argsort(1.0 / share, kind="stable")
-    caps, g, s = 1.0 / share[order], gpus[order], share[order]
-    capped_before = np.concatenate(([0.0], np.cumsum(g)[:-1]))  # GPUs of the jobs capped before each cap
-    slope_from = np.cumsum((g * s)[::-1])[::-1]  # sum of gpus x share over the jobs not capped yet
-    use_at_cap = capped_before + caps * slope_from
-    k = int(np.searchsorted(use_at_cap, total_gpus, side="right"))  # caps reached below the root
-    if k >= len(caps):
-        return float(caps[-1])
-    return float((total_gpus - capped_before[k]) / slope_from[k])
+    return gavel_kernel
 
 
 class GavelPolicy(Policy):

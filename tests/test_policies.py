@@ -566,69 +566,6 @@ def test_spread_gpu_time_fills_gpus_with_one_common_factor():
     np.testing.assert_allclose(spread_gpu_time(np.array([0.2, 0.0, 0.5]), np.array([1.0, 1.0, 2.0]), 4.0), [1.0, 0.0, 1.0])
 
 
-def _bisection_spread(share, gpus, total_gpus):
-    """spread_gpu_time's definition: 60 bisection steps, each summing the GPU use."""
-    active = share > 0
-    lo, hi = 1.0, 1.0 / float(share[active].min())
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if float(np.sum(gpus * np.minimum(share * mid, 1.0))) <= total_gpus:
-            lo = mid
-        else:
-            hi = mid
-    return np.minimum(share * lo, 1.0)
-
-
-def test_spread_gpu_time_is_the_bisection_bit_for_bit():
-    """It walks the bisection by the root of the GPU use away from the root and by the real sum
-    near it, and checks the root's outermost decisions: the result must be the bisection's to
-    the last bit, also with equal shares, ties at 1, gangs of many sizes and a root on a cap."""
-    from policies.gavel import spread_gpu_time
-
-    rng = np.random.default_rng(7)
-    checked = 0
-    for _ in range(3000):
-        n = int(rng.integers(1, 300))
-        share = rng.random(n) ** int(rng.integers(1, 6))
-        share[rng.random(n) < 0.2] = 0.0
-        if rng.random() < 0.3:
-            share = np.round(share, 2)  # many equal shares: caps coincide
-        if rng.random() < 0.1:
-            share[rng.random(n) < 0.5] = 1.0
-        gpus = rng.choice([1.0, 2.0, 4.0, 8.0, 16.0], n)
-        total = float(rng.integers(1, max(2, int(gpus.sum()))))
-        if not (share > 0).any() or float(np.sum(gpus[share > 0])) <= total:
-            continue
-        assert np.array_equal(spread_gpu_time(share, gpus, total), _bisection_spread(share, gpus, total))
-        checked += 1
-    # A root exactly on a cap: shares 0.5 and 0.25 of 1-GPU gangs, 1.5 GPUs: at c = 2 the first
-    # caps and the use is 1 + 0.5 = 1.5.
-    share, gpus = np.array([0.5, 0.25]), np.array([1.0, 1.0])
-    assert np.array_equal(spread_gpu_time(share, gpus, 1.5), _bisection_spread(share, gpus, 1.5))
-    assert checked > 1000
-    # An end that moved onto the start's value in floats is checked too (found by an outside
-    # review: one ulp below the bisection's when the drop moved hi onto 1 / least share).
-    share, gpus = np.array([0.5019083405080652, 0.16620589396668428]), np.array([1.0, 3.0])
-    assert np.array_equal(spread_gpu_time(share, gpus, 3.9999999999999996), _bisection_spread(share, gpus, 3.9999999999999996))
-
-
-@pytest.mark.parametrize("off", [0.97, 1.03, 1 + 1e-12, 1 - 1e-12])
-def test_spread_gpu_time_catches_a_root_that_sent_a_step_the_wrong_way(monkeypatch, off):
-    """A root off by more than the margin decides some midpoints wrongly; the check of the
-    outermost ones catches it and the bisection runs itself (same result, bit for bit)."""
-    from policies import gavel
-
-    real_root = gavel._gpu_use_root
-    monkeypatch.setattr(gavel, "_gpu_use_root", lambda *a: real_root(*a) * off)
-    rng = np.random.default_rng(3)
-    for _ in range(200):
-        n = int(rng.integers(2, 400))
-        share = rng.random(n) ** 2
-        gpus = rng.choice([1.0, 2.0, 4.0, 8.0], n)
-        total = float(rng.integers(1, int(gpus.sum())))
-        assert np.array_equal(gavel.spread_gpu_time(share, gpus, total), _bisection_spread(share, gpus, total))
-
-
 def test_job_view_builds_the_same_view_as_the_constructor():
     """The simulator's positional builder sets every field JobView(...) does, in its order."""
     from estimator.access import AccessPattern

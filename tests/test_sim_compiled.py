@@ -395,7 +395,7 @@ def test_the_kernels_min_and_max_are_numpys():
     of two equal values (0.0 and -0.0) the second is taken."""
     from itertools import product
 
-    from scheduler.sim.compiled import np_max, np_min
+    from policies.compiled import np_max, np_min
 
     values = [0.0, -0.0, 1.0, -1.0, np.nan, np.inf, -np.inf]
     for a, b in product(values, values):
@@ -404,19 +404,23 @@ def test_the_kernels_min_and_max_are_numpys():
             assert (np.isnan(got) and np.isnan(want)) or (got == want and np.signbit(got) == np.signbit(want)), (mine, a, b)
 
 
-def test_kernels_are_cached_per_version_of_the_simulators_sources(tmp_path, monkeypatch):
-    """numba checks only a kernel's own file; the cache directory follows every simulator source
-    (a helper or constant inlined from another module), under NUMBA_CACHE_DIR if set."""
-    from scheduler.sim import compiled
+def test_kernels_are_cached_per_version_of_their_sources(tmp_path, monkeypatch):
+    """numba checks only a kernel's own file; the cache directory follows every source of the
+    packages that hold kernels (a helper or constant inlined from another module: the
+    simulator's and Gavel's), under NUMBA_CACHE_DIR if set."""
+    from policies import compiled
 
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     here = compiled._cache_dir()
     assert here is not None and Path(here).parent == tmp_path
-    sources = sorted(Path(compiled.__file__).parent.glob("*.py"))
+    sources = {p.parent.name + "/" + p.name for p in compiled.kernel_sources()}
+    assert {"sim/position.py", "sim/lru_kernel.py", "policies/gavel_kernel.py", "policies/compiled.py"} <= sources
     real = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda p: real(p) + (b"# edited" if p.name == "position.py" else b""))
-    assert compiled._cache_dir() != here  # one constant module edited: another directory
-    assert any(p.name == "position.py" for p in sources)
+    for edited in ("position.py", "gavel_kernel.py"):
+        monkeypatch.setattr(Path, "read_bytes", lambda p, edited=edited: real(p) + (b"# edited" if p.name == edited else b""))
+        assert compiled._cache_dir() != here  # one module edited: another directory
+    monkeypatch.setattr(Path, "read_bytes", real)
+    assert compiled._cache_dir() == here
     monkeypatch.delenv("NUMBA_CACHE_DIR")
     monkeypatch.setenv("HOME", "~")  # no home to resolve: numba's own default (next to the modules)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

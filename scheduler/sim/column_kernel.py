@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from scheduler.sim.compiled import kernel, np_max, np_min
+from policies.compiled import kernel, np_max, np_min
 from scheduler.sim.reader_rows import MOVED
 from scheduler.sim.position import (BOUND, CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED,
                                     TAIL_MISS)

@@ -17,7 +17,7 @@ import numpy as np
 
 from estimator.measured import FStarEstimate, observe
 from estimator.pipeline import RESOURCES
-from scheduler.sim.compiled import kernel, np_max, np_min
+from policies.compiled import kernel, np_max, np_min
 from scheduler.sim.reader import SimJob
 
 

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from policies.storage import max_min_share
-from scheduler.sim.compiled import kernel, np_min
+from policies.compiled import kernel, np_min
 
 F = numba.float64[:]
 

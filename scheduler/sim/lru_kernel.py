@@ -20,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from scheduler.sim.compiled import kernel
+from policies.compiled import kernel
 from scheduler.sim.position import CONSUMED, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, POS, REMOTE, SYNCED, TAIL_MISS
 from scheduler.sim.reader_rows import MOVED, UNREAD
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from scheduler.sim.compiled import kernel
+from policies.compiled import kernel
 from scheduler.sim.reader_rows import MOVED, UNREAD
 
 #: A reader's domain code where it has no slot: no domain (its look-ups only mark chunks read),

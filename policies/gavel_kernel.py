@@ -1,0 +1,142 @@
+"""Gavel's two iterative loops compiled (numba): the water-filling levels and the bisection that
+spreads GPU time. Each does what its numpy form in gavel.py's history did, float for float: the
+same elementwise operations, numpy's summation order (compiled.pairwise_sum) and numpy's min
+semantics, so every allocation is bit-identical to it (tests/test_gavel_kernel.py holds the
+numpy forms and compares them on random and recorded problems). At ~10 levels and 60 bisection
+steps a decision, each a few numpy calls over ~300 jobs, the numpy forms were a fifth of a Gavel
+simulation.
+
+gavel.py imports this module on first use, so a process that never runs Gavel (the service's
+API workers) does not load numba.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.compiled import kernel, np_min, pairwise_sum
+
+#: Steps of the bisection on the common factor (its result defines spread_gpu_time's).
+BISECTION_STEPS = 60
+
+#: Relative tolerance of the water-filling levels: a job at (1 - TOL) of its GPU-limited
+#: throughput is at its cap; a resource with at most TOL of it left is used up.
+TOL = 1e-9
+
+
+@kernel()
+def water_fill_levels(target: np.ndarray, ref: np.ndarray, f: np.ndarray, g: np.ndarray, miss: np.ndarray, per_core: np.ndarray,
+                      total_gpus: float, total_io: float, total_cpus: float, storage: bool, cpu: bool) -> None:
+    """Raise `target` (in place, from t* ref) level by level as gavel.water_fill describes:
+    all unfrozen jobs grow at the same ratio of their reference `ref` until a resource binds
+    (GPUs: stop; remote IO: jobs with misses freeze; cores: CPU-bound jobs freeze) or a job
+    reaches its GPU-limited throughput `f` (it freezes). `storage`: IO is a resource; `cpu`: some
+    job is CPU-bound (without, the CPU sums are exactly 0 and skipped)."""
+    n = ref.size
+    frozen = np.empty(n, dtype=np.bool_)
+    top = np.empty(n)  # a job's cap, within TOL
+    gpu_per_ref = np.empty(n)  # GPUs, IO and cores per unit of the ratio, per job
+    io_per_ref = np.empty(n)
+    cpu_per_ref = np.empty(n)
+    for j in range(n):
+        frozen[j] = ref[j] <= 0
+        top[j] = f[j] * (1 - TOL)
+        gpu_per_ref[j] = g[j] * ref[j] / f[j]
+        io_per_ref[j] = ref[j] * miss[j]
+        cpu_per_ref[j] = ref[j] * per_core[j]
+    terms = np.empty(n)  # one sum's terms
+    grow = np.empty(n, dtype=np.int64)
+    for _ in range(n + 2):  # each level freezes a job or ends
+        for j in range(n):
+            terms[j] = g[j] * target[j] / f[j]
+        gpu_left = total_gpus - pairwise_sum(terms, n)
+        io_left = np.inf
+        if storage:
+            for j in range(n):
+                terms[j] = target[j] * miss[j]
+            io_left = total_io - pairwise_sum(terms, n)
+        cpu_used = 0.0
+        if cpu:
+            for j in range(n):
+                terms[j] = target[j] * per_core[j]
+            cpu_used = pairwise_sum(terms, n)
+        cpu_left = total_cpus - cpu_used
+        for j in range(n):
+            if target[j] >= top[j]:
+                frozen[j] = True
+        if gpu_left <= TOL * total_gpus:
+            break
+        if io_left <= TOL * max(total_io, 1.0):
+            for j in range(n):
+                if miss[j] > 0:
+                    frozen[j] = True
+        if cpu_left <= TOL * max(total_cpus, 1.0):
+            for j in range(n):
+                if per_core[j] > 0:
+                    frozen[j] = True
+        m = 0
+        for j in range(n):
+            if not frozen[j]:
+                grow[m] = j
+                m += 1
+        if m == 0:
+            break
+        # The step: the least of the growing jobs' room to their caps (numpy's min: a NaN
+        # wins), the GPUs, IO and cores left over the growing jobs' use per unit; Python's
+        # min over those bounds in that order (a later bound replaces only a smaller one).
+        step = (f[grow[0]] - target[grow[0]]) / ref[grow[0]]
+        for k in range(1, m):
+            if step != step:
+                break
+            j = grow[k]
+            room = (f[j] - target[j]) / ref[j]
+            if room != room or room < step:
+                step = room
+        for k in range(m):
+            terms[k] = gpu_per_ref[grow[k]]
+        bound = gpu_left / pairwise_sum(terms, m)
+        if bound < step:
+            step = bound
+        for k in range(m):
+            terms[k] = io_per_ref[grow[k]]
+        io_rate = pairwise_sum(terms, m)
+        if io_rate > 0:
+            bound = io_left / io_rate
+            if bound < step:
+                step = bound
+        if cpu:
+            for k in range(m):
+                terms[k] = cpu_per_ref[grow[k]]
+            cpu_rate = pairwise_sum(terms, m)
+            if cpu_rate > 0 and np.isfinite(cpu_left):
+                bound = cpu_left / cpu_rate
+                if bound < step:
+                    step = bound
+        if 0.0 > step:  # max(step, 0.0)
+            step = 0.0
+        for k in range(m):
+            j = grow[k]
+            target[j] = np_min(target[j] + step * ref[j], f[j])
+
+
+@kernel()
+def common_factor(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> float:
+    """The largest of BISECTION_STEPS midpoints between 1 and 1 / (least positive share) at
+    which sum(gpus x min(share x c, 1)) <= total_gpus, the sum as numpy computes it (the
+    bisection spread_gpu_time is defined by)."""
+    n = share.size
+    least = np.inf
+    for j in range(n):
+        if share[j] > 0 and share[j] < least:
+            least = share[j]
+    lo, hi = 1.0, 1.0 / least
+    use = np.empty(n)
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        for j in range(n):
+            use[j] = gpus[j] * np_min(share[j] * mid, 1.0)
+        if pairwise_sum(use, n) <= total_gpus:
+            lo = mid
+        else:
+            hi = mid
+    return lo

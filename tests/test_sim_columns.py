@@ -349,13 +349,13 @@ def test_every_readers_count_is_its_cached_unread_chunks(system, monkeypatch):
     trace = generate_trace(40, seed=3)
     sim = Simulator(trace, ClusterCapacity(8, 200 * GB, 2 * GB), get_policy("gavel"), estimator_for(system), system,
                     SimConfig(resolution=64, round_s=360.0))
-    stopped = type(sim.cache).job_stopped
+    stopped = type(sim.cache).jobs_stopped
 
-    def job_stopped(cache, job):
-        stopped(cache, job)
+    def jobs_stopped(cache, jobs):
+        stopped(cache, jobs)
         check(sim)
 
-    monkeypatch.setattr(type(sim.cache), "job_stopped", job_stopped)
+    monkeypatch.setattr(type(sim.cache), "jobs_stopped", jobs_stopped)
     real_step_state = engine_mod.Simulator._step_state
 
     def step_state(self, running, prev=None):

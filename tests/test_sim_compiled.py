@@ -207,9 +207,7 @@ def _plan(cache, jobs, datasets, rng) -> None:
     coordl some jobs paused and others resumed."""
     if cache.name == "coordl":
         running = [j for j in jobs if rng.random() < 0.7]
-        for job in jobs:
-            if job not in running:
-                cache.job_stopped(job)
+        cache.jobs_stopped([j for j in jobs if j not in running])
         cache.apply_plan(None, running, datasets)
         return
     alloc = {n: float(rng.choice([0.0, 0.3, 0.6, 1.0])) * d.size for n, d in datasets.items()}

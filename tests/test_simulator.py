@@ -226,7 +226,7 @@ def test_quiver_profile_is_kept_until_reprofiled_and_noise_defaults_to_zero():
     first = cache._profile("ds", 0.0)
     assert first != 1.0
     assert cache._profile("ds", 3600.0) == first  # a pause or a new round does not re-measure
-    cache.job_stopped(object())
+    cache.jobs_stopped([object()])
     assert cache._profile("ds", 12 * 3600.0 - 1) == first
     assert cache._profile("ds", 12 * 3600.0) != first  # re-profiled after 12 h
     with pytest.raises(Exception, match="--profile-noise"):

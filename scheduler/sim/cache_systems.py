@@ -365,8 +365,8 @@ class SimCacheSystem(ABC):
         """evicting of every job in `jobs` (bool column; `crows` as for visible_and_room)."""
         return np.fromiter((self.evicting(j) for j in jobs), dtype=bool, count=len(jobs))
 
-    def job_stopped(self, job: CacheReader) -> None:
-        """`job` finished or was descheduled."""
+    def jobs_stopped(self, jobs: Sequence[CacheReader]) -> None:
+        """`jobs` finished or were descheduled (one call a round: a Gavel round pauses ~60)."""
 
     def volatile_bytes(self) -> list[tuple[float, Sequence[CacheReader] | None]]:
         """Bytes whose cached state moves under the readers as others read: each LRU that
@@ -770,34 +770,54 @@ class CoorDLCache(DomainCache):
 
     def apply_plan(self, cache_alloc, running, datasets, now=0.0, lru_datasets=frozenset()):
         per_gpu = self.capacity / self.total_gpus
-        domains = self.domains
+        domains, parked = self.domains, self._parked
+        resumed, slots = [], []
         # (the jobs without a domain, found at C level: most running jobs keep theirs every round)
         for job in [j for j, held in zip(running, map(domains.__contains__, map(_JOB_ID, running))) if not held]:
             key = job.job_id
-            dom = self._parked.pop(key, None)
+            dom = parked.pop(key, None)
             if dom is None:
                 dom = self.pool.domain(job.dataset)
+                self._set_domain(key, dom)
+                dom.set_limit(per_gpu * job.gpus, self.rng)
             else:
+                # Emptied, as a new domain would be; its limit is the one it was made with (the
+                # job's GPUs' share never changes). It was parked because the job is registered,
+                # so the job is its only reader: _set_domain's work, on columns below.
                 dom.cached[:] = False
                 dom.count = 0
-            self._set_domain(key, dom)
-            dom.set_limit(per_gpu * job.gpus, self.rng)
+                domains[key] = dom
+                resumed.append(job.crow)
+                slots.append(dom.slot)
+        if resumed:
+            self._groups.code[resumed] = slots
 
-    def job_stopped(self, job):
-        key = job.job_id
-        registered = key in self.readers
-        dom = self._drop_domain(key, release=not registered)
-        if registered and dom is not None:
-            self._parked[key] = dom
-        if dom is not None and dom.count:
-            # _changed(key, cached chunks, -1) for its only reader (none once it finished): what
-            # leaves is every cached chunk it has not read, which its count of cached unread
-            # chunks is (nobody else reads a private cache), so no pass over the chunks is needed
-            # (a job pauses at nearly every Gavel round: 390,000 times in a Fig. 12 run).
-            for reader in self.readers.get(job.job_id, ()):
-                moved = reader.unread_cached
-                reader.unread_cached = 0
-                reader.moved += moved
+    def jobs_stopped(self, jobs):
+        # A registered job's domain is parked for its resume (the job is its only reader); a
+        # finished one's slot goes back to the pool. What leaves a paused job's view is every
+        # cached chunk it has not read, which its count of cached unread chunks is (nobody else
+        # reads a private cache): _changed's result without a pass over the chunks (a job pauses
+        # at nearly every Gavel round: 390,000 times in a Fig. 12 run).
+        domains, parked, readers = self.domains, self._parked, self.readers
+        paused, emptied = [], []
+        for job in jobs:
+            key = job.job_id
+            dom = domains.pop(key, None)
+            if dom is None:
+                continue
+            if key in readers:
+                parked[key] = dom
+                paused.append(job.crow)
+                if dom.count:
+                    emptied.append(job.crow)
+            elif type(dom) is UniformDomain:
+                self.pool.release(dom)
+        if paused:
+            self._groups.code[paused] = NO_DOMAIN
+        if emptied:
+            counts = self.rows.counts
+            counts[emptied, MOVED] += counts[emptied, UNREAD]
+            counts[emptied, UNREAD] = 0
 
     def cached_mask(self, job):
         dom = self.domains.get(job.job_id)

@@ -672,10 +672,10 @@ class Simulator:
                 by_id = self._by_id
                 chosen = [by_id[i] for i in plan.running]
                 chosen_ids = set(plan.running)
-                for job in [j for j, kept in zip(running, map(chosen_ids.__contains__, map(_JOB_ID, running))) if not kept]:
-                    if job.job_id in by_id:
-                        job.running = False
-                        self.cache.job_stopped(job)
+                stopped = [j for j, kept in zip(running, map(chosen_ids.__contains__, map(_JOB_ID, running))) if not kept and j.job_id in by_id]
+                for job in stopped:
+                    job.running = False
+                self.cache.jobs_stopped(stopped)
                 for job in chosen:
                     if job.running and plan.cpu is None:
                         continue  # still running, started, on unlimited cores: nothing to change
@@ -787,7 +787,7 @@ class Simulator:
                 running.remove(job)
                 job.running = False
                 self.cache.unregister(job)
-                self.cache.job_stopped(job)
+                self.cache.jobs_stopped((job,))
                 self.core.forget(job.job_id)
                 self._table.remove(job)
                 records.append(

@@ -1,8 +1,9 @@
 """How the project's kernels are compiled (numba): `kernel(signature)` for the ones Python
-calls, `kernel()` for the helpers they call. The simulator's (scheduler/sim/*_kernel.py) and
-Gavel's (policies/gavel_kernel.py) use it; so do the helpers every kernel shares: numpy's min and
-max on floats, and numpy's summation order (`pairwise_sum`), which keeps a compiled sum
-bit-identical to the numpy one it replaces.
+calls, `kernel()` for the helpers they call. The simulator's (scheduler/sim/*_kernel.py),
+Gavel's (policies/gavel_kernel.py) and the round planner's (scheduler/core/planner_kernel.py)
+use it, and the helpers every kernel shares are here: numpy's min and max on floats, and
+numpy's summation order (`pairwise_sum`), which keeps a compiled sum bit-identical to the numpy
+one it replaces.
 
 A kernel is compiled once and kept in numba's cache, so later processes load it in milliseconds.
 numba decides whether a cached kernel is still valid by its own source file only, but the kernels
@@ -28,9 +29,9 @@ import numpy as np
 
 
 _ROOT = Path(__file__).resolve().parent.parent
-#: The packages whose modules hold kernels or what kernels inline (by path: the simulator's
-#: package is a layer above this one and is not imported here).
-KERNEL_PACKAGES = ("policies", "scheduler/sim")
+#: The packages whose modules hold kernels or what kernels inline (by path: the scheduler's
+#: packages are layers above this one and are not imported here).
+KERNEL_PACKAGES = ("policies", "scheduler/core", "scheduler/sim")
 
 
 def kernel_sources() -> list[Path]:

@@ -270,6 +270,25 @@ def test_core_plans_gavel_rounds_within_capacity():
     assert all(core.planner.received.get(j.job_id, 0.0) > 0 for j in jobs)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_compiled_choice_keeps_the_tie_order_among_many_equal_lags(seed):
+    """Among many candidates of equal lag (none has run: infinite priority; or the same
+    fraction), the columns' choice keeps the order below the lag (share, age, id), as the tuple
+    sort does: a sort that is not stable would reorder them (numba's quicksort is stable only
+    below 16 elements)."""
+    rng = np.random.default_rng(seed)
+    jobs = [job(f"j{i:03d}", gpus=int(rng.choice([1, 2, 4])), submit=float(rng.integers(0, 5))) for i in range(120)]
+    s_bare = snap(jobs, gpus=64, sizes={"d": 1000.0})
+    s_cols = replace(s_bare, columns=JobColumns.of(s_bare.jobs))
+    columns, reference = RoundPlanner(), RoundPlanner()
+    alloc = Allocation({j.job_id: float(rng.choice([0.25, 0.5, 1.0])) for j in jobs})
+    for seconds in (0.0, 360.0, 360.0):
+        running = columns.choose(s_cols, alloc)
+        assert running == reference.choose(s_bare, alloc)
+        columns.record(s_cols, running, seconds)
+        reference.record(s_bare, running, seconds)
+
+
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "leave", "forget", "round", "round", "round", "choose", "peek"]),
                               st.integers(0, 1000), st.sampled_from([0.5, 1.0, 7.25, 360.0])), min_size=1, max_size=60))

@@ -172,8 +172,8 @@ class RoundPlanner:
 
     def _choose_columns(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
         """`choose` on the snapshot's columns: the same order (full shares first, then by lag,
-        share, age, id) from one sort instead of a tuple per job. What depends on the
-        allocation alone is kept while it is the same (every round until the next decision)."""
+        share, age, id), compiled (planner_kernel). What depends on the allocation alone (the
+        order below the lag) is kept while it is the same (every round until the next decision)."""
         cols = snapshot.columns
         n = len(cols.ids)
         if n == 0:
@@ -183,35 +183,22 @@ class RoundPlanner:
             gs = allocation.gpu_share
             share = values_for(gs, ledger.ids)
             cand = (share > 0.0).nonzero()[0]
-            ids = list(map(ledger.ids.__getitem__, cand.tolist()))
             # lexsort needs only the ids' order: the backend's ranks among all its jobs do
             submit = cols.submit[cand] if cols.submit is not None else np.fromiter((cols.jobs[i].submit_time for i in cand.tolist()),
                                                                                     dtype=float, count=cand.size)
-            id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks(ids)
-            not_full = share[cand] < 1.0 - 1e-9
-            need = cols.gpus[cand].tolist()
-            # The keys below the lag, (share, age, id), as one rank: the same order in a 3-key sort.
-            tie_rank = np.empty(cand.size, dtype=np.int64)
-            tie_rank[np.lexsort((id_rank, submit, -share[cand]))] = np.arange(cand.size)
-            ledger.allocation, ledger.ranked = allocation, (share, cand, ids, tie_rank, not_full, need, min(need, default=0))
-        share, cand, ids, tie_rank, not_full, need, least = ledger.ranked
-        if cand.size == 0:
+            id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks([ledger.ids[i] for i in cand.tolist()])
+            # The candidates in the order of the keys below the lag (share, age, id), which the
+            # per-round sort keeps among equal lags.
+            tie_order = cand[np.lexsort((id_rank, submit, -share[cand]))]
+            need = cols.gpus[tie_order].astype(float)
+            ledger.allocation = allocation
+            ledger.ranked = (tie_order, share[tie_order], share[tie_order] < 1.0 - 1e-9, need, float(need.min(initial=np.inf)),
+                             list(map(ledger.ids.__getitem__, tie_order.tolist())))
+        tie_order, share, not_full, need, least, ids = ledger.ranked
+        if tie_order.size == 0:
             return ()
-        got, seen = ledger.got, ledger.seen
-        # (Both denominators are positive where used: nothing to silence.)
-        fraction = np.where(seen > 0, got / np.where(seen > 0, seen, 1.0), 0.0)
-        priority = np.where(fraction <= 0, np.inf, share / np.where(fraction <= 0, 1.0, fraction))
-        order = np.lexsort((tie_rank, -priority[cand], not_full))
-        free = snapshot.capacity.gpus
-        chosen: list[str] = []
-        for k in order.tolist():
-            g = need[k]
-            if g <= free:
-                chosen.append(ids[k])
-                free -= g
-                if free < least:
-                    break  # no candidate fits any more
-        return tuple(chosen)
+        taken = _kernel().choose_in_tie_order(ledger.got, ledger.seen, tie_order, share, not_full, need, least, float(snapshot.capacity.gpus))
+        return tuple(map(ids.__getitem__, taken.tolist()))
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
         ledger = self._ledger_for(snapshot)
@@ -240,6 +227,14 @@ class RoundPlanner:
             ledger.got_known[i] = ledger.seen_known[i] = False
         self._received.pop(job_id, None)
         self._active.pop(job_id, None)
+
+
+def _kernel():
+    """scheduler.core.planner_kernel, imported on first use (numba loads only where the column
+    path runs: the simulator)."""
+    from scheduler.core import planner_kernel
+
+    return planner_kernel
 
 
 def io_caps_for_round(allocation: Allocation, running: tuple[str, ...], total_io: float) -> dict[str, float] | None:

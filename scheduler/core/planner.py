@@ -10,7 +10,7 @@ allocation into per-job remote-IO caps for the round. The backend then executes 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 
@@ -42,30 +42,49 @@ class RoundPlan:
 
 
 @dataclass(eq=False)
-class _Ledger:
-    """The planner's seconds for the jobs of one snapshot, as arrays in the snapshot's order:
-    a backend records every step and chooses every round on the same snapshot until its next
-    decision, so the per-job dictionaries are only read and written back for the jobs that
-    enter or leave it (`RoundPlanner._ledger_for`)."""
+class _Seconds:
+    """Each job's seconds as rows of arrays that persist across decisions: a job keeps its row
+    from the first snapshot or round it appears in until it is forgotten, so an arrival or a
+    completion costs one look-up per active job (`RoundPlanner._rows_for`), not a rebuild."""
 
-    snapshot: Snapshot
-    ids: tuple[str, ...]
-    index: dict[str, int]
-    got: np.ndarray  # seconds holding GPUs
-    seen: np.ndarray  # seconds since first seen
-    got_known: np.ndarray  # bool: in the received dictionary (it was, or has run since)
-    seen_known: np.ndarray  # bool: in the active dictionary (it was, or has been recorded since)
-    running: tuple[str, ...] | None = None  # the last recorded running set ...
-    running_at: np.ndarray | None = None  # ... and its positions (ids not in the snapshot: -1)
-    allocation: Allocation | None = None  # the last chosen-on allocation ...
-    ranked: tuple | None = None  # ... and what choose derives from it alone
+    at: dict[str, int] = field(default_factory=dict)  # job id -> its row
+    free: list[int] = field(default_factory=list)  # rows forgotten jobs left (zeroed)
+    got: np.ndarray = field(default_factory=lambda: np.zeros(64))  # seconds holding GPUs
+    seen: np.ndarray = field(default_factory=lambda: np.zeros(64))  # seconds since first seen
+    got_known: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=bool))  # recorded as running
+    seen_known: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=bool))  # recorded as active
 
-    def write_back(self, received: dict[str, float], active: dict[str, float], at: np.ndarray | None = None) -> None:
-        """Into the dictionaries: the known seconds of the jobs at positions `at` (None: all)."""
-        ids = self.ids if at is None else [self.ids[i] for i in at.tolist()]
-        got, seen, got_known, seen_known = ((a if at is None else a[at]) for a in (self.got, self.seen, self.got_known, self.seen_known))
-        received.update((j, x) for j, x, k in zip(ids, got.tolist(), got_known.tolist()) if k)
-        active.update((j, x) for j, x, k in zip(ids, seen.tolist(), seen_known.tolist()) if k)
+    def rows(self, ids: Sequence[str]) -> np.ndarray:
+        """The rows of `ids` (new ones get a zeroed row, unknown until recorded)."""
+        rows = np.fromiter(map(self.at.get, ids, repeat(-1)), dtype=np.int64, count=len(ids))
+        new = (rows < 0).nonzero()[0].tolist()
+        if new:
+            for i in new:
+                rows[i] = self._row_for(ids[i])
+        return rows
+
+    def _row_for(self, job_id: str) -> int:
+        if self.free:
+            row = self.free.pop()
+        else:
+            row = len(self.at)
+            if row >= self.got.size:
+                for name in ("got", "seen", "got_known", "seen_known"):
+                    old = getattr(self, name)
+                    setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
+        self.at[job_id] = row
+        return row
+
+    def forget(self, job_id: str) -> None:
+        row = self.at.pop(job_id, None)
+        if row is not None:
+            self.got[row] = self.seen[row] = 0.0
+            self.got_known[row] = self.seen_known[row] = False
+            self.free.append(row)
+
+    def known(self, values: np.ndarray, known: np.ndarray) -> dict[str, float]:
+        return {job_id: v for (job_id, row), v, k in zip(self.at.items(), values[list(self.at.values())].tolist(),
+                                                        known[list(self.at.values())].tolist()) if k}
 
 
 @dataclass
@@ -77,73 +96,35 @@ class RoundPlanner:
     policy that gives 0/1 shares gets exactly the jobs it chose.
     """
 
-    _received: dict[str, float] = field(default_factory=dict)
-    _active: dict[str, float] = field(default_factory=dict)
-    _ledger: _Ledger | None = None
+    _seconds: _Seconds = field(default_factory=_Seconds)
+    #: (snapshot, its jobs' ids, their rows) of the last snapshot seen; None after a forget
+    _rows: tuple[Snapshot, tuple[str, ...], np.ndarray] | None = None
+    #: (running tuple, its rows) last recorded
+    _running: tuple[tuple[str, ...], np.ndarray] | None = None
+    #: (snapshot, allocation, what the per-round choice derives from them alone), last chosen on
+    _ranked: tuple | None = None
 
     @property
     def received(self) -> dict[str, float]:
-        """Seconds each job has held GPUs."""
-        self._settle()
-        return self._received
+        """Seconds each job has held GPUs (the jobs recorded as running since first seen)."""
+        return self._seconds.known(self._seconds.got, self._seconds.got_known)
 
     @property
     def active(self) -> dict[str, float]:
-        """Seconds since each job was first seen."""
-        self._settle()
-        return self._active
+        """Seconds since each job was first seen (the jobs recorded as active)."""
+        return self._seconds.known(self._seconds.seen, self._seconds.seen_known)
 
-    def _settle(self) -> None:
-        """Write the ledger's seconds back into the dictionaries and drop it."""
-        ledger = self._ledger
-        if ledger is None:
-            return
-        self._ledger = None
-        ledger.write_back(self._received, self._active)
-
-    def _ledger_for(self, snapshot: Snapshot) -> _Ledger:
-        ledger = self._ledger
-        if ledger is not None and ledger.snapshot is snapshot:
-            return ledger
+    def _rows_for(self, snapshot: Snapshot) -> np.ndarray:
+        """The rows of the snapshot's jobs, in its order (kept for the same snapshot, and for
+        one with the same jobs: a re-decision without arrivals or completions)."""
+        last = self._rows
+        if last is not None and last[0] is snapshot:
+            return last[2]
         cols = snapshot.job_columns()
         ids = cols.ids if cols is not None else tuple(j.job_id for j in snapshot.jobs)
-        if ledger is not None and ledger.ids == ids:
-            # The same jobs as at the last decision (a re-decision without arrivals or
-            # completions): the arrays carry over.
-            ledger.snapshot, ledger.running, ledger.running_at, ledger.allocation, ledger.ranked = snapshot, None, None, None, None
-            return ledger
-        n = len(ids)
-        received, active = self._received, self._active
-        index = dict(zip(ids, range(n)))
-        if ledger is None:
-            at = np.full(n, -1, dtype=np.int64)
-        else:
-            # The jobs still here keep their arrays' seconds; those that left are written back
-            # (what writing back every job and reading the dictionaries again would give, without
-            # a pass over them per arrival or completion).
-            at = np.fromiter(map(ledger.index.get, ids, repeat(-1)), dtype=np.int64, count=n)
-            left = np.ones(len(ledger.ids), dtype=bool)
-            left[at[at >= 0]] = False
-            if left.any():
-                ledger.write_back(received, active, left.nonzero()[0])
-        new = (at < 0).nonzero()[0].tolist()
-        here = at >= 0
-        old_at = at[here]
-        got, seen = np.empty(n), np.empty(n)
-        got_known, seen_known = np.empty(n, dtype=bool), np.empty(n, dtype=bool)
-        if ledger is not None:
-            got[here], seen[here] = ledger.got[old_at], ledger.seen[old_at]
-            got_known[here], seen_known[here] = ledger.got_known[old_at], ledger.seen_known[old_at]
-        # A job not in a dictionary counts 0 s; it enters it when recorded (as before the ledger).
-        # (All the jobs are new after `_settle`, which a planner on bare snapshots does each round.)
-        if new:
-            fresh, count = [ids[i] for i in new], len(new)
-            got[new] = np.fromiter(map(received.get, fresh, repeat(0.0)), dtype=float, count=count)
-            seen[new] = np.fromiter(map(active.get, fresh, repeat(0.0)), dtype=float, count=count)
-            got_known[new] = np.fromiter(map(received.__contains__, fresh), dtype=bool, count=count)
-            seen_known[new] = np.fromiter(map(active.__contains__, fresh), dtype=bool, count=count)
-        self._ledger = ledger = _Ledger(snapshot, ids, index, got, seen, got_known, seen_known)
-        return ledger
+        rows = last[2] if last is not None and (last[1] is ids or last[1] == ids) else self._seconds.rows(ids)
+        self._rows = (snapshot, ids, rows)
+        return rows
 
     def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
         if snapshot.job_columns() is not None:
@@ -175,58 +156,47 @@ class RoundPlanner:
         share, age, id), compiled (planner_kernel). What depends on the allocation alone (the
         order below the lag) is kept while it is the same (every round until the next decision)."""
         cols = snapshot.columns
-        n = len(cols.ids)
-        if n == 0:
+        if not cols.ids:
             return ()
-        ledger = self._ledger_for(snapshot)
-        if ledger.allocation is not allocation:
-            gs = allocation.gpu_share
-            share = values_for(gs, ledger.ids)
+        rows = self._rows_for(snapshot)
+        ranked = self._ranked
+        if ranked is None or ranked[0] is not snapshot or ranked[1] is not allocation:
+            share = values_for(allocation.gpu_share, cols.ids)
             cand = (share > 0.0).nonzero()[0]
             # lexsort needs only the ids' order: the backend's ranks among all its jobs do
             submit = cols.submit[cand] if cols.submit is not None else np.fromiter((cols.jobs[i].submit_time for i in cand.tolist()),
                                                                                     dtype=float, count=cand.size)
-            id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks([ledger.ids[i] for i in cand.tolist()])
+            id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks([cols.ids[i] for i in cand.tolist()])
             # The candidates in the order of the keys below the lag (share, age, id), which the
             # per-round sort keeps among equal lags.
             tie_order = cand[np.lexsort((id_rank, submit, -share[cand]))]
             need = cols.gpus[tie_order].astype(float)
-            ledger.allocation = allocation
-            ledger.ranked = (tie_order, share[tie_order], share[tie_order] < 1.0 - 1e-9, need, float(need.min(initial=np.inf)),
-                             list(map(ledger.ids.__getitem__, tie_order.tolist())))
-        tie_order, share, not_full, need, least, ids = ledger.ranked
-        if tie_order.size == 0:
+            self._ranked = ranked = (snapshot, allocation, rows[tie_order], share[tie_order], share[tie_order] < 1.0 - 1e-9, need,
+                                     float(need.min(initial=np.inf)), list(map(cols.ids.__getitem__, tie_order.tolist())))
+        _, _, cand_rows, share, not_full, need, least, ids = ranked
+        if not ids:
             return ()
-        taken = _kernel().choose_in_tie_order(ledger.got, ledger.seen, tie_order, share, not_full, need, least, float(snapshot.capacity.gpus))
+        seconds = self._seconds
+        taken = _kernel().choose_in_tie_order(seconds.got, seconds.seen, cand_rows, share, not_full, need, least,
+                                              float(snapshot.capacity.gpus))
         return tuple(map(ids.__getitem__, taken.tolist()))
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
-        ledger = self._ledger_for(snapshot)
-        ledger.seen_known.fill(True)
-        ledger.seen += seconds
-        if ledger.running is not running:
-            index = ledger.index
-            ledger.running = running
-            ledger.running_at = np.fromiter(map(index.get, running, repeat(-1)), dtype=np.int64, count=len(running))
-        at = ledger.running_at
-        if at.size and at.min() < 0:
-            # Jobs not in the snapshot: straight into the dictionaries.
-            for job_id, i in zip(running, at.tolist()):
-                if i < 0:
-                    self._received[job_id] = self._received.get(job_id, 0.0) + seconds
-            at = at[at >= 0]
-        ledger.got[at] += seconds
-        ledger.got_known[at] = True
+        rows = self._rows_for(snapshot)
+        store = self._seconds
+        store.seen[rows] += seconds
+        store.seen_known[rows] = True
+        last = self._running
+        if last is None or last[0] is not running:
+            # (a job may run that the snapshot does not hold: it gets a row of its own)
+            self._running = last = (running, store.rows(running))
+        store.got[last[1]] += seconds
+        store.got_known[last[1]] = True
 
     def forget(self, job_id: str) -> None:
-        ledger = self._ledger
-        i = None if ledger is None else ledger.index.get(job_id)
-        if i is not None:
-            # As if it had never been seen: 0 s, in neither dictionary until recorded again.
-            ledger.got[i] = ledger.seen[i] = 0.0
-            ledger.got_known[i] = ledger.seen_known[i] = False
-        self._received.pop(job_id, None)
-        self._active.pop(job_id, None)
+        """As if the job had never been seen: 0 s, unknown until recorded again."""
+        self._seconds.forget(job_id)
+        self._rows = self._running = self._ranked = None  # (their rows may be given to new jobs)
 
 
 def _kernel():

@@ -99,7 +99,7 @@ class RoundPlanner:
     _seconds: _Seconds = field(default_factory=_Seconds)
     #: (snapshot, its jobs' ids, their rows) of the last snapshot seen; None after a forget
     _rows: tuple[Snapshot, tuple[str, ...], np.ndarray] | None = None
-    #: (running tuple, its rows) last recorded
+    #: (running tuple, its rows) last chosen or recorded
     _running: tuple[tuple[str, ...], np.ndarray] | None = None
     #: (snapshot, allocation, what the per-round choice derives from them alone), last chosen on
     _ranked: tuple | None = None
@@ -179,7 +179,9 @@ class RoundPlanner:
         seconds = self._seconds
         taken = _kernel().choose_in_tie_order(seconds.got, seconds.seen, cand_rows, share, not_full, need, least,
                                               float(snapshot.capacity.gpus))
-        return tuple(map(ids.__getitem__, taken.tolist()))
+        chosen = tuple(map(ids.__getitem__, taken.tolist()))
+        self._running = (chosen, cand_rows[taken])  # what record will be handed
+        return chosen
 
     def record(self, snapshot: Snapshot, running: tuple[str, ...], seconds: float) -> None:
         rows = self._rows_for(snapshot)

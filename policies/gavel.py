@@ -26,7 +26,7 @@ at most 1), 1/n of the remote IO, and each dataset the equal cache shares of its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
@@ -52,7 +52,8 @@ class GavelProblem:
     total_cache: float
     total_io: float
     manages_storage: bool
-    #: bytes of each dataset in cache now (None: assume allocations are filled, as Eq. 9 does)
+    #: bytes of each dataset in cache now (None: assume allocations are filled, as Eq. 9 does;
+    #: always None without storage, as `reuse` is: neither plays a part in the GPU bounds)
     dataset_cached: np.ndarray | None = None
     #: per job, share of its remaining reads new cache can serve (None: all, as Eq. 5 assumes)
     reuse: np.ndarray | None = None
@@ -85,9 +86,8 @@ class GavelProblem:
         # references): the last one is kept, keyed by the snapshot object itself (immutable).
         global _LAST_PROBLEM
         last = _LAST_PROBLEM
-        if last is not None and last[0] is snapshot:
-            problem = last[1]
-            return problem if problem.manages_storage == manages_storage else replace(problem, manages_storage=manages_storage)
+        if last is not None and last[0] is snapshot and last[1].manages_storage == manages_storage:
+            return last[1]
         problem = cls._build(snapshot, manages_storage)
         _LAST_PROBLEM = (snapshot, problem)
         return problem
@@ -136,13 +136,13 @@ class GavelProblem:
                 if all(j.hit_ratio_now is None for j in snapshot.jobs)
                 else np.array([np.nan if j.hit_ratio_now is None else j.hit_ratio_now for j in snapshot.jobs], dtype=float)
             ),
-            reuse=np.asarray(
+            reuse=None if not manages_storage else np.asarray(
                 can_reuse_new_cache([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs]),
                 dtype=float,
             ).reshape(-1),
             dataset_cached=(
                 None
-                if all(snapshot.datasets[n].cached is None for n in names)
+                if not manages_storage or all(snapshot.datasets[n].cached is None for n in names)
                 else np.array([snapshot.datasets[n].filled(snapshot.datasets[n].size) for n in names], dtype=float)
             ),
         )
@@ -164,7 +164,6 @@ class GavelProblem:
         dataset_index = position[rank]
         views = list(map(snapshot.datasets.__getitem__, names))
         sizes = np.fromiter(map(_SIZE, views), dtype=float, count=len(views))
-        cached = list(map(_CACHED, views))
         return cls(
             job_ids=cols.ids,
             gpus=cols.gpus,
@@ -177,8 +176,8 @@ class GavelProblem:
             total_io=float(snapshot.capacity.remote_io),
             manages_storage=manages_storage,
             hit_now=cols.hit_now,
-            reuse=(cols.remaining > sizes[dataset_index]).astype(float),  # can_reuse_new_cache
-            dataset_cached=_filled(sizes, cached),
+            reuse=(cols.remaining > sizes[dataset_index]).astype(float) if manages_storage else None,  # can_reuse_new_cache
+            dataset_cached=_filled(sizes, list(map(_CACHED, views))) if manages_storage else None,
         )
 
     @property

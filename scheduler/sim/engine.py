@@ -1113,14 +1113,24 @@ class Simulator:
         part = plan.allocation.partition
         lru = part.lru_datasets if part is not None and self.cache.name == "silod" else frozenset()
         cached_irregular = float(sum(v for n, v in cached.items() if n in lru))
+        # Chunks cached and not yet read this epoch by some running reader, per dataset: a lone
+        # epoch reader's count of them is its reader row's (SimJob.unread_cached, which
+        # tests/test_sim_columns.py checks against its masks); readers sharing a dataset count
+        # the union of their masks.
         effective = 0.0
-        by_ds: dict[str, np.ndarray] = {}
+        by_ds: dict[str, list[SimJob]] = {}
         for job in running:
-            mask = self.cache.cached_mask(job) & ~job.read_mask
-            prev = by_ds.get(job.dataset.name)
-            by_ds[job.dataset.name] = mask if prev is None else (prev | mask)
-        for name, mask in by_ds.items():
-            effective += float(np.count_nonzero(mask)) * self.datasets[name].chunk_size
+            by_ds.setdefault(job.dataset.name, []).append(job)
+        counts = self.cache.rows.counts
+        for name, readers in by_ds.items():
+            if len(readers) == 1 and readers[0].pacing is None:
+                unread = int(counts[readers[0].crow, UNREAD])
+            else:
+                mask = self.cache.cached_mask(readers[0]) & ~readers[0].read_mask
+                for job in readers[1:]:
+                    mask |= self.cache.cached_mask(job) & ~job.read_mask
+                unread = np.count_nonzero(mask)
+            effective += float(unread) * self.datasets[name].chunk_size
         allocated = float(sum(plan.cache.values())) if plan.cache is not None else float(sum(cached.values()))
         return TimelineRow(
             time_s=t,

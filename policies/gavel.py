@@ -34,7 +34,6 @@ import numpy as np
 from estimator import can_reuse_new_cache
 from policies.base import Policy
 from policies.estimators import Estimator
-from policies.storage import fill_in_order
 from policies.types import Allocation, Snapshot, name_ranks
 
 
@@ -246,31 +245,9 @@ class GavelSolution:
     avg_io: np.ndarray  # B_j, time-averaged remote IO
     cache: np.ndarray  # c_k
     reference: np.ndarray  # ref_j
-
-
-def job_miss_ratio(p: GavelProblem, cache: np.ndarray) -> np.ndarray:
-    """1 - h_j per job: h_j = c_k/d_k with c_k the filled part of the allocation, and no more
-    than the hit ratio the job measures on the rest of its epoch when that is known. Eq. 9's
-    objective is the fairness ratio now, so the IO a job needs now is what counts."""
-    filled = cache if p.dataset_cached is None else np.minimum(cache, p.dataset_cached)
-    hit = np.minimum(filled[p.dataset_index] / p.dataset_size[p.dataset_index], 1.0)
-    if p.hit_now is not None:
-        hit = np.where(np.isnan(p.hit_now), hit, np.minimum(hit, p.hit_now))
-    return np.maximum(1.0 - hit, 0.0)
-
-
-def allocate_cache(p: GavelProblem, efficiency: np.ndarray) -> np.ndarray:
-    """The knapsack of Eq. 9's cache: by efficiency e_k (exact for the max-min ratio), or, when
-    the cache state and remaining work are known, cached bytes at e_k and the rest at the
-    reuse-weighted rate (see policies.storage.greedy_cache for why)."""
-    if p.reuse is None or p.dataset_cached is None:
-        return fill_in_order(p.dataset_size, efficiency, p.total_cache)
-    n_ds = len(p.dataset_names)
-    ref = equal_share_throughput(p)
-    fresh = np.bincount(p.dataset_index, weights=ref * p.reuse, minlength=n_ds) / p.dataset_size
-    filled = np.minimum(p.dataset_cached, p.dataset_size)
-    granted = fill_in_order(np.concatenate([filled, p.dataset_size - filled]), np.concatenate([efficiency, fresh]), p.total_cache)
-    return granted[:n_ds] + granted[n_ds:]
+    #: 1 - h_j per job now (solve_max_min's, with storage: the filled part of c_k, no more than
+    #: the job's measured hit ratio); None where a solver does not give it (gavel_reference)
+    miss: np.ndarray | None = None
 
 
 def solve_max_min(p: GavelProblem) -> GavelSolution:
@@ -282,12 +259,12 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
     """
     n_ds = len(p.dataset_names)
     if p.n == 0:
-        return GavelSolution(0.0, np.zeros(0), np.zeros(0), np.zeros(n_ds), np.zeros(0))
+        return GavelSolution(0.0, np.zeros(0), np.zeros(0), np.zeros(n_ds), np.zeros(0), np.zeros(0))
     ref = equal_share_throughput(p)
     ref = np.where(p.gpus <= p.total_gpus, ref, 0.0)
     counted = ref > 0
     if not counted.any():
-        return GavelSolution(0.0, np.zeros(p.n), np.zeros(p.n), np.zeros(n_ds), ref)
+        return GavelSolution(0.0, np.zeros(p.n), np.zeros(p.n), np.zeros(n_ds), ref, np.zeros(p.n))
     f = p.gpu_ideal
     bounds = [
         float((f[counted] / ref[counted]).min()),
@@ -296,25 +273,27 @@ def solve_max_min(p: GavelProblem) -> GavelSolution:
     cpu_per_t = float((ref * p.cpu_per_throughput()).sum())
     if np.isfinite(p.total_cpus) and cpu_per_t > 0:
         bounds.append(p.total_cpus / cpu_per_t)
-    cache = np.zeros(n_ds)
+    cache, miss = np.zeros(n_ds), np.zeros(p.n)
     if p.manages_storage:
-        per_ds_ref = np.bincount(p.dataset_index, weights=ref, minlength=n_ds)
-        efficiency = per_ds_ref / p.dataset_size
-        cache = allocate_cache(p, efficiency)
-        # The cache decision does not depend on t; the IO needed now counts a dataset's cache only
-        # as far as it is filled, which keeps it linear in t.
-        miss = job_miss_ratio(p, cache)
-        io_per_unit_t = float((ref * miss).sum())
-        if io_per_unit_t > 1e-12 * float(ref.sum()):
+        # The knapsack of Eq. 9's cache, by efficiency e_k (exact for the max-min ratio), or,
+        # when the cache state and remaining work are known, cached bytes at e_k and the rest at
+        # the reuse-weighted rate (see policies.storage.greedy_cache for why). It does not depend
+        # on t; the IO needed now counts a dataset's cache only as far as it is filled (and a job
+        # no more than the hit ratio it measures on the rest of its epoch: Eq. 9's objective is
+        # the fairness ratio now), which keeps it linear in t. Compiled (gavel_kernel).
+        none = np.zeros(0)
+        by_reuse = p.reuse is not None and p.dataset_cached is not None
+        cache, miss, io_per_unit_t, ref_total = _kernels().cache_and_misses(
+            ref, equal_share_throughput(p), p.dataset_index, p.dataset_size.astype(float, copy=False), float(p.total_cache),
+            p.reuse if by_reuse else none, p.dataset_cached if p.dataset_cached is not None else none,
+            p.hit_now if p.hit_now is not None else none, by_reuse, p.dataset_cached is not None, p.hit_now is not None)
+        if io_per_unit_t > 1e-12 * ref_total:
             bounds.append(p.total_io / io_per_unit_t)
     t = min(bounds)
     target = t * ref
     share = target / f
-    if p.manages_storage:
-        avg_io = target * miss
-    else:
-        avg_io = np.zeros(p.n)
-    return GavelSolution(ratio=t, share=share, avg_io=avg_io, cache=cache, reference=ref)
+    avg_io = target * miss if p.manages_storage else np.zeros(p.n)
+    return GavelSolution(ratio=t, share=share, avg_io=avg_io, cache=cache, reference=ref, miss=miss)
 
 
 def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
@@ -331,7 +310,7 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
     target = sol.ratio * ref
     if p.n == 0 or sol.ratio <= 0:
         return target
-    miss = job_miss_ratio(p, sol.cache) if p.manages_storage else np.zeros(p.n)
+    miss = sol.miss if p.manages_storage else np.zeros(p.n)
     per_core = p.cpu_per_throughput()
     _kernels().water_fill_levels(target, ref, p.gpu_ideal, p.gpus.astype(float, copy=False), miss, per_core, float(p.total_gpus),
                                  float(p.total_io), float(p.total_cpus), p.manages_storage, bool(per_core.any()))
@@ -375,7 +354,7 @@ class GavelPolicy(Policy):
         target = water_fill(problem, sol)
         share = target / problem.gpu_ideal
         if problem.manages_storage:
-            avg_io = target * job_miss_ratio(problem, sol.cache)
+            avg_io = target * sol.miss
         if problem.n:
             share = spread_gpu_time(share, problem.gpus, problem.total_gpus)
         ids = problem.job_ids

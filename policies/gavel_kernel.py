@@ -1,10 +1,10 @@
-"""Gavel's two iterative loops compiled (numba): the water-filling levels and the bisection that
-spreads GPU time. Each does what its numpy form in gavel.py's history did, float for float: the
-same elementwise operations, numpy's summation order (compiled.pairwise_sum) and numpy's min
-semantics, so every allocation is bit-identical to it (tests/test_gavel_kernel.py holds the
-numpy forms and compares them on random and recorded problems). At ~10 levels and 60 bisection
-steps a decision, each a few numpy calls over ~300 jobs, the numpy forms were a fifth of a Gavel
-simulation.
+"""Gavel's loops compiled (numba): the cache knapsack and miss ratios of the max-min solve, the
+water-filling levels and the bisection that spreads GPU time. Each does what its numpy form in
+gavel.py's history did, float for float: the same elementwise operations, numpy's summation
+order (compiled.pairwise_sum), numpy's min, max and clip semantics and a stable sort, so every
+allocation is bit-identical to it (tests/test_gavel_kernel.py holds the numpy forms and compares
+them on random problems). At ~10 levels and 60 bisection steps a decision, each a few numpy
+calls over ~300 jobs and datasets, the numpy forms were a fifth of a Gavel simulation.
 
 gavel.py imports this module on first use, so a process that never runs Gavel (the service's
 API workers) does not load numba.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.compiled import kernel, np_min, pairwise_sum
+from policies.compiled import kernel, np_max, np_min, pairwise_sum
 
 #: Steps of the bisection on the common factor (its result defines spread_gpu_time's).
 BISECTION_STEPS = 60
@@ -140,3 +140,63 @@ def common_factor(share: np.ndarray, gpus: np.ndarray, total_gpus: float) -> flo
         else:
             hi = mid
     return lo
+
+
+@kernel()
+def knapsack_fill(sizes: np.ndarray, efficiency: np.ndarray, capacity: float) -> np.ndarray:
+    """policies.storage.fill_in_order compiled: `capacity` to the items in descending
+    efficiency (a stable sort: ties in index order), each up to its size; the running total
+    summed in order, as np.cumsum does, and each grant clipped as ndarray.clip does."""
+    order = np.argsort(-efficiency, kind="mergesort")
+    granted = np.empty(sizes.size)
+    before = 0.0
+    for i in order:
+        granted[i] = np_min(np_max(capacity - before, 0.0), sizes[i])
+        before += sizes[i]
+    return granted
+
+
+@kernel()
+def cache_and_misses(ref: np.ndarray, ref_eq: np.ndarray, dataset_index: np.ndarray, dataset_size: np.ndarray, total_cache: float,
+                     reuse: np.ndarray, dataset_cached: np.ndarray, hit_now: np.ndarray, by_reuse: bool, has_cached: bool,
+                     has_hit: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """The storage half of gavel.solve_max_min: Eq. 9's cache knapsack, each job's miss ratio
+    now, and the IO bound's terms. Returns (cache per dataset, miss per job, sum of ref x miss,
+    sum of ref).
+
+    The knapsack takes the datasets by efficiency e_k = (sum of their readers' ref) / d_k, the
+    exact order for the max-min ratio. `by_reuse` (the cache state and remaining work known):
+    the bytes cached now at e_k and the rest at the reuse-weighted rate (sum of ref_eq x reuse
+    over the readers / d_k; see policies.storage.greedy_cache for why). A job's hit ratio is
+    its dataset's filled cache over its size (`has_cached`: only what is cached counts), no more
+    than the hit ratio it measures on the rest of its epoch (`hit_now`, NaN where unknown)."""
+    n, n_ds = ref.size, dataset_size.size
+    per_ds = np.zeros(n_ds)  # np.bincount with weights: summed in job order
+    for j in range(n):
+        per_ds[dataset_index[j]] += ref[j]
+    efficiency = per_ds / dataset_size
+    if by_reuse:
+        fresh = np.zeros(n_ds)
+        for j in range(n):
+            fresh[dataset_index[j]] += ref_eq[j] * reuse[j]
+        filled = np.empty(n_ds)
+        for k in range(n_ds):
+            fresh[k] = fresh[k] / dataset_size[k]
+            filled[k] = np_min(dataset_cached[k], dataset_size[k])
+        granted = knapsack_fill(np.concatenate((filled, dataset_size - filled)), np.concatenate((efficiency, fresh)), total_cache)
+        cache = granted[:n_ds] + granted[n_ds:]
+    else:
+        cache = knapsack_fill(dataset_size, efficiency, total_cache)
+    usable = np.empty(n_ds)
+    for k in range(n_ds):
+        usable[k] = np_min(cache[k], dataset_cached[k]) if has_cached else cache[k]
+    miss = np.empty(n)
+    terms = np.empty(n)
+    for j in range(n):
+        k = dataset_index[j]
+        hit = np_min(usable[k] / dataset_size[k], 1.0)
+        if has_hit and hit_now[j] == hit_now[j]:
+            hit = np_min(hit, hit_now[j])
+        miss[j] = np_max(1.0 - hit, 0.0)
+        terms[j] = ref[j] * miss[j]
+    return cache, miss, pairwise_sum(terms, n), pairwise_sum(ref, n)

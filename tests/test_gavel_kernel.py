@@ -12,7 +12,48 @@ import numpy as np
 import pytest
 
 from policies.compiled import pairwise_sum
-from policies.gavel import GavelProblem, job_miss_ratio, solve_max_min, spread_gpu_time, water_fill
+from policies.gavel import GavelProblem, equal_share_throughput, solve_max_min, spread_gpu_time, water_fill
+from policies.storage import fill_in_order
+
+
+def job_miss_ratio(p: GavelProblem, cache: np.ndarray) -> np.ndarray:
+    """gavel.job_miss_ratio in numpy (before it was compiled)."""
+    filled = cache if p.dataset_cached is None else np.minimum(cache, p.dataset_cached)
+    hit = np.minimum(filled[p.dataset_index] / p.dataset_size[p.dataset_index], 1.0)
+    if p.hit_now is not None:
+        hit = np.where(np.isnan(p.hit_now), hit, np.minimum(hit, p.hit_now))
+    return np.maximum(1.0 - hit, 0.0)
+
+
+def numpy_solve_max_min(p: GavelProblem):
+    """gavel.solve_max_min's ratio, cache, misses and time-averaged IO in numpy (before its
+    storage half was compiled)."""
+    n_ds = len(p.dataset_names)
+    ref = np.where(p.gpus <= p.total_gpus, equal_share_throughput(p), 0.0)
+    counted = ref > 0
+    if not counted.any():
+        return 0.0, np.zeros(n_ds), np.zeros(p.n), np.zeros(p.n)
+    f = p.gpu_ideal
+    bounds = [float((f[counted] / ref[counted]).min()), p.total_gpus / float((p.gpus * ref / f).sum())]
+    cpu_per_t = float((ref * p.cpu_per_throughput()).sum())
+    if np.isfinite(p.total_cpus) and cpu_per_t > 0:
+        bounds.append(p.total_cpus / cpu_per_t)
+    cache, miss = np.zeros(n_ds), np.zeros(p.n)
+    if p.manages_storage:
+        efficiency = np.bincount(p.dataset_index, weights=ref, minlength=n_ds) / p.dataset_size
+        if p.reuse is None or p.dataset_cached is None:
+            cache = fill_in_order(p.dataset_size, efficiency, p.total_cache)
+        else:
+            fresh = np.bincount(p.dataset_index, weights=equal_share_throughput(p) * p.reuse, minlength=n_ds) / p.dataset_size
+            filled = np.minimum(p.dataset_cached, p.dataset_size)
+            granted = fill_in_order(np.concatenate([filled, p.dataset_size - filled]), np.concatenate([efficiency, fresh]), p.total_cache)
+            cache = granted[:n_ds] + granted[n_ds:]
+        miss = job_miss_ratio(p, cache)
+        io_per_unit_t = float((ref * miss).sum())
+        if io_per_unit_t > 1e-12 * float(ref.sum()):
+            bounds.append(p.total_io / io_per_unit_t)
+    t = min(bounds)
+    return t, cache, miss, t * ref * miss if p.manages_storage else np.zeros(p.n)
 
 
 def numpy_water_fill(p: GavelProblem, sol) -> np.ndarray:
@@ -105,6 +146,23 @@ def random_problem(rng: np.random.Generator, storage: bool, cpu: bool) -> GavelP
         reuse=(rng.random(n) < 0.8).astype(float) if storage else None, hit_now=hit_now,
         cpu_rate=cpu_rate, cpu_cap=cpu_cap, total_cpus=total_cpus,
     )
+
+
+@pytest.mark.parametrize("storage,cpu", [(False, False), (True, False), (False, True), (True, True)])
+def test_solve_is_its_numpy_form_bit_for_bit(storage, cpu):
+    """The max-min ratio, the cache knapsack (by efficiency, and by reuse when the cached bytes
+    are known), the misses and the IO: the same floats as the numpy form."""
+    rng = np.random.default_rng(21 + 2 * storage + cpu)
+    io_bound = 0
+    for _ in range(300):
+        p = random_problem(rng, storage, cpu)
+        sol = solve_max_min(p)
+        ratio, cache, miss, avg_io = numpy_solve_max_min(p)
+        assert sol.ratio == ratio
+        assert same_floats(sol.cache, cache) and same_floats(sol.miss, miss) and same_floats(sol.avg_io, avg_io)
+        io_rate = float((sol.reference * miss).sum())
+        io_bound += storage and io_rate > 0 and ratio == p.total_io / io_rate
+    assert not storage or io_bound > 30  # the IO bound binds in some cases
 
 
 @pytest.mark.parametrize("storage,cpu", [(False, False), (True, False), (False, True), (True, True)])

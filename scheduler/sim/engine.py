@@ -358,7 +358,7 @@ class Simulator:
                 kept[n], built[n] = DatasetView(n, self.datasets[n].size, c), c
             dviews = dict(zip(needed, map(kept.__getitem__, needed)))
         else:
-            dviews = {n: self.dataset_views[n] for n in needed}
+            dviews = dict(zip(needed, map(self.dataset_views.__getitem__, needed)))
         columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
                                  members.ids, names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
                                  members.autocaches,

@@ -310,6 +310,8 @@ def water_fill(p: GavelProblem, sol: GavelSolution) -> np.ndarray:
     target = sol.ratio * ref
     if p.n == 0 or sol.ratio <= 0:
         return target
+    if p.manages_storage and sol.miss is None:
+        raise ValueError("water_fill needs the solution's miss ratios with storage (solve_max_min gives them; gavel_reference does not)")
     miss = sol.miss if p.manages_storage else np.zeros(p.n)
     per_core = p.cpu_per_throughput()
     _kernels().water_fill_levels(target, ref, p.gpu_ideal, p.gpus.astype(float, copy=False), miss, per_core, float(p.total_gpus),

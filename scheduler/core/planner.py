@@ -57,10 +57,8 @@ class _Seconds:
     def rows(self, ids: Sequence[str]) -> np.ndarray:
         """The rows of `ids` (new ones get a zeroed row, unknown until recorded)."""
         rows = np.fromiter(map(self.at.get, ids, repeat(-1)), dtype=np.int64, count=len(ids))
-        new = (rows < 0).nonzero()[0].tolist()
-        if new:
-            for i in new:
-                rows[i] = self._row_for(ids[i])
+        for i in (rows < 0).nonzero()[0].tolist():
+            rows[i] = self._row_for(ids[i])
         return rows
 
     def _row_for(self, job_id: str) -> int:
@@ -83,8 +81,9 @@ class _Seconds:
             self.free.append(row)
 
     def known(self, values: np.ndarray, known: np.ndarray) -> dict[str, float]:
-        return {job_id: v for (job_id, row), v, k in zip(self.at.items(), values[list(self.at.values())].tolist(),
-                                                        known[list(self.at.values())].tolist()) if k}
+        """job id -> its value, for the jobs whose `known` flag is set."""
+        rows = list(self.at.values())
+        return {job_id: v for job_id, v, k in zip(self.at, values[rows].tolist(), known[rows].tolist()) if k}
 
 
 @dataclass

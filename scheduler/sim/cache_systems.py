@@ -428,8 +428,9 @@ class DomainCache(SimCacheSystem):
     job), the uniform ones in a ChunkPool, with a step's look-ups compiled (uniform_kernel.py).
 
     Each reader row (reader_rows.py) holds the code of its key's domain: its slot, NO_DOMAIN or
-    PYTHON_DOMAIN (an LRU domain, which the loop leaves to `access`). Domains come and go only
-    through `_set_domain` and `_drop_domain`, which keep those codes and the pool in step."""
+    PYTHON_DOMAIN (an LRU domain, which the loop leaves to `access`). Domains come and go
+    through `_set_domain` and `_drop_domain`, which keep those codes and the pool in step
+    (CoorDL's pauses and resumes, a round's worth at a time, set their jobs' codes on columns)."""
 
     #: Whether a domain's admissions move other readers' counts (False: private domains, CoorDL).
     shared = True
@@ -466,12 +467,11 @@ class DomainCache(SimCacheSystem):
             self.pool.release(old)
         self._point_readers(key, self._code(dom))
 
-    def _drop_domain(self, key: str, release: bool = True) -> CacheDomain | None:
-        """`key` has no domain any more; returns the one it had (its chunks still readable).
-        `release=False`: the caller keeps the domain's slot (CoorDL's paused jobs)."""
+    def _drop_domain(self, key: str) -> CacheDomain | None:
+        """`key` has no domain any more; returns the one it had (its chunks still readable)."""
         dom = self.domains.pop(key, None)
         if dom is not None:
-            if release and type(dom) is UniformDomain:
+            if type(dom) is UniformDomain:
                 self.pool.release(dom)
             self._point_readers(key, NO_DOMAIN)
         return dom

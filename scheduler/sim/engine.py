@@ -215,6 +215,29 @@ class StepState:
 _COLUMN_FIELDS = attrgetter(*StepState.__slots__[1:])  # every field but `ids`
 
 
+class _ActiveJobs(list):
+    """The active jobs in arrival order, with their ids, dataset names and job-table rows kept
+    beside them as they arrive and leave, which `_members_of` copies instead of a pass per job
+    at every arrival or completion. Only `append` and `remove` change it (the engine's only
+    two changes to its active list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.names: list[str] = []
+        self.slots: list[int] = []
+
+    def append(self, job: SimJob) -> None:
+        super().append(job)
+        self.ids.append(job.job_id)
+        self.names.append(job.dataset.name)
+        self.slots.append(job.slot)
+
+    def remove(self, job: SimJob) -> None:
+        i = self.index(job)
+        del self[i], self.ids[i], self.names[i], self.slots[i]
+
+
 @dataclass(frozen=True, slots=True)
 class _Members:
     """The active jobs, in order, and what of them stays the same while they do."""
@@ -459,9 +482,12 @@ class Simulator:
         (`self._members`, reset there): a decision without either reuses it."""
         members = self._members
         if members is None:
-            names = tuple(map(_DATASET_NAME, active))
-            members = self._members = _Members(tuple(active), np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active)),
-                                               tuple(map(_JOB_ID, active)), names, list(set(names)),
+            if isinstance(active, _ActiveJobs):
+                slots, ids, names = np.array(active.slots, dtype=np.int64), tuple(active.ids), tuple(active.names)
+            else:
+                names = tuple(map(_DATASET_NAME, active))
+                slots, ids = np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active)), tuple(map(_JOB_ID, active))
+            members = self._members = _Members(tuple(active), slots, ids, names, list(set(names)),
                                                self._autocaching and any(p is not None and p.autocaches for p in map(_PIPELINE, active)))
         return members
 
@@ -568,7 +594,7 @@ class Simulator:
         seed_seq = np.random.SeedSequence(cfg.seed)
         pending = list(self.trace.jobs)  # sorted by submit time
         next_arrival = 0
-        active: list[SimJob] = []
+        active = _ActiveJobs()
         records: list[JobRecord] = []
         timeline: list[TimelineRow] = []
         now = 0.0

@@ -443,3 +443,47 @@ def test_the_kernels_compile_in_memory_where_numba_cannot_cache():
     out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ok", "NullCache", "NullCache"]
+
+
+def _numpy_claims(caps, evicting, total):
+    """engine._claimable's arithmetic in numpy (before it was compiled): None where no job claims."""
+    level = float(caps.max())
+    below = caps < level * (1 - 1e-9)
+    at_level = int(np.count_nonzero(~below))
+    if not below.any() or not at_level:
+        return None
+    mask = below & evicting
+    if not mask.any():
+        return None
+    claim = (total - (float(caps[below].sum()) - caps)) / (at_level + 1)
+    return np.where(mask, np.maximum(caps, claim), caps), mask, ~below
+
+
+def test_the_claimers_caps_are_numpys():
+    """link_kernel.below_level and claimed_caps give the numpy form's caps, masks and levels to
+    the bit, on caps with ties at the level, all at it, none evicting, and long columns."""
+    from scheduler.sim.link_kernel import below_level, claimed_caps
+
+    rng = np.random.default_rng(5)
+    claimed = 0
+    for trial in range(5000):
+        n = int(rng.integers(1, 400 if trial % 10 == 0 else 20))
+        caps = rng.random(n) * 10.0 ** rng.integers(5, 10)
+        if rng.random() < 0.4:
+            caps[rng.random(n) < 0.5] = caps.max()  # several at the level
+        if rng.random() < 0.05:
+            caps[:] = caps[0]  # all at it
+        evicting = rng.random(n) < rng.random()
+        total = float(caps.sum() * rng.uniform(0.5, 1.0))
+        want = _numpy_claims(caps, evicting, total)
+        below, at_level = below_level(caps)
+        got = None
+        if at_level and at_level != n:
+            mask = below & evicting
+            if mask.any():
+                got = (claimed_caps(caps, below, mask, total, at_level), mask, ~below)
+        assert (want is None) == (got is None), trial
+        if want is not None:
+            claimed += 1
+            assert want[0].tobytes() == got[0].tobytes() and (want[1] == got[1]).all() and (want[2] == got[2]).all(), trial
+    assert claimed > 1000

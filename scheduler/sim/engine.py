@@ -35,7 +35,7 @@ from policies.gavel import GavelProblem, equal_share_throughput
 from policies.types import ClusterCapacity, DatasetView, JobView, LazyJobColumns, LazyJobs, LazySnapshot, Snapshot, job_view, values_for
 from scheduler.sim.cache_systems import SimCacheSystem, make_cache_system
 from scheduler.sim.column_kernel import column_apply, column_step, drift_bound, miss_ratios, seconds_to_event, step_results
-from scheduler.sim.link_kernel import max_min
+from scheduler.sim.link_kernel import below_level, claimed_caps, max_min
 from scheduler.sim.diagnosis import bound_indices, counts, cpu_bound_at, observe_fstar
 from scheduler.sim.job_table import CURRICULUM, DATASET, FSTAR, GPU_IDEAL, GPUS, ID_RANK, IRREGULAR, K, SUBMIT, TOTAL, VOLATILE, JobTable
 from scheduler.sim.reader_rows import MOVED, UNREAD
@@ -961,17 +961,13 @@ class Simulator:
         the level get what the claimers leave (`_advance_all`). A fast job streaming another
         dataset through Alluxio while a slow one rereads its own: the slow one 17% slower than
         item level without this, 3% with it (docs/known-gaps.md)."""
-        level = float(caps.max())
-        below = caps < level * (1 - 1e-9)
-        at_level = int(np.count_nonzero(~below))
-        if not below.any() or not at_level:
+        below, at_level = below_level(caps)  # (compiled, as the claims: link_kernel.py)
+        if not at_level or at_level == len(caps):
             return caps, None
-        evicting = self.cache.evicting_all(running, crows)
-        mask = below & evicting
+        mask = below & self.cache.evicting_all(running, crows)
         if not mask.any():
             return caps, None
-        claim = (total - (float(caps[below].sum()) - caps)) / (at_level + 1)
-        return np.where(mask, np.maximum(caps, claim), caps), Claimers(mask, ~below, demands)
+        return claimed_caps(caps, below, mask, float(total), at_level), Claimers(mask, ~below, demands)
 
     def _step_state(self, running: list[SimJob], prev: StepState | None = None) -> StepState:
         """Columns of the running jobs: the static ones (the job table's rows) are kept while

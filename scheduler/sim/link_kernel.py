@@ -1,5 +1,5 @@
 """The remote link's max-min split (policies.storage.max_min_share) for the engine, its contended
-case compiled (numba).
+case compiled (numba), and the claimers' caps on a contended LRU link (engine._claimable).
 
 The engine splits the link at every step, and again for the jobs at the water level when
 claimers read first and for the spare IO a managed plan leaves: 110,000 contended splits in a
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from policies.compiled import kernel, np_max, np_min, pairwise_sum
 from policies.storage import max_min_share
-from policies.compiled import kernel, np_min
 
 F = numba.float64[:]
 
@@ -57,3 +57,41 @@ def max_min(demands: np.ndarray, capacity: float) -> np.ndarray:
         return demands.astype(float).copy()  # max_min_share's answer, without summing twice
     out = _contended(demands, float(capacity))
     return out if out.size else max_min_share(demands, capacity)
+
+
+@kernel(numba.types.Tuple((numba.boolean[:], numba.int64))(F))
+def below_level(caps: np.ndarray) -> tuple[np.ndarray, int]:
+    """Which caps lie below the max-min water level (the largest cap, within 1e-9), and how
+    many are at it (engine._claimable; numpy's max: a NaN is the level)."""
+    n = caps.size
+    level = caps[0]
+    for i in range(1, n):
+        if level != level:
+            break
+        if caps[i] != caps[i] or caps[i] > level:
+            level = caps[i]
+    threshold = level * (1 - 1e-9)
+    below = np.empty(n, dtype=np.bool_)
+    at_level = 0
+    for i in range(n):
+        below[i] = caps[i] < threshold
+        at_level += not below[i]
+    return below, at_level
+
+
+@kernel(F(F, numba.boolean[:], numba.boolean[:], numba.float64, numba.int64))
+def claimed_caps(caps: np.ndarray, below: np.ndarray, mask: np.ndarray, total: float, at_level: int) -> np.ndarray:
+    """The claimers' (`mask`) caps raised to what they could claim, (total - (the caps below the
+    level, summed as numpy does) + their own) / (at_level + 1); the others' as they are."""
+    n = caps.size
+    taken = np.empty(n)
+    m = 0
+    for i in range(n):
+        if below[i]:
+            taken[m] = caps[i]
+            m += 1
+    below_sum = pairwise_sum(taken, m)
+    out = np.empty(n)
+    for i in range(n):
+        out[i] = np_max(caps[i], (total - (below_sum - caps[i])) / (at_level + 1)) if mask[i] else caps[i]
+    return out

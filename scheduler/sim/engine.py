@@ -51,8 +51,8 @@ from traces.model import Trace, TraceJob
 CURRICULUM_MIN_CHUNKS = 64
 _EPOCH = AccessPattern.epoch()
 # Per-job reads of every running or active job (map(attrgetter) is about twice a generator's speed).
-_SLOT, _RUNNING, _VIEW, _JOB_ID, _DATASET_NAME, _CROW, _INDEX, _PIPELINE = (
-    attrgetter(a) for a in ("slot", "running", "view", "job_id", "dataset.name", "crow", "index", "trace.pipeline"))
+_RUNNING, _VIEW, _JOB_ID, _CROW, _INDEX, _PIPELINE = (
+    attrgetter(a) for a in ("running", "view", "job_id", "crow", "index", "trace.pipeline"))
 MAX_CURRICULUM_CHUNKS = 4096
 #: Most chunks per dataset `--resolution` may ask for: each active job holds ~9 bytes per
 #: chunk of its dataset (twice that under Alluxio's finer LRU), ~1.2 MB a job here.
@@ -344,7 +344,7 @@ class Simulator:
         items = int(trace.dataset_sizes[name] / self.item_sizes[name])
         return int(min(max(items, 1), MAX_CURRICULUM_CHUNKS, math.ceil(CURRICULUM_MIN_CHUNKS / start)))
 
-    def _snapshot(self, now: float, active: list[SimJob], slots: np.ndarray) -> Snapshot:
+    def _snapshot(self, now: float, active: _ActiveJobs, slots: np.ndarray) -> Snapshot:
         """The jobs as the policy sees them, with the same jobs as columns (JobColumns).
 
         A job's JobView is kept between decisions and rebuilt only when what the policy sees of
@@ -474,20 +474,16 @@ class Simulator:
                                    total_io=float(cap.remote_io), manages_storage=True)
         self._table.reference[slots] = equal_share_throughput(problem)
 
-    def _active_slots(self, active: list[SimJob]) -> np.ndarray:
+    def _active_slots(self, active: _ActiveJobs) -> np.ndarray:
         return self._members_of(active).slots
 
-    def _members_of(self, active: list[SimJob]) -> _Members:
+    def _members_of(self, active: _ActiveJobs) -> _Members:
         """What depends only on which jobs are active, kept until one arrives or leaves
         (`self._members`, reset there): a decision without either reuses it."""
         members = self._members
         if members is None:
-            if isinstance(active, _ActiveJobs):
-                slots, ids, names = np.array(active.slots, dtype=np.int64), tuple(active.ids), tuple(active.names)
-            else:
-                names = tuple(map(_DATASET_NAME, active))
-                slots, ids = np.fromiter(map(_SLOT, active), dtype=np.int64, count=len(active)), tuple(map(_JOB_ID, active))
-            members = self._members = _Members(tuple(active), slots, ids, names, list(set(names)),
+            names = tuple(active.names)
+            members = self._members = _Members(tuple(active), np.array(active.slots, dtype=np.int64), tuple(active.ids), names, list(set(names)),
                                                self._autocaching and any(p is not None and p.autocaches for p in map(_PIPELINE, active)))
         return members
 
@@ -649,7 +645,7 @@ class Simulator:
                     deferred = False
                     # The last job finished: apply the plan for no jobs as at any completion
                     # (silod and quiver drop the datasets nobody reads any more), idle or not.
-                    snapshot = self._snapshot(now, [], np.zeros(0, dtype=np.int64))
+                    snapshot = self._snapshot(now, active, np.zeros(0, dtype=np.int64))
                     allocation = self.core.decide(snapshot)
                     plan = self.core.plan_round(snapshot, allocation)
                     running = []

@@ -48,6 +48,7 @@ from scheduler.service.db.models import (
 )
 from scheduler.service.measured_params import params_of
 from scheduler.service.types import (
+    DEFAULT_IDEAL_PER_GPU,
     MAX_BYTES,
     ConflictError,
     DatasetRecord,
@@ -144,7 +145,7 @@ _DATASET_BY_NAME = select(_DS.id, _DS.name, _DS.owner, _DS.size).where(
 _GRANT = select(DatasetGrant.__table__.c.grantee).where(
     DatasetGrant.__table__.c.dataset_id == bindparam("dataset_id"), DatasetGrant.__table__.c.grantee == bindparam("grantee"))
 _QUOTA = select(Quota.__table__.c.gpus, Quota.__table__.c.cache_bytes, Quota.__table__.c.running_jobs,
-                Quota.__table__.c.queued_jobs).where(Quota.__table__.c.tenant == bindparam("tenant"))
+                Quota.__table__.c.queued_jobs, Quota.__table__.c.ideal_per_gpu).where(Quota.__table__.c.tenant == bindparam("tenant"))
 _QUEUED_OF_OWNER = select(func.count()).select_from(Job.__table__).where(
     Job.__table__.c.owner == bindparam("owner"), Job.__table__.c.state == JobState.QUEUED)
 _TENANT_LOCK_PG = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
@@ -485,6 +486,15 @@ class Catalogue:
             return self.config.default_quota
         return TenantQuota(*row)
 
+    def ideal_ceiling(self, q: TenantQuota) -> float:
+        """The most f* per GPU a job under quota `q` may declare (bytes/s): the tenant's own, else
+        the default quota's, else DEFAULT_IDEAL_PER_GPU on this cluster's GPUs. A declaration
+        orders the SJF queue (and preempts) before anything is measured: it is a bounded claim."""
+        for v in (q.ideal_per_gpu, self.config.default_quota.ideal_per_gpu):
+            if v is not None:
+                return float(v)
+        return DEFAULT_IDEAL_PER_GPU * self.config.gpu_speed
+
     def set_quota(self, who: Principal, tenant: str, quota: TenantQuota) -> TenantQuota:
         if not who.is_admin:
             raise ForbiddenError("only the admin may set quotas")
@@ -570,6 +580,14 @@ class Catalogue:
             q = self._quota(c, who.user)
         if q.gpus is not None and req.gpus > q.gpus:
             raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
+        if req.ideal_throughput is not None:
+            per_gpu = self.ideal_ceiling(q)
+            if ideal > per_gpu * req.gpus:
+                raise ForbiddenError(
+                    f"ideal_throughput {ideal:.4g} B/s is above the {per_gpu:.4g} B/s per GPU x {req.gpus} GPUs"
+                    f" = {per_gpu * req.gpus:.4g} B/s your jobs may declare (quota ideal_per_gpu); declare what"
+                    f" the job reads when IO is not its bottleneck, or name a catalog model, or ask an admin to"
+                    f" raise it (PUT /v1/quotas/{who.user})", field="ideal_throughput")
         # Another tenant's dataset: the grant is checked again in the write transaction, so a job
         # submitted after the grant's revocation committed is refused (revoke_grant's promise).
         through_grant = not who.is_admin and ds.owner != who.user

@@ -113,19 +113,22 @@ def make_pusher(url: str) -> Any:
 
 def parse_quota(value: str | None) -> Any:
     """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
-    from estimator.units import parse_size
+    from estimator.units import parse_rate, parse_size
     from scheduler.service.types import TenantQuota
 
     if not value:
         return TenantQuota()
-    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs",
+             "fstar": "ideal_per_gpu"}
     out: dict[str, Any] = {}
     for item in value.split(","):
         key, sep, val = item.strip().partition("=")
         if not sep or key not in names:
-            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of {', '.join(names)}")
         if key == "cache":
             out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif key == "fstar":  # per GPU
+            out[names[key]] = float(parse_rate(val, what="--default-quota fstar"))
         elif re.fullmatch(r"[0-9]+", val.strip()):  # ASCII digits only: str.isdigit() accepts '²'
             out[names[key]] = int(val)
         else:
@@ -610,7 +613,7 @@ def register(app: typer.Typer) -> None:
         node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
         agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
-        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100,fstar=1GB/s (fstar: the most f* per GPU a job may declare; default 1GB/s x --gpu-speed)")] = None,
         object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256 (grants: tenants one dataset is shared with) [default: those]")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,

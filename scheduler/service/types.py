@@ -19,6 +19,11 @@ from scheduler.backends.base import ClusterDescription
 from scheduler.core.planner import RoundPlan
 from contract.uri_policy import UriPolicy
 
+#: The default ceiling on a job's declared f* per GPU (bytes/s, times --gpu-speed): about 9x the
+#: catalog's fastest model on its reference GPU (resnet50, 114 MB/s per V100; traces/catalog.py).
+#: An admin raises it per tenant (PUT /v1/quotas/{tenant} {"ideal_per_gpu": ...}) or for all
+#: (--default-quota fstar=RATE).
+DEFAULT_IDEAL_PER_GPU = 1e9
 MAX_BYTES = 1e21  # larger sizes are typos (a zettabyte dataset), not data
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ADMIN = "admin"
@@ -264,8 +269,12 @@ class TenantQuota:
     cache_bytes: float | None = None
     running_jobs: int | None = None
     queued_jobs: int | None = None
+    #: the most f* per GPU a job of the tenant may declare (bytes/s per GPU): a declaration is a
+    #: claim that orders the SJF queue before anything is measured, so it is bounded (issue 47).
+    #: None: the service's default quota's, else DEFAULT_IDEAL_PER_GPU x the cluster's GPU speed.
+    ideal_per_gpu: float | None = None
 
-    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs")
+    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs", "ideal_per_gpu")
 
 
 @dataclass(frozen=True, slots=True)

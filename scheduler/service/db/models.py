@@ -231,6 +231,8 @@ class Quota(Base):
     cache_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)  # cache over its datasets
     running_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # jobs holding GPUs at once
     queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # active (queued or running) jobs
+    # Most f* per GPU a job may declare (bytes/s); None: the service's default (migration 0008).
+    ideal_per_gpu: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class IdempotencyKey(Base):

@@ -194,3 +194,17 @@ def test_an_overrunning_kubernetes_job_does_not_stay_first_in_sjf(tmp_path):
                 assert service.get_job(ROOT, long.id).state == "running"
         finally:
             service.close()
+
+
+def test_an_overstated_declaration_is_replaced_by_the_measurement():
+    """The estimator alone: 10 TB/s declared, 200 MB/s read while GPU-bound (on main: 2.5 TB/s)."""
+    from estimator.measured import JobMeasurement, observe_job
+
+    m = JobMeasurement.start(10 * TB)
+    for _ in range(5):
+        m = observe_job(m, 200 * MB, 2.0, io_bound=10 * GB)
+    assert m.fstar.estimate == pytest.approx(200 * MB)
+    # Understated, it is raised by what is read at most to declared x 4: lying low only loses.
+    m = JobMeasurement.start(100 * MB)
+    m = observe_job(m, 1 * GB, 2.0, io_bound=1 * GB)
+    assert m.fstar.estimate == pytest.approx(400 * MB)

@@ -25,7 +25,7 @@ from contract.uri_policy import UriPolicy
 #: (--default-quota fstar=RATE).
 DEFAULT_IDEAL_PER_GPU = 1e9
 MAX_BYTES = 1e21  # larger sizes are typos (a zettabyte dataset), not data
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 ADMIN = "admin"
 
 
@@ -277,6 +277,12 @@ class TenantQuota:
     FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs", "ideal_per_gpu")
 
 
+#: Waiting jobs a tenant without its own quota may have (`--default-quota queued=N`, or
+#: `queued=none` for no limit below the object limit `jobs`; PUT /v1/quotas/{tenant} per tenant).
+DEFAULT_QUEUED_JOBS = 1_000
+DEFAULT_QUOTA = TenantQuota(queued_jobs=DEFAULT_QUEUED_JOBS)
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectLimits:
     """How many objects one tenant may make the service hold (issue 20: datasets and grants were
@@ -286,12 +292,16 @@ class ObjectLimits:
     datasets: int = 10_000  # datasets one tenant registers
     credentials: int = 1_000  # credentials one tenant stores
     grants: int = 256  # tenants one dataset is shared with (each grantee is in the dataset's record)
+    #: active (queued or running) jobs of one tenant (issue 47: every active job is in each
+    #: round and in its owner's listings; one tenant's 12,000 slowed every tenant's reads). A
+    #: 403 past it; an admin's quota `queued_jobs` (429) is the softer, per-tenant limit.
+    jobs: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     capacity: ClusterCapacity
-    default_quota: TenantQuota = field(default_factory=TenantQuota)  # tenants without their own
+    default_quota: TenantQuota = DEFAULT_QUOTA  # tenants without their own
     uri_policy: UriPolicy = field(default_factory=UriPolicy)  # which dataset URIs may be registered
     policy: str | None = None  # None: the persisted policy, else fifo
     round_seconds: float = 360.0

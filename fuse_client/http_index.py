@@ -40,6 +40,10 @@ def looks_like_json_index(body: bytes) -> bool:
     return body.lstrip()[:1] in (b"[", b"{")
 
 
+#: The largest size stat can report (st_size is a signed 64-bit integer).
+MAX_FILE_SIZE = 2**63 - 1
+
+
 def parse_json_index(body: bytes, url: str, source: str) -> list[IndexEntry]:
     """The entries of the JSON index `body` of directory `url`; "other" entries (sockets, FIFOs)
     are left out. Raises UserError naming `source`, `url` and what is wrong."""
@@ -74,5 +78,9 @@ def parse_json_index(body: bytes, url: str, source: str) -> list[IndexEntry]:
             size = item.get("size")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise bad(f"gives file {name!r} the size {size!r} (a byte count >= 0 is required)")
+            if size > MAX_FILE_SIZE:
+                # stat's st_size is a signed 64-bit count: 2^63 broke `ls` of the mount (issue 47).
+                raise bad(f"gives file {name!r} the size {size} (more than {MAX_FILE_SIZE}, the most a file's"
+                          " size can be)")
         entries.append(IndexEntry(name, kind == "directory", size))
     return entries

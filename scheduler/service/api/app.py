@@ -152,6 +152,32 @@ _UI_HEADERS = {
 }
 
 
+#: /docs has no script, style or image: nothing may load.
+_DOCS_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+def api_docs_page(spec: dict[str, Any]) -> bytes:
+    """The API's routes as a plain HTML table (method, path, summary, description), every value
+    escaped, from the OpenAPI document; the document itself is linked (/openapi.json)."""
+    from html import escape
+
+    rows = []
+    for path, ops in sorted((spec.get("paths") or {}).items()):
+        for method, op in ops.items():
+            rows.append(f"<tr><td>{escape(method.upper())}</td><td><code>{escape(path)}</code></td>"
+                        f"<td>{escape(str(op.get('summary', '')))}</td><td>{escape(str(op.get('description', '')))}</td></tr>")
+    info = spec.get("info") or {}
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>"
+            f"{escape(str(info.get('title', 'API')))}</title></head><body><h1>{escape(str(info.get('title', 'API')))}</h1>"
+            f"<p>{escape(str(info.get('description', '')))}</p><p>The machine-readable description: "
+            "<a href=\"/openapi.json\">/openapi.json</a> (OpenAPI 3).</p><table><thead><tr><th>method</th><th>path</th>"
+            "<th>summary</th><th>description</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></body></html>").encode()
+
+
 @functools.cache
 def _ui_file(name: str) -> bytes:
     return resources.files("scheduler.service.api").joinpath("ui", name).read_bytes()
@@ -201,6 +227,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         # No 307 from /v1/jobs/ to /v1/jobs: Starlette builds its Location from the Host header
         # (Host: evil.example sent clients there). A path is served as written or is a 404.
         redirect_slashes=False,
+        # FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN at floating versions, as
+        # scripts in this origin, where tokens are typed (issue 47). /docs is instead a page
+        # rendered here from the OpenAPI document, with no script at all (api_docs_page);
+        # /openapi.json is unchanged, for any tool that renders it.
+        docs_url=None,
+        redoc_url=None,
     )
     # Bodies are parsed once, with bounds on depth, keys, list items and values, before any
     # model validates them (http_guard/json_limits.py); set before the routes are declared.
@@ -317,6 +349,11 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         per_job = request.scope.get("state", {}).get("principal") is not None
         body, content_type = metrics_response(registries[per_job])
         return Response(content=body, media_type=content_type)
+
+    @app.get("/docs", include_in_schema=False)
+    @fair
+    def docs() -> Response:
+        return Response(api_docs_page(app.openapi()), media_type="text/html; charset=utf-8", headers=_DOCS_HEADERS)
 
     # ---- the web view (static files from the package; the data comes from /v1/overview)
 

@@ -39,7 +39,7 @@ LOOKUP_THREADS = 2  # threads of a worker that look tokens up (a cache miss: one
 # is configured.
 # /ui and its script are the web view's static page: it holds no data and asks for a token, then
 # calls the authenticated JSON API (GET /v1/overview) with it.
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json",
                           "/ui", "/ui/", "/ui/ui.js", "/ui/ui.css"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read

@@ -85,15 +85,23 @@ def add_carol(db: Path, n: int) -> None:
 def start(tmp: Path, db: Path) -> tuple[subprocess.Popen, str]:
     (tmp / "tokens").write_text("".join(f"{u}:{t}\n" for u, t in TOKENS.items()))
     port = b._port()
-    # 64 GPUs: alice's running job holds 8; the rounds (every 360 s) stay out of the way.
+    # 8 GPUs: alice's running job holds them all, every other job waits; rounds every 360 s.
     cmd = [sys.executable, "-c", "from scheduler.cli import main; main()", "serve", "--listen", f"127.0.0.1:{port}",
-           "--db", f"sqlite:///{db}", "--backend", "null", "--gpus", "64", "--gpus-per-node", "8", "--cache", "20TB",
+           "--db", f"sqlite:///{db}", "--backend", "null", "--gpus", "8", "--gpus-per-node", "8", "--cache", "20TB",
            "--remote-io", "10GB/s", "--policy", "fifo", "--tokens", str(tmp / "tokens"), "--round", "360",
            "--workers", "2", "--state-dir", str(tmp / "state"), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env={**os.environ, "SILOD_ADMIN_TOKEN": b.ADMIN}, stdout=subprocess.DEVNULL,
                             stderr=open(tmp / "silod.log", "ab"), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     b._wait_healthy(url, proc)
+    # The scheduling process's first round reads every active job: measure after it, not during.
+    deadline = time.monotonic() + 300
+    while httpx.get(f"{url}/v1/cluster", headers={"Authorization": f"Bearer {b.ADMIN}"},
+                    timeout=60).json().get("last_round_time") is None:
+        if time.monotonic() > deadline:
+            raise SystemExit("no round within 300 s")
+        time.sleep(0.5)
+    time.sleep(2.0)
     return proc, url
 
 

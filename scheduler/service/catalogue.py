@@ -144,8 +144,8 @@ _DATASET_BY_NAME = select(_DS.id, _DS.name, _DS.owner, _DS.size).where(
     _DS.owner == bindparam("owner"), _DS.name == bindparam("name"))
 _GRANT = select(DatasetGrant.__table__.c.grantee).where(
     DatasetGrant.__table__.c.dataset_id == bindparam("dataset_id"), DatasetGrant.__table__.c.grantee == bindparam("grantee"))
-_QUOTA = select(Quota.__table__.c.gpus, Quota.__table__.c.cache_bytes, Quota.__table__.c.running_jobs,
-                Quota.__table__.c.queued_jobs, Quota.__table__.c.ideal_per_gpu).where(Quota.__table__.c.tenant == bindparam("tenant"))
+_QUOTA = select(*(getattr(Quota.__table__.c, k) for k in TenantQuota.FIELDS)).where(
+    Quota.__table__.c.tenant == bindparam("tenant"))
 # One count per state over ix_jobs_owner_state: the tenant's queued (its quota) and active (the
 # object limit) jobs, read together.
 _ACTIVE_OF_OWNER = select(Job.__table__.c.state, func.count()).where(

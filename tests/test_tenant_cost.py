@@ -216,3 +216,49 @@ def test_one_tenants_burst_of_slow_requests_does_not_hold_anothers(svc, monkeypa
     took = anyio.run(scenario)
     # First come, first served, alice waits for a wave of bob's and more; fairly, at most one.
     assert took < 0.45, took
+
+
+try:
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401 - fixtures: SQLite and a real PostgreSQL
+except ImportError:  # tests/ imported as a package
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
+
+
+def test_the_triggers_counts_follow_every_write_path(tmp_path, db_url):
+    """Submissions, rounds (start, preempt), cancels, backend events and a bulk insert: the
+    per-tenant counts the submission path and the overview read equal a count of the rows, on
+    SQLite and on PostgreSQL (their triggers differ)."""
+    app, service = make_app(db_url, tmp_path, run_loop=False)
+    with TestClient(app) as c:
+        for h in (H_ALICE, H_BOB):
+            assert c.post("/v1/datasets", json=IMAGENET, headers=h).status_code == 201
+        _check_counts(c, service)
+    service.close()
+
+
+def _check_counts(c, service) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import func, select
+
+    from scheduler.backends.base import JobEvent
+    from scheduler.service.db.models import TenantJobCount
+
+    def counted() -> dict:
+        with service.sessions() as s:
+            rows = {(o, str(st)): n for o, st, n in s.execute(
+                select(Job.owner, Job.state, func.count()).group_by(Job.owner, Job.state))}
+            kept = {(o, st): n for o, st, n in s.execute(
+                select(TenantJobCount.owner, TenantJobCount.state, TenantJobCount.n)) if n}
+        return rows, kept
+
+    ids = [c.post("/v1/jobs", json={**JOB, "gpus": 4, "name": f"j{i}"}, headers=h).json()["id"]
+           for i, h in enumerate([H_ALICE, H_BOB, H_ALICE, H_BOB])]
+    service.run_round("test")  # two start
+    c.delete(f"/v1/jobs/{ids[2]}", headers=H_ALICE)
+    service.backend.emit(JobEvent(ids[0], "finished"))
+    service.apply_events(service.backend.poll())
+    service.run_round("test")
+    _bulk_queue(service, "bob", 50)
+    rows, kept = counted()
+    assert {(o, JobState(st).value): n for (o, st), n in rows.items()} == kept, (rows, kept)
+    o = c.get("/v1/overview", headers=H_ADMIN).json()
+    assert o["queued_total"] == sum(n for (_, st), n in kept.items() if st == "queued")

@@ -34,6 +34,7 @@ from scheduler.service.db.models import (
     JobAllocationRow,
     JobMeasurementRow,
     JobState,
+    TenantJobCount,
 )
 from scheduler.service.types import Principal
 
@@ -143,7 +144,8 @@ POSITION_QUERIES = 32
 
 _J = Job.__table__.c
 _WAITING = _J.state == JobState.QUEUED
-_COUNT_WAITING = select(func.count()).select_from(Job.__table__).where(_WAITING)
+# Every tenant's waiting jobs: the triggers' counts (TenantJobCount), not a count of rows.
+_COUNT_WAITING = select(func.coalesce(func.sum(TenantJobCount.n), 0)).where(TenantJobCount.state == JobState.QUEUED.value)
 
 
 def _position(s: Session, priority: int, submit: float, jid: int) -> int:

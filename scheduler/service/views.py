@@ -22,6 +22,7 @@ from scheduler.service.db.models import (
     JobAllocationRow,
     JobState,
     Round,
+    TenantJobCount,
 )
 from scheduler.service.overview import Overview, build_overview
 from scheduler.service.types import (
@@ -68,7 +69,9 @@ class ReadViews:
 
     def cluster(self) -> ClusterRecord:
         with self.sessions() as s:
-            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+            # The triggers' per-tenant counts (TenantJobCount): no count over every job ever submitted.
+            counts = {k: v for k, v in s.execute(select(TenantJobCount.state, func.sum(TenantJobCount.n))
+                                                 .group_by(TenantJobCount.state)).all() if v}
             gpus_used = s.scalar(select(func.coalesce(func.sum(JobAllocationRow.gpus), 0))) or 0
             io_used = s.scalar(
                 select(func.coalesce(func.sum(JobAllocationRow.remote_io), 0.0)).where(JobAllocationRow.running)

@@ -225,6 +225,18 @@ class Credential(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class TenantJobCount(Base):
+    """How many jobs each tenant has in each state, kept by database triggers on `jobs` (migration
+    0008), so every write path counts, in the same transaction: a submission checks the tenant's
+    limits and the overview its totals without counting rows (issue 47)."""
+
+    __tablename__ = "tenant_job_counts"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    n: Mapped[int] = mapped_column(Integer)
+
+
 class Quota(Base):
     """Per-tenant limits (None: no limit). Enforced at submission and by the scheduling round."""
 

@@ -65,11 +65,9 @@ class Dataset(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    # ix_jobs_state_priority_submit: a waiting job's queue position is a count over it (overview.py);
-    # ix_jobs_owner_state: a tenant's active jobs are counted over it at each submission (catalogue.py).
+    # ix_jobs_state_priority_submit: a waiting job's queue position is a count over it (overview.py).
     __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"),
-                      Index("ix_jobs_state_priority_submit", "state", "priority", "submit_time"),
-                      Index("ix_jobs_owner_state", "owner", "state"))
+                      Index("ix_jobs_state_priority_submit", "state", "priority", "submit_time"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))

@@ -2,8 +2,7 @@
 tenant's job may declare (bytes/s per GPU); NULL = the service's default (`--default-quota
 fstar=RATE`, else 1 GB/s per GPU x --gpu-speed). And an index of the waiting queue's order
 (state, priority, submit_time): the overview counts the jobs ahead of a caller's job over it
-instead of loading every tenant's jobs; and (owner, state): a tenant's active jobs are counted
-at each submission (the object limit `jobs`, the quota `queued_jobs`). And `tenant_job_counts`,
+instead of loading every tenant's jobs. And `tenant_job_counts`,
 each tenant's jobs per state, kept by triggers on `jobs`: a submission reads its tenant's counts
 instead of counting rows (counting a tenant's 10,000 jobs cost more than the rest of it).
 
@@ -77,7 +76,6 @@ def upgrade() -> None:
     with op.batch_alter_table('quotas') as batch:
         batch.add_column(sa.Column('ideal_per_gpu', sa.Float(), nullable=True))
     op.create_index('ix_jobs_state_priority_submit', 'jobs', ['state', 'priority', 'submit_time'], unique=False)
-    op.create_index('ix_jobs_owner_state', 'jobs', ['owner', 'state'], unique=False)
 
 
 def downgrade() -> None:
@@ -89,7 +87,6 @@ def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP FUNCTION tenant_job_counts_keep()")
     op.drop_table('tenant_job_counts')
-    op.drop_index('ix_jobs_owner_state', table_name='jobs')
     op.drop_index('ix_jobs_state_priority_submit', table_name='jobs')
     with op.batch_alter_table('quotas') as batch:
         batch.drop_column('ideal_per_gpu')

@@ -130,6 +130,11 @@ def test_positions_agree_with_the_whole_queues_order(svc):
     order = [q["name"] for q in admin]
     assert order == ["j1", "j2", "j5", "j0", "j3", "j4"], order
     assert [q["position"] for q in admin] == [1, 2, 3, 4, 5, 6]
+    # /metrics reads only the waiting jobs it gives series to: the first ones, counted whole.
+    from scheduler.service.types import Principal
+
+    first = service.overview(Principal("metrics", is_admin=True), queue_limit=2)
+    assert [(q.name, q.position) for q in first.queue] == [("j1", 1), ("j2", 2)] and first.queued_total == 6
     for h in (H_ALICE, H_BOB):
         for limit in (32, 0):  # counted, then sorted keys
             ov.POSITION_QUERIES = limit

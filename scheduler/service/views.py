@@ -60,10 +60,11 @@ class ReadViews:
         """The scheduling process's published measurements, held-back jobs and history."""
         raise NotImplementedError
 
-    def overview(self, who: Principal) -> Overview:
-        """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py)."""
+    def overview(self, who: Principal, queue_limit: int | None = None) -> Overview:
+        """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py);
+        `queue_limit`: only the first waiting jobs (/metrics gives no series to the others)."""
         return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
-                              status=self._overview_status())
+                              status=self._overview_status(), queue_limit=queue_limit)
 
     # ------------------------------------------------------------------ cluster / allocations
 

@@ -176,19 +176,26 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
             select(Job.id, Job.owner, Job.gpus, Job.priority, Job.submit_time, JobAllocationRow.remote_io)
             .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id).where(Job.state == JobState.RUNNING)))
         cache_allocated = s.scalar(select(func.coalesce(func.sum(CacheAllocationRow.bytes), 0.0))) or 0.0
-        jq = select(Job) if who.is_admin else select(Job).where(Job.owner == who.user)
-        own_running = sorted(s.scalars(jq.where(Job.state == JobState.RUNNING)).unique(), key=lambda j: j.id)
-        # In queue_order; `queue_limit`: the first ones only (/metrics' per-job series).
-        wq = jq.where(_WAITING).order_by(Job.priority.desc(), Job.submit_time, Job.id)
-        own_waiting = list(s.scalars(wq if queue_limit is None else wq.limit(queue_limit)).unique())
-        if who.is_admin:  # every waiting job, in order: its place in the list is its position
+        if who.is_admin:
+            own_running = sorted(s.scalars(select(Job).where(Job.state == JobState.RUNNING)).unique(), key=lambda j: j.id)
+            # Every waiting job in queue_order (`queue_limit`: the first ones, /metrics' series):
+            # its place in the list is its position.
+            wq = select(Job).where(_WAITING).order_by(Job.priority.desc(), Job.submit_time, Job.id)
+            own_waiting = list(s.scalars(wq if queue_limit is None else wq.limit(queue_limit)).unique())
             positions = {j.id: i for i, j in enumerate(own_waiting, start=1)}
-        elif len(own_waiting) <= POSITION_QUERIES:
-            positions = {j.id: _position(s, j.priority, j.submit_time, j.id) for j in own_waiting}
         else:
-            keys = sorted((-p, t, i) for i, p, t in s.execute(
-                select(Job.id, Job.priority, Job.submit_time).where(_WAITING)))
-            positions = {j.id: bisect.bisect_left(keys, (-j.priority, j.submit_time, j.id)) + 1 for j in own_waiting}
+            # By owner (ix_jobs_owner), states split here: a filter on the state as well let
+            # SQLite walk every tenant's waiting jobs through the state's index instead.
+            own = list(s.scalars(select(Job).where(Job.owner == who.user, Job.state.in_(ACTIVE_STATES))).unique())
+            own_running = sorted((j for j in own if JobState(j.state) == JobState.RUNNING), key=lambda j: j.id)
+            own_waiting = queue_order([j for j in own if JobState(j.state) != JobState.RUNNING])[:queue_limit]
+            if len(own_waiting) <= POSITION_QUERIES:
+                positions = {j.id: _position(s, j.priority, j.submit_time, j.id) for j in own_waiting}
+            else:
+                keys = sorted((-p, t, i) for i, p, t in s.execute(
+                    select(Job.id, Job.priority, Job.submit_time).where(_WAITING)))
+                positions = {j.id: bisect.bisect_left(keys, (-j.priority, j.submit_time, j.id)) + 1
+                             for j in own_waiting}
         # A job measured faster than it declared may read at its measured f* (measured_params.py)
         ids = [j.id for j in own_running]
         measured_fstar = {jid: f for jid, f in s.execute(

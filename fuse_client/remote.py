@@ -29,7 +29,7 @@ from typing import NamedTuple
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
 from contract.uri_policy import UriPolicy, UriRejected
-from fuse_client import beneath, http_index
+from fuse_client import beneath, http_index, item_stream
 from fuse_client.safe_http import HttpGuard
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
@@ -117,7 +117,7 @@ def single_try_options(url: str, policy: RetryPolicy) -> dict:
     timeout = policy.client_timeout_s
     if scheme in ("s3", "s3a"):
         return {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"},
-                                  "connect_timeout": timeout, "read_timeout": timeout}}
+                                  "connect_timeout": timeout, "read_timeout": policy.read_timeout_s}}
     if scheme in ("http", "https"):
         import aiohttp
 
@@ -339,36 +339,47 @@ class RemoteStore:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[Exception], None] = lambda exc: None,
+        on_progress: Callable[[], None] = lambda: None,
+        chunk_cap: Callable[[], int] = lambda: 4 * 1024 * 1024,
     ) -> int:
         """Stream the whole item through `write(data, offset)`, paying tokens before each chunk.
 
-        Returns the CRC-32 of the content. On an error the partial output is discarded with
-        `reset()` and the fetch restarts, up to `policy.attempts` tries, and only while the
-        remote has delivered something within the last `policy.deadline_s` (token waits do
-        not count); then RemoteFetchError (EIO) is raised.
+        Returns the CRC-32 of the content. `on_progress()` is called (from any thread) as each
+        piece of data arrives. A try that fails is retried after a backoff, resuming after the
+        bytes already written when the remote can send a validated range (item_stream.py);
+        otherwise, or when the object changed meanwhile, the output is discarded with `reset()`
+        and the fetch restarts from byte 0. Tries go on while the remote has delivered something
+        within the last `policy.deadline_s` (token waits do not count) and until
+        `policy.attempts` tries in a row delivered nothing; then RemoteFetchError (EIO).
+        Errors of `write` itself (the cache disk) are raised as they are: not the remote's.
         """
         policy = self.policy
         last: Exception | None = None
         progress = [clock()]  # last time the remote delivered data (or we finished a token wait)
-        for attempt in range(policy.attempts):
-            if attempt:
-                reset()
-                pause = policy.backoff(attempt)
-                # Start another try only if it can time out (client timeout) within the deadline.
-                if clock() + pause + policy.client_timeout_s - progress[0] > policy.deadline_s:
+        state = _FetchState()
+        failures = 0
+        while failures < policy.attempts:
+            if failures:
+                pause = policy.backoff(failures)
+                if clock() + pause - progress[0] >= policy.deadline_s:
                     break
                 sleep(pause)
+            before = state.offset
             try:
-                return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock)
-            except (InterruptedError, TokenWaitExpired):  # unmounting / the job's own allocation: not the remote's
+                return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock, state, reset,
+                                        on_progress, chunk_cap)
+            except (InterruptedError, TokenWaitExpired, StagingWriteError):
+                # unmounting / the job's own allocation / the cache disk: not the remote's
                 raise
             except FileNotFoundError as exc:
                 last = exc
-                log.warning("fetching %s (attempt %d/%d) failed: %s", entry.path, attempt + 1, policy.attempts, exc)
+                log.warning("fetching %s (try %d) failed: %s", entry.path, failures + 1, exc)
             except Exception as exc:
                 last = exc
                 on_error(exc)
-                log.warning("fetching %s (attempt %d/%d) failed: %s: %s", entry.path, attempt + 1, policy.attempts, type(exc).__name__, exc)
+                log.warning("fetching %s (try %d, %d of %d bytes staged) failed: %s: %s", entry.path, failures + 1,
+                            state.offset, entry.size, type(exc).__name__, exc)
+            failures = 1 if state.offset > before else failures + 1
             if clock() - progress[0] > policy.deadline_s:
                 break
         reset()
@@ -380,36 +391,135 @@ class RemoteStore:
             if entry.size and not f.read(1):
                 raise IOError(f"{entry.path!r} is empty, the listing says {entry.size} bytes")
 
-    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock) -> int:
-        crc, offset = 0, 0
-        chunk = chunk_size_for(throttle.rate)
-        if entry.size <= chunk and self.protocol in ("http", "https", "s3", "s3a"):
-            # An item that fits in one chunk (e.g. a 110 KB image): one request in one call into
-            # fsspec's event loop, instead of open + read + close (3 cross-thread round trips).
-            before = clock()
-            throttle.acquire(entry.size)
-            progress[0] += clock() - before
-            data = self.fs.cat_file(self._full(entry.path))
-            progress[0] = clock()
-            if len(data) != entry.size:
-                raise IOError(f"{entry.path!r} has {len(data)} bytes, the listing says {entry.size}")
-            on_remote_bytes(len(data))
-            write(data, 0)
-            return zlib.crc32(data)
-        with self._open(entry.path, chunk, entry.size) as f:
-            while offset < entry.size:
-                # Re-read the rate every chunk so that a new allocation changes the chunk size too.
-                chunk = chunk_size_for(throttle.rate)
-                want = min(chunk, entry.size - offset)
+    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock,
+                    state: "_FetchState", reset, on_progress, chunk_cap) -> int:
+        if self.protocol in ("http", "https", "s3", "s3a"):
+            return self._fetch_stream(entry, write, throttle, on_remote_bytes, progress, clock, state, reset,
+                                      on_progress, chunk_cap)
+        # A local (or NFS) file: a retry continues at the offset reached (the file is the same).
+        size = entry.size
+        with self._open(entry.path, 0, size) as f:
+            if state.offset:
+                f.seek(state.offset)
+            while state.offset < size:
+                want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
                 before = clock()
                 throttle.acquire(want)
                 progress[0] += clock() - before  # waiting for our own tokens is not the remote's fault
                 data = f.read(want)
                 progress[0] = clock()
+                on_progress()
                 if not data:
-                    raise IOError(f"{entry.path!r} ended at {offset} bytes, the listing says {entry.size}")
-                on_remote_bytes(len(data))
-                write(data, offset)
-                crc = zlib.crc32(data, crc)
-                offset += len(data)
-        return crc
+                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+                self._stage(data, state, write, on_remote_bytes)
+        return state.crc
+
+    @staticmethod
+    def _stage(data: bytes, state: "_FetchState", write, on_remote_bytes) -> None:
+        on_remote_bytes(len(data))
+        try:
+            write(data, state.offset)
+        except OSError as exc:
+            raise StagingWriteError(exc.errno, f"writing the staged copy failed: {exc.strerror or exc}") from exc
+        state.crc = zlib.crc32(data, state.crc)
+        state.offset += len(data)
+
+    def _fetch_stream(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock,
+                      state: "_FetchState", reset, on_progress, chunk_cap) -> int:
+        """One streaming GET (ranged after the bytes already staged when that can be checked),
+        read chunk by chunk with tokens paid before each; at most size + 1 bytes are read."""
+        size = entry.size
+        policy = self.policy
+        streams = self._streams()
+        resume = state.offset > 0 and state.validator is not None and (
+            state.validator.usable if self.protocol in ("http", "https") else bool(state.validator.etag))
+        if state.offset and not resume:
+            state.restart(reset)
+
+        def piece(n: int) -> None:
+            progress[0] = clock()
+            on_progress()
+
+        allowance = item_stream.monotonic_allowance(progress, policy.deadline_s, policy.read_timeout_s, clock)
+        full = self._full(entry.path)
+        want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
+        before = clock()
+        throttle.acquire(want)
+        progress[0] += clock() - before
+        # A whole item in one chunk: open, read and close in one trip to the event loop.
+        small = not state.offset and want >= size
+        try:
+            if small:
+                opened, data, exc = streams.get(full, 0, None, size + 1, piece, allowance)
+            else:
+                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance)
+        except item_stream.ObjectChanged:
+            state.restart(reset)
+            state.validator = None
+            raise
+        progress[0] = clock()
+        if opened.start != state.offset:  # the server sent it whole: a new version, or no ranges
+            state.restart(reset)
+        state.validator = opened.validator
+        try:
+            if small:
+                small = False  # closed on the event loop already
+                self._stage_checked(entry, data[:size], state, write, on_remote_bytes)
+                if len(data) > size:
+                    raise IOError(f"{entry.path!r} sends more than the listing's {size} bytes")
+                if exc is not None:
+                    raise exc
+                if state.offset < size:
+                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+                return state.crc
+            first = True
+            while state.offset < size:
+                if not first:
+                    want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
+                    before = clock()
+                    throttle.acquire(want)
+                    progress[0] += clock() - before
+                first = False
+                data, exc = streams.read(opened, want, piece, allowance)
+                self._stage_checked(entry, data, state, write, on_remote_bytes)
+                if exc is not None:
+                    raise exc
+                if len(data) < want:
+                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+            extra, exc = streams.read(opened, 1, piece, allowance)
+            if extra:
+                raise IOError(f"{entry.path!r} sends more than the listing's {size} bytes")
+            return state.crc
+        finally:
+            if not small:
+                streams.close(opened)
+
+    def _stage_checked(self, entry, data: bytes, state: "_FetchState", write, on_remote_bytes) -> None:
+        if data:
+            self._stage(data, state, write, on_remote_bytes)
+
+    def _streams(self) -> item_stream.ItemStreams:
+        streams = getattr(self, "_item_streams", None)
+        if streams is None:
+            streams = self._item_streams = item_stream.ItemStreams(self.fs, self.protocol, self.policy.client_timeout_s)
+        return streams
+
+
+class StagingWriteError(OSError):
+    """Writing a fetched item's staged copy failed (a full or failing cache disk): the cache's
+    problem, never counted against the remote."""
+
+
+@dataclass
+class _FetchState:
+    """What one item's fetch has staged so far, carried from one try to the next."""
+
+    offset: int = 0
+    crc: int = 0
+    validator: item_stream.Validator | None = None
+
+    def restart(self, reset: Callable[[], None]) -> None:
+        if self.offset:
+            reset()
+        self.offset = 0
+        self.crc = 0

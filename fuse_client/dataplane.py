@@ -100,6 +100,9 @@ class ItemResolver:
         self._pool.shutdown()
         self.flights.abort_all(InterruptedError("unmounting"))
 
+    def lanes_snapshot(self) -> dict:
+        return self._pool.snapshot()
+
     def fetches_running(self) -> int:
         with self._active_lock:
             return self._active

@@ -92,9 +92,11 @@ class FetchLanes:
         if not self._queue:
             return
         if self._fast_free > 0:
-            if self._idle > 0:
-                self._cv.notify()
-            elif self._threads < self.fast + self.slow:
+            runnable = min(len(self._queue), self._fast_free)
+            woken = min(runnable, self._idle)
+            if woken:
+                self._cv.notify(woken)
+            for _ in range(min(runnable - woken, self.fast + self.slow - self._threads)):
                 self._threads += 1
                 threading.Thread(target=self._work, name=f"{self._name}-{self._threads}", daemon=True).start()
         elif self._slow_free > 0 and not self._monitor:

@@ -64,6 +64,8 @@ class MountConfig:
     fuse_threads: int = DEFAULT_FUSE_THREADS
     pod_stats: bool = False  # count reads per pod (caller's cgroup) into the stats file's "pods"
     fetch_workers: int = 16
+    slow_fetches: int = 64  # the slow lane of the fetch pool (fetch_lanes.py)
+    memory_staging_bytes: int = 256 * 1024 * 1024  # misses staged in memory while the cache disk refuses
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
     probe_interval_s: float = 1.0
@@ -108,6 +110,7 @@ class ControlLoop:
         self.link = None  # the ManagerLink with --manager; its `connected` goes into the stats
         self.recovery: RecoveryReport | None = None
         self.breaker = None  # the resolver's CircuitBreaker, reported in the stats
+        self.resolver = None  # the ItemResolver: its fetch lanes and memory staging go into the stats
         self.verifier: BackgroundVerifier | None = None
         self.frontend = None  # the serving front end (frontend.Frontend), reported in the stats
         self._last_sweep = 0.0
@@ -188,6 +191,9 @@ class ControlLoop:
                 remote_consecutive_failures=self.breaker.consecutive_failures,
                 remote_last_error=self.breaker.last_error or None,
             )
+        if self.resolver is not None:
+            out["fetch_lanes"] = self.resolver.lanes_snapshot()
+            out.update(self.resolver.memory_staging.snapshot(), cache_dir=str(self.cfg.cache_dir))
         if self.frontend is not None:
             out.update(self.frontend.stats())
         if self.recovery is not None:
@@ -334,6 +340,10 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--fuse-threads {cfg.fuse_threads}: must be between 1 and 4096")
     if not 1 <= cfg.fetch_workers <= 1024:
         raise UserError(f"--fetch-workers {cfg.fetch_workers}: must be between 1 and 1024")
+    if not 0 <= cfg.slow_fetches <= 4096:
+        raise UserError(f"--slow-fetches {cfg.slow_fetches}: must be between 0 and 4096")
+    if cfg.memory_staging_bytes < 0:
+        raise UserError(f"--memory-staging {cfg.memory_staging_bytes}: must be >= 0 bytes")
     if not (0 < cfg.open_deadline_s <= 3600):
         raise UserError(f"--open-deadline {cfg.open_deadline_s}: must be > 0 and <= 3600 seconds")
     if not 1 <= cfg.breaker_threshold <= 10_000:
@@ -454,8 +464,10 @@ def run_mount(cfg: MountConfig) -> int:
         link.register()
 
     breaker = CircuitBreaker(cfg.source, threshold=cfg.breaker_threshold, probe_interval_s=cfg.probe_interval_s)
-    resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers)
+    resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers,
+                            slow_fetches=cfg.slow_fetches, memory_staging_bytes=cfg.memory_staging_bytes)
     control.breaker = breaker
+    control.resolver = resolver
     if recovery.ran and cache.verify_pending:
         control.verifier = BackgroundVerifier(cache)
         control.verifier.start()

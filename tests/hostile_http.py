@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Behaviour:
     trickle_rate: float | None = None  # bytes/s
-    pause_at: int | None = None
+    pause_at: int | tuple[int, ...] | None = None  # one offset, or several (each pauses once)
     pause_s: float = 0.0
     drop_at: int | None = None
     drop_every: int | None = None  # cut each misbehaving response after this many body bytes
@@ -175,8 +175,10 @@ class HostileSource:
                 req.sent += end - pos
                 self._abort(h)
                 return
+            pauses = () if b is None or b.pause_at is None else (
+                (b.pause_at,) if isinstance(b.pause_at, int) else tuple(b.pause_at))
             if b is not None:
-                for mark in (b.pause_at, b.drop_at, b.replace_at):
+                for mark in (*pauses, b.drop_at, b.replace_at):
                     if mark is not None and at < mark < start + end:
                         end = mark - start
             h.wfile.write(body[pos:end])
@@ -184,7 +186,7 @@ class HostileSource:
             pos = end
             at = start + pos
             if b is not None:
-                if b.pause_at is not None and at == b.pause_at:
+                if at in pauses:
                     h.wfile.flush()
                     time.sleep(b.pause_s)
                 if b.drop_at is not None and at == b.drop_at:

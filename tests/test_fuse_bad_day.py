@@ -214,3 +214,94 @@ def test_an_s3_object_replaced_mid_fetch_is_never_staged_as_a_mix(moto_endpoint,
     store = RemoteStore(f"s3://{bucket}/ds")
     got, _ = _fetch(store, "a.bin", len(old), throttle=_NoWait(overwrite))
     assert got in (old, new), "staged a mix of two versions"
+
+
+# -- through real mounts, both front ends --------------------------------------------------------
+
+BACKENDS = ["libfuse", "raw"]
+
+
+def _backend_args(backend: str) -> list[str]:
+    if backend == "raw" and os.geteuid() != 0:
+        pytest.skip("the raw front end mounts with mount(2): run as root")
+    return ["--fuse-backend", backend]
+
+
+def _read(path: Path) -> bytes | OSError:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        return exc
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_slow_but_alive_item_reaches_its_reader(tmp_path, backend):
+    """Item 2: an item trickling for 5 s under a 1 s deadline (stall limit 2.5 s) is read whole.
+    Before: the reader got EIO after the stall limit (progress was stamped only when the whole
+    item had arrived), and so did every re-open until the background fetch ended."""
+    data = _data(40_000)
+    src = HostileSource({"slow.bin": data, "ok.bin": _data(5_000, 1)},
+                        {"slow.bin": Behaviour(trickle_rate=8_000, times=100)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "1") as m:
+            t0 = time.monotonic()
+            got = _read(m.mountpoint / "slow.bin")
+            assert not isinstance(got, OSError), f"{got!r} after {time.monotonic() - t0:.1f} s\n{m.log()}"
+            assert got == data
+            assert time.monotonic() - t0 > 3.0  # it really was slower than the stall limit
+    finally:
+        src.close()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slow_items_do_not_hold_the_fetch_workers_healthy_items_need(tmp_path, backend):
+    """Item 2: with 2 fetch workers, 4 items trickling for 6 s must not make 20 healthy items wait
+    (before: the healthy opens queued behind them and failed with EIO at the stall limit)."""
+    slow = {f"slow{i}.bin": _data(24_000, 10 + i) for i in range(4)}
+    healthy = {f"ok{i:02d}.bin": _data(10_000, 100 + i) for i in range(20)}
+    src = HostileSource({**slow, **healthy}, {n: Behaviour(trickle_rate=4_000, times=100) for n in slow})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "2", "--fetch-workers", "2") as m:
+            results: dict[str, bytes | OSError] = {}
+            readers = [threading.Thread(target=lambda n=n: results.__setitem__(n, _read(m.mountpoint / n)))
+                       for n in slow]
+            for t in readers:
+                t.start()
+            time.sleep(1.5)  # the slow ones hold the fast lane by now
+            t0 = time.monotonic()
+            for name, want in healthy.items():
+                got = _read(m.mountpoint / name)
+                assert got == want, f"{name}: {got!r}\n{m.log()}"
+            healthy_s = time.monotonic() - t0
+            for t in readers:
+                t.join(30)
+            assert healthy_s < 3.0, f"healthy items took {healthy_s:.1f} s: they waited behind the slow ones"
+            for name, want in slow.items():
+                assert results[name] == want, f"{name}: {results[name]!r}\n{m.log()}"
+            lanes = m.fresh_stats()["fetch_lanes"]
+            assert lanes["moved_to_slow_lane"] >= 2, lanes
+    finally:
+        src.close()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_pauses_mid_transfer_cost_resumes_not_the_item(tmp_path, backend):
+    """Item 3: two pauses longer than the read timeout (deadline 2 s: 1 s) in one item: the
+    reader gets the item, fetched once plus the resumed rest (before: EIO)."""
+    data = _data(2_000_000, 5)
+    src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(pause_at=(1_000_000, 1_500_000), pause_s=1.6, times=2)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "2") as m:
+            got = _read(m.mountpoint / "big.bin")
+            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
+            reqs = src.item_requests("big.bin")
+            assert len(reqs) == 3 and all(r.range for r in reqs[1:]), [(r.range, r.sent) for r in reqs]
+            assert sum(r.sent for r in reqs) < 1.5 * len(data)
+    finally:
+        src.close()

@@ -65,6 +65,8 @@ class MountConfig:
     pod_stats: bool = False  # count reads per pod (caller's cgroup) into the stats file's "pods"
     fetch_workers: int = 16
     slow_fetches: int = 64  # the slow lane of the fetch pool (fetch_lanes.py)
+    max_index_bytes: int = 32 * 1024 * 1024  # one directory index page of an http(s) source
+    max_listing_entries: int = 1_500_000
     memory_staging_bytes: int = 256 * 1024 * 1024  # misses staged in memory while the cache disk refuses
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
@@ -342,6 +344,10 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--fetch-workers {cfg.fetch_workers}: must be between 1 and 1024")
     if not 0 <= cfg.slow_fetches <= 4096:
         raise UserError(f"--slow-fetches {cfg.slow_fetches}: must be between 0 and 4096")
+    if cfg.max_index_bytes < 1024:
+        raise UserError(f"--max-index-bytes {cfg.max_index_bytes}: must be at least 1 KiB")
+    if cfg.max_listing_entries < 1:
+        raise UserError(f"--max-listing-entries {cfg.max_listing_entries}: must be >= 1")
     if cfg.memory_staging_bytes < 0:
         raise UserError(f"--memory-staging {cfg.memory_staging_bytes}: must be >= 0 bytes")
     if not (0 < cfg.open_deadline_s <= 3600):
@@ -409,7 +415,7 @@ def run_mount(cfg: MountConfig) -> int:
     from fuse_client.operations import DatasetOperations
     from fuse_client.manager_link import ClientRegistration, ManagerLink
     from contract.credentials import ANONYMOUS_ENV, SourceCredential
-    from fuse_client.remote import RemoteStore
+    from fuse_client.remote import ListingLimits, RemoteStore
     from fuse_client.token_bucket import Throttle
     from contract.uri_policy import ENV as ALLOWED_URIS_ENV, UriPolicy
 
@@ -424,7 +430,8 @@ def run_mount(cfg: MountConfig) -> int:
     # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
     # Every request, redirect and connection of the store is held to `allow` (safe_http.py).
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),
-                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow)
+                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow,
+                        limits=ListingLimits(cfg.max_index_bytes, cfg.max_listing_entries))
     snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
     listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
     if listing is not None:

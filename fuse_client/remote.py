@@ -145,7 +145,8 @@ class RemoteStore:
     """An fsspec file system rooted at the dataset URL."""
 
     def __init__(self, url: str, policy: RetryPolicy | None = None, credential: SourceCredential | None = None,
-                 anonymous: bool = False, allow: UriPolicy | None = None) -> None:
+                 anonymous: bool = False, allow: UriPolicy | None = None,
+                 limits: "ListingLimits | None" = None) -> None:
         """`allow`: the operator's allow-list; every HTTP request, redirect and connection of this
         store is held to it (without one, to the source's own prefix: safe_http.py), and a
         `file://` source under one of its prefixes is opened beneath that prefix (beneath.py)."""
@@ -153,6 +154,7 @@ class RemoteStore:
 
         self.url = url
         self.policy = policy or RetryPolicy()
+        self.limits = limits or ListingLimits()
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         if scheme not in SUPPORTED_SCHEMES:
             # Checked before fsspec, which would otherwise try to connect (ftp://) or import a driver.
@@ -233,6 +235,7 @@ class RemoteStore:
             raise UserError(f"--source {self.url!r} is unreachable: {type(exc).__name__}: {exc}") from exc
         if not sizes:
             raise UserError(f"--source {self.url!r} contains no files")
+        self._count_entries(len(sizes))
         return DatasetListing.from_sizes(sizes)
 
     def _list_local(self) -> dict[str, int]:
@@ -272,17 +275,72 @@ class RemoteStore:
             log.warning("--source %s: %r cannot be resolved (%s); left out", self.url, rel, exc.strerror)
         return False
 
+    def _count_entries(self, n: int) -> None:
+        if n > self.limits.max_entries:
+            raise UserError(f"--source {self.url!r} lists more than {self.limits.max_entries} entries; the listing is "
+                            f"kept in memory (about 0.4 KB per item), so a larger one needs --max-listing-entries")
+
+    def _listing_call(self, what: str, fn: Callable[[], object]):
+        """One request of the listing, retried with backoff while the remote has answered within
+        the deadline: one 500 must not fail a mount. Not found and our own refusals are final."""
+        policy = self.policy
+        t0 = time.monotonic()
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return fn()
+            except (UserError, FileNotFoundError, UriRejected, PermissionError):
+                raise
+            except Exception as exc:
+                pause = policy.backoff(attempt)
+                if attempt == policy.attempts or time.monotonic() + pause - t0 > policy.deadline_s:
+                    raise
+                log.warning("listing %s: %s failed (%s: %s); retrying in %.1f s", self.url, what, type(exc).__name__,
+                            exc, pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def _get_index(self, url: str) -> tuple[bytes, str | None]:
+        """The body (at most --max-index-bytes) and Content-Type of the index page `url`."""
+        cap = self.limits.max_index_bytes
+
+        async def get() -> tuple[bytes, str | None]:
+            session = await self.fs.set_session()
+            async with session.get(self.fs.encode_url(url), **self.fs.kwargs) as r:
+                if r.status == 404:
+                    raise FileNotFoundError(url)
+                r.raise_for_status()
+                parts, got = [], 0
+                while True:
+                    piece = await r.content.read(min(1 << 20, cap + 1 - got))
+                    if not piece:
+                        break
+                    parts.append(piece)
+                    got += len(piece)
+                    if got > cap:
+                        raise UserError(f"--source {self.url!r}: the directory index {url!r} is larger than "
+                                        f"{cap} bytes (--max-index-bytes); it is read into memory, so a larger "
+                                        "one needs a higher limit")
+                return b"".join(parts), r.headers.get("Content-Type")
+
+        from fsspec.asyn import sync
+
+        return self._listing_call(f"GET {url}", lambda: sync(self.fs.loop, get))
+
     def _list_http(self) -> dict[str, int]:
         base = self.root.rstrip("/") + "/"
-        first = self.fs.cat_file(base)
+        first, ctype = self._get_index(base)
         if http_index.looks_like_json_index(first):
             return self._list_http_json(base, first)
         sizes: dict[str, int] = {}
-        pending = [base]
+        pending: list[tuple[str, bytes | None, str | None]] = [(base, first, ctype)]
+        seen = 0
         while pending:
-            url = pending.pop()
-            for info in self.fs.ls(url, detail=True):
-                name = info["name"]
+            url, body, ctype = pending.pop()
+            if body is None:
+                body, ctype = self._get_index(url)
+            links = http_index.html_links(body, ctype, url)
+            del body
+            for name in links:
                 rel = _rel_beneath(base, name)
                 if rel is None:  # links that leave the dataset (parent directory, absolute links, %2e%2e)
                     if name.startswith(base):
@@ -290,12 +348,12 @@ class RemoteStore:
                     continue
                 if not rel:
                     continue
-                if name.endswith("/") or info.get("type") == "directory":
-                    pending.append(name if name.endswith("/") else name + "/")
+                seen += 1
+                self._count_entries(seen)
+                if name.endswith("/"):
+                    pending.append((name, None, None))
                     continue
-                size = info.get("size")
-                if size is None:
-                    size = self.fs.info(name).get("size")
+                size = self._listing_call(f"HEAD {name}", lambda: self.fs.info(name).get("size"))
                 if size is None:
                     raise UserError(f"--source {self.url!r}: the server reports no size for {name!r}")
                 sizes[rel] = int(size)
@@ -307,11 +365,15 @@ class RemoteStore:
         mount shows the same names whichever index the server sends."""
         sizes: dict[str, int] = {}
         pending: list[tuple[str, bytes | None]] = [(base, first)]
+        seen = 0
         while pending:
             url, body = pending.pop()
             if body is None:
-                body = self.fs.cat_file(url)
-            for entry in http_index.parse_json_index(body, url, self.url):
+                body, _ = self._get_index(url)
+            entries = http_index.parse_json_index(body, url, self.url, max_entries=self.limits.max_entries - seen)
+            del body
+            seen += len(entries)
+            for entry in entries:
                 if entry.is_dir:
                     pending.append((f"{url}{entry.url_name}/", None))
                 else:
@@ -503,6 +565,16 @@ class RemoteStore:
         if streams is None:
             streams = self._item_streams = item_stream.ItemStreams(self.fs, self.protocol, self.policy.client_timeout_s)
         return streams
+
+
+@dataclass(frozen=True)
+class ListingLimits:
+    """What a source may make the mount hold while listing: the listing lives in memory for the
+    mount's lifetime and index pages are parsed whole, so both are capped (a hostile or broken
+    source otherwise decides how much memory the mount, a root process, takes)."""
+
+    max_index_bytes: int = 32 * 1024 * 1024  # one directory index page
+    max_entries: int = 1_500_000  # files and directories of the whole listing
 
 
 class StagingWriteError(OSError):

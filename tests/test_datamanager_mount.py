@@ -123,6 +123,8 @@ def test_metrics_show_per_job_bytes_open_latency_and_breaker_state(tmp_path):
             assert samples[("silod_job_remote_fetched_bytes_total", lab())] == ds.total
             assert samples[("silod_remote_breaker_open", lab())] == 0
             assert samples[("silod_job_remote_errors_total", lab())] == 0
+            # The cache disk is named apart from the remote (issue 45: a full disk is not a remote error).
+            assert samples[("silod_job_cache_disk_errors_total", lab(("cache_dir", str(tmp_path / "cache"))))] == 0
             assert samples[("silod_job_open_latency_seconds_count", lab(("result", "hit")))] == 30
             assert samples[("silod_job_open_latency_seconds_count", lab(("result", "miss")))] == 30
             assert samples[("silod_job_open_latency_seconds_bucket", lab(("le", "+Inf"), ("result", "hit")))] == 30

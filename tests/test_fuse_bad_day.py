@@ -305,3 +305,32 @@ def test_two_pauses_mid_transfer_cost_resumes_not_the_item(tmp_path, backend):
             assert sum(r.sent for r in reqs) < 1.5 * len(data)
     finally:
         src.close()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_full_cache_disk_is_a_cache_problem_not_a_remote_one(tmp_path, backend):
+    """Item 4: with the cache disk full (a real tmpfs filled to its last block), misses are
+    served from memory, the breaker stays closed and the stats name the disk. Before: ENOSPC on
+    the staging write counted as a remote error, the breaker opened for a healthy remote and
+    every miss failed."""
+    from dataplane_helpers import make_dataset, read_epoch
+    from full_disk import fill_to_the_last_block, tiny_tmpfs
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    ds = make_dataset(tmp_path / "src", n_files=30, min_size=40_000, max_size=60_000)
+    with tiny_tmpfs(tmp_path / "disk", size="1m") as disk:
+        cache = disk / "cache"
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, *_backend_args(backend),
+                     "--breaker-threshold", "2") as m:
+            fill_to_the_last_block(disk / "filler")
+            read_epoch(m.mountpoint, ds, seed=1)  # every item right, none cached
+            read_epoch(m.mountpoint, ds, seed=2)
+            s = m.fresh_stats()
+            assert s["remote_breaker_state"] == "closed" and s["remote_breaker_opened_total"] == 0, s
+            assert s["failed_opens"] == 0
+            assert s["cache_disk_errors"] > 0 and s["memory_staged_items"] >= 2 * len(ds.sizes) - s["items_cached"] * 2
+            assert str(cache) in s["cache_disk_last_error"] and "ENOSPC" in s["cache_disk_last_error"], s
+            assert s["memory_staging_used_bytes"] == 0
+            assert "the remote is not at fault" in m.log()

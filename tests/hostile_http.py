@@ -56,7 +56,9 @@ class HostileSource:
     items: dict[str, bytes]
     behaviour: dict[str, Behaviour] = field(default_factory=dict)
     index_body: bytes | None = None  # a hostile index instead of the real one
-    index_chunks: int = 0  # ... sent as this many chunks of index_body (no Content-Length)
+    # ... or one streamed from this generator (no Content-Length), with this Content-Type
+    index_stream: object = None
+    index_type: str = "application/json"
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -102,15 +104,18 @@ class HostileSource:
         with self.lock:
             self.requests.append(req)
         if h.path == "/ds/":
-            if self.index_body is not None and self.index_chunks:
+            if self.index_stream is not None:
                 h.send_response(200)
-                h.send_header("Content-Type", "application/json")
+                h.send_header("Content-Type", self.index_type)
+                h.send_header("Connection", "close")
                 h.end_headers()
-                for _ in range(self.index_chunks):
-                    try:
-                        h.wfile.write(self.index_body)
-                    except OSError:
-                        return
+                try:
+                    for piece in self.index_stream():
+                        h.wfile.write(piece)
+                        req.sent += len(piece)
+                except OSError:  # the client stopped reading
+                    pass
+                h.close_connection = True
                 return
             body = self.index_body if self.index_body is not None else self._index()
             self._send(h, req, 200, {"Content-Type": "application/json"}, body, head)
@@ -136,7 +141,6 @@ class HostileSource:
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         body = data[start:]
         if b is not None and b.oversend:
-            body = body + bytes(b.oversend)
             headers["Content-Length"] = None  # close-delimited: the server decides the length
         self._send(h, req, status, headers, body, head, name, b if (b is not None and misbehave) else None, start,
                    b if b is not None and b.trickle_rate else None)
@@ -156,6 +160,14 @@ class HostileSource:
             return
         try:
             self._body(h, req, body, name, b, start, trickle)
+            over = self.behaviour.get(name) if name else None
+            if over is not None and over.oversend:  # generated as it is sent: never in memory here
+                zeros = bytes(1 << 20)
+                left = over.oversend
+                while left > 0:
+                    h.wfile.write(zeros[:min(left, len(zeros))])
+                    req.sent += min(left, len(zeros))
+                    left -= len(zeros)
         except OSError:  # the client went away
             pass
         h.close_connection = True

@@ -334,3 +334,95 @@ def test_a_full_cache_disk_is_a_cache_problem_not_a_remote_one(tmp_path, backend
             assert str(cache) in s["cache_disk_last_error"] and "ENOSPC" in s["cache_disk_last_error"], s
             assert s["memory_staging_used_bytes"] == 0
             assert "the remote is not at fault" in m.log()
+
+
+# -- memory: what a hostile source can make the mount hold (item 5) ------------------------------
+
+RSS_LIMIT_KB = 300 * 1024
+
+
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def _failed_mount_peak_rss(tmp_path: Path, source: str, *extra: str) -> tuple[int, str, int]:
+    """Run a `silod mount` that is expected to fail; returns its exit code, output and peak RSS
+    (a wrapper process waits for it and reads its children's ru_maxrss)."""
+    from dataplane_helpers import silod_cmd
+
+    (tmp_path / "mnt").mkdir(exist_ok=True)
+    wrapper = ("import resource, subprocess, sys\n"
+               "p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)\n"
+               "sys.stdout.write(f'{p.returncode} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}\\n' + p.stdout + p.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", wrapper, *silod_cmd(), "mount", str(tmp_path / "mnt"),
+                          "--source", source, "--dataset", "ds", "--job", "j", "--cache-dir", str(tmp_path / "cache"),
+                          *extra], capture_output=True, text=True, timeout=180).stdout
+    head, _, rest = out.partition("\n")
+    rc, peak = map(int, head.split())
+    return rc, rest, peak
+
+
+@pytest.mark.fuse
+def test_an_item_that_sends_far_more_than_listed_does_not_grow_the_mount(tmp_path):
+    """An item listed at 1,000 bytes that sends 1.5 GB: read up to 1,001 bytes, EIO, peak RSS
+    far below the limit (before: 3.1 GB, the whole body was read into memory)."""
+    src = HostileSource({"a.bin": _data(1000), "ok.bin": _data(1000, 1)},
+                        {"a.bin": Behaviour(oversend=1_500_000_000, times=10**6)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", "--open-deadline", "2") as m:
+            got = _read(m.mountpoint / "a.bin")
+            assert isinstance(got, OSError) and got.errno == 5, got
+            assert (m.mountpoint / "ok.bin").read_bytes() == src.items["ok.bin"]
+            peak = _peak_rss_kb(m.proc.pid)
+            assert "more than the listing" in m.log()
+        assert peak < RSS_LIMIT_KB, f"peak RSS {peak} kB"
+        print(f"1.5 GB item: peak RSS {peak / 1024:.0f} MB")
+        assert sum(r.sent for r in src.item_requests("a.bin")) < 200_000_000
+    finally:
+        src.close()
+
+
+def _html_flood():
+    page = "".join(f'<a href="item{i:07d}.bin">item{i:07d}.bin</a>\n' for i in range(20_000)).encode()
+    for _ in range(1_500_000_000 // len(page)):  # 1.5 GB, generated as it is sent
+        yield page
+
+
+def _json_flood(entries: int):
+    def gen():
+        yield b"["
+        step = 10_000
+        for start in range(0, entries, step):
+            yield ",".join(f'{{"name":"f{i:08d}","type":"file","size":1}}'
+                           for i in range(start, min(entries, start + step))).encode() + (b"," if start + step < entries else b"")
+        yield b"]"
+    return gen
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("flood", ["html-1.5GB", "json-2M-entries", "json-entries-over-the-limit"])
+def test_a_hostile_index_fails_the_mount_with_a_message_and_bounded_memory(tmp_path, flood):
+    """A 1.5 GB HTML index (before: 5.3 GB of RSS) and a 2,000,000-entry JSON index (before:
+    1.1 GB) are refused at --max-index-bytes; a JSON index within it but with more entries than
+    --max-listing-entries is refused too. Each with one line naming the limit, exit 2, and a peak
+    RSS within the limit."""
+    src = HostileSource({"ok.bin": b"x"})
+    extra: list[str] = []
+    if flood == "html-1.5GB":
+        src.index_stream, src.index_type = _html_flood, "text/html"
+        limit = "is larger than 33554432 bytes (--max-index-bytes)"
+    elif flood == "json-2M-entries":
+        src.index_stream = _json_flood(2_000_000)
+        limit = "is larger than 33554432 bytes (--max-index-bytes)"
+    else:
+        src.index_stream = _json_flood(300_000)  # 12 MB: within the page limit
+        extra = ["--max-listing-entries", "100000"]
+        limit = "lists more entries than --max-listing-entries allows"
+    try:
+        rc, out, peak = _failed_mount_peak_rss(tmp_path, src.url, *extra)
+    finally:
+        src.close()
+    assert rc == 2 and limit in " ".join(out.split()), out
+    assert peak < RSS_LIMIT_KB, f"peak RSS {peak} kB"
+    print(f"{flood}: peak RSS {peak / 1024:.0f} MB")

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -123,7 +124,13 @@ class ControlLoop:
     # Called by ManagerLink with what the manager says; None fields keep the current value.
     def on_allocation(self, pulled) -> None:
         if pulled.remote_io_bytes_per_s is not None:
-            self.throttle.set_rate(float(pulled.remote_io_bytes_per_s))
+            rate = float(pulled.remote_io_bytes_per_s)
+            if rate != self.throttle.rate:
+                try:
+                    self.cache.save_io_rate(self.cfg.job, rate)
+                except (OSError, sqlite3.Error) as exc:  # a full cache disk: the rate still applies
+                    log.warning("saving the IO rate of job %s in the cache index failed: %s", self.cfg.job, exc)
+            self.throttle.set_rate(rate)
         mode = getattr(pulled, "cache_mode", None)
         if mode is not None:
             with self._lock:
@@ -468,6 +475,10 @@ def run_mount(cfg: MountConfig) -> int:
         )
         link = ManagerLink(cfg.manager, reg, control.stats, control.on_allocation)
         control.link = link
+        saved = cache.saved_io_rate(cfg.job) if math.isinf(cfg.io_rate) else None
+        if saved is not None:  # until the manager answers: its last word, not unthrottled
+            throttle.set_rate(saved)
+            log.info("job %s starts at its last IO rate from the data manager, %s B/s", cfg.job, saved)
         link.register()
 
     breaker = CircuitBreaker(cfg.source, threshold=cfg.breaker_threshold, probe_interval_s=cfg.probe_interval_s)

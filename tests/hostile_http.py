@@ -59,6 +59,7 @@ class HostileSource:
     # ... or one streamed from this generator (no Content-Length), with this Content-Type
     index_stream: object = None
     index_type: str = "application/json"
+    index_failures: int = 0  # the first this many index requests answer 500
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -104,6 +105,12 @@ class HostileSource:
         with self.lock:
             self.requests.append(req)
         if h.path == "/ds/":
+            with self.lock:
+                fail = self.index_failures > 0
+                self.index_failures -= fail
+            if fail:
+                self._send(h, req, 500, {}, b"try again", head)
+                return
             if self.index_stream is not None:
                 h.send_response(200)
                 h.send_header("Content-Type", self.index_type)

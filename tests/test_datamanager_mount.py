@@ -190,3 +190,24 @@ def test_a_mount_with_a_node_bound_token_registers_and_pulls_its_allocation(tmp_
                     wait_until(lambda: not m.stats()["manager_connected"], 5.0, message="refused with node n2's token")
     finally:
         dm.kill()
+
+
+def test_a_mount_restarted_while_the_manager_is_down_keeps_the_last_io_rate(tmp_path):
+    """Issue 45: the IO rate is kept beside the cache allocation, so a mount restarted during a
+    manager outage throttles at the manager's last rate (before: it ran unthrottled)."""
+    ds = make_dataset(tmp_path / "remote", n_files=5, seed=4)
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as sched:
+            sched.allocate_remote_io("job1", 250e3)
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 250e3, 3.0, message="rate pulled")
+        dm.kill()
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            s = m.fresh_stats()
+            assert s["manager_connected"] is False and s["io_rate_bytes_per_s"] == 250e3, s
+        # Another job of the same dataset has no saved rate of its own.
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job2", tmp_path / "cache", "--manager", dm.url) as m:
+            assert m.fresh_stats()["io_rate_bytes_per_s"] is None
+    finally:
+        dm.kill()

@@ -816,9 +816,11 @@ class KubernetesBackend(ClusterBackend):
                 wl = self.workloads.get(ref.uid)
                 adm = self._admitted.get(job_id)
                 if wl is None:
-                    if job_id in self._admitted or job_id in self._deferred:
-                        self._events.append(JobEvent(job_id, "failed", time=now,
-                                                     message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
+                    # Deleted (by its owner, or with its namespace): whatever silod held for it, an
+                    # admission, a placement it waits for or a place in the queue, ends this round.
+                    # (The deferred loop above has already dropped it from _deferred.)
+                    self._events.append(JobEvent(job_id, "failed", time=now,
+                                                 message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
                     self._admitted.pop(job_id, None)
                     self._deferred.pop(job_id, None)
                     self._forget(job_id)

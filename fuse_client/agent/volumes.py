@@ -91,6 +91,9 @@ def mount_env(src: DatasetSource) -> dict[str, str]:
     return env
 
 
+MAX_LAYERS = 64  # binds stacked on one target by agent restarts that unpublish takes down
+
+
 def _run(*args: str) -> None:
     r = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
@@ -179,8 +182,13 @@ class VolumeManager:
                 try:
                     src = self._dataset_mount(self._recorded_source(rec, resolver))
                     if not healthy(target):
-                        if is_mountpoint(target) or not _listable(target):
-                            unmount(target)
+                        # Stack the new bind on the dead one instead of unmounting it: a running
+                        # pod's view of the target is a copy in its own mount namespace, a slave
+                        # of this mount when its volumeMount has mountPropagation HostToContainer
+                        # (the admission webhook sets it). A mount on top of this one propagates
+                        # to that copy; an unmount followed by a new mount at the same path does
+                        # not (the new mount's parent is kubelet's directory, not this mount), and
+                        # the pod would keep reading ENOTCONN. unpublish unmounts every layer.
                         self._bind(src, target)
                     repaired.append(vid)
                 except (MountError, UserError) as exc:
@@ -348,7 +356,9 @@ class VolumeManager:
         with self.lock:
             resolved = path.parent.resolve() / path.name if path.is_absolute() else path
             rec = self.volumes.get((volume_id, str(resolved)))
-            if is_mountpoint(path) or (path.exists() and not _listable(path)):
+            for _ in range(MAX_LAYERS):  # a bind per agent restart may be stacked here (recover)
+                if not (is_mountpoint(path) or (path.exists() and not _listable(path))):
+                    break
                 unmount(path)
             try:
                 path.rmdir()  # CSI: the SP removes the target it created

@@ -233,6 +233,22 @@ def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, cli
         raise UserError(f"--webhook-cert/--webhook-key: {exc}") from None
 
 
+def _ca_keeper(webhook: Any, cert: Path | None, ca: Path | None, configuration: str,
+               backend_opt: list[str] | None):  # type: ignore[no-untyped-def]
+    """What keeps the webhook configuration's caBundle trusting our certificate (cabundle.py), or
+    None without a webhook or with --webhook-configuration none."""
+    if webhook is None or configuration.lower() == "none" or cert is None:
+        if ca is not None and webhook is None:
+            raise UserError("--webhook-ca needs --webhook-listen")
+        return None
+    from scheduler.backends.kubernetes import load_api_client
+    from scheduler.backends.kubernetes.cabundle import CaBundleKeeper, webhook_ca
+
+    opts = dict(parse_backend_opts(backend_opt))
+    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
+    return CaBundleKeeper(api, webhook_ca(cert, ca), configuration)
+
+
 def build_api_service(
     *,
     db: str,
@@ -584,6 +600,23 @@ class _SchedulerSupervisor:
                 self.proc.kill()
 
 
+def _refuse_placeholder_secrets(db: str | None, tokens: Path | None) -> None:
+    """deploy/base/secret.yaml's placeholders (SILOD_* variables, --db, the --tokens file) stop the start."""
+    from contract.placeholders import refuse_placeholders
+
+    given: dict[str, tuple[str, str | None]] = {"--db": ("database-url", db)}
+    if tokens is not None and tokens.is_file():
+        from scheduler.service.api.auth import parse_tokens_file
+
+        try:
+            entries = parse_tokens_file(tokens)
+        except (OSError, UserError, ValueError):
+            entries = []  # the token store reports a bad file with its own message
+        for user, token in entries:
+            given[f"--tokens {tokens} (user {user})"] = ("tokens", token)
+    refuse_placeholders(given)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -619,6 +652,8 @@ def register(app: typer.Typer) -> None:
         webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
         webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
         webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
+        webhook_ca: Annotated[Path | None, typer.Option("--webhook-ca", help="CA of --webhook-cert, written into the webhook configuration's caBundle [default: ca.crt beside --webhook-cert, else the certificate itself when self-signed]")] = None,
+        webhook_configuration: Annotated[str, typer.Option("--webhook-configuration", help="MutatingWebhookConfiguration whose caBundle silod keeps trusting --webhook-ca (at start, then every minute); 'none': cert-manager or you manage it")] = "silod-suspend",
         webhook_admitter: Annotated[list[str] | None, typer.Option("--webhook-admitter", help="user (as the API server authenticates it) allowed to unsuspend queued workloads: silod's service account (repeatable) [default: system:serviceaccount:$POD_NAMESPACE:silod-scheduler, namespace silod-system when unset]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
@@ -628,6 +663,7 @@ def register(app: typer.Typer) -> None:
         from estimator.units import parse_size
 
         log_level = parse_log_level(log_level)
+        _refuse_placeholder_secrets(db, tokens)
         host, port = parse_free_listen(listen)
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
@@ -643,6 +679,7 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--workers {workers} must be between 1 and 64")
         webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
                                   webhook_admitter)
+        ca_keeper = _ca_keeper(webhook, webhook_cert, webhook_ca, webhook_configuration, backend_opt)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir
         _prepare_state_dir(state_dir)
@@ -719,6 +756,15 @@ def register(app: typer.Typer) -> None:
         if webhook is not None:
             webhook.start()
             typer.echo(f"  admission webhook {webhook.url}", err=True)
+        if ca_keeper is not None:
+            try:
+                ca_keeper.start()
+            except UserError:
+                if webhook is not None:
+                    webhook.stop()
+                scheduler.stop()
+                raise
+            typer.echo(f"  caBundle of MutatingWebhookConfiguration {ca_keeper.name} kept", err=True)
         try:
             from http_guard.timeouts import HeaderTimeoutH11Protocol
             from scheduler.service.api_workers import ApiWorkerPool, WorkerSpec
@@ -737,6 +783,8 @@ def register(app: typer.Typer) -> None:
                 if pool.failed:
                     raise typer.Exit(3)
         finally:
+            if ca_keeper is not None:
+                ca_keeper.stop()
             if webhook is not None:
                 webhook.stop()
             scheduler.stop()

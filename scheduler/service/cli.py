@@ -112,20 +112,28 @@ def make_pusher(url: str) -> Any:
 
 
 def parse_quota(value: str | None) -> Any:
-    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
-    from estimator.units import parse_size
+    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit, but
+    `queued` is DEFAULT_QUEUED_JOBS unless given; `KEY=none`: no limit)."""
+    from estimator.units import parse_rate, parse_size
     from scheduler.service.types import TenantQuota
 
+    from scheduler.service.types import DEFAULT_QUOTA
+
     if not value:
-        return TenantQuota()
-    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
-    out: dict[str, Any] = {}
+        return DEFAULT_QUOTA
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs",
+             "fstar": "ideal_per_gpu"}
+    out: dict[str, Any] = {"queued_jobs": DEFAULT_QUOTA.queued_jobs}
     for item in value.split(","):
         key, sep, val = item.strip().partition("=")
         if not sep or key not in names:
-            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
-        if key == "cache":
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of {', '.join(names)}")
+        if val.strip() == "none":
+            out[names[key]] = None  # no limit (jobs: still the object limit --object-limits jobs=N)
+        elif key == "cache":
             out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif key == "fstar":  # per GPU
+            out[names[key]] = float(parse_rate(val, what="--default-quota fstar"))
         elif re.fullmatch(r"[0-9]+", val.strip()):  # ASCII digits only: str.isdigit() accepts '²'
             out[names[key]] = int(val)
         else:
@@ -281,7 +289,7 @@ def build_api_service(
     from scheduler.core.cluster import load_cluster
     from scheduler.service.db.engine import make_engine
     from scheduler.service.scheduler_process import ServiceConfig
-    from scheduler.service.types import TenantQuota
+    from scheduler.service.types import DEFAULT_QUOTA
 
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
@@ -290,7 +298,7 @@ def build_api_service(
     from scheduler.service.sealed import load_secret_box
 
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), objects=parse_object_limits(object_limits),
+                           default_quota=default_quota or DEFAULT_QUOTA, objects=parse_object_limits(object_limits),
                            **_agents(node_agents, agent_service_accounts, agent_audience),
                            secrets=load_secret_box(Path(state_dir or default_state_dir())))
     workloads = None
@@ -379,7 +387,7 @@ def build_service(
     from scheduler.service.db import open_database
     from contract.uri_policy import UriPolicy
     from scheduler.service.scheduler_process import SchedulerService, ServiceConfig
-    from scheduler.service.types import TenantQuota
+    from scheduler.service.types import DEFAULT_QUOTA
 
     if policy is not None:
         policy = resolve_policy_name(policy)
@@ -410,7 +418,7 @@ def build_service(
     seal_plaintext(engine, secrets)  # rows stored before secrets were sealed (idempotent)
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
-        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or DEFAULT_QUOTA,
         objects=parse_object_limits(object_limits),
         **_agents(node_agents, agent_service_accounts, agent_audience), secrets=secrets,
         tenant_namespace_prefix=(backend_opts or {}).get("namespace-prefix", ""),
@@ -643,8 +651,8 @@ def register(app: typer.Typer) -> None:
         node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
         agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
-        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
-        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256 (grants: tenants one dataset is shared with) [default: those]")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100,fstar=1GB/s (KEY=none: no limit; queued defaults to 1000, fstar, the most f* per GPU a job may declare, to 1GB/s x --gpu-speed)")] = None,
+        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256,jobs=10000 (grants: tenants one dataset is shared with; jobs: active jobs) [default: those]")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
         tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,

@@ -139,6 +139,7 @@ def register(app: typer.Typer) -> None:
         merge: Annotated[bool, typer.Option("--merge", help="plot from the parts in the directories given after the name (written by --shard); the configuration comes from the parts")] = False,
         dask: Annotated[Optional[str], typer.Option(help="run the simulations on the Dask cluster whose scheduler is at this address (tcp://HOST:PORT; needs silod's dask extra); the trace is shipped to the workers")] = None,
         ray: Annotated[Optional[str], typer.Option(help="run the simulations on the Ray cluster at this address (HOST:PORT, as `ray start --head` prints it; needs silod's ray extra); the trace is shipped to the workers")] = None,
+        insecure_cluster: Annotated[bool, typer.Option("--insecure-cluster", help="allow a --dask/--ray address that is neither loopback nor TLS: Dask and Ray run any client's code, so only on a private network that no one else reaches")] = False,
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
@@ -180,7 +181,8 @@ def register(app: typer.Typer) -> None:
         split = Shard.parse(shard) if shard is not None else None
         if dask is not None and ray is not None:
             raise UserError("--dask and --ray each name the cluster that runs the simulations; give one of them")
-        executor = Executor("dask", dask) if dask is not None else Executor("ray", ray) if ray is not None else None
+        executor = (Executor("dask", dask, insecure_cluster) if dask is not None
+                    else Executor("ray", ray, insecure_cluster) if ray is not None else None)
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         ensure_writable_dir(out, "--out")

@@ -6,12 +6,15 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
 --io-rate b (the job's remote-IO cap) are the two resources the estimator models. For each point
 (c/d in 0, .25, .5, .75, 1) x (b binding, b not binding):
 
-- epoch 0 fills the cache (delayed effectiveness); the steady throughput is the source bytes of
-  the later epochs over their time;
-- f* is the job alone with its dataset fully cached (cache = d, no cap), measured before and
-  after the points (the machine's load drifts; the mean is used, both are printed);
-- predicted = min(f*, b / (1 - c/d)); also with the hit ratio the mount measured in the steady
-  epochs instead of c/d (which tells a cache-model error from a loader effect).
+- epoch 0 fills the cache (delayed effectiveness); each later epoch's throughput is its source
+  bytes over its time;
+- f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
+  fully cached mount runs one epoch before each measured epoch of a point, since this machine's
+  load moves f* by tens of percent within a minute; a point's ratio is the median over its
+  epochs of measured / min(f* of the epoch before, b / (1 - c/d));
+- the hit ratio the mount measured over the steady epochs is printed beside c/d;
+- the departure seen at every point with misses is modelled as a miss term (see below) fitted
+  on the c/d = 0, b-free point.
 
 Then the job's epoch time under SiloD's plan and under a storage-unaware plan (CoorDL-style
 private cache of its GPU share, an equal share of the link), the same cache and link for two
@@ -104,20 +107,23 @@ def mounted(work: Path, source: Path, name: str, cache_size: float, io_rate: flo
         log.close()
 
 
-def run_job(data: Path, epochs: int, workers: int, stats_file: Path | None = None) -> tuple[list[dict], list[dict]]:
-    """The training job for `epochs` epochs on `data`; per-epoch records, and the mount's
-    counters at each epoch's end (when `stats_file` is a mount's)."""
-    from silod_client.examples.train_cnn import parser, train
+def trainer(data: Path, workers: int):  # type: ignore[no-untyped-def]
+    from silod_client.examples.train_cnn import Trainer, parser
 
-    counters: list[dict] = []
+    return Trainer(parser().parse_args(["--data", str(data), "--workers", str(workers)]))
 
-    def on_epoch(_records: list[dict]) -> None:
-        if stats_file is not None:
-            time.sleep(0.6)  # the mount rewrites its stats twice a second
-            counters.append(json.loads(stats_file.read_text()))
 
-    args = parser().parse_args(["--data", str(data), "--epochs", str(epochs), "--workers", str(workers)])
-    return train(args, on_epoch), counters
+def run_job(data: Path, epochs: int, workers: int) -> list[dict]:
+    """The training job for `epochs` epochs on `data`: its per-epoch records."""
+    t = trainer(data, workers)
+    try:
+        return [t.epoch() for _ in range(epochs)]
+    finally:
+        t.close()
+
+
+def rate(record: dict) -> float:
+    return record["bytes"] / record["seconds"]
 
 
 def steady(records: list[dict]) -> float:
@@ -125,25 +131,44 @@ def steady(records: list[dict]) -> float:
     return sum(e["bytes"] for e in later) / sum(e["seconds"] for e in later)
 
 
-def run_point(work: Path, source: Path, d: int, i: int, p: Point, fstar: float, epochs: int, workers: int) -> Result:
-    """One point; `fstar`: the reference measured just before it (the machine's load drifts)."""
-    from estimator import silod_perf
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
+
+def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pairs: int, workers: int) -> Result:  # type: ignore[no-untyped-def]
+    """One point. Its epochs alternate with epochs of `reference` (a Trainer on the fully cached
+    dataset, alone: f*), so that each measured epoch has an f* measured seconds before it: this
+    machine's load moves f* by tens of percent within a minute. The point's figure is the median
+    over `pairs` pairs after its first epoch (which fills the cache)."""
     cache = p.cache_fraction * d
-    with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats):
-        records, counters = run_job(mnt, epochs, workers, stats)
-    measured = steady(records)
     b = p.io_rate if p.io_rate is not None else float("inf")
-    predicted = float(silod_perf(fstar, b, cache, d)) if p.io_rate is not None else fstar
-    hit = None
-    if len(counters) == len(records) and counters[0].get("read_bytes") is not None:
-        read = counters[-1]["read_bytes"] - counters[0]["read_bytes"]
-        hits = counters[-1]["hit_bytes"] - counters[0]["hit_bytes"]
-        hit = hits / read if read else None
+    with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats):
+        t = trainer(mnt, workers)
+        try:
+            first = t.epoch()
+            time.sleep(0.6)  # the mount rewrites its stats twice a second
+            before = json.loads(stats.read_text())
+            fs, ts, ratios = [], [], []
+            for _ in range(pairs):
+                f = rate(reference.epoch())
+                m = rate(t.epoch())
+                fs.append(f)
+                ts.append(m)
+                ratios.append(m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f))
+            time.sleep(0.6)
+            after = json.loads(stats.read_text())
+        finally:
+            t.close()
+    read = after["read_bytes"] - before["read_bytes"]
+    hit = (after["hit_bytes"] - before["hit_bytes"]) / read if read else None
+    fstar, measured = median(fs), median(ts)
+    predicted = min(fstar, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else fstar
     with_hits = None if hit is None else (min(fstar, b / (1 - hit)) if hit < 1 else fstar)
     return Result(p.label, p.cache_fraction, None if p.io_rate is None else p.io_rate / MB, fstar / MB, predicted / MB,
-                  measured / MB, measured / predicted, hit, None if with_hits is None else with_hits / MB,
-                  None if with_hits is None else measured / with_hits, [round(e["seconds"], 3) for e in records])
+                  measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
+                  None if with_hits is None else measured / with_hits,
+                  [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]])
 
 
 def plans(fstar: float, d: float) -> dict[str, tuple[float, float]]:
@@ -168,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench_pytorch_estimator.json"))
     ap.add_argument("--images", type=int, default=400, help="JPEGs in the dataset (~9 KB each)")
-    ap.add_argument("--epochs", type=int, default=4, help="epochs per point (the first fills the cache)")
+    ap.add_argument("--pairs", type=int, default=3, help="measured epochs per point, each after an f* epoch")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    ap.add_argument("--quick", action="store_true", help="120 images, 3 epochs, c/d in 0, .5, 1 (a rough check)")
+    ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
+    from estimator import silod_perf
     from scheduler.backends.local import fuse_problems
     from scheduler.demo import make_jpegs, torch_problem
 
@@ -180,47 +206,75 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 1
-    images, epochs, fractions = (200, 3, (0.0, 0.5, 1.0)) if args.quick else (args.images, args.epochs, FRACTIONS)
+    images, pairs, fractions = (200, 2, (0.0, 0.5, 1.0)) if args.quick else (args.images, args.pairs, FRACTIONS)
+    epochs = pairs + 1
     work = args.workdir or Path(tempfile.mkdtemp(prefix="silod-bench-pytorch-"))
     source = work / "remote" / "jpegs"
     shutil.rmtree(source, ignore_errors=True)
     d = make_jpegs(source, images, seed=1)
     t0 = time.time()
     load0 = os.getloadavg()[0]
-    # f*: the job alone on a fully cached mount (filled once, kept), measured again just before
-    # every point: this machine's load drifts by tens of percent within minutes.
-    room = d * 1.05
-    with mounted(work, source, "fstar", room, None) as (mnt, _stats):
-        run_job(mnt, 1, args.workers)  # fills the cache
-        f_before = steady(run_job(mnt, epochs, args.workers)[0])
-        print(f"dataset {images} JPEGs, {d / MB:.2f} MB; f* alone, fully cached: {f_before / MB:.3f} MB/s", flush=True)
-        points = [Point(c, b * f_before, f"c/d={c:g} b={'bind' if b == B_BIND else 'free'}")
-                  for c in fractions for b in (B_BIND, B_FREE)]
-        results = []
-        refs: list[float] = []
-        for i, p in enumerate(points):
-            ref = f_before if i == 0 else steady(run_job(mnt, epochs, args.workers)[0])
-            refs.append(ref)
-            r = run_point(work, source, d, i, p, ref, epochs, args.workers)
-            results.append(r)
-            print(f"  {p.label:18s} f* {ref / MB:.3f}, predicted {r.predicted_mb_s:.3f}, measured {r.measured_mb_s:.3f}"
-                  f" MB/s: {r.ratio:.2f} (hit {r.hit_ratio if r.hit_ratio is not None else float('nan'):.2f})", flush=True)
-        f_after = steady(run_job(mnt, epochs, args.workers)[0])
-        refs.append(f_after)
-    fstar = sum(refs) / len(refs)
-    # SiloD's plan vs a storage-unaware one for this job, same cache and link.
-    plan_epoch = {}
-    for name, (cache, io) in plans(fstar, d).items():
-        # The cache filled first (in the service the link's spare capacity goes to a job while its
-        # cache fills: WorkConservingPusher), then the steady epochs with the plan's cap.
-        room = cache * 1.02 if cache >= d else cache  # a full cache, with the mount's bookkeeping slack
-        with mounted(work, source, f"plan-{name}", room, None) as (mnt, _stats):
+    # f*: the job alone on a fully cached mount (filled once, kept), one of its epochs before
+    # every measured epoch of a point (run_point).
+    with mounted(work, source, "fstar", d * 1.05, None) as (mnt, _stats):
+        reference = trainer(mnt, args.workers)
+        try:
+            reference.epoch()  # fills the cache
+            f_before = median([rate(reference.epoch()) for _ in range(2)])
+            print(f"dataset {images} JPEGs, {d / MB:.2f} MB; f* alone, fully cached: {f_before / MB:.3f} MB/s", flush=True)
+            points = [Point(c, b * f_before, f"c/d={c:g} b={'bind' if b == B_BIND else 'free'}")
+                      for c in fractions for b in (B_BIND, B_FREE)]
+            results = []
+            for i, p in enumerate(points):
+                r = run_point(work, source, d, i, p, reference, pairs, args.workers)
+                results.append(r)
+                print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"
+                      f" {r.measured_mb_s:.3f} MB/s: {r.ratio:.2f} (hit {r.hit_ratio if r.hit_ratio is not None else float('nan'):.2f})",
+                      flush=True)
+        finally:
+            reference.close()
+    refs = [r.fstar_mb_s * MB for r in results]
+    fstar = median(refs)
+
+    # The departure the table shows at every point with misses: a miss holds a DataLoader worker
+    # (the mount fetches the item, on this machine also on the job's cores) while the decode of
+    # the job's other items waits; so the loader's rate falls with the miss ratio:
+    # 1 / (1/f* + (1-h)/m), m = the rate at which the job's workers take misses. m is fitted on
+    # the one point that shows it alone (c/d = 0, link not binding) and predicts the others.
+    free0 = next((r for r in results if r.cache_fraction == 0 and r.label.endswith("free")), None)
+    miss_rate = None
+    if free0 is not None and free0.measured_mb_s < free0.fstar_mb_s:
+        miss_rate = 1.0 / (1.0 / free0.measured_mb_s - 1.0 / free0.fstar_mb_s) * MB
+    loader_terms = {}
+    for r in results:
+        if miss_rate is None:
+            continue
+        f, c = r.fstar_mb_s * MB, r.cache_fraction
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        loader = 1.0 / (1.0 / f + (1 - c) / miss_rate)
+        pred = min(loader, b / (1 - c)) if c < 1 else f
+        loader_terms[r.label] = (pred / MB, r.measured_mb_s * MB / pred)
+    # SiloD's plan vs a storage-unaware one for this job, same cache and link: each cache filled
+    # first (in the service the link's spare capacity goes to a job while its cache fills:
+    # WorkConservingPusher), then epochs under the two plans' caps, alternating.
+    plan = plans(fstar, d)
+    room = {name: cache * 1.02 if cache >= d else cache for name, (cache, _io) in plan.items()}  # mount bookkeeping slack
+    for name in plan:
+        with mounted(work, source, f"plan-{name}", room[name], None) as (mnt, _stats):
             run_job(mnt, 1, args.workers)
-        with mounted(work, source, f"plan-{name}", room, io, fresh=False) as (mnt, _stats):
-            records, _ = run_job(mnt, epochs, args.workers)
-        plan_epoch[name] = {"cache_fraction": cache / d, "io_mb_s": io / MB,
-                            "epoch_s": sum(e["seconds"] for e in records[1:]) / len(records[1:]),
-                            "predicted_epoch_s": d / float(silod_perf(fstar, io, cache, d))}
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for name, (_cache, io) in plan.items():
+            mnt, _stats = stack.enter_context(mounted(work, source, f"plan-{name}", room[name], io, fresh=False))
+            runs[name] = trainer(mnt, args.workers)
+            stack.callback(runs[name].close)
+        seconds: dict[str, list[float]] = {name: [] for name in plan}
+        for _ in range(pairs + 1):
+            for name, t in runs.items():
+                seconds[name].append(t.epoch()["seconds"])
+    plan_epoch = {name: {"cache_fraction": cache / d, "io_mb_s": io / MB, "epoch_s": median(seconds[name][1:]),
+                         "predicted_epoch_s": d / float(silod_perf(fstar, io, cache, d))}
+                  for name, (cache, io) in plan.items()}
     load1 = os.getloadavg()[0]
 
     from rich.console import Console
@@ -228,16 +282,21 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(title=f"real PyTorch job vs min(f*, b/(1-c/d)); f* measured before each point "
                         f"({min(refs) / MB:.3f}-{max(refs) / MB:.3f} MB/s, mean {fstar / MB:.3f}), d = {d / MB:.2f} MB")
-    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "pred. w/ hit", "ratio w/ hit"):
+    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "w/ miss term", "ratio"):
         table.add_column(col, justify="right")
     fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
+        lt = loader_terms.get(r.label, (None, None))
         table.add_row(f"{r.cache_fraction:g}", fmt(r.io_mb_s), fmt(r.fstar_mb_s), fmt(r.predicted_mb_s), fmt(r.measured_mb_s),
-                      fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"), fmt(r.predicted_with_hits_mb_s), fmt(r.ratio_with_hits, ".2f"))
+                      fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"), fmt(lt[0]), fmt(lt[1], ".2f"))
     Console(width=120).print(table)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
     print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
+    if loader_terms:
+        within2 = sum(abs(v[1] - 1) <= 0.10 for v in loader_terms.values())
+        print(f"with the miss term (m = {miss_rate / MB:.2f} MB/s, fitted on c/d=0 b=free): {within2}/{len(loader_terms)}"
+              f" within 10%")
     s, u = plan_epoch["silod"], plan_epoch["storage-unaware"]
     print(f"epoch time, same cache ({d / MB:.2f} MB) and link ({0.6 * fstar / MB:.3f} MB/s) shared with a 4x-larger"
           f" dataset's job: SiloD's plan (cache {s['cache_fraction']:.2f} d, {s['io_mb_s']:.3f} MB/s) {s['epoch_s']:.2f}s,"
@@ -245,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
           f" {u['epoch_s'] / s['epoch_s']:.2f}x (predicted {u['predicted_epoch_s'] / s['predicted_epoch_s']:.2f}x)")
     print(f"wall {time.time() - t0:.0f}s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     args.out.write_text(json.dumps({"fstar_mb_s": fstar / MB, "fstar_refs_mb_s": [f / MB for f in refs], "dataset_mb": d / MB, "images": images,
-                                    "epochs": epochs, "workers": args.workers, "points": [asdict(r) for r in results],
-                                    "plans": plan_epoch, "load": [load0, load1]}, indent=1))
+                                    "pairs": pairs, "workers": args.workers, "points": [asdict(r) for r in results],
+                                    "plans": plan_epoch, "load": [load0, load1],
+                                    "miss_rate_mb_s": None if miss_rate is None else miss_rate / MB,
+                                    "with_miss_term": loader_terms}, indent=1))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

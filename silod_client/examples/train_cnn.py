@@ -89,47 +89,64 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class Trainer:
+    """The model, its DataLoader and optimiser; `epoch()` trains one epoch and returns its record
+    {"epoch", "seconds", "bytes", "items", "steps", "compute_s_per_step", "loss", "reports_sent",
+    "reports_failed"}."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        from torch import nn
+
+        from silod_client.reporter import StepReporter
+
+        torch.set_num_threads(max(1, args.threads))
+        torch.manual_seed(0)
+        self.model, self.loader = build(args)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.reporter = StepReporter(interval=args.report_interval)
+        self.records: list[dict] = []
+
+    def epoch(self) -> dict:
+        t0 = time.perf_counter()
+        nbytes = items = steps = 0
+        compute = loss_value = 0.0
+        for x, y, raw in self.reporter.wrap(self.loader, batch_bytes=lambda b: int(b[2].sum())):
+            c0 = time.perf_counter()
+            self.opt.zero_grad()
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            compute += time.perf_counter() - c0
+            loss_value = loss.item()
+            nbytes += int(raw.sum())
+            items += len(y)
+            steps += 1
+        seconds = time.perf_counter() - t0
+        record = {"epoch": len(self.records), "seconds": seconds, "bytes": nbytes, "items": items, "steps": steps,
+                  "compute_s_per_step": compute / max(steps, 1), "loss": loss_value,
+                  "reports_sent": self.reporter.sent, "reports_failed": self.reporter.failed}
+        self.records.append(record)
+        return record
+
+    def close(self) -> None:
+        self.reporter.close()
+        del self.loader  # its persistent workers exit now, not at interpreter exit
+
+
 def train(args: argparse.Namespace, on_epoch=None) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Train for `args.epochs` epochs; per epoch {"epoch", "seconds", "bytes", "items", "steps",
-    "compute_s_per_step", "loss"}, also handed to `on_epoch(records)` after each epoch."""
-    import torch
-    from torch import nn
-
-    from silod_client.reporter import StepReporter
-
-    torch.set_num_threads(max(1, args.threads))
-    torch.manual_seed(0)
-    model, loader = build(args)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    reporter = StepReporter(interval=args.report_interval)
-    epochs: list[dict] = []
+    """Train for `args.epochs` epochs; the per-epoch records (Trainer.epoch), also handed to
+    `on_epoch(records)` after each epoch."""
+    trainer = Trainer(args)
     try:
-        for epoch in range(args.epochs):
-            t0 = time.perf_counter()
-            nbytes = items = steps = 0
-            compute = loss_value = 0.0
-            for x, y, raw in reporter.wrap(loader, batch_bytes=lambda b: int(b[2].sum())):
-                c0 = time.perf_counter()
-                opt.zero_grad()
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                compute += time.perf_counter() - c0
-                loss_value = loss.item()
-                nbytes += int(raw.sum())
-                items += len(y)
-                steps += 1
-            seconds = time.perf_counter() - t0
-            epochs.append({"epoch": epoch, "seconds": seconds, "bytes": nbytes, "items": items, "steps": steps,
-                           "compute_s_per_step": compute / max(steps, 1), "loss": loss_value,
-                           "reports_sent": reporter.sent, "reports_failed": reporter.failed})
+        for _ in range(args.epochs):
+            trainer.epoch()
             if on_epoch is not None:
-                on_epoch(epochs)
+                on_epoch(trainer.records)
     finally:
-        reporter.close()
-        del loader  # its persistent workers exit now, not at interpreter exit
-    return epochs
+        trainer.close()
+    return trainer.records
 
 
 def main(argv: list[str] | None = None) -> int:

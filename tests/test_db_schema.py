@@ -75,6 +75,8 @@ def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> Non
             assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0008"
             row = conn.execute(sa.text("SELECT access, curriculum_alpha, curriculum_batch FROM jobs WHERE id = 1")).one()
             pipeline = conn.execute(sa.text("SELECT cpu_rate, autocache_expansion, post_cpu_rate FROM jobs WHERE id = 1")).one()
+            # 0008: an existing job runs the stand-in worker, as before
+            assert conn.execute(sa.text("SELECT program FROM jobs WHERE id = 1")).scalar() is None
         assert tuple(row) == ("curriculum", 2.0, 32)
         assert tuple(pipeline) == (None, None, None)  # 0005: an existing job is not CPU-bound, as before
     finally:

@@ -41,6 +41,10 @@ def looks_like_json_index(body: bytes) -> bool:
     return body.lstrip()[:1] in (b"[", b"{")
 
 
+#: The largest size stat can report (st_size is a signed 64-bit integer).
+MAX_FILE_SIZE = 2**63 - 1
+
+
 # fsspec's HTTP file system's link patterns (fsspec/implementations/http.py, simple_links on), so
 # an HTML index lists the same names as before it was read here with a size cap.
 _LINK = re.compile(r"""<(a|A)\s+(?:[^>]*?\s+)?(href|HREF)=["'](?P<url>[^"']+)""")
@@ -139,5 +143,9 @@ def parse_json_index(body: bytes, url: str, source: str, max_entries: int | None
             size = item.get("size")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise bad(f"gives file {name!r} the size {size!r} (a byte count >= 0 is required)")
+            if size > MAX_FILE_SIZE:
+                # stat's st_size is a signed 64-bit count: 2^63 broke `ls` of the mount (issue 47).
+                raise bad(f"gives file {name!r} the size {size} (more than {MAX_FILE_SIZE}, the most a file's"
+                          " size can be)")
         entries.append(IndexEntry(name, kind == "directory", size))
     return entries

@@ -218,7 +218,8 @@ class ControlLoop:
             return
         data = json.dumps(self.stats(), indent=1).encode()
         tmp = self.cfg.stats_file.with_name(f".{self.cfg.stats_file.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        # 0600: the stats name the dataset's files and reads (issue 47: they were 0644).
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
         os.replace(tmp, self.cfg.stats_file)  # readers see the old or the new file, never a torn one
 

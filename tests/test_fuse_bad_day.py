@@ -140,6 +140,22 @@ def test_dropped_connections_resume_and_each_try_that_delivers_starts_the_count_
         src.close()
 
 
+def test_five_500s_in_a_row_are_retried_within_the_deadline():
+    """Item 6 (at 30% 500s silod gave 15 EIO where rclone gave 0): tries go on while the deadline
+    allows (before: 4 tries in all)."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    data = _data(50_000)
+    src = HostileSource({"a.bin": data}, {"a.bin": Behaviour(fail_first=5)})
+    try:
+        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=5.0)), "a.bin", len(data))
+        assert got == data
+        assert [r.status for r in src.item_requests("a.bin")] == [500] * 5 + [200]
+    finally:
+        src.close()
+
+
 def test_an_http_object_replaced_mid_fetch_restarts_cleanly():
     """The resumed request carries If-Range: the server sees the object changed and sends the new
     one whole, so the staged copy is the new version, never a mix."""

@@ -293,6 +293,8 @@ def test_slow_items_do_not_hold_the_fetch_workers_healthy_items_need(tmp_path, b
                 got = _read(m.mountpoint / name)
                 assert got == want, f"{name}: {got!r}\n{m.log()}"
             healthy_s = time.monotonic() - t0
+            busy = m.fresh_stats()["fetch_lanes"]  # the slow ones still trickle: their buffers count
+            assert busy["slow_running"] + busy["fast_running"] >= 1 and busy["inflight_bytes"] > 0, busy
             for t in readers:
                 t.join(30)
             assert healthy_s < 3.0, f"healthy items took {healthy_s:.1f} s: they waited behind the slow ones"
@@ -300,6 +302,7 @@ def test_slow_items_do_not_hold_the_fetch_workers_healthy_items_need(tmp_path, b
                 assert results[name] == want, f"{name}: {results[name]!r}\n{m.log()}"
             lanes = m.fresh_stats()["fetch_lanes"]
             assert lanes["moved_to_slow_lane"] >= 2, lanes
+            assert lanes["inflight_bytes"] == 0 and lanes["inflight_bytes_bound"] == 2 * 4 * 2**20 + 64 * 256 * 2**10
     finally:
         src.close()
 

@@ -39,9 +39,9 @@ SA_PREFIX = "system:serviceaccount:"
 DEFAULT_AUDIENCE = "silod"
 IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 IN_CLUSTER_CA = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
-_JWT = re.compile(r"^eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
+_JWT = re.compile(r"^eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\Z")
 _CACHE_MAX = 4096
-_SA_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_SA_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
 
 
 class ReviewUnavailable(Exception):

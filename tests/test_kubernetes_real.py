@@ -301,7 +301,7 @@ def test_silods_events_carry_timestamps_and_its_field_manager(tenant):
     spec = rest_job(backend, ns, "906", 64)
     backend.refresh()
     backend.start(spec, alloc(spec))
-    events = wait(lambda: [e for e in cp.core.list_namespaced_event(ns).items if e.reason == "SiloDWaitingForPlacement"],
+    events = wait(lambda: [e for e in cp.core.list_namespaced_event(ns).items if e.reason == "SiloDUnschedulable"],
                   20, "silod's Event")
     e = events[0]
     assert e.first_timestamp is not None and e.last_timestamp is not None and e.count == 1

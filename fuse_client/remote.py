@@ -30,7 +30,7 @@ from estimator.errors import UserError
 from contract.credentials import SourceCredential
 from contract.uri_policy import UriPolicy, UriRejected
 from fuse_client import beneath, http_index, item_stream
-from fuse_client.safe_http import HttpGuard
+from fuse_client.safe_http import DestinationRefused, HttpGuard
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
 
@@ -288,9 +288,12 @@ class RemoteStore:
         for attempt in range(1, policy.attempts + 1):
             try:
                 return fn()
-            except (UserError, FileNotFoundError, UriRejected, PermissionError):
+            except (UserError, FileNotFoundError, UriRejected, PermissionError, DestinationRefused):
                 raise
             except Exception as exc:
+                status = getattr(exc, "status", None)
+                if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+                    raise  # the request itself is refused: asking again changes nothing
                 pause = policy.backoff(attempt)
                 if attempt == policy.attempts or time.monotonic() + pause - t0 > policy.deadline_s:
                     raise

@@ -67,6 +67,8 @@ DRIFT_FLOOR = 1 / 16
 #: much as all before it): a count over a few chunks is noisy.
 DRIFT_MEMORY = 0.5
 _NO_COLUMN = np.zeros(0)  # a kernel's column argument it does not read
+#: step_budget's factor: steps per event (arrival, completion, epoch boundary, round)
+STEP_BUDGET_FACTOR = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +178,16 @@ class SimResult:
     steps: int
     sim_cpu_s: float = 0.0  # CPU seconds of this process in run() (wall time is noisy on a shared machine)
     unfinished: list[str] = field(default_factory=list)
+
+
+def step_budget(trace: Trace, makespan_s: float, round_s: float) -> float:
+    """The most steps a run should take: STEP_BUDGET_FACTOR x (arrivals + completions + every
+    job's epoch boundaries + rounds over the makespan). Every step ends at one of those or at a
+    bound that keeps a contended link's division or a filling cache's drift within tolerance
+    (`_step_limit`), a few per round at most where nothing else happens. `benchmarks/bench_sim.py
+    --sweep` prints each cell's steps over it."""
+    events = 2 * len(trace.jobs) + sum(math.ceil(j.epochs) for j in trace.jobs) + makespan_s / round_s
+    return STEP_BUDGET_FACTOR * events
 
 
 @dataclass(slots=True)

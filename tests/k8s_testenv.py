@@ -4,7 +4,7 @@ etcd (Debian `etcd-server`) plus, from `../shared/tools/k8s-testenv/` beside the
 (README.md there; never copied into the repository), the kube-apiserver, `jobctl` (the upstream
 Job controller alone) and, for tests that need it, kube-scheduler. They report
 "kube-apiserver v1.24.0-alpha snapshot" (Kubernetes master of 2021-12-23): what a test checks
-here is checked for that version, and docs/kubernetes.md says which behaviours newer releases
+here is checked for that version, and docs/kubernetes-nodes.md says which behaviours newer releases
 change. The binaries are decompressed into a scratch directory under the system temp dir (keyed
 by their SHA256SUMS), once per machine.
 

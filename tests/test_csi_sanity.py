@@ -7,7 +7,7 @@ and staging dirs inside the agent's kubelet directory.
 The suite's remaining failures are all one thing: csi-sanity creates every test volume with the
 access mode SINGLE_NODE_WRITER (not configurable in v5.4.0), and silod's volumes are read-only
 datasets, so CreateVolume refuses it (INVALID_ARGUMENT, as the spec asks for an unsupported
-capability) and every spec that starts by creating a volume fails there. docs/kubernetes.md lists
+capability) and every spec that starts by creating a volume fails there. docs/kubernetes-nodes.md lists
 them. This test asserts the exact set: a new failure, or a listed one that starts passing, fails it
 (so the list in the docs stays true).
 """
@@ -27,7 +27,7 @@ from k8s_testenv import REPO, binary
 
 pytestmark = [pytest.mark.slow]
 
-# Every failure expected of csi-sanity v5.4.0 here; why: the module docstring and docs/kubernetes.md.
+# Every failure expected of csi-sanity v5.4.0 here; why: the module docstring and docs/kubernetes-nodes.md.
 EXPECTED_FAILURES = {
     "Node Service NodeUnpublishVolume should remove target path",
     "Controller Service [Controller Server] CreateVolume should return appropriate values SingleNodeWriter NoCapacity",

@@ -261,3 +261,110 @@ def test_document_examples_run_as_written(document, tmp_path):
             run.run(block)
     finally:
         run.close()
+
+
+# --- links -------------------------------------------------------------------------------------
+
+LINK_RE = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+IMAGE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+HEADING_RE = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: markup dropped, lower case, punctuation but `-` and `_`
+    removed, spaces to hyphens (no collapsing: "a — b" gives "a--b")."""
+    text = re.sub(r"`([^`]*)`", r"\1", heading)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link in a heading keeps its text
+    text = re.sub(r"<[^>]+>", "", text).replace("\\", "")
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors_of(path: Path) -> set[str]:
+    """Every anchor a Markdown file defines: its headings (GitHub's -1, -2 suffixes for repeats)
+    and explicit `<a id=...>` / `<a name=...>` tags. Headings inside fenced blocks do not count."""
+    seen: dict[str, int] = {}
+    anchors: set[str] = set()
+    in_fence = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        anchors.update(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", line))
+        heading = HEADING_RE.match(line)
+        if heading:
+            slug = github_anchor(heading.group(2))
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def relative_links(path: Path) -> list[tuple[int, str]]:
+    """(line, target) of every link and image in a Markdown file that is not a URL with a scheme
+    or a mail address; links inside fenced blocks and inline code are not links."""
+    found: list[tuple[int, str]] = []
+    in_fence = False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        line = re.sub(r"`[^`]*`", "", line)
+        for target in [*LINK_RE.findall(line), *IMAGE_RE.findall(line)]:
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+                continue  # https:, mailto:, ...
+            found.append((number, target))
+    return found
+
+
+def broken_links(documents: list[Path]) -> list[str]:
+    broken = []
+    for document in documents:
+        for line, target in relative_links(document):
+            where = f"{document.relative_to(ROOT)}:{line}: {target}"
+            file_part, _, anchor = target.partition("#")
+            linked = (document.parent / file_part).resolve() if file_part else document
+            if not linked.exists():
+                broken.append(f"{where} (no file {file_part})")
+                continue
+            if anchor and linked.suffix == ".md" and anchor not in anchors_of(linked):
+                broken.append(f"{where} (no heading or anchor #{anchor} in {linked.relative_to(ROOT)})")
+    return broken
+
+
+def test_relative_links_and_anchors_resolve():
+    broken = broken_links(DOCUMENTS)
+    assert not broken, "broken links in README.md / docs/:\n" + "\n".join(broken)
+
+
+def test_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "b.md").write_text("# Speed and `memory` (targets)\n\n## Usage\n\n## Usage\n", encoding="utf-8")
+    doc = tmp_path / "a.md"
+    doc.write_text("[ok](b.md#speed-and-memory-targets) [ok2](b.md#usage-1) [self](#top)\n"
+                   "# Top\n[gone](c.md) [bad](b.md#speed) `[code](nowhere.md)` [web](https://x.invalid/y)\n"
+                   "```\n[fenced](nowhere.md)\n```\n", encoding="utf-8")
+    assert broken_links([doc]) == [
+        "a.md:3: c.md (no file c.md)",
+        "a.md:3: b.md#speed (no heading or anchor #speed in b.md)",
+    ]
+
+
+def test_no_page_is_a_diary():
+    """docs/ say what the product does and measured; when and by whom is git log and CHANGELOG."""
+    diary = re.compile(r"\b(?:(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|helper|this|"
+                       r"the) session\b|session \d|[Rr]egenerated (?:on|again)|20\d\d-\d\d-\d\d)")
+    hits = [f"{d.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for d in DOCUMENTS
+            for n, line in enumerate(d.read_text(encoding="utf-8").splitlines(), 1) if diary.search(line)]
+    assert not hits, "dates and sessions belong in CHANGELOG.md:\n" + "\n".join(hits)
+
+
+def test_no_page_is_too_long():
+    long_pages = {str(d.relative_to(ROOT)): n for d in DOCUMENTS
+                  if (n := len(d.read_text(encoding="utf-8").splitlines())) > 420}
+    assert not long_pages, f"split these pages by topic (at most ~400 lines): {long_pages}"

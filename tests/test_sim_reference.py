@@ -117,7 +117,7 @@ def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
 #: MEASURED GAPS, not tuning knobs. five-lru-alluxio runs with the defaults over 8 seeds (per-run
 #: spread 9%). Alluxio's datasets are 256 chunks at the default --resolution 128: at 128 chunks
 #: its fastest job was 6% slower than item level (mean over 24 seeds 1,661 s, item level 1,565
-#: s), at 256 chunks 1,562 s; see docs/simulator.md. And: with three jobs of different speeds on one LRU cache the
+#: s), at 256 chunks 1,562 s; see docs/simulator-accuracy.md. And: with three jobs of different speeds on one LRU cache the
 #: slowest job's second epoch hits 3-4 points less in the simulator than item by item (at any
 #: resolution, 128 to 1,000 chunks, and any interleaving grain); JCT agrees within 3%. Every
 #: other case is held to the issue's 3 points. See README, "How close is the simulator". The

@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -106,6 +106,9 @@ class SchedulerService(ReadViews):
         self.config = config
         self.storage = StoragePush(pusher)
         self.datamanager_url = datamanager_url
+        #: Mints the token a job's program reports with (`report_token`): set by build_service
+        #: for backends that run programs (local); None: programs get no token.
+        self.job_tokens: Any = None
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self._write_lock = threading.RLock()
         self._round_lock = threading.Lock()  # one round at a time (timer thread vs direct calls)
@@ -305,7 +308,8 @@ class SchedulerService(ReadViews):
                 ):
                     owners[storage_key(ds_id, ds_name)] = ds_owner
             quotas = {
-                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
+                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs, q.ideal_per_gpu)
+                for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
         # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
@@ -545,6 +549,8 @@ class SchedulerService(ReadViews):
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:
+                if spec.program is not None and self.job_tokens is not None:
+                    spec = replace(spec, report_token=self.job_tokens(spec))
                 self.backend.start(spec, alloc)
             except Exception as exc:  # the job fails, the service carries on
                 log.warning("backend failed to start job %s: %s", spec.job_id, exc)

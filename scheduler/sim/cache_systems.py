@@ -25,7 +25,7 @@ concerns at once (`_changed`), so the reader always reads at the ratio the cache
            started, unfinished job's dataset (running or paused), with an optional profile error per dataset
            (0 by default) redrawn when it is re-profiled every 12 h; a dataset that does not fit
            the space left gets nothing.
-See docs/simulator.md for each baseline's modelling choices and their sources.
+See docs/simulator-accuracy.md for each baseline's modelling choices and their sources.
 
 How they run: silod, quiver and coordl are DomainCaches, whose uniform domains keep their chunks
 in one ChunkPool so that a step's look-ups run compiled (uniform_kernel.py); alluxio's LRU is

@@ -92,13 +92,13 @@ class SimConfig:
     #: link is re-divided between steps); halving it halves the step bound (see _step_limit).
     demand_tolerance: float = 0.025
     #: Quiver's online-profile error: sigma of a log-normal factor on each dataset's benefit,
-    #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator.md).
+    #: redrawn at every re-profiling (12 h). 0: exact profiles (docs/simulator-accuracy.md).
     profile_noise: float = 0.0
     #: Staggered starts for jobs sharing a dataset (policies/stagger.py), off by default.
     stagger: bool = False
     #: Decision coalescing: at most one policy decision per this many seconds while jobs run
     #: (arrivals, completions and demand changes in between wait for it or for the round's
-    #: end). 0: decide at every such event (the default; docs/simulator.md gives its effect).
+    #: end). 0: decide at every such event (the default; docs/simulator-speed.md gives its effect).
     decision_interval_s: float = 0.0
 
     def __post_init__(self) -> None:

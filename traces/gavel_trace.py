@@ -6,8 +6,8 @@ datasets (CIFAR-10, multi30k, ...) that never stress remote IO, so, as the SiloD
 its production trace (§7), each job family is mapped to a model and dataset of the paper's
 catalog (Table 4, Fig. 6). Durations stay the trace's (steps / steps-per-second); the data rate
 f* is the catalog's per-GPU rate times Gavel's measured multi-GPU speed-up; epochs follow as
-duration x f* / dataset size. The table is FAMILIES below; docs/simulator-traces.md (or the trace
-section of docs/simulator.md) describes the format and what the throughput table holds.
+duration x f* / dataset size. The mapping is FAMILIES below; docs/simulator.md (`--format gavel`)
+gives it as a table and says what the throughput table holds.
 
 Gavel's table (simulation_throughputs.json, v100) does not have every GPU count for every job
 type: A3C, CycleGAN and the Recommendation types have 1-GPU entries only, while the msr traces

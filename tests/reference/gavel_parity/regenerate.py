@@ -48,36 +48,38 @@ REPO = HERE.parents[2]
 SHARED = next((r / "shared" / "traces" / "gavel-msr" for r in (REPO.parent, REPO.parent.parent) if (r / "shared").is_dir()),
               REPO.parent / "shared" / "traces" / "gavel-msr")
 
-#: name -> (source trace, jobs kept, GPUs). Small enough that each of our runs takes well under
-#: a second; contended enough that the round mechanism decides who runs.
+#: name -> (source trace, jobs kept, GPUs, longest job kept in hours alone: None = any). Small
+#: enough that each of our runs takes a second or two (a run has a round per 360 s of makespan);
+#: contended enough that the round mechanism decides who runs.
 CASES = {
-    "ed69ec-1gpu": ("ed69ec.trace", 120, 24),  # every job 1 GPU
-    "e13805-mixed": ("e13805.trace", 70, 16),  # 1-24 GPU jobs
-    "2869ce-gangs": ("2869ce.trace", 60, 32),  # mostly 8- and 32-GPU gangs
-    "51b7ef-small": ("51b7ef.trace", 18, 16),  # 1-, 4- and 8-GPU jobs
+    "ed69ec-1gpu": ("ed69ec.trace", 120, 4, 24),  # every job 1 GPU (the trace's jobs of <= 24 h)
+    "e13805-mixed": ("e13805.trace", 70, 16, None),  # 1-24 GPU jobs
+    "2869ce-gangs": ("2869ce.trace", 60, 32, None),  # mostly 8- and 32-GPU gangs
+    "51b7ef-small": ("51b7ef.trace", 18, 16, None),  # 1-, 4- and 8-GPU jobs
 }
 #: (Gavel policy name, allocation-recompute interval in seconds) recorded per case
 RUNS = (("max_min_fairness", 0), ("max_min_fairness", 1920), ("fifo", 0))
 ROUND_S = 360  # Gavel's time_per_iteration default, and ours
 
 
-def cut_trace(source: Path, jobs: int, table: dict) -> list[str]:
+def cut_trace(source: Path, jobs: int, table: dict, max_hours: float | None = None) -> list[str]:
     kept = []
     for line in source.read_text().splitlines():
         cols = line.split("\t")
-        if f"('{cols[0]}', {int(cols[6])})" in table:
+        key = f"('{cols[0]}', {int(cols[6])})"
+        if key in table and (max_hours is None or int(cols[4]) / table[key]["null"] <= max_hours * 3600):
             kept.append(line)
         if len(kept) == jobs:
             break
     return kept
 
 
-def write_throughputs(table: dict) -> None:
+def write_throughputs(table: dict, traces: Path) -> None:
     """throughputs.json: the v100 entries (running alone) of Gavel's simulation_throughputs.json
     for the job types of CASES' traces, every GPU count: what our reader needs."""
     types = set()
-    for source, jobs, _ in CASES.values():
-        types.update(line.split("\t")[0] for line in cut_trace(SHARED / source, jobs, table))
+    for source, jobs, _, hours in CASES.values():
+        types.update(line.split("\t")[0] for line in cut_trace(traces / source, jobs, table, hours))
     keep = {k: {"null": v["null"]} for k, v in table.items() if k.split("', ")[0][2:] in types}
     (HERE / "throughputs.json").write_text(json.dumps({"v100": keep}, indent=0, sort_keys=True) + "\n")
 
@@ -120,11 +122,11 @@ def main() -> None:
     table = json.loads((args.gavel / "simulation_throughputs.json").read_text())["v100"]
     (HERE / "traces").mkdir(exist_ok=True)
     (HERE / "results").mkdir(exist_ok=True)
-    write_throughputs(table)
-    for case, (source, jobs, gpus) in CASES.items():
+    write_throughputs(table, args.traces)
+    for case, (source, jobs, gpus, hours) in CASES.items():
         if args.case and case not in args.case:
             continue
-        lines = cut_trace(args.traces / source, jobs, table)
+        lines = cut_trace(args.traces / source, jobs, table, hours)
         (HERE / "traces" / f"{case}.trace").write_text("\n".join(lines) + "\n")
         runs = []
         for policy_name, interval in RUNS:
@@ -132,7 +134,7 @@ def main() -> None:
             runs.append(run)
             print(f"{case}: {policy_name} interval {interval} s: avg JCT {run['avg_jct_s']:.1f} s ({len(run['jct_s'])} jobs, "
                   f"{run['gavel_cpu_s']} CPU s)")
-        out = {"source": f"gavel-msr/{source}", "jobs": len(lines), "gpus": gpus, "round_s": ROUND_S,
+        out = {"source": f"gavel-msr/{source}", "jobs": len(lines), "gpus": gpus, "max_hours": hours, "round_s": ROUND_S,
                "gavel_commit": "c4fa40097339e9608ab71fd64c8bdea96a5e4a4c", "runs": runs}
         (HERE / "results" / f"{case}.json").write_text(json.dumps(out, indent=1) + "\n")
 

@@ -180,14 +180,18 @@ class SimResult:
     unfinished: list[str] = field(default_factory=list)
 
 
-def step_budget(trace: Trace, makespan_s: float, round_s: float) -> float:
+def step_budget(trace: Trace, makespan_s: float, round_s: float, demand_tolerance: float = 0.025) -> float:
     """The most steps a run should take: STEP_BUDGET_FACTOR x (arrivals + completions + every
-    job's epoch boundaries + rounds over the makespan). Every step ends at one of those or at a
-    bound that keeps a contended link's division or a filling cache's drift within tolerance
-    (`_step_limit`), a few per round at most where nothing else happens. `benchmarks/bench_sim.py
-    --sweep` prints each cell's steps over it."""
-    events = 2 * len(trace.jobs) + sum(math.ceil(j.epochs) for j in trace.jobs) + makespan_s / round_s
-    return STEP_BUDGET_FACTOR * events
+    job's epoch boundaries + rounds over the makespan) + (its epochs) / demand_tolerance.
+
+    Every step ends at one of those events or at a bound of `_step_limit` that keeps a
+    contended link's division, or a cache that moves under its readers, within tolerance: a
+    job's miss ratio moves by at most `demand_tolerance` a step, which bounds those steps to
+    about 1 / tolerance per epoch read while the link is contended. `benchmarks/bench_sim.py
+    --sweep` prints each cell's steps over it; tests/test_sim_steps.py checks it."""
+    epochs = sum(math.ceil(j.epochs) for j in trace.jobs)
+    events = 2 * len(trace.jobs) + epochs + makespan_s / round_s
+    return STEP_BUDGET_FACTOR * events + epochs / demand_tolerance
 
 
 @dataclass(slots=True)

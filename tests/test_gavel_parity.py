@@ -28,13 +28,10 @@ from traces.gavel_trace import load_gavel_trace
 HERE = Path(__file__).resolve().parent / "reference" / "gavel_parity"
 CASES = sorted(p.stem for p in (HERE / "results").glob("*.json"))
 #: The targets (issue 46): average JCT within 3%, >= 90% of jobs within 10%. Where ours misses
-#: them, the measured figure, a bound just below it, and why. Gavel's LP (max_min_fairness,
-#: ECOS) maximises only the lowest ratio: on lightly loaded stretches the GPU time above that level
-#: is split as the solver's interior point leaves it, which no closed form reproduces, and its
-#: ratio is GPUs x time (g_j x_j) where Eq. 8's is the share of an equal share capped at one gang
-#: (on a busy cluster, every equal share below one gang, the two allocations are the same).
-#: On today's main (the old planner) the same runs gave 21-94% of jobs within 10% and e13805's
-#: averages -4.3% / -5.2%.
+#: them: the measured figure, a bound just below it. The cause is not established
+#: (docs/policies.md, "Parity with Gavel's own simulator": neither Gavel's uncapped ratio nor
+#: leaving spare GPU time unspread moves e13805). On the planner before Gavel's mechanism the
+#: same runs gave 21-94% of jobs within 10% and e13805's averages -4.3% / -5.2%.
 AVG_TOLERANCE = {("51b7ef-small", 1920): 0.035}  # measured -3.05% (17 jobs: one 8-GPU job's wait moves it)
 PER_JOB_SHARE = {("e13805-mixed", 0): 0.7, ("e13805-mixed", 1920): 0.7,  # measured 74%, 76%
                  ("51b7ef-small", 1920): 0.85, ("ed69ec-1gpu", 1920): 0.85}  # measured 88%, 89%

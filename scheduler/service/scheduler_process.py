@@ -126,7 +126,7 @@ class SchedulerService(ReadViews):
         self._placements_at = 0.0
         self._description = backend.describe()
         name = config.policy or self._stored_policy() or "fifo"
-        self.core = SchedulingCore(get_policy(name), SiloDEstimator())
+        self.core = SchedulingCore(get_policy(name), SiloDEstimator(), round_s=config.round_seconds)
         self.policy_name = name
         self._save_setting("policy", name)
         self.runner = LoopRunner(self)

@@ -406,3 +406,24 @@ def test_a_rest_job_started_before_its_job_exists_is_admitted_once_it_does(tenan
     t[0] += 31
     failed = [e for e in backend.poll() if e.job_id == "908"]
     assert failed and failed[0].kind == "failed" and "no Kubernetes workload" in failed[0].message
+
+
+def test_deleting_a_workload_ends_its_silod_job_within_one_poll(tenant):
+    """A Job deleted by its owner (or with its namespace) ends its silod job on the next poll,
+    whatever silod held for it: a place in the queue, or a placement it was waiting for (no node
+    fits it). Before, only an admitted job was failed; a queued one, or one waiting for placement
+    (the GPUs the policy gave it stayed given), stayed queued/running until a REST DELETE."""
+    cp, ns, nodes = tenant
+    backend = backend_for(cp)
+    backend.refresh()
+    queued = rest_job(backend, ns, "931", 1)
+    waiting = rest_job(backend, ns, "932", 2)  # no node at all: it cannot be placed
+    backend.start(waiting, alloc(waiting))
+    assert not [e for e in backend.poll() if e.kind == "failed"]
+    assert cp.job(ns, "silod-932")["spec"]["suspend"] is True  # not admitted: waits for placement
+    for name in ("silod-931", "silod-932"):
+        cp.batch.delete_namespaced_job(name, ns, propagation_policy="Background")
+    failed = {e.job_id: e.message for e in backend.poll() if e.kind == "failed"}
+    assert set(failed) == {queued.job_id, waiting.job_id}, failed
+    assert all("was deleted" in m for m in failed.values()), failed
+    assert not [e for e in backend.poll() if e.kind == "failed"]  # once

@@ -86,8 +86,10 @@ STOP_TIMEOUT_S = 15.0
 TERMINAL = ("finished", "failed")
 
 
+# SILOD_SECRET_KEYS opens every tenant's stored credentials (scheduler/service/sealed.py): a job
+# (or its mount) holding it could read any tenant's secrets from a database copy (issue 47).
 SERVICE_SECRETS = ("SILOD_ADMIN_TOKEN", "SILOD_TOKEN_KEY", "SILOD_METRICS_TOKEN", "SILOD_DM_SCHEDULER_TOKEN",
-                   "SILOD_DM_AGENT_TOKEN", "SILOD_DM_METRICS_TOKEN", "SILOD_DM_TOKEN")
+                   "SILOD_DM_AGENT_TOKEN", "SILOD_DM_METRICS_TOKEN", "SILOD_DM_TOKEN", "SILOD_SECRET_KEYS")
 
 
 def source_env(dataset: DatasetInfo) -> dict[str, str]:

@@ -48,6 +48,7 @@ from scheduler.service.db.models import (
 )
 from scheduler.service.measured_params import params_of
 from scheduler.service.types import (
+    DEFAULT_IDEAL_PER_GPU,
     MAX_BYTES,
     ConflictError,
     DatasetRecord,
@@ -144,9 +145,11 @@ _DATASET_BY_NAME = select(_DS.id, _DS.name, _DS.owner, _DS.size).where(
 _GRANT = select(DatasetGrant.__table__.c.grantee).where(
     DatasetGrant.__table__.c.dataset_id == bindparam("dataset_id"), DatasetGrant.__table__.c.grantee == bindparam("grantee"))
 _QUOTA = select(Quota.__table__.c.gpus, Quota.__table__.c.cache_bytes, Quota.__table__.c.running_jobs,
-                Quota.__table__.c.queued_jobs).where(Quota.__table__.c.tenant == bindparam("tenant"))
-_QUEUED_OF_OWNER = select(func.count()).select_from(Job.__table__).where(
-    Job.__table__.c.owner == bindparam("owner"), Job.__table__.c.state == JobState.QUEUED)
+                Quota.__table__.c.queued_jobs, Quota.__table__.c.ideal_per_gpu).where(Quota.__table__.c.tenant == bindparam("tenant"))
+# One count per state over ix_jobs_owner_state: the tenant's queued (its quota) and active (the
+# object limit) jobs, read together.
+_ACTIVE_OF_OWNER = select(Job.__table__.c.state, func.count()).where(
+    Job.__table__.c.owner == bindparam("owner"), Job.__table__.c.state.in_(ACTIVE_STATES)).group_by(Job.__table__.c.state)
 _TENANT_LOCK_PG = text("SELECT pg_advisory_xact_lock(hashtext(:k))")
 _UNKNOWN_DATASET = ("unknown dataset {!r}; register it first with POST /v1/datasets"
                     " (another tenant's dataset needs its grant and dataset_owner)")
@@ -485,6 +488,15 @@ class Catalogue:
             return self.config.default_quota
         return TenantQuota(*row)
 
+    def ideal_ceiling(self, q: TenantQuota) -> float:
+        """The most f* per GPU a job under quota `q` may declare (bytes/s): the tenant's own, else
+        the default quota's, else DEFAULT_IDEAL_PER_GPU on this cluster's GPUs. A declaration
+        orders the SJF queue (and preempts) before anything is measured: it is a bounded claim."""
+        for v in (q.ideal_per_gpu, self.config.default_quota.ideal_per_gpu):
+            if v is not None:
+                return float(v)
+        return DEFAULT_IDEAL_PER_GPU * self.config.gpu_speed
+
     def set_quota(self, who: Principal, tenant: str, quota: TenantQuota) -> TenantQuota:
         if not who.is_admin:
             raise ForbiddenError("only the admin may set quotas")
@@ -573,16 +585,22 @@ class Catalogue:
             q = self._quota(c, who.user)
         if q.gpus is not None and req.gpus > q.gpus:
             raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
+        if req.ideal_throughput is not None:
+            per_gpu = self.ideal_ceiling(q)
+            if ideal > per_gpu * req.gpus:
+                raise ForbiddenError(
+                    f"ideal_throughput {ideal:.4g} B/s is above the {per_gpu:.4g} B/s per GPU x {req.gpus} GPUs"
+                    f" = {per_gpu * req.gpus:.4g} B/s your jobs may declare (quota ideal_per_gpu); declare what"
+                    f" the job reads when IO is not its bottleneck, or name a catalog model, or ask an admin to"
+                    f" raise it (PUT /v1/quotas/{who.user})", field="ideal_throughput")
         # Another tenant's dataset: the grant is checked again in the write transaction, so a job
         # submitted after the grant's revocation committed is refused (revoke_grant's promise).
         through_grant = not who.is_admin and ds.owner != who.user
         with self._write_lock, engine.begin() as c:
-            if through_grant or q.queued_jobs is not None:
-                _write_first(c)  # reads in this transaction, then writes: take the lock first
+            _write_first(c)  # reads in this transaction, then writes: take the lock first
             if through_grant and c.execute(_GRANT, {"dataset_id": ds.id, "grantee": who.user}).first() is None:
                 raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
-            if q.queued_jobs is not None:
-                self._check_queued(c, who, q.queued_jobs)
+            self._check_active(c, who, q.queued_jobs)
             now = self._last_submit = max(time.time(), self._last_submit)
             values = dict(
                 name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
@@ -627,15 +645,22 @@ class Catalogue:
         self._trigger("submit")
         raise ServiceError(message, field="pod_template")
 
-    def _check_queued(self, c: Connection, who: Principal, limit: int) -> None:
+    def _check_active(self, c: Connection, who: Principal, queued_limit: int | None) -> None:
         # Exact across API workers (issue 20: it overshot): count and insert under a lock
         # no other submission of this tenant can hold meanwhile. SQLite: the transaction
         # already holds the database's write lock (_write_first). PostgreSQL: a per-tenant
         # advisory lock until commit, so the count sees every earlier submission committed.
         if c.dialect.name == "postgresql":
             c.execute(_TENANT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
-        waiting = c.execute(_QUEUED_OF_OWNER, {"owner": who.user}).scalar() or 0
-        if waiting >= limit:
+        counts = {JobState(s): n for s, n in c.execute(_ACTIVE_OF_OWNER, {"owner": who.user})}
+        active, limit = sum(counts.values()), self.config.objects.jobs
+        if active >= limit:
+            raise ForbiddenError(f"you have {active} active (queued or running) jobs, at most {limit} per tenant (the"
+                                 f" service's object limit, --object-limits jobs=N); wait for some to end or cancel"
+                                 f" some", field="name")
+        waiting = counts.get(JobState.QUEUED, 0)
+        if queued_limit is not None and waiting >= queued_limit:
+            limit = queued_limit
             raise QuotaExceeded(
                 f"you have {waiting} queued jobs, the quota queued_jobs is {limit}; "
                 "wait for some to start or cancel some", field="queued_jobs",

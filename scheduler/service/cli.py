@@ -112,20 +112,28 @@ def make_pusher(url: str) -> Any:
 
 
 def parse_quota(value: str | None) -> Any:
-    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
-    from estimator.units import parse_size
+    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit, but
+    `queued` is DEFAULT_QUEUED_JOBS unless given; `KEY=none`: no limit)."""
+    from estimator.units import parse_rate, parse_size
     from scheduler.service.types import TenantQuota
 
+    from scheduler.service.types import DEFAULT_QUOTA
+
     if not value:
-        return TenantQuota()
-    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
-    out: dict[str, Any] = {}
+        return DEFAULT_QUOTA
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs",
+             "fstar": "ideal_per_gpu"}
+    out: dict[str, Any] = {"queued_jobs": DEFAULT_QUOTA.queued_jobs}
     for item in value.split(","):
         key, sep, val = item.strip().partition("=")
         if not sep or key not in names:
-            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
-        if key == "cache":
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of {', '.join(names)}")
+        if val.strip() == "none":
+            out[names[key]] = None  # no limit (jobs: still the object limit --object-limits jobs=N)
+        elif key == "cache":
             out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif key == "fstar":  # per GPU
+            out[names[key]] = float(parse_rate(val, what="--default-quota fstar"))
         elif re.fullmatch(r"[0-9]+", val.strip()):  # ASCII digits only: str.isdigit() accepts '²'
             out[names[key]] = int(val)
         else:
@@ -244,6 +252,22 @@ def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, cli
         raise UserError(f"--webhook-cert/--webhook-key: {exc}") from None
 
 
+def _ca_keeper(webhook: Any, cert: Path | None, ca: Path | None, configuration: str,
+               backend_opt: list[str] | None):  # type: ignore[no-untyped-def]
+    """What keeps the webhook configuration's caBundle trusting our certificate (cabundle.py), or
+    None without a webhook or with --webhook-configuration none."""
+    if webhook is None or configuration.lower() == "none" or cert is None:
+        if ca is not None and webhook is None:
+            raise UserError("--webhook-ca needs --webhook-listen")
+        return None
+    from scheduler.backends.kubernetes import load_api_client
+    from scheduler.backends.kubernetes.cabundle import CaBundleKeeper, webhook_ca
+
+    opts = dict(parse_backend_opts(backend_opt))
+    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
+    return CaBundleKeeper(api, webhook_ca(cert, ca), configuration)
+
+
 def build_api_service(
     *,
     db: str,
@@ -276,7 +300,7 @@ def build_api_service(
     from scheduler.core.cluster import load_cluster
     from scheduler.service.db.engine import make_engine
     from scheduler.service.scheduler_process import ServiceConfig
-    from scheduler.service.types import TenantQuota
+    from scheduler.service.types import DEFAULT_QUOTA
 
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
@@ -285,7 +309,7 @@ def build_api_service(
     from scheduler.service.sealed import load_secret_box
 
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), objects=parse_object_limits(object_limits),
+                           default_quota=default_quota or DEFAULT_QUOTA, objects=parse_object_limits(object_limits),
                            **_agents(node_agents, agent_service_accounts, agent_audience),
                            secrets=load_secret_box(Path(state_dir or default_state_dir())))
     workloads = None
@@ -374,7 +398,7 @@ def build_service(
     from scheduler.service.db import open_database
     from contract.uri_policy import UriPolicy
     from scheduler.service.scheduler_process import SchedulerService, ServiceConfig
-    from scheduler.service.types import TenantQuota
+    from scheduler.service.types import DEFAULT_QUOTA
 
     if policy is not None:
         policy = resolve_policy_name(policy)
@@ -405,7 +429,7 @@ def build_service(
     seal_plaintext(engine, secrets)  # rows stored before secrets were sealed (idempotent)
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
-        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or DEFAULT_QUOTA,
         objects=parse_object_limits(object_limits),
         **_agents(node_agents, agent_service_accounts, agent_audience), secrets=secrets,
         tenant_namespace_prefix=(backend_opts or {}).get("namespace-prefix", ""),
@@ -623,6 +647,23 @@ class _SchedulerSupervisor:
                 self.proc.kill()
 
 
+def _refuse_placeholder_secrets(db: str | None, tokens: Path | None) -> None:
+    """deploy/base/secret.yaml's placeholders (SILOD_* variables, --db, the --tokens file) stop the start."""
+    from contract.placeholders import refuse_placeholders
+
+    given: dict[str, tuple[str, str | None]] = {"--db": ("database-url", db)}
+    if tokens is not None and tokens.is_file():
+        from scheduler.service.api.auth import parse_tokens_file
+
+        try:
+            entries = parse_tokens_file(tokens)
+        except (OSError, UserError, ValueError):
+            entries = []  # the token store reports a bad file with its own message
+        for user, token in entries:
+            given[f"--tokens {tokens} (user {user})"] = ("tokens", token)
+    refuse_placeholders(given)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -649,8 +690,8 @@ def register(app: typer.Typer) -> None:
         node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
         agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
-        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
-        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256 (grants: tenants one dataset is shared with) [default: those]")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100,fstar=1GB/s (KEY=none: no limit; queued defaults to 1000, fstar, the most f* per GPU a job may declare, to 1GB/s x --gpu-speed)")] = None,
+        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256,jobs=10000 (grants: tenants one dataset is shared with; jobs: active jobs) [default: those]")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
         tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
@@ -658,6 +699,8 @@ def register(app: typer.Typer) -> None:
         webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
         webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
         webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
+        webhook_ca: Annotated[Path | None, typer.Option("--webhook-ca", help="CA of --webhook-cert, written into the webhook configuration's caBundle [default: ca.crt beside --webhook-cert, else the certificate itself when self-signed]")] = None,
+        webhook_configuration: Annotated[str, typer.Option("--webhook-configuration", help="MutatingWebhookConfiguration whose caBundle silod keeps trusting --webhook-ca (at start, then every minute); 'none': cert-manager or you manage it")] = "silod-suspend",
         webhook_admitter: Annotated[list[str] | None, typer.Option("--webhook-admitter", help="user (as the API server authenticates it) allowed to unsuspend queued workloads: silod's service account (repeatable) [default: system:serviceaccount:$POD_NAMESPACE:silod-scheduler, namespace silod-system when unset]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
@@ -667,6 +710,7 @@ def register(app: typer.Typer) -> None:
         from estimator.units import parse_size
 
         log_level = parse_log_level(log_level)
+        _refuse_placeholder_secrets(db, tokens)
         host, port = parse_free_listen(listen)
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
@@ -682,6 +726,7 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--workers {workers} must be between 1 and 64")
         webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
                                   webhook_admitter)
+        ca_keeper = _ca_keeper(webhook, webhook_cert, webhook_ca, webhook_configuration, backend_opt)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir
         _prepare_state_dir(state_dir)
@@ -758,6 +803,15 @@ def register(app: typer.Typer) -> None:
         if webhook is not None:
             webhook.start()
             typer.echo(f"  admission webhook {webhook.url}", err=True)
+        if ca_keeper is not None:
+            try:
+                ca_keeper.start()
+            except UserError:
+                if webhook is not None:
+                    webhook.stop()
+                scheduler.stop()
+                raise
+            typer.echo(f"  caBundle of MutatingWebhookConfiguration {ca_keeper.name} kept", err=True)
         try:
             from http_guard.timeouts import HeaderTimeoutH11Protocol
             from scheduler.service.api_workers import ApiWorkerPool, WorkerSpec
@@ -776,6 +830,8 @@ def register(app: typer.Typer) -> None:
                 if pool.failed:
                     raise typer.Exit(3)
         finally:
+            if ca_keeper is not None:
+                ca_keeper.stop()
             if webhook is not None:
                 webhook.stop()
             scheduler.stop()

@@ -308,7 +308,8 @@ class SchedulerService(ReadViews):
                 ):
                     owners[storage_key(ds_id, ds_name)] = ds_owner
             quotas = {
-                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
+                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs, q.ideal_per_gpu)
+                for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
         # A measurement is believed only up to the dataset's size (issue 20: an agent's report of

@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
     def simulate(
         trace: Annotated[Path, typer.Option(help="trace file (silod CSV, Gavel TSV with --format gavel, or Alibaba openb with --format alibaba-openb)")] = SHIPPED_TRACE,
         format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV, the openb pod list (or its folder) is alibaba-openb")] = TraceFormat.auto,
-        cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
+        cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed, irregular_share, cpus_per_node, cpu_allocation (traces/cluster.example.yaml); a flag given too overrides its key, with a note")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
         gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,
         cache: Annotated[Optional[str], typer.Option(help="total cache, e.g. 24TB [default 24TB]")] = None,
@@ -100,6 +100,12 @@ def register(app: typer.Typer) -> None:
         cache_system = resolve_name("cache system", cache_system, CACHE_SYSTEMS)
 
         ensure_writable_dir(out, "--out")
+        from scheduler.core.cluster import cluster_overrides
+
+        for note in cluster_overrides(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io,
+                                      gpu_speed=gpu_speed, irregular_share=irregular_share, cpus_per_node=cpus_per_node,
+                                      cpu_allocation=cpu_allocation):
+            typer.echo(f"note: {note}", err=True)
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
                                        cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
@@ -139,6 +145,7 @@ def register(app: typer.Typer) -> None:
         merge: Annotated[bool, typer.Option("--merge", help="plot from the parts in the directories given after the name (written by --shard); the configuration comes from the parts")] = False,
         dask: Annotated[Optional[str], typer.Option(help="run the simulations on the Dask cluster whose scheduler is at this address (tcp://HOST:PORT; needs silod's dask extra); the trace is shipped to the workers")] = None,
         ray: Annotated[Optional[str], typer.Option(help="run the simulations on the Ray cluster at this address (HOST:PORT, as `ray start --head` prints it; needs silod's ray extra); the trace is shipped to the workers")] = None,
+        insecure_cluster: Annotated[bool, typer.Option("--insecure-cluster", help="allow a --dask/--ray address that is neither loopback nor TLS: Dask and Ray run any client's code, so only on a private network that no one else reaches")] = False,
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
@@ -180,7 +187,8 @@ def register(app: typer.Typer) -> None:
         split = Shard.parse(shard) if shard is not None else None
         if dask is not None and ray is not None:
             raise UserError("--dask and --ray each name the cluster that runs the simulations; give one of them")
-        executor = Executor("dask", dask) if dask is not None else Executor("ray", ray) if ray is not None else None
+        executor = (Executor("dask", dask, insecure_cluster) if dask is not None
+                    else Executor("ray", ray, insecure_cluster) if ray is not None else None)
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         ensure_writable_dir(out, "--out")
@@ -278,4 +286,7 @@ def _print_summary(summary: dict, out: Path) -> None:
     table.add_row("simulation wall / CPU time", f"{summary['sim_wall_s']:.1f} s / {summary['sim_cpu_s']:.1f} s")
     console = Console()
     console.print(table)
+    # Its own line, unwrapped: what was simulated is the first thing to check (a unit typo in
+    # --cache shows here, not only in the JCTs).
+    print(f"cluster: {summary['cluster']['description']}", flush=True)
     console.print(f"wrote {out}/summary.json, jobs.csv, timeline.csv")

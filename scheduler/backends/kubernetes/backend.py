@@ -707,6 +707,9 @@ class KubernetesBackend(ClusterBackend):
             if exc.status == 422:
                 self._report(new, wl.kind, f"{wl.key}: Kubernetes refused silod's update: {exc.body!s:.500}")
                 return False
+            if exc.status == 403:
+                self._report(new, wl.kind, _unbound(wl))
+                return False
             raise
         parsed = parse_workload(wl.kind, got)
         self.workloads[parsed.uid] = parsed
@@ -756,6 +759,9 @@ class KubernetesBackend(ClusterBackend):
         except _api_exception() as exc:
             if exc.status == 404:
                 return True  # gone: nothing to suspend (poll() reports the deletion)
+            if exc.status == 403:
+                self._report(self._objects.get(wl.uid) or {"metadata": {"name": wl.name, "namespace": wl.namespace,
+                                                                        "uid": wl.uid}}, wl.kind, _unbound(wl))
             log.warning("%s: suspension not written (HTTP %s); retrying on the next poll", wl.key, exc.status)
             return False
         except Exception as exc:  # noqa: BLE001 - the API server is unreachable: retry on the next poll
@@ -810,9 +816,11 @@ class KubernetesBackend(ClusterBackend):
                 wl = self.workloads.get(ref.uid)
                 adm = self._admitted.get(job_id)
                 if wl is None:
-                    if job_id in self._admitted or job_id in self._deferred:
-                        self._events.append(JobEvent(job_id, "failed", time=now,
-                                                     message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
+                    # Deleted (by its owner, or with its namespace): whatever silod held for it, an
+                    # admission, a placement it waits for or a place in the queue, ends this round.
+                    # (The deferred loop above has already dropped it from _deferred.)
+                    self._events.append(JobEvent(job_id, "failed", time=now,
+                                                 message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
                     self._admitted.pop(job_id, None)
                     self._deferred.pop(job_id, None)
                     self._forget(job_id)
@@ -889,6 +897,12 @@ class KubernetesBackend(ClusterBackend):
                 self.refresh()
             return {job_id for job_id, ref in self._refs.items()
                     if (wl := self.workloads.get(ref.uid)) is not None and not wl.suspended and wl.phase == "active"}
+
+
+def _unbound(wl: Workload) -> str:
+    return (f"{wl.key}: silod may not change workloads in namespace {wl.namespace}: bind ClusterRole"
+            f" silod-scheduler-jobs to silod's service account there (the RoleBinding of"
+            f" deploy/base/workloads-namespace.yaml); silod writes to tenant namespaces only")
 
 
 def _close_quietly(obj: Any) -> None:

@@ -530,6 +530,8 @@ class QuotaIn(_Strict):
     cache_bytes: Size | None = None
     running_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
     queued_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
+    ideal_per_gpu: Rate | None = Field(default=None, description="the most f* per GPU a job may declare;"
+                                       " null: the service's default")
 
 
 class QuotaOut(BaseModel):
@@ -540,6 +542,7 @@ class QuotaOut(BaseModel):
     cache_bytes: float | None
     running_jobs: int | None
     queued_jobs: int | None
+    ideal_per_gpu: float | None = None
 
 
 class CredentialIn(_Strict):

@@ -65,7 +65,11 @@ class Dataset(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"))
+    # ix_jobs_state_priority_submit: a waiting job's queue position is a count over it (overview.py);
+    # ix_jobs_owner_state: a tenant's active jobs are counted over it at each submission (catalogue.py).
+    __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"),
+                      Index("ix_jobs_state_priority_submit", "state", "priority", "submit_time"),
+                      Index("ix_jobs_owner_state", "owner", "state"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -99,7 +103,7 @@ class Job(Base):
     autocache_expansion: Mapped[float | None] = mapped_column(Float, nullable=True)
     post_cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
     # The local backend's program for the job, JSON {"command": [...], "env": {...}} (migration
-    # 0008); NULL runs the built-in stand-in worker.
+    # 0009); NULL runs the built-in stand-in worker.
     program: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
@@ -234,6 +238,8 @@ class Quota(Base):
     cache_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)  # cache over its datasets
     running_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # jobs holding GPUs at once
     queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # active (queued or running) jobs
+    # Most f* per GPU a job may declare (bytes/s); None: the service's default (migration 0008).
+    ideal_per_gpu: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class IdempotencyKey(Base):

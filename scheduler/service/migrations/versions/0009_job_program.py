@@ -1,8 +1,8 @@
 """The program a local-backend job runs (issue 49): its command and environment as JSON, NULL
 for the built-in stand-in worker (every job before this revision).
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-12-02 05:00:00
 """
 
@@ -10,8 +10,8 @@ from alembic import op
 import sqlalchemy as sa
 
 
-revision = '0008'
-down_revision = '0007'
+revision = '0009'
+down_revision = '0008'
 branch_labels = None
 depends_on = None
 

@@ -407,7 +407,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     service = SchedulerService(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,
                   datamanager_url=dm.url if dm else None)
     if not managed:
-        service.core = SchedulingCore(get_policy(policy), VanillaEstimator())
+        service.core = SchedulingCore(get_policy(policy), VanillaEstimator(), round_s=config.round_seconds)
     admin = Principal("admin", is_admin=True)
     names: dict[str, str] = {}
     t0 = time.time()

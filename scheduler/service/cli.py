@@ -679,7 +679,7 @@ def register(app: typer.Typer) -> None:
         irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
         cpus_per_node: Annotated[str | None, typer.Option("--cpus-per-node", help="CPU cores per node for input pipelines [default: CPU not constrained]")] = None,
         cpu_allocation: Annotated[str | None, typer.Option("--cpu-allocation", help="with --cpus-per-node: model (cores by the estimator) | gpu-proportional [default: model]")] = None,
-        policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
+        policy: Annotated[str | None, typer.Option(help="fifo | fifo-strict | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
@@ -923,7 +923,12 @@ def register(app: typer.Typer) -> None:
                      "f* (measured)": fstar, "bound": bound.replace("remote_io", "io")}
             table.add_row(*(cells[c] for c in columns))
         # --wide is wider than 80 columns: it is not squeezed into a narrow terminal (lines wrap).
-        Console(width=max(Console().width, 150) if wide else None).print(table)
+        console = Console(width=max(Console().width, 150) if wide else None)
+        console.print(table)
+        # Why a queued job cannot start (the backend's reason, e.g. no node can take its pods).
+        for j in rows:
+            if j["state"] == "queued" and str(j.get("message") or "").startswith("unschedulable"):
+                console.print(f"job {j['id']}: {j['message']}", highlight=False, soft_wrap=True)
 
     @app.command()
     def top(

@@ -373,15 +373,18 @@ def _peak_rss_kb(pid: int) -> int:
 def _failed_mount_peak_rss(tmp_path: Path, source: str, *extra: str) -> tuple[int, str, int]:
     """Run a `silod mount` that is expected to fail; returns its exit code, output and peak RSS
     (a wrapper process waits for it and reads its children's ru_maxrss)."""
-    from dataplane_helpers import silod_cmd
+    from dataplane_helpers import force_unmount, silod_cmd
 
     (tmp_path / "mnt").mkdir(exist_ok=True)
     wrapper = ("import resource, subprocess, sys\n"
                "p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)\n"
                "sys.stdout.write(f'{p.returncode} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}\\n' + p.stdout + p.stderr)\n")
-    out = subprocess.run([sys.executable, "-c", wrapper, *silod_cmd(), "mount", str(tmp_path / "mnt"),
-                          "--source", source, "--dataset", "ds", "--job", "j", "--cache-dir", str(tmp_path / "cache"),
-                          *extra], capture_output=True, text=True, timeout=180).stdout
+    try:
+        out = subprocess.run([sys.executable, "-c", wrapper, *silod_cmd(), "mount", str(tmp_path / "mnt"),
+                              "--source", source, "--dataset", "ds", "--job", "j", "--cache-dir",
+                              str(tmp_path / "cache"), *extra], capture_output=True, text=True, timeout=180).stdout
+    finally:
+        force_unmount(tmp_path / "mnt")  # should it have mounted after all (and been killed)
     head, _, rest = out.partition("\n")
     rc, peak = map(int, head.split())
     return rc, rest, peak

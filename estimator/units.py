@@ -14,6 +14,12 @@ typo, not a dataset, and letting it through produces nonsense results with exit 
     GPU count (cluster, job)      1 .. 1,000,000   (MAX_GPUS)
 
 A value out of range is a UnitError whose message gives the range.
+
+Bytes unless the unit says bits beyond doubt: `B` is bytes, and a bare prefix (`4G`) or number
+is bytes too (as `dd` and Kubernetes quantities read them); bits only as `bit`/`bits`
+(`10Gbit`, `10Gbit/s`) or a rate's `bps` (`10Gbps`, `100Mbps`). A lower-case `b` on its own
+(`10tb`, `10Gb`, `10Gb/s`) reads as bytes to some people and bits to others, an 8x difference
+nothing downstream would reveal, so it is refused with both readings spelled out.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ _RATE_RE = re.compile(
 )
 
 SIZE_HELP = "write bytes as a number or with a unit, e.g. 143GB, 1.3TB, 512MiB"
-RATE_HELP = "write a rate as bytes/s or with a unit, e.g. 200MB/s, 1.5GB/s, 8Gbps, 100MiB/s"
+RATE_HELP = "write a rate as bytes/s or with a unit, e.g. 200MB/s, 1.5GB/s, 100MiB/s, or in bits as 8Gbps or 8Gbit/s"
 
 
 class UnitError(UserError):
@@ -52,16 +58,54 @@ def _multiplier(prefix: str, what: str, text: str, help_text: str) -> float:
     raise UnitError(f"unknown unit {prefix!r} in {what} {text!r}; {help_text}")
 
 
-def _split_unit(unit: str) -> tuple[str, bool]:
-    """Return (prefix, is_bits) for a unit such as 'GB', 'GiB', 'Gb', 'B', ''."""
+def _split_unit(unit: str, number: str, what: str, text: str, *, rate_suffix: str = "") -> tuple[str, bool]:
+    """Return (prefix, is_bits) for a unit such as 'GB', 'GiB', 'Gbit', 'B', ''. `rate_suffix` is
+    the rate's `ps`, `/s` or `/sec` (empty for a size): `Gb` + `ps` is bits, `Gb` alone is refused."""
     if unit == "":
         return "", False
+    lower = unit.lower()
+    for bits_word in ("bits", "bit"):
+        if lower.endswith(bits_word):
+            return unit[: -len(bits_word)], True
     if unit.endswith("B"):
         return unit[:-1], False
     if unit.endswith("b"):
-        return unit[:-1], True
+        if rate_suffix.lower() == "ps":
+            return unit[:-1], True  # "Gbps", "Mbps": bits per second, as network links are quoted
+        raise _ambiguous_b(unit[:-1], number, what, text, rate_suffix)
+    if rate_suffix.lower() == "ps":  # "10Gps": neither bytes nor bits is written
+        raise _ambiguous_b(unit, number, what, text, rate_suffix, why="names neither bytes nor bits")
     # A bare prefix ("4G") is read as bytes, as `dd` and Kubernetes quantities do.
     return unit, False
+
+
+_PREFIX_NAMES = {"": "", "K": "kilo", "M": "mega", "G": "giga", "T": "tera", "P": "peta", "E": "exa",
+                 "KI": "kibi", "MI": "mebi", "GI": "gibi", "TI": "tebi", "PI": "pebi", "EI": "exbi"}
+
+
+def _ambiguous_b(prefix: str, number: str, what: str, text: str, rate_suffix: str,
+                 why: str = "has a lower-case 'b', which reads as bytes or as bits (8x less)") -> UnitError:
+    """The error for `10tb` / `10Gb/s`: both readings, their byte values, and how to write each."""
+    key = prefix.upper()
+    if key not in _DECIMAL and key not in _BINARY:
+        help_text = RATE_HELP if rate_suffix else SIZE_HELP
+        return UnitError(f"unknown unit {prefix!r} in {what} {text!r}; {help_text}")
+    shown = key[0] + key[1:].lower() if key else ""  # "tb" -> "T", "gib" -> "Gi"
+    scale = _DECIMAL.get(key) or _BINARY[key]
+    as_bytes = float(number) * scale
+    name = _PREFIX_NAMES[key]
+    if rate_suffix:
+        per = "/s"
+        byte_form, bit_form = f"{number}{shown}B/s", f"{number}{shown}bps"
+        bytes_value, bits_value = format_rate(as_bytes), format_rate(as_bytes / 8)
+    else:
+        per = ""
+        byte_form, bit_form = f"{number}{shown}B", f"{number}{shown}bit"
+        bytes_value, bits_value = format_size(as_bytes), format_size(as_bytes / 8)
+    return UnitError(
+        f"{what} {text!r} is ambiguous: it {why}. "
+        f"Write {byte_form} for {number} {name}bytes{per} ({bytes_value}) or {bit_form} for {number} "
+        f"{name}bits{per} ({bits_value})")
 
 
 def _check_finite(value: float, what: str, text: str) -> float:
@@ -133,7 +177,7 @@ def parse_size(value: str | int | float, what: str = "size") -> float:
     if not m:
         raise UnitError(f"{what} {text!r} is not a size; {SIZE_HELP}")
     number, unit = float(m.group(1)), m.group(2)
-    prefix, bits = _split_unit(unit)
+    prefix, bits = _split_unit(unit, m.group(1), what, text)
     result = number * _multiplier(prefix, what, text, SIZE_HELP) / (8 if bits else 1)
     return check_size(result, what, text)
 
@@ -153,12 +197,10 @@ def parse_rate(value: str | int | float, what: str = "rate") -> float:
         raise UnitError(f"{what} {text!r} is not a rate; {RATE_HELP}")
     number, unit, per_second = float(m.group(1)), m.group(2), m.group(3)
     if unit and not per_second:
-        if unit.endswith(("B", "b")) or unit.upper() in ("K", "M", "G", "T", "P", "KI", "MI", "GI", "TI", "PI"):
+        if unit.endswith(("B", "b", "bit", "bits")) or unit.upper() in ("K", "M", "G", "T", "P", "KI", "MI", "GI", "TI", "PI"):
             raise UnitError(f"{what} {text!r} has no time unit; write it per second, e.g. {text}/s")
         raise UnitError(f"{what} {text!r} is not a rate; {RATE_HELP}")  # "35 cores" is not bytes per second
-    prefix, bits = _split_unit(unit)
-    if per_second and per_second.lower() == "ps" and unit and not unit.endswith(("b", "B")):
-        bits = True  # "Gps" is not a thing people write; "Gbps" is handled by _split_unit
+    prefix, bits = _split_unit(unit, m.group(1), what, text, rate_suffix=per_second or "")
     result = number * _multiplier(prefix, what, text, RATE_HELP) / (8 if bits else 1)
     return check_rate(result, what, text)
 

@@ -172,6 +172,21 @@ def test_bad_dataset_is_422_naming_the_field(client: TestClient, patch: dict, fi
     assert field in _fields(r), r.text
 
 
+def test_a_size_or_rate_with_a_lower_case_b_is_refused_with_both_readings(client: TestClient) -> None:
+    """`{"size": "10tb"}` stored 1.25 TB (terabits), silently; now it is a 422 that spells out
+    both readings, and nothing is stored."""
+    r = client.post("/v1/datasets", json={**IMAGENET, "name": "big", "size": "10tb"}, headers=H_ALICE)
+    assert r.status_code == 422, r.text
+    assert "size" in _fields(r)
+    assert "10TB for 10 terabytes" in r.text and "10Tbit for 10 terabits (1.25TB)" in r.text, r.text
+    assert "big" not in [d["name"] for d in client.get("/v1/datasets", headers=H_ALICE).json()]
+    r = client.post("/v1/jobs", json={**JOB, "ideal_throughput": "100mb/s"}, headers=H_ALICE)
+    assert r.status_code == 422 and "100MB/s for 100 megabytes/s" in r.text and "100Mbps" in r.text, r.text
+    ok = client.post("/v1/datasets", json={**IMAGENET, "name": "bits", "size": "80Tbit"}, headers=H_ALICE)
+    assert ok.status_code == 201, ok.text
+    assert client.get("/v1/datasets/bits", headers=H_ALICE).json()["size"] == 10e12
+
+
 def test_malformed_bodies_are_4xx(client: TestClient) -> None:
     for content in (b"{", b"[]", b"null", b"\xff\xfe", b'{"name": NaN}', b"1" * 10000):
         for path in ("/v1/jobs", "/v1/datasets"):

@@ -192,6 +192,10 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("dataset-add-missing-uri", ["dataset-add", "d1", "--size", "1GB"], 2, "--uri"),
     ("dataset-add-bad-size", ["dataset-add", "d1", "--uri", "s3://b/d1", "--size", "big"], 2, "--size 'big'"),
     ("dataset-add-size-out-of-range", ["dataset-add", "d1", "--uri", "s3://b/d1", "--size", "2EB"], 2, "1EB"),
+    ("dataset-add-size-in-bits-or-bytes", ["dataset-add", "d1", "--uri", "s3://b/d1", "--size", "10tb"], 2,
+     "10TB for 10 terabytes (10TB) or 10Tbit for 10 terabits (1.25TB)"),
+    ("submit-rate-in-bits-or-bytes", ["submit", "--name", "a", "--gpus", "1", "--dataset", "d1", "--epochs", "1",
+                                      "--ideal-throughput", "1Gb/s"], 2, "1GB/s for 1 gigabytes/s"),
     # demo
     ("demo-unknown-option", ["demo", "--fast"], 2, "--fast"),
     ("demo-unknown-policy", ["demo", "--policy", "nope"], 2, "nope"),

@@ -228,7 +228,9 @@ def test_negative_value_is_quoted():
         ("1e9", 1e9),
         ("1.5e3MB", 1.5e9),
         ("4G", 4e9),  # bare prefix reads as bytes
-        ("8Gb", 1e9),  # lower-case b is bits
+        ("8Gbit", 1e9),  # bits only where the unit says bits
+        ("8Gbits", 1e9),
+        ("4gB", 4e9),  # the prefix's case does not matter, the B's does
         ("0", 0),
         (" 7 GB ", 7e9),
         (42, 42.0),
@@ -249,7 +251,10 @@ def test_parse_size(text, expected):
         ("8Gbps", 1e9),
         ("1.6Gbps", 200e6),  # the paper's micro-benchmark link
         ("32Gbps", 4e9),
-        ("1Gb/s", 1e9 / 8),
+        ("1Gbit/s", 1e9 / 8),
+        ("1Gbits/s", 1e9 / 8),
+        ("10gbps", 1.25e9),
+        ("300bps", 37.5),
         ("1GBps", 1e9),
         ("1GB/sec", 1e9),
         ("1GB/S", 1e9),
@@ -277,6 +282,9 @@ def test_parse_rate(text, expected):
         ("1.2.3GB", "not a size"),
         ("abc", "not a size"),
         ("5GBps", "rate, not a size"),
+        ("10tb", "ambiguous"),
+        ("10Gb", "ambiguous"),
+        ("100b", "ambiguous"),
         (float("nan"), "not a finite"),
         (float("inf"), "not a finite"),
         ("1e400", "not a finite"),
@@ -308,6 +316,27 @@ def test_parse_rate_errors(text, fragment):
     with pytest.raises(UnitError, match=fragment) as info:
         parse_rate(text, what="--remote-io")
     assert "--remote-io" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "parse", "readings"),
+    [
+        ("10tb", parse_size, ["10TB for 10 terabytes (10TB)", "10Tbit for 10 terabits (1.25TB)"]),
+        ("10Gb", parse_size, ["10GB for 10 gigabytes (10GB)", "10Gbit for 10 gigabits (1.25GB)"]),
+        ("4Gib", parse_size, ["4GiB for 4 gibibytes", "4Gibit for 4 gibibits"]),
+        ("10Gb/s", parse_rate, ["10GB/s for 10 gigabytes/s (10GB/s)", "10Gbps for 10 gigabits/s (1.25GB/s)"]),
+        ("100mb/s", parse_rate, ["100MB/s for 100 megabytes/s", "100Mbps for 100 megabits/s (12.5MB/s)"]),
+        ("1Gps", parse_rate, ["1GB/s for 1 gigabytes/s", "1Gbps for 1 gigabits/s (125MB/s)"]),
+    ],
+)
+def test_a_lower_case_b_is_refused_with_both_readings(text, parse, readings):
+    """`10tb` was 10 terabits (1.25e12 bytes), silently: an 8x error nothing downstream shows."""
+    with pytest.raises(UnitError, match="ambiguous") as info:
+        parse(text, what="--cache")
+    message = str(info.value)
+    assert "--cache" in message and repr(text) in message
+    for reading in readings:
+        assert reading in message, message
 
 
 @FAST

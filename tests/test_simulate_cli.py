@@ -102,7 +102,7 @@ def test_bad_trace_gives_one_clear_error_and_exit_2(tmp_path, header, body, expe
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--policy", "lottery"], "unknown policy 'lottery'; choose one of: fifo, gavel, greedy, sjf"),
+        (["--policy", "lottery"], "unknown policy 'lottery'; choose one of: fifo, fifo-strict, gavel, greedy, sjf"),
         (["--cache-system", "redis"], "unknown cache system 'redis'; choose one of: silod, alluxio, coordl, quiver"),
         (["--gpus", "1"], "needs 2 GPUs but the cluster has 1"),
         (["--cache", "-1TB"], "is negative"),
@@ -225,3 +225,61 @@ def test_profile_noise_is_for_quiver_only(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = silod("simulate", "--cache-system", "quiver", "--profile-noise", "-1", "--max-jobs", "3", "--out", str(tmp_path / "o"), "--quiet")
     assert proc.returncode == 2 and "must be >= 0" in proc.stderr + proc.stdout
+
+
+def test_a_lower_case_b_is_refused_on_the_command_line_in_yaml_and_in_traces(tmp_path):
+    """`--cache 10tb` ran with 1.25e12 bytes (terabits); every entry point now refuses it with
+    both readings, naming where the value came from."""
+    proc = silod("simulate", "--max-jobs", "3", "--cache", "10tb", "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--cache '10tb' is ambiguous" in proc.stderr
+    assert "10TB for 10 terabytes (10TB)" in proc.stderr and "10Tbit for 10 terabits (1.25TB)" in proc.stderr
+    assert not (tmp_path / "o" / "summary.json").exists()
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("gpus: 8\ncache: 1TB\nremote_io: 10Gb/s\n")
+    proc = silod("simulate", "--max-jobs", "3", "--cluster", str(cluster), "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert f"cluster file {cluster}: remote_io '10Gb/s' is ambiguous" in proc.stderr
+    assert "10GB/s for 10 gigabytes/s" in proc.stderr and "10Gbps for 10 gigabits/s (1.25GB/s)" in proc.stderr
+
+    trace = write(tmp_path, "j1,0,1,resnet50,mine,143gb,114MB/s,2\n")
+    proc = silod("simulate", "--trace", str(trace), "--out", str(tmp_path / "o"), "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert "line 2" in proc.stderr and "dataset_size '143gb' is ambiguous" in proc.stderr and "143GB" in proc.stderr
+
+
+def test_the_summary_shows_the_cluster_it_simulated(tmp_path):
+    out = tmp_path / "o"
+    proc = silod("simulate", "--max-jobs", "5", "--gpus", "16", "--gpus-per-node", "4", "--cache", "2TB",
+                 "--remote-io", "8Gbps", "--cpus-per-node", "12", "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    line = "cluster: 16 GPUs (4 nodes of 4), cache 2TB, remote IO 1GB/s, 48 CPU cores (12 per node, model)"
+    assert line in proc.stdout, proc.stdout
+    cluster = json.loads((out / "summary.json").read_text())["cluster"]
+    assert cluster["gpus"] == 16 and cluster["nodes"] == 4 and cluster["cache_bytes"] == 2e12
+    assert cluster["remote_io_bytes_per_s"] == 1e9 and cluster["cpus"] == 48 and cluster["cpus_per_node"] == 12
+    assert cluster["description"] == line.removeprefix("cluster: ")
+
+
+def test_a_flag_that_overrides_the_cluster_file_says_so(tmp_path):
+    """`--cluster FILE --gpus 8` used the flag silently; the flag still wins (as flags do), with a note."""
+    out = tmp_path / "o"
+    proc = silod("simulate", "--max-jobs", "3", "--cluster", str(EXAMPLE_CLUSTER), "--gpus", "8", "--gpus-per-node", "4",
+                 "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: --gpus 8 overrides gpus: 96 in {EXAMPLE_CLUSTER}" in proc.stderr
+    assert "--gpus-per-node" not in proc.stderr  # the same value as the file's: nothing to say
+    assert json.loads((out / "summary.json").read_text())["cluster"]["gpus"] == 8
+
+
+EXAMPLE_CLUSTER = Path(__file__).resolve().parents[1] / "traces" / "cluster.example.yaml"
+
+
+def test_the_documented_cluster_file_loads_as_documented():
+    from scheduler.core.cluster import describe_cluster, load_cluster
+
+    capacity, speed = load_cluster(EXAMPLE_CLUSTER)
+    assert describe_cluster(capacity, speed) == "96 GPUs (24 nodes of 4), cache 24TB, remote IO 1GB/s, 768 CPU cores (32 per node, model)"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "simulator.md").read_text()
+    assert EXAMPLE_CLUSTER.read_text() in doc, "docs/simulator.md shows traces/cluster.example.yaml as it is"

@@ -99,6 +99,9 @@ def mount_env(src: DatasetSource) -> dict[str, str]:
     return env
 
 
+MAX_LAYERS = 64  # binds stacked on one target by agent restarts that unpublish takes down
+
+
 def _run(*args: str) -> None:
     r = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
@@ -143,6 +146,11 @@ class VolumeManager:
         self.idle_unmount_s = idle_unmount_s
         self._idle: dict[tuple[str, str], threading.Timer] = {}
         self.lock = threading.RLock()
+        # Starting a dataset's mount waits for it to list its source (network I/O: seconds for a
+        # slow index). That wait holds only the dataset's own lock, never the node-wide `lock`,
+        # so one tenant's slow source does not stall every other volume's set-up on the node.
+        # Order: a dataset lock before `lock`, never the other way round.
+        self._dataset_locks: dict[tuple[str, str], threading.Lock] = {}
         self.volumes: dict[Key, VolumeRecord] = {}
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (tenant, dataset) -> storage key its mount runs under
@@ -191,8 +199,13 @@ class VolumeManager:
                 try:
                     src = self._dataset_mount(self._recorded_source(rec, resolver))
                     if not healthy(target):
-                        if is_mountpoint(target) or not _listable(target):
-                            unmount(target)
+                        # Stack the new bind on the dead one instead of unmounting it: a running
+                        # pod's view of the target is a copy in its own mount namespace, a slave
+                        # of this mount when its volumeMount has mountPropagation HostToContainer
+                        # (the admission webhook sets it). A mount on top of this one propagates
+                        # to that copy; an unmount followed by a new mount at the same path does
+                        # not (the new mount's parent is kubelet's directory, not this mount), and
+                        # the pod would keep reading ENOTCONN. unpublish unmounts every layer.
                         self._bind(src, target)
                     repaired.append(vid)
                 except (MountError, UserError) as exc:
@@ -283,6 +296,15 @@ class VolumeManager:
         self._release_now(tenant, dataset)
 
     def _release_now(self, tenant: str, dataset: str) -> None:
+        dataset_lock = self._dataset_locks.setdefault((tenant, dataset), threading.Lock())
+        if not dataset_lock.acquire(blocking=False):
+            return  # a publish of the dataset is starting its mount: it is wanted again
+        try:
+            self._release_locked(tenant, dataset)
+        finally:
+            dataset_lock.release()
+
+    def _release_locked(self, tenant: str, dataset: str) -> None:
         with self.lock:
             self._idle.pop((tenant, dataset), None)
             if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
@@ -346,7 +368,18 @@ class VolumeManager:
             other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
             if other is not None:
                 raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
+            dataset_lock = self._dataset_locks.setdefault((src.tenant, src.name), threading.Lock())
+        with dataset_lock:
             source = self._dataset_mount(src)
+            with self.lock:
+                other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
+                if other is not None:  # published meanwhile by another request
+                    raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
+                self._bind_volume(volume_id, path, source, src, namespace, pod, pod_uid, access_mode, readonly)
+
+    def _bind_volume(self, volume_id: str, path: Path, source: Path, src: DatasetSource, namespace: str, pod: str,
+                     pod_uid: str, access_mode: int, readonly: bool) -> None:
+        with self.lock:
             if is_mountpoint(path):
                 unmount(path)
             self._bind(source, path)
@@ -361,7 +394,9 @@ class VolumeManager:
         with self.lock:
             resolved = path.parent.resolve() / path.name if path.is_absolute() else path
             rec = self.volumes.get((volume_id, str(resolved)))
-            if is_mountpoint(path) or (path.exists() and not _listable(path)):
+            for _ in range(MAX_LAYERS):  # a bind per agent restart may be stacked here (recover)
+                if not (is_mountpoint(path) or (path.exists() and not _listable(path))):
+                    break
                 unmount(path)
             try:
                 path.rmdir()  # CSI: the SP removes the target it created

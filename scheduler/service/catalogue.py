@@ -534,6 +534,9 @@ class Catalogue:
         if req.pod_template is not None and self.workloads is None:
             raise ServiceError("pod_template needs a backend that creates workloads (silod serve --backend kubernetes)",
                                field="pod_template")
+        if req.program is not None and self.workloads is not None:
+            raise ServiceError("program is what the local backend runs; on Kubernetes give the pods to run as"
+                               " pod_template", field="program")
         check_name(req.dataset, "dataset")
         cap = self.config.capacity
         if req.gpus < 1:
@@ -605,7 +608,7 @@ class Catalogue:
                 ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
                 submit_time=now, start_time=None, finish_time=None, message="", **access_columns(req.access),
-                **pipeline_columns(req.pipeline),
+                **pipeline_columns(req.pipeline), program=None if req.program is None else req.program.to_json(),
             )
             # Core insert, not an ORM object: attaching a Job to its Dataset would load the
             # dataset's whole job collection (thousands of rows) on every submission.

@@ -4,6 +4,8 @@ the catalogue, the scheduling loop and the API; no I/O here."""
 
 from __future__ import annotations
 
+import json
+
 import functools
 import math
 import re
@@ -120,6 +122,27 @@ class NewJob:
     pipeline: InputPipeline | None = None  # CPU preprocessing stage (estimator/pipeline.py); None = not CPU-bound
     # The pods to run (backends that create workloads, i.e. Kubernetes: a workloads.PodTemplate).
     pod_template: Any = None
+    # The local backend's training program: (command, env) run on the mounted dataset; None runs
+    # the built-in stand-in worker.
+    program: JobProgram | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobProgram:
+    """What a local-backend job runs instead of the stand-in worker (scheduler/backends/local_worker.py)."""
+
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"command": list(self.command), "env": dict(self.env)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> JobProgram | None:
+        if not text:
+            return None
+        data = json.loads(text)
+        return cls(tuple(data["command"]), tuple(sorted((data.get("env") or {}).items())))
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
     def simulate(
         trace: Annotated[Path, typer.Option(help="trace file (silod CSV, Gavel TSV with --format gavel, or Alibaba openb with --format alibaba-openb)")] = SHIPPED_TRACE,
         format: Annotated[TraceFormat, typer.Option("--format", help="trace format; auto: .trace files are Gavel TSV, the openb pod list (or its folder) is alibaba-openb")] = TraceFormat.auto,
-        cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed")] = None,
+        cluster: Annotated[Optional[Path], typer.Option(help="YAML file with gpus, gpus_per_node, cache, remote_io, gpu_speed, irregular_share, cpus_per_node, cpu_allocation (traces/cluster.example.yaml); a flag given too overrides its key, with a note")] = None,
         gpus: Annotated[Optional[str], typer.Option(help="GPUs in the cluster [default 96]")] = None,
         gpus_per_node: Annotated[Optional[str], typer.Option(help="GPUs per node [default 4]")] = None,
         cache: Annotated[Optional[str], typer.Option(help="total cache, e.g. 24TB [default 24TB]")] = None,
@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         cpus_per_node: Annotated[Optional[str], typer.Option(help="CPU cores per node for input pipelines; jobs with a cpu_rate are then bound by their cores [default: CPU not constrained]")] = None,
         cpu_allocation: Annotated[Optional[str], typer.Option(help="with --cpus-per-node: model (the policy allocates cores as a resource) | gpu-proportional (cores follow GPUs, the baseline) [default: model]")] = None,
         irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
-        policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
+        policy: Annotated[str, typer.Option(help="fifo (backfilling) | fifo-strict (head-of-line, Gavel's) | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
         round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
         resolution: Annotated[int, typer.Option(help="chunks per dataset, twice that on Alluxio's LRU (higher = closer to item level, slower)")] = 128,
@@ -79,7 +79,8 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
         stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
-        decision_interval: Annotated[float, typer.Option(help="decision coalescing: at most one policy decision per this many seconds while jobs run (0 = at every arrival, completion and demand change; see docs/simulator.md)")] = 0.0,
+        decision_interval: Annotated[float, typer.Option(help="allocation-recompute interval: at most one policy decision per this many seconds while jobs run; rounds in between use the allocation in force (Gavel's default is 1920; 0 = at every arrival, completion and demand change; see docs/policies.md)")] = 0.0,
+        scale_missing: Annotated[Optional[str], typer.Option(help="Gavel traces: rate of a job whose GPU count has no throughput entry: linear (the largest measured count below, scaled by GPUs) | nearest (its measured rate, not scaled) [default: linear, with a warning that counts them]")] = None,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     ) -> None:
@@ -100,10 +101,16 @@ def register(app: typer.Typer) -> None:
         cache_system = resolve_name("cache system", cache_system, CACHE_SYSTEMS)
 
         ensure_writable_dir(out, "--out")
+        from scheduler.core.cluster import cluster_overrides
+
+        for note in cluster_overrides(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io,
+                                      gpu_speed=gpu_speed, irregular_share=irregular_share, cpus_per_node=cpus_per_node,
+                                      cpu_allocation=cpu_allocation):
+            typer.echo(f"note: {note}", err=True)
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
                                        cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
-        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
+        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed, scale_missing)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
                                 profile_noise=profile_noise, stagger=stagger, decision_interval=decision_interval)
@@ -280,4 +287,7 @@ def _print_summary(summary: dict, out: Path) -> None:
     table.add_row("simulation wall / CPU time", f"{summary['sim_wall_s']:.1f} s / {summary['sim_cpu_s']:.1f} s")
     console = Console()
     console.print(table)
+    # Its own line, unwrapped: what was simulated is the first thing to check (a unit typo in
+    # --cache shows here, not only in the JCTs).
+    print(f"cluster: {summary['cluster']['description']}", flush=True)
     console.print(f"wrote {out}/summary.json, jobs.csv, timeline.csv")

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from estimator.pipeline import RESOURCES
+from scheduler.core.cluster import describe_cluster
 from scheduler.sim.diagnosis import main_bottleneck
 from scheduler.sim.engine import SimResult, TimelineRow
 
 
-def summarize(result: SimResult, policy: str, cache_system: str) -> dict:
+def summarize(result: SimResult, policy: str, cache_system: str, gpu_speed: float = 1.0) -> dict:
     jct = np.array([r.jct_s for r in result.jobs], dtype=float)
     cap = result.capacity
     horizon = result.makespan_s - min((r.submit_s for r in result.jobs), default=0.0)
@@ -32,7 +33,12 @@ def summarize(result: SimResult, policy: str, cache_system: str) -> dict:
         "gpu_utilization": result.gpu_seconds_used / (cap.gpus * horizon),
         "remote_io_utilization": result.remote_bytes / (cap.remote_io * horizon) if cap.remote_io > 0 else 0.0,
         "remote_bytes": result.remote_bytes,
-        "cluster": {"gpus": cap.gpus, "gpus_per_node": cap.gpus_per_node, "cache_bytes": cap.cache, "remote_io_bytes_per_s": cap.remote_io},
+        "cluster": {"gpus": cap.gpus, "gpus_per_node": cap.gpus_per_node, "nodes": cap.nodes, "cache_bytes": cap.cache,
+                    "remote_io_bytes_per_s": cap.remote_io, "cpus_per_node": cap.cpus_per_node,
+                    "cpus": cap.cpus if cap.cpus_per_node is not None else None,
+                    "cpu_allocation": cap.cpu_allocation if cap.cpus_per_node is not None else None,
+                    "irregular_share": cap.irregular_share, "gpu_speed": gpu_speed,
+                    "description": describe_cluster(cap, gpu_speed)},
         "sim_steps": result.steps,
         "sim_wall_s": result.sim_wall_s,
         "sim_cpu_s": result.sim_cpu_s,
@@ -42,7 +48,7 @@ def summarize(result: SimResult, policy: str, cache_system: str) -> dict:
 def write_outputs(result: SimResult, out_dir: str | Path, policy: str, cache_system: str, extra: dict | None = None) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(result, policy, cache_system)
+    summary = summarize(result, policy, cache_system, float((extra or {}).get("gpu_speed", 1.0)))
     if extra:
         summary.update(extra)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -147,6 +147,12 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _cluster_value(item: tuple[str, object]) -> bool:
+    """A summary's cluster entry: numbers, None where CPU is not modelled, and two texts."""
+    key, value = item
+    return _is_number(value) or value is None or (key in ("description", "cpu_allocation") and isinstance(value, str))
+
+
 def _check_result(r: dict, read_result: Callable[[dict], object]) -> None:
     """A run's result as the plotting code reads it (what result_to_json writes)."""
     read_result(r)  # the run, the fairness series and queued_until
@@ -155,7 +161,7 @@ def _check_result(r: dict, read_result: Callable[[dict], object]) -> None:
         raise ValueError(f"run {r['index']}: summary and jct_by_kind must be objects")
     for key, value in [*summary.items(), *r["jct_by_kind"].items()]:
         ok = isinstance(value, str) if key in ("policy", "cache_system") else \
-            isinstance(value, dict) and all(map(_is_number, value.values())) if key == "cluster" else _is_number(value)
+            isinstance(value, dict) and all(map(_cluster_value, value.items())) if key == "cluster" else _is_number(value)
         if not ok:
             raise ValueError(f"run {r['index']}: {key} is {value!r}")
     # Finite is not enough: 1e308 s merged into a table of 300-digit JCTs. No simulated time (a

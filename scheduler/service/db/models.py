@@ -100,6 +100,9 @@ class Job(Base):
     cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
     autocache_expansion: Mapped[float | None] = mapped_column(Float, nullable=True)
     post_cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The local backend's program for the job, JSON {"command": [...], "env": {...}} (migration
+    # 0009); NULL runs the built-in stand-in worker.
+    program: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
     allocation: Mapped[JobAllocationRow | None] = relationship(

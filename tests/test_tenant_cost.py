@@ -191,14 +191,14 @@ def test_every_sync_route_runs_in_a_fair_pool(svc):
 
 
 def test_one_tenants_burst_of_slow_requests_does_not_hold_anothers(svc, monkeypatch):
-    """Bob's 80 concurrent GET /v1/cluster each take 0.6 s; alice's one GET /v1/overview waits
-    for at most one of them, not for their queue (on main: anyio's 40 threads, first come, first
-    served, so she waited for two waves of bob's, 1.2 s and more)."""
+    """Bob's 80 concurrent GET /v1/cluster each take 1 s; alice's one GET /v1/overview waits for
+    at most one of them, not for their queue (on main: anyio's 40 threads, first come, first
+    served, so she waited for two waves of bob's, 2 s and more)."""
     c, service = svc
     slow = type(service).cluster
 
     def slowed(self):  # type: ignore[no-untyped-def]
-        time.sleep(0.6)
+        time.sleep(1.0)
         return slow(self)
 
     monkeypatch.setattr(type(service), "cluster", slowed)
@@ -219,8 +219,8 @@ def test_one_tenants_burst_of_slow_requests_does_not_hold_anothers(svc, monkeypa
             return took
 
     took = anyio.run(scenario)
-    # Fairly, at most one of bob's (0.6 s) and the machine's delays.
-    assert took < 1.0, took
+    # Fairly, at most one of bob's (1 s) and the machine's delays (0.53 s seen at load 9).
+    assert took < 1.6, took
 
 
 try:

@@ -123,7 +123,9 @@ def test_pytorch_job_through_the_mount_reports_and_its_declared_fstar_converges(
             # The last estimate follows the job's recent epochs (a change of load on this machine
             # moves the job's speed mid-run; the estimate tracks it, the whole-run mean does not).
             recent = sum(e["bytes"] for e in stats[-4:]) / sum(e["seconds"] for e in stats[-4:])
-            assert used[-1] < declared and abs(used[-1] - recent) <= 0.3 * recent, (used, steady, recent, declared, fstar)
+            # Reports only lower f*: a job running past its declaration is planned at the declaration.
+            expect = min(recent, declared)
+            assert used[-1] <= declared and abs(used[-1] - expect) <= 0.3 * expect, (used, steady, recent, declared, fstar)
     finally:
         served.stop()
         dm.close()

@@ -53,6 +53,19 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
         return sim.run()
 
 
+def _load_trace_warning(*args):
+    """load_trace, its warnings (the Gavel reader's count of jobs without a throughput entry)
+    printed as one plain line each on stderr, not Python's warning format."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = load_trace(*args)
+    for w in caught:
+        typer.echo(f"warning: {w.message}", err=True)
+    return tr
+
+
 def register(app: typer.Typer) -> None:
     _register_trace(app)
 
@@ -110,7 +123,7 @@ def register(app: typer.Typer) -> None:
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
                                        cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
-        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed, scale_missing)
+        tr = _load_trace_warning(trace, format, dataset_sharing, max_jobs, seed, scale_missing)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
                                 profile_noise=profile_noise, stagger=stagger, decision_interval=decision_interval)

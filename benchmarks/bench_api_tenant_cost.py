@@ -4,9 +4,11 @@ Against `silod serve --workers 2` (null backend, SQLite file): alice has 2 jobs 
 one queued), bob has 1. Each run measures, one request at a time, alice's `GET /v1/overview`
 (what the web view polls every 2 s) and bob's `GET /v1/jobs?limit=1` and `GET /v1/jobs/{id}`:
 
-1. with carol holding 0 queued jobs: the reference, measured in the same run;
-2. with carol holding 12,000 queued jobs (bulk-inserted into the same database, then silod
-   restarted on it).
+1. with carol holding 0 queued jobs: the reference;
+2. with carol holding 12,000 queued jobs (bulk-inserted into a copy of the same database).
+
+Both servers run at once and are asked in turn, request by request, so both see the same load
+on a shared machine.
 
 It prints each figure's median and p90 and the ratio of 2 to 1 (target: <= 1.5x). Before the
 overview was built from the caller's own jobs (scheduler/service/overview.py), alice's overview
@@ -114,26 +116,38 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def measure(url: str, ids: dict[str, int], requests: int) -> dict[str, list[float]]:
+def measure(urls: dict[str, str], ids: dict[str, int], requests: int) -> dict[str, dict[str, list[float]]]:
+    """Latencies per server and probe. The servers are asked in turn, request by request (the
+    order alternating), so both see the same machine: on a shared machine the load drifts by
+    more than the effect within minutes."""
     h = {u: {"Authorization": f"Bearer {t}"} for u, t in TOKENS.items()}
     probes = {
         "alice GET /v1/overview": ("/v1/overview", h["alice"]),
         "bob GET /v1/jobs?limit=1": ("/v1/jobs?limit=1", h["bob"]),
         "bob GET /v1/jobs/{id}": (f"/v1/jobs/{ids['b-wait']}", h["bob"]),
     }
-    out: dict[str, list[float]] = {k: [] for k in probes}
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for path, headers in probes.values():  # warm both workers' connections and caches
-            for _ in range(4):
-                assert c.get(path, headers=headers).status_code == 200
-        for _ in range(requests):
+    out = {label: {k: [] for k in probes} for label in urls}
+    clients = {label: httpx.Client(base_url=url, timeout=120) for label, url in urls.items()}
+    try:
+        for c in clients.values():
+            for path, headers in probes.values():  # warm both workers' connections and caches
+                for _ in range(4):
+                    assert c.get(path, headers=headers).status_code == 200
+        labels = list(urls)
+        for i in range(requests):
             for name, (path, headers) in probes.items():
-                t0 = time.perf_counter()
-                r = c.get(path, headers=headers)
-                out[name].append(time.perf_counter() - t0)
-                assert r.status_code == 200, r.text
-        o = c.get("/v1/overview", headers=h["alice"]).json()
-        assert [q["name"] for q in o["queue"]] == ["a-wait"], o["queue"]
+                for label in (labels if i % 2 == 0 else labels[::-1]):
+                    t0 = time.perf_counter()
+                    r = clients[label].get(path, headers=headers)
+                    out[label][name].append(time.perf_counter() - t0)
+                    assert r.status_code == 200, r.text
+        for c in clients.values():
+            o = c.get("/v1/overview", headers=h["alice"]).json()
+            # Hers only (whether the round started a-run or not).
+            assert {q["owner"] for q in o["queue"] + o["running"]} == {"alice"}, o
+    finally:
+        for c in clients.values():
+            c.close()
     return out
 
 
@@ -142,10 +156,18 @@ def _stats(lat: list[float]) -> dict[str, float]:
     return {"n": len(lat), "median_ms": statistics.median(lat) * 1e3, "p90_ms": lat[int(0.9 * (len(lat) - 1))] * 1e3}
 
 
+def _count(low: int, high: int):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {low} to {high}")
+        return int(text)
+    return parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=80, help="requests of each kind in each phase")
-    ap.add_argument("--carol", type=int, default=12_000, help="carol's queued jobs in the second phase")
+    ap.add_argument("--requests", type=_count(1, 100_000), default=80, help="requests of each kind to each server")
+    ap.add_argument("--carol", type=_count(1, 1_000_000), default=12_000, help="carol's queued jobs on the second server")
     ap.add_argument("--out", type=Path, default=Path("out/bench_api_tenant_cost.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="silod-bench-tenant-"))
@@ -155,16 +177,20 @@ def main() -> None:
 
         open_database(f"sqlite:///{db}").dispose()  # migrated
         ids = prepare(db)
-        phases = {}
-        for label, extra in (("carol 0", 0), (f"carol {args.carol}", args.carol)):
-            if extra:
-                add_carol(db, extra)
-            proc, url = start(tmp, db)
-            try:
-                phases[label] = measure(url, ids, args.requests)
-            finally:
+        loaded_label = f"carol {args.carol}"
+        dbs = {"carol 0": db, loaded_label: tmp / "silod-carol.db"}
+        shutil.copyfile(db, dbs[loaded_label])
+        add_carol(dbs[loaded_label], args.carol)
+        procs, urls = {}, {}
+        try:
+            for label, path in dbs.items():
+                (tmp / label.replace(" ", "-")).mkdir()
+                procs[label], urls[label] = start(tmp / label.replace(" ", "-"), path)
+            phases = measure(urls, ids, args.requests)
+        finally:
+            for proc in procs.values():
                 stop(proc)
-        ref, loaded = phases["carol 0"], phases[f"carol {args.carol}"]
+        ref, loaded = phases["carol 0"], phases[loaded_label]
         result = {"requests": args.requests, "carol_jobs": args.carol, "phases": {}, "ratios_median": {}}
         print(f"{'probe':28s} {'0 jobs: median / p90 ms':>26s} {f'{args.carol} jobs: median / p90 ms':>30s} {'ratio':>7s}")
         for name in ref:

@@ -11,7 +11,8 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
 - f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
   fully cached mount runs one epoch before each measured epoch of a point, since this machine's
   load moves f* by tens of percent within a minute; a point's ratio is the median over its
-  epochs of measured / min(f* of the epoch before, b / (1 - c/d));
+  epochs of measured / min(f* of the epoch before, b / (1 - c/d)); its f*, predicted and
+  measured columns are medians too (so ratio need not be measured / predicted exactly);
 - the hit ratio the mount measured over the steady epochs is printed beside c/d;
 - the departure seen at every point with misses is modelled as a miss term (see below) fitted
   on the c/d = 0, b-free point.
@@ -69,6 +70,7 @@ class Result:
     predicted_with_hits_mb_s: float | None
     ratio_with_hits: float | None
     epoch_s: list[float]
+    pairs: list[tuple[float, float]]  # (f* of the reference epoch, the point's epoch), bytes/s
 
 
 @contextlib.contextmanager
@@ -168,7 +170,7 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
     return Result(p.label, p.cache_fraction, None if p.io_rate is None else p.io_rate / MB, fstar / MB, predicted / MB,
                   measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
                   None if with_hits is None else measured / with_hits,
-                  [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]])
+                  [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)))
 
 
 def plans(fstar: float, d: float) -> dict[str, tuple[float, float]]:
@@ -245,15 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     miss_rate = None
     if free0 is not None and free0.measured_mb_s < free0.fstar_mb_s:
         miss_rate = 1.0 / (1.0 / free0.measured_mb_s - 1.0 / free0.fstar_mb_s) * MB
+    def with_miss_term(f: float, c: float, b: float) -> float:
+        return (min(1.0 / (1.0 / f + (1 - c) / miss_rate), b / (1 - c))) if c < 1 else f
+
     loader_terms = {}
     for r in results:
         if miss_rate is None:
             continue
-        f, c = r.fstar_mb_s * MB, r.cache_fraction
         b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
-        loader = 1.0 / (1.0 / f + (1 - c) / miss_rate)
-        pred = min(loader, b / (1 - c)) if c < 1 else f
-        loader_terms[r.label] = (pred / MB, r.measured_mb_s * MB / pred)
+        pred = with_miss_term(r.fstar_mb_s * MB, r.cache_fraction, b)
+        # as the plain ratio: the median over the point's epochs, each against its own f*
+        loader_terms[r.label] = (pred / MB, median([t / with_miss_term(f, r.cache_fraction, b) for f, t in r.pairs]))
     # SiloD's plan vs a storage-unaware one for this job, same cache and link: each cache filled
     # first (in the service the link's spare capacity goes to a job while its cache fills:
     # WorkConservingPusher), then epochs under the two plans' caps, alternating.

@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         manager: Optional[str] = typer.Option(None, "--manager", help="Data manager URL; allocations are then pulled from it every 0.5 s."),
         stats_file: Optional[Path] = typer.Option(None, "--stats-file", help="JSON stats, rewritten atomically twice a second."),
         kernel_cache: bool = typer.Option(True, "--kernel-cache/--no-kernel-cache", help="Let the kernel keep pages of cached items across opens (re-reads at page-cache speed; a kept item is accounted as read in full at open)."),
-        fuse_threads: int = typer.Option(128, "--fuse-threads", help="Most FUSE worker threads (libfuse's max_threads); size it for the data loader's parallelism so slow misses never block hits."),
+        fuse_threads: int = typer.Option(1024, "--fuse-threads", help="Most FUSE worker threads (started on demand; libfuse's max_threads). Under libfuse an open waiting for the remote holds one, and at most this less a quarter wait at once (768 by default; beyond that EAGAIN); the raw server queues waiting opens without holding a reader."),
         fetch_workers: int = typer.Option(16, "--fetch-workers", help="Most remote fetches in flight at once (a pool separate from the FUSE threads)."),
         slow_fetches: int = typer.Option(64, "--slow-fetches", help="Most fetches in the slow lane: a fetch running for over 1 s moves there (reading in 256 KiB chunks) and frees its --fetch-workers slot, so items that trickle never hold back healthy ones."),
         memory_staging: str = typer.Option("256MB", "--memory-staging", help="While the cache disk refuses writes (full, failing), misses are staged in memory up to this many bytes at once and served uncached; beyond it they fail with EIO."),

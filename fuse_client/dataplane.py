@@ -90,6 +90,7 @@ class ItemResolver:
         self._last_progress = time.monotonic()  # any fetch of this mount delivered / started
         self._throttled_fetches = 0  # leaders waiting for tokens now
         self._pauses = PauseLog()  # when this process did not run: not the remote's stall
+        self._inflight_bytes = 0  # fetched data the pool may hold in memory now (stats)
 
     def close(self) -> None:
         """At unmount: stop the prober, cancel queued fetches and wake the opens waiting for them.
@@ -101,7 +102,13 @@ class ItemResolver:
         self.flights.abort_all(InterruptedError("unmounting"))
 
     def lanes_snapshot(self) -> dict:
-        return self._pool.snapshot()
+        with self._active_lock:
+            inflight = self._inflight_bytes
+        return {**self._pool.snapshot(), "inflight_bytes": inflight}
+
+    def _buffered(self, n: int) -> None:
+        with self._active_lock:
+            self._inflight_bytes += n
 
     def fetches_running(self) -> int:
         with self._active_lock:
@@ -399,7 +406,7 @@ class ItemResolver:
                     def on_progress() -> None:  # every piece that arrives (any thread)
                         self._progressed(flight)
 
-                kw = {}
+                kw: dict = {"on_buffer": self._buffered}
                 if on_progress is not None:
                     kw["on_progress"] = on_progress
                 if lane is not None:

@@ -41,8 +41,11 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
 # Default FUSE worker threads: a data loader with 8-16 workers per GPU and 8 GPUs has up to ~128
-# opens in flight; a slow miss occupies a thread until its fetch completes.
-DEFAULT_FUSE_THREADS = 128
+# opens in flight, several nodes' worth of jobs may share a mount's dataset, and under libfuse a
+# slow miss occupies a thread until its fetch completes. Threads start on demand (an idle mount
+# has a few), so the bound is memory (~0.1 MB per waiting open), not a pool sized to the loader:
+# 768 opens may wait at once before EAGAIN (fs.waiting_open_cap).
+DEFAULT_FUSE_THREADS = 1024
 BACKENDS = ("auto", "raw", "libfuse")
 GIL_SWITCH_INTERVAL_S = 0.0005
 

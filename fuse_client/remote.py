@@ -30,7 +30,7 @@ from estimator.errors import UserError
 from contract.credentials import SourceCredential
 from contract.uri_policy import UriPolicy, UriRejected
 from fuse_client import beneath, http_index, item_stream
-from fuse_client.safe_http import HttpGuard
+from fuse_client.safe_http import DestinationRefused, HttpGuard
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
 
@@ -288,9 +288,12 @@ class RemoteStore:
         for attempt in range(1, policy.attempts + 1):
             try:
                 return fn()
-            except (UserError, FileNotFoundError, UriRejected, PermissionError):
+            except (UserError, FileNotFoundError, UriRejected, PermissionError, DestinationRefused):
                 raise
             except Exception as exc:
+                status = getattr(exc, "status", None)
+                if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+                    raise  # the request itself is refused: asking again changes nothing
                 pause = policy.backoff(attempt)
                 if attempt == policy.attempts or time.monotonic() + pause - t0 > policy.deadline_s:
                     raise
@@ -403,6 +406,7 @@ class RemoteStore:
         on_error: Callable[[Exception], None] = lambda exc: None,
         on_progress: Callable[[], None] = lambda: None,
         chunk_cap: Callable[[], int] = lambda: 4 * 1024 * 1024,
+        on_buffer: Callable[[int], None] = lambda n: None,
     ) -> int:
         """Stream the whole item through `write(data, offset)`, paying tokens before each chunk.
 
@@ -414,6 +418,8 @@ class RemoteStore:
         within the last `policy.deadline_s` (token waits do not count) and until
         `policy.attempts` tries in a row delivered nothing; then RemoteFetchError (EIO).
         Errors of `write` itself (the cache disk) are raised as they are: not the remote's.
+        `on_buffer(n)` is told the bytes this fetch may hold in memory (+n before a read, -n once
+        it is staged), so the fetch pool can count its in-flight bytes.
         """
         policy = self.policy
         last: Exception | None = None
@@ -429,7 +435,7 @@ class RemoteStore:
             before = state.offset
             try:
                 return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock, state, reset,
-                                        on_progress, chunk_cap)
+                                        on_progress, chunk_cap, on_buffer)
             except (InterruptedError, TokenWaitExpired, StagingWriteError):
                 # unmounting / the job's own allocation / the cache disk: not the remote's
                 raise
@@ -454,10 +460,10 @@ class RemoteStore:
                 raise IOError(f"{entry.path!r} is empty, the listing says {entry.size} bytes")
 
     def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock,
-                    state: "_FetchState", reset, on_progress, chunk_cap) -> int:
+                    state: "_FetchState", reset, on_progress, chunk_cap, on_buffer) -> int:
         if self.protocol in ("http", "https", "s3", "s3a"):
             return self._fetch_stream(entry, write, throttle, on_remote_bytes, progress, clock, state, reset,
-                                      on_progress, chunk_cap)
+                                      on_progress, chunk_cap, on_buffer)
         # A local (or NFS) file: a retry continues at the offset reached (the file is the same).
         size = entry.size
         with self._open(entry.path, 0, size) as f:
@@ -468,12 +474,16 @@ class RemoteStore:
                 before = clock()
                 throttle.acquire(want)
                 progress[0] += clock() - before  # waiting for our own tokens is not the remote's fault
-                data = f.read(want)
-                progress[0] = clock()
-                on_progress()
-                if not data:
-                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
-                self._stage(data, state, write, on_remote_bytes)
+                on_buffer(want)
+                try:
+                    data = f.read(want)
+                    progress[0] = clock()
+                    on_progress()
+                    if not data:
+                        raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+                    self._stage(data, state, write, on_remote_bytes)
+                finally:
+                    on_buffer(-want)
         return state.crc
 
     @staticmethod
@@ -487,7 +497,7 @@ class RemoteStore:
         state.offset += len(data)
 
     def _fetch_stream(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock,
-                      state: "_FetchState", reset, on_progress, chunk_cap) -> int:
+                      state: "_FetchState", reset, on_progress, chunk_cap, on_buffer) -> int:
         """One streaming GET (ranged after the bytes already staged when that can be checked),
         read chunk by chunk with tokens paid before each; at most size + 1 bytes are read."""
         size = entry.size
@@ -512,7 +522,12 @@ class RemoteStore:
         small = not state.offset and want >= size
         try:
             if small:
-                opened, data, exc = streams.get(full, 0, None, size + 1, piece, allowance)
+                on_buffer(size + 1)
+                try:
+                    opened, data, exc = streams.get(full, 0, None, size + 1, piece, allowance)
+                except BaseException:
+                    on_buffer(-(size + 1))
+                    raise
             else:
                 opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance)
         except item_stream.ObjectChanged:
@@ -526,7 +541,10 @@ class RemoteStore:
         try:
             if small:
                 small = False  # closed on the event loop already
-                self._stage_checked(entry, data[:size], state, write, on_remote_bytes)
+                try:
+                    self._stage_checked(entry, data[:size], state, write, on_remote_bytes)
+                finally:
+                    on_buffer(-(size + 1))
                 if len(data) > size:
                     raise IOError(f"{entry.path!r} sends more than the listing's {size} bytes")
                 if exc is not None:
@@ -542,8 +560,12 @@ class RemoteStore:
                     throttle.acquire(want)
                     progress[0] += clock() - before
                 first = False
-                data, exc = streams.read(opened, want, piece, allowance)
-                self._stage_checked(entry, data, state, write, on_remote_bytes)
+                on_buffer(want)
+                try:
+                    data, exc = streams.read(opened, want, piece, allowance)
+                    self._stage_checked(entry, data, state, write, on_remote_bytes)
+                finally:
+                    on_buffer(-want)
                 if exc is not None:
                     raise exc
                 if len(data) < want:

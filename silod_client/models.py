@@ -169,6 +169,7 @@ class Quota(_Answer):
     cache_bytes: float | None = None
     running_jobs: int | None = None
     queued_jobs: int | None = None
+    ideal_per_gpu: float | None = None
 
 
 class Usage(_Answer):

@@ -38,6 +38,7 @@ class Behaviour:
     replace_at: int | None = None
     replace_with: bytes | None = None
     oversend: int = 0
+    fail_first: int = 0  # the first this many responses are 500s
     times: int = 1  # responses that pause / drop (the later ones behave)
     served: int = 0
 
@@ -137,6 +138,9 @@ class HostileSource:
             etag, mtime = (self.etag(name), self.mtimes[name]) if data is not None else (None, 0)
         if data is None:
             self._send(h, req, 404, {}, b"not found", head)
+            return
+        if b is not None and b.served <= b.fail_first:
+            self._send(h, req, 500, {}, b"busy", head)
             return
         headers = {"ETag": etag, "Last-Modified": email.utils.formatdate(mtime, usegmt=True),
                    "Accept-Ranges": "bytes"}

@@ -140,6 +140,22 @@ def test_dropped_connections_resume_and_each_try_that_delivers_starts_the_count_
         src.close()
 
 
+def test_five_500s_in_a_row_are_retried_within_the_deadline():
+    """Item 6 (at 30% 500s silod gave 15 EIO where rclone gave 0): tries go on while the deadline
+    allows (before: 4 tries in all)."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    data = _data(50_000)
+    src = HostileSource({"a.bin": data}, {"a.bin": Behaviour(fail_first=5)})
+    try:
+        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=5.0)), "a.bin", len(data))
+        assert got == data
+        assert [r.status for r in src.item_requests("a.bin")] == [500] * 5 + [200]
+    finally:
+        src.close()
+
+
 def test_an_http_object_replaced_mid_fetch_restarts_cleanly():
     """The resumed request carries If-Range: the server sees the object changed and sends the new
     one whole, so the staged copy is the new version, never a mix."""
@@ -258,32 +274,40 @@ def test_a_slow_but_alive_item_reaches_its_reader(tmp_path, backend):
 @pytest.mark.fuse
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_slow_items_do_not_hold_the_fetch_workers_healthy_items_need(tmp_path, backend):
-    """Item 2: with 2 fetch workers, 4 items trickling for 6 s must not make 20 healthy items wait
-    (before: the healthy opens queued behind them and failed with EIO at the stall limit)."""
-    slow = {f"slow{i}.bin": _data(24_000, 10 + i) for i in range(4)}
+    """Item 2: with 2 fetch workers, 4 items trickling for 10 s must not make 20 healthy items wait
+    (before: the healthy opens queued behind them and failed with EIO at the stall limit). The
+    healthy ones must all be read while the slow ones still trickle."""
+    slow = {f"slow{i}.bin": _data(40_000, 10 + i) for i in range(4)}
     healthy = {f"ok{i:02d}.bin": _data(10_000, 100 + i) for i in range(20)}
     src = HostileSource({**slow, **healthy}, {n: Behaviour(trickle_rate=4_000, times=100) for n in slow})
     try:
         with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
                      "--open-deadline", "2", "--fetch-workers", "2") as m:
             results: dict[str, bytes | OSError] = {}
-            readers = [threading.Thread(target=lambda n=n: results.__setitem__(n, _read(m.mountpoint / n)))
-                       for n in slow]
+            finished: dict[str, float] = {}
+
+            def read_slow(name: str) -> None:
+                results[name] = _read(m.mountpoint / name)
+                finished[name] = time.monotonic()
+
+            readers = [threading.Thread(target=read_slow, args=(n,)) for n in slow]
             for t in readers:
                 t.start()
             time.sleep(1.5)  # the slow ones hold the fast lane by now
-            t0 = time.monotonic()
             for name, want in healthy.items():
                 got = _read(m.mountpoint / name)
                 assert got == want, f"{name}: {got!r}\n{m.log()}"
-            healthy_s = time.monotonic() - t0
+            healthy_done = time.monotonic()
+            busy = m.fresh_stats()["fetch_lanes"]  # the slow ones still trickle: their buffers count
             for t in readers:
-                t.join(30)
-            assert healthy_s < 3.0, f"healthy items took {healthy_s:.1f} s: they waited behind the slow ones"
+                t.join(60)
             for name, want in slow.items():
                 assert results[name] == want, f"{name}: {results[name]!r}\n{m.log()}"
+            assert healthy_done < min(finished.values()), "the healthy items waited for the slow ones"
+            assert busy["slow_running"] + busy["fast_running"] >= 1 and busy["inflight_bytes"] > 0, busy
             lanes = m.fresh_stats()["fetch_lanes"]
             assert lanes["moved_to_slow_lane"] >= 2, lanes
+            assert lanes["inflight_bytes"] == 0 and lanes["inflight_bytes_bound"] == 2 * 4 * 2**20 + 64 * 256 * 2**10
     finally:
         src.close()
 
@@ -349,15 +373,18 @@ def _peak_rss_kb(pid: int) -> int:
 def _failed_mount_peak_rss(tmp_path: Path, source: str, *extra: str) -> tuple[int, str, int]:
     """Run a `silod mount` that is expected to fail; returns its exit code, output and peak RSS
     (a wrapper process waits for it and reads its children's ru_maxrss)."""
-    from dataplane_helpers import silod_cmd
+    from dataplane_helpers import force_unmount, silod_cmd
 
     (tmp_path / "mnt").mkdir(exist_ok=True)
     wrapper = ("import resource, subprocess, sys\n"
                "p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)\n"
                "sys.stdout.write(f'{p.returncode} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}\\n' + p.stdout + p.stderr)\n")
-    out = subprocess.run([sys.executable, "-c", wrapper, *silod_cmd(), "mount", str(tmp_path / "mnt"),
-                          "--source", source, "--dataset", "ds", "--job", "j", "--cache-dir", str(tmp_path / "cache"),
-                          *extra], capture_output=True, text=True, timeout=180).stdout
+    try:
+        out = subprocess.run([sys.executable, "-c", wrapper, *silod_cmd(), "mount", str(tmp_path / "mnt"),
+                              "--source", source, "--dataset", "ds", "--job", "j", "--cache-dir",
+                              str(tmp_path / "cache"), *extra], capture_output=True, text=True, timeout=180).stdout
+    finally:
+        force_unmount(tmp_path / "mnt")  # should it have mounted after all (and been killed)
     head, _, rest = out.partition("\n")
     rc, peak = map(int, head.split())
     return rc, rest, peak
@@ -444,3 +471,41 @@ def test_a_listing_request_that_fails_twice_is_retried_and_a_new_cache_is_not_a_
             assert "not unmounted cleanly" not in m.log(), m.log()
     finally:
         src.close()
+
+
+# -- many loader workers on a throttled job (item 1) --------------------------------------------
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_128_loader_workers_on_a_throttled_job_get_no_eagain(tmp_path, backend):
+    """128 readers open uncached items at once on a 20 MB/s allocation: every open waits its turn
+    (in arrival order) and none fails. Before: under libfuse at most 96 opens could wait and the
+    rest got EAGAIN at once (1,869 of 2,000 in the issue's run); the raw server lost a few to
+    token races (a waiter that lost every race overran its bound)."""
+    from dataplane_helpers import make_dataset
+
+    ds = make_dataset(tmp_path / "src", n_files=256, min_size=140_000, max_size=160_000, subdirs=8)
+    names = sorted(ds.sizes)
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                 "--io-rate", "20MB/s") as m:
+        errors: list[str] = []
+        barrier = threading.Barrier(128)
+
+        def reader(i: int) -> None:
+            barrier.wait()
+            for name in names[i::128]:
+                try:
+                    data = (m.mountpoint / name).read_bytes()
+                except OSError as exc:
+                    errors.append(f"{name}: {exc!r}")
+                    continue
+                if hashlib.sha256(data).hexdigest() != ds.digests[name]:
+                    errors.append(f"{name}: content differs")
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(128)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, f"{len(errors)} failed opens, e.g. {errors[:3]}\n{m.log()[-2000:]}"

@@ -387,3 +387,20 @@ def test_through_the_api_server_the_owner_cannot_unsuspend_but_silod_admits(pki,
                 service.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("read_only", [False, None])
+def test_a_writable_silod_volume_is_refused_at_creation_with_the_reason(read_only):
+    """The node agent publishes datasets read-only only: a labelled workload whose silod volume
+    lacks `readOnly: true` would be queued, admitted and then never start its pods. Refused now."""
+    job = kubectl_job("w", suspend=False)
+    csi = job["spec"]["template"]["spec"]["volumes"][0]["csi"]
+    if read_only is None:
+        del csi["readOnly"]
+    else:
+        csi["readOnly"] = read_only
+    answer = review_response(review(job))["response"]
+    assert answer["allowed"] is False and answer["status"]["code"] == 422
+    assert "readOnly: true" in answer["status"]["message"] and "data" in answer["status"]["message"]
+    csi["readOnly"] = True
+    assert review_response(review(job))["response"]["allowed"] is True

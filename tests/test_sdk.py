@@ -56,10 +56,27 @@ def test_every_route_of_a_real_server_has_a_client_method(served: Served) -> Non
         declared = set(schemas[name].get("properties", {}))
         untyped = declared - set(model.model_fields)
         assert not untyped, f"{model.__name__} lacks {sorted(untyped)} of the server's {name}"
+    # Every field a request body may carry is a parameter of the method that sends it.
+    import inspect
+
+    from silod_client.client import Credentials, Datasets, Jobs, Quotas, Tokens
+
+    for schema, method in (("JobIn", Jobs.submit), ("DatasetIn", Datasets.register), ("QuotaIn", Quotas.set),
+                           ("CredentialIn", Credentials.add), ("TokenIn", Tokens.create),
+                           ("ClientReportIn", Jobs.report), ("PolicyIn", m_policy_set())):
+        fields = set(schemas[schema].get("properties", {}))
+        params = set(inspect.signature(method).parameters)
+        assert fields <= params, f"{method.__qualname__} cannot send {sorted(fields - params)} of {schema}"
     answered = {r.split("/")[-1] for ops in doc["paths"].values() for op in ops.values()
                 for resp in op.get("responses", {}).values()
                 for r in [json.dumps(resp.get("content", {}))] if "#/components/schemas/" in r}
     assert answered  # the document does name its response models
+
+
+def m_policy_set():  # type: ignore[no-untyped-def]
+    from silod_client.client import PolicyApi
+
+    return PolicyApi.set
 
 
 def test_a_tenants_round_trip(served: Served) -> None:
@@ -132,7 +149,8 @@ def test_a_tenants_round_trip(served: Served) -> None:
         assert new.token and new.owner == "carol"
         assert any(t.id == new.id for t in admin.tokens.list())
         assert admin.tokens.revoke(new.id).revoked_at is not None
-        assert admin.quotas.set("alice", gpus=6, cache_bytes="1TB").gpus == 6
+        q = admin.quotas.set("alice", gpus=6, cache_bytes="1TB", ideal_per_gpu="2GB/s")
+        assert q.gpus == 6 and q.ideal_per_gpu == 2e9
         assert admin.policy.set("sjf").name == "sjf"
         assert admin.run_round().round_id >= 1
         assert admin.allocation_history(limit=5)

@@ -130,6 +130,11 @@ def test_positions_agree_with_the_whole_queues_order(svc):
     order = [q["name"] for q in admin]
     assert order == ["j1", "j2", "j5", "j0", "j3", "j4"], order
     assert [q["position"] for q in admin] == [1, 2, 3, 4, 5, 6]
+    # /metrics reads only the waiting jobs it gives series to: the first ones, counted whole.
+    from scheduler.service.types import Principal
+
+    first = service.overview(Principal("metrics", is_admin=True), queue_limit=2)
+    assert [(q.name, q.position) for q in first.queue] == [("j1", 1), ("j2", 2)] and first.queued_total == 6
     for h in (H_ALICE, H_BOB):
         for limit in (32, 0):  # counted, then sorted keys
             ov.POSITION_QUERIES = limit
@@ -186,14 +191,14 @@ def test_every_sync_route_runs_in_a_fair_pool(svc):
 
 
 def test_one_tenants_burst_of_slow_requests_does_not_hold_anothers(svc, monkeypatch):
-    """Bob's 80 concurrent GET /v1/cluster each take 0.3 s; alice's one GET /v1/overview waits
+    """Bob's 80 concurrent GET /v1/cluster each take 0.6 s; alice's one GET /v1/overview waits
     for at most one of them, not for their queue (on main: anyio's 40 threads, first come, first
-    served, so she waited behind 40 of bob's)."""
+    served, so she waited for two waves of bob's, 1.2 s and more)."""
     c, service = svc
     slow = type(service).cluster
 
     def slowed(self):  # type: ignore[no-untyped-def]
-        time.sleep(0.3)
+        time.sleep(0.6)
         return slow(self)
 
     monkeypatch.setattr(type(service), "cluster", slowed)
@@ -214,5 +219,51 @@ def test_one_tenants_burst_of_slow_requests_does_not_hold_anothers(svc, monkeypa
             return took
 
     took = anyio.run(scenario)
-    # First come, first served, alice waits for a wave of bob's and more; fairly, at most one.
-    assert took < 0.45, took
+    # Fairly, at most one of bob's (0.6 s) and the machine's delays.
+    assert took < 1.0, took
+
+
+try:
+    from pg_fixture import _pg_session, db_url, pg_url  # noqa: F401 - fixtures: SQLite and a real PostgreSQL
+except ImportError:  # tests/ imported as a package
+    from tests.pg_fixture import _pg_session, db_url, pg_url  # noqa: F401
+
+
+def test_the_triggers_counts_follow_every_write_path(tmp_path, db_url):
+    """Submissions, rounds (start, preempt), cancels, backend events and a bulk insert: the
+    per-tenant counts the submission path and the overview read equal a count of the rows, on
+    SQLite and on PostgreSQL (their triggers differ)."""
+    app, service = make_app(db_url, tmp_path, run_loop=False)
+    with TestClient(app) as c:
+        for h in (H_ALICE, H_BOB):
+            assert c.post("/v1/datasets", json=IMAGENET, headers=h).status_code == 201
+        _check_counts(c, service)
+    service.close()
+
+
+def _check_counts(c, service) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import func, select
+
+    from scheduler.backends.base import JobEvent
+    from scheduler.service.db.models import TenantJobCount
+
+    def counted() -> dict:
+        with service.sessions() as s:
+            rows = {(o, str(st)): n for o, st, n in s.execute(
+                select(Job.owner, Job.state, func.count()).group_by(Job.owner, Job.state))}
+            kept = {(o, st): n for o, st, n in s.execute(
+                select(TenantJobCount.owner, TenantJobCount.state, TenantJobCount.n)) if n}
+        return rows, kept
+
+    ids = [c.post("/v1/jobs", json={**JOB, "gpus": 4, "name": f"j{i}"}, headers=h).json()["id"]
+           for i, h in enumerate([H_ALICE, H_BOB, H_ALICE, H_BOB])]
+    service.run_round("test")  # two start
+    c.delete(f"/v1/jobs/{ids[2]}", headers=H_ALICE)
+    service.backend.emit(JobEvent(ids[0], "finished"))
+    service.apply_events(service.backend.poll())
+    service.run_round("test")
+    _bulk_queue(service, "bob", 50)
+    rows, kept = counted()
+    assert {(o, JobState(st).value): n for (o, st), n in rows.items()} == kept, (rows, kept)
+    o = c.get("/v1/overview", headers=H_ADMIN).json()
+    assert o["queued_total"] == sum(n for (_, st), n in kept.items() if st == "queued")

@@ -1,5 +1,5 @@
-"""The smaller findings of issue 47's outside review (Build 4), one test each; every one failed on
-the main of 2026-12-02 (19aec68). Real service over a real SQLite file and the REST API
+"""The smaller findings of issue 47's outside review (Build 4), one test each; each finding's test
+fails on 19aec68 (test_an_ipv6_host_is_not_a_chain guards the '::' rule itself). Real service over a real SQLite file and the REST API
 (TestClient); the agent's state directory and the mount's stats file are real files; the web
 view's fragment handling runs in a real browser (headless Chromium)."""
 
@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from estimator.errors import UserError
 
 try:
-    from test_api import H_ALICE, IMAGENET, TOKENS, make_app
+    from test_api import H_ALICE, IMAGENET, make_app
 except ImportError:  # tests/ imported as a package
-    from tests.test_api import H_ALICE, IMAGENET, TOKENS, make_app
+    from tests.test_api import H_ALICE, IMAGENET, make_app
 
 
 # --- names with a trailing newline ----------------------------------------------------------------

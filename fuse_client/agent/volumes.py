@@ -146,6 +146,11 @@ class VolumeManager:
         self.idle_unmount_s = idle_unmount_s
         self._idle: dict[tuple[str, str], threading.Timer] = {}
         self.lock = threading.RLock()
+        # Starting a dataset's mount waits for it to list its source (network I/O: seconds for a
+        # slow index). That wait holds only the dataset's own lock, never the node-wide `lock`,
+        # so one tenant's slow source does not stall every other volume's set-up on the node.
+        # Order: a dataset lock before `lock`, never the other way round.
+        self._dataset_locks: dict[tuple[str, str], threading.Lock] = {}
         self.volumes: dict[Key, VolumeRecord] = {}
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (tenant, dataset) -> storage key its mount runs under
@@ -291,6 +296,15 @@ class VolumeManager:
         self._release_now(tenant, dataset)
 
     def _release_now(self, tenant: str, dataset: str) -> None:
+        dataset_lock = self._dataset_locks.setdefault((tenant, dataset), threading.Lock())
+        if not dataset_lock.acquire(blocking=False):
+            return  # a publish of the dataset is starting its mount: it is wanted again
+        try:
+            self._release_locked(tenant, dataset)
+        finally:
+            dataset_lock.release()
+
+    def _release_locked(self, tenant: str, dataset: str) -> None:
         with self.lock:
             self._idle.pop((tenant, dataset), None)
             if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
@@ -354,7 +368,18 @@ class VolumeManager:
             other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
             if other is not None:
                 raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
+            dataset_lock = self._dataset_locks.setdefault((src.tenant, src.name), threading.Lock())
+        with dataset_lock:
             source = self._dataset_mount(src)
+            with self.lock:
+                other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
+                if other is not None:  # published meanwhile by another request
+                    raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
+                self._bind_volume(volume_id, path, source, src, namespace, pod, pod_uid, access_mode, readonly)
+
+    def _bind_volume(self, volume_id: str, path: Path, source: Path, src: DatasetSource, namespace: str, pod: str,
+                     pod_uid: str, access_mode: int, readonly: bool) -> None:
+        with self.lock:
             if is_mountpoint(path):
                 unmount(path)
             self._bind(source, path)

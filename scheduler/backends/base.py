@@ -93,7 +93,9 @@ class JobAllocation:
     cpus: float | None = None  # CPU cores for its input pipeline; None = the cluster does not model CPU
 
 
-EventKind = Literal["progress", "finished", "failed"]
+# "unschedulable": the backend cannot place the job's pods on any node even with the cluster
+# empty (message: why); the service holds it back from the policy (no GPUs) until that changes.
+EventKind = Literal["progress", "finished", "failed", "unschedulable"]
 
 
 @dataclass(frozen=True, slots=True)

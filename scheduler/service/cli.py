@@ -923,7 +923,12 @@ def register(app: typer.Typer) -> None:
                      "f* (measured)": fstar, "bound": bound.replace("remote_io", "io")}
             table.add_row(*(cells[c] for c in columns))
         # --wide is wider than 80 columns: it is not squeezed into a narrow terminal (lines wrap).
-        Console(width=max(Console().width, 150) if wide else None).print(table)
+        console = Console(width=max(Console().width, 150) if wide else None)
+        console.print(table)
+        # Why a queued job cannot start (the backend's reason, e.g. no node can take its pods).
+        for j in rows:
+            if j["state"] == "queued" and str(j.get("message") or "").startswith("unschedulable"):
+                console.print(f"job {j['id']}: {j['message']}", highlight=False, soft_wrap=True)
 
     @app.command()
     def top(

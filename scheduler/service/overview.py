@@ -34,6 +34,7 @@ from scheduler.service.db.models import (
     JobAllocationRow,
     JobMeasurementRow,
     JobState,
+    TenantJobCount,
 )
 from scheduler.service.types import Principal
 
@@ -143,7 +144,8 @@ POSITION_QUERIES = 32
 
 _J = Job.__table__.c
 _WAITING = _J.state == JobState.QUEUED
-_COUNT_WAITING = select(func.count()).select_from(Job.__table__).where(_WAITING)
+# Every tenant's waiting jobs: the triggers' counts (TenantJobCount), not a count of rows.
+_COUNT_WAITING = select(func.coalesce(func.sum(TenantJobCount.n), 0)).where(TenantJobCount.state == JobState.QUEUED.value)
 
 
 def _position(s: Session, priority: int, submit: float, jid: int) -> int:
@@ -157,7 +159,7 @@ def _position(s: Session, priority: int, submit: float, jid: int) -> int:
 
 
 def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, policy: str,
-                   status: Mapping[str, Any], now: float | None = None) -> Overview:
+                   status: Mapping[str, Any], now: float | None = None, queue_limit: int | None = None) -> Overview:
     """The caller's picture. Its cost grows with the caller's own jobs and datasets and with the
     running jobs (bounded by the GPUs), not with other tenants' queues (issue 47: 12,000 queued
     jobs of one tenant made every other tenant's overview take seconds): the cluster's totals
@@ -174,18 +176,19 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
             select(Job.id, Job.owner, Job.gpus, Job.priority, Job.submit_time, JobAllocationRow.remote_io)
             .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id).where(Job.state == JobState.RUNNING)))
         cache_allocated = s.scalar(select(func.coalesce(func.sum(CacheAllocationRow.bytes), 0.0))) or 0.0
-        jq = select(Job).where(Job.state.in_(ACTIVE_STATES))
-        if not who.is_admin:
-            jq = jq.where(Job.owner == who.user)
-        own = list(s.scalars(jq).unique())
-        own_waiting = queue_order([j for j in own if JobState(j.state) != JobState.RUNNING])
-        if len(own_waiting) <= POSITION_QUERIES:
+        jq = select(Job) if who.is_admin else select(Job).where(Job.owner == who.user)
+        own_running = sorted(s.scalars(jq.where(Job.state == JobState.RUNNING)).unique(), key=lambda j: j.id)
+        # In queue_order; `queue_limit`: the first ones only (/metrics' per-job series).
+        wq = jq.where(_WAITING).order_by(Job.priority.desc(), Job.submit_time, Job.id)
+        own_waiting = list(s.scalars(wq if queue_limit is None else wq.limit(queue_limit)).unique())
+        if who.is_admin:  # every waiting job, in order: its place in the list is its position
+            positions = {j.id: i for i, j in enumerate(own_waiting, start=1)}
+        elif len(own_waiting) <= POSITION_QUERIES:
             positions = {j.id: _position(s, j.priority, j.submit_time, j.id) for j in own_waiting}
         else:
             keys = sorted((-p, t, i) for i, p, t in s.execute(
                 select(Job.id, Job.priority, Job.submit_time).where(_WAITING)))
             positions = {j.id: bisect.bisect_left(keys, (-j.priority, j.submit_time, j.id)) + 1 for j in own_waiting}
-        own_running = sorted((j for j in own if JobState(j.state) == JobState.RUNNING), key=lambda j: j.id)
         # A job measured faster than it declared may read at its measured f* (measured_params.py)
         ids = [j.id for j in own_running]
         measured_fstar = {jid: f for jid, f in s.execute(
@@ -203,7 +206,7 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
     free = max(int(capacity.gpus) - gpus_used, 0)
     running_order = [(-r.priority, r.submit_time, r.id) for r in running_keys]
     queue: list[QueuedJob] = []
-    for j in sorted(own_waiting, key=lambda j: positions[j.id]):
+    for j in own_waiting:
         key = (-j.priority, j.submit_time, j.id)
         passed_by = sum(1 for r in running_order if r > key)
         queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time,

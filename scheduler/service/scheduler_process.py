@@ -267,6 +267,11 @@ class SchedulerService(ReadViews):
                     job.finish_time = ev.time or time.time()
                     job.message = ev.message or "failed"
                     ended = True
+                elif ev.kind == "unschedulable":
+                    # Repeated every poll while it lasts: the reason stays visible (a preemption
+                    # writes "preempted"); a round only when the job still holds its allocation.
+                    job.message = ev.message or "unschedulable"
+                    ended = ended or job.state == JobState.RUNNING
         return ended
 
     def _plausible_progress(self, job: Job, reported: float, now: float) -> float:
@@ -312,6 +317,13 @@ class SchedulerService(ReadViews):
                 for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        # Jobs the backend cannot place on any node (its fit check, the API server's answer): held
+        # back like a quota holds back, so the policy gives them no GPUs while that lasts.
+        unschedulable = getattr(self.backend, "unschedulable_jobs", None)
+        stuck = unschedulable() if callable(unschedulable) else set()
+        if stuck:
+            held_back = [*held_back, *(v for v in admitted if v.job_id in stuck)]
+            admitted = [v for v in admitted if v.job_id not in stuck]
         # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
         # 1e15 bytes for another tenant's dataset reached the policy as is). One view per dataset,
         # in the order the admitted jobs first read them.

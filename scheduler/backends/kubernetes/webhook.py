@@ -35,7 +35,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scheduler.backends.kubernetes.workloads import KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, propagation_patch
+from scheduler.backends.kubernetes.workloads import (
+    KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, propagation_patch, writable_silod_volumes,
+)
 
 log = logging.getLogger("silod.webhook")
 
@@ -126,6 +128,15 @@ def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[
     if ours and req.get("operation") == "CREATE" and isinstance(obj, Mapping):
         labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj.get("metadata"), Mapping) else None
         if isinstance(labels, Mapping) and QUEUE_LABEL in labels:
+            writable = writable_silod_volumes(known, obj)
+            if writable:
+                # Refused now, with the reason, rather than queued, admitted and then stuck with
+                # pods whose volume the node agent will never publish.
+                return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {
+                    "uid": uid, "allowed": False, "status": {
+                        "code": 422, "reason": "Invalid",
+                        "message": f"silod volumes are read-only datasets: set `readOnly: true` on the csi volume(s)"
+                                   f" {', '.join(sorted(set(writable)))} (driver silod.io)"}}}
             patch = _suspend_patch(known.kind, obj) + propagation_patch(known, obj)
             if patch:
                 response["patchType"] = "JSONPatch"

@@ -242,6 +242,18 @@ def propagation_patch(kind: Kind, obj: Mapping[str, Any]) -> list[dict[str, Any]
     return ops
 
 
+def writable_silod_volumes(kind: Kind, obj: Mapping[str, Any]) -> list[str]:
+    """Names of silod CSI volumes in the workload's pod templates without `readOnly: true`: the
+    node agent publishes datasets read-only only, so their pods could never start."""
+    out = []
+    for path in template_paths(kind, obj):
+        for v in (_get(obj, *path, "spec", "volumes") or []):
+            csi = v.get("csi") if isinstance(v, Mapping) else None
+            if isinstance(csi, Mapping) and csi.get("driver") == CSI_DRIVER and csi.get("readOnly") is not True:
+                out.append(str(v.get("name")))
+    return out
+
+
 def _tolerations(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
     if value is None:
         return ()

@@ -427,8 +427,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     def set_quota(tenant: Annotated[str, Path(max_length=64)], body: QuotaIn, who: Who) -> QuotaOut:
         """Admin: a tenant's limits (omitted or null: no limit)."""
         check_tenant(tenant, "tenant")
-        q = catalogue.set_quota(who, tenant, TenantQuota(body.gpus, body.cache_bytes, body.running_jobs, body.queued_jobs,
-                                                                 body.ideal_per_gpu))
+        q = catalogue.set_quota(who, tenant, TenantQuota(**{k: getattr(body, k) for k in TenantQuota.FIELDS}))
         return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
 
     # ---- credentials (per tenant; the secret is never returned)

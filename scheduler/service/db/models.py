@@ -65,11 +65,9 @@ class Dataset(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    # ix_jobs_state_priority_submit: a waiting job's queue position is a count over it (overview.py);
-    # ix_jobs_owner_state: a tenant's active jobs are counted over it at each submission (catalogue.py).
+    # ix_jobs_state_priority_submit: a waiting job's queue position is a count over it (overview.py).
     __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"),
-                      Index("ix_jobs_state_priority_submit", "state", "priority", "submit_time"),
-                      Index("ix_jobs_owner_state", "owner", "state"))
+                      Index("ix_jobs_state_priority_submit", "state", "priority", "submit_time"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -226,6 +224,18 @@ class Credential(Base):
     endpoint_url: Mapped[str | None] = mapped_column(String(2048), nullable=True)
     region: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class TenantJobCount(Base):
+    """How many jobs each tenant has in each state, kept by database triggers on `jobs` (migration
+    0008), so every write path counts, in the same transaction: a submission checks the tenant's
+    limits and the overview its totals without counting rows (issue 47)."""
+
+    __tablename__ = "tenant_job_counts"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    n: Mapped[int] = mapped_column(Integer)
 
 
 class Quota(Base):

@@ -125,9 +125,25 @@ def test_a_job_owed_time_at_an_allocation_change_runs_first_after_it():
     s = snap([job("a", submit=0), job("b", submit=1)], gpus=1)
     for _ in range(4):  # a's share is 0.9: it runs every round of these four
         planner.record(s, planner.choose(s, Allocation({"a": 0.9, "b": 0.1})), 1.0)
-    s_later = replace(s, time=4.0)
-    assert planner.choose(s_later, Allocation({"a": 0.5, "b": 0.5})) == ("b",)
-    assert planner.deficits == pytest.approx({"a": 0.9 * 4 - 4, "b": 0.1 * 4})
+    # c arrives: the allocation changes (another set of jobs); a and b now have equal shares
+    s_later = replace(snap([job("a", submit=0), job("b", submit=1), job("c", submit=4)], gpus=1), time=4.0)
+    assert planner.choose(s_later, Allocation({"a": 0.45, "b": 0.45, "c": 0.1})) == ("b",)
+    assert planner.deficits == pytest.approx({"a": 0.9 * 4 - 4, "b": 0.1 * 4, "c": 0.0})
+
+
+def test_new_shares_over_the_same_jobs_do_not_reset_the_time_since():
+    """A re-decision over the same jobs (storage-driven, or the service's every round) puts its
+    shares in force without Gavel's reset: were it a reset, the job whose share is a hair above
+    the other's would run every round."""
+    planner = RoundPlanner(round_s=1.0)
+    s = snap([job("a", submit=0), job("b", submit=1)], gpus=1)
+    counts = {"a": 0, "b": 0}
+    for k in range(100):
+        running = planner.choose(s, Allocation({"a": 0.5 + 1e-6 * (k + 1), "b": 0.5}))
+        for j in running:
+            counts[j] += 1
+        planner.record(s, running, 1.0)
+    assert counts["a"] == pytest.approx(50, abs=2)
 
 
 def test_multi_gpu_jobs_are_not_starved_by_full_share_single_gpu_jobs():

@@ -111,9 +111,13 @@ class RoundPlanner:
     (share_j x 1e9 while nothing has run; 0 for a job the allocation leaves out, which does not
     run), ties broken by the deficit (GPU time owed at earlier allocations and not received:
     share_j x the time the allocation was in force - time run, summed over the allocations),
-    then by share, then by arrival. An allocation change (a decision whose shares differ from
-    the last; a decision that repeats them changes nothing) carries each job's lag into its
-    deficit and starts its time-since at half a round, as Gavel's _reset_time_run_so_far does.
+    then by share, then by arrival. An allocation change -- a decision over another set of jobs
+    (an arrival or a completion: when Gavel's simulator recomputes its allocation) -- carries
+    each job's lag into its deficit and starts its time-since at half a round, as Gavel's
+    _reset_time_run_so_far does. A decision over the same jobs with other shares (SiloD's
+    storage-driven re-decisions, the service's every round) puts the new shares in force
+    without that reset: resetting at each would rank jobs by share alone every round, and a job
+    whose share is a hair above another's would run every round.
     A policy that gives 0/1 shares gets exactly the jobs it chose (they fit by construction).
     """
 
@@ -167,17 +171,23 @@ class RoundPlanner:
         return rows
 
     def _take(self, allocation: Allocation, now: float) -> None:
-        """Make `allocation` the one in force if its shares differ from the last one's: each
-        known job's lag becomes deficit, its time since restarts (Gavel's reset)."""
+        """Make `allocation` the one in force: over another set of jobs than the last, each
+        known job's lag becomes deficit and its time since restarts (Gavel's reset); over the
+        same jobs, its shares replace the last ones."""
         if allocation is self._allocation:
             return
         shares = dict(allocation.gpu_share)
         self._allocation = allocation
         if shares == self._shares:
             return
-        self._shares = shares
         store = self._seconds
         rows = np.fromiter(store.at.values(), dtype=np.int64, count=len(store.at))
+        same_jobs = self._shares is not None and shares.keys() == self._shares.keys()
+        self._shares = shares
+        self._ranked = None
+        if same_jobs:
+            store.share[rows] = np.fromiter(map(shares.get, store.at, repeat(0.0)), dtype=float, count=rows.size)
+            return
         elapsed = now - self._last_reset if self._last_reset is not None else 0.0
         store.deficit[rows] += store.share[rows] * elapsed - (store.since[rows] - store.offset)
         store.since[rows] = store.offset

@@ -53,6 +53,19 @@ def run_simulation(trace, capacity, gpu_speed: float, policy: str, cache_system:
         return sim.run()
 
 
+def _load_trace_warning(*args):
+    """load_trace, its warnings (the Gavel reader's count of jobs without a throughput entry)
+    printed as one plain line each on stderr, not Python's warning format."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = load_trace(*args)
+    for w in caught:
+        typer.echo(f"warning: {w.message}", err=True)
+    return tr
+
+
 def register(app: typer.Typer) -> None:
     _register_trace(app)
 
@@ -79,7 +92,7 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
         stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
-        decision_interval: Annotated[float, typer.Option(help="allocation-recompute interval: at most one policy decision per this many seconds while jobs run; rounds in between use the allocation in force (Gavel's default is 1920; 0 = at every arrival, completion and demand change; see docs/policies.md)")] = 0.0,
+        decision_interval: Annotated[float, typer.Option(help="allocation-recompute interval: at most one policy decision per this many seconds while jobs run; rounds in between use the allocation in force (Gavel's default is 1920; 0 = at every arrival, completion and demand change; see docs/gavel-rounds.md)")] = 0.0,
         scale_missing: Annotated[Optional[str], typer.Option(help="Gavel traces: rate of a job whose GPU count has no throughput entry: linear (the largest measured count below, scaled by GPUs) | nearest (its measured rate, not scaled) [default: linear, with a warning that counts them]")] = None,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
@@ -110,7 +123,7 @@ def register(app: typer.Typer) -> None:
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
                                        cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
-        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed, scale_missing)
+        tr = _load_trace_warning(trace, format, dataset_sharing, max_jobs, seed, scale_missing)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
                                 profile_noise=profile_noise, stagger=stagger, decision_interval=decision_interval)

@@ -69,7 +69,10 @@ def render(o: Mapping[str, Any]) -> Group:
         datasets.add_column(col, justify=just, no_wrap=True, overflow="ellipsis", max_width=20)
     for d in o["datasets"]:
         datasets.add_row(d["name"], d["owner"], _size(d["size"]), _size(d["allocated"]), _size(d["cached"]))
-    parts: list[Any] = [head, usage, chart, Text("")]
+    parts: list[Any] = [head, usage, chart]
+    if o.get("scheduling"):  # e.g. "scheduler starting: compiling policy kernels, 12 s"
+        parts.append(Text(o["scheduling"], style="bold yellow"))
+    parts.append(Text(""))
     parts.append(running if o["running"] else Text("running: none"))
     parts.append(Text(""))
     parts.append(queue if o["queue"] else Text("queue: empty"))

@@ -61,8 +61,10 @@ class ReadViews:
 
     def overview(self, who: Principal) -> Overview:
         """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py)."""
+        from scheduler.service.control import scheduling_note
+
         return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
-                              status=self._overview_status())
+                              status=self._overview_status(), scheduling=scheduling_note(self.sessions))
 
     # ------------------------------------------------------------------ cluster / allocations
 

@@ -159,7 +159,10 @@ def start_silod(tmp: Path, db: Path, workers: int) -> tuple[subprocess.Popen, st
     cmd = [sys.executable, "-c", "from scheduler.cli import main; main()", "serve", "--listen", f"127.0.0.1:{port}",
            "--db", f"sqlite:///{db}", "--backend", "null", "--gpus", "256", "--gpus-per-node", "8", "--cache", "20TB",
            "--remote-io", "10GB/s", "--policy", "fifo", "--tokens", str(tmp / "tokens"), "--round", "360",
-           "--workers", str(workers), "--state-dir", str(tmp / "state"), "--log-level", "warning"]
+           "--workers", str(workers), "--state-dir", str(tmp / "state"), "--log-level", "warning",
+           # One tenant holds `active` jobs and submits more: the default quota (1,000 waiting) and
+           # object limit (10,000 active) would refuse them; the benchmark measures requests.
+           "--default-quota", "queued=none", "--object-limits", "jobs=10000000"]
     proc = subprocess.Popen(cmd, env={**os.environ, "SILOD_ADMIN_TOKEN": ADMIN}, stdout=subprocess.DEVNULL,
                             stderr=open(tmp / "silod.log", "ab"), start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -13,6 +13,14 @@
 3. Peak memory (ru_maxrss of a child process) of the 10k-job run (target < 200 MB), and the ratio
    to the child's memory after imports alone.
 
+4. `--sweep`: every public trace (each gavel-msr VC and the Alibaba openb trace, from
+   --traces-dir, ../shared/traces by default) x 4 policies (fifo, fifo-strict, sjf, gavel) x 4
+   cache systems, each cell a `silod simulate` on the paper's 400-GPU cluster (8 GPUs a node,
+   100 TB, 4 GB/s), in a process of its own stopped after --cell-timeout CPU-bound seconds. Per
+   cell: CPU seconds and steps, and steps over the engine's step budget
+   (scheduler.sim.engine.step_budget). The headline is the worst cell (target <= 20 CPU s on this
+   machine), then the median. --only-traces / --policies / --cache-systems pick cells.
+
 The machine's own speed is measured first (`machine_reference`: a fixed pure-Python loop, the
 least of three): the VMs these runs land on differ by 2.5x in single-core speed, so every CPU
 figure is also printed as a multiple of it, which is what compares across machines.
@@ -63,6 +71,78 @@ def machine_reference() -> float:
     return best
 
 
+CELL = r"""
+import json, sys, time, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")  # the reader's note on jobs without a throughput entry
+from pathlib import Path
+from traces.loader import TraceFormat, load_trace
+from scheduler.sim.cli import run_simulation
+from scheduler.sim.engine import step_budget
+from scheduler.core.cluster import load_cluster
+trace = load_trace(Path({trace!r}), TraceFormat.auto)
+cap, speed = load_cluster(gpus=400, gpus_per_node=8, cache="100TB", remote_io="4GB/s")
+r = run_simulation(trace, cap, speed, {policy!r}, {system!r}, 360.0, 128, 0)
+print(json.dumps({{"cpu_s": r.sim_cpu_s, "steps": r.steps, "budget": step_budget(trace, r.makespan_s, 360.0), "jobs": len(trace.jobs),
+                  "unfinished": len(r.unfinished), "avg_jct_s": sum(j.jct_s for j in r.jobs) / max(len(r.jobs), 1)}}))
+"""
+
+SWEEP_POLICIES = ("fifo", "fifo-strict", "sjf", "gavel")
+SWEEP_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
+
+
+def public_traces(root: Path) -> list[Path]:
+    """Every gavel-msr VC (*.trace) and the Alibaba openb trace's folder under `root`."""
+    found = sorted((root / "gavel-msr").glob("*.trace"))
+    if (root / "alibaba-openb" / "openb_pod_list_default.csv").is_file():
+        found.append(root / "alibaba-openb")
+    return found
+
+
+def sweep_cell(trace: Path, policy: str, system: str, timeout_s: float) -> dict:
+    code = CELL.format(root=str(ROOT), trace=str(trace), policy=policy, system=system)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"cpu_s": None, "timeout_s": timeout_s}
+    if out.returncode != 0:
+        return {"cpu_s": None, "error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sweep(args) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    traces = public_traces(Path(args.traces_dir))
+    if args.only_traces:
+        traces = [t for t in traces if t.stem in args.only_traces or t.name in args.only_traces]
+    if not traces:
+        raise SystemExit(f"no public traces under {args.traces_dir} (want gavel-msr/*.trace, alibaba-openb/)")
+    cells = [(t, p, c) for t in traces for p in args.policies for c in args.cache_systems]
+    results = {}
+    with ThreadPoolExecutor(max_workers=args.workers) as pool:  # each cell is a process of its own
+        for (t, p, c), r in zip(cells, pool.map(lambda cell: sweep_cell(*cell, args.cell_timeout), cells)):
+            label = f"{t.stem}/{p}/{c}"
+            results[label] = r
+            if r.get("cpu_s") is None:
+                print(f"{label:<36} {'stopped after %.0f s' % r['timeout_s'] if 'timeout_s' in r else r.get('error')}", flush=True)
+            else:
+                print(f"{label:<36} {r['jobs']:>5} jobs {r['cpu_s']:7.1f} CPU s {r['steps']:>9,} steps "
+                      f"({r['steps'] / r['budget']:.2f} of the budget){'  UNFINISHED %d' % r['unfinished'] if r['unfinished'] else ''}",
+                      flush=True)
+    done = {k: v for k, v in results.items() if v.get("cpu_s") is not None}
+    stopped = sorted(set(results) - set(done))
+    if done:
+        worst = max(done, key=lambda k: done[k]["cpu_s"])
+        cpu = sorted(v["cpu_s"] for v in done.values())
+        over = [k for k, v in done.items() if v["steps"] > v["budget"]]
+        print(f"worst cell: {worst} {done[worst]['cpu_s']:.1f} CPU s, {done[worst]['steps']:,} steps (target <= 20 CPU s); "
+              f"median cell {cpu[len(cpu) // 2]:.1f} CPU s; {len(done)} cells, steps over the budget in {len(over)}{': ' + ', '.join(over) if over else ''}")
+    if stopped:
+        print(f"stopped (over --cell-timeout): {', '.join(stopped)}")
+    return results
+
+
 def child_run(n: int) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), n=n)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -74,7 +154,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "out" / "bench_sim.json"))
     parser.add_argument("--skip-matrix", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="only the public-trace sweep (item 4 of the docstring)")
+    parser.add_argument("--traces-dir", default=str(ROOT.parent / "shared" / "traces"), help="folder with gavel-msr/ and alibaba-openb/")
+    parser.add_argument("--only-traces", nargs="*", help="trace names (e.g. 6c71a0 alibaba-openb) [default: all]")
+    parser.add_argument("--policies", nargs="*", default=list(SWEEP_POLICIES))
+    parser.add_argument("--cache-systems", nargs="*", default=list(SWEEP_SYSTEMS))
+    parser.add_argument("--cell-timeout", type=float, default=600.0, help="seconds before a sweep cell is stopped")
     args = parser.parse_args()
+    if args.sweep:
+        print(f"machine reference: {REFERENCE_LOOP:,}-iteration Python loop {machine_reference():.3f} CPU s", flush=True)
+        results = sweep(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"sweep": results}, indent=2) + "\n")
+        return
 
     from concurrent.futures import ProcessPoolExecutor
 

@@ -12,7 +12,7 @@ import re
 
 from estimator.errors import UserError
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 NAME_HELP = "use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit (no '/' and no '..')"
 
 

@@ -10,7 +10,9 @@ Entries are either a scheme (`s3`, `https`) or a prefix (`s3://datasets/`,
 `https://data.example.com/public/`, `file:///srv/datasets/`). A prefix matches on a path
 boundary. `file://` and `http://` are never allowed by scheme alone, only by a prefix an
 operator writes out. Whatever the list says, these are refused: local paths without a scheme,
-`..` or `.` segments (also percent-encoded) and credentials inside the URI; and unless an
+`..` or `.` segments (also percent-encoded), credentials inside the URI, `::` (an fsspec chain
+of file systems), invisible or control characters (U+202E and its kind), a `file://` path that
+resolves through a symlink outside its prefix (where the path exists); and unless an
 operator's explicit prefix matches, an http(s) host that is not a public address: loopback,
 link-local, private (10/8, 172.16/12, 192.168/16, fc00::/7: the in-cluster network),
 carrier-grade NAT, unspecified, reserved or multicast - as a literal address in any spelling the
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
+import unicodedata
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -114,6 +118,22 @@ def forbidden_host(host: str) -> str | None:
 
 _forbidden_address = forbidden_address
 
+#: Unicode categories no URI needs: format (bidi overrides, zero-width), control, separators,
+#: private use, unassigned, surrogates.
+_INVISIBLE = frozenset({"Cf", "Cc", "Co", "Cn", "Cs", "Zl", "Zp", "Zs"})
+
+
+def _check_beneath(uri: str, path: str, prefix: str) -> None:
+    """A file:// dataset under an operator's prefix must stay beneath it once symlinks are
+    followed, as the mount opens it (fuse_client/beneath.py). Checked where the path exists
+    (the API on the nodes' shared file system, the mount always); elsewhere the mount checks."""
+    if not os.path.lexists(path):
+        return
+    real, root = os.path.realpath(path), os.path.realpath(prefix)
+    if real != root and not real.startswith(root.rstrip("/") + "/"):
+        raise UriRejected(f"dataset uri {uri!r} resolves (through a symbolic link) to {real}, outside the allowed"
+                          f" prefix file://{prefix}")
+
 
 @dataclass(frozen=True, slots=True)
 class UriPolicy:
@@ -169,6 +189,15 @@ class UriPolicy:
         allowed = ", ".join(self.allowed)
         if not isinstance(uri, str) or not uri or len(uri) > 2048 or any(c.isspace() or ord(c) < 32 for c in uri):
             raise UriRejected("dataset uri must be a non-empty URI of at most 2048 characters without spaces")
+        odd = next((c for c in uri if unicodedata.category(c) in _INVISIBLE), None)
+        if odd is not None:
+            # U+202E (right-to-left override) and its kind make a URI display as another one.
+            raise UriRejected(f"dataset uri contains the invisible or control character U+{ord(odd):04X}; type the URI"
+                              " without it")
+        if "::" in re.sub(r"\[[0-9A-Fa-f:.%]*\]", "", uri, count=1):  # an IPv6 host's :: is not a chain
+            # fsspec reads `a::b` as a chain of file systems (the mount's client would open b
+            # through a): one URI names one store.
+            raise UriRejected(f"dataset uri {uri!r} contains '::' (a chain of file systems); give one store's URI")
         try:
             parts = urlsplit(uri)
             _ = (parts.hostname, parts.port)  # both parse lazily and may raise
@@ -182,8 +211,11 @@ class UriPolicy:
         segments = unquote(parts.path).replace("\\", "/").split("/")
         if any(seg in ("..", ".") for seg in segments):
             raise UriRejected(f"dataset uri {uri!r} contains a '..' or '.' segment")
-        if self.explicit_prefix(uri) is not None:
+        prefix = self.explicit_prefix(uri)
+        if prefix is not None:
             # A prefix the operator wrote out is trusted as written (e.g. a MinIO on 127.0.0.1).
+            if scheme == "file":
+                _check_beneath(uri, unquote(parts.path), unquote(urlsplit(prefix).path))
             return uri
         if scheme in ("http", "https"):
             host = (parts.hostname or "").rstrip(".").lower()

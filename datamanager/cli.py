@@ -26,6 +26,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the data manager: cache/remote-IO allocation API for FUSE clients (SiloD Table 3)."""
         log_level = parse_log_level(log_level)
+        from contract.placeholders import refuse_placeholders
+
+        refuse_placeholders()
         host, port = parse_listen(listen)
         from http_guard.listen import listen_problem
 

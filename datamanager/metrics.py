@@ -71,6 +71,9 @@ def _data_plane_metrics(clients: list[dict]):
     # kernel (accounted whole at open); daemon opens and READ requests go through the mount process.
     opens = CounterMetricFamily("silod_job_opens", "Opens through the mount by how the kernel serves their reads (passthrough: the kernel reads the cached file itself).", labels=[*labels, "mode"])
     reads = CounterMetricFamily("silod_job_fuse_read_requests", "READ requests that reached the mount process (0 for passthrough opens).", labels=labels)
+    # A full or failing cache disk is the cache's problem, not the remote's: named by its directory.
+    disk = CounterMetricFamily("silod_job_cache_disk_errors", "Writes the mount's cache disk refused (full, failing); those misses were staged in memory and served uncached.", labels=[*labels, "cache_dir"])
+    staged = CounterMetricFamily("silod_job_memory_staged_items", "Misses the mount staged in memory because its cache disk refused them.", labels=labels)
     frontend = GaugeMetricFamily("silod_mount_info", "1 per mount, labelled with its FUSE front end (raw or libfuse) and whether passthrough is on.", labels=[*labels, "fuse_backend", "passthrough"])
     for c in clients:
         stats = c.get("stats") or {}
@@ -91,10 +94,14 @@ def _data_plane_metrics(clients: list[dict]):
         for family, name in ((remote, "remote_bytes"), (errors, "remote_errors"), (failed, "failed_opens"), (reads, "read_requests")):
             if (v := _number(stats.get(name))) is not None:
                 family.add_metric(key, v)
+        if (v := _number(stats.get("cache_disk_errors"))) is not None:
+            disk.add_metric([*key, str(stats.get("cache_dir"))], v)
+        if (v := _number(stats.get("memory_staged_items"))) is not None:
+            staged.add_metric(key, v)
         state = stats.get("remote_breaker_state")
         if state in ("open", "closed"):
             breaker.add_metric(key, 1.0 if state == "open" else 0.0)
-    yield from (read, remote, errors, failed, breaker, latency, opens, reads, frontend)
+    yield from (read, remote, errors, failed, breaker, latency, opens, reads, frontend, disk, staged)
 
 
 class _StateCollector:

@@ -10,9 +10,17 @@ its observed rate X and what the model says its IO and CPU allowed (b / (1 - h),
 
 The estimate is the time-weighted mean of the samples, with evidence older than `horizon_s`
 fading (so a job that changes phase is followed), and always within
-[declared / bound_factor, declared x bound_factor]: a measurement can correct a wrong
-declaration, but a job that stalls on purpose cannot talk the scheduler into believing an
-arbitrarily small (or large) f*. Before any sample the estimate is the declared value.
+[declared / floor_factor, declared x bound_factor] (floor_factor defaults to bound_factor): a
+measurement can correct a wrong declaration, but a job that stalls on purpose cannot talk the
+scheduler into believing an arbitrarily small (or large) f*. Before any sample the estimate is
+the declared value.
+
+The service's f* has no floor (`JobMeasurement.start`: floor_factor = inf; issue 47): a floor
+at declared / 4 protected the declarer, so a 100x overstatement stayed a 25x one after any
+evidence. Without it, the measurement replaces an overstated declaration and a tenant can only
+lose by lying (a lower f* never earns a job more under any policy: SJF ranks it longer, Gavel
+and the cache rule give it less). The per-core CPU rate keeps its floor: a lower per-core rate
+*would* earn a job more cores.
 """
 
 from __future__ import annotations
@@ -31,19 +39,24 @@ class FStarEstimate:
     evidence_s: float = 0.0  # seconds of GPU-bound samples behind `estimate`
     bound_factor: float = 4.0
     horizon_s: float = 1800.0
+    floor_factor: float | None = None  # None: bound_factor; inf: no floor
+
 
     def __post_init__(self) -> None:
         if not (self.declared > 0 and math.isfinite(self.declared)):
             raise ValueError(f"declared f* {self.declared!r} must be a positive rate")
         if not self.bound_factor >= 1:
             raise ValueError(f"bound_factor {self.bound_factor!r} must be >= 1")
+        if self.floor_factor is not None and not self.floor_factor >= 1:
+            raise ValueError(f"floor_factor {self.floor_factor!r} must be >= 1 (inf: no floor)")
 
     @classmethod
     def start(cls, declared: float, **kw) -> FStarEstimate:
         return cls(declared, declared, **kw)
 
     def clip(self, value: float) -> float:
-        return min(max(value, self.declared / self.bound_factor), self.declared * self.bound_factor)
+        floor = self.declared / (self.bound_factor if self.floor_factor is None else self.floor_factor)
+        return min(max(value, floor), self.declared * self.bound_factor)
 
 
 def observe(state: FStarEstimate, observed: float, seconds: float, io_bound: float = math.inf, cpu_bound: float = math.inf) -> FStarEstimate:
@@ -66,6 +79,9 @@ __all__ = ["FStarEstimate", "NOT_BOUND_SLACK", "observe"]
 
 
 # --- both parameters, with the data plane's and the client's evidence (the service; issue 22) ---
+
+#: The service's measured f* has no floor under the declaration (see the module's docstring).
+SERVICE_FSTAR_FLOOR = math.inf
 
 #: A client's step time says the GPUs could go faster than the job reads when the read rate is
 #: below this share of the client's f* (wider than NOT_BOUND_SLACK: client reports are noisier).
@@ -104,12 +120,12 @@ class JobMeasurement:
     @classmethod
     def start(cls, declared_fstar: float, declared_cpu_rate: float | None = None) -> JobMeasurement:
         cpu = None if declared_cpu_rate is None else FStarEstimate.start(declared_cpu_rate)
-        return cls(FStarEstimate.start(declared_fstar), cpu)
+        return cls(FStarEstimate.start(declared_fstar, floor_factor=SERVICE_FSTAR_FLOOR), cpu)
 
     def used_fstar(self, client_fstar: float | None = None) -> float:
         """The f* planning uses: the data plane's estimate, lowered (never raised) by the client's
         word: a client can only make its own job look slower than measured, which gains it
-        nothing (it gets fewer resources)."""
+        nothing (it gets fewer resources). No floor: its word may take it below declared / 4."""
         if client_fstar is None or not math.isfinite(client_fstar) or client_fstar <= 0:
             return self.fstar.estimate
         return min(self.fstar.estimate, self.fstar.clip(client_fstar))
@@ -166,4 +182,4 @@ def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: fl
     return JobMeasurement(fs, cpu, max_observed, bound, best)
 
 
-__all__ += ["CLIENT_SLACK", "JobMeasurement", "observe_job"]
+__all__ += ["CLIENT_SLACK", "SERVICE_FSTAR_FLOOR", "JobMeasurement", "observe_job"]

@@ -26,8 +26,12 @@ from enum import Enum
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 4  # tries per open, including the first
-    backoff_s: float = 0.2  # sleep backoff_s * 2**k before retry k+1
+    # Tries in a row that deliver nothing (one that delivers bytes starts the count again: a
+    # resumed fetch keeps its bytes, so a flaky remote costs a retry, not the item). The
+    # deadline bounds them too: at the defaults a dead remote gets about 7 tries in 5 s.
+    attempts: int = 8
+    backoff_s: float = 0.2  # sleep backoff_s * 2**k before retry k+1, at most max_backoff_s
+    max_backoff_s: float = 1.0
     deadline_s: float = 5.0  # an open fails once the remote has delivered nothing for this long
     connect_timeout_s: float = 2.0  # handed to the remote client (capped at half the deadline)
 
@@ -38,12 +42,20 @@ class RetryPolicy:
             raise ValueError(f"the per-open deadline must be > 0 s, got {self.deadline_s}")
 
     def backoff(self, retry: int) -> float:
-        return self.backoff_s * 2 ** (retry - 1)
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1))
 
     @property
     def client_timeout_s(self) -> float:
         """Connect/read timeout for one request of the remote's client."""
         return max(0.1, min(self.connect_timeout_s, self.deadline_s / 2))
+
+    @property
+    def read_timeout_s(self) -> float:
+        """How long one wait for the next byte of a response may last before the request is
+        given up and resumed on a new connection: half the deadline (at least the client
+        timeout), so that a dead connection gets one more try within the deadline while a pause
+        shorter than that is simply waited out (it scales with --open-deadline)."""
+        return max(self.client_timeout_s, self.deadline_s / 2)
 
 
 class BreakerState(str, Enum):

@@ -51,6 +51,7 @@ import fcntl
 import hashlib
 import logging
 from collections.abc import Callable
+import math
 import os
 import random
 import shutil
@@ -146,12 +147,15 @@ class DatasetCache:
             db.execute("CREATE TABLE IF NOT EXISTS items (key TEXT PRIMARY KEY, size INTEGER NOT NULL, crc INTEGER NOT NULL)")
             db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
             db.execute("CREATE TABLE IF NOT EXISTS journal (key TEXT PRIMARY KEY)")
+            fresh = db.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 0
             for name, value in _META_DEFAULTS.items():
                 db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (name, value))
             if db.execute("SELECT 1 FROM meta WHERE name = 'cached_bytes'").fetchone() is None:
                 # An index written before the counters existed: count once, then keep counting.
                 self._rebuild_counters(db)
                 db.execute("UPDATE meta SET value = 0 WHERE name = 'clean'")
+            if fresh:  # a brand-new cache has nothing to repair: its first mount is not a recovery
+                db.execute("UPDATE meta SET value = 1 WHERE name = 'clean'")
         # Hits of a recency-using policy (LRU), stamped on the item files by flush_recency().
         self.recency = lru_cache.RecencyLog()
         # The policy follows the dataset's mode, a file next to the index (shared by every
@@ -249,6 +253,18 @@ class DatasetCache:
             fcntl.flock(fd, fcntl.LOCK_SH)
         self.refresh_verify_pending()
         return report
+
+    # The IO rate the data manager last gave each job, kept beside the allocation: a mount
+    # restarted while the manager is down throttles at it instead of running unthrottled.
+    # Stored in bytes/s (the meta table holds integers); absent: never set.
+    def saved_io_rate(self, job: str) -> float | None:
+        row = self._db().execute("SELECT value FROM meta WHERE name = ?", (f"io_rate:{job}",)).fetchone()
+        return None if row is None else (math.inf if row[0] < 0 else float(row[0]))
+
+    def save_io_rate(self, job: str, rate: float) -> None:
+        value = -1 if math.isinf(rate) else int(round(rate))
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"io_rate:{job}", value))
 
     def detach(self, clean: bool = True) -> bool:
         """Leave the set of live mounts; the last one marks the index clean. Returns that."""

@@ -16,15 +16,17 @@ import contextlib
 import errno
 import logging
 import os
+import sqlite3
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from fuse_client.accounting import JobAccounting
 from fuse_client.breaker import CircuitBreaker, RemoteUnavailable
 from fuse_client.cache_store import DatasetCache, item_key
+from fuse_client.fetch_lanes import DEFAULT_SLOW_FETCHES, FetchLanes, Lane
+from fuse_client.memory_staging import MemoryStaging
 from fuse_client.pause_log import PauseLog
 from fuse_client.peer_watch import PeerWatch
 from fuse_client.remote import FileEntry, RemoteFetchError, RemoteStore
@@ -62,6 +64,8 @@ class ItemResolver:
         accounting: JobAccounting,
         breaker: CircuitBreaker | None = None,
         fetch_workers: int = DEFAULT_FETCH_WORKERS,
+        slow_fetches: int = DEFAULT_SLOW_FETCHES,
+        memory_staging_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         if fetch_workers < 1:
             raise ValueError(f"fetch workers must be >= 1, got {fetch_workers}")
@@ -71,7 +75,11 @@ class ItemResolver:
         self.accounting = accounting
         self.breaker = breaker or CircuitBreaker(store.url)
         self.flights = Flights()
-        self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="silod-fetch")
+        # Long fetches move to a slow lane of their own so that healthy misses never queue
+        # behind them (fetch_lanes.py).
+        self._pool = FetchLanes(fetch_workers, slow_fetches)
+        # Misses staged in memory while the cache disk refuses writes (memory_staging.py).
+        self.memory_staging = MemoryStaging(memory_staging_bytes)
         self._keys: dict[str, str] = {}  # item path -> cache key; sha1 per open is measurable
         # After a crash every cached item is checksummed on its first hit (one bit per item).
         self._verified = bytearray((accounting.num_items + 7) // 8)
@@ -89,8 +97,11 @@ class ItemResolver:
         Running fetches end on their own (the throttle is closed first, so they raise
         InterruptedError at their next chunk) and finish their flights."""
         self._closed.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self.flights.abort_all(InterruptedError("unmounting"))
+
+    def lanes_snapshot(self) -> dict:
+        return self._pool.snapshot()
 
     def fetches_running(self) -> int:
         with self._active_lock:
@@ -249,7 +260,8 @@ class ItemResolver:
 
     # -- the flight leader (fetch pool) ------------------------------------------------------
 
-    def _lead(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
+    def _lead(self, lane: Lane, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult]) -> None:
+        flight.lane = lane
         with self._active_lock:
             self._active += 1
         # Its own clock starts (the mount's does not: no data yet), before it is marked started:
@@ -324,52 +336,106 @@ class ItemResolver:
         return self._fetch(entry, key, flight)
 
     def _fetch(self, entry: FileEntry, key: str, flight: Flight | None = None) -> _LeaderResult:
-        fd, staging = self.cache.new_staging_file(key)
+        try:
+            fd, staging = self.cache.new_staging_file(key)
+        except OSError as exc:  # a full or failing cache disk: stage in memory instead
+            self.memory_staging.disk_failed(f"{self.cache.root}: creating a staging file", exc)
+            fd, staging = self.memory_staging.take(entry.size, entry.path), None
+        target = [fd, staging]  # where the bytes go: the staging file, or a memfd once the disk refused
         errors: list[Exception] = []
 
         def on_error(exc: Exception) -> None:
             errors.append(exc)
             self.accounting.remote_error()
 
+        def to_memory(exc: OSError, offset: int) -> None:
+            """Move the `offset` bytes staged so far from the refusing disk to memory."""
+            self.memory_staging.disk_failed(f"{self.cache.root}: writing a staging file", exc)
+            mem = self.memory_staging.take(entry.size, entry.path)
+            try:
+                done = 0
+                while done < offset:
+                    data = os.pread(target[0], min(1 << 20, offset - done), done)
+                    if not data:
+                        raise OSError(errno.EIO, "the staged bytes could not be read back")
+                    os.pwrite(mem, data, done)
+                    done += len(data)
+            except BaseException:
+                os.close(mem)
+                self.memory_staging.give_back(entry.size)
+                raise
+            os.close(target[0])
+            with contextlib.suppress(OSError):
+                target[1].unlink()
+            target[0], target[1] = mem, None
+
+        def write(data: bytes, offset: int) -> None:
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.pwrite(target[0], view, offset)
+                except OSError as exc:
+                    if target[1] is None:
+                        raise
+                    to_memory(exc, offset)
+                    continue
+                view, offset = view[n:], offset + n
+
+        def reset() -> None:
+            os.ftruncate(target[0], 0)
+
         try:
-
-            def write(data: bytes, offset: int) -> None:
-                view = memoryview(data)
-                while view:
-                    n = os.pwrite(fd, view, offset)
-                    view, offset = view[n:], offset + n
-
-            def reset() -> None:
-                os.ftruncate(fd, 0)
-
             try:
                 if flight is None:
-                    throttle, on_bytes = self.throttle, self.accounting.bytes_fetched
+                    throttle, on_bytes, lane = self.throttle, self.accounting.bytes_fetched, None
+                    on_progress = None
                 else:
                     throttle = _FlightThrottle(self, flight)
+                    lane = flight.lane
 
                     def on_bytes(n: int) -> None:
-                        self._progressed(flight)
                         self.accounting.bytes_fetched(n)
 
-                crc = self.store.fetch(entry, write, throttle, on_bytes, reset, on_error=on_error)
+                    def on_progress() -> None:  # every piece that arrives (any thread)
+                        self._progressed(flight)
+
+                kw = {}
+                if on_progress is not None:
+                    kw["on_progress"] = on_progress
+                if lane is not None:
+                    kw["chunk_cap"] = lane.chunk_cap
+                crc = self.store.fetch(entry, write, throttle, on_bytes, reset, on_error=on_error, **kw)
             except RemoteFetchError as exc:
                 if errors:  # the remote failed (not just "no such object"): count it against it
                     self._remote_failed(entry, exc)
                 raise
             self.breaker.record_success()
-            admitted = self.cache.publish(key, staging, entry.size, crc)  # removes the staging name
+            fd, staging = target
+            if staging is None:  # in memory: served, never admitted
+                self.memory_staging.give_back(entry.size)
+                return _LeaderResult(fd, "remote", False)
+            try:
+                admitted = self.cache.publish(key, staging, entry.size, crc)  # removes the staging name
+            except (OSError, sqlite3.Error) as exc:  # the disk refused the index or the link: serve it anyway
+                self.memory_staging.disk_failed(f"{self.cache.root}: publishing {entry.path!r}", exc
+                                                if isinstance(exc, OSError) else OSError(errno.EIO, str(exc)))
+                admitted = False
             if admitted:
                 self._mark_verified(entry)
             else:
                 if self.cache.locks.others_waiting(key):
-                    self.cache.keep_transient(key, staging)
+                    with contextlib.suppress(OSError):
+                        self.cache.keep_transient(key, staging)
                 staging.unlink(missing_ok=True)  # our fd keeps the data alive for this open
             return _LeaderResult(fd, "remote", admitted)
         except BaseException:
+            fd, staging = target
             os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                staging.unlink()
+            if staging is None:
+                self.memory_staging.give_back(entry.size)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    staging.unlink()
             raise
 
     def _mark_verified(self, entry: FileEntry) -> None:

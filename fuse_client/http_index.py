@@ -15,8 +15,9 @@ the entry, never a partial listing.
 from __future__ import annotations
 
 import json
+import re
 from typing import NamedTuple
-from urllib.parse import quote
+from urllib.parse import quote, urlparse
 
 from estimator.errors import UserError
 
@@ -40,23 +41,91 @@ def looks_like_json_index(body: bytes) -> bool:
     return body.lstrip()[:1] in (b"[", b"{")
 
 
-def parse_json_index(body: bytes, url: str, source: str) -> list[IndexEntry]:
+#: The largest size stat can report (st_size is a signed 64-bit integer).
+MAX_FILE_SIZE = 2**63 - 1
+
+
+# fsspec's HTTP file system's link patterns (fsspec/implementations/http.py, simple_links on), so
+# an HTML index lists the same names as before it was read here with a size cap.
+_LINK = re.compile(r"""<(a|A)\s+(?:[^>]*?\s+)?(href|HREF)=["'](?P<url>[^"']+)""")
+_SIMPLE_LINK = re.compile(r"""(?P<url>http[s]?://[-a-zA-Z0-9@:%_+.~#?&/=]+)""")
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def html_links(body: bytes, content_type: str | None, url: str) -> list[str]:
+    """The absolute URLs an HTML index page of directory `url` links to (as fsspec's `ls`
+    finds them: links under `url`, relative ones joined to it, `..` left out)."""
+    mimetype = content_type.partition(";")[0] if content_type else None
+    if mimetype not in ("text/html", None):
+        return []
+    text = body.decode("utf-8", errors="ignore")
+    links = _SIMPLE_LINK.findall(text) + [m[2] for m in _LINK.findall(text)]
+    out: dict[str, None] = {}
+    parts = urlparse(url)
+    prefix = url.rstrip("/") + "/"
+    for link in links:
+        if link.startswith("/") and len(link) > 1:
+            link = f"{parts.scheme}://{parts.netloc}{link}"
+        if link.startswith("http"):
+            if link.replace("https", "http").startswith(prefix.replace("https", "http")):
+                out[link] = None
+        elif link not in ("..", "../"):
+            out["/".join([url.rstrip("/"), link.lstrip("/")])] = None
+    return list(out)
+
+
+def _array_items(text: str, bad):
+    """The elements of the JSON array `text`, one at a time: an index page is checked (and its
+    entry count capped) while it is parsed, never held as a list of dicts as well."""
+    decoder = json.JSONDecoder()
+    i = _WS.match(text, 0).end()
+    if text[i:i + 1] != "[":
+        if text[i:i + 1] == "{":
+            raise bad("is not an array")
+        raise bad("is not valid JSON (expected an array)")
+    i = _WS.match(text, i + 1).end()
+    if text[i:i + 1] == "]":
+        i += 1
+    else:
+        while True:
+            try:
+                item, i = decoder.raw_decode(text, i)
+            except ValueError as exc:
+                raise bad(f"is not valid JSON ({exc})") from None
+            yield item
+            i = _WS.match(text, i).end()
+            c = text[i:i + 1]
+            if c == ",":
+                i = _WS.match(text, i + 1).end()
+            elif c == "]":
+                i += 1
+                break
+            else:
+                raise bad(f"is not valid JSON (expected ',' or ']' at character {i})")
+    if _WS.match(text, i).end() != len(text):
+        raise bad(f"is not valid JSON (extra data at character {i})")
+
+
+def parse_json_index(body: bytes, url: str, source: str, max_entries: int | None = None) -> list[IndexEntry]:
     """The entries of the JSON index `body` of directory `url`; "other" entries (sockets, FIFOs)
-    are left out. Raises UserError naming `source`, `url` and what is wrong."""
+    are left out. Raises UserError naming `source`, `url` and what is wrong, also when it has
+    more than `max_entries` entries (what is left of the listing's --max-listing-entries)."""
 
     def bad(problem: str) -> UserError:
         return UserError(f"--source {source!r}: the JSON directory index of {url!r} {problem}; serve it as nginx's "
                          "`autoindex_format json` does (an array of {\"name\", \"type\", \"size\"} objects)")
 
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise bad(f"is not valid JSON ({exc})") from None
-    if not isinstance(data, list):
-        raise bad("is not an array")
     entries: list[IndexEntry] = []
     seen: set[str] = set()
-    for i, item in enumerate(data):
+    for i, item in enumerate(_array_items(text, bad)):
+        if max_entries is not None and i >= max_entries:
+            raise UserError(f"--source {source!r} lists more entries than --max-listing-entries allows (the "
+                            f"directory index of {url!r} goes beyond it); the listing is kept in memory, so a "
+                            "larger one needs a higher limit")
         if not isinstance(item, dict):
             raise bad(f"has entry {i} that is not an object")
         name, kind = item.get("name"), item.get("type")
@@ -74,5 +143,9 @@ def parse_json_index(body: bytes, url: str, source: str) -> list[IndexEntry]:
             size = item.get("size")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise bad(f"gives file {name!r} the size {size!r} (a byte count >= 0 is required)")
+            if size > MAX_FILE_SIZE:
+                # stat's st_size is a signed 64-bit count: 2^63 broke `ls` of the mount (issue 47).
+                raise bad(f"gives file {name!r} the size {size} (more than {MAX_FILE_SIZE}, the most a file's"
+                          " size can be)")
         entries.append(IndexEntry(name, kind == "directory", size))
     return entries

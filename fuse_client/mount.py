@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -40,8 +41,11 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
 # Default FUSE worker threads: a data loader with 8-16 workers per GPU and 8 GPUs has up to ~128
-# opens in flight; a slow miss occupies a thread until its fetch completes.
-DEFAULT_FUSE_THREADS = 128
+# opens in flight, several nodes' worth of jobs may share a mount's dataset, and under libfuse a
+# slow miss occupies a thread until its fetch completes. Threads start on demand (an idle mount
+# has a few), so the bound is memory (~0.1 MB per waiting open), not a pool sized to the loader:
+# 768 opens may wait at once before EAGAIN (fs.waiting_open_cap).
+DEFAULT_FUSE_THREADS = 1024
 BACKENDS = ("auto", "raw", "libfuse")
 GIL_SWITCH_INTERVAL_S = 0.0005
 
@@ -64,6 +68,10 @@ class MountConfig:
     fuse_threads: int = DEFAULT_FUSE_THREADS
     pod_stats: bool = False  # count reads per pod (caller's cgroup) into the stats file's "pods"
     fetch_workers: int = 16
+    slow_fetches: int = 64  # the slow lane of the fetch pool (fetch_lanes.py)
+    max_index_bytes: int = 32 * 1024 * 1024  # one directory index page of an http(s) source
+    max_listing_entries: int = 1_500_000
+    memory_staging_bytes: int = 256 * 1024 * 1024  # misses staged in memory while the cache disk refuses
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
     probe_interval_s: float = 1.0
@@ -108,6 +116,7 @@ class ControlLoop:
         self.link = None  # the ManagerLink with --manager; its `connected` goes into the stats
         self.recovery: RecoveryReport | None = None
         self.breaker = None  # the resolver's CircuitBreaker, reported in the stats
+        self.resolver = None  # the ItemResolver: its fetch lanes and memory staging go into the stats
         self.verifier: BackgroundVerifier | None = None
         self.frontend = None  # the serving front end (frontend.Frontend), reported in the stats
         self._last_sweep = 0.0
@@ -118,7 +127,13 @@ class ControlLoop:
     # Called by ManagerLink with what the manager says; None fields keep the current value.
     def on_allocation(self, pulled) -> None:
         if pulled.remote_io_bytes_per_s is not None:
-            self.throttle.set_rate(float(pulled.remote_io_bytes_per_s))
+            rate = float(pulled.remote_io_bytes_per_s)
+            if rate != self.throttle.rate:
+                try:
+                    self.cache.save_io_rate(self.cfg.job, rate)
+                except (OSError, sqlite3.Error) as exc:  # a full cache disk: the rate still applies
+                    log.warning("saving the IO rate of job %s in the cache index failed: %s", self.cfg.job, exc)
+            self.throttle.set_rate(rate)
         mode = getattr(pulled, "cache_mode", None)
         if mode is not None:
             with self._lock:
@@ -188,6 +203,9 @@ class ControlLoop:
                 remote_consecutive_failures=self.breaker.consecutive_failures,
                 remote_last_error=self.breaker.last_error or None,
             )
+        if self.resolver is not None:
+            out["fetch_lanes"] = self.resolver.lanes_snapshot()
+            out.update(self.resolver.memory_staging.snapshot(), cache_dir=str(self.cfg.cache_dir))
         if self.frontend is not None:
             out.update(self.frontend.stats())
         if self.recovery is not None:
@@ -200,7 +218,8 @@ class ControlLoop:
             return
         data = json.dumps(self.stats(), indent=1).encode()
         tmp = self.cfg.stats_file.with_name(f".{self.cfg.stats_file.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        # 0600: the stats name the dataset's files and reads (issue 47: they were 0644).
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
         os.replace(tmp, self.cfg.stats_file)  # readers see the old or the new file, never a torn one
 
@@ -334,6 +353,14 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--fuse-threads {cfg.fuse_threads}: must be between 1 and 4096")
     if not 1 <= cfg.fetch_workers <= 1024:
         raise UserError(f"--fetch-workers {cfg.fetch_workers}: must be between 1 and 1024")
+    if not 0 <= cfg.slow_fetches <= 4096:
+        raise UserError(f"--slow-fetches {cfg.slow_fetches}: must be between 0 and 4096")
+    if cfg.max_index_bytes < 1024:
+        raise UserError(f"--max-index-bytes {cfg.max_index_bytes}: must be at least 1 KiB")
+    if cfg.max_listing_entries < 1:
+        raise UserError(f"--max-listing-entries {cfg.max_listing_entries}: must be >= 1")
+    if cfg.memory_staging_bytes < 0:
+        raise UserError(f"--memory-staging {cfg.memory_staging_bytes}: must be >= 0 bytes")
     if not (0 < cfg.open_deadline_s <= 3600):
         raise UserError(f"--open-deadline {cfg.open_deadline_s}: must be > 0 and <= 3600 seconds")
     if not 1 <= cfg.breaker_threshold <= 10_000:
@@ -399,7 +426,7 @@ def run_mount(cfg: MountConfig) -> int:
     from fuse_client.operations import DatasetOperations
     from fuse_client.manager_link import ClientRegistration, ManagerLink
     from contract.credentials import ANONYMOUS_ENV, SourceCredential
-    from fuse_client.remote import RemoteStore
+    from fuse_client.remote import ListingLimits, RemoteStore
     from fuse_client.token_bucket import Throttle
     from contract.uri_policy import ENV as ALLOWED_URIS_ENV, UriPolicy
 
@@ -414,7 +441,8 @@ def run_mount(cfg: MountConfig) -> int:
     # The tenant's credential (or anonymous access) from the backend, never ambient cluster keys.
     # Every request, redirect and connection of the store is held to `allow` (safe_http.py).
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),
-                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow)
+                        anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow,
+                        limits=ListingLimits(cfg.max_index_bytes, cfg.max_listing_entries))
     snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
     listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
     if listing is not None:
@@ -451,11 +479,17 @@ def run_mount(cfg: MountConfig) -> int:
         )
         link = ManagerLink(cfg.manager, reg, control.stats, control.on_allocation)
         control.link = link
+        saved = cache.saved_io_rate(cfg.job) if math.isinf(cfg.io_rate) else None
+        if saved is not None:  # until the manager answers: its last word, not unthrottled
+            throttle.set_rate(saved)
+            log.info("job %s starts at its last IO rate from the data manager, %s B/s", cfg.job, saved)
         link.register()
 
     breaker = CircuitBreaker(cfg.source, threshold=cfg.breaker_threshold, probe_interval_s=cfg.probe_interval_s)
-    resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers)
+    resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers,
+                            slow_fetches=cfg.slow_fetches, memory_staging_bytes=cfg.memory_staging_bytes)
     control.breaker = breaker
+    control.resolver = resolver
     if recovery.ran and cache.verify_pending:
         control.verifier = BackgroundVerifier(cache)
         control.verifier.start()

@@ -29,8 +29,8 @@ from typing import NamedTuple
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
 from contract.uri_policy import UriPolicy, UriRejected
-from fuse_client import beneath, http_index
-from fuse_client.safe_http import HttpGuard
+from fuse_client import beneath, http_index, item_stream
+from fuse_client.safe_http import DestinationRefused, HttpGuard
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
 
@@ -117,7 +117,7 @@ def single_try_options(url: str, policy: RetryPolicy) -> dict:
     timeout = policy.client_timeout_s
     if scheme in ("s3", "s3a"):
         return {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"},
-                                  "connect_timeout": timeout, "read_timeout": timeout}}
+                                  "connect_timeout": timeout, "read_timeout": policy.read_timeout_s}}
     if scheme in ("http", "https"):
         import aiohttp
 
@@ -145,7 +145,8 @@ class RemoteStore:
     """An fsspec file system rooted at the dataset URL."""
 
     def __init__(self, url: str, policy: RetryPolicy | None = None, credential: SourceCredential | None = None,
-                 anonymous: bool = False, allow: UriPolicy | None = None) -> None:
+                 anonymous: bool = False, allow: UriPolicy | None = None,
+                 limits: "ListingLimits | None" = None) -> None:
         """`allow`: the operator's allow-list; every HTTP request, redirect and connection of this
         store is held to it (without one, to the source's own prefix: safe_http.py), and a
         `file://` source under one of its prefixes is opened beneath that prefix (beneath.py)."""
@@ -153,6 +154,7 @@ class RemoteStore:
 
         self.url = url
         self.policy = policy or RetryPolicy()
+        self.limits = limits or ListingLimits()
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         if scheme not in SUPPORTED_SCHEMES:
             # Checked before fsspec, which would otherwise try to connect (ftp://) or import a driver.
@@ -233,6 +235,7 @@ class RemoteStore:
             raise UserError(f"--source {self.url!r} is unreachable: {type(exc).__name__}: {exc}") from exc
         if not sizes:
             raise UserError(f"--source {self.url!r} contains no files")
+        self._count_entries(len(sizes))
         return DatasetListing.from_sizes(sizes)
 
     def _list_local(self) -> dict[str, int]:
@@ -272,17 +275,75 @@ class RemoteStore:
             log.warning("--source %s: %r cannot be resolved (%s); left out", self.url, rel, exc.strerror)
         return False
 
+    def _count_entries(self, n: int) -> None:
+        if n > self.limits.max_entries:
+            raise UserError(f"--source {self.url!r} lists more than {self.limits.max_entries} entries; the listing is "
+                            f"kept in memory (about 0.4 KB per item), so a larger one needs --max-listing-entries")
+
+    def _listing_call(self, what: str, fn: Callable[[], object]):
+        """One request of the listing, retried with backoff while the remote has answered within
+        the deadline: one 500 must not fail a mount. Not found and our own refusals are final."""
+        policy = self.policy
+        t0 = time.monotonic()
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return fn()
+            except (UserError, FileNotFoundError, UriRejected, PermissionError, DestinationRefused):
+                raise
+            except Exception as exc:
+                status = getattr(exc, "status", None)
+                if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+                    raise  # the request itself is refused: asking again changes nothing
+                pause = policy.backoff(attempt)
+                if attempt == policy.attempts or time.monotonic() + pause - t0 > policy.deadline_s:
+                    raise
+                log.warning("listing %s: %s failed (%s: %s); retrying in %.1f s", self.url, what, type(exc).__name__,
+                            exc, pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def _get_index(self, url: str) -> tuple[bytes, str | None]:
+        """The body (at most --max-index-bytes) and Content-Type of the index page `url`."""
+        cap = self.limits.max_index_bytes
+
+        async def get() -> tuple[bytes, str | None]:
+            session = await self.fs.set_session()
+            async with session.get(self.fs.encode_url(url), **self.fs.kwargs) as r:
+                if r.status == 404:
+                    raise FileNotFoundError(url)
+                r.raise_for_status()
+                parts, got = [], 0
+                while True:
+                    piece = await r.content.read(min(1 << 20, cap + 1 - got))
+                    if not piece:
+                        break
+                    parts.append(piece)
+                    got += len(piece)
+                    if got > cap:
+                        raise UserError(f"--source {self.url!r}: the directory index {url!r} is larger than "
+                                        f"{cap} bytes (--max-index-bytes); it is read into memory, so a larger "
+                                        "one needs a higher limit")
+                return b"".join(parts), r.headers.get("Content-Type")
+
+        from fsspec.asyn import sync
+
+        return self._listing_call(f"GET {url}", lambda: sync(self.fs.loop, get))
+
     def _list_http(self) -> dict[str, int]:
         base = self.root.rstrip("/") + "/"
-        first = self.fs.cat_file(base)
+        first, ctype = self._get_index(base)
         if http_index.looks_like_json_index(first):
             return self._list_http_json(base, first)
         sizes: dict[str, int] = {}
-        pending = [base]
+        pending: list[tuple[str, bytes | None, str | None]] = [(base, first, ctype)]
+        seen = 0
         while pending:
-            url = pending.pop()
-            for info in self.fs.ls(url, detail=True):
-                name = info["name"]
+            url, body, ctype = pending.pop()
+            if body is None:
+                body, ctype = self._get_index(url)
+            links = http_index.html_links(body, ctype, url)
+            del body
+            for name in links:
                 rel = _rel_beneath(base, name)
                 if rel is None:  # links that leave the dataset (parent directory, absolute links, %2e%2e)
                     if name.startswith(base):
@@ -290,12 +351,12 @@ class RemoteStore:
                     continue
                 if not rel:
                     continue
-                if name.endswith("/") or info.get("type") == "directory":
-                    pending.append(name if name.endswith("/") else name + "/")
+                seen += 1
+                self._count_entries(seen)
+                if name.endswith("/"):
+                    pending.append((name, None, None))
                     continue
-                size = info.get("size")
-                if size is None:
-                    size = self.fs.info(name).get("size")
+                size = self._listing_call(f"HEAD {name}", lambda: self.fs.info(name).get("size"))
                 if size is None:
                     raise UserError(f"--source {self.url!r}: the server reports no size for {name!r}")
                 sizes[rel] = int(size)
@@ -307,11 +368,15 @@ class RemoteStore:
         mount shows the same names whichever index the server sends."""
         sizes: dict[str, int] = {}
         pending: list[tuple[str, bytes | None]] = [(base, first)]
+        seen = 0
         while pending:
             url, body = pending.pop()
             if body is None:
-                body = self.fs.cat_file(url)
-            for entry in http_index.parse_json_index(body, url, self.url):
+                body, _ = self._get_index(url)
+            entries = http_index.parse_json_index(body, url, self.url, max_entries=self.limits.max_entries - seen)
+            del body
+            seen += len(entries)
+            for entry in entries:
                 if entry.is_dir:
                     pending.append((f"{url}{entry.url_name}/", None))
                 else:
@@ -339,36 +404,47 @@ class RemoteStore:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[Exception], None] = lambda exc: None,
+        on_progress: Callable[[], None] = lambda: None,
+        chunk_cap: Callable[[], int] = lambda: 4 * 1024 * 1024,
     ) -> int:
         """Stream the whole item through `write(data, offset)`, paying tokens before each chunk.
 
-        Returns the CRC-32 of the content. On an error the partial output is discarded with
-        `reset()` and the fetch restarts, up to `policy.attempts` tries, and only while the
-        remote has delivered something within the last `policy.deadline_s` (token waits do
-        not count); then RemoteFetchError (EIO) is raised.
+        Returns the CRC-32 of the content. `on_progress()` is called (from any thread) as each
+        piece of data arrives. A try that fails is retried after a backoff, resuming after the
+        bytes already written when the remote can send a validated range (item_stream.py);
+        otherwise, or when the object changed meanwhile, the output is discarded with `reset()`
+        and the fetch restarts from byte 0. Tries go on while the remote has delivered something
+        within the last `policy.deadline_s` (token waits do not count) and until
+        `policy.attempts` tries in a row delivered nothing; then RemoteFetchError (EIO).
+        Errors of `write` itself (the cache disk) are raised as they are: not the remote's.
         """
         policy = self.policy
         last: Exception | None = None
         progress = [clock()]  # last time the remote delivered data (or we finished a token wait)
-        for attempt in range(policy.attempts):
-            if attempt:
-                reset()
-                pause = policy.backoff(attempt)
-                # Start another try only if it can time out (client timeout) within the deadline.
-                if clock() + pause + policy.client_timeout_s - progress[0] > policy.deadline_s:
+        state = _FetchState()
+        failures = 0
+        while failures < policy.attempts:
+            if failures:
+                pause = policy.backoff(failures)
+                if clock() + pause - progress[0] >= policy.deadline_s:
                     break
                 sleep(pause)
+            before = state.offset
             try:
-                return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock)
-            except (InterruptedError, TokenWaitExpired):  # unmounting / the job's own allocation: not the remote's
+                return self._fetch_once(entry, write, throttle, on_remote_bytes, progress, clock, state, reset,
+                                        on_progress, chunk_cap)
+            except (InterruptedError, TokenWaitExpired, StagingWriteError):
+                # unmounting / the job's own allocation / the cache disk: not the remote's
                 raise
             except FileNotFoundError as exc:
                 last = exc
-                log.warning("fetching %s (attempt %d/%d) failed: %s", entry.path, attempt + 1, policy.attempts, exc)
+                log.warning("fetching %s (try %d) failed: %s", entry.path, failures + 1, exc)
             except Exception as exc:
                 last = exc
                 on_error(exc)
-                log.warning("fetching %s (attempt %d/%d) failed: %s: %s", entry.path, attempt + 1, policy.attempts, type(exc).__name__, exc)
+                log.warning("fetching %s (try %d, %d of %d bytes staged) failed: %s: %s", entry.path, failures + 1,
+                            state.offset, entry.size, type(exc).__name__, exc)
+            failures = 1 if state.offset > before else failures + 1
             if clock() - progress[0] > policy.deadline_s:
                 break
         reset()
@@ -380,36 +456,145 @@ class RemoteStore:
             if entry.size and not f.read(1):
                 raise IOError(f"{entry.path!r} is empty, the listing says {entry.size} bytes")
 
-    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock) -> int:
-        crc, offset = 0, 0
-        chunk = chunk_size_for(throttle.rate)
-        if entry.size <= chunk and self.protocol in ("http", "https", "s3", "s3a"):
-            # An item that fits in one chunk (e.g. a 110 KB image): one request in one call into
-            # fsspec's event loop, instead of open + read + close (3 cross-thread round trips).
-            before = clock()
-            throttle.acquire(entry.size)
-            progress[0] += clock() - before
-            data = self.fs.cat_file(self._full(entry.path))
-            progress[0] = clock()
-            if len(data) != entry.size:
-                raise IOError(f"{entry.path!r} has {len(data)} bytes, the listing says {entry.size}")
-            on_remote_bytes(len(data))
-            write(data, 0)
-            return zlib.crc32(data)
-        with self._open(entry.path, chunk, entry.size) as f:
-            while offset < entry.size:
-                # Re-read the rate every chunk so that a new allocation changes the chunk size too.
-                chunk = chunk_size_for(throttle.rate)
-                want = min(chunk, entry.size - offset)
+    def _fetch_once(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock,
+                    state: "_FetchState", reset, on_progress, chunk_cap) -> int:
+        if self.protocol in ("http", "https", "s3", "s3a"):
+            return self._fetch_stream(entry, write, throttle, on_remote_bytes, progress, clock, state, reset,
+                                      on_progress, chunk_cap)
+        # A local (or NFS) file: a retry continues at the offset reached (the file is the same).
+        size = entry.size
+        with self._open(entry.path, 0, size) as f:
+            if state.offset:
+                f.seek(state.offset)
+            while state.offset < size:
+                want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
                 before = clock()
                 throttle.acquire(want)
                 progress[0] += clock() - before  # waiting for our own tokens is not the remote's fault
                 data = f.read(want)
                 progress[0] = clock()
+                on_progress()
                 if not data:
-                    raise IOError(f"{entry.path!r} ended at {offset} bytes, the listing says {entry.size}")
-                on_remote_bytes(len(data))
-                write(data, offset)
-                crc = zlib.crc32(data, crc)
-                offset += len(data)
-        return crc
+                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+                self._stage(data, state, write, on_remote_bytes)
+        return state.crc
+
+    @staticmethod
+    def _stage(data: bytes, state: "_FetchState", write, on_remote_bytes) -> None:
+        on_remote_bytes(len(data))
+        try:
+            write(data, state.offset)
+        except OSError as exc:
+            raise StagingWriteError(exc.errno, f"writing the staged copy failed: {exc.strerror or exc}") from exc
+        state.crc = zlib.crc32(data, state.crc)
+        state.offset += len(data)
+
+    def _fetch_stream(self, entry, write, throttle: Throttle, on_remote_bytes, progress: list[float], clock,
+                      state: "_FetchState", reset, on_progress, chunk_cap) -> int:
+        """One streaming GET (ranged after the bytes already staged when that can be checked),
+        read chunk by chunk with tokens paid before each; at most size + 1 bytes are read."""
+        size = entry.size
+        policy = self.policy
+        streams = self._streams()
+        resume = state.offset > 0 and state.validator is not None and (
+            state.validator.usable if self.protocol in ("http", "https") else bool(state.validator.etag))
+        if state.offset and not resume:
+            state.restart(reset)
+
+        def piece(n: int) -> None:
+            progress[0] = clock()
+            on_progress()
+
+        allowance = item_stream.monotonic_allowance(progress, policy.deadline_s, policy.read_timeout_s, clock)
+        full = self._full(entry.path)
+        want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
+        before = clock()
+        throttle.acquire(want)
+        progress[0] += clock() - before
+        # A whole item in one chunk: open, read and close in one trip to the event loop.
+        small = not state.offset and want >= size
+        try:
+            if small:
+                opened, data, exc = streams.get(full, 0, None, size + 1, piece, allowance)
+            else:
+                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance)
+        except item_stream.ObjectChanged:
+            state.restart(reset)
+            state.validator = None
+            raise
+        progress[0] = clock()
+        if opened.start != state.offset:  # the server sent it whole: a new version, or no ranges
+            state.restart(reset)
+        state.validator = opened.validator
+        try:
+            if small:
+                small = False  # closed on the event loop already
+                self._stage_checked(entry, data[:size], state, write, on_remote_bytes)
+                if len(data) > size:
+                    raise IOError(f"{entry.path!r} sends more than the listing's {size} bytes")
+                if exc is not None:
+                    raise exc
+                if state.offset < size:
+                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+                return state.crc
+            first = True
+            while state.offset < size:
+                if not first:
+                    want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
+                    before = clock()
+                    throttle.acquire(want)
+                    progress[0] += clock() - before
+                first = False
+                data, exc = streams.read(opened, want, piece, allowance)
+                self._stage_checked(entry, data, state, write, on_remote_bytes)
+                if exc is not None:
+                    raise exc
+                if len(data) < want:
+                    raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
+            extra, exc = streams.read(opened, 1, piece, allowance)
+            if extra:
+                raise IOError(f"{entry.path!r} sends more than the listing's {size} bytes")
+            return state.crc
+        finally:
+            if not small:
+                streams.close(opened)
+
+    def _stage_checked(self, entry, data: bytes, state: "_FetchState", write, on_remote_bytes) -> None:
+        if data:
+            self._stage(data, state, write, on_remote_bytes)
+
+    def _streams(self) -> item_stream.ItemStreams:
+        streams = getattr(self, "_item_streams", None)
+        if streams is None:
+            streams = self._item_streams = item_stream.ItemStreams(self.fs, self.protocol, self.policy.client_timeout_s)
+        return streams
+
+
+@dataclass(frozen=True)
+class ListingLimits:
+    """What a source may make the mount hold while listing: the listing lives in memory for the
+    mount's lifetime and index pages are parsed whole, so both are capped (a hostile or broken
+    source otherwise decides how much memory the mount, a root process, takes)."""
+
+    max_index_bytes: int = 32 * 1024 * 1024  # one directory index page
+    max_entries: int = 1_500_000  # files and directories of the whole listing
+
+
+class StagingWriteError(OSError):
+    """Writing a fetched item's staged copy failed (a full or failing cache disk): the cache's
+    problem, never counted against the remote."""
+
+
+@dataclass
+class _FetchState:
+    """What one item's fetch has staged so far, carried from one try to the next."""
+
+    offset: int = 0
+    crc: int = 0
+    validator: item_stream.Validator | None = None
+
+    def restart(self, reset: Callable[[], None]) -> None:
+        if self.offset:
+            reset()
+        self.offset = 0
+        self.crc = 0

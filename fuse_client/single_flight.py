@@ -111,6 +111,7 @@ class Flight:
     throttled: int = 0
     waiting_peer: bool = False
     leader_gone: bool = False  # the leader's own open gave up: the leader closes its descriptor
+    lane: object = None  # the fetch lane its leader runs in (fetch_lanes.Lane)
 
 
 class Flights:

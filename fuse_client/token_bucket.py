@@ -26,6 +26,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Throttle:
         self._waiting_bytes = 0  # asked for by the waiters now
         self._logged_generation = -1
         self._last_overrun_log = -math.inf
+        self._queue: deque[threading.Event] = deque()  # waiters in arrival order; the first takes tokens
 
     @property
     def rate(self) -> float:
@@ -128,17 +130,29 @@ class Throttle:
 
     def acquire(self, nbytes: int) -> None:
         """Block until `nbytes` may be fetched; raises InterruptedError if the throttle closed,
-        TokenWaitExpired when the wait outlasts its bound (module docstring)."""
+        TokenWaitExpired when the wait outlasts its bound (module docstring).
+
+        Waiters are served in arrival order: only the first in line takes tokens, the others
+        wait for their turn. (Before, every waiter polled the bucket and whoever woke first
+        won, so with 128 loader workers on a slow allocation some waiters lost every race and
+        failed with EAGAIN while later arrivals were served.)"""
+        if self._bucket.rate == math.inf and not self._queue:
+            return
         generation, since, allowance = -1, 0.0, math.inf
+        turn = threading.Event()
         with self._lock:
             self._waiting_bytes += nbytes
+            self._queue.append(turn)
+            if self._queue[0] is turn:
+                turn.set()
         try:
             while True:
                 if self._closed:
                     raise InterruptedError("throttle closed")
                 with self._lock:
                     now = self._clock()
-                    wait = self._bucket.try_take(nbytes, now)
+                    first = self._queue[0] is turn
+                    wait = self._bucket.try_take(nbytes, now) if first else MAX_SLEEP_S
                     if wait == 0.0:
                         return
                     if self.deadline_s is not None:
@@ -152,10 +166,16 @@ class Throttle:
                                 allowance = self.deadline_s + backlog / self._bucket.rate
                             if now - since > allowance:
                                 raise self._overrun(nbytes, now, allowance)
-                self._sleep(min(wait, MAX_SLEEP_S))
+                if first:
+                    self._sleep(min(wait, MAX_SLEEP_S))
+                else:
+                    turn.wait(MAX_SLEEP_S)
         finally:
             with self._lock:
                 self._waiting_bytes -= nbytes
+                self._queue.remove(turn)
+                if self._queue:
+                    self._queue[0].set()
 
     def _paused(self, now: float) -> TokenWaitExpired:
         """The error of a wait at rate 0; logged once per pause (called under the lock)."""

@@ -39,9 +39,9 @@ SA_PREFIX = "system:serviceaccount:"
 DEFAULT_AUDIENCE = "silod"
 IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 IN_CLUSTER_CA = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
-_JWT = re.compile(r"^eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
+_JWT = re.compile(r"^eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\Z")
 _CACHE_MAX = 4096
-_SA_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_SA_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
 
 
 class ReviewUnavailable(Exception):
@@ -210,11 +210,15 @@ CSI_DRIVER = "silod.io"  # fuse_client/agent/csi.py DRIVER_NAME (http_guard impo
 _ENDED = ("Succeeded", "Failed")
 
 
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # set on every pod a kubelet creates (static pods)
+
+
 def pod_on_node_mounts(reviewer: AgentReviewer, namespace: str, node: str, dataset: str) -> bool:
     """Whether a pod in `namespace` bound to `node` (not finished) has a silod volume of `dataset`:
     an inline CSI volume (`csi.driver: silod.io`, `volumeAttributes.dataset`) or a PVC whose bound
-    PV is silod's for that dataset and namespace (fuse_client/agent/controller.py). Read from the
-    API server as silod's own service account; labels and annotations play no part. Raises
+    PV is silod's for that dataset and namespace (fuse_client/agent/controller.py). Mirror pods
+    (what a node's kubelet creates) never count. Read from the API server as silod's own service
+    account; labels and annotations a tenant writes play no part. Raises
     ReviewUnavailable when the API server cannot answer."""
     import httpx
 
@@ -231,6 +235,11 @@ def pod_on_node_mounts(reviewer: AgentReviewer, namespace: str, node: str, datas
             pods = get(c, f"/api/v1/namespaces/{namespace}/pods", {"fieldSelector": f"spec.nodeName={node}"}) or {}
             for pod in pods.get("items") or ():
                 if (pod.get("status") or {}).get("phase") in _ENDED:
+                    continue
+                if MIRROR_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {}):
+                    # A mirror pod: a kubelet (the node's own credentials) wrote it, in any
+                    # namespace it likes. Only pods the API server created for a user or a
+                    # controller give the node a reason to hold a tenant's credential.
                     continue
                 for vol in (pod.get("spec") or {}).get("volumes") or ():
                     csi = vol.get("csi") or {}

@@ -4,6 +4,13 @@ SiloD §5.3 names FIFO as a scheduler without a performance estimator, for which
 greedy policy: cache by Algorithm 2, and no ranking of the jobs for remote IO (the paper's only
 rule for an unranked link is a fair share, §7.2). An earlier version served the link in arrival
 order, a rule the paper does not have; see docs/results.md (Fig. 12) for what it cost.
+
+Two FIFOs, both explicit. `fifo` backfills: a waiting job whose gang does not fit yet lets later
+jobs that fit take the free GPUs. The SiloD paper does not say which FIFO it ran ("SiloD follows
+the scheduling order set by the FIFO policy", §7); its cluster ran jobs on Kubernetes, whose
+scheduler starts any pod that fits, which is backfilling, and this project's figures use it.
+`fifo-strict` is head-of-line FIFO as Gavel's FIFOPolicy runs it (scheduler/policies/fifo.py at
+c4fa400: the queue stops at the first job that does not fit): no job overtakes an earlier one.
 """
 
 from __future__ import annotations
@@ -21,15 +28,16 @@ from policies.storage import (demands_at_full_speed, demands_of, greedy_cache, g
 from policies.types import Allocation, JobColumns, JobView, Snapshot
 
 
-def place_in_order(jobs: Sequence[JobView], total_gpus: int, keep_running: bool) -> list[JobView]:
-    """Give jobs their full GPU count in the given order, skipping any that do not fit.
+def place_in_order(jobs: Sequence[JobView], total_gpus: int, keep_running: bool, strict: bool = False) -> list[JobView]:
+    """Give jobs their full GPU count in the given order, skipping any that do not fit (strict:
+    stopping at the first that does not: head-of-line blocking).
 
     With keep_running, jobs already running keep their GPUs first (no preemption).
     """
-    return [jobs[k] for k in place_positions(list(map(_GPUS, jobs)), list(map(_RUNNING, jobs)), total_gpus, keep_running)]
+    return [jobs[k] for k in place_positions(list(map(_GPUS, jobs)), list(map(_RUNNING, jobs)), total_gpus, keep_running, strict)]
 
 
-def place_positions(gpus: Sequence[float], running: Sequence[bool], total_gpus: int, keep_running: bool) -> list[int]:
+def place_positions(gpus: Sequence[float], running: Sequence[bool], total_gpus: int, keep_running: bool, strict: bool = False) -> list[int]:
     """place_in_order on columns (each job's GPUs and whether it runs, in the given order): the
     positions of the jobs placed, ascending."""
     free = total_gpus
@@ -40,9 +48,13 @@ def place_positions(gpus: Sequence[float], running: Sequence[bool], total_gpus: 
                 placed[k] = True
                 free -= g
     for k, g in enumerate(gpus):
-        if not placed[k] and g <= free:
+        if placed[k]:
+            continue
+        if g <= free:
             placed[k] = True
             free -= g
+        elif strict:
+            break
     return [k for k, p in enumerate(placed) if p]
 
 
@@ -145,28 +157,39 @@ def running_allocation(running: Sequence[JobView], snapshot: Snapshot, estimator
 class FifoPolicy(Policy):
     name = "fifo"
     description = "first come, first served; running jobs are never preempted; later jobs backfill free GPUs; Algorithm 2 cache, IO fair-shared"
+    #: head-of-line blocking: no job starts before an earlier one that waits (Gavel's FIFO)
+    strict: bool = False
 
     def allocate(self, snapshot: Snapshot, estimator: Estimator) -> Allocation:
         # §5.3: FIFO has no estimator with which to rank jobs for IO, so the link is shared fairly.
-        return first_come_first_served(snapshot, estimator)
+        return first_come_first_served(snapshot, estimator, self.strict)
 
 
-def first_come_first_served(snapshot: Snapshot, estimator: Estimator) -> Allocation:
-    """GPUs in arrival order (running jobs kept), then running_allocation with a fair link: on
-    the snapshot's columns when it has them and CPU is not modelled."""
+class StrictFifoPolicy(FifoPolicy):
+    name = "fifo-strict"
+    description = ("first come, first served without backfilling (Gavel's FIFO): a job that does not fit blocks the later ones; "
+                   "running jobs are never preempted; Algorithm 2 cache, IO fair-shared")
+    strict = True
+
+
+def first_come_first_served(snapshot: Snapshot, estimator: Estimator, strict: bool = False) -> Allocation:
+    """GPUs in arrival order (running jobs kept; strict: up to the first waiting job that does
+    not fit), then running_allocation with a fair link: on the snapshot's columns when it has
+    them and CPU is not modelled."""
     cols = snapshot.job_columns()
     if cols is not None and cols.submit is not None and cols.id_rank is not None and not snapshot.capacity.manages_cpu:
-        return fifo_on_columns(snapshot, cols, estimator)
+        return fifo_on_columns(snapshot, cols, estimator, strict)
     jobs = sorted(snapshot.jobs, key=_ARRIVAL)
-    running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True)
+    running = place_in_order(jobs, snapshot.capacity.gpus, keep_running=True, strict=strict)
     return running_allocation(running, snapshot, estimator, io_rule="fair")
 
 
-def fifo_on_columns(snapshot: Snapshot, cols: JobColumns, estimator: Estimator) -> Allocation:
+def fifo_on_columns(snapshot: Snapshot, cols: JobColumns, estimator: Estimator, strict: bool = False) -> Allocation:
     """FifoPolicy.allocate on the snapshot's columns (no CPU modelled): arrival order is (submit
     time, id), the ids ordered by their ranks."""
     order = np.lexsort((cols.id_rank, cols.submit))
-    placed = place_positions(cols.gpus[order].tolist(), cols.running[order].tolist(), snapshot.capacity.gpus, keep_running=True)
+    placed = place_positions(cols.gpus[order].tolist(), cols.running[order].tolist(), snapshot.capacity.gpus, keep_running=True,
+                             strict=strict)
     return running_allocation_of(order[placed].tolist(), snapshot, cols, estimator, io_rule="fair")
 
 
@@ -186,5 +209,5 @@ class GreedyPolicy(Policy):
         return first_come_first_served(snapshot, estimator)
 
 
-__all__ = ["FifoPolicy", "GreedyPolicy", "fifo_on_columns", "first_come_first_served", "place_in_order", "place_positions",
+__all__ = ["FifoPolicy", "GreedyPolicy", "StrictFifoPolicy", "fifo_on_columns", "first_come_first_served", "place_in_order", "place_positions",
            "running_allocation", "running_allocation_of", "storage_for_running"]

@@ -13,14 +13,14 @@ from importlib.metadata import entry_points
 from estimator.errors import UserError, resolve_name
 from policies.base import Policy
 from policies.estimators import Estimator, SiloDEstimator, VanillaEstimator
-from policies.fifo import FifoPolicy, GreedyPolicy
+from policies.fifo import FifoPolicy, GreedyPolicy, StrictFifoPolicy
 from policies.gavel import GavelPolicy
 from policies.sjf import SjfPolicy
 
 ENTRY_POINT_GROUP = "silod.policies"
 
 BUILTIN_POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FifoPolicy, SjfPolicy, GavelPolicy, GreedyPolicy)
+    cls.name: cls for cls in (FifoPolicy, StrictFifoPolicy, SjfPolicy, GavelPolicy, GreedyPolicy)
 }
 
 

@@ -61,6 +61,8 @@ class DemoJob:
     ideal: float  # f*, bytes/s
     epochs: float
     cpu_rate: float | None = None  # bytes/s per core of its CPU stage; None: not CPU-bound
+    #: runs the real PyTorch training script (silod_client/examples/train_cnn.py) instead of the stand-in
+    pytorch: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,56 @@ CPU_QUICK = Scenario(
     jobs=(DemoJob("decode-c", "images-c", 4 * MB, 2, cpu_rate=0.4 * MB), DemoJob("text-d", "text-d", 1 * MB, 2)),
     gpus=2, cache=100 * MB, remote_io=50 * MB, timeout_s=150, cpus_per_node=0.5,
 )
+
+
+# `--pytorch`: the real PyTorch job (a small CNN on JPEGs decoded by a DataLoader's workers) next
+# to a stand-in job, each on its own dataset of real JPEGs; a cache that holds half of them and a
+# link that cannot feed both at full speed. Its declared f* is a guess (the service measures it).
+TORCH_FULL = Scenario(
+    datasets=(DemoDataset("jpegs-torch", 240, 0, 0), DemoDataset("jpegs-standin", 240, 0, 0)),
+    jobs=(DemoJob("cnn-torch", "jpegs-torch", 3 * MB, 4, pytorch=True), DemoJob("standin", "jpegs-standin", 3 * MB, 4)),
+    gpus=2, cache=6 * MB, remote_io=3 * MB, timeout_s=400,
+)
+TORCH_QUICK = Scenario(
+    datasets=(DemoDataset("jpegs-torch", 120, 0, 0), DemoDataset("jpegs-standin", 120, 0, 0)),
+    jobs=(DemoJob("cnn-torch", "jpegs-torch", 3 * MB, 3, pytorch=True), DemoJob("standin", "jpegs-standin", 3 * MB, 3)),
+    gpus=2, cache=3 * MB, remote_io=1.5 * MB, timeout_s=240,
+)
+
+
+def make_jpegs(root: Path, count: int, seed: int, side: int = 96) -> int:
+    """`count` real JPEG images (noise, so they do not compress to nothing: ~20 KB at 96x96) in
+    ten class directories; their total size."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for i in range(count):
+        sub = root / f"class{i % 10:02d}"
+        sub.mkdir(exist_ok=True)
+        pixels = rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+        path = sub / f"img{i:05d}.jpg"
+        Image.fromarray(pixels).save(path, quality=90)
+        total += path.stat().st_size
+    return total
+
+
+def torch_problem() -> str | None:
+    """Why the PyTorch job cannot run here (None when it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed: pip install torch==2.13.0 (or the silod[torch] extra)"
+    return None
+
+
+def pytorch_program(epochs: float, workers: int = 2) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "silod_client.examples.train_cnn", "--epochs", str(max(1, int(round(epochs)))),
+            "--workers", str(workers), "--report-interval", "2"]
 
 
 def make_dataset(root: Path, spec: DemoDataset, seed: int) -> int:
@@ -296,6 +348,9 @@ class DemoApi:
         from scheduler.service.api.auth import TokenStore
 
         tokens = TokenStore(service.engine, secrets.token_bytes(32), admin_token=self.token)
+        # Jobs that run a program (--pytorch) report their step times here, with a token of their own.
+        service.job_tokens = lambda spec: tokens.create(spec.owner, is_admin=spec.owner == "admin",
+                                                        expires_at=time.time() + 86400, label=f"job {spec.job_id}")[1]
         app = create_app(service, tokens, run_loop=False)  # the demo starts and stops the loop itself
         server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                                access_log=False, lifespan="on"))
@@ -325,6 +380,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     from scheduler.service.db import open_database
     from scheduler.service.scheduler_process import NewDataset, NewJob, Principal, SchedulerService, ServiceConfig
     from scheduler.service.cli import make_pusher
+    from scheduler.service.types import JobProgram
 
     run_dir = workdir / label
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -337,10 +393,13 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     from contract.uri_policy import UriPolicy
 
     allowed = UriPolicy(("s3", "https", (workdir / "remote").as_uri() + "/"))
+    options = {"batch_bytes": "512KB"} if managed else {"batch_bytes": "512KB", "unmanaged_io": "equal",
+                                                          "unmanaged_cache": "coordl"}
+    if api is not None:
+        options["api_url"] = api.url
     backend = load_backend("local", BackendConfig(
         capacity=capacity, state_dir=run_dir / "backend", datamanager_url=dm.url if dm else None,
-        options={"batch_bytes": "512KB"} if managed else {"batch_bytes": "512KB", "unmanaged_io": "equal", "unmanaged_cache": "coordl"},
-        allowed_uris=allowed.allowed,
+        options=options, allowed_uris=allowed.allowed,
     ))
     pusher = WorkConservingPusher(make_pusher(dm.url), backend, capacity.remote_io) if dm else None
     config = ServiceConfig(capacity=capacity, policy=policy, round_seconds=2.0, poll_seconds=0.5, min_event_gap_s=1.0,
@@ -348,7 +407,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
     service = SchedulerService(open_database(f"sqlite:///{run_dir / 'silod.db'}"), backend, config, pusher=pusher,
                   datamanager_url=dm.url if dm else None)
     if not managed:
-        service.core = SchedulingCore(get_policy(policy), VanillaEstimator())
+        service.core = SchedulingCore(get_policy(policy), VanillaEstimator(), round_s=config.round_seconds)
     admin = Principal("admin", is_admin=True)
     names: dict[str, str] = {}
     t0 = time.time()
@@ -360,8 +419,9 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
             service.register_dataset(admin, NewDataset(ds.name, uri, float(size)))
         for job in scenario.jobs:
             pipeline = None if job.cpu_rate is None else InputPipeline(job.cpu_rate)
+            program = JobProgram(tuple(pytorch_program(job.epochs))) if job.pytorch else None
             rec = service.submit_job(admin, NewJob(job.name, 1, job.dataset, epochs=job.epochs, ideal_throughput=job.ideal,
-                                                   pipeline=pipeline))
+                                                   pipeline=pipeline, program=program))
             names[rec.id] = job.name
         service.start()
         cpu = scenario.cpus_per_node is not None
@@ -399,7 +459,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
 
 
 def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None,
-             wide: bool = False, api: DemoApi | None = None, cpu: bool = False) -> dict:
+             wide: bool = False, api: DemoApi | None = None, cpu: bool = False, pytorch: bool = False) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -408,21 +468,32 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
     problems = fuse_problems()
     if problems:
         raise UserError("silod demo needs real FUSE mounts: " + "; ".join(problems))
+    shown_api = api
+    if pytorch:
+        problem = torch_problem()
+        if problem:
+            raise UserError(f"silod demo --pytorch: {problem}")
+        if api is None:  # the PyTorch job reports its step times to the API: serve it on a free port
+            api = DemoApi.from_option(f"127.0.0.1:{_free_port()}")
     console = console or Console()
-    scenario = (CPU_QUICK if quick else CPU_FULL) if cpu else (QUICK if quick else FULL)
+    if pytorch:
+        scenario = TORCH_QUICK if quick else TORCH_FULL
+    else:
+        scenario = (CPU_QUICK if quick else CPU_FULL) if cpu else (QUICK if quick else FULL)
     workdir.mkdir(parents=True, exist_ok=True)
     sources: dict[str, tuple[str, int]] = {}
     for i, ds in enumerate(scenario.datasets):
         root = workdir / "remote" / ds.name
         shutil.rmtree(root, ignore_errors=True)
-        sources[ds.name] = (root.as_uri(), make_dataset(root, ds, seed=i))
+        size = make_jpegs(root, ds.files, seed=i) if pytorch else make_dataset(root, ds, seed=i)
+        sources[ds.name] = (root.as_uri(), size)
     total = sum(s for _, s in sources.values())
     console.print(f"[bold]silod demo[/]: {len(scenario.datasets)} datasets ({total / MB:.1f} MB of files in "
                   f"{workdir / 'remote'}), {len(scenario.jobs)} jobs, cache {scenario.cache / MB:.0f} MB, "
                   f"remote link {scenario.remote_io / MB:.0f} MB/s"
                   + (f", {scenario.cpus_per_node:g} CPU core(s) for input pipelines" if cpu else ""))
-    if api is not None:
-        for line in api.describe():
+    if shown_api is not None:
+        for line in shown_api.describe():
             console.print(line, highlight=False, soft_wrap=True)
     if cpu:
         runs = [run_once("silod", scenario, sources, workdir, policy, managed=True, console=console, wide=wide, api=api,
@@ -476,6 +547,8 @@ def register(app: typer.Typer) -> None:
                                                   " /metrics there while the demo runs")] = None,
         cpu: Annotated[bool, typer.Option("--cpu", help="the CPU demo: a CPU-bound job sped up by cores (the estimator's"
                                           " allocation vs GPU-proportional cores), not by cache")] = False,
+        pytorch: Annotated[bool, typer.Option("--pytorch", help="a real PyTorch job (CNN on JPEGs, DataLoader workers) next"
+                                              " to a stand-in job; needs torch")] = False,
     ) -> None:
         """The whole system on one machine: real datasets, data manager, scheduler, FUSE mounts; SiloD vs storage-unaware."""
         import json
@@ -487,12 +560,17 @@ def register(app: typer.Typer) -> None:
 
         if json_out is not None:
             ensure_writable_file(json_out, "--json")
+        if cpu and pytorch:
+            raise UserError("--cpu and --pytorch are two different demos; give one")
+        if pytorch and torch_problem():
+            raise UserError(f"--pytorch: {torch_problem()}")
         api = DemoApi.from_option(serve) if serve is not None else None
         if workdir is not None:
             workdir = ensure_writable_dir(workdir, "--workdir").absolute()  # sources become file:// URIs
         work = workdir or Path(tempfile.mkdtemp(prefix="silod-demo-"))
         try:
-            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide, api=api, cpu=cpu)
+            summary = run_demo(work, quick=quick, policy=policy, baseline=baseline, wide=wide, api=api, cpu=cpu,
+                               pytorch=pytorch)
         finally:
             if workdir is None and not keep:
                 shutil.rmtree(work, ignore_errors=True)

@@ -134,3 +134,31 @@ def test_an_api_server_that_cannot_answer_is_a_503_not_a_credential(world, tmp_p
     r = cred(c, "agent-a", "alice", "on-b")  # node-a has no job of on-b: the API server is asked
     assert r.status_code == 503 and "alice-secret" not in r.text, r.text
     assert cred(c, "agent-a", "alice", "on-a").status_code == 200  # the record suffices: not asked
+
+
+def test_the_csi_controller_provisions_a_credentialed_dataset_without_reading_its_credential(world, tmp_path):
+    """The CSI controller's shared look-up token (deploy/base: --node-agent agent, bound to no node)
+    provisions a PVC of alice's dataset that names a credential. Provisioning reads no data, so it
+    never asks for the credential: before, it did, got 403, and every such PVC stayed Pending."""
+    import grpc
+
+    from fuse_client.agent.csi import csi_pb2, csi_pb2_grpc
+    from fuse_client.agent.datasets import SchedulerResolver
+    from fuse_client.agent.server import ControllerServer
+
+    c, _ = world
+    asked: list[str] = []
+    c.event_hooks["request"].append(lambda request: asked.append(request.url.path))
+    server = ControllerServer(tmp_path / "controller.sock", SchedulerResolver("http://testserver", TOKENS["lookup"], client=c))
+    server.start()
+    try:
+        with grpc.insecure_channel(f"unix://{tmp_path / 'controller.sock'}") as ch:
+            mode = csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY)
+            cap = csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(), access_mode=mode)
+            got = csi_pb2_grpc.ControllerStub(ch).CreateVolume(csi_pb2.CreateVolumeRequest(
+                name="pvc-1", volume_capabilities=[cap], parameters={
+                    "csi.storage.k8s.io/pvc/name": "on-a", "csi.storage.k8s.io/pvc/namespace": "alice"}), timeout=30)
+    finally:
+        server.stop()
+    assert got.volume.volume_context["dataset"] == "on-a"
+    assert asked == ["/v1/datasets/on-a"], asked  # never /source-credential

@@ -283,14 +283,15 @@ def test_an_agent_pod_gets_the_credential_for_its_nodes_pods_volumes_from_the_ap
     """A tenant's pod silod did not admit (no silod job) but bound to the agent's node with a
     silod volume of the dataset (inline CSI, or a PVC bound to silod's PV for that namespace):
     the scheduler asks the API server (its own RBAC from deploy/base), and the agent of that node
-    gets the credential; the agent of a node with no such pod gets 403."""
+    gets the credential; the agent of a node with no such pod, or only a mirror pod (created with
+    the node's kubelet credentials), gets 403."""
     cp = control_plane
     sched, _ = silod
     tag = uuid.uuid4().hex[:6]
     tenant = f"t{tag}"  # namespace prefix "": the tenant's namespace is its name
-    na, nb, nc = f"vol-a-{tag}", f"vol-b-{tag}", f"vol-c-{tag}"
+    na, nb, nc, nd = f"vol-a-{tag}", f"vol-b-{tag}", f"vol-c-{tag}", f"vol-d-{tag}"
     cp.add_namespace(tenant)
-    agents = {n: _pod(cp, f"agent-{n}", n) for n in (na, nb, nc)}
+    agents = {n: _pod(cp, f"agent-{n}", n) for n in (na, nb, nc, nd)}
     try:
         tok = {n: _token(cp, p) for n, p in agents.items()}
         r = httpx.post(f"{sched}/v1/tokens", json={"owner": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
@@ -322,6 +323,14 @@ def test_an_agent_pod_gets_the_credential_for_its_nodes_pods_volumes_from_the_ap
             "name": "liar", "labels": {"silod.io/dataset": "files"}, "annotations": {"silod.io/dataset": "files"}},
             "spec": {"nodeName": nc, "containers": container}})
 
+        # node D: a mirror pod (what the node's own kubelet credentials can create in any
+        # namespace) with an inline silod volume of the dataset: it gives the node no reason.
+        cp.core.create_namespaced_pod(tenant, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"static-{nd}", "annotations": {"kubernetes.io/config.mirror": "0123abcd",
+                                                   "kubernetes.io/config.source": "file"}},
+            "spec": {"nodeName": nd, "containers": container, "volumes": [
+                {"name": "d", "csi": {"driver": "silod.io", "readOnly": True, "volumeAttributes": {"dataset": "files"}}}]}})
+
         def get(node: str) -> httpx.Response:
             return httpx.get(f"{sched}/v1/datasets/files/source-credential", params={"owner": tenant},
                              headers={"Authorization": f"Bearer {tok[node]}"}, timeout=30)
@@ -329,8 +338,9 @@ def test_an_agent_pod_gets_the_credential_for_its_nodes_pods_volumes_from_the_ap
         for node in (na, nb):
             r = get(node)
             assert r.status_code == 200 and r.json()["credential"]["secret_access_key"] == "tenant-secret", (node, r.text)
-        r = get(nc)
-        assert r.status_code == 403 and "tenant-secret" not in r.text, r.text
+        for node in (nc, nd):
+            r = get(node)
+            assert r.status_code == 403 and "tenant-secret" not in r.text, (node, r.text)
     finally:
         for p in agents.values():
             try:

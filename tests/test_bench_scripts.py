@@ -29,3 +29,12 @@ def test_bench_sim_ab_refuses_a_bad_revision_or_cell(args, flag):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert flag in out.stderr
+
+
+@pytest.mark.parametrize("args, flag", [(["--requests", "0"], "--requests"), (["--requests", "ten"], "--requests"),
+                                        (["--carol", "-1"], "--carol"), (["--carol", "1e9"], "--carol")])
+def test_bench_api_tenant_cost_refuses_bad_counts(args, flag):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_api_tenant_cost.py"), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert flag in out.stderr

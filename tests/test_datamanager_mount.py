@@ -123,6 +123,8 @@ def test_metrics_show_per_job_bytes_open_latency_and_breaker_state(tmp_path):
             assert samples[("silod_job_remote_fetched_bytes_total", lab())] == ds.total
             assert samples[("silod_remote_breaker_open", lab())] == 0
             assert samples[("silod_job_remote_errors_total", lab())] == 0
+            # The cache disk is named apart from the remote (issue 45: a full disk is not a remote error).
+            assert samples[("silod_job_cache_disk_errors_total", lab(("cache_dir", str(tmp_path / "cache"))))] == 0
             assert samples[("silod_job_open_latency_seconds_count", lab(("result", "hit")))] == 30
             assert samples[("silod_job_open_latency_seconds_count", lab(("result", "miss")))] == 30
             assert samples[("silod_job_open_latency_seconds_bucket", lab(("le", "+Inf"), ("result", "hit")))] == 30
@@ -186,5 +188,26 @@ def test_a_mount_with_a_node_bound_token_registers_and_pulls_its_allocation(tmp_
                     # Another node's token in the file (re-read): this node's heartbeats are refused.
                     token_file.write_text(n2 + "\n")
                     wait_until(lambda: not m.stats()["manager_connected"], 5.0, message="refused with node n2's token")
+    finally:
+        dm.kill()
+
+
+def test_a_mount_restarted_while_the_manager_is_down_keeps_the_last_io_rate(tmp_path):
+    """Issue 45: the IO rate is kept beside the cache allocation, so a mount restarted during a
+    manager outage throttles at the manager's last rate (before: it ran unthrottled)."""
+    ds = make_dataset(tmp_path / "remote", n_files=5, seed=4)
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as sched:
+            sched.allocate_remote_io("job1", 250e3)
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 250e3, 3.0, message="rate pulled")
+        dm.kill()
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url) as m:
+            s = m.fresh_stats()
+            assert s["manager_connected"] is False and s["io_rate_bytes_per_s"] == 250e3, s
+        # Another job of the same dataset has no saved rate of its own.
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job2", tmp_path / "cache", "--manager", dm.url) as m:
+            assert m.fresh_stats()["io_rate_bytes_per_s"] is None
     finally:
         dm.kill()

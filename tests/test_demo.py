@@ -123,3 +123,28 @@ def test_demo_cpu_quick_speeds_the_cpu_bound_job_with_cores(tmp_path):
     assert runs["silod"]["jct_s"]["decode-c"] < runs["gpu-proportional"]["jct_s"]["decode-c"] * 1.05
     with open("/proc/mounts") as f:
         assert str(tmp_path) not in f.read(), "the demo must unmount everything"
+
+
+def test_demo_pytorch_quick_runs_the_real_job_next_to_a_stand_in(tmp_path):
+    """`silod demo --pytorch --quick --no-baseline`: the real PyTorch job (DataLoader workers
+    decoding JPEGs through its FUSE mount, reporting its steps to the demo's API) and a stand-in
+    job both finish under SiloD's plan; nothing stays mounted."""
+    from scheduler.demo import torch_problem
+
+    for problem in (torch_problem(), "; ".join(fuse_problems()) or None):
+        if problem:
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(problem)
+            pytest.skip(problem)
+    out = tmp_path / "demo.json"
+    r = subprocess.run([*_silod_demo_cmd(), "--pytorch", "--quick", "--no-baseline", "--workdir", str(tmp_path / "w"),
+                        "--json", str(out), "--keep"],
+                       capture_output=True, text=True, timeout=400, env={**os.environ, "COLUMNS": "120"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["silod"]["states"] == {"cnn-torch": "finished", "standin": "finished"}
+    jobs = tmp_path / "w" / "silod" / "backend" / "local" / "jobs"
+    logs = [p.read_text() for p in jobs.glob("*/program.log")]
+    assert len(logs) == 1 and "epoch 2:" in logs[0], logs  # the real job trained its 3 epochs
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read(), "the demo must unmount everything"

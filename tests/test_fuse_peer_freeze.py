@@ -158,7 +158,7 @@ def test_a_slow_peer_in_token_waits_and_a_short_stop_are_waited_out(tmp_path):
     stands still for ~3 s between grants - longer than the waiter's 2.5 s stall limit) and is
     stopped for 1.5 s on the way: the waiting open must succeed, not fail, and so must the
     stopped peer's own read (the stop is not its remote's stall: test_fuse_stall_clock.py)."""
-    src = _Source(big=120_000, rate=None)
+    src = _Source(big=190_000, rate=None)  # 3 grants: it outlasts the 3 s below however full the bucket is at the start
     cache = tmp_path / "cache"
     peer_reader = None
     stopped = False

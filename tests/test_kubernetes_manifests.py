@@ -109,16 +109,22 @@ def test_scheduler_rbac_is_least_privilege_and_covers_its_calls():
     rules = _rules("ClusterRole", "silod-scheduler")
     assert rules[("", "pods")] == {"get", "list", "watch"}  # never creates, patches or deletes pods
     assert rules[("", "nodes")] == {"get", "list", "watch"}
-    assert {"get", "list", "update"} <= rules[("batch", "jobs")]
-    # Creating Jobs only where a tenant's RoleBinding allows it, never cluster-wide (kube-system).
-    assert not {"create", "delete"} & rules[("batch", "jobs")]
-    assert _rules("ClusterRole", "silod-scheduler-jobs") == {("batch", "jobs"): {"create", "delete"}}
+    # Cluster-wide: reading workloads only. Every write (admission, preemption, the Jobs of REST
+    # submissions, re-admission's status.startTime) only where a tenant's RoleBinding allows it,
+    # never cluster-wide (kube-system): tests/test_kubernetes_upgrade.py checks it on a real API server.
+    for res in (("batch", "jobs"), ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs")):
+        assert rules[res] == {"get", "list", "watch"}, res
+    assert ("batch", "jobs/status") not in rules
+    assert _rules("ClusterRole", "silod-scheduler-jobs") == {
+        ("batch", "jobs"): {"create", "delete", "update", "patch"}, ("batch", "jobs/status"): {"update", "patch"},
+        ("jobset.x-k8s.io", "jobsets"): {"update", "patch"}, ("kubeflow.org", "pytorchjobs"): {"update", "patch"}}
     assert not any(d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == "silod-scheduler-jobs" for d in all_docs())
     per_tenant = find("RoleBinding", "silod-scheduler-jobs")
     assert per_tenant["metadata"]["namespace"] == "ml-team" and per_tenant["subjects"][0]["name"] == "silod-scheduler"
-    # Re-admission onto other nodes clears a suspended Job's status.startTime (backend.py).
-    assert rules[("batch", "jobs/status")] >= {"update"}
-    assert "delete" not in rules[("jobset.x-k8s.io", "jobsets")] and "delete" not in rules[("kubeflow.org", "pytorchjobs")]
+    # Its own webhook configuration's caBundle, nothing else of admission's.
+    hook_rule = next(r for r in find("ClusterRole", "silod-scheduler")["rules"]
+                     if r["resources"] == ["mutatingwebhookconfigurations"])
+    assert hook_rule["resourceNames"] == ["silod-suspend"] and set(hook_rule["verbs"]) == {"get", "patch"}
     assert rules[("scheduling.k8s.io", "priorityclasses")] >= {"get"}
     assert not any(("", "secrets") == k for k in rules) and not any("*" in v or "*" in k for k, v in rules.items())
     lease = _rules("Role", "silod-scheduler-leader")
@@ -257,6 +263,8 @@ def test_csi_controller_provisions_the_storage_class_and_the_webhook_suspends_la
     wh = find("MutatingWebhookConfiguration", "silod-suspend")["webhooks"][0]
     assert wh["objectSelector"]["matchExpressions"] == [{"key": "silod.io/queue", "operator": "Exists"}]
     assert wh["failurePolicy"] == "Fail" and wh["sideEffects"] == "None" and wh["admissionReviewVersions"] == ["v1"]
+    # No caBundle in the manifest: `kubectl apply` would reset the one silod writes (cabundle.py).
+    assert "caBundle" not in wh["clientConfig"]
     assert {(r["apiGroups"][0], r["resources"][0]) for r in wh["rules"]} == {
         ("batch", "jobs"), ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs")}
     svc = find("Service", "silod-scheduler")

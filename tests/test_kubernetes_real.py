@@ -301,7 +301,7 @@ def test_silods_events_carry_timestamps_and_its_field_manager(tenant):
     spec = rest_job(backend, ns, "906", 64)
     backend.refresh()
     backend.start(spec, alloc(spec))
-    events = wait(lambda: [e for e in cp.core.list_namespaced_event(ns).items if e.reason == "SiloDWaitingForPlacement"],
+    events = wait(lambda: [e for e in cp.core.list_namespaced_event(ns).items if e.reason == "SiloDUnschedulable"],
                   20, "silod's Event")
     e = events[0]
     assert e.first_timestamp is not None and e.last_timestamp is not None and e.count == 1
@@ -406,3 +406,70 @@ def test_a_rest_job_started_before_its_job_exists_is_admitted_once_it_does(tenan
     t[0] += 31
     failed = [e for e in backend.poll() if e.job_id == "908"]
     assert failed and failed[0].kind == "failed" and "no Kubernetes workload" in failed[0].message
+
+
+def test_deleting_a_workload_ends_its_silod_job_within_one_poll(tenant):
+    """A Job deleted by its owner (or with its namespace) ends its silod job on the next poll,
+    whatever silod held for it: a place in the queue, or a placement it was waiting for (no node
+    fits it). Before, only an admitted job was failed; a queued one, or one waiting for placement
+    (the GPUs the policy gave it stayed given), stayed queued/running until a REST DELETE."""
+    cp, ns, nodes = tenant
+    backend = backend_for(cp)
+    backend.refresh()
+    queued = rest_job(backend, ns, "931", 1)
+    waiting = rest_job(backend, ns, "932", 2)  # no node at all: it cannot be placed
+    backend.start(waiting, alloc(waiting))
+    assert not [e for e in backend.poll() if e.kind == "failed"]
+    assert cp.job(ns, "silod-932")["spec"]["suspend"] is True  # not admitted: waits for placement
+    for name in ("silod-931", "silod-932"):
+        cp.batch.delete_namespaced_job(name, ns, propagation_policy="Background")
+    failed = {e.job_id: e.message for e in backend.poll() if e.kind == "failed"}
+    assert set(failed) == {queued.job_id, waiting.job_id}, failed
+    assert all("was deleted" in m for m in failed.values()), failed
+    assert not [e for e in backend.poll() if e.kind == "failed"]  # once
+
+
+def test_a_job_no_node_can_take_goes_back_to_the_queue_holds_no_gpus_and_fails_after_the_timeout(tenant):
+    """Its pods need more GPUs each than any node has, or a nodeSelector no GPU node matches: silod's
+    fit check on the cluster as if empty says it never fits. The job is not left "started"
+    (before: deferred for ever, the policy's GPUs held, Gavel preempting placeable jobs for it): an
+    "unschedulable" event with the reason (the service keeps it as the job's message and holds the
+    job back from the policy), a Warning Event on the Job, the Job stays suspended; once a node that
+    fits is added it is released to the policy; without one it fails after the timeout."""
+    cp, ns, nodes = tenant
+    node = f"{ns}-small"
+    nodes.append(node)
+    cp.add_node(node, 2)
+    t = [5000.0]
+    backend = backend_for(cp)
+    backend.clock = lambda: t[0]
+    backend.unschedulable_timeout_s = 600
+    backend.refresh()
+    big = rest_job(backend, ns, "941", 4)  # one pod of 4 GPUs; the only node has 2
+    backend.start(big, alloc(big))
+    events = [e for e in backend.poll() if e.job_id == "941"]
+    assert events and {e.kind for e in events} == {"unschedulable"}, events
+    assert "needs 4 GPUs, 2 free" in events[-1].message, events
+    assert backend.unschedulable_jobs() == {"941"} and "941" not in backend._deferred
+    assert cp.job(ns, "silod-941")["spec"]["suspend"] is True
+    reasons = [e.reason for e in cp.core.list_namespaced_event(ns).items if e.involved_object.name == "silod-941"]
+    assert "SiloDUnschedulable" in reasons, reasons
+    # A node that fits arrives: released to the policy on the next poll.
+    bigger = f"{ns}-big"
+    nodes.append(bigger)
+    cp.add_node(bigger, 8)
+    t[0] += 30
+    events = [e for e in backend.poll() if e.job_id == "941"]
+    assert backend.unschedulable_jobs() == set() and "schedulable again" in events[-1].message, events
+    backend.start(big, alloc(big))
+    assert cp.job(ns, "silod-941")["spec"]["suspend"] is False and node_of_affinity(cp.job(ns, "silod-941")) == [bigger]
+    # A nodeSelector no GPU node matches: held, then failed after the timeout with the reason.
+    picky = rest_job(backend, ns, "942", 1)
+    cp.batch.patch_namespaced_job("silod-942", ns, {"spec": {"template": {"spec": {"nodeSelector": {"gpu": "h100"}}}}})
+    backend.refresh()
+    backend.start(picky, alloc(picky))
+    assert backend.unschedulable_jobs() == {"942"}
+    t[0] += 601
+    failed = [e for e in backend.poll() if e.job_id == "942" and e.kind == "failed"]
+    assert failed and "nodeSelector" in failed[0].message and "unschedulable-timeout" in failed[0].message, failed
+    assert backend.unschedulable_jobs() == set()

@@ -81,8 +81,46 @@ def test_no_patch_when_there_is_nothing_to_do(case):
         kw.update(kind="Deployment", group="apps")
     if case == "same-kind-other-group":
         kw.update(group="example.com")
+    if case == "already-suspended":  # nothing to suspend; its silod volume's mount still gets HostToContainer
+        for c in job["spec"]["template"]["spec"]["containers"]:
+            for m in c.get("volumeMounts") or []:
+                m["mountPropagation"] = "HostToContainer"
     answer = review_response(review(job, **kw))
     assert answer["response"]["allowed"] is True and "patch" not in answer["response"]
+
+
+def test_every_mount_of_a_silod_volume_gets_host_to_container_propagation():
+    """So a pod keeps its data across node agent restarts (tests/test_kubernetes_agent_restart.py
+    shows it with real mounts); other volumes and a propagation the owner chose are left alone."""
+    silod_vol = {"name": "data", "csi": {"driver": "silod.io", "readOnly": True, "volumeAttributes": {"dataset": "d"}}}
+    other_vol = {"name": "scratch", "emptyDir": {}}
+    pod = {"containers": [{"name": "a", "image": "x", "volumeMounts": [
+        {"name": "scratch", "mountPath": "/s"}, {"name": "data", "mountPath": "/data", "readOnly": True}]},
+        {"name": "b", "image": "x", "volumeMounts": [{"name": "data", "mountPath": "/d", "mountPropagation": "None"}]}],
+        "initContainers": [{"name": "i", "image": "x", "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+        "volumes": [other_vol, silod_vol]}
+    job = kubectl_job("j", suspend=False)
+    job["spec"]["template"]["spec"] = copy.deepcopy(pod)
+    body = review(job)
+    got = patched(body, review_response(body))["spec"]["template"]["spec"]
+    assert got["containers"][0]["volumeMounts"][1]["mountPropagation"] == "HostToContainer"
+    assert "mountPropagation" not in got["containers"][0]["volumeMounts"][0]
+    assert got["containers"][1]["volumeMounts"][0]["mountPropagation"] == "None"  # the owner's choice
+    assert got["initContainers"][0]["volumeMounts"][0]["mountPropagation"] == "HostToContainer"
+    ptj = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+           "metadata": {"name": "p", "namespace": "alice", "labels": {"silod.io/queue": "default"}},
+           "spec": {"pytorchReplicaSpecs": {"Master": {"template": {"spec": copy.deepcopy(pod)}},
+                                            "Wor/ker": {"template": {"spec": copy.deepcopy(pod)}}}}}
+    body = review(ptj, kind="PyTorchJob", group="kubeflow.org")
+    out = patched(body, review_response(body))["spec"]["pytorchReplicaSpecs"]
+    for role in ("Master", "Wor/ker"):
+        assert out[role]["template"]["spec"]["containers"][0]["volumeMounts"][1]["mountPropagation"] == "HostToContainer"
+    js = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+          "metadata": {"name": "s", "namespace": "alice", "labels": {"silod.io/queue": "q"}},
+          "spec": {"replicatedJobs": [{"name": "w", "template": {"spec": {"template": {"spec": copy.deepcopy(pod)}}}}]}}
+    body = review(js, kind="JobSet", group="jobset.x-k8s.io", version="v1alpha2")
+    out = patched(body, review_response(body))["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert out["containers"][0]["volumeMounts"][1]["mountPropagation"] == "HostToContainer"
 
 
 @pytest.mark.parametrize("bad", [

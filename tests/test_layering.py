@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "estimator", "policies", "scheduler", "datamanager", "fuse_client", "http_guard", "traces")
+PACKAGES = ("contract", "estimator", "policies", "scheduler", "datamanager", "fuse_client", "http_guard", "traces",
+            "silod_client")
 
 # What each layer may import from the project (besides itself). The contract and the shared kernel
 # (estimator: units, user errors) are neutral; the control plane never imports the data path and
@@ -32,10 +33,14 @@ ALLOWED: dict[str, set[str]] = {
                            "scheduler.service.types", "scheduler.service.consumption",
                            "scheduler.service.db"},
     "scheduler.service": {"estimator", "policies", "contract", "http_guard", "traces", "datamanager.client",
-                          "scheduler.core", "scheduler.backends"},
+                          "scheduler.core", "scheduler.backends",
+                          # the CLI's REST commands are the SDK's client
+                          "silod_client"},
     "scheduler": {"estimator", "policies", "contract", "traces", "datamanager.client", "scheduler"},
     "datamanager": {"estimator", "contract", "http_guard"},
     "fuse_client": {"estimator", "contract", "http_guard"},
+    # the SDK and the training-loop reporter: what users install beside their training code
+    "silod_client": set(),
 }
 
 

@@ -83,7 +83,9 @@ def test_used_fstar_is_only_lowered_by_the_client():
     m = JobMeasurement.start(100 * MB)
     assert m.used_fstar(400 * MB) == 100 * MB
     assert m.used_fstar(60 * MB) == 60 * MB
-    assert m.used_fstar(1.0) == 25 * MB  # never below declared / 4
+    # No floor at declared / 4 (issue 47): a client's own word may make its job look as slow as
+    # it likes; that only costs the job (it is ranked longer and given less).
+    assert m.used_fstar(1.0) == 1.0
     assert m.used_fstar(math.nan) == 100 * MB
 
 

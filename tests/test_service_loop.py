@@ -486,3 +486,33 @@ def test_event_rounds_take_at_most_a_tenth_of_a_core() -> None:
     assert event_round_gap(2.0, 0.05) == 2.0  # short rounds: the configured gap
     assert event_round_gap(2.0, 0.6) == pytest.approx(5.4)  # 0.6 s of every 6 s
     assert event_round_gap(0.0, 0.0) == 0.0
+
+
+def test_an_unschedulable_job_goes_back_to_the_queue_with_its_reason_and_no_gpus(tmp_path) -> None:
+    """The backend says a started job fits no node (the Kubernetes backend's fit check on the
+    cluster as if empty: tests/test_kubernetes_real.py shows it on a real API server; here the null
+    backend carries the same `unschedulable_jobs` answer). The service holds it back from the
+    policy: queued, no GPUs, the reason in GET /v1/jobs/{id}'s message, and its GPUs go to the
+    next job in the same round it is held back."""
+    svc = make(f"sqlite:///{tmp_path / 'u.db'}", tmp_path)
+    try:
+        a = svc.submit_job(ALICE, NewJob("a", 8, "imagenet", epochs=1, ideal_throughput=400e6)).id
+        b = svc.submit_job(ALICE, NewJob("b", 8, "imagenet", epochs=1, ideal_throughput=400e6)).id
+        assert set(svc.run_round("test").running) == {a}
+        stuck: set[str] = {a}
+        svc.backend.unschedulable_jobs = lambda: set(stuck)
+        reason = "unschedulable: no node matches its pods' nodeSelector and tolerations; back in the queue"
+        svc.backend.emit(JobEvent(a, "unschedulable", message=reason))
+        assert svc.apply_events(svc.backend.poll())  # it still holds GPUs: a round follows
+        r = svc.run_round("test")
+        assert set(r.running) == {b}
+        # The preemption writes "preempted"; the backend repeats the reason on every poll.
+        svc.backend.emit(JobEvent(a, "unschedulable", message=reason))
+        assert not svc.apply_events(svc.backend.poll())  # queued already: no round for it
+        job = svc.get_job(ALICE, a)
+        assert job.state == "queued" and job.allocated_gpus == 0 and job.message == reason
+        assert svc.cluster().gpus_used == 8  # b's
+        stuck.clear()  # a node that fits appeared: the policy may choose it again (FIFO: after b)
+        assert set(svc.run_round("test").running) == {b}
+    finally:
+        svc.close()

@@ -102,7 +102,7 @@ def test_bad_trace_gives_one_clear_error_and_exit_2(tmp_path, header, body, expe
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--policy", "lottery"], "unknown policy 'lottery'; choose one of: fifo, gavel, greedy, sjf"),
+        (["--policy", "lottery"], "unknown policy 'lottery'; choose one of: fifo, fifo-strict, gavel, greedy, sjf"),
         (["--cache-system", "redis"], "unknown cache system 'redis'; choose one of: silod, alluxio, coordl, quiver"),
         (["--gpus", "1"], "needs 2 GPUs but the cluster has 1"),
         (["--cache", "-1TB"], "is negative"),

@@ -6,7 +6,15 @@ datasets (CIFAR-10, multi30k, ...) that never stress remote IO, so, as the SiloD
 its production trace (§7), each job family is mapped to a model and dataset of the paper's
 catalog (Table 4, Fig. 6). Durations stay the trace's (steps / steps-per-second); the data rate
 f* is the catalog's per-GPU rate times Gavel's measured multi-GPU speed-up; epochs follow as
-duration x f* / dataset size. See traces/README.md for the table.
+duration x f* / dataset size. The mapping is FAMILIES below; docs/simulator.md (`--format gavel`)
+gives it as a table and says what the throughput table holds.
+
+Gavel's table (simulation_throughputs.json, v100) does not have every GPU count for every job
+type: A3C, CycleGAN and the Recommendation types have 1-GPU entries only, while the msr traces
+give them 2-32 GPUs (103-197 jobs per trace); Gavel's own simulator cannot run those jobs. The
+reader runs them by an explicit rule (`scale_missing`, `--scale-missing`) and warns with their
+count: `linear` (the default) scales the rate of the largest measured count below by the GPU
+ratio; `nearest` takes that count's measured rate as it is (no speed-up beyond what was measured).
 
 As in the paper, every job reads its own copy of its dataset unless `dataset_sharing` > 0, in
 which case that fraction of jobs (chosen with the seed) reads the family's shared dataset.
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +67,14 @@ def _family(job_type: str) -> FamilyMapping:
     raise UserError(f"Gavel job type {job_type!r} has no mapping; known families: {', '.join(f.family for f in FAMILIES)}")
 
 
-def _steps_per_second(table: dict, job_type: str, gpus: int, where: str) -> float:
+#: How a job whose GPU count has no throughput entry gets its rate (see the module docstring).
+SCALE_MISSING = ("linear", "nearest")
+
+
+def _steps_per_second(table: dict, job_type: str, gpus: int, where: str, scale_missing: str = "linear") -> float:
     """Gavel's measured rate; for a GPU count it has no entry for, the largest measured count
-    below it, scaled linearly (the README of the traces says so for counts above 8). `where`
-    names the throughputs file and the trace line that asked, for the errors."""
+    below it, scaled by the GPU ratio (`linear`) or as measured (`nearest`). `where` names the
+    throughputs file and the trace line that asked, for the errors."""
     measured = [k for k in (8, 4, 2, 1) if k <= gpus and f"('{job_type}', {k})" in table]
     if not measured:
         raise UserError(f"{where}: no throughput for {job_type!r} on {gpus} or fewer GPUs; add its v100 entries to the file "
@@ -73,7 +86,11 @@ def _steps_per_second(table: dict, job_type: str, gpus: int, where: str) -> floa
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise UserError(f"{where}: v100 entry {key} needs \"null\": the steps per second running alone, "
                         f"a number > 0 (it is {rate if isinstance(entry, dict) else entry!r:.80}); use Gavel's file from ../shared/traces/gavel-msr")
-    return float(rate) * gpus / k
+    return float(rate) * gpus / k if scale_missing == "linear" else float(rate)
+
+
+def _measured(table: dict, job_type: str, gpus: int) -> bool:
+    return f"('{job_type}', {gpus})" in table
 
 
 def default_throughputs_path(trace_path: Path) -> Path:
@@ -87,8 +104,11 @@ def load_gavel_trace(
     dataset_sharing: float = 0.0,
     max_jobs: int | None = None,
     seed: int = 0,
+    scale_missing: str = "linear",
 ) -> Trace:
     path = Path(path)
+    if scale_missing not in SCALE_MISSING:
+        raise UserError(f"--scale-missing {scale_missing!r} is not one of {', '.join(SCALE_MISSING)}")
     if not path.is_file():
         raise UserError(f"trace file {path} does not exist; check the --trace path")
     if not 0.0 <= dataset_sharing <= 1.0:
@@ -103,6 +123,7 @@ def load_gavel_trace(
         raise UserError(f"{tp_path} is not Gavel's simulation_throughputs.json (JSON with a 'v100' table)") from None
     rng = np.random.default_rng(seed)
     jobs: list[TraceJob] = []
+    missing = 0  # jobs whose GPU count has no throughput entry
     sizes: dict[str, float] = {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -126,8 +147,10 @@ def load_gavel_trace(
                             "ten years); give seconds from the trace start")
         fam = _family(job_type)
         where = f"{tp_path} (asked by {path}:{number})"
-        duration = steps / _steps_per_second(table, job_type, gpus, where)
-        speedup = _steps_per_second(table, job_type, gpus, where) / _steps_per_second(table, job_type, 1, where)
+        rate_here = _steps_per_second(table, job_type, gpus, where, scale_missing)
+        missing += not _measured(table, job_type, gpus)
+        duration = steps / rate_here
+        speedup = rate_here / _steps_per_second(table, job_type, 1, where)
         job_id = f"job{len(jobs):05d}"
         if fam.model == "a3c":
             rate, size, base = _A3C_RATE * speedup, _A3C_DATASET_SIZE, "rl-env"
@@ -142,4 +165,12 @@ def load_gavel_trace(
     if not jobs:
         raise UserError(f"{path}: no jobs in the trace")
     jobs.sort(key=lambda j: (j.submit_time, j.job_id))
-    return Trace(tuple(jobs), sizes, source=str(path), notes=(f"gavel format, dataset_sharing={dataset_sharing}",))
+    notes = [f"gavel format, dataset_sharing={dataset_sharing}"]
+    if missing:
+        what = ("the rate of the largest measured GPU count below, scaled by the GPU ratio" if scale_missing == "linear"
+                else "the rate measured at the largest GPU count below, not scaled")
+        note = (f"{missing} of {len(jobs)} jobs have a GPU count with no entry in {tp_path.name} (--scale-missing {scale_missing}: "
+                f"{what}); Gavel's own simulator cannot run them")
+        notes.append(note)
+        warnings.warn(f"{path}: {note}", UserWarning, stacklevel=2)
+    return Trace(tuple(jobs), sizes, source=str(path), notes=tuple(notes))

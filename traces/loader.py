@@ -26,7 +26,10 @@ def _is_openb(path: Path) -> bool:
         return False
 
 
-def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0):
+def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_jobs: int | None = None, seed: int = 0,
+               scale_missing: str | None = None):
+    """`scale_missing` (Gavel traces only): how jobs whose GPU count has no throughput entry get
+    their rate (traces.gavel_trace.SCALE_MISSING; None: linear)."""
     from traces.csv_trace import load_csv_trace
     from traces.gavel_trace import load_gavel_trace
 
@@ -37,7 +40,9 @@ def load_trace(path: Path, fmt: TraceFormat, dataset_sharing: float = 0.0, max_j
 
         return load_alibaba_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed)
     if fmt == TraceFormat.gavel:
-        return load_gavel_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed)
+        return load_gavel_trace(path, dataset_sharing=dataset_sharing, max_jobs=max_jobs, seed=seed, scale_missing=scale_missing or "linear")
+    if scale_missing is not None:
+        raise UserError("--scale-missing applies to --format gavel (Gavel's throughput table); drop it for this trace")
     if dataset_sharing:
         raise UserError("--dataset-sharing applies to --format gavel; in a CSV trace, jobs share a dataset by naming it")
     trace = load_csv_trace(path)

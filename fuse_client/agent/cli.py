@@ -119,6 +119,9 @@ def _dataset_resolver(datasets, scheduler):  # type: ignore[no-untyped-def]
     """Dataset names resolved from a catalog file, or from the scheduler with the agent's token."""
     from fuse_client.agent.datasets import CatalogResolver, SchedulerResolver
 
+    from contract.placeholders import refuse_placeholders
+
+    refuse_placeholders()
     if (datasets is None) == (scheduler is None):
         raise UserError("give exactly one of --datasets FILE or --scheduler URL to resolve dataset names")
     if scheduler is None:

@@ -96,7 +96,9 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         try:
             dataset = check_name(params.get(PARAM_DATASET) or params.get(PVC_NAME, ""), "dataset (StorageClass"
                                  " parameter `dataset`, else the PVC's name)")
-            self.resolver.resolve(tenant, dataset)
+            # Only whether the tenant has it: provisioning reads no data, so it never asks for the
+            # dataset's credential (its token is bound to no node: the scheduler would answer 403).
+            self.resolver.resolve(tenant, dataset, credential=False)
         except DatasetDenied as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT if "not a valid" in str(exc) else (
                 grpc.StatusCode.NOT_FOUND if "no dataset" in str(exc) else grpc.StatusCode.PERMISSION_DENIED)

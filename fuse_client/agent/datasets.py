@@ -62,7 +62,9 @@ def catalog_key(tenant: str, name: str) -> str:
 
 
 class DatasetResolver(Protocol):
-    def resolve(self, tenant: str, name: str) -> DatasetSource: ...
+    def resolve(self, tenant: str, name: str, *, credential: bool = True) -> DatasetSource:
+        """`credential=False`: whether the tenant has the dataset, without its credential (the CSI
+        controller provisions PVCs and never mounts: its shared token is bound to no node)."""
 
 
 def check_name(value: str, what: str) -> str:
@@ -110,7 +112,7 @@ class CatalogResolver:
                                 f" key per (tenant, dataset)")
             self.entries[(src.tenant, src.name)] = src
 
-    def resolve(self, tenant: str, name: str) -> DatasetSource:
+    def resolve(self, tenant: str, name: str, *, credential: bool = True) -> DatasetSource:
         src = self.entries.get((tenant, name))
         if src is None:
             raise DatasetDenied(f"tenant {tenant} has no dataset {name!r} in the agent's catalog")
@@ -138,7 +140,7 @@ class SchedulerResolver:
         except httpx.HTTPError as exc:
             raise UserError(f"cannot reach the silod scheduler at {self.url}: {exc}") from None
 
-    def resolve(self, tenant: str, name: str) -> DatasetSource:
+    def resolve(self, tenant: str, name: str, *, credential: bool = True) -> DatasetSource:
         r = self._get(f"/v1/datasets/{name}", {"owner": tenant})
         if r.status_code == 404:
             raise DatasetDenied(f"tenant {tenant} has no dataset {name!r} registered in silod")
@@ -147,8 +149,8 @@ class SchedulerResolver:
         body: dict[str, Any] = r.json()
         if body.get("owner") != tenant:
             raise DatasetDenied(f"dataset {name!r} belongs to another tenant than {tenant}")
-        credential = None
-        if body.get("credential"):
+        source_credential = None
+        if credential and body.get("credential"):
             c = self._get(f"/v1/datasets/{name}/source-credential", {"owner": tenant})
             if c.status_code >= 400:
                 try:
@@ -162,10 +164,10 @@ class SchedulerResolver:
                                 f" {name!r}: {why or 'no detail'}")
             got = c.json().get("credential")
             if got:
-                credential = SourceCredential(str(got["access_key_id"]), str(got["secret_access_key"]),
+                source_credential = SourceCredential(str(got["access_key_id"]), str(got["secret_access_key"]),
                                               got.get("endpoint_url") or None, got.get("region") or None)
         key = body.get("key")
         if not isinstance(key, str) or not NAME_RE.match(key):
             raise UserError(f"the silod scheduler gave no valid storage key for dataset {name!r} (got {key!r});"
                             f" the agent needs a scheduler that answers `key` in GET /v1/datasets/{{name}}")
-        return DatasetSource(tenant, name, str(body["uri"]), key=key, credential=credential)
+        return DatasetSource(tenant, name, str(body["uri"]), key=key, credential=source_credential)

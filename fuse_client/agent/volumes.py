@@ -76,7 +76,15 @@ Key = tuple[str, str]  # (volume_id, target_path)
 # The node's own cloud credentials, and the agent's own tokens: never a mount's.
 AMBIENT_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
                    "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
-                   "SILOD_AGENT_TOKEN", *CREDENTIAL_ENV.values(), ANONYMOUS_ENV)
+                   "SILOD_AGENT_TOKEN", "SILOD_SECRET_KEYS", *CREDENTIAL_ENV.values(), ANONYMOUS_ENV)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `path` readable by its owner only (0600, also when it existed with wider bits)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
 
 
 def mount_env(src: DatasetSource) -> dict[str, str]:
@@ -89,6 +97,9 @@ def mount_env(src: DatasetSource) -> dict[str, str]:
     else:
         env[ANONYMOUS_ENV] = "1"
     return env
+
+
+MAX_LAYERS = 64  # binds stacked on one target by agent restarts that unpublish takes down
 
 
 def _run(*args: str) -> None:
@@ -135,12 +146,20 @@ class VolumeManager:
         self.idle_unmount_s = idle_unmount_s
         self._idle: dict[tuple[str, str], threading.Timer] = {}
         self.lock = threading.RLock()
+        # Starting a dataset's mount waits for it to list its source (network I/O: seconds for a
+        # slow index). That wait holds only the dataset's own lock, never the node-wide `lock`,
+        # so one tenant's slow source does not stall every other volume's set-up on the node.
+        # Order: a dataset lock before `lock`, never the other way round.
+        self._dataset_locks: dict[tuple[str, str], threading.Lock] = {}
         self.volumes: dict[Key, VolumeRecord] = {}
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (tenant, dataset) -> storage key its mount runs under
         (state_dir / "mounts").mkdir(parents=True, exist_ok=True)
         (state_dir / "cache").mkdir(parents=True, exist_ok=True)
         os.chmod(state_dir / "cache", 0o700)  # cached data is read through mounts only
+        # Every tenant's dataset mount is under mounts/: a user on the node must not read one
+        # through it (issue 47: it was 0755); pods reach theirs through their bind mounts.
+        os.chmod(state_dir / "mounts", 0o700)
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -150,7 +169,8 @@ class VolumeManager:
 
     def _save(self) -> None:
         tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"publications": [asdict(v) for _, v in sorted(self.volumes.items())]}, indent=1))
+        _write_private(tmp, json.dumps({"publications": [asdict(v) for _, v in sorted(self.volumes.items())]},
+                                       indent=1).encode())
         os.replace(tmp, self._state_file)
 
     def recover(self, resolver: DatasetResolver | None = None) -> list[str]:
@@ -179,8 +199,13 @@ class VolumeManager:
                 try:
                     src = self._dataset_mount(self._recorded_source(rec, resolver))
                     if not healthy(target):
-                        if is_mountpoint(target) or not _listable(target):
-                            unmount(target)
+                        # Stack the new bind on the dead one instead of unmounting it: a running
+                        # pod's view of the target is a copy in its own mount namespace, a slave
+                        # of this mount when its volumeMount has mountPropagation HostToContainer
+                        # (the admission webhook sets it). A mount on top of this one propagates
+                        # to that copy; an unmount followed by a new mount at the same path does
+                        # not (the new mount's parent is kubelet's directory, not this mount), and
+                        # the pod would keep reading ENOTCONN. unpublish unmounts every layer.
                         self._bind(src, target)
                     repaired.append(vid)
                 except (MountError, UserError) as exc:
@@ -238,7 +263,8 @@ class VolumeManager:
         if self.manager_url:
             cmd += ["--manager", self.manager_url]
         log_path = self.state_dir / "mounts" / src.tenant / f"{src.name}.log"
-        with open(log_path, "ab") as logf:
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
+            os.fchmod(logf.fileno(), 0o600)  # tenants' dataset names and errors: the agent's only
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=mount_env(src))
         self.procs[key] = proc
         self.keys[key] = src.key
@@ -270,6 +296,15 @@ class VolumeManager:
         self._release_now(tenant, dataset)
 
     def _release_now(self, tenant: str, dataset: str) -> None:
+        dataset_lock = self._dataset_locks.setdefault((tenant, dataset), threading.Lock())
+        if not dataset_lock.acquire(blocking=False):
+            return  # a publish of the dataset is starting its mount: it is wanted again
+        try:
+            self._release_locked(tenant, dataset)
+        finally:
+            dataset_lock.release()
+
+    def _release_locked(self, tenant: str, dataset: str) -> None:
         with self.lock:
             self._idle.pop((tenant, dataset), None)
             if any(v.tenant == tenant and v.dataset == dataset for v in self.volumes.values()):
@@ -333,7 +368,18 @@ class VolumeManager:
             other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
             if other is not None:
                 raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
+            dataset_lock = self._dataset_locks.setdefault((src.tenant, src.name), threading.Lock())
+        with dataset_lock:
             source = self._dataset_mount(src)
+            with self.lock:
+                other = next((k for k in self.volumes if k[1] == str(path) and k[0] != volume_id), None)
+                if other is not None:  # published meanwhile by another request
+                    raise AlreadyPublished(f"target {path} already holds volume {other[0]}")
+                self._bind_volume(volume_id, path, source, src, namespace, pod, pod_uid, access_mode, readonly)
+
+    def _bind_volume(self, volume_id: str, path: Path, source: Path, src: DatasetSource, namespace: str, pod: str,
+                     pod_uid: str, access_mode: int, readonly: bool) -> None:
+        with self.lock:
             if is_mountpoint(path):
                 unmount(path)
             self._bind(source, path)
@@ -348,7 +394,9 @@ class VolumeManager:
         with self.lock:
             resolved = path.parent.resolve() / path.name if path.is_absolute() else path
             rec = self.volumes.get((volume_id, str(resolved)))
-            if is_mountpoint(path) or (path.exists() and not _listable(path)):
+            for _ in range(MAX_LAYERS):  # a bind per agent restart may be stacked here (recover)
+                if not (is_mountpoint(path) or (path.exists() and not _listable(path))):
+                    break
                 unmount(path)
             try:
                 path.rmdir()  # CSI: the SP removes the target it created

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
@@ -74,6 +74,11 @@ class JobSpec:
     # Source bytes/s one core preprocesses (the job's declared CPU stage); None = not CPU-bound.
     # A backend that runs the work itself (the local workers) does that much CPU work per byte.
     cpu_rate: float | None = None
+    # The local backend's training program (scheduler.service.types.JobProgram: command, env) run
+    # on the mounted dataset instead of the stand-in worker; None: the stand-in.
+    program: Any = None
+    # A token the program reports its step times with (SILOD_TOKEN), minted by the service per start.
+    report_token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +93,9 @@ class JobAllocation:
     cpus: float | None = None  # CPU cores for its input pipeline; None = the cluster does not model CPU
 
 
-EventKind = Literal["progress", "finished", "failed"]
+# "unschedulable": the backend cannot place the job's pods on any node even with the cluster
+# empty (message: why); the service holds it back from the policy (no GPUs) until that changes.
+EventKind = Literal["progress", "finished", "failed", "unschedulable"]
 
 
 @dataclass(frozen=True, slots=True)

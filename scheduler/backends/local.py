@@ -86,8 +86,10 @@ STOP_TIMEOUT_S = 15.0
 TERMINAL = ("finished", "failed")
 
 
+# SILOD_SECRET_KEYS opens every tenant's stored credentials (scheduler/service/sealed.py): a job
+# (or its mount) holding it could read any tenant's secrets from a database copy (issue 47).
 SERVICE_SECRETS = ("SILOD_ADMIN_TOKEN", "SILOD_TOKEN_KEY", "SILOD_METRICS_TOKEN", "SILOD_DM_SCHEDULER_TOKEN",
-                   "SILOD_DM_AGENT_TOKEN", "SILOD_DM_METRICS_TOKEN", "SILOD_DM_TOKEN")
+                   "SILOD_DM_AGENT_TOKEN", "SILOD_DM_METRICS_TOKEN", "SILOD_DM_TOKEN", "SILOD_SECRET_KEYS")
 
 
 def source_env(dataset: DatasetInfo) -> dict[str, str]:
@@ -184,10 +186,13 @@ class LocalOptions:
     unmanaged_io: str = "equal"
     unmanaged_cache: str = "coordl"
     cpu_limit: str = "auto"
+    #: where jobs' programs reach the API (SILOD_SERVER); `silod serve` sets its own address
+    api_url: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LocalOptions:
-        known = {"batch_bytes", "prefetch_threads", "prefetch_batches", "unmanaged_io", "unmanaged_cache", "cpu_limit"}
+        known = {"batch_bytes", "prefetch_threads", "prefetch_batches", "unmanaged_io", "unmanaged_cache", "cpu_limit",
+                 "api_url"}
         unknown = set(options) - known
         if unknown:
             raise UserError(f"unknown local backend option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
@@ -217,6 +222,11 @@ class LocalOptions:
             if v not in ("auto", "none", *CPU_MODES):
                 raise UserError(f"--backend-opt cpu_limit={v!r}: choose auto, none, {', '.join(CPU_MODES)}")
             out["cpu_limit"] = v
+        if "api_url" in options:
+            v = options["api_url"].strip()
+            if not (v.startswith("http://") or v.startswith("https://")):
+                raise UserError(f"--backend-opt api_url={v!r} must be an http(s) URL, e.g. http://127.0.0.1:8080")
+            out["api_url"] = v.rstrip("/")
         return cls(**out)
 
 
@@ -280,7 +290,7 @@ class LocalBackend(ClusterBackend):
                 manager=self.config.datamanager_url, batch_bytes=self.options.batch_bytes,
                 prefetch_threads=self.options.prefetch_threads, prefetch_batches=self.options.prefetch_batches,
                 preprocessed_dir=str(self.preprocessed_dir / job.dataset.name),
-                **cpu,
+                **cpu, **self._program_fields(job),
             )
             write_json_atomic(jdir / "spec.json", asdict(spec))
             with open(jdir / "worker.log", "ab") as logf:
@@ -289,7 +299,9 @@ class LocalBackend(ClusterBackend):
                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,  # survives the service, and stop() can signal the group
                     env={**{k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS},
-                         "PYTHONUNBUFFERED": "1", **source_env(job.dataset), **self._policy_env},
+                         "PYTHONUNBUFFERED": "1", **source_env(job.dataset), **self._policy_env,
+                         # the job's program reports with its own token (never spec.json)
+                         "SILOD_TOKEN": job.report_token or ""},
                 )
             start_time = process_start_time(popen.pid)
             write_json_atomic(jdir / "worker.pid", {"pid": popen.pid, "start_time": start_time, "attempt": attempt})
@@ -299,6 +311,13 @@ class LocalBackend(ClusterBackend):
             )
             log.info("job %s: worker %d started (attempt %d, cache %s, io %s, cpu %s)", job.job_id, popen.pid, attempt,
                      cache_size, io_rate, self._cpu_text(job.job_id) if cpu else "not CPU-bound")
+
+    def _program_fields(self, job: JobSpec) -> dict[str, Any]:
+        """WorkerSpec fields of a job that runs its own program (JobIn.program)."""
+        if job.program is None:
+            return {}
+        return {"program": list(job.program.command), "program_env": dict(job.program.env),
+                "api_url": self.options.api_url}
 
     def update(self, job_id: str, allocation: JobAllocation) -> None:
         """A running job's cores changed: apply the new limit to its preprocessing processes."""

@@ -87,6 +87,13 @@ class WorkerSpec:
     cpu_group: str | None = None
     cpu_affinity: list[int] | None = None
     cpu_mode: str | None = None
+    # The job's own training program (JobIn.program) instead of the stand-in loop: its command,
+    # extra environment, and the API it reports to (SILOD_SERVER). Its token (SILOD_TOKEN)
+    # comes through the worker's environment, never this file.
+    program: list[str] | None = None
+    program_env: dict[str, str] | None = None
+    api_url: str | None = None
+    program_log: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> WorkerSpec:
@@ -444,6 +451,61 @@ class Worker:
             start = getattr(rec, key)
             setattr(rec, key, None if start is None or st.get(key) is None else st[key] - start)
 
+    # ---------------------------------------------------------------- the job's own program
+
+    def program_env(self) -> dict[str, str]:
+        spec = self.spec
+        env = {**os.environ, **(spec.program_env or {}), "SILOD_DATA": spec.mountpoint, "SILOD_JOB_ID": spec.job_id,
+               "PYTHONUNBUFFERED": "1"}
+        if spec.api_url:
+            env["SILOD_SERVER"] = spec.api_url
+        return env
+
+    def run_program(self) -> None:
+        """Run the job's program on the mounted dataset until it exits (0: the job finished).
+        Progress is what the mount served it (the data plane's count, not the program's word):
+        consumed = this attempt's start + the mount's read bytes, at most the job's total."""
+        spec = self.spec
+        self.dataset_bytes = sum(size for _, size in self.items())
+        log_path = spec.program_log or os.path.join(os.path.dirname(spec.status_file), "program.log")
+        with open(log_path, "ab") as logf:
+            # Same process group as the worker: the backend's SIGKILL of the group reaches it too.
+            proc = subprocess.Popen(spec.program, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self.program_env(), cwd=os.path.dirname(spec.status_file))
+        self.state = "running"
+        with self._lock:
+            self.progress.samples.append((time.monotonic(), self.progress.consumed))
+        try:
+            while proc.poll() is None:
+                if self.stop_event.wait(STATUS_INTERVAL_S / 2):
+                    break
+                self._program_progress()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        self._program_progress()
+        if self.stop_event.is_set():
+            return
+        if proc.returncode != 0:
+            tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"the job's program exited with code {proc.returncode}: {' | '.join(tail)}")
+        with self._lock:
+            self.progress.consumed = spec.total_bytes
+
+    def _program_progress(self) -> None:
+        self._refresh_mount_stats()
+        read = float(self.mount_stats.get("read_bytes") or 0)
+        with self._lock:
+            self.progress.consumed = min(self.spec.consumed_bytes + read, self.spec.total_bytes)
+            if self.dataset_bytes:
+                self.progress.epoch = int(self.progress.consumed // self.dataset_bytes)
+            self.progress.samples.append((time.monotonic(), self.progress.consumed))
+
     # ---------------------------------------------------------------- main
 
     def run(self) -> int:
@@ -457,7 +519,10 @@ class Worker:
         try:
             self.mount()
             if not self.stop_event.is_set():
-                self.train()
+                if self.spec.program:
+                    self.run_program()
+                else:
+                    self.train()
             if self.stop_event.is_set():
                 final = "stopped"
             else:

@@ -41,18 +41,31 @@ class RoundPlan:
         return self.cache is not None
 
 
+#: Per-job columns of the planner's ledger (see _Seconds).
+_COLUMNS = ("got", "seen", "since", "deficit", "share", "got_known", "seen_known")
+
+
 @dataclass(eq=False)
 class _Seconds:
     """Each job's seconds as rows of arrays that persist across decisions: a job keeps its row
     from the first snapshot or round it appears in until it is forgotten, so an arrival or a
-    completion costs one look-up per active job (`RoundPlanner._rows_for`), not a rebuild."""
+    completion costs one look-up per active job (`RoundPlanner._rows_for`), not a rebuild.
+
+    `since` is Gavel's time run since the last allocation change (started at half a round, as
+    Gavel's job_time_so_far is), `deficit` the GPU time it was owed and did not get before that,
+    `share` its share in the allocation in force since then; `got` and `seen` count its whole
+    life (reported as `received` and `active`)."""
 
     at: dict[str, int] = field(default_factory=dict)  # job id -> its row
     free: list[int] = field(default_factory=list)  # rows forgotten jobs left (zeroed)
     got: np.ndarray = field(default_factory=lambda: np.zeros(64))  # seconds holding GPUs
     seen: np.ndarray = field(default_factory=lambda: np.zeros(64))  # seconds since first seen
+    since: np.ndarray = field(default_factory=lambda: np.zeros(64))  # seconds run since the last allocation change (+ offset)
+    deficit: np.ndarray = field(default_factory=lambda: np.zeros(64))  # seconds owed before it
+    share: np.ndarray = field(default_factory=lambda: np.zeros(64))  # share in the allocation in force
     got_known: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=bool))  # recorded as running
     seen_known: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=bool))  # recorded as active
+    offset: float = 0.0  # what `since` starts at
 
     def rows(self, ids: Sequence[str]) -> np.ndarray:
         """The rows of `ids` (new ones get a zeroed row, unknown until recorded)."""
@@ -67,17 +80,18 @@ class _Seconds:
         else:
             row = len(self.at)
             if row >= self.got.size:
-                for name in ("got", "seen", "got_known", "seen_known"):
+                for name in _COLUMNS:
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         self.at[job_id] = row
+        self.since[row] = self.offset
         return row
 
     def forget(self, job_id: str) -> None:
         row = self.at.pop(job_id, None)
         if row is not None:
-            self.got[row] = self.seen[row] = 0.0
-            self.got_known[row] = self.seen_known[row] = False
+            for name in _COLUMNS:
+                getattr(self, name)[row] = 0
             self.free.append(row)
 
     def known(self, values: np.ndarray, known: np.ndarray) -> dict[str, float]:
@@ -88,20 +102,41 @@ class _Seconds:
 
 @dataclass
 class RoundPlanner:
-    """Gavel's round-based mechanism: a job whose received GPU time lags its share runs first.
+    """Gavel's round-based mechanism (Narayanan et al., OSDI'20, §5; its scheduler.py at
+    c4fa400): the jobs that hold GPUs in a round are taken greedily, whole gangs that fit, in
+    descending priority, where
 
-    priority_j = share_j / (time run / time active); a job that has not run yet has infinite
-    priority. Jobs are taken in descending priority while their whole GPU count fits, so a
-    policy that gives 0/1 shares gets exactly the jobs it chose.
+        priority_j = share_j / (time j ran since the last allocation change / time all jobs ran since)
+
+    (share_j x 1e9 while nothing has run; 0 for a job the allocation leaves out, which does not
+    run), ties broken by the deficit (GPU time owed at earlier allocations and not received:
+    share_j x the time the allocation was in force - time run, summed over the allocations),
+    then by share, then by arrival. An allocation change (a decision whose shares differ from
+    the last; a decision that repeats them changes nothing) carries each job's lag into its
+    deficit and starts its time-since at half a round, as Gavel's _reset_time_run_so_far does.
+    A policy that gives 0/1 shares gets exactly the jobs it chose (they fit by construction).
     """
 
+    #: the round length; a job's time since an allocation change starts at half of it (Gavel)
+    round_s: float = 360.0
     _seconds: _Seconds = field(default_factory=_Seconds)
+    #: seconds all jobs ran since the last allocation change (Gavel's worker_time_so_far)
+    _worker_time: float = 0.0
+    _last_reset: float | None = None
+    #: the allocation in force (its gpu_share, as a plain dict, to tell a change from a repeat)
+    _allocation: Allocation | None = None
+    _shares: dict[str, float] | None = None
     #: (snapshot, its jobs' ids, their rows) of the last snapshot seen; None after a forget
     _rows: tuple[Snapshot, tuple[str, ...], np.ndarray] | None = None
     #: (running tuple, its rows) last chosen or recorded
     _running: tuple[tuple[str, ...], np.ndarray] | None = None
     #: (snapshot, allocation, what the per-round choice derives from them alone), last chosen on
     _ranked: tuple | None = None
+
+    def __post_init__(self) -> None:
+        if not self.round_s > 0:
+            raise ValueError(f"round length {self.round_s} s must be > 0")
+        self._seconds.offset = self.round_s / 2
 
     @property
     def received(self) -> dict[str, float]:
@@ -112,6 +147,12 @@ class RoundPlanner:
     def active(self) -> dict[str, float]:
         """Seconds since each job was first seen (the jobs recorded as active)."""
         return self._seconds.known(self._seconds.seen, self._seconds.seen_known)
+
+    @property
+    def deficits(self) -> dict[str, float]:
+        """Each known job's deficit in GPU-time seconds (Gavel's), as of the last allocation change."""
+        store = self._seconds
+        return {job_id: float(store.deficit[row]) for job_id, row in store.at.items()}
 
     def _rows_for(self, snapshot: Snapshot) -> np.ndarray:
         """The rows of the snapshot's jobs, in its order (kept for the same snapshot, and for
@@ -125,59 +166,62 @@ class RoundPlanner:
         self._rows = (snapshot, ids, rows)
         return rows
 
-    def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
-        if snapshot.job_columns() is not None:
-            return self._choose_columns(snapshot, allocation)
-        received, active = self.received, self.active
-        free = snapshot.capacity.gpus
-        candidates = []
-        for job in snapshot.jobs:
-            share = allocation.gpu_share.get(job.job_id, 0.0)
-            if share <= 0.0:
-                continue
-            got = received.get(job.job_id, 0.0)
-            seen = active.get(job.job_id, 0.0)
-            fraction = got / seen if seen > 0 else 0.0
-            priority = np.inf if fraction <= 0 else share / fraction
-            full = share >= 1.0 - 1e-9
-            # Full-share jobs first (their policy chose them outright), then by lag, then age.
-            candidates.append((not full, -priority, -share, job.submit_time, job.job_id, job.gpus))
-        candidates.sort()
-        chosen: list[str] = []
-        for *_, job_id, gpus in candidates:
-            if gpus <= free:
-                chosen.append(job_id)
-                free -= gpus
-        return tuple(chosen)
+    def _take(self, allocation: Allocation, now: float) -> None:
+        """Make `allocation` the one in force if its shares differ from the last one's: each
+        known job's lag becomes deficit, its time since restarts (Gavel's reset)."""
+        if allocation is self._allocation:
+            return
+        shares = dict(allocation.gpu_share)
+        self._allocation = allocation
+        if shares == self._shares:
+            return
+        self._shares = shares
+        store = self._seconds
+        rows = np.fromiter(store.at.values(), dtype=np.int64, count=len(store.at))
+        elapsed = now - self._last_reset if self._last_reset is not None else 0.0
+        store.deficit[rows] += store.share[rows] * elapsed - (store.since[rows] - store.offset)
+        store.since[rows] = store.offset
+        self._worker_time = store.offset * rows.size
+        store.share[rows] = np.fromiter(map(shares.get, store.at, repeat(0.0)), dtype=float, count=rows.size)
+        self._last_reset = now
+        self._ranked = None
 
-    def _choose_columns(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
-        """`choose` on the snapshot's columns: the same order (full shares first, then by lag,
-        share, age, id), compiled (planner_kernel). What depends on the allocation alone (the
-        order below the lag) is kept while it is the same (every round until the next decision)."""
-        cols = snapshot.columns
-        if not cols.ids:
-            return ()
+    def choose(self, snapshot: Snapshot, allocation: Allocation) -> tuple[str, ...]:
         rows = self._rows_for(snapshot)
+        if not rows.size:
+            return ()
+        store = self._seconds
+        self._take(allocation, snapshot.time)
         ranked = self._ranked
         if ranked is None or ranked[0] is not snapshot or ranked[1] is not allocation:
-            share = values_for(allocation.gpu_share, cols.ids)
+            share = store.share[rows]
             cand = (share > 0.0).nonzero()[0]
-            # lexsort needs only the ids' order: the backend's ranks among all its jobs do
-            submit = cols.submit[cand] if cols.submit is not None else np.fromiter((cols.jobs[i].submit_time for i in cand.tolist()),
-                                                                                    dtype=float, count=cand.size)
-            id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks([cols.ids[i] for i in cand.tolist()])
-            # The candidates in the order of the keys below the lag (share, age, id), which the
-            # per-round sort keeps among equal lags.
-            tie_order = cand[np.lexsort((id_rank, submit, -share[cand]))]
-            need = cols.gpus[tie_order].astype(float)
-            self._ranked = ranked = (snapshot, allocation, rows[tie_order], share[tie_order], share[tie_order] < 1.0 - 1e-9, need,
-                                     float(need.min(initial=np.inf)), list(map(cols.ids.__getitem__, tie_order.tolist())))
-        _, _, cand_rows, share, not_full, need, least, ids = ranked
+            # Gavel's last key is its job ids, given in arrival order: (submit time, id) here
+            cols = snapshot.job_columns()
+            if cols is not None:
+                submit = cols.submit[cand] if cols.submit is not None else np.fromiter((cols.jobs[i].submit_time for i in cand.tolist()),
+                                                                                        dtype=float, count=cand.size)
+                id_rank = cols.id_rank[cand] if cols.id_rank is not None else id_ranks([cols.ids[i] for i in cand.tolist()])
+                gpus = cols.gpus[cand].astype(float)
+                ids = cols.ids
+            else:
+                jobs = snapshot.jobs
+                submit = np.fromiter((jobs[i].submit_time for i in cand.tolist()), dtype=float, count=cand.size)
+                id_rank = id_ranks([jobs[i].job_id for i in cand.tolist()])
+                gpus = np.fromiter((jobs[i].gpus for i in cand.tolist()), dtype=float, count=cand.size)
+                ids = tuple(j.job_id for j in jobs)
+            # The candidates in the order of the keys below priority and deficit (share, then
+            # arrival), which the per-round stable sorts keep among equal keys.
+            tie = np.lexsort((id_rank, submit, -share[cand]))
+            order = cand[tie]
+            need = gpus[tie]
+            self._ranked = ranked = (snapshot, allocation, rows[order], need, float(need.min(initial=np.inf)),
+                                     list(map(ids.__getitem__, order.tolist())))
+        _, _, cand_rows, need, least, ids = ranked
         if not ids:
             return ()
-        seconds = self._seconds
-        taken = _kernel().choose_in_tie_order(seconds.got, seconds.seen, cand_rows, share, not_full, need, least,
-                                              float(snapshot.capacity.gpus))
+        taken = _kernel().choose_gavel(store.since, store.deficit, store.share, cand_rows, need, least, self._worker_time,
+                                       float(snapshot.capacity.gpus))
         chosen = tuple(map(ids.__getitem__, taken.tolist()))
         self._running = (chosen, cand_rows[taken])  # what record will be handed
         return chosen
@@ -193,9 +237,12 @@ class RoundPlanner:
             self._running = last = (running, store.rows(running))
         store.got[last[1]] += seconds
         store.got_known[last[1]] = True
+        store.since[last[1]] += seconds
+        self._worker_time += seconds * len(running)
 
     def forget(self, job_id: str) -> None:
-        """As if the job had never been seen: 0 s, unknown until recorded again."""
+        """As if the job had never been seen: 0 s, unknown until recorded again. (The time it
+        ran since the last allocation change stays in all jobs' total, as in Gavel.)"""
         self._seconds.forget(job_id)
         self._rows = self._running = self._ranked = None  # (their rows may be given to new jobs)
 
@@ -285,7 +332,8 @@ class SchedulingCore:
     is what the policy gets for irregular jobs inside their partition.
     """
 
-    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None, stagger: bool = False):
+    def __init__(self, policy: Policy, estimator: Estimator, irregular_estimator: Estimator | None = None, stagger: bool = False,
+                 round_s: float = 360.0):
         self.policy = policy
         #: staggered starts for jobs sharing a dataset (policies/stagger.py); off by default
         self.stagger = stagger
@@ -294,7 +342,7 @@ class SchedulingCore:
         self.stagger_held: dict[str, float] = {}  # job id -> seconds it was told to wait, last decision
         self.estimator = estimator
         self.irregular_estimator = irregular_estimator if irregular_estimator is not None else VanillaEstimator()
-        self.planner = RoundPlanner()
+        self.planner = RoundPlanner(round_s=round_s)
         #: datasets cached preprocessed (autocaching) -> expansion, as the last decision left them
         self.autocache: dict[str, float] = {}
 

@@ -112,20 +112,28 @@ def make_pusher(url: str) -> Any:
 
 
 def parse_quota(value: str | None) -> Any:
-    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit)."""
-    from estimator.units import parse_size
+    """`gpus=8,cache=500GB,running=4,queued=100` -> TenantQuota (omitted keys: no limit, but
+    `queued` is DEFAULT_QUEUED_JOBS unless given; `KEY=none`: no limit)."""
+    from estimator.units import parse_rate, parse_size
     from scheduler.service.types import TenantQuota
 
+    from scheduler.service.types import DEFAULT_QUOTA
+
     if not value:
-        return TenantQuota()
-    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs"}
-    out: dict[str, Any] = {}
+        return DEFAULT_QUOTA
+    names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs",
+             "fstar": "ideal_per_gpu"}
+    out: dict[str, Any] = {"queued_jobs": DEFAULT_QUOTA.queued_jobs}
     for item in value.split(","):
         key, sep, val = item.strip().partition("=")
         if not sep or key not in names:
-            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of gpus, cache, running, queued")
-        if key == "cache":
+            raise UserError(f"--default-quota item {item!r} must be KEY=VALUE with KEY one of {', '.join(names)}")
+        if val.strip() == "none":
+            out[names[key]] = None  # no limit (jobs: still the object limit --object-limits jobs=N)
+        elif key == "cache":
             out[names[key]] = float(parse_size(val, what="--default-quota cache"))
+        elif key == "fstar":  # per GPU
+            out[names[key]] = float(parse_rate(val, what="--default-quota fstar"))
         elif re.fullmatch(r"[0-9]+", val.strip()):  # ASCII digits only: str.isdigit() accepts '²'
             out[names[key]] = int(val)
         else:
@@ -177,6 +185,17 @@ def parse_backend_opts(values: list[str] | None) -> dict[str, str]:
             raise UserError(f"--backend-opt {item!r} must be KEY=VALUE")
         opts[key.strip()] = val.strip()
     return opts
+
+
+def _with_api_url(opts: dict[str, str], backend: str, host: str, port: int, tls: bool) -> dict[str, str]:
+    """The local backend's jobs' programs report to this server (SILOD_SERVER) unless
+    --backend-opt api_url=URL says otherwise (e.g. a proxy in front of it)."""
+    if backend != "local" or "api_url" in opts:
+        return opts
+    reach = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    if ":" in reach:
+        reach = f"[{reach}]"
+    return {**opts, "api_url": f"{'https' if tls else 'http'}://{reach}:{port}"}
 
 
 def _agents(values: list[str] | None, service_accounts: list[str] | None = None,
@@ -233,6 +252,22 @@ def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, cli
         raise UserError(f"--webhook-cert/--webhook-key: {exc}") from None
 
 
+def _ca_keeper(webhook: Any, cert: Path | None, ca: Path | None, configuration: str,
+               backend_opt: list[str] | None):  # type: ignore[no-untyped-def]
+    """What keeps the webhook configuration's caBundle trusting our certificate (cabundle.py), or
+    None without a webhook or with --webhook-configuration none."""
+    if webhook is None or configuration.lower() == "none" or cert is None:
+        if ca is not None and webhook is None:
+            raise UserError("--webhook-ca needs --webhook-listen")
+        return None
+    from scheduler.backends.kubernetes import load_api_client
+    from scheduler.backends.kubernetes.cabundle import CaBundleKeeper, webhook_ca
+
+    opts = dict(parse_backend_opts(backend_opt))
+    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
+    return CaBundleKeeper(api, webhook_ca(cert, ca), configuration)
+
+
 def build_api_service(
     *,
     db: str,
@@ -265,7 +300,7 @@ def build_api_service(
     from scheduler.core.cluster import load_cluster
     from scheduler.service.db.engine import make_engine
     from scheduler.service.scheduler_process import ServiceConfig
-    from scheduler.service.types import TenantQuota
+    from scheduler.service.types import DEFAULT_QUOTA
 
     capacity, speed = load_cluster(
         cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
@@ -274,7 +309,7 @@ def build_api_service(
     from scheduler.service.sealed import load_secret_box
 
     config = ServiceConfig(capacity=capacity, gpu_speed=speed, uri_policy=UriPolicy.parse(allowed_uris),
-                           default_quota=default_quota or TenantQuota(), objects=parse_object_limits(object_limits),
+                           default_quota=default_quota or DEFAULT_QUOTA, objects=parse_object_limits(object_limits),
                            **_agents(node_agents, agent_service_accounts, agent_audience),
                            secrets=load_secret_box(Path(state_dir or default_state_dir())))
     workloads = None
@@ -414,7 +449,7 @@ def build_service(
     from scheduler.service.db import open_database
     from contract.uri_policy import UriPolicy
     from scheduler.service.scheduler_process import SchedulerService, ServiceConfig
-    from scheduler.service.types import TenantQuota
+    from scheduler.service.types import DEFAULT_QUOTA
 
     if policy is not None:
         policy = resolve_policy_name(policy)
@@ -445,16 +480,42 @@ def build_service(
     seal_plaintext(engine, secrets)  # rows stored before secrets were sealed (idempotent)
     config = ServiceConfig(
         capacity=capacity, policy=policy, round_seconds=round_s, gpu_speed=speed,
-        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or TenantQuota(),
+        uri_policy=UriPolicy.parse(allowed_uris), default_quota=default_quota or DEFAULT_QUOTA,
         objects=parse_object_limits(object_limits),
         **_agents(node_agents, agent_service_accounts, agent_audience), secrets=secrets,
         tenant_namespace_prefix=(backend_opts or {}).get("namespace-prefix", ""),
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
+    if backend == "local":
+        service.job_tokens = program_token_minter(engine, state_dir)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
     if callable(attach):
         attach(service)
     return service
+
+
+#: How long a job program's report token stays valid (a new one is minted at every start).
+PROGRAM_TOKEN_TTL_S = 7 * 86400.0
+
+
+def program_token_minter(engine: Any, state_dir: Path) -> Any:
+    """A function minting, per start of a job that runs a program, a token of the job's owner for
+    its step reports (SILOD_TOKEN in the program's environment). The program is the owner's own
+    code, so it gets the owner's rights, no more; the token expires after PROGRAM_TOKEN_TTL_S."""
+    import time
+
+    from scheduler.service.api.auth import ADMIN, TokenStore, load_token_key
+
+    store = TokenStore(engine, load_token_key(state_dir))
+
+    def mint(spec: Any) -> str:
+        now = time.time()
+        # The admin's own jobs report as the admin (a non-admin token may not be owned by 'admin').
+        _record, token = store.create(spec.owner, is_admin=spec.owner == ADMIN, expires_at=now + PROGRAM_TOKEN_TTL_S,
+                                      label=f"job {spec.job_id} program", now=now)
+        return token
+
+    return mint
 
 
 def _open_service_state(db: str | None, state_dir: Path) -> Any:
@@ -523,16 +584,29 @@ def _check_server(server: str, option: str) -> str:
 
 
 def _path_segment(value: str) -> str:
-    """`value` as one URL path segment: '/', '?', '#', '%' ... percent-encoded, and '.' / '..'
-    encoded too, so that no client or proxy resolves them as dot segments."""
-    from urllib.parse import quote
+    """`value` as one URL path segment (the SDK's encoding: silod_client.client.segment)."""
+    from silod_client.client import segment
 
-    encoded = quote(value, safe="")
-    return encoded.replace(".", "%2E") if encoded in (".", "..") else encoded
+    return segment(value)
+
+
+def _split_command(text: str) -> list[str]:
+    """--program "python train.py --epochs 2" as the argument list the local backend runs."""
+    import shlex
+
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise UserError(f"--program {text!r} is not a command line ({exc}); quote it as a shell would") from None
+    if not argv:
+        raise UserError("--program is empty; give the command that trains, e.g. --program 'python train.py'")
+    return argv
 
 
 def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-def]
-    import httpx
+    """The SDK's client (silod_client) for --server/--token or SILOD_SERVER/SILOD_TOKEN: the CLI's
+    REST commands and Python programs share one client."""
+    from silod_client import Client
 
     server_option = "--server" if server else ("SILOD_SERVER" if os.environ.get("SILOD_SERVER") else "--server")
     token_option = "--token" if token else "SILOD_TOKEN"
@@ -542,44 +616,33 @@ def _client(server: str | None, token: str | None):  # type: ignore[no-untyped-d
         raise UserError("no API token: pass --token or set SILOD_TOKEN")
     _check_token(token, token_option)
     _check_server(server, server_option)
-    return httpx.Client(base_url=server, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
+    # Two retries: a command run by hand should say quickly that the server is not there.
+    return Client(server, token, timeout=30.0, retries=2)
 
 
-def _call(server: str | None, token: str | None, method: str, path: str, *, not_found: str | None = None,
-          **kwargs: Any) -> Any:
-    """`not_found`: the error for an HTTP 404 (e.g. "no job with id '7'"), instead of the server's text."""
-    import httpx
+def _call(server: str | None, token: str | None, call: Any, *, not_found: str | None = None) -> Any:
+    """`call(client)` with the SDK's errors as the CLI's: a 4xx is the user's (exit 2; `not_found`
+    replaces the server's text for a 404, e.g. "no job with id '7'"), a 5xx or no answer a
+    runtime failure (exit 1)."""
+    from silod_client.errors import ApiError, SilodError, TransportError
 
     with _client(server, token) as client:
         try:
-            response = client.request(method, path, **kwargs)
-        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
-            raise UserError(f"--server {str(client.base_url)!r} is not an http(s) URL ({exc}); e.g. http://127.0.0.1:8080") from exc
-        except httpx.HTTPError as exc:
-            raise RuntimeFailure(f"cannot reach the silod server at {client.base_url}: {exc}; is `silod serve` running "
-                                 f"there? (set --server or SILOD_SERVER)") from exc
-    if response.status_code >= 500:
-        raise RuntimeFailure(f"{method} {path}: the server failed (HTTP {response.status_code}): {_error_text(response)}")
-    if response.status_code == 404 and not_found is not None:
-        raise UserError(f"{method} {path}: HTTP 404: {not_found}")
-    if response.status_code >= 400:
-        raise UserError(f"{method} {path}: HTTP {response.status_code}: {_error_text(response)}")
-    try:
-        return response.json()
-    except ValueError:
-        raise RuntimeFailure(f"{method} {path}: the server's answer is not JSON (HTTP {response.status_code}); "
-                             f"is --server a silod server?") from None
-
-
-def _error_text(response: Any) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    detail = body.get("detail") if isinstance(body, dict) else body
-    if isinstance(detail, list):  # FastAPI validation errors: name each field
-        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', [])[1:])}: {e.get('msg')}" for e in detail)
-    return str(detail)
+            return call(client)
+        except TransportError as exc:
+            raise RuntimeFailure(f"{exc}; is `silod serve` running there? (set --server or SILOD_SERVER)") from exc
+        except ApiError as exc:
+            where = f"{exc.method} {exc.path}"
+            if exc.status >= 500:
+                raise RuntimeFailure(f"{where}: the server failed (HTTP {exc.status}): {exc.detail}") from None
+            if exc.status == 404 and not_found is not None:
+                raise UserError(f"{where}: HTTP 404: {not_found}") from None
+            raise UserError(f"{where}: HTTP {exc.status}: {exc.detail}") from None
+        except SilodError as exc:  # an answer that is not silod's (not JSON, not the schema)
+            raise RuntimeFailure(f"{exc}") from None
+        except ValueError as exc:  # pydantic: the answer does not have the schema's shape
+            raise RuntimeFailure(f"the server's answer is not what silod answers ({exc}); is --server a silod"
+                                 f" server?") from None
 
 
 ServerOpt = Annotated[str | None, typer.Option("--server", help="API base URL [env SILOD_SERVER, default http://127.0.0.1:8080]")]
@@ -649,6 +712,23 @@ class _SchedulerSupervisor:
                 self.proc.kill()
 
 
+def _refuse_placeholder_secrets(db: str | None, tokens: Path | None) -> None:
+    """deploy/base/secret.yaml's placeholders (SILOD_* variables, --db, the --tokens file) stop the start."""
+    from contract.placeholders import refuse_placeholders
+
+    given: dict[str, tuple[str, str | None]] = {"--db": ("database-url", db)}
+    if tokens is not None and tokens.is_file():
+        from scheduler.service.api.auth import parse_tokens_file
+
+        try:
+            entries = parse_tokens_file(tokens)
+        except (OSError, UserError, ValueError):
+            entries = []  # the token store reports a bad file with its own message
+        for user, token in entries:
+            given[f"--tokens {tokens} (user {user})"] = ("tokens", token)
+    refuse_placeholders(given)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
@@ -664,7 +744,7 @@ def register(app: typer.Typer) -> None:
         irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
         cpus_per_node: Annotated[str | None, typer.Option("--cpus-per-node", help="CPU cores per node for input pipelines [default: CPU not constrained]")] = None,
         cpu_allocation: Annotated[str | None, typer.Option("--cpu-allocation", help="with --cpus-per-node: model (cores by the estimator) | gpu-proportional [default: model]")] = None,
-        policy: Annotated[str | None, typer.Option(help="fifo | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
+        policy: Annotated[str | None, typer.Option(help="fifo | fifo-strict | sjf | gavel | greedy | plug-in [default: last used, else fifo]")] = None,
         tokens: Annotated[Path | None, typer.Option("--tokens", help="user tokens, one 'user:token' per line")] = None,
         datamanager: Annotated[str | None, typer.Option("--datamanager", help="data manager URL (cache and IO enforcement)")] = None,
         round_: Annotated[str, typer.Option("--round", help="round length, e.g. 360, 5s, 6m")] = "360",
@@ -675,8 +755,8 @@ def register(app: typer.Typer) -> None:
         node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
         agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
-        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100")] = None,
-        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256 (grants: tenants one dataset is shared with) [default: those]")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100,fstar=1GB/s (KEY=none: no limit; queued defaults to 1000, fstar, the most f* per GPU a job may declare, to 1GB/s x --gpu-speed)")] = None,
+        object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256,jobs=10000 (grants: tenants one dataset is shared with; jobs: active jobs) [default: those]")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
         tls_key: Annotated[Path | None, typer.Option("--tls-key", help="private key of --tls-cert (PEM)")] = None,
@@ -684,6 +764,8 @@ def register(app: typer.Typer) -> None:
         webhook_cert: Annotated[Path | None, typer.Option("--webhook-cert", help="the webhook's serving certificate (PEM; the caBundle of the MutatingWebhookConfiguration trusts it)")] = None,
         webhook_key: Annotated[Path | None, typer.Option("--webhook-key", help="private key of --webhook-cert (PEM)")] = None,
         webhook_client_ca: Annotated[Path | None, typer.Option("--webhook-client-ca", help="accept only callers with a client certificate from this CA (the API server's webhook client certificate)")] = None,
+        webhook_ca: Annotated[Path | None, typer.Option("--webhook-ca", help="CA of --webhook-cert, written into the webhook configuration's caBundle [default: ca.crt beside --webhook-cert, else the certificate itself when self-signed]")] = None,
+        webhook_configuration: Annotated[str, typer.Option("--webhook-configuration", help="MutatingWebhookConfiguration whose caBundle silod keeps trusting --webhook-ca (at start, then every minute); 'none': cert-manager or you manage it")] = "silod-suspend",
         webhook_admitter: Annotated[list[str] | None, typer.Option("--webhook-admitter", help="user (as the API server authenticates it) allowed to unsuspend queued workloads: silod's service account (repeatable) [default: system:serviceaccount:$POD_NAMESPACE:silod-scheduler, namespace silod-system when unset]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
@@ -693,6 +775,7 @@ def register(app: typer.Typer) -> None:
         from estimator.units import parse_size
 
         log_level = parse_log_level(log_level)
+        _refuse_placeholder_secrets(db, tokens)
         host, port = parse_free_listen(listen)
         round_s = parse_duration(round_)
         body_cap = int(parse_size(max_body, what="--max-body"))
@@ -708,6 +791,7 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--workers {workers} must be between 1 and 64")
         webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
                                   webhook_admitter)
+        ca_keeper = _ca_keeper(webhook, webhook_cert, webhook_ca, webhook_configuration, backend_opt)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir
         _prepare_state_dir(state_dir)
@@ -716,7 +800,7 @@ def register(app: typer.Typer) -> None:
         build_kwargs: dict[str, Any] = dict(
             db=db, backend=backend, policy=policy, round_s=round_s, cluster_file=cluster, gpus=gpus,
             gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io, gpu_speed=gpu_speed,
-            irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=parse_backend_opts(backend_opt),
+            irregular_share=irregular_share, cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, datamanager=datamanager, state_dir=state_dir, backend_opts=_with_api_url(parse_backend_opts(backend_opt), backend, host, port, tls_cert is not None),
             allowed_uris=allow_uri, default_quota=parse_quota(default_quota), node_agents=node_agent,
             object_limits=object_limits,
             agent_service_accounts=agent_service_account, agent_audience=agent_audience,
@@ -790,6 +874,15 @@ def register(app: typer.Typer) -> None:
         if webhook is not None:
             webhook.start()
             typer.echo(f"  admission webhook {webhook.url}", err=True)
+        if ca_keeper is not None:
+            try:
+                ca_keeper.start()
+            except UserError:
+                if webhook is not None:
+                    webhook.stop()
+                scheduler.stop()
+                raise
+            typer.echo(f"  caBundle of MutatingWebhookConfiguration {ca_keeper.name} kept", err=True)
         try:
             from http_guard.timeouts import HeaderTimeoutH11Protocol
             from scheduler.service.api_workers import ApiWorkerPool, WorkerSpec
@@ -808,6 +901,8 @@ def register(app: typer.Typer) -> None:
                 if pool.failed:
                     raise typer.Exit(3)
         finally:
+            if ca_keeper is not None:
+                ca_keeper.stop()
             if webhook is not None:
                 webhook.stop()
             scheduler.stop()
@@ -824,6 +919,7 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str | None, typer.Option(help="catalog model instead of --ideal-throughput")] = None,
         priority: Annotated[int, typer.Option()] = 0,
         cpu_rate: Annotated[str | None, typer.Option("--cpu-rate", help="source bytes/s one CPU core preprocesses, e.g. 35MB/s [default: the catalog model's, else not CPU-bound]")] = None,
+        program: Annotated[str | None, typer.Option("--program", help="local backend: the command that trains, run with the dataset mounted at $SILOD_DATA (e.g. 'python train.py'); default: the built-in stand-in")] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -838,6 +934,8 @@ def register(app: typer.Typer) -> None:
         if ideal_throughput is not None:
             parse_rate(ideal_throughput, "--ideal-throughput")
         body: dict[str, Any] = {"name": name, "gpus": gpus, "dataset": dataset, "priority": priority}
+        if program is not None:
+            body["program"] = {"command": _split_command(program)}
         for key, value in (("epochs", epochs), ("steps", steps), ("model", model)):
             if value is not None:
                 body[key] = value
@@ -848,8 +946,8 @@ def register(app: typer.Typer) -> None:
         if cpu_rate is not None:
             parse_rate(cpu_rate, "--cpu-rate")
             body["cpu_rate"] = _rate_or_number(cpu_rate)
-        job = _call(server, token, "POST", "/v1/jobs", json=body)
-        typer.echo(job["id"])
+        job = _call(server, token, lambda c: c.jobs.submit(**body))
+        typer.echo(job.id)
 
     @app.command()
     def jobs(
@@ -860,8 +958,7 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """List your jobs (all jobs with the admin token)."""
-        params = {"state": state} if state else {}
-        rows = _call(server, token, "GET", "/v1/jobs", params=params)
+        rows = [j.model_dump(mode="json") for j in _call(server, token, lambda c: list(c.jobs.iter(state=state or None)))]
         if as_json:
             import json
 
@@ -897,7 +994,12 @@ def register(app: typer.Typer) -> None:
                      "f* (measured)": fstar, "bound": bound.replace("remote_io", "io")}
             table.add_row(*(cells[c] for c in columns))
         # --wide is wider than 80 columns: it is not squeezed into a narrow terminal (lines wrap).
-        Console(width=max(Console().width, 150) if wide else None).print(table)
+        console = Console(width=max(Console().width, 150) if wide else None)
+        console.print(table)
+        # Why a queued job cannot start (the backend's reason, e.g. no node can take its pods).
+        for j in rows:
+            if j["state"] == "queued" and str(j.get("message") or "").startswith("unschedulable"):
+                console.print(f"job {j['id']}: {j['message']}", highlight=False, soft_wrap=True)
 
     @app.command()
     def top(
@@ -913,7 +1015,7 @@ def register(app: typer.Typer) -> None:
         if not 0.2 <= interval <= 3600:
             raise UserError(f"--interval {interval:g} must be between 0.2 and 3600 seconds")
         try:  # the first fetch happens before anything is drawn: a bad token or server is one error line
-            run_top(lambda: _call(server, token, "GET", "/v1/overview"), once, interval)
+            run_top(lambda: _call(server, token, lambda c: c.overview().model_dump(mode="json")), once, interval)
         except KeyboardInterrupt:
             pass  # Ctrl-C is how one leaves top
 
@@ -926,9 +1028,9 @@ def register(app: typer.Typer) -> None:
         """Cancel a job."""
         if not job_id.strip():
             raise UserError("JOB_ID is empty; give the id of a job (the first column of `silod jobs`)")
-        job = _call(server, token, "DELETE", f"/v1/jobs/{_path_segment(job_id)}",
+        job = _call(server, token, lambda c: c.jobs.cancel(job_id),
                     not_found=f"no job with id {job_id!r}; `silod jobs` lists your jobs")
-        typer.echo(f"{job['id']} {job['state']}")
+        typer.echo(f"{job.id} {job.state}")
 
     @app.command("dataset-add")
     def dataset_add(
@@ -943,11 +1045,8 @@ def register(app: typer.Typer) -> None:
         from estimator.units import parse_size
 
         parse_size(size, "--size")  # bad values fail here, before any network call
-        body: dict[str, Any] = {"name": name, "uri": uri, "size": _rate_or_number(size)}
-        if item_count is not None:
-            body["item_count"] = item_count
-        ds = _call(server, token, "POST", "/v1/datasets", json=body)
-        typer.echo(f"{ds['name']} {ds['size']:.0f} bytes")
+        ds = _call(server, token, lambda c: c.datasets.register(name, uri, _rate_or_number(size), item_count=item_count))
+        typer.echo(f"{ds.name} {ds.size:.0f} bytes")
 
     secrets_app = typer.Typer(help="Tenants' secrets at rest: rotate the server key that seals them.",
                               no_args_is_help=True)

@@ -12,6 +12,9 @@ Trust (the same rules as the consumption reports, scheduler/service/consumption.
 - the optional client report (POST /v1/jobs/{id}/report: step time and batch bytes) is accepted
   from the job's owner, the admin, or a node agent bound to a node one of the job's pods runs
   on; values are bounded; only the latest report is kept (one row per job);
+- once the data plane has measured a job, the measurement replaces its declared f* downward
+  without a floor (a declaration is a claim: a tenant can only lose by overstating it), and
+  upward at most to declared x 4;
 - what a client claims can only lower the f* planning uses, and is believed for telling a CPU
   bottleneck from a GPU one only up to the highest rate the data plane measured (see
   observe_job): a client that says its job is faster than measured gains nothing.
@@ -23,13 +26,13 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from estimator.measured import FStarEstimate, JobMeasurement, observe_job
+from estimator.measured import SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job
 from scheduler.service.db.models import Job, JobMeasurementRow
 
 #: Intervals in a job's first seconds of running are not evidence: its mount and pipeline warm up.
@@ -73,8 +76,9 @@ def state_from_row(row: JobMeasurementRow | None, declared_fstar: float, declare
     m = JobMeasurement.start(declared_fstar, declared_cpu)
     if row is None:
         return m
-    fs = FStarEstimate(declared_fstar, row.ideal_throughput or declared_fstar, row.ideal_evidence_s or 0.0)
-    fs = FStarEstimate(declared_fstar, fs.clip(fs.estimate), fs.evidence_s)
+    fs = FStarEstimate(declared_fstar, row.ideal_throughput or declared_fstar, row.ideal_evidence_s or 0.0,
+                       floor_factor=SERVICE_FSTAR_FLOOR)
+    fs = replace(fs, estimate=fs.clip(fs.estimate))
     cpu = m.cpu
     if cpu is not None and row.cpu_rate is not None:
         cpu = FStarEstimate(cpu.declared, cpu.clip(row.cpu_rate), row.cpu_evidence_s or 0.0)
@@ -107,7 +111,7 @@ def planned(declared_fstar: float, declared_cpu: float | None, measured_fstar: f
     Depends on `now` only through `client_report_fresh(client_at, now)` (round_jobs.py relies on it)."""
     if measured_fstar is None and step_s is None:
         return declared_fstar, declared_cpu
-    fs = FStarEstimate(declared_fstar, declared_fstar)
+    fs = FStarEstimate(declared_fstar, declared_fstar, floor_factor=SERVICE_FSTAR_FLOOR)
     est = fs.clip(measured_fstar) if measured_fstar is not None else declared_fstar
     if step_s and batch_bytes and client_report_fresh(client_at, now):
         est = min(est, fs.clip(batch_bytes / step_s))

@@ -13,14 +13,15 @@ is), never another tenant's job names.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from contract.names import storage_key
 from scheduler.service.consumption import ConsumptionStore
@@ -30,8 +31,10 @@ from scheduler.service.db.models import (
     Dataset,
     DatasetGrant,
     Job,
+    JobAllocationRow,
     JobMeasurementRow,
     JobState,
+    TenantJobCount,
 )
 from scheduler.service.types import Principal
 
@@ -142,47 +145,87 @@ def queue_order(jobs: Sequence[Job]) -> list[Job]:
     return sorted(jobs, key=lambda j: (-j.priority, j.submit_time, j.id))
 
 
+#: A caller with at most this many waiting jobs gets each one's queue position from three
+#: index range counts; one with more reads every waiting job's queue key once (its own jobs are
+#: then a large share of the cost anyway).
+POSITION_QUERIES = 32
+
+_J = Job.__table__.c
+_WAITING = _J.state == JobState.QUEUED
+# Every tenant's waiting jobs: the triggers' counts (TenantJobCount), not a count of rows.
+_COUNT_WAITING = select(func.coalesce(func.sum(TenantJobCount.n), 0)).where(TenantJobCount.state == JobState.QUEUED.value)
+
+
+def _position(s: Session, priority: int, submit: float, jid: int) -> int:
+    """1 + the waiting jobs ahead of (priority, submit, id) in queue_order, by index range counts
+    (ix_jobs_state_priority_submit): O(log n) seeks, never a row of another tenant's loaded."""
+    ahead = 0
+    for cond in ((_J.priority > priority,), (_J.priority == priority, _J.submit_time < submit),
+                 (_J.priority == priority, _J.submit_time == submit, _J.id < jid)):
+        ahead += s.scalar(select(func.count()).select_from(Job.__table__).where(_WAITING, *cond)) or 0
+    return ahead + 1
+
+
 def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, policy: str,
-                   status: Mapping[str, Any], now: float | None = None, scheduling: str | None = None) -> Overview:
+                   status: Mapping[str, Any], now: float | None = None, queue_limit: int | None = None,
+                   scheduling: str | None = None) -> Overview:
+    """The caller's picture. Its cost grows with the caller's own jobs and datasets and with the
+    running jobs (bounded by the GPUs), not with other tenants' queues (issue 47: 12,000 queued
+    jobs of one tenant made every other tenant's overview take seconds): the cluster's totals
+    are aggregates and each waiting job's position is a count over an index. `scheduling`:
+    what keeps the scheduler from placing jobs now (control.scheduling_note), or None."""
     now = time.time() if now is None else now
     measured = status.get("measured") or {}
     m_jobs: Mapping[str, Mapping[str, Any]] = measured.get("jobs") or {}
     m_cached: Mapping[str, float] = measured.get("cached") or {}
     held = set(status.get("held_back") or ())
     with sessions() as s:
-        active = list(s.scalars(select(Job).where(Job.state.in_(ACTIVE_STATES))).unique())
-        cache_rows = {r.dataset_id: r.bytes for r in s.scalars(select(CacheAllocationRow))}
+        queued_total = s.scalar(_COUNT_WAITING) or 0
+        # Every running job's queue key and holdings: as many as the GPUs allow, no more.
+        running_keys = list(s.execute(
+            select(Job.id, Job.owner, Job.gpus, Job.priority, Job.submit_time, JobAllocationRow.remote_io)
+            .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id).where(Job.state == JobState.RUNNING)))
+        cache_allocated = s.scalar(select(func.coalesce(func.sum(CacheAllocationRow.bytes), 0.0))) or 0.0
+        jq = select(Job) if who.is_admin else select(Job).where(Job.owner == who.user)
+        own_running = sorted(s.scalars(jq.where(Job.state == JobState.RUNNING)).unique(), key=lambda j: j.id)
+        # In queue_order; `queue_limit`: the first ones only (/metrics' per-job series).
+        wq = jq.where(_WAITING).order_by(Job.priority.desc(), Job.submit_time, Job.id)
+        own_waiting = list(s.scalars(wq if queue_limit is None else wq.limit(queue_limit)).unique())
+        if who.is_admin:  # every waiting job, in order: its place in the list is its position
+            positions = {j.id: i for i, j in enumerate(own_waiting, start=1)}
+        elif len(own_waiting) <= POSITION_QUERIES:
+            positions = {j.id: _position(s, j.priority, j.submit_time, j.id) for j in own_waiting}
+        else:
+            keys = sorted((-p, t, i) for i, p, t in s.execute(
+                select(Job.id, Job.priority, Job.submit_time).where(_WAITING)))
+            positions = {j.id: bisect.bisect_left(keys, (-j.priority, j.submit_time, j.id)) + 1 for j in own_waiting}
         # A job measured faster than it declared may read at its measured f* (measured_params.py)
+        ids = [j.id for j in own_running]
         measured_fstar = {jid: f for jid, f in s.execute(
-            select(JobMeasurementRow.job_id, JobMeasurementRow.ideal_throughput)) if f is not None}
+            select(JobMeasurementRow.job_id, JobMeasurementRow.ideal_throughput)
+            .where(JobMeasurementRow.job_id.in_(ids))) if f is not None} if ids else {}
         dq = select(Dataset)
         if not who.is_admin:
             granted = select(DatasetGrant.dataset_id).where(DatasetGrant.grantee == who.user)
             dq = dq.where((Dataset.owner == who.user) | Dataset.id.in_(granted))
         visible_datasets = list(s.scalars(dq.order_by(Dataset.name, Dataset.owner)))
-    mine = (lambda j: True) if who.is_admin else (lambda j: j.owner == who.user)
-
-    def holds_gpus(j: Job) -> bool:
-        return JobState(j.state) == JobState.RUNNING
-
-    running = [j for j in active if holds_gpus(j)]
-    waiting = queue_order([j for j in active if not holds_gpus(j)])
-    gpus_used = sum(j.gpus for j in running)
+        wanted = {j.dataset_id for j in own_running} | {d.id for d in visible_datasets}
+        cache_rows = {r.dataset_id: r.bytes for r in s.scalars(
+            select(CacheAllocationRow).where(CacheAllocationRow.dataset_id.in_(wanted)))} if wanted else {}
+    gpus_used = sum(r.gpus for r in running_keys)
     free = max(int(capacity.gpus) - gpus_used, 0)
+    running_order = [(-r.priority, r.submit_time, r.id) for r in running_keys]
     queue: list[QueuedJob] = []
-    for pos, j in enumerate(waiting, start=1):
-        if not mine(j):
-            continue
-        passed_by = sum(1 for r in running if (-r.priority, r.submit_time, r.id) > (-j.priority, j.submit_time, j.id))
-        queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time, pos,
-                               wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy, scheduling)))
+    for j in own_waiting:
+        key = (-j.priority, j.submit_time, j.id)
+        passed_by = sum(1 for r in running_order if r > key)
+        queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time,
+                               positions[j.id], wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy, scheduling)))
     # Kubernetes: the node agents' per-pod counters (trusted consumption) give the hit ratio of
     # jobs the data manager and the backend have no figure for.
-    agents = ConsumptionStore(sessions, None).measured(str(j.id) for j in running if str(j.id) not in m_jobs)
+    agents = ConsumptionStore(sessions, None).measured(str(j.id) for j in own_running if str(j.id) not in m_jobs)
     rows: list[RunningJob] = []
-    for j in sorted(running, key=lambda j: j.id):
-        if not mine(j):
-            continue
+    for j in own_running:
         a = j.allocation
         cache = cache_rows.get(j.dataset_id)
         m = m_jobs.get(str(j.id)) or {}
@@ -205,12 +248,12 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         cached = m_cached.get(key)
         datasets.append(DatasetRow(d.name, d.owner, key, d.size, float(cache_rows.get(d.id, 0.0)),
                                    None if cached is None else float(cached)))
-    io_used = sum((j.allocation.remote_io or 0.0) for j in running if j.allocation is not None)
+    io_used = sum((r.remote_io or 0.0) for r in running_keys)
     return Overview(
         time=now, policy=policy, gpus_total=int(capacity.gpus), gpus_used=gpus_used,
-        cache_total=float(capacity.cache), cache_allocated=float(sum(cache_rows.values())),
+        cache_total=float(capacity.cache), cache_allocated=float(cache_allocated),
         remote_io_total=float(capacity.remote_io), remote_io_allocated=float(io_used),
-        queued_total=len(waiting), running_total=len(running), queue=tuple(queue), running=tuple(rows),
+        queued_total=int(queued_total), running_total=len(running_keys), queue=tuple(queue), running=tuple(rows),
         datasets=tuple(datasets), history=tuple(dict(h) for h in status.get("history") or ()),
         measured_at=measured.get("time"), scheduling=scheduling,
     )

@@ -5,7 +5,8 @@ workers on a small machine and raised their p99 during rounds). Between two roun
 row is unchanged (only running jobs progress, few change state), so `RoundJobs` keeps the view it
 built for each row and builds a view again only for a row whose columns differ from last round's.
 A view is a pure function of the row's columns and of whether the job's client report is still
-fresh at `now` (the only way time enters `planned`), so both are the key: a reused view is the
+fresh at `now` (the only way time enters `planned`; a running job past its declared work, whose
+remaining work depends on `now`, is never reused), so both are the key: a reused view is the
 view that building it again would give. Rows are read with a Core select on the connection, not
 through the ORM's result processing.
 """
@@ -32,7 +33,7 @@ _QUERY: Select = (
         Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
         Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
         JobMeasurementRow.ideal_throughput, JobMeasurementRow.cpu_rate, JobMeasurementRow.client_step_s,
-        JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at,
+        JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at, Job.start_time,
     )
     .join(Dataset, Job.dataset_id == Dataset.id)
     .outerjoin(JobMeasurementRow, JobMeasurementRow.job_id == Job.id)
@@ -41,6 +42,31 @@ _QUERY: Select = (
 )
 _DATASET_SIZE = 10
 _CLIENT_AT = 24
+_TOTAL, _CONSUMED = 5, 6
+
+#: An active job whose progress reached this share of its declared work is at or past the
+#: backends' cap below "done" (only the job's controller says done: the Kubernetes backend holds
+#: its estimate at 0.99 of the total): how much it has left is unknown from here on.
+AT_DECLARED_WORK = 0.99
+
+
+def _past_declared_work(row: tuple) -> bool:
+    total = row[_TOTAL]
+    return total > 0 and row[_CONSUMED] >= AT_DECLARED_WORK * total
+
+
+def remaining_work(total: float, consumed: float, fstar: float, start_time: float | None, now: float) -> float:
+    """Bytes an active job has left, as SJF ranks it. A job at its declared work that has not
+    ended (issue 47: on Kubernetes such a job had 0 left and stayed first in SJF however long it
+    overran) has an unknown remainder, not the shortest: it is taken to need as much again as it
+    has run past its declaration, f* x (time since it first started) - declared work (Tiresias'
+    least-attained-service reading of an unknown size). An honest job finishing on time keeps
+    about 0 left; one that overruns falls back in the queue as it overruns (and stays back while
+    preempted), so understating work only loses."""
+    left = max(total - consumed, 0.0)
+    if total <= 0 or consumed < AT_DECLARED_WORK * total or start_time is None:
+        return left
+    return max(left, fstar * max(now - start_time, 0.0) - total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +85,8 @@ def _build(row: tuple, now: float) -> TenantJob:
         cpu_rate = min(cpu_rate, rest[7])  # the autocache point's rate bounds the whole pipeline's
     view = JobView(
         job_id=str(jid), gpus=gpus, dataset=storage_key(ds_id, ds_name), ideal_throughput=ideal,
-        remaining_bytes=max(total - consumed, 0.0), submit_time=submit,
+        remaining_bytes=remaining_work(total, consumed, ideal, rest[13], now),
+        submit_time=submit,
         running=state == JobState.RUNNING, priority=prio, access=access_from_row(*rest[:5]),
         pipeline=pipeline_from_row(cpu_rate, *rest[6:8]),
     )
@@ -86,8 +113,9 @@ class RoundJobs:
             row = tuple(r)
             fresh = client_report_fresh(row[_CLIENT_AT], now)
             entry = last.get(row[0])
-            # Tuple equality: a NaN column never equals itself, so such a row is simply rebuilt.
-            if entry is None or entry.fresh != fresh or entry.row != row:
+            # Tuple equality: a NaN column never equals itself, so such a row is simply rebuilt. A
+            # job past its declared work is ranked by how long it has run: rebuilt every round.
+            if entry is None or entry.fresh != fresh or entry.row != row or _past_declared_work(row):
                 entry = _Built(row, fresh, _build(row, now))
             built[row[0]] = entry
             jobs.append(entry.job)
@@ -96,4 +124,4 @@ class RoundJobs:
         return jobs, sizes
 
 
-__all__ = ["RoundJobs"]
+__all__ = ["AT_DECLARED_WORK", "RoundJobs", "remaining_work"]

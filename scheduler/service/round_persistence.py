@@ -39,6 +39,7 @@ from scheduler.service.db.models import (
 )
 from contract.names import dataset_id_of_key, storage_key
 from scheduler.service.sealed import SecretBox, SecretUnavailable
+from scheduler.service.types import JobProgram
 
 AllocTuple = tuple[int, float, float | None, bool, float | None]  # gpus, gpu_share, remote_io, running, cpu cores
 _CHUNK = 500  # bounded IN lists
@@ -253,7 +254,7 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                                         credential=source),
                     ideal_throughput=job.ideal_throughput, total_bytes=job.total_bytes,
                     consumed_bytes=job.consumed_bytes, model=job.model, epochs=job.epochs,
-                    cpu_rate=job.cpu_rate,
+                    cpu_rate=job.cpu_rate, program=JobProgram.from_json(job.program),
                 )
                 pending.start.append((spec, d.starts[job.id]))
             chunk = [jid for jid in chunk if jid not in unopened]

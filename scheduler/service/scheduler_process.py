@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -106,6 +106,9 @@ class SchedulerService(ReadViews):
         self.config = config
         self.storage = StoragePush(pusher)
         self.datamanager_url = datamanager_url
+        #: Mints the token a job's program reports with (`report_token`): set by build_service
+        #: for backends that run programs (local); None: programs get no token.
+        self.job_tokens: Any = None
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self._write_lock = threading.RLock()
         self._round_lock = threading.Lock()  # one round at a time (timer thread vs direct calls)
@@ -123,7 +126,7 @@ class SchedulerService(ReadViews):
         self._placements_at = 0.0
         self._description = backend.describe()
         name = config.policy or self._stored_policy() or "fifo"
-        self.core = SchedulingCore(get_policy(name), SiloDEstimator())
+        self.core = SchedulingCore(get_policy(name), SiloDEstimator(), round_s=config.round_seconds)
         self.policy_name = name
         self._save_setting("policy", name)
         self.runner = LoopRunner(self)
@@ -264,6 +267,11 @@ class SchedulerService(ReadViews):
                     job.finish_time = ev.time or time.time()
                     job.message = ev.message or "failed"
                     ended = True
+                elif ev.kind == "unschedulable":
+                    # Repeated every poll while it lasts: the reason stays visible (a preemption
+                    # writes "preempted"); a round only when the job still holds its allocation.
+                    job.message = ev.message or "unschedulable"
+                    ended = ended or job.state == JobState.RUNNING
         return ended
 
     def _plausible_progress(self, job: Job, reported: float, now: float) -> float:
@@ -305,9 +313,17 @@ class SchedulerService(ReadViews):
                 ):
                     owners[storage_key(ds_id, ds_name)] = ds_owner
             quotas = {
-                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs) for q in s.scalars(select(Quota))
+                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs, q.ideal_per_gpu)
+                for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)
+        # Jobs the backend cannot place on any node (its fit check, the API server's answer): held
+        # back like a quota holds back, so the policy gives them no GPUs while that lasts.
+        unschedulable = getattr(self.backend, "unschedulable_jobs", None)
+        stuck = unschedulable() if callable(unschedulable) else set()
+        if stuck:
+            held_back = [*held_back, *(v for v in admitted if v.job_id in stuck)]
+            admitted = [v for v in admitted if v.job_id not in stuck]
         # A measurement is believed only up to the dataset's size (issue 20: an agent's report of
         # 1e15 bytes for another tenant's dataset reached the policy as is). One view per dataset,
         # in the order the admitted jobs first read them.
@@ -545,6 +561,8 @@ class SchedulerService(ReadViews):
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:
+                if spec.program is not None and self.job_tokens is not None:
+                    spec = replace(spec, report_token=self.job_tokens(spec))
                 self.backend.start(spec, alloc)
             except Exception as exc:  # the job fails, the service carries on
                 log.warning("backend failed to start job %s: %s", spec.job_id, exc)

@@ -4,6 +4,8 @@ the catalogue, the scheduling loop and the API; no I/O here."""
 
 from __future__ import annotations
 
+import json
+
 import functools
 import math
 import re
@@ -19,8 +21,13 @@ from scheduler.backends.base import ClusterDescription
 from scheduler.core.planner import RoundPlan
 from contract.uri_policy import UriPolicy
 
+#: The default ceiling on a job's declared f* per GPU (bytes/s, times --gpu-speed): about 9x the
+#: catalog's fastest model on its reference GPU (resnet50, 114 MB/s per V100; traces/catalog.py).
+#: An admin raises it per tenant (PUT /v1/quotas/{tenant} {"ideal_per_gpu": ...}) or for all
+#: (--default-quota fstar=RATE).
+DEFAULT_IDEAL_PER_GPU = 1e9
 MAX_BYTES = 1e21  # larger sizes are typos (a zettabyte dataset), not data
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 ADMIN = "admin"
 
 
@@ -115,6 +122,27 @@ class NewJob:
     pipeline: InputPipeline | None = None  # CPU preprocessing stage (estimator/pipeline.py); None = not CPU-bound
     # The pods to run (backends that create workloads, i.e. Kubernetes: a workloads.PodTemplate).
     pod_template: Any = None
+    # The local backend's training program: (command, env) run on the mounted dataset; None runs
+    # the built-in stand-in worker.
+    program: JobProgram | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobProgram:
+    """What a local-backend job runs instead of the stand-in worker (scheduler/backends/local_worker.py)."""
+
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"command": list(self.command), "env": dict(self.env)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> JobProgram | None:
+        if not text:
+            return None
+        data = json.loads(text)
+        return cls(tuple(data["command"]), tuple(sorted((data.get("env") or {}).items())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,8 +292,18 @@ class TenantQuota:
     cache_bytes: float | None = None
     running_jobs: int | None = None
     queued_jobs: int | None = None
+    #: the most f* per GPU a job of the tenant may declare (bytes/s per GPU): a declaration is a
+    #: claim that orders the SJF queue before anything is measured, so it is bounded (issue 47).
+    #: None: the service's default quota's, else DEFAULT_IDEAL_PER_GPU x the cluster's GPU speed.
+    ideal_per_gpu: float | None = None
 
-    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs")
+    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs", "ideal_per_gpu")
+
+
+#: Waiting jobs a tenant without its own quota may have (`--default-quota queued=N`, or
+#: `queued=none` for no limit below the object limit `jobs`; PUT /v1/quotas/{tenant} per tenant).
+DEFAULT_QUEUED_JOBS = 1_000
+DEFAULT_QUOTA = TenantQuota(queued_jobs=DEFAULT_QUEUED_JOBS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,12 +315,16 @@ class ObjectLimits:
     datasets: int = 10_000  # datasets one tenant registers
     credentials: int = 1_000  # credentials one tenant stores
     grants: int = 256  # tenants one dataset is shared with (each grantee is in the dataset's record)
+    #: active (queued or running) jobs of one tenant (issue 47: every active job is in each
+    #: round and in its owner's listings; one tenant's 12,000 slowed every tenant's reads). A
+    #: 403 past it; an admin's quota `queued_jobs` (429) is the softer, per-tenant limit.
+    jobs: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     capacity: ClusterCapacity
-    default_quota: TenantQuota = field(default_factory=TenantQuota)  # tenants without their own
+    default_quota: TenantQuota = DEFAULT_QUOTA  # tenants without their own
     uri_policy: UriPolicy = field(default_factory=UriPolicy)  # which dataset URIs may be registered
     policy: str | None = None  # None: the persisted policy, else fifo
     round_seconds: float = 360.0

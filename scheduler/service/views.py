@@ -22,6 +22,7 @@ from scheduler.service.db.models import (
     JobAllocationRow,
     JobState,
     Round,
+    TenantJobCount,
 )
 from scheduler.service.overview import Overview, build_overview
 from scheduler.service.types import (
@@ -59,18 +60,22 @@ class ReadViews:
         """The scheduling process's published measurements, held-back jobs and history."""
         raise NotImplementedError
 
-    def overview(self, who: Principal) -> Overview:
-        """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py)."""
+    def overview(self, who: Principal, queue_limit: int | None = None) -> Overview:
+        """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py);
+        `queue_limit`: only the first waiting jobs (/metrics gives no series to the others)."""
         from scheduler.service.control import scheduling_note
 
         return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
-                              status=self._overview_status(), scheduling=scheduling_note(self.sessions))
+                              status=self._overview_status(), queue_limit=queue_limit,
+                              scheduling=scheduling_note(self.sessions))
 
     # ------------------------------------------------------------------ cluster / allocations
 
     def cluster(self) -> ClusterRecord:
         with self.sessions() as s:
-            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+            # The triggers' per-tenant counts (TenantJobCount): no count over every job ever submitted.
+            counts = {k: v for k, v in s.execute(select(TenantJobCount.state, func.sum(TenantJobCount.n))
+                                                 .group_by(TenantJobCount.state)).all() if v}
             gpus_used = s.scalar(select(func.coalesce(func.sum(JobAllocationRow.gpus), 0))) or 0
             io_used = s.scalar(
                 select(func.coalesce(func.sum(JobAllocationRow.remote_io), 0.0)).where(JobAllocationRow.running)

@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         cpus_per_node: Annotated[Optional[str], typer.Option(help="CPU cores per node for input pipelines; jobs with a cpu_rate are then bound by their cores [default: CPU not constrained]")] = None,
         cpu_allocation: Annotated[Optional[str], typer.Option(help="with --cpus-per-node: model (the policy allocates cores as a resource) | gpu-proportional (cores follow GPUs, the baseline) [default: model]")] = None,
         irregular_partition: Annotated[bool, typer.Option(help="schedule irregular jobs (access curriculum/irregular) in their own partition with LRU caching; --no-irregular-partition plans every job as regular (SiloDPerf, uniform cache)")] = True,
-        policy: Annotated[str, typer.Option(help="fifo | sjf | gavel | greedy | a registered plug-in")] = "fifo",
+        policy: Annotated[str, typer.Option(help="fifo (backfilling) | fifo-strict (head-of-line, Gavel's) | sjf | gavel | greedy | a registered plug-in")] = "fifo",
         cache_system: Annotated[str, typer.Option(help="silod | alluxio | coordl | quiver")] = "silod",
         round: Annotated[float, typer.Option("--round", help="scheduling round, seconds")] = 360.0,
         resolution: Annotated[int, typer.Option(help="chunks per dataset, twice that on Alluxio's LRU (higher = closer to item level, slower)")] = 128,
@@ -79,7 +79,8 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
         stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
-        decision_interval: Annotated[float, typer.Option(help="decision coalescing: at most one policy decision per this many seconds while jobs run (0 = at every arrival, completion and demand change; see docs/simulator.md)")] = 0.0,
+        decision_interval: Annotated[float, typer.Option(help="allocation-recompute interval: at most one policy decision per this many seconds while jobs run; rounds in between use the allocation in force (Gavel's default is 1920; 0 = at every arrival, completion and demand change; see docs/policies.md)")] = 0.0,
+        scale_missing: Annotated[Optional[str], typer.Option(help="Gavel traces: rate of a job whose GPU count has no throughput entry: linear (the largest measured count below, scaled by GPUs) | nearest (its measured rate, not scaled) [default: linear, with a warning that counts them]")] = None,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
     ) -> None:
@@ -109,7 +110,7 @@ def register(app: typer.Typer) -> None:
         capacity, speed = load_cluster(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache,
                                        remote_io=remote_io, gpu_speed=gpu_speed, irregular_share=irregular_share,
                                        cpus_per_node=cpus_per_node, cpu_allocation=cpu_allocation, defaults=DEFAULT_CLUSTER)
-        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed)
+        tr = load_trace(trace, format, dataset_sharing, max_jobs, seed, scale_missing)
         result = run_simulation(tr, capacity, speed, policy, cache_system, round, resolution, seed,
                                 None if quiet else f"{policy}/{cache_system}", partition=irregular_partition,
                                 profile_noise=profile_noise, stagger=stagger, decision_interval=decision_interval)
@@ -145,6 +146,7 @@ def register(app: typer.Typer) -> None:
         merge: Annotated[bool, typer.Option("--merge", help="plot from the parts in the directories given after the name (written by --shard); the configuration comes from the parts")] = False,
         dask: Annotated[Optional[str], typer.Option(help="run the simulations on the Dask cluster whose scheduler is at this address (tcp://HOST:PORT; needs silod's dask extra); the trace is shipped to the workers")] = None,
         ray: Annotated[Optional[str], typer.Option(help="run the simulations on the Ray cluster at this address (HOST:PORT, as `ray start --head` prints it; needs silod's ray extra); the trace is shipped to the workers")] = None,
+        insecure_cluster: Annotated[bool, typer.Option("--insecure-cluster", help="allow a --dask/--ray address that is neither loopback nor TLS: Dask and Ray run any client's code, so only on a private network that no one else reaches")] = False,
     ) -> None:
         """Reproduce one of the paper's experiments (§7) and plot it; prints the headline numbers."""
         from scheduler.core.cluster import load_cluster
@@ -186,7 +188,8 @@ def register(app: typer.Typer) -> None:
         split = Shard.parse(shard) if shard is not None else None
         if dask is not None and ray is not None:
             raise UserError("--dask and --ray each name the cluster that runs the simulations; give one of them")
-        executor = Executor("dask", dask) if dask is not None else Executor("ray", ray) if ray is not None else None
+        executor = (Executor("dask", dask, insecure_cluster) if dask is not None
+                    else Executor("ray", ray, insecure_cluster) if ray is not None else None)
         capacity, _ = load_cluster(None, gpus=gpus, cache=cache, remote_io=remote_io, defaults=LARGE_CLUSTER)
         runner = ExperimentRunner(trace, max_jobs, seed, round, resolution, show_progress=not quiet, workers=workers)
         ensure_writable_dir(out, "--out")

@@ -67,6 +67,8 @@ DRIFT_FLOOR = 1 / 16
 #: much as all before it): a count over a few chunks is noisy.
 DRIFT_MEMORY = 0.5
 _NO_COLUMN = np.zeros(0)  # a kernel's column argument it does not read
+#: step_budget's factor: steps per event (arrival, completion, epoch boundary, round)
+STEP_BUDGET_FACTOR = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +178,20 @@ class SimResult:
     steps: int
     sim_cpu_s: float = 0.0  # CPU seconds of this process in run() (wall time is noisy on a shared machine)
     unfinished: list[str] = field(default_factory=list)
+
+
+def step_budget(trace: Trace, makespan_s: float, round_s: float, demand_tolerance: float = 0.025) -> float:
+    """The most steps a run should take: STEP_BUDGET_FACTOR x (arrivals + completions + every
+    job's epoch boundaries + rounds over the makespan) + (its epochs) / demand_tolerance.
+
+    Every step ends at one of those events or at a bound of `_step_limit` that keeps a
+    contended link's division, or a cache that moves under its readers, within tolerance: a
+    job's miss ratio moves by at most `demand_tolerance` a step, which bounds those steps to
+    about 1 / tolerance per epoch read while the link is contended. `benchmarks/bench_sim.py
+    --sweep` prints each cell's steps over it; tests/test_sim_steps.py checks it."""
+    epochs = sum(math.ceil(j.epochs) for j in trace.jobs)
+    events = 2 * len(trace.jobs) + epochs + makespan_s / round_s
+    return STEP_BUDGET_FACTOR * events + epochs / demand_tolerance
 
 
 @dataclass(slots=True)
@@ -305,7 +321,7 @@ class Simulator:
         self.trace = trace
         self.capacity = capacity
         self.config = config
-        self.core = SchedulingCore(policy, estimator, stagger=config.stagger)
+        self.core = SchedulingCore(policy, estimator, stagger=config.stagger, round_s=config.round_s)
         self.cache = (
             make_cache_system(cache_system, capacity.cache, capacity.gpus, config.seed, config.profile_noise)
             if isinstance(cache_system, str)
@@ -596,6 +612,11 @@ class Simulator:
         now = 0.0
         need_decision = True
         deferred = False  # a decision waits for decision_interval_s (coalescing)
+        # Round-based policies (Gavel) see arrivals and completions at the round's end, as
+        # Gavel's rounds do: an arrival waits for it, a finished job's GPUs idle until it (a
+        # round ends early when all its jobs have finished). Others decide at once.
+        round_based = self.core.policy.time_sharing
+        job_event = False  # an arrival or completion not yet decided on
         snapshot = None
         allocation = None
         plan = None
@@ -639,10 +660,10 @@ class Simulator:
                 self._by_id[job.job_id] = job
                 self._fair = self._members = None
                 next_arrival += 1
-                need_decision = True
+                job_event = True
             if not active:
-                if need_decision or deferred:
-                    deferred = False
+                if need_decision or deferred or job_event:
+                    deferred = job_event = False
                     # The last job finished: apply the plan for no jobs as at any completion
                     # (silod and quiver drop the datasets nobody reads any more), idle or not.
                     snapshot = self._snapshot(now, active, np.zeros(0, dtype=np.int64))
@@ -666,18 +687,26 @@ class Simulator:
             recheck = self.core.stagger_recheck_at
             if recheck is not None and now >= recheck - 1e-9:
                 need_decision = True  # a held job's staggered start has come
-            # Decision coalescing (off by default): what asks for a decision within
-            # decision_interval_s of the last one waits for it or for the round's end, whichever
-            # comes first (finished jobs' GPUs and arrivals wait that long).
+            if job_event and (not round_based or not running or now >= round_end - 1e-9):
+                need_decision = True
+            # The allocation-recompute interval (Gavel's minimum_time_between_allocation_resets;
+            # 0, the default: none): what asks for a decision within decision_interval_s of the
+            # last one waits for it (an idle cluster decides at once). Meanwhile each round is
+            # planned on the allocation in force over the jobs active now, as Gavel does: jobs
+            # that arrived since get no GPUs, finished jobs' GPUs go to the others in it at the
+            # round's end.
             interval = cfg.decision_interval_s
             if interval > 0:
-                due = not running or now >= last_decision + interval - 1e-9 or now >= round_end - 1e-9
+                due = not running or (now >= last_decision + interval - 1e-9 and (not round_based or now >= round_end - 1e-9))
                 if (need_decision or deferred) and not due:
                     deferred, need_decision = True, False
+                    if now >= round_end - 1e-9:
+                        snapshot = self._snapshot(now, active, self._active_slots(active))
                 elif deferred:
                     deferred, need_decision = False, True
             if need_decision:
                 last_decision = now
+                job_event = False
                 slots = self._active_slots(active)
                 snapshot = self._snapshot(now, active, slots)
                 allocation = self.core.decide(snapshot)
@@ -690,7 +719,7 @@ class Simulator:
             if need_decision or now >= round_end - 1e-9:
                 # Who holds GPUs changes only at round boundaries (and when the jobs change).
                 plan = self.core.plan_round(snapshot, allocation)
-                round_end = now + cfg.round_s if time_shared else np.inf
+                round_end = now + cfg.round_s if time_shared or (round_based and plan.running) else np.inf
                 by_id = self._by_id
                 chosen = [by_id[i] for i in plan.running]
                 chosen_ids = set(plan.running)
@@ -723,7 +752,7 @@ class Simulator:
                 step_end = min(step_end, last_decision + cfg.io_refresh_s)
             if self.core.stagger_recheck_at is not None:
                 step_end = min(step_end, max(self.core.stagger_recheck_at, now + 1e-6))
-            if deferred:
+            if deferred and not round_based:
                 step_end = min(step_end, last_decision + cfg.decision_interval_s)
             st = self._step_state(running)
             m = self._miss_vector(running, st)
@@ -819,7 +848,7 @@ class Simulator:
                               job.gpu_ideal if job.fstar is None else job.fstar.declared,
                               math.nan if job.fstar is None else job.fstar.estimate)
                 )
-                need_decision = True
+                job_event = True
             if finished:
                 time_shared = self._time_shared(self._active_slots(active))
             now += dt

@@ -317,14 +317,69 @@ def result_from_json(data: dict) -> RunResult:
                      float(data["queued_until"]))
 
 
+#: What a Dask or Ray cluster is to silod (issue 47): both run any Python a client sends them, and
+#: the silod client unpickles what they send back (Dask's and Ray's protocols deserialise pickled
+#: frames whatever the result's type: a hostile scheduler or worker runs code in the client). So
+#: the cluster is trusted both ways, and a cluster anyone on the network reaches is remote code
+#: execution for anyone: silod refuses a non-loopback address unless its transport is TLS (Dask:
+#: tls://, with certificates in Dask's configuration; Ray: RAY_USE_TLS=1, mutual TLS) or the
+#: operator says --insecure-cluster. Ray has no authentication of its own: TLS certificates are
+#: the only thing that keeps a stranger's driver out.
+INSECURE_HELP = ("Dask and Ray run any client's Python and silod unpickles what they return: use tls:// with"
+                 " certificates (Dask: distributed.comm.tls.* in its configuration), an SSH tunnel to a scheduler"
+                 " bound to 127.0.0.1, or for Ray RAY_USE_TLS=1 with its certificates; on a private network"
+                 " that only you reach, say --insecure-cluster (docs/simulator.md, \"Sweeps on Dask or Ray\")")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere, so it is not taken for loopback
+
+
+def check_cluster_address(kind: str, address: str, insecure: bool = False) -> None:
+    """Refuse `--dask`/`--ray ADDRESS` that is neither loopback nor TLS, unless `insecure`."""
+    from urllib.parse import urlsplit
+
+    parsed = urlsplit(address if "://" in address else f"//{address}")
+    scheme = (parsed.scheme or ("tcp" if kind == "dask" else "")).lower()
+    try:
+        host = parsed.hostname or ""
+    except ValueError:
+        host = ""
+    if not host:
+        raise UserError(f"--{kind} {address!r} names no host; e.g. --{kind} "
+                        + ("tls://scheduler.example:8786" if kind == "dask" else "127.0.0.1:6379"))
+    if kind == "dask":
+        tls = scheme in ("tls", "wss")
+        if scheme == "inproc":
+            return
+    else:
+        tls = os.environ.get("RAY_USE_TLS", "").strip().lower() in ("1", "true")
+    if _is_loopback(host) or tls or insecure:
+        return
+    what = "not tls://" if kind == "dask" else "RAY_USE_TLS is not set (Ray has no authentication of its own)"
+    raise UserError(f"--{kind} {address}: {host} is not a loopback address and {what}; {INSECURE_HELP}")
+
+
 @dataclass(frozen=True)
 class Executor:
     """A cluster that runs the simulations instead of local worker processes: `--dask ADDRESS`
     or `--ray ADDRESS`. Both go through `run_on_cluster`; only connecting, shipping a trace,
-    submitting a run and collecting results differ (`_DaskSession`, `_RaySession`)."""
+    submitting a run and collecting results differ (`_DaskSession`, `_RaySession`). The address
+    is checked (check_cluster_address) before anything connects."""
 
     kind: str  # "dask" | "ray"
     address: str
+    insecure: bool = False  # --insecure-cluster: the operator vouches for the network
+
+    def __post_init__(self) -> None:
+        check_cluster_address(self.kind, self.address, self.insecure)
 
     def __str__(self) -> str:
         return f"--{self.kind} {self.address}"

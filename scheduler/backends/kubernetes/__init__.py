@@ -64,13 +64,24 @@ def load_api_client(server: str | None = None, kubeconfig: str | None = None, co
 def create_backend(config: BackendConfig) -> KubernetesBackend:
     opts = dict(config.options)
     known = {"server", "token-file", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
-             "lease-name", "identity", "lease-seconds"}
+             "lease-name", "identity", "lease-seconds", "unschedulable-timeout"}
     unknown = sorted(set(opts) - known)
     if unknown:
         raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
     api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
+    timeout = 3600.0
+    if opts.get("unschedulable-timeout"):
+        text = opts["unschedulable-timeout"].strip().lower()
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:], None)
+        try:
+            timeout = float(text[:-1]) * unit if unit else float(text)
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout <= 30 * 86400:
+            raise UserError(f"--backend-opt unschedulable-timeout={opts['unschedulable-timeout']!r}: give a duration"
+                            f" between 1s and 30d (e.g. 30m), how long a job no node can take waits before it fails")
     backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
-                                default_queue=opts.get("queue") or "default")
+                                default_queue=opts.get("queue") or "default", unschedulable_timeout_s=timeout)
     if config.datamanager_url:
         from datamanager.client import DataManagerClient
 

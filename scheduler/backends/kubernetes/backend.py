@@ -112,6 +112,7 @@ class KubernetesBackend(ClusterBackend):
         default_queue: str = "default",
         clock: Callable[[], float] = time.time,
         request_timeout: float = 30.0,
+        unschedulable_timeout_s: float = 3600.0,
     ):
         from kubernetes import client
 
@@ -146,6 +147,12 @@ class KubernetesBackend(ClusterBackend):
         self.elector: Any = None  # a LeaderElector when several replicas run (create_backend)
         self.consumption: Any = None  # ConsumptionStore over the service's database (attach)
         self._job_parents: dict[str, str] = {}  # a JobSet's child Job uid -> its controller's uid
+        # Jobs no node could take even with the cluster empty: job id -> (reason, since). Held
+        # back from the policy (unschedulable_jobs), failed after unschedulable_timeout_s.
+        self._unschedulable: dict[str, tuple[str, float]] = {}
+        self._unschedulable_specs: dict[str, tuple[JobSpec, JobAllocation]] = {}
+        self.unschedulable_timeout_s = unschedulable_timeout_s
+        self._raw_nodes: list[Any] = []
         self.admissions = 0  # successful admissions (observability, tests)
         self.suspensions = 0
 
@@ -273,6 +280,7 @@ class KubernetesBackend(ClusterBackend):
             self._bound = [p for p in self._placed
                            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             self.workloads, self._objects = workloads, objects
+            self._raw_nodes = nodes
             self.nodes = self._node_states(nodes)
             if not self._recovered:
                 self._recover()
@@ -577,8 +585,31 @@ class KubernetesBackend(ClusterBackend):
                 # before failing it (poll() checks again).
                 self._awaiting[job.job_id] = (job, allocation, self.clock() + AWAIT_WORKLOAD_S)
                 return
-            if not self._admit(job, allocation):
+            if not self._admit(job, allocation) and job.job_id not in self._unschedulable:
                 self._deferred[job.job_id] = (job, allocation)
+
+    def unschedulable_jobs(self) -> set[str]:
+        """Jobs whose pods fit on no node even with the cluster empty (the service holds them
+        back from the policy: they get no GPUs while this lasts)."""
+        with self._lock:
+            return set(self._unschedulable)
+
+    def _empty_cluster(self) -> list[NodeState]:
+        """The ready nodes as if nothing ran on them: what a job could ever get today."""
+        bound, admitted = self._bound, self._admitted
+        try:
+            self._bound, self._admitted = [], {}
+            return self._node_states(self._raw_nodes)
+        finally:
+            self._bound, self._admitted = bound, admitted
+
+    def _never_fits(self, pods: list[PodRequest], ds_key: str, cache: float, io_per_pod: float) -> str | None:
+        """Why the pods fit on no node of the empty cluster, or None when they would fit there
+        (then they only wait for room)."""
+        empty = self._empty_cluster()
+        if place(pods, empty, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod) is not None:
+            return None
+        return why_not(pods, empty, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod)
 
     def _fresh(self, wl: Workload) -> tuple[Workload, dict[str, Any]] | None:
         """The workload as the API server has it now (its controller and owner change it)."""
@@ -631,10 +662,22 @@ class KubernetesBackend(ClusterBackend):
         ds_key = job.dataset.name
         where = place(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod)
         if where is None:
+            never = self._never_fits(pods, ds_key, cache, io_per_pod)
+            if never is not None:
+                first = self._unschedulable.get(job.job_id, ("", self.clock()))[1]
+                reason = (f"unschedulable: {never}; back in the queue without GPUs until a node can take it, failed"
+                          f" after {self.unschedulable_timeout_s:g} s")
+                self._unschedulable[job.job_id] = (reason, first)
+                self._unschedulable_specs[job.job_id] = (job, allocation)
+                self._report(obj, wl.kind, f"{wl.key} is {reason}", reason="SiloDUnschedulable")
+                self._events.append(JobEvent(job.job_id, "unschedulable", time=self.clock(), message=reason))
+                return False
             self._report(obj, wl.kind, f"{wl.key} waits for placement: "
                          + why_not(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod),
                          reason="SiloDWaitingForPlacement")
             return False
+        self._unschedulable.pop(job.job_id, None)
+        self._unschedulable_specs.pop(job.job_id, None)
         host = {n.name: n.hostname for n in self.nodes}
         hostnames = sorted({host[n] for n in where.values()})
         if not self._write(wl, admitted_object(wl.kind, obj, hostnames)):
@@ -707,6 +750,9 @@ class KubernetesBackend(ClusterBackend):
             if exc.status == 422:
                 self._report(new, wl.kind, f"{wl.key}: Kubernetes refused silod's update: {exc.body!s:.500}")
                 return False
+            if exc.status == 403:
+                self._report(new, wl.kind, _unbound(wl))
+                return False
             raise
         parsed = parse_workload(wl.kind, got)
         self.workloads[parsed.uid] = parsed
@@ -756,6 +802,9 @@ class KubernetesBackend(ClusterBackend):
         except _api_exception() as exc:
             if exc.status == 404:
                 return True  # gone: nothing to suspend (poll() reports the deletion)
+            if exc.status == 403:
+                self._report(self._objects.get(wl.uid) or {"metadata": {"name": wl.name, "namespace": wl.namespace,
+                                                                        "uid": wl.uid}}, wl.kind, _unbound(wl))
             log.warning("%s: suspension not written (HTTP %s); retrying on the next poll", wl.key, exc.status)
             return False
         except Exception as exc:  # noqa: BLE001 - the API server is unreachable: retry on the next poll
@@ -766,6 +815,38 @@ class KubernetesBackend(ClusterBackend):
             self.workloads[parsed.uid], self._objects[parsed.uid] = parsed, got
         self.suspensions += 1
         return True
+
+    def _recheck_unschedulable(self, now: float) -> None:
+        """Each poll: a held job that would fit now (a node was added or changed) is released to
+        the policy; one held longer than unschedulable_timeout_s fails with its reason; the others
+        repeat their reason (the service keeps it as the job's message)."""
+        for job_id, (reason, since) in list(self._unschedulable.items()):
+            found = self._workload_of(job_id)
+            spec_alloc = self._unschedulable_specs.get(job_id)
+            if found is None or found[0].phase != "active" or spec_alloc is None:
+                self._unschedulable.pop(job_id, None)
+                self._unschedulable_specs.pop(job_id, None)
+                continue
+            wl, _ = found
+            spec, alloc = spec_alloc
+            cache = float(alloc.cache_bytes or 0.0)
+            io_per_pod = float(alloc.remote_io or 0.0) / max(wl.pods, 1)
+            pod_cpus = wl.pod_cpus()
+            pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols), pod_cpus.get(key, 0.0))
+                    for key, gpus, sel, tols in wl.pod_list()]
+            if self._never_fits(pods, spec.dataset.name, cache, io_per_pod) is None:
+                log.info("%s (job %s) fits a node now: back to the policy", wl.key, job_id)
+                self._unschedulable.pop(job_id, None)
+                self._unschedulable_specs.pop(job_id, None)
+                self._events.append(JobEvent(job_id, "unschedulable", time=now,
+                                             message="schedulable again: waits for the policy"))
+            elif now - since > self.unschedulable_timeout_s:
+                self._unschedulable.pop(job_id, None)
+                self._unschedulable_specs.pop(job_id, None)
+                self._events.append(JobEvent(job_id, "failed", time=now, message=(
+                    f"{reason.split(';')[0]} for {now - since:.0f} s (--backend-opt unschedulable-timeout)")))
+            else:
+                self._events.append(JobEvent(job_id, "unschedulable", time=now, message=reason))
 
     def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
         if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
@@ -800,6 +881,7 @@ class KubernetesBackend(ClusterBackend):
                     self._to_suspend.discard(job_id)
                 elif self._suspend(found[0]):
                     self._to_suspend.discard(job_id)
+            self._recheck_unschedulable(now)
             for job_id, (spec, alloc) in list(self._deferred.items()):
                 found = self._workload_of(job_id)
                 if found is None or found[0].phase != "active" or self._admit(spec, alloc):
@@ -810,11 +892,15 @@ class KubernetesBackend(ClusterBackend):
                 wl = self.workloads.get(ref.uid)
                 adm = self._admitted.get(job_id)
                 if wl is None:
-                    if job_id in self._admitted or job_id in self._deferred:
-                        self._events.append(JobEvent(job_id, "failed", time=now,
-                                                     message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
+                    # Deleted (by its owner, or with its namespace): whatever silod held for it, an
+                    # admission, a placement it waits for or a place in the queue, ends this round.
+                    # (The deferred loop above has already dropped it from _deferred.)
+                    self._events.append(JobEvent(job_id, "failed", time=now,
+                                                 message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
                     self._admitted.pop(job_id, None)
                     self._deferred.pop(job_id, None)
+                    self._unschedulable.pop(job_id, None)
+                    self._unschedulable_specs.pop(job_id, None)
                     self._forget(job_id)
                     continue
                 if wl.phase == "finished":
@@ -889,6 +975,12 @@ class KubernetesBackend(ClusterBackend):
                 self.refresh()
             return {job_id for job_id, ref in self._refs.items()
                     if (wl := self.workloads.get(ref.uid)) is not None and not wl.suspended and wl.phase == "active"}
+
+
+def _unbound(wl: Workload) -> str:
+    return (f"{wl.key}: silod may not change workloads in namespace {wl.namespace}: bind ClusterRole"
+            f" silod-scheduler-jobs to silod's service account there (the RoleBinding of"
+            f" deploy/base/workloads-namespace.yaml); silod writes to tenant namespaces only")
 
 
 def _close_quietly(obj: Any) -> None:

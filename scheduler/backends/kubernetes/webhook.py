@@ -5,7 +5,8 @@ once, and silod can only suspend it on its next poll, after pods may have run. W
 server sends every CREATE of a labelled Job, JobSet or PyTorchJob (the
 MutatingWebhookConfiguration's objectSelector) here first, and we answer with a JSONPatch that
 sets `spec.suspend: true` (`spec.runPolicy.suspend` for a PyTorchJob), so no pod starts before
-silod admits it. On UPDATE, unsuspending a queued workload, or removing the queue label from
+silod admits it, and gives every container mount of a silod volume `mountPropagation:
+HostToContainer` (the pods keep their data across node agent restarts: workloads.propagation_patch). On UPDATE, unsuspending a queued workload, or removing the queue label from
 one that is suspended, is denied to everyone but silod's own identity (`--webhook-admitter`,
 the scheduler's service account), so its owner cannot start it past the queue either. The configuration is deploy/base/webhook.yaml (failurePolicy: Fail; see
 docs/kubernetes.md for why and for the certificate).
@@ -34,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scheduler.backends.kubernetes.workloads import KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL
+from scheduler.backends.kubernetes.workloads import KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, propagation_patch
 
 log = logging.getLogger("silod.webhook")
 
@@ -125,7 +126,7 @@ def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[
     if ours and req.get("operation") == "CREATE" and isinstance(obj, Mapping):
         labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj.get("metadata"), Mapping) else None
         if isinstance(labels, Mapping) and QUEUE_LABEL in labels:
-            patch = _suspend_patch(known.kind, obj)
+            patch = _suspend_patch(known.kind, obj) + propagation_patch(known, obj)
             if patch:
                 response["patchType"] = "JSONPatch"
                 response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()

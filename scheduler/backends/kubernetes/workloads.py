@@ -200,6 +200,48 @@ def template_datasets(pod_spec: Mapping[str, Any]) -> list[str]:
     return out
 
 
+PROPAGATION = "HostToContainer"
+
+
+def template_paths(kind: Kind, obj: Mapping[str, Any]) -> list[tuple[str | int, ...]]:
+    """Where each pod template sits in a workload (tolerant of any shape: the admission webhook
+    sees objects nothing has validated yet)."""
+    spec = obj.get("spec") if isinstance(obj.get("spec"), Mapping) else {}
+    if kind == JOB:
+        return [("spec", "template")]
+    if kind == JOBSET:
+        rjs = spec.get("replicatedJobs")
+        return [("spec", "replicatedJobs", i, "template", "spec", "template")
+                for i in range(len(rjs))] if isinstance(rjs, list) else []
+    if kind == PYTORCHJOB:
+        specs = spec.get("pytorchReplicaSpecs")
+        return [("spec", "pytorchReplicaSpecs", role, "template") for role in specs] if isinstance(specs, Mapping) else []
+    return []
+
+
+def propagation_patch(kind: Kind, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """JSONPatch ops giving every container mount of a silod volume `mountPropagation:
+    HostToContainer` (where the owner set none). A node agent that restarts (rolling update,
+    OOM kill) re-creates its FUSE mount and re-binds the pods' target paths on the host; with
+    HostToContainer (rslave) the container sees the new mount, with the default (rprivate) it
+    keeps the dead one and every read fails with ENOTCONN until the pod is deleted."""
+    ops: list[dict[str, Any]] = []
+    for path in template_paths(kind, obj):
+        pod_spec = _get(obj, *path, "spec")
+        if not isinstance(pod_spec, Mapping):
+            continue
+        ours = {v.get("name") for v in pod_spec.get("volumes") or [] if isinstance(v, Mapping)
+                and isinstance(v.get("csi"), Mapping) and v["csi"].get("driver") == CSI_DRIVER}
+        for field_name in ("initContainers", "containers"):
+            for i, c in enumerate(pod_spec.get(field_name) or []):
+                for j, m in enumerate((c.get("volumeMounts") or []) if isinstance(c, Mapping) else []):
+                    if isinstance(m, Mapping) and m.get("name") in ours and "mountPropagation" not in m:
+                        pointer = "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)
+                        ops.append({"op": "add", "value": PROPAGATION,
+                                    "path": f"/{pointer}/spec/{field_name}/{i}/volumeMounts/{j}/mountPropagation"})
+    return ops
+
+
 def _tolerations(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
     if value is None:
         return ()
@@ -431,7 +473,9 @@ def rest_job_object(*, job_id: str, name: str, namespace: str, queue: str, gpus:
     container: dict[str, Any] = {
         "name": "train", "image": template.image, "resources": {k: v for k, v in resources.items() if v},
         "securityContext": copy.deepcopy(RESTRICTED_CONTAINER_CONTEXT),
-        "volumeMounts": [{"name": "dataset", "mountPath": template.data_path, "readOnly": True}],
+        # HostToContainer: the pod keeps its data across node agent restarts (propagation_patch).
+        "volumeMounts": [{"name": "dataset", "mountPath": template.data_path, "readOnly": True,
+                          "mountPropagation": PROPAGATION}],
         "env": [{"name": "SILOD_JOB_ID", "value": job_id}, {"name": "SILOD_DATA", "value": template.data_path},
                 *({"name": k, "value": v} for k, v in sorted((template.env or {}).items()))],
     }

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, fields
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated, Any
@@ -152,6 +152,32 @@ _UI_HEADERS = {
 }
 
 
+#: /docs has no script, style or image: nothing may load.
+_DOCS_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+def api_docs_page(spec: dict[str, Any]) -> bytes:
+    """The API's routes as a plain HTML table (method, path, summary, description), every value
+    escaped, from the OpenAPI document; the document itself is linked (/openapi.json)."""
+    from html import escape
+
+    rows = []
+    for path, ops in sorted((spec.get("paths") or {}).items()):
+        for method, op in ops.items():
+            rows.append(f"<tr><td>{escape(method.upper())}</td><td><code>{escape(path)}</code></td>"
+                        f"<td>{escape(str(op.get('summary', '')))}</td><td>{escape(str(op.get('description', '')))}</td></tr>")
+    info = spec.get("info") or {}
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>"
+            f"{escape(str(info.get('title', 'API')))}</title></head><body><h1>{escape(str(info.get('title', 'API')))}</h1>"
+            f"<p>{escape(str(info.get('description', '')))}</p><p>The machine-readable description: "
+            "<a href=\"/openapi.json\">/openapi.json</a> (OpenAPI 3).</p><table><thead><tr><th>method</th><th>path</th>"
+            "<th>summary</th><th>description</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></body></html>").encode()
+
+
 @functools.cache
 def _ui_file(name: str) -> bytes:
     return resources.files("scheduler.service.api").joinpath("ui", name).read_bytes()
@@ -164,9 +190,13 @@ def _ui_file(name: str) -> bytes:
 #: submissions/s on 2 workers (2026-11-28, a script driving bench_api's silod). Reads and writes
 #: have separate threads so submissions waiting on the database's write lock never hold the
 #: threads a read needs; each pool is shared fairly between tenants (fair_pool.py). The other
-#: routes keep the default pool, so a slow one (a forced round waits for the scheduling process;
+#: routes run on a third fair pool (OTHER_THREADS), so a slow one (a forced round waits for the scheduling process;
 #: a pod template goes to the Kubernetes API) never holds these threads.
 HOT_THREADS = 4
+#: Threads of an API worker for every other sync route (registrations, grants, credentials,
+#: cluster views, the overview, metrics, health): one fair pool, so one tenant's burst of them
+#: waits behind its own requests, not in front of everyone's (fair_pool.py).
+OTHER_THREADS = 8
 
 
 def _admin(who: Principal, what: str) -> None:
@@ -197,6 +227,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         # No 307 from /v1/jobs/ to /v1/jobs: Starlette builds its Location from the Host header
         # (Host: evil.example sent clients there). A path is served as written or is a 404.
         redirect_slashes=False,
+        # FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN at floating versions, as
+        # scripts in this origin, where tokens are typed (issue 47). /docs is instead a page
+        # rendered here from the OpenAPI document, with no script at all (api_docs_page);
+        # /openapi.json is unchanged, for any tool that renders it.
+        docs_url=None,
+        redoc_url=None,
     )
     # Bodies are parsed once, with bounds on depth, keys, list items and values, before any
     # model validates them (http_guard/json_limits.py); set before the routes are declared.
@@ -209,6 +245,19 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                        reviewer=service.config.agent_reviewer if service is not None else None)
     registries = {per_job: make_registry(service, per_job) for per_job in (False, True)} if service is not None else None
     reads, writes = FairThreadPool(HOT_THREADS), FairThreadPool(HOT_THREADS)
+    others = FairThreadPool(OTHER_THREADS)
+
+    def fair(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Run a sync route on `others`, shared fairly between tenants (anonymous callers: one
+        tenant), not first come, first served on anyio's 40 threads (issue 47)."""
+
+        @functools.wraps(fn)  # FastAPI reads the route's parameters through __wrapped__
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            who = kwargs.get("who")
+            tenant = who.user if isinstance(who, Principal) else ""
+            return await others.run(tenant, functools.partial(fn, *args, **kwargs))
+
+        return run
     catalogue = service.catalogue if service is not None else None
     consumption = (ConsumptionStore(service.sessions, getattr(service, "_write_lock", None))
                    if service is not None else None)
@@ -262,6 +311,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     # ---- health and metrics (no token: probes and Prometheus scrape without one)
 
     @app.get("/healthz", response_model=HealthOut, tags=["ops"])
+    @fair
     def healthz() -> HealthOut | JSONResponse:
         try:
             with service.engine.connect() as conn:
@@ -274,6 +324,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.get("/readyz", response_model=ReadyOut, tags=["ops"],
              responses={503: {"model": ReadyOut, "description": "serving, but nothing schedules"}})
+    @fair
     def readyz() -> ReadyOut | JSONResponse:
         """Ready: this API answers and a live process holds the scheduling lease (`/healthz` only
         says the API and its database answer). 503 while no process schedules, e.g. for the
@@ -291,6 +342,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return ReadyOut(status="ready", scheduling="ok")
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
+    @fair
     def metrics(request: Request) -> Response:
         """Cluster totals; with the metrics token or an admin's (RequestGuard lets no other token
         through here), every per-job and per-dataset series too: they name tenants and jobs."""
@@ -298,22 +350,31 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         body, content_type = metrics_response(registries[per_job])
         return Response(content=body, media_type=content_type)
 
+    @app.get("/docs", include_in_schema=False)
+    @fair
+    def docs() -> Response:
+        return Response(api_docs_page(app.openapi()), media_type="text/html; charset=utf-8", headers=_DOCS_HEADERS)
+
     # ---- the web view (static files from the package; the data comes from /v1/overview)
 
     @app.get("/ui", include_in_schema=False)
     @app.get("/ui/", include_in_schema=False)
+    @fair
     def ui_page() -> Response:
         return Response(_ui_file("index.html"), media_type="text/html; charset=utf-8", headers=_UI_HEADERS)
 
     @app.get("/ui/ui.js", include_in_schema=False)
+    @fair
     def ui_script() -> Response:
         return Response(_ui_file("ui.js"), media_type="text/javascript; charset=utf-8", headers=_UI_HEADERS)
 
     @app.get("/ui/ui.css", include_in_schema=False)
+    @fair
     def ui_style() -> Response:
         return Response(_ui_file("ui.css"), media_type="text/css; charset=utf-8", headers=_UI_HEADERS)
 
     @app.get("/v1/overview", response_model=Overview, responses=_ERRORS, tags=["cluster"])
+    @fair
     def overview(who: Who) -> Overview:
         """The queue (each waiting job's position among every tenant's waiting jobs and why it
         waits), the running jobs (allocation, measured hit ratio and throughput, what bounds
@@ -323,6 +384,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     # ---- tokens (admin)
 
     @app.post("/v1/tokens", response_model=NewTokenOut, status_code=201, responses=_ERRORS, tags=["tokens"])
+    @fair
     def create_token(body: TokenIn, who: Who) -> NewTokenOut:
         """Admin: a new token for a tenant; the plain token is in this answer only."""
         _admin(who, "create tokens")
@@ -338,11 +400,13 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return NewTokenOut(**TokenOut.model_validate(record).model_dump(), token=token)
 
     @app.get("/v1/tokens", response_model=list[TokenOut], responses=_ERRORS, tags=["tokens"])
+    @fair
     def list_tokens(who: Who) -> list[TokenOut]:
         _admin(who, "list tokens")
         return [TokenOut.model_validate(t) for t in tokens.list()]
 
     @app.delete("/v1/tokens/{token_id}", response_model=TokenOut, responses=_ERRORS, tags=["tokens"])
+    @fair
     def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**62)], who: Who) -> TokenOut:
         """Admin: revoke a token; it stops working within the token cache's TTL (2 s) everywhere."""
         _admin(who, "revoke tokens")
@@ -351,6 +415,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     # ---- quotas
 
     @app.get("/v1/quotas/{tenant}", response_model=QuotaOut, responses=_ERRORS, tags=["quotas"])
+    @fair
     def get_quota(tenant: Annotated[str, Path(max_length=64)], who: Who) -> QuotaOut:
         if tenant != who.user and not who.is_admin:
             raise NotFoundError(f"no quota visible for {tenant!r}", field="tenant")
@@ -358,24 +423,28 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
 
     @app.put("/v1/quotas/{tenant}", response_model=QuotaOut, responses=_ERRORS, tags=["quotas"])
+    @fair
     def set_quota(tenant: Annotated[str, Path(max_length=64)], body: QuotaIn, who: Who) -> QuotaOut:
         """Admin: a tenant's limits (omitted or null: no limit)."""
         check_tenant(tenant, "tenant")
-        q = catalogue.set_quota(who, tenant, TenantQuota(body.gpus, body.cache_bytes, body.running_jobs, body.queued_jobs))
+        q = catalogue.set_quota(who, tenant, TenantQuota(**{k: getattr(body, k) for k in TenantQuota.FIELDS}))
         return QuotaOut(tenant=tenant, **{k: getattr(q, k) for k in TenantQuota.FIELDS})
 
     # ---- credentials (per tenant; the secret is never returned)
 
     @app.post("/v1/credentials", response_model=CredentialOut, status_code=201, responses=_ERRORS, tags=["credentials"])
+    @fair
     def add_credential(body: CredentialIn, who: Who) -> CredentialOut:
         req = NewCredential(body.name, body.access_key_id, body.secret_access_key, body.endpoint_url, body.region, body.kind)
         return CredentialOut.model_validate(catalogue.add_credential(who, req))
 
     @app.get("/v1/credentials", response_model=list[CredentialOut], responses=_ERRORS, tags=["credentials"])
+    @fair
     def list_credentials(who: Who, limit: PageLimit = 1000, offset: PageOffset = 0) -> list[CredentialOut]:
         return [CredentialOut.model_validate(c) for c in catalogue.list_credentials(who, limit, offset)]
 
     @app.delete("/v1/credentials/{name}", status_code=204, responses=_ERRORS, tags=["credentials"])
+    @fair
     def delete_credential(name: str, who: Who) -> Response:
         catalogue.delete_credential(who, name)
         return Response(status_code=204)
@@ -383,6 +452,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     # ---- datasets
 
     @app.post("/v1/datasets", response_model=DatasetOut, status_code=201, responses=_ERRORS, tags=["datasets"])
+    @fair
     def register_dataset(body: DatasetIn, who: Who, response: Response) -> DatasetOut:
         record, created = catalogue.register_dataset(
             who, NewDataset(body.name, body.uri, body.size, body.item_count, body.credential))
@@ -391,15 +461,18 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return DatasetOut.model_validate(record)
 
     @app.get("/v1/datasets", response_model=list[DatasetOut], responses=_ERRORS, tags=["datasets"])
+    @fair
     def list_datasets(who: Who, limit: PageLimit = 1000, offset: PageOffset = 0) -> list[DatasetOut]:
         """Yours and those shared with you (the admin: all), a page at a time in (owner, name) order."""
         return [DatasetOut.model_validate(d) for d in catalogue.list_datasets(who, limit, offset)]
 
     @app.get("/v1/datasets/{name}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    @fair
     def get_dataset(name: str, who: Who, owner: OwnerQ = None) -> DatasetOut:
         return DatasetOut.model_validate(catalogue.get_dataset(who, name, owner))
 
     @app.get("/v1/datasets/{name}/source-credential", responses=_ERRORS, tags=["datasets"])
+    @fair
     def dataset_source_credential(name: str, who: Who,
                                   owner: Annotated[str, Query(max_length=64, description="the tenant whose pods mount it")]
                                   ) -> dict[str, Any]:
@@ -412,11 +485,13 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                                "endpoint_url": cred.endpoint_url, "region": cred.region}}
 
     @app.put("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    @fair
     def grant_dataset(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
         """Share your dataset with another tenant: its jobs may read it (with your credential, into the same cache)."""
         return DatasetOut.model_validate(catalogue.grant(who, name, tenant, owner))
 
     @app.delete("/v1/datasets/{name}/grants/{tenant}", response_model=DatasetOut, responses=_ERRORS, tags=["datasets"])
+    @fair
     def revoke_dataset_grant(name: str, tenant: Annotated[str, Path(max_length=64)], who: Who, owner: OwnerQ = None) -> DatasetOut:
         return DatasetOut.model_validate(catalogue.revoke_grant(who, name, tenant, owner))
 
@@ -438,6 +513,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             access=body.access.pattern() if body.access is not None else EPOCH,
             pipeline=body.pipeline(),
             pod_template=body.pod_template.to_template() if body.pod_template else None,
+            program=body.program.to_program() if body.program else None,
         )
         if req.pod_template is not None:  # creates the job's workload on the Kubernetes API: the default pool
             record, created = await anyio.to_thread.run_sync(catalogue.submit_job, who, req, idempotency_key)
@@ -472,6 +548,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
 
     @app.post("/v1/jobs/{job_id}/report", response_model=MeasuredParamsOut, status_code=202, responses=_ERRORS,
               tags=["jobs"])
+    @fair
     def report_job(job_id: str, body: ClientReportIn, who: Who) -> Any:
         """A running job's own figures: GPU compute time per step and source bytes per step. From the
         job's owner, the admin, or the node agent bound to a node one of its pods runs on. Only the
@@ -500,6 +577,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     # ---- node agents
 
     @app.post("/v1/agents/{node}/consumption", response_model=ConsumptionOut, responses=_ERRORS, tags=["agents"])
+    @fair
     def report_consumption(node: Annotated[str, Path(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")],
                            body: ConsumptionIn, who: Who) -> ConsumptionOut:
         """A node agent's cumulative per-pod read counters. Only the agent whose token is bound to
@@ -515,12 +593,14 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
                               ignored=[{"pod_uid": i.pod_uid, "reason": i.reason} for i in result.ignored])
 
     @app.delete("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, tags=["jobs"])
+    @fair
     def cancel_job(job_id: str, who: Who) -> Any:
         return catalogue.cancel_job(who, job_id)
 
     # ---- cluster, allocations, policy, rounds
 
     @app.get("/v1/cluster", response_model=ClusterOut, responses=_ERRORS, tags=["cluster"])
+    @fair
     def cluster(who: Who) -> ClusterOut:
         c = service.cluster()
         return ClusterOut(
@@ -539,10 +619,12 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         )
 
     @app.get("/v1/allocations", response_model=AllocationsOut, responses=_ERRORS, tags=["cluster"])
+    @fair
     def allocations(who: Who) -> AllocationsOut:
         return AllocationsOut.model_validate(service.allocations(who))
 
     @app.get("/v1/allocations/history", response_model=list[ChangeOut], responses=_ERRORS, tags=["cluster"])
+    @fair
     def allocation_history(
         who: Who,
         subject: Annotated[str | None, Query(max_length=128, description="a job id or dataset name")] = None,
@@ -551,14 +633,17 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         return [ChangeOut.model_validate(c) for c in service.allocation_history(who, subject, limit)]
 
     @app.get("/v1/policy", response_model=PolicyOut, responses=_ERRORS, tags=["policy"])
+    @fair
     def get_policy(who: Who) -> PolicyOut:
         return PolicyOut(name=service.policy_name, available=available_policies())
 
     @app.put("/v1/policy", response_model=PolicyOut, responses=_ERRORS, tags=["policy"])
+    @fair
     def set_policy(body: PolicyIn, who: Who) -> PolicyOut:
         return PolicyOut(name=service.set_policy(who, body.name), available=available_policies())
 
     @app.post("/v1/rounds", response_model=RoundOut, responses=_ERRORS, tags=["policy"])
+    @fair
     def run_round(who: Who) -> RoundOut:
         """Admin: run a scheduling round now (otherwise rounds run on the timer and on events)."""
         if not who.is_admin:

@@ -41,7 +41,7 @@ ADMIN_TOKEN_ENV = "SILOD_ADMIN_TOKEN"
 TOKEN_KEY_ENV = "SILOD_TOKEN_KEY"
 METRICS_TOKEN_ENV = "SILOD_METRICS_TOKEN"
 MIN_TOKEN_LEN = 8
-TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _CACHE_MAX = 10_000  # distinct tokens remembered per process (bad ones included), then cleared
 
 

@@ -22,6 +22,7 @@ import anyio
 
 from http_guard import BAD_PATH_DETAIL, BodyTooLarge, capped_receive, has_control_character, send_json
 from http_guard.agent_identity import ReviewUnavailable, looks_like_jwt
+from http_guard.auth_limit import FailedAuthLimiter, retry_after_header
 from http_guard.body import Receive, Send
 from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S, BodyTimeout, timed_receive
 
@@ -38,13 +39,13 @@ LOOKUP_THREADS = 2  # threads of a worker that look tokens up (a cache miss: one
 # is configured.
 # /ui and its script are the web view's static page: it holds no data and asks for a token, then
 # calls the authenticated JSON API (GET /v1/overview) with it.
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json",
                           "/ui", "/ui/", "/ui/ui.js", "/ui/ui.css"})
 
 AGENT_PATH = "/v1/agents/"  # node agents' reports: authorised by node before the body is read
 # What an agent pod's own token (a reviewed service-account token) may call: its dataset look-ups
 # and its node's reports. It is no tenant: it registers, submits and lists nothing.
-_REVIEWED_AGENT_ROUTES = re.compile(r"^(GET /v1/datasets/[^/]+(/source-credential)?|POST /v1/agents/[^/]+/consumption)$")
+_REVIEWED_AGENT_ROUTES = re.compile(r"^(GET /v1/datasets/[^/]+(/source-credential)?|POST /v1/agents/[^/]+/consumption)\Z")
 # The admin's routes: any other token is refused here, before its body is read or parsed (the
 # routes check again; this only spares the server a tenant's body it would throw away).
 _ADMIN_ROUTES = re.compile(r"^(POST /v1/tokens|GET /v1/tokens|DELETE /v1/tokens/[^/]+|PUT /v1/quotas/[^/]+"
@@ -107,6 +108,9 @@ class RequestGuard:
         # Token look-ups on threads of their own: every request waits for its look-up, so one
         # stuck behind slow routes on the shared default pool would stall the whole API.
         self._lookups: list[anyio.CapacityLimiter] = []  # made in the worker's event loop, at first use
+        # Failed token checks per client network (http_guard/auth_limit.py): guessing is slowed
+        # to a couple a second, and a guess made past the limit is not even checked.
+        self.failures = FailedAuthLimiter()
 
     def _public(self, path: str, headers: dict[bytes, bytes]) -> bool:
         # /metrics without SILOD_METRICS_TOKEN: the cluster totals need no token; a token asks for
@@ -143,7 +147,14 @@ class RequestGuard:
             token = token.strip()
             who: Principal | None = None
             metrics_token = False
+            client = (scope.get("client") or (None,))[0]
             if scheme.lower() == "bearer" and token:
+                wait = self.failures.retry_after(client)
+                if wait > 0:
+                    await send_json(send, 429, {"detail": "too many requests with an invalid token from your address;"
+                                                " retry later with a valid one", "field": None},
+                                    retry_after_header(wait))
+                    return
                 if path == "/metrics" and self.tokens.is_metrics_token(token):
                     who, metrics_token = Principal("metrics"), True
                 else:
@@ -177,6 +188,8 @@ class RequestGuard:
                                                " cluster totals"), "field": None})
                 return
             if who is None:
+                if scheme.lower() == "bearer" and token:
+                    self.failures.failed(client)
                 await send_json(
                     send, 401, {"detail": "missing or invalid bearer token (Authorization: Bearer TOKEN)", "field": None},
                     [(b"www-authenticate", b"Bearer")],

@@ -180,6 +180,30 @@ class PodTemplateIn(_Strict):
                            run_as_user=self.run_as_user)
 
 
+class ProgramIn(_Strict):
+    """The local backend (`--backend local`): the training program a job runs instead of the
+    built-in stand-in worker, in the worker's process group after the dataset is mounted. It gets
+    SILOD_DATA (the mount), SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN (a token of the job's owner,
+    for its step reports) besides `env`. The job ends when the program exits (0: finished)."""
+
+    command: list[Arg] = Field(min_length=1, max_length=256, examples=[["python", "train.py", "--epochs", "2"]])
+    env: dict[Annotated[str, Field(max_length=128, pattern=ENV_NAME_PATTERN)], Arg] = Field(
+        default_factory=dict, max_length=64, description="stored as given: no secrets (the job gets its own token)")
+
+    @field_validator("env")
+    @classmethod
+    def _not_ours(cls, env: dict[str, str]) -> dict[str, str]:
+        reserved = sorted(k for k in env if k.startswith("SILOD_"))
+        if reserved:
+            raise ValueError(f"{reserved[0]} is set by silod (SILOD_* names are reserved); rename it")
+        return env
+
+    def to_program(self) -> Any:
+        from scheduler.service.types import JobProgram
+
+        return JobProgram(tuple(self.command), tuple(sorted(self.env.items())))
+
+
 class JobIn(_Strict):
     name: Name = Field(examples=["resnet50-run1"])
     gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs the job needs (gang-scheduled)")
@@ -202,6 +226,8 @@ class JobIn(_Strict):
     autocache_expansion: float | None = Field(default=None, gt=0, le=MAX_EXPANSION, allow_inf_nan=False,
                                               description="preprocessed bytes per source byte at the job's autocache point")
     post_cpu_rate: Rate | None = Field(default=None, description="bytes/s per core of what remains after the autocache point")
+    program: ProgramIn | None = Field(default=None, description="local backend: the command to run on the mounted"
+                                      " dataset (default: the built-in stand-in that reads and sleeps)")
 
     _names = field_validator("name", "dataset")(_no_dotdot)
 
@@ -504,6 +530,8 @@ class QuotaIn(_Strict):
     cache_bytes: Size | None = None
     running_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
     queued_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
+    ideal_per_gpu: Rate | None = Field(default=None, description="the most f* per GPU a job may declare;"
+                                       " null: the service's default")
 
 
 class QuotaOut(BaseModel):
@@ -514,6 +542,7 @@ class QuotaOut(BaseModel):
     cache_bytes: float | None
     running_jobs: int | None
     queued_jobs: int | None
+    ideal_per_gpu: float | None = None
 
 
 class CredentialIn(_Strict):

@@ -65,7 +65,9 @@ class Dataset(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"))
+    # ix_jobs_state_priority_submit: a waiting job's queue position is a count over it (overview.py).
+    __table_args__ = (Index("ix_jobs_state_submit", "state", "submit_time"), Index("ix_jobs_owner", "owner"),
+                      Index("ix_jobs_state_priority_submit", "state", "priority", "submit_time"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
@@ -98,6 +100,9 @@ class Job(Base):
     cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
     autocache_expansion: Mapped[float | None] = mapped_column(Float, nullable=True)
     post_cpu_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The local backend's program for the job, JSON {"command": [...], "env": {...}} (migration
+    # 0009); NULL runs the built-in stand-in worker.
+    program: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
     allocation: Mapped[JobAllocationRow | None] = relationship(
@@ -221,6 +226,18 @@ class Credential(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class TenantJobCount(Base):
+    """How many jobs each tenant has in each state, kept by database triggers on `jobs` (migration
+    0008), so every write path counts, in the same transaction: a submission checks the tenant's
+    limits and the overview its totals without counting rows (issue 47)."""
+
+    __tablename__ = "tenant_job_counts"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    n: Mapped[int] = mapped_column(Integer)
+
+
 class Quota(Base):
     """Per-tenant limits (None: no limit). Enforced at submission and by the scheduling round."""
 
@@ -231,6 +248,8 @@ class Quota(Base):
     cache_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)  # cache over its datasets
     running_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # jobs holding GPUs at once
     queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # active (queued or running) jobs
+    # Most f* per GPU a job may declare (bytes/s); None: the service's default (migration 0008).
+    ideal_per_gpu: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class IdempotencyKey(Base):

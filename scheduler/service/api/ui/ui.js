@@ -106,6 +106,19 @@ async function poll() {
   schedule();
 }
 
+// What a #token=... fragment does to the tab's token (issue 47): taken when the tab holds none
+// (the documented way to open the view from a link), never silently replacing one it holds (a
+// link someone sent would otherwise switch the tab to their tenant's view). Pure, for the tests.
+function tokenFromFragment(hash, held) {
+  const m = /(?:^|[#&])token=([^&]+)/.exec(hash || "");
+  if (!m) return {token: held, notice: ""};
+  let given;
+  try { given = decodeURIComponent(m[1]); } catch (e) { return {token: held, notice: "the link's token is not valid"}; }
+  if (!held || held === given) return {token: given, notice: ""};
+  return {token: held, notice: "the link carried another token than the one this tab uses; it was not used" +
+    " (press \"forget token\" first to switch)"};
+}
+
 function schedule() { clearTimeout(timer); timer = setTimeout(poll, POLL_MS); }
 
 function showLogin(message) {
@@ -120,13 +133,12 @@ function showLogin(message) {
 function showView() { $("login").hidden = true; $("view").hidden = false; $("forget").hidden = false; }
 
 document.addEventListener("DOMContentLoaded", () => {
-  // A token in the URL fragment (#token=...) is taken once and removed from the address bar;
-  // fragments are never sent to the server.
-  const m = /(?:^|[#&])token=([^&]+)/.exec(location.hash);
-  if (m) {
-    sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
-    history.replaceState(null, "", location.pathname);
-  }
+  // A token in the URL fragment (#token=...) is read once and removed from the address bar
+  // (fragments are never sent to the server); it never replaces the tab's own token.
+  const r = tokenFromFragment(location.hash, sessionStorage.getItem(TOKEN_KEY));
+  if (location.hash) history.replaceState(null, "", location.pathname);
+  if (r.token) sessionStorage.setItem(TOKEN_KEY, r.token);
+  $("notice").textContent = r.notice;
   $("token-form").addEventListener("submit", ev => {
     ev.preventDefault();
     sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());

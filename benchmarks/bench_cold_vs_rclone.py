@@ -1,0 +1,249 @@
+"""Cold and warm epochs through silod and through rclone, side by side, on the same HTTP source.
+
+    python benchmarks/bench_cold_vs_rclone.py                   # 2,000 x 110 KB and 4 x 64 MiB
+    python benchmarks/bench_cold_vs_rclone.py --small 5000 --large 8 --large-mb 256
+
+The source is one local HTTP server process (Python's, with byte ranges, as nginx serves them)
+over one directory: rclone's http backend reads its HTML index pages, silod the same directories
+as nginx's JSON index (the same server code, a second port). For each tool and each set (small
+files, large files) the mount starts on an empty cache, `--readers` threads read every file once
+(cold: every read is a miss) and then again (warm: cache hits), with rclone as
+`rclone mount :http: --vfs-cache-mode full --read-only`. Printed: files/s and MB/s, the mount
+process's CPU per file in the cold pass, and the ratios silod / rclone and silod / direct (the
+source directory read straight from disk). rclone comes from Debian (`apt-get install rclone`);
+without it the rclone rows are skipped with a message.
+
+Figures depend on the machine's load (2 cores shared here): compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from bench_dataplane import cpu_seconds, _free_port  # noqa: E402
+from bench_fuse import Proc, silod  # noqa: E402
+from json_index_server import json_index_handler  # noqa: E402
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+class RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """Python's file server with `Range: bytes=a-[b]` (206) and TCP_NODELAY, as nginx."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def send_head(self):
+        m = _RANGE.match(self.headers.get("Range", ""))
+        path = self.translate_path(self.path)
+        if m is None or os.path.isdir(path):
+            return super().send_head()
+        try:
+            f = open(path, "rb")
+        except OSError:
+            self.send_error(404)
+            return None
+        size = os.fstat(f.fileno()).st_size
+        start = int(m.group(1))
+        end = min(size - 1, int(m.group(2))) if m.group(2) else size - 1
+        if start >= size:
+            f.close()
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        f.seek(start)
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.send_header("Last-Modified", self.date_time_string(int(os.fstat(f.fileno()).st_mtime)))
+        self.end_headers()
+        return _Limited(f, end - start + 1)
+
+
+class _Limited:
+    def __init__(self, f, n: int) -> None:
+        self.f, self.n = f, n
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.n if size < 0 else min(size, self.n)
+        data = self.f.read(size)
+        self.n -= len(data)
+        return data
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def serve(root: str, port: int, index: str) -> None:
+    handler = json_index_handler(RangeHandler) if index == "json" else RangeHandler
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=root))
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+class Server:
+    """The source in its own process (no GIL shared with the readers)."""
+
+    def __init__(self, root: Path, index: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.p = subprocess.Popen([sys.executable, __file__, "--serve", str(root), str(self.port), index])
+        deadline = time.time() + 20
+        while True:
+            try:
+                urllib.request.urlopen(self.url, timeout=1).read()
+                return
+            except OSError:
+                if time.time() > deadline or self.p.poll() is not None:
+                    raise RuntimeError("HTTP server did not start")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+
+def make_set(root: Path, count: int, size: int) -> list[str]:
+    root.mkdir(parents=True)
+    rng = random.Random(count)
+    names = []
+    block = os.urandom(size + 4096)
+    for i in range(count):
+        name = f"f{i:06d}.bin"
+        off = rng.randrange(4096)
+        (root / name).write_bytes(block[off:off + size])
+        names.append(name)
+    return names
+
+
+def read_pass(root: Path, names: list[str], readers: int) -> tuple[float, int]:
+    """(seconds, bytes) reading every file once with `readers` threads, in a shuffled order."""
+    order = names[:]
+    random.shuffle(order)
+
+    def work(name: str) -> int:
+        n = 0
+        with open(root / name, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 20):
+                n += len(chunk)
+        return n
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(readers) as pool:
+        total = sum(pool.map(work, order))
+    return time.perf_counter() - t0, total
+
+
+def drop_caches() -> None:
+    try:
+        subprocess.run(["sync"], check=False)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass  # not root: the direct reference then reads from the page cache
+
+
+def run_tool(tool: str, url: str, work: Path, names: list[str], readers: int) -> dict:
+    mnt, cache = work / f"mnt-{tool}", work / f"cache-{tool}"
+    shutil.rmtree(cache, ignore_errors=True)
+    if tool == "silod":
+        stats = work / f"{tool}.stats.json"
+        stats.unlink(missing_ok=True)
+        proc = Proc([*silod(), "mount", str(mnt), "--source", url, "--dataset", "bench", "--job", "bench",
+                     "--cache-dir", str(cache), "--stats-file", str(stats)], mnt, ready=stats.exists, timeout=120)
+    else:
+        proc = Proc(["rclone", "mount", ":http:", str(mnt), "--http-url", url, "--vfs-cache-mode", "full",
+                     "--cache-dir", str(cache), "--read-only", "--dir-cache-time", "1h"], mnt, timeout=120)
+    try:
+        os.listdir(mnt)  # the listing is not part of the epoch
+        cpu0 = cpu_seconds(proc.p.pid)
+        cold_s, cold_bytes = read_pass(mnt, names, readers)
+        cpu = cpu_seconds(proc.p.pid) - cpu0
+        warm_s, _ = read_pass(mnt, names, readers)
+        return {"cold_files_s": len(names) / cold_s, "cold_mb_s": cold_bytes / cold_s / 1e6,
+                "warm_files_s": len(names) / warm_s, "warm_mb_s": cold_bytes / warm_s / 1e6,
+                "cpu_ms_per_miss": cpu / len(names) * 1e3, "rss_mb": proc.rss_mb()}
+    finally:
+        proc.stop()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", type=int, default=2000)
+    ap.add_argument("--small-size", type=int, default=110_000)
+    ap.add_argument("--large", type=int, default=4)
+    ap.add_argument("--large-mb", type=int, default=64)
+    ap.add_argument("--readers", type=int, default=8)
+    args = ap.parse_args()
+    tools = ["silod"]
+    if shutil.which("rclone"):
+        tools.append("rclone")
+    else:
+        print("rclone is not installed (apt-get install rclone): its rows are skipped")
+    work = Path(tempfile.mkdtemp(prefix="silod-vs-rclone-"))
+    try:
+        sets = {"small": make_set(work / "src" / "small", args.small, args.small_size),
+                "large": make_set(work / "src" / "large", args.large, args.large_mb << 20)}
+        servers = {"json": Server(work / "src", "json"), "html": Server(work / "src", "html")}
+        try:
+            rows = []
+            for kind, names in sets.items():
+                drop_caches()
+                d_s, d_bytes = read_pass(work / "src" / kind, names, args.readers)
+                direct = {"files_s": len(names) / d_s, "mb_s": d_bytes / d_s / 1e6}
+                res = {}
+                for tool in tools:
+                    server = servers["json" if tool == "silod" else "html"]
+                    drop_caches()
+                    res[tool] = run_tool(tool, f"{server.url}{kind}/", work, names, args.readers)
+                rows.append((kind, direct, res))
+        finally:
+            for s in servers.values():
+                s.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'set':6} {'tool':7} {'cold files/s':>13} {'cold MB/s':>10} {'warm files/s':>13} {'warm MB/s':>10} "
+          f"{'CPU ms/miss':>12} {'RSS MB':>7}")
+    for kind, direct, res in rows:
+        print(f"{kind:6} {'direct':7} {direct['files_s']:13.0f} {direct['mb_s']:10.0f}")
+        for tool, r in res.items():
+            print(f"{kind:6} {tool:7} {r['cold_files_s']:13.0f} {r['cold_mb_s']:10.0f} {r['warm_files_s']:13.0f} "
+                  f"{r['warm_mb_s']:10.0f} {r['cpu_ms_per_miss']:12.2f} {r['rss_mb']:7.0f}")
+        s = res["silod"]
+        if "rclone" in res:
+            rc = res["rclone"]
+            print(f"{kind:6} silod/rclone: cold {s['cold_files_s'] / rc['cold_files_s']:.2f}x, warm "
+                  f"{s['warm_files_s'] / rc['warm_files_s']:.2f}x, CPU per miss "
+                  f"{s['cpu_ms_per_miss'] / rc['cpu_ms_per_miss']:.2f}x")
+        print(f"{kind:6} silod/direct: cold {s['cold_files_s'] / direct['files_s']:.2f}x, warm "
+              f"{s['warm_files_s'] / direct['files_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""The estimator against a real PyTorch job: min(f*, b / (1 - c/d)) vs measured throughput.
+
+The job is silod_client/examples/train_cnn.py (a small CNN on JPEGs decoded with Pillow in a
+torch DataLoader of `--workers` processes, trained on the CPU), run in this process over a real
+`silod mount` of a file:// "remote" store: the mount's --cache-size c (uniform caching) and
+--io-rate b (the job's remote-IO cap) are the two resources the estimator models. For each point
+(c/d in 0, .25, .5, .75, 1) x (b binding, b not binding):
+
+- epoch 0 fills the cache (delayed effectiveness); each later epoch's throughput is its source
+  bytes over its time;
+- f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
+  fully cached mount runs one epoch before each measured epoch of a point, since this machine's
+  load moves f* by tens of percent within a minute; a point's ratio is the median over its
+  epochs of measured / min(f* of the epoch before, b / (1 - c/d)); its f*, predicted and
+  measured columns are medians too (so ratio need not be measured / predicted exactly);
+- the hit ratio the mount measured over the steady epochs is printed beside c/d;
+- the departure seen at every point with misses is modelled as a miss term (see below) fitted
+  on the c/d = 0, b-free point.
+
+Then the job's epoch time under SiloD's plan and under a storage-unaware plan (CoorDL-style
+private cache of its GPU share, an equal share of the link), the same cache and link for two
+1-GPU jobs: this job and one on a dataset 4x larger with the same f*. SiloD's plan comes from
+policies.storage (cache by f*/d, the link max-min by demand).
+
+    .venv/bin/python benchmarks/bench_pytorch_estimator.py [--quick] [--out FILE]
+
+Needs torch (pip install torch==2.13.0), /dev/fuse, fusermount3 and root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MB = 1e6
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: b as a fraction of f*: binding (at c/d < 1 - 0.35 = 0.65 the link is what bounds the job)
+#: and not binding (3 f*: never, whatever the cache)
+B_BIND, B_FREE = 0.35, 3.0
+
+
+@dataclass
+class Point:
+    cache_fraction: float
+    io_rate: float | None  # bytes/s; None: no cap
+    label: str
+
+
+@dataclass
+class Result:
+    label: str
+    cache_fraction: float
+    io_mb_s: float | None
+    fstar_mb_s: float
+    predicted_mb_s: float
+    measured_mb_s: float
+    ratio: float  # measured / predicted
+    hit_ratio: float | None  # measured by the mount over the steady epochs
+    predicted_with_hits_mb_s: float | None
+    ratio_with_hits: float | None
+    epoch_s: list[float]
+    pairs: list[tuple[float, float]]  # (f* of the reference epoch, the point's epoch), bytes/s
+
+
+@contextlib.contextmanager
+def mounted(work: Path, source: Path, name: str, cache_size: float, io_rate: float | None,  # type: ignore[no-untyped-def]
+            fresh: bool = True):
+    """A real `silod mount` of `source` with its own cache (dataset `name`; `fresh`: emptied first)."""
+    from scheduler.backends.local import silod_cmd
+    from scheduler.backends.local_worker import force_unmount
+
+    mnt, cache, stats = work / f"mnt-{name}", work / f"cache-{name}", work / f"stats-{name}.json"
+    if fresh:
+        shutil.rmtree(cache, ignore_errors=True)
+    mnt.mkdir(parents=True, exist_ok=True)
+    stats.unlink(missing_ok=True)
+    args = [*silod_cmd(), "mount", str(mnt), "--source", source.as_uri(), "--dataset", name, "--job", name,
+            "--cache-dir", str(cache), "--cache-size", str(int(cache_size)), "--stats-file", str(stats)]
+    if io_rate is not None:
+        args += ["--io-rate", repr(float(io_rate))]
+    log = open(work / f"mount-{name}.log", "ab")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "SILOD_ALLOWED_URIS": source.parent.as_uri() + "/"})
+    try:
+        deadline = time.monotonic() + 60
+        while not (os.path.ismount(mnt) and stats.exists()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"silod mount did not come up: {(work / f'mount-{name}.log').read_text()[-1000:]}")
+            time.sleep(0.05)
+        yield mnt, stats
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+        force_unmount(mnt)
+        log.close()
+
+
+def trainer(data: Path, workers: int):  # type: ignore[no-untyped-def]
+    from silod_client.examples.train_cnn import Trainer, parser
+
+    return Trainer(parser().parse_args(["--data", str(data), "--workers", str(workers)]))
+
+
+def run_job(data: Path, epochs: int, workers: int) -> list[dict]:
+    """The training job for `epochs` epochs on `data`: its per-epoch records."""
+    t = trainer(data, workers)
+    try:
+        return [t.epoch() for _ in range(epochs)]
+    finally:
+        t.close()
+
+
+def rate(record: dict) -> float:
+    return record["bytes"] / record["seconds"]
+
+
+def steady(records: list[dict]) -> float:
+    later = records[1:]
+    return sum(e["bytes"] for e in later) / sum(e["seconds"] for e in later)
+
+
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pairs: int, workers: int) -> Result:  # type: ignore[no-untyped-def]
+    """One point. Its epochs alternate with epochs of `reference` (a Trainer on the fully cached
+    dataset, alone: f*), so that each measured epoch has an f* measured seconds before it: this
+    machine's load moves f* by tens of percent within a minute. The point's figure is the median
+    over `pairs` pairs after its first epoch (which fills the cache)."""
+    cache = p.cache_fraction * d
+    b = p.io_rate if p.io_rate is not None else float("inf")
+    with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats):
+        t = trainer(mnt, workers)
+        try:
+            first = t.epoch()
+            time.sleep(0.6)  # the mount rewrites its stats twice a second
+            before = json.loads(stats.read_text())
+            fs, ts, ratios = [], [], []
+            for _ in range(pairs):
+                f = rate(reference.epoch())
+                m = rate(t.epoch())
+                fs.append(f)
+                ts.append(m)
+                ratios.append(m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f))
+            time.sleep(0.6)
+            after = json.loads(stats.read_text())
+        finally:
+            t.close()
+    read = after["read_bytes"] - before["read_bytes"]
+    hit = (after["hit_bytes"] - before["hit_bytes"]) / read if read else None
+    fstar, measured = median(fs), median(ts)
+    predicted = min(fstar, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else fstar
+    with_hits = None if hit is None else (min(fstar, b / (1 - hit)) if hit < 1 else fstar)
+    return Result(p.label, p.cache_fraction, None if p.io_rate is None else p.io_rate / MB, fstar / MB, predicted / MB,
+                  measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
+                  None if with_hits is None else measured / with_hits,
+                  [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)))
+
+
+def plans(fstar: float, d: float) -> dict[str, tuple[float, float]]:
+    """(cache bytes, link bytes/s) the job gets under SiloD's plan and a storage-unaware one, in a
+    cluster of 2 GPUs, cache d and link 0.6 f*, shared with a 1-GPU job of the same f* on a
+    dataset of 4 d."""
+    import numpy as np
+
+    from policies.storage import fill_in_order, max_min_share
+
+    cache_total, link = d, 0.6 * fstar
+    sizes, ideal = np.array([d, 4 * d]), np.array([fstar, fstar])
+    cache = fill_in_order(sizes, ideal / sizes, cache_total)  # SiloD: the cache to the job that gains most per byte
+    demand = ideal * (1 - cache / sizes)  # Eq. 2: what each needs to run at f* with that cache
+    io = max_min_share(demand, link)
+    if demand[0] <= 0:  # fully cached: it needs no link (a sliver, for the mount's own metadata)
+        io[0] = max(io[0], 0.05 * link)
+    return {"silod": (float(cache[0]), float(io[0])), "storage-unaware": (cache_total / 2, link / 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench_pytorch_estimator.json"))
+    ap.add_argument("--images", type=int, default=400, help="JPEGs in the dataset (~9 KB each)")
+    ap.add_argument("--pairs", type=int, default=3, help="measured epochs per point, each after an f* epoch")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from estimator import silod_perf
+    from scheduler.backends.local import fuse_problems
+    from scheduler.demo import make_jpegs, torch_problem
+
+    problems = fuse_problems() + ([torch_problem()] if torch_problem() else [])
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    images, pairs, fractions = (200, 2, (0.0, 0.5, 1.0)) if args.quick else (args.images, args.pairs, FRACTIONS)
+    epochs = pairs + 1
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="silod-bench-pytorch-"))
+    source = work / "remote" / "jpegs"
+    shutil.rmtree(source, ignore_errors=True)
+    d = make_jpegs(source, images, seed=1)
+    t0 = time.time()
+    load0 = os.getloadavg()[0]
+    # f*: the job alone on a fully cached mount (filled once, kept), one of its epochs before
+    # every measured epoch of a point (run_point).
+    with mounted(work, source, "fstar", d * 1.05, None) as (mnt, _stats):
+        reference = trainer(mnt, args.workers)
+        try:
+            reference.epoch()  # fills the cache
+            f_before = median([rate(reference.epoch()) for _ in range(2)])
+            print(f"dataset {images} JPEGs, {d / MB:.2f} MB; f* alone, fully cached: {f_before / MB:.3f} MB/s", flush=True)
+            points = [Point(c, b * f_before, f"c/d={c:g} b={'bind' if b == B_BIND else 'free'}")
+                      for c in fractions for b in (B_BIND, B_FREE)]
+            results = []
+            for i, p in enumerate(points):
+                r = run_point(work, source, d, i, p, reference, pairs, args.workers)
+                results.append(r)
+                print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"
+                      f" {r.measured_mb_s:.3f} MB/s: {r.ratio:.2f} (hit {r.hit_ratio if r.hit_ratio is not None else float('nan'):.2f})",
+                      flush=True)
+        finally:
+            reference.close()
+    refs = [r.fstar_mb_s * MB for r in results]
+    fstar = median(refs)
+
+    # The departure the table shows at every point with misses: a miss holds a DataLoader worker
+    # (the mount fetches the item, on this machine also on the job's cores) while the decode of
+    # the job's other items waits; so the loader's rate falls with the miss ratio:
+    # 1 / (1/f* + (1-h)/m), m = the rate at which the job's workers take misses. m is fitted on
+    # the one point that shows it alone (c/d = 0, link not binding) and predicts the others.
+    free0 = next((r for r in results if r.cache_fraction == 0 and r.label.endswith("free")), None)
+    miss_rate = None
+    if free0 is not None and free0.measured_mb_s < free0.fstar_mb_s:
+        miss_rate = 1.0 / (1.0 / free0.measured_mb_s - 1.0 / free0.fstar_mb_s) * MB
+    def with_miss_term(f: float, c: float, b: float) -> float:
+        return (min(1.0 / (1.0 / f + (1 - c) / miss_rate), b / (1 - c))) if c < 1 else f
+
+    loader_terms = {}
+    for r in results:
+        if miss_rate is None:
+            continue
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        pred = with_miss_term(r.fstar_mb_s * MB, r.cache_fraction, b)
+        # as the plain ratio: the median over the point's epochs, each against its own f*
+        loader_terms[r.label] = (pred / MB, median([t / with_miss_term(f, r.cache_fraction, b) for f, t in r.pairs]))
+    # SiloD's plan vs a storage-unaware one for this job, same cache and link: each cache filled
+    # first (in the service the link's spare capacity goes to a job while its cache fills:
+    # WorkConservingPusher), then epochs under the two plans' caps, alternating.
+    plan = plans(fstar, d)
+    room = {name: cache * 1.02 if cache >= d else cache for name, (cache, _io) in plan.items()}  # mount bookkeeping slack
+    for name in plan:
+        with mounted(work, source, f"plan-{name}", room[name], None) as (mnt, _stats):
+            run_job(mnt, 1, args.workers)
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for name, (_cache, io) in plan.items():
+            mnt, _stats = stack.enter_context(mounted(work, source, f"plan-{name}", room[name], io, fresh=False))
+            runs[name] = trainer(mnt, args.workers)
+            stack.callback(runs[name].close)
+        seconds: dict[str, list[float]] = {name: [] for name in plan}
+        for _ in range(pairs + 1):
+            for name, t in runs.items():
+                seconds[name].append(t.epoch()["seconds"])
+    plan_epoch = {name: {"cache_fraction": cache / d, "io_mb_s": io / MB, "epoch_s": median(seconds[name][1:]),
+                         "predicted_epoch_s": d / float(silod_perf(fstar, io, cache, d))}
+                  for name, (cache, io) in plan.items()}
+    load1 = os.getloadavg()[0]
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"real PyTorch job vs min(f*, b/(1-c/d)); f* measured before each point "
+                        f"({min(refs) / MB:.3f}-{max(refs) / MB:.3f} MB/s, mean {fstar / MB:.3f}), d = {d / MB:.2f} MB")
+    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "w/ miss term", "ratio"):
+        table.add_column(col, justify="right")
+    fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
+    for r in results:
+        lt = loader_terms.get(r.label, (None, None))
+        table.add_row(f"{r.cache_fraction:g}", fmt(r.io_mb_s), fmt(r.fstar_mb_s), fmt(r.predicted_mb_s), fmt(r.measured_mb_s),
+                      fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"), fmt(lt[0]), fmt(lt[1], ".2f"))
+    Console(width=120).print(table)
+    within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
+    worst = max(results, key=lambda r: abs(r.ratio - 1))
+    print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
+    if loader_terms:
+        within2 = sum(abs(v[1] - 1) <= 0.10 for v in loader_terms.values())
+        print(f"with the miss term (m = {miss_rate / MB:.2f} MB/s, fitted on c/d=0 b=free): {within2}/{len(loader_terms)}"
+              f" within 10%")
+    s, u = plan_epoch["silod"], plan_epoch["storage-unaware"]
+    print(f"epoch time, same cache ({d / MB:.2f} MB) and link ({0.6 * fstar / MB:.3f} MB/s) shared with a 4x-larger"
+          f" dataset's job: SiloD's plan (cache {s['cache_fraction']:.2f} d, {s['io_mb_s']:.3f} MB/s) {s['epoch_s']:.2f}s,"
+          f" storage-unaware (cache {u['cache_fraction']:.2f} d, {u['io_mb_s']:.3f} MB/s) {u['epoch_s']:.2f}s:"
+          f" {u['epoch_s'] / s['epoch_s']:.2f}x (predicted {u['predicted_epoch_s'] / s['predicted_epoch_s']:.2f}x)")
+    print(f"wall {time.time() - t0:.0f}s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
+    args.out.write_text(json.dumps({"fstar_mb_s": fstar / MB, "fstar_refs_mb_s": [f / MB for f in refs], "dataset_mb": d / MB, "images": images,
+                                    "pairs": pairs, "workers": args.workers, "points": [asdict(r) for r in results],
+                                    "plans": plan_epoch, "load": [load0, load1],
+                                    "miss_rate_mb_s": None if miss_rate is None else miss_rate / MB,
+                                    "with_miss_term": loader_terms}, indent=1))
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

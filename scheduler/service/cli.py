@@ -975,8 +975,8 @@ def register(app: typer.Typer) -> None:
         table = Table(*columns)
         table.columns[columns.index("f* (measured)")].no_wrap = True
 
-        def short_rate(v: float) -> str:
-            return format_rate(v).replace(" ", "").replace("/s", "")
+        def short_rate(v: float) -> str:  # a rate says /s, also in a narrow column ("1MB/s (477KB/s)")
+            return format_rate(v).replace(" ", "")
 
         for j in rows:
             progress = j["consumed_bytes"] / j["total_bytes"] if j["total_bytes"] else 0.0

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent / "reference" / "gavel_parity"
 CASES = sorted(p.stem for p in (HERE / "results").glob("*.json"))
 #: The targets (issue 46): average JCT within 3%, >= 90% of jobs within 10%. Where ours misses
 #: them: the measured figure, a bound just below it. The cause is not established
-#: (docs/gavel-rounds.md, "Parity with Gavel's own simulator": neither Gavel's uncapped ratio nor
+#: (docs/gavel.md, "Parity with Gavel's own simulator": neither Gavel's uncapped ratio nor
 #: leaving spare GPU time unspread moves e13805). On the planner before Gavel's mechanism the
 #: same runs gave 21-94% of jobs within 10% and e13805's averages -4.3% / -5.2%.
 AVG_TOLERANCE = {("51b7ef-small", 1920): 0.035}  # measured -3.05% (17 jobs: one 8-GPU job's wait moves it)

@@ -78,6 +78,27 @@ def test_top_render_fits_80_columns():
     row = next(line.split() for line in lines if line.strip().startswith("123456"))
     assert row[-1] == "IO" and "46%" in row and "912MB/s" in row and "1.36TB" in row, row
     assert "needs 16 GPUs, 8 free; 12 later job(s) started on free GPUs" in " ".join(text.split())
+    # the link: what was allocated (a cap) apart from what the jobs were measured reading
+    flat = " ".join(text.split())
+    assert "remote IO allocated 990MB/s of 1GB/s" in flat and "measured read 810MB/s" in flat, flat
+    assert "IO alloc" in flat and "IO cap" not in flat
+
+
+def test_top_says_why_nothing_schedules():
+    from rich.console import Console
+
+    from scheduler.service.top import render
+
+    o = {"policy": "gavel", "running_total": 0, "queued_total": 1, "time": 0.0, "gpus_used": 0, "gpus_total": 8,
+         "cache_allocated": 0.0, "cache_total": 2e12, "remote_io_allocated": 0.0, "remote_io_total": 1e9, "history": [],
+         "running": [], "datasets": [], "scheduling": "scheduler starting: compiling policy kernels, 12 s",
+         "queue": [{"position": 1, "id": "1", "name": "j", "gpus": 1,
+                    "reason": wait_reason(1, 8, False, 0, "gavel", "scheduler starting: compiling policy kernels, 12 s")}]}
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(render(o))
+    flat = " ".join(console.export_text().split())
+    assert "scheduler starting: compiling policy kernels, 12 s" in flat
+    assert "gave it no share" not in flat and "measured read -" in flat
 
 
 # ---------------------------------------------------------------- a real server

@@ -40,7 +40,7 @@ def test_cores_over_the_cli(tmp_path: Path) -> None:
         # The default table (80 columns) names what bounds each running job and its f*.
         plain = _cli("jobs", token="alice-cli-token", port=port).stdout
         assert "bound" in plain and "cpu" in plain, plain
-        assert "f* (measured)" in plain and "400MB" in plain, plain
+        assert "f* (measured)" in plain and "400MB/s" in plain, plain  # a rate says /s
         assert max(len(line) for line in plain.splitlines()) <= 80, plain
     finally:
         _stop(proc)

@@ -330,25 +330,43 @@ def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info",
     import signal
     import threading
 
+    # Ctrl-C in the terminal reaches every process of the group: `silod serve` stops this one
+    # with SIGTERM (it starts with SIGINT ignored, _SchedulerSupervisor._spawn), so it must not
+    # die of the SIGINT half-way through its start (a traceback, and the supervisor "starting it
+    # again"). The backend's own workers are stopped by this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Requests first: when the API workers and a round compete for the CPU, the round waits
-    # (it is seconds long anyway; a request is milliseconds).
-    try:
-        os.nice(SCHEDULER_NICE)
-    except OSError:
-        pass
     parent_pid = os.getppid() if parent_pid is None else parent_pid
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
+    warming = threading.Event()
+
+    def on_sigterm(*_: Any) -> None:
+        done.set()
+        if warming.is_set():  # stop a compile at once rather than after its minute (nothing held yet)
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     # `silod serve` killed with -9 cannot stop us: the kernel (PR_SET_PDEATHSIG) and a watcher
     # send us SIGTERM, and we stop, releasing the lease for the next `silod serve` (instead of an
     # orphan renewing it for ever). scheduler/service/lifeline.py
     from scheduler.service.lifeline import die_with_parent
 
     die_with_parent(parent_pid, signal.SIGTERM, grace_s=30.0)
+    # Requests first: when the API workers and a round (or the kernels' compile at start) compete
+    # for the CPU, the round waits (it is seconds long anyway; a request is milliseconds).
+    try:
+        os.nice(SCHEDULER_NICE)
+    except OSError:
+        pass
     service = build_service(**build_kwargs)
     try:
+        warming.set()
+        try:
+            warm_up(service)
+        finally:
+            warming.clear()
+        if done.is_set():
+            return
         elector = getattr(service.backend, "elector", None)
         if elector is None:
             service.start()
@@ -361,6 +379,39 @@ def run_scheduler_process(build_kwargs: dict[str, Any], log_level: str = "info",
         done.wait()
     finally:
         service.close()
+
+
+def warm_up(service: Any) -> None:
+    """Compile (or load) every built-in policy's kernels before this process contends for the
+    lease (scheduler/service/warmup.py), saying so in the log and in the activity record that
+    `/readyz`, wait reasons and `silod top` read."""
+    import logging
+    import threading
+    import time
+
+    from scheduler.service.warmup import warm_policies
+
+    log = logging.getLogger("silod.serve")
+    runner = service.runner
+    runner.activity.set("compiling policy kernels")
+    runner.keeper.start()  # writes the activity record; takes no lease before contend()
+    log.info("scheduler: compiling the policies' kernels before taking the lease "
+             "(the first start after an install or upgrade takes 10-60 s; later starts load them from the cache)")
+    start = time.monotonic()
+
+    def report() -> None:  # progress on a busy node, where a cold compile takes a minute
+        while not finished.wait(10.0):
+            log.info("scheduler: still compiling policy kernels, %.0f s", time.monotonic() - start)
+
+    finished = threading.Event()
+    threading.Thread(target=report, name="silod-warmup-progress", daemon=True).start()
+    try:
+        seconds = warm_policies(service.config.capacity, progress=log.warning)
+    finally:
+        finished.set()
+    log.info("scheduler: policy kernels ready in %.1f s (%s)", time.monotonic() - start,
+             ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+    runner.activity.set("waiting for the scheduling lease")
 
 
 def build_service(
@@ -621,9 +672,23 @@ class _SchedulerSupervisor:
         self._thread = threading.Thread(target=self._watch, name="silod-scheduler-supervisor", daemon=True)
 
     def _spawn(self) -> None:
+        import signal
+
         self.proc = self.ctx.Process(target=run_scheduler_process, args=(self.kwargs, self.log_level, os.getpid()),
                                      name="silod-scheduler")
-        self.proc.start()
+        # Born with SIGINT ignored (an ignored signal stays ignored across exec, and Python keeps
+        # it so), so a Ctrl-C in the terminal cannot interrupt its start-up with a traceback; we
+        # stop it with SIGTERM. (Only the main thread may set a handler; a restart from the
+        # watcher thread spawns as it is.)
+        import threading
+
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            self.proc.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, old)
 
     def start(self) -> None:
         self._spawn()
@@ -633,7 +698,7 @@ class _SchedulerSupervisor:
         import logging
 
         while not self._stop.wait(2.0):
-            if self.proc is not None and not self.proc.is_alive():
+            if self.proc is not None and not self.proc.is_alive() and not self._stop.is_set():
                 logging.getLogger("silod.serve").error(
                     "the scheduling process exited (code %s); starting it again", self.proc.exitcode)
                 self._spawn()
@@ -675,7 +740,7 @@ def register(app: typer.Typer) -> None:
         cache: Annotated[str | None, typer.Option(help="cluster cache, e.g. 2TB")] = None,
         remote_io: Annotated[str | None, typer.Option("--remote-io", help="remote storage bandwidth, e.g. 1GB/s")] = None,
         gpu_speed: Annotated[str | None, typer.Option("--gpu-speed", help="GPU speed vs a V100 (scales catalog f*)")] = None,
-        cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys")] = None,
+        cluster: Annotated[Path | None, typer.Option("--cluster", help="YAML file with the cluster keys (traces/cluster.example.yaml); a flag given too overrides its key, with a note")] = None,
         irregular_share: Annotated[str | None, typer.Option("--irregular-share", help="pin the irregular partition's fraction of cache and remote IO [default: by demand]")] = None,
         cpus_per_node: Annotated[str | None, typer.Option("--cpus-per-node", help="CPU cores per node for input pipelines [default: CPU not constrained]")] = None,
         cpu_allocation: Annotated[str | None, typer.Option("--cpu-allocation", help="with --cpus-per-node: model (cores by the estimator) | gpu-proportional [default: model]")] = None,
@@ -792,6 +857,12 @@ def register(app: typer.Typer) -> None:
             "default_quota": default_quota, "state_dir": str(state_dir), "max_body": body_cap,
             "serve_pid": os.getpid(),  # the workers die with it (lifeline.py)
         })
+        from scheduler.core.cluster import cluster_overrides
+
+        for note in cluster_overrides(cluster, gpus=gpus, gpus_per_node=gpus_per_node, cache=cache, remote_io=remote_io,
+                                      gpu_speed=gpu_speed, irregular_share=irregular_share, cpus_per_node=cpus_per_node,
+                                      cpu_allocation=cpu_allocation):
+            typer.echo(f"note: {note}", err=True)
         scheme = "https" if tls_cert else "http"
         # Short lines (a terminal may be 80 columns): where to reach it, then what it runs with.
         typer.echo(f"silod serve: {scheme}://{host}:{port} (API docs at /docs)", err=True)
@@ -904,8 +975,8 @@ def register(app: typer.Typer) -> None:
         table = Table(*columns)
         table.columns[columns.index("f* (measured)")].no_wrap = True
 
-        def short_rate(v: float) -> str:
-            return format_rate(v).replace(" ", "").replace("/s", "")
+        def short_rate(v: float) -> str:  # a rate says /s, also in a narrow column ("1MB/s (477KB/s)")
+            return format_rate(v).replace(" ", "")
 
         for j in rows:
             progress = j["consumed_bytes"] / j["total_bytes"] if j["total_bytes"] else 0.0

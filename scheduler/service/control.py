@@ -12,12 +12,17 @@ with requests for a GIL. They share nothing but the database:
 - forced rounds (`POST /v1/rounds`): a `round_request:<nonce>` setting; the leader runs the
   round and answers in `round_result:<nonce>`;
 - what only the leader knows (backend name and nodes, data-manager push errors): the
-  `scheduler_status` setting, rewritten after every round.
+  `scheduler_status` setting, rewritten after every round;
+- what the scheduling process is doing right now (compiling the policies' kernels, taking the
+  lease, recovering, a round, idle) and since when: the `scheduler_activity` setting, written at
+  each change and with every lease renewal (scheduler/service/leadership.py), so `/readyz`, the
+  queue's wait reasons and `silod top` say what is really happening.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 import time
@@ -34,6 +39,9 @@ _HOST = socket.gethostname()
 
 LEADER_LEASE = "scheduler"
 STATUS_KEY = "scheduler_status"
+ACTIVITY_KEY = "scheduler_activity"
+#: An activity record older than this is not believed (its writer stopped: killed, or another host).
+ACTIVITY_STALE_S = 45.0
 REQUEST_PREFIX = "round_request:"
 RESULT_PREFIX = "round_result:"
 
@@ -71,17 +79,71 @@ def try_lead(sessions: sessionmaker, holder: str, ttl_s: float, now: float | Non
 
 
 def lease_status(sessions: sessionmaker, now: float | None = None) -> str | None:
-    """None when a live process holds the scheduling lease; else why not (for /readyz)."""
+    """None when a live process holds the scheduling lease; else why not, in words (for /readyz,
+    the queue's wait reasons and `silod top`): what the scheduling process is doing when it says
+    (e.g. "scheduler starting: compiling policy kernels, 12 s"), else the lease's state."""
     now = time.time() if now is None else now
     with sessions() as s:
         row = s.get(Lease, LEADER_LEASE)
-        if row is None:
-            return "no process holds the scheduling lease"
-        if row.expires_at <= now:
-            return "the scheduling lease expired (its holder stopped renewing it)"
-        if local_process_is_dead(row.holder, _HOST):
-            return "the scheduling lease's holder is dead"
+        lease = None if row is None else (row.holder, row.expires_at)
+    if lease is not None and lease[1] > now and not local_process_is_dead(lease[0], _HOST):
         return None
+    doing = describe_activity(read_activity(sessions), now)
+    if doing is not None:
+        return doing
+    if lease is None:
+        return "no process holds the scheduling lease"
+    if local_process_is_dead(lease[0], _HOST):
+        return "the scheduling lease's holder is dead"
+    parts = lease[0].split(":")
+    if len(parts) == 4 and parts[0] == _HOST and parts[1].isdigit() and os.path.exists(f"/proc/{parts[1]}"):
+        return (f"the scheduling lease expired {now - lease[1]:.0f} s ago; its holder (pid {parts[1]}) is alive "
+                "but has not renewed it: the machine may be starving it of CPU")
+    return f"the scheduling lease expired {now - lease[1]:.0f} s ago (its holder stopped renewing it)"
+
+
+def scheduling_note(sessions: sessionmaker, now: float | None = None) -> str | None:
+    """What keeps a queued job from being placed right now beyond the policy, for wait reasons
+    and `silod top`: why nothing schedules (`lease_status`), or a round in progress for more
+    than a few seconds ("scheduler busy: running a round, 12 s"); None when rounds run normally."""
+    now = time.time() if now is None else now
+    why = lease_status(sessions, now)
+    if why is not None:
+        return why
+    started = read_activity(sessions).get("round_since")
+    if isinstance(started, (int, float)) and now - started >= BUSY_ROUND_S:
+        return f"scheduler busy: running a round, {now - started:.0f} s"
+    return None
+
+
+#: A round shorter than this is not worth mentioning in a wait reason.
+BUSY_ROUND_S = 5.0
+
+
+def write_activity(sessions: sessionmaker, activity: dict[str, Any]) -> None:
+    write_setting(sessions, ACTIVITY_KEY, json.dumps(activity))
+
+
+def read_activity(sessions: sessionmaker) -> dict[str, Any]:
+    raw = read_setting(sessions, ACTIVITY_KEY)
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def describe_activity(activity: dict[str, Any], now: float) -> str | None:
+    """"scheduler starting: compiling policy kernels, 12 s" for a scheduling process that is
+    alive, has not taken the lease and said why; None when there is nothing fresh to say."""
+    phase, since, updated = activity.get("phase"), activity.get("since"), activity.get("updated")
+    if not isinstance(phase, str) or not isinstance(since, (int, float)) or not isinstance(updated, (int, float)):
+        return None
+    if phase in ("scheduling", "stopped") or now - updated > ACTIVITY_STALE_S:
+        return None
+    if local_process_is_dead(str(activity.get("holder", "")), _HOST):
+        return None
+    return f"scheduler starting: {phase}, {max(now - since, 0.0):.0f} s"
 
 
 def release_lead(sessions: sessionmaker, holder: str) -> None:

@@ -2,8 +2,9 @@
 
 Rounds run on a timer (the round length) and soon after an event (submit, cancel, finish,
 policy change; coalesced, at most every `min_event_gap_s`). Only the holder of the leader lease
-runs rounds (scheduler/service/control.py); a process that is not the leader keeps trying to take the
-lease and, once it has it, first recovers (`SchedulerService.recover`) and then schedules.
+runs rounds (scheduler/service/control.py). The lease is taken and renewed by a thread of its
+own (scheduler/service/leadership.py), so a long round cannot let it expire; once this process
+holds it, the loop first recovers (`SchedulerService.recover`) and then schedules.
 
 Events come from the backend (`poll()`), from this process (`trigger`), and from API processes
 through the database: a changed activity signature (a submission or a cancel elsewhere), a
@@ -25,12 +26,14 @@ from sqlalchemy.orm import sessionmaker
 
 from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.service import control
+from scheduler.service import leadership
+from scheduler.service.leadership import LEASE_TTL_S, Activity, LeaseKeeper
 from scheduler.service.lifeline import pid_namespace
 from scheduler.service.types import RoundResult, ServiceConfig
 
 log = logging.getLogger("silod.loop")
 
-LEASE_TTL_S = 15.0  # a leader that stops renewing (killed) is replaced after this long
+__all__ = ["LEASE_TTL_S", "LoopRunner", "event_round_gap", "round_summary"]
 #: Event-triggered rounds take at most this share of one core: after a round of d seconds the next
 #: event round waits at least d * (1 / share - 1). A burst of submissions over 20k jobs otherwise
 #: had the scheduling process take a round (0.4-0.7 s) every 2 s, CPU the API workers serving the
@@ -66,6 +69,8 @@ class LoopRunner:
         self.service = service
         # HOST:PID:NONCE:PIDNS: a successor on this host can tell when the holder died (lifeline.py)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}:{pid_namespace()}"
+        self.activity = Activity()
+        self.keeper = LeaseKeeper(service.sessions, self.holder, self.activity, ttl_s=leadership.LEASE_TTL_S)
         self.is_leader = False
         self._wake = threading.Event()
         self._wake_reasons: set[str] = set()
@@ -80,6 +85,9 @@ class LoopRunner:
 
     def start(self) -> None:
         self._stop.clear()
+        self.activity.set("waiting for the scheduling lease")
+        self.keeper.start()
+        self.keeper.contend()
         self._thread = threading.Thread(target=self._run, name="silod-scheduler", daemon=True)
         self._thread.start()
 
@@ -89,25 +97,32 @@ class LoopRunner:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        if self.is_leader:
-            try:
-                control.release_lead(self.service.sessions, self.holder)
-            except Exception:  # the lease then simply expires
-                log.warning("could not release the leader lease")
-            self.is_leader = False
+        self.keeper.stop()  # releases the lease, if held
+        self.is_leader = False
 
     def _lead(self) -> bool:
-        """Take or renew the lease; recover on taking it."""
-        svc = self.service
-        leading = control.try_lead(svc.sessions, self.holder, LEASE_TTL_S)
+        """Whether this process holds the lease (the keeper's thread takes and renews it);
+        recover on taking it."""
+        leading = self.keeper.leading.is_set()
         if leading and not self.is_leader:
             log.info("this process is the scheduling leader (%s)", self.holder)
-            svc.recover()
+            self.activity.set("recovering the backend's jobs")
+            self.service.recover()
             self._signature = None
+            self.activity.set("scheduling")
+            log.info("scheduler ready: this process schedules (policy %s); /readyz answers 200",
+                     getattr(self.service, "policy_name", "?"))
         elif not leading and self.is_leader:
-            log.warning("lost the leader lease; another process schedules now")
+            self.activity.set("waiting for the scheduling lease")
         self.is_leader = leading
         return leading
+
+    def _round(self, svc: RoundService, reason: str) -> RoundResult:
+        self.activity.round_since = time.time()  # the keeper's next renewal says a round is running
+        try:
+            return svc.run_round(reason)
+        finally:
+            self.activity.round_since = None
 
     def _poll_control(self) -> list[str]:
         """Events from API processes; returns forced-round requests to answer."""
@@ -135,11 +150,11 @@ class LoopRunner:
                 break
             try:
                 if not self._lead():
-                    time.sleep(cfg.poll_seconds)
+                    self.keeper.leading.wait(cfg.poll_seconds)
                     continue
                 requests = self._poll_control()
                 if requests:
-                    result = svc.run_round("api")
+                    result = self._round(svc, "api")
                     control.answer_round(svc.sessions, requests, round_summary(result))
                     last_event_round = time.monotonic()
                     continue
@@ -166,7 +181,7 @@ class LoopRunner:
                     continue
                 self._wake.clear()
                 self._wake_reasons.clear()
-                result = svc.run_round(reason)
+                result = self._round(svc, reason)
                 last_event_round = time.monotonic()
                 gap = event_round_gap(cfg.min_event_gap_s, getattr(result, "duration_s", 0.0) or 0.0)
                 if reason == "timer":

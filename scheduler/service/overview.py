@@ -99,6 +99,9 @@ class Overview:
     datasets: tuple[DatasetRow, ...]
     history: tuple[dict[str, float], ...] = field(default_factory=tuple)
     measured_at: float | None = None
+    #: None while rounds run normally; else what keeps the scheduler from placing jobs now, e.g.
+    #: "scheduler starting: compiling policy kernels, 12 s" (control.scheduling_note)
+    scheduling: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -119,8 +122,11 @@ def diagnosis(ideal: float, gpus: int, remote_io: float | None, cache: float | N
     return float(d.throughput[0]), str(d.bound[0])
 
 
-def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: int, policy: str) -> str:
-    """Why a queued job is not running, in words a user can act on."""
+def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: int, policy: str,
+                scheduling: str | None = None) -> str:
+    """Why a queued job is not running, in words a user can act on. `scheduling`: what keeps
+    the scheduler from placing anything now (control.scheduling_note), which is then the
+    reason, not the policy."""
     if held_by_quota:
         return QUOTA_REASON
     if job_gpus > free_gpus:
@@ -128,6 +134,8 @@ def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: i
         if passed_by:
             text += f"; {passed_by} later job(s) started on free GPUs (backfilling)"
         return text
+    if scheduling is not None:
+        return f"GPUs are free; no round can place it yet ({scheduling})"
     return f"GPUs are free; waiting for the next round ({policy} gave it no share yet)"
 
 
@@ -159,11 +167,13 @@ def _position(s: Session, priority: int, submit: float, jid: int) -> int:
 
 
 def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, policy: str,
-                   status: Mapping[str, Any], now: float | None = None, queue_limit: int | None = None) -> Overview:
+                   status: Mapping[str, Any], now: float | None = None, queue_limit: int | None = None,
+                   scheduling: str | None = None) -> Overview:
     """The caller's picture. Its cost grows with the caller's own jobs and datasets and with the
     running jobs (bounded by the GPUs), not with other tenants' queues (issue 47: 12,000 queued
     jobs of one tenant made every other tenant's overview take seconds): the cluster's totals
-    are aggregates and each waiting job's position is a count over an index."""
+    are aggregates and each waiting job's position is a count over an index. `scheduling`:
+    what keeps the scheduler from placing jobs now (control.scheduling_note), or None."""
     now = time.time() if now is None else now
     measured = status.get("measured") or {}
     m_jobs: Mapping[str, Mapping[str, Any]] = measured.get("jobs") or {}
@@ -217,7 +227,7 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         key = (-j.priority, j.submit_time, j.id)
         passed_by = sum(1 for r in running_order if r > key)
         queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time,
-                               positions[j.id], wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy)))
+                               positions[j.id], wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy, scheduling)))
     # Kubernetes: the node agents' per-pod counters (trusted consumption) give the hit ratio of
     # jobs the data manager and the backend have no figure for.
     agents = ConsumptionStore(sessions, None).measured(str(j.id) for j in own_running if str(j.id) not in m_jobs)
@@ -252,7 +262,7 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         remote_io_total=float(capacity.remote_io), remote_io_allocated=float(io_used),
         queued_total=int(queued_total), running_total=len(running_keys), queue=tuple(queue), running=tuple(rows),
         datasets=tuple(datasets), history=tuple(dict(h) for h in status.get("history") or ()),
-        measured_at=measured.get("time"),
+        measured_at=measured.get("time"), scheduling=scheduling,
     )
 
 

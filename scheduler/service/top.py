@@ -43,13 +43,17 @@ def render(o: Mapping[str, Any]) -> Group:
     head = Text(f"silod · policy {o['policy']} · {o['running_total']} running, {o['queued_total']} waiting · "
                 f"{time.strftime('%H:%M:%S', time.localtime(o['time']))}", style="bold")
     usage = Text(f"GPUs {o['gpus_used']} of {o['gpus_total']} · cache {_size(o['cache_allocated'])} of "
-                 f"{_size(o['cache_total'])} · remote IO {_rate(o['remote_io_allocated'])} of {_rate(o['remote_io_total'])}")
+                 f"{_size(o['cache_total'])} · remote IO allocated {_rate(o['remote_io_allocated'])} of {_rate(o['remote_io_total'])}")
+    # What the running jobs read, measured (the data plane's figures), beside what was allocated:
+    # an allocation is a cap, not traffic.
+    measured = [j["throughput"] for j in o["running"] if j.get("throughput") is not None]
+    usage.append(f" · measured read {_rate(sum(measured))}" if measured else " · measured read -")
     history = list(o.get("history") or [])
     spark = sparkline([h["gpus_used"] / max(o["gpus_total"], 1) for h in history], WIDTH - 12)
     chart = Text(f"GPUs used  {spark}" if spark else "GPUs used  (no samples yet)")
 
     running = Table(title="running", title_justify="left", expand=False, pad_edge=False, box=None)
-    for col, just in (("id", "right"), ("name", "left"), ("gpu", "right"), ("cache", "right"), ("IO cap", "right"),
+    for col, just in (("id", "right"), ("name", "left"), ("gpu", "right"), ("cache", "right"), ("IO alloc", "right"),
                       ("hit", "right"), ("read", "right"), ("f*", "right"), ("done", "right"), ("bound", "left")):
         running.add_column(col, justify=just, no_wrap=True, overflow="ellipsis", max_width=10 if col == "name" else None)
     for j in o["running"]:
@@ -69,7 +73,10 @@ def render(o: Mapping[str, Any]) -> Group:
         datasets.add_column(col, justify=just, no_wrap=True, overflow="ellipsis", max_width=20)
     for d in o["datasets"]:
         datasets.add_row(d["name"], d["owner"], _size(d["size"]), _size(d["allocated"]), _size(d["cached"]))
-    parts: list[Any] = [head, usage, chart, Text("")]
+    parts: list[Any] = [head, usage, chart]
+    if o.get("scheduling"):  # e.g. "scheduler starting: compiling policy kernels, 12 s"
+        parts.append(Text(o["scheduling"], style="bold yellow"))
+    parts.append(Text(""))
     parts.append(running if o["running"] else Text("running: none"))
     parts.append(Text(""))
     parts.append(queue if o["queue"] else Text("queue: empty"))

@@ -63,8 +63,11 @@ class ReadViews:
     def overview(self, who: Principal, queue_limit: int | None = None) -> Overview:
         """The web view's, `silod top`'s and /metrics' picture (scheduler/service/overview.py);
         `queue_limit`: only the first waiting jobs (/metrics gives no series to the others)."""
+        from scheduler.service.control import scheduling_note
+
         return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
-                              status=self._overview_status(), queue_limit=queue_limit)
+                              status=self._overview_status(), queue_limit=queue_limit,
+                              scheduling=scheduling_note(self.sessions))
 
     # ------------------------------------------------------------------ cluster / allocations
 

@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="random seed (epoch orders, profiles)")] = 0,
         profile_noise: Annotated[float, typer.Option(help="quiver only: sigma of the log-normal error of its online profiles, redrawn every 12 h (0 = exact; see docs/simulator.md)")] = 0.0,
         stagger: Annotated[bool, typer.Option(help="staggered starts: hold a job whose dataset a running job is reading for the first time while the cache-aware staggering model (HiPC'23) predicts a shorter makespan from a later start (see docs/input-pipeline.md)")] = False,
-        decision_interval: Annotated[float, typer.Option(help="allocation-recompute interval: at most one policy decision per this many seconds while jobs run; rounds in between use the allocation in force (Gavel's default is 1920; 0 = at every arrival, completion and demand change; see docs/gavel-rounds.md)")] = 0.0,
+        decision_interval: Annotated[float, typer.Option(help="allocation-recompute interval: at most one policy decision per this many seconds while jobs run; rounds in between use the allocation in force (Gavel's default is 1920; 0 = at every arrival, completion and demand change; see docs/gavel.md)")] = 0.0,
         scale_missing: Annotated[Optional[str], typer.Option(help="Gavel traces: rate of a job whose GPU count has no throughput entry: linear (the largest measured count below, scaled by GPUs) | nearest (its measured rate, not scaled) [default: linear, with a warning that counts them]")] = None,
         out: Annotated[Path, typer.Option(help="output directory")] = Path("out/simulate"),
         quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,

@@ -84,6 +84,11 @@ def make_engine(url: str) -> Engine:
 
 def upgrade_schema(engine: Engine) -> None:
     """Run the Alembic migrations up to head (idempotent)."""
+    import logging
+
+    # Alembic logs its plug-ins (when imported) and migration context at INFO on every start
+    # (nine lines with nothing to act on); its warnings and a migration's own errors still show.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     from alembic import command
     from alembic.config import Config
 

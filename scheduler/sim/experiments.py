@@ -349,9 +349,12 @@ def check_cluster_address(kind: str, address: str, insecure: bool = False) -> No
     parsed = urlsplit(address if "://" in address else f"//{address}")
     scheme = (parsed.scheme or ("tcp" if kind == "dask" else "")).lower()
     try:
-        host = parsed.hostname or ""
+        host, port = parsed.hostname or "", parsed.port
     except ValueError:
-        host = ""
+        host, port = "", None
+    if kind == "ray" and (not host or port is None):
+        # A malformed address is named as such before any question of where it points.
+        raise UserError(f"--ray {address!r} is not HOST:PORT; give the address `ray start --head` prints, e.g. --ray 127.0.0.1:6379")
     if not host:
         raise UserError(f"--{kind} {address!r} names no host; e.g. --{kind} "
                         + ("tls://scheduler.example:8786" if kind == "dask" else "127.0.0.1:6379"))

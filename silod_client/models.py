@@ -312,3 +312,6 @@ class Overview(_Answer):
     datasets: list[DatasetCache]
     history: list[dict[str, float | None]] = Field(default_factory=list)
     measured_at: float | None = None
+    #: None while rounds run normally; else what keeps the scheduler from placing jobs now,
+    #: e.g. "scheduler starting: compiling policy kernels, 12 s"
+    scheduling: str | None = None

@@ -241,6 +241,10 @@ def _run_mount(*args: str) -> subprocess.CompletedProcess:
         ("dotdot_job", "--job"),
         ("negative_cache_size", "--cache-size"),
         ("text_io_rate", "--io-rate"),
+        ("too_many_slow_fetches", "--slow-fetches"),
+        ("negative_memory_staging", "--memory-staging"),
+        ("zero_index_bytes", "--max-index-bytes"),
+        ("zero_listing_entries", "--max-listing-entries"),
     ],
 )
 def test_bad_mount_input_exits_2_with_a_clear_message(tmp_path, dataset, case, expect):
@@ -265,6 +269,14 @@ def test_bad_mount_input_exits_2_with_a_clear_message(tmp_path, dataset, case, e
         extra = ["--cache-size", "-5GB"]
     elif case == "text_io_rate":
         extra = ["--io-rate", "fast"]
+    elif case == "too_many_slow_fetches":
+        extra = ["--slow-fetches", "100000"]
+    elif case == "negative_memory_staging":
+        extra = ["--memory-staging", "-1MB"]
+    elif case == "zero_index_bytes":
+        extra = ["--max-index-bytes", "0"]
+    elif case == "zero_listing_entries":
+        extra = ["--max-listing-entries", "0"]
     r = _run_mount(args["mnt"], "--source", args["source"], "--dataset", args["dataset"], "--job", args["job"],
                    "--cache-dir", str(cache), *extra)
     try:

@@ -9,6 +9,7 @@ against the real kube-apiserver and kube-scheduler."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -172,10 +173,10 @@ def test_pod_spec_problems_ignore_a_cluster_without_gpu_nodes():
     assert pod_spec_problems(spec, "p", [NodeLabels("cpu", {}, 0)], gpus=0)  # CPU pods: the CPU node counts
 
 
-def test_extended_resource_toleration_taints_are_respected_only_when_told(monkeypatch):
-    """With the ExtendedResourceToleration plugin the API server adds a toleration of
-    nvidia.com/gpu taints to every pod requesting GPUs; silod's placement assumes it only when
-    told (--backend-opt extended-resource-toleration=true)."""
+def test_a_gpu_taint_is_refused_unless_the_pod_tolerates_it():
+    """The toleration the ExtendedResourceToleration plugin adds (which the backend adds to its
+    pods' view with --backend-opt extended-resource-toleration=true: test_backend_options_reach_the_backend)
+    is what opens a nvidia.com/gpu-tainted node."""
     tainted = NodeState("g", "g", 8, 1e12, taints=(Taint("nvidia.com/gpu", "present", "NoSchedule"),))
     plain = PodRequest("p", 4)
     assert place([plain], [tainted], dataset="d", cache_bytes=0, io_per_pod=0) is None
@@ -236,3 +237,37 @@ def test_rest_template_fields_are_validated_by_the_schema(stack, template):
     _, client = stack
     r = _submit(client, template)
     assert r.status_code == 422, r.text
+
+
+@pytest.mark.parametrize(("opt", "named"), [
+    ("unschedulable-grace=0s", "unschedulable-grace='0s': give a duration between 1s and 30d"),
+    ("unschedulable-grace=soon", "unschedulable-grace='soon'"),
+    ("extended-resource-toleration=yes", "extended-resource-toleration='yes': true when the API server runs"),
+])
+def test_bad_backend_options_are_named(opt, named):
+    from estimator.errors import UserError
+    from policies.types import ClusterCapacity
+    from scheduler.backends.base import BackendConfig
+    from scheduler.backends.kubernetes import create_backend
+
+    key, value = opt.split("=", 1)
+    config = BackendConfig(capacity=ClusterCapacity(gpus=8, cache=1e12, remote_io=1e9), state_dir=Path("/nonexistent"),
+                           options={"server": "http://127.0.0.1:9", key: value})
+    with pytest.raises(UserError, match=named.replace("(", r"\(")):
+        create_backend(config)
+
+
+def test_backend_options_reach_the_backend():
+    from policies.types import ClusterCapacity
+    from scheduler.backends.base import BackendConfig
+    from scheduler.backends.kubernetes import create_backend
+
+    backend = create_backend(BackendConfig(
+        capacity=ClusterCapacity(gpus=8, cache=1e12, remote_io=1e9), state_dir=Path("/nonexistent"),
+        options={"server": "http://127.0.0.1:9", "unschedulable-grace": "5m", "extended-resource-toleration": "true"}))
+    assert backend.pending_grace_s == 300 and backend.extended_resource_toleration is True
+    wl = parse_workload(JOB, {**kubectl_job("j"), "metadata": {**kubectl_job("j")["metadata"], "uid": "u"}})
+    assert backend._pod_requests(wl)[0].tolerations == (Toleration("nvidia.com/gpu", "Exists", "", "NoSchedule"),)
+    backend.extended_resource_toleration = False
+    assert backend._pod_requests(wl)[0].tolerations == ()
+    backend.close()

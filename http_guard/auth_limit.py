@@ -35,6 +35,7 @@ from pathlib import Path
 _SALT = 16  # bytes of hash key at the table's start
 _SLOT = struct.Struct("<Qdd")  # network hash (0: empty), tokens left, when (time.monotonic, system-wide)
 _PROBES = 8
+_HASHES_MAX = 65_536  # client addresses whose slot hash is remembered
 DEFAULT_SLOTS = 16_384  # 384 KiB; more networks than this failing at once share their probes' fullest slots
 
 
@@ -83,6 +84,7 @@ class FailedAuthLimiter:
                 raise ValueError(f"{path} is not a failed-token table ({slots} slots)")
         self._mask = slots - 1
         self._salt = bytes(self._buf[:_SALT])
+        self._hashes: dict[str | None, int] = {}
 
     @staticmethod
     def create_table(path: Path | str, slots: int = DEFAULT_SLOTS) -> Path:
@@ -105,11 +107,19 @@ class FailedAuthLimiter:
             self._fd = None
 
     def _hash(self, host: str | None) -> int:
-        h = int.from_bytes(hashlib.blake2b(client_network(host).encode(), digest_size=8, key=self._salt).digest(), "little")
-        return h or 1
+        # Every request with a token asks (retry_after): parsing the address is most of its cost
+        # (~6 of 7 us), so the hash is kept per host; bounded, like the token cache.
+        h = self._hashes.get(host)
+        if h is None:
+            digest = hashlib.blake2b(client_network(host).encode(), digest_size=8, key=self._salt).digest()
+            h = int.from_bytes(digest, "little") or 1
+            if len(self._hashes) >= _HASHES_MAX:
+                self._hashes.clear()
+            self._hashes[host] = h
+        return h
 
-    def _offsets(self, h: int):
-        return (_SALT + ((h + i) & self._mask) * _SLOT.size for i in range(_PROBES))
+    def _offsets(self, h: int) -> list[int]:
+        return [_SALT + ((h + i) & self._mask) * _SLOT.size for i in range(_PROBES)]
 
     def _level(self, tokens: float, at: float, now: float) -> float:
         return min(self.burst, tokens + max(now - at, 0.0) * self.rate)

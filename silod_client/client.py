@@ -413,11 +413,13 @@ class Quotas(_Api):
     @route("PUT", "/v1/quotas/{tenant}")
     def set(self, tenant: str, *, gpus: int | None = None, cache_bytes: float | str | None = None,
             running_jobs: int | None = None, queued_jobs: int | None = None,
-            ideal_per_gpu: float | str | None = None) -> m.Quota:
+            ideal_per_gpu: float | str | None = None, min_work: float | str | None = None,
+            max_work: float | str | None = None) -> m.Quota:
         """Admin: a tenant's limits (None: no limit; `ideal_per_gpu`: the most f* per GPU its jobs
-        may declare, None: the service's default)."""
+        may declare, `min_work`/`max_work`: the least/most work in bytes they may declare; None for
+        these: the service's default)."""
         body = {"gpus": gpus, "cache_bytes": cache_bytes, "running_jobs": running_jobs, "queued_jobs": queued_jobs,
-                "ideal_per_gpu": ideal_per_gpu}
+                "ideal_per_gpu": ideal_per_gpu, "min_work": min_work, "max_work": max_work}
         return m.Quota.model_validate(self._c.request("PUT", f"/v1/quotas/{segment(tenant)}", json=body, retry_safe=True))
 
 

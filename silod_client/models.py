@@ -170,6 +170,8 @@ class Quota(_Answer):
     running_jobs: int | None = None
     queued_jobs: int | None = None
     ideal_per_gpu: float | None = None
+    min_work: float | None = None
+    max_work: float | None = None
 
 
 class Usage(_Answer):

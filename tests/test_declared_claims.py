@@ -137,6 +137,15 @@ def test_remaining_work_at_the_declared_total_is_unknown_not_zero():
     assert remaining_work(100 * GB, 99 * GB, 1 * GB, None, now) == pytest.approx(1 * GB)
 
 
+def test_every_backends_cap_at_the_declared_total_reads_as_unknown_work():
+    """The rule reads only the job's row, so it holds wherever progress stops: Kubernetes holds a
+    running job at 0.99 of its total (test below), the local worker at the total (a program
+    reading past its declaration: local_worker.py caps what the mount served there)."""
+    now = 10_000.0
+    for consumed in (0.99 * 100 * GB, 100 * GB):
+        assert remaining_work(100 * GB, consumed, 1 * GB, now - 1100, now) == pytest.approx(1000 * GB)
+
+
 # --- Kubernetes: a job that runs past its declared work -----------------------------------------
 
 try:
@@ -208,3 +217,62 @@ def test_an_overstated_declaration_is_replaced_by_the_measurement():
     m = JobMeasurement.start(100 * MB)
     m = observe_job(m, 1 * GB, 2.0, io_bound=1 * GB)
     assert m.fstar.estimate == pytest.approx(400 * MB)
+
+
+# --- declared work: a bounded claim too ---------------------------------------------------------
+
+def test_understated_work_is_refused_below_the_tenants_floor(sjf16):
+    """The same hole as f*'s, for work: SJF runs the shortest declared job first and preempts. With
+    bob's and carol's 10-epoch jobs running, alice declared a millionth of an epoch (1 MB of the
+    1 TB dataset): on main any declaration was taken and hers preempted carol's at the next round.
+    An admin's floor (quota min_work; `--default-quota min_work=` for every tenant) refuses it,
+    naming the quota and how to change it; a job within the range runs as before."""
+    c, service = sjf16
+    long = {**_job("train", "200MB/s"), "epochs": 10}
+    bob = c.post("/v1/jobs", json=long, headers=H["bob"]).json()
+    carol = c.post("/v1/jobs", json=long, headers=H["carol"]).json()
+    service.run_round("test")
+    assert (_state(c, "bob", bob), _state(c, "carol", carol)) == ("running", "running")
+    r = c.put("/v1/quotas/alice", json={"min_work": "100GB", "max_work": "100TB"}, headers=H_ADMIN)
+    assert r.status_code == 200 and (r.json()["min_work"], r.json()["max_work"]) == (100 * GB, 100 * TB), r.text
+    for tiny in ({"epochs": 1e-6}, {"epochs": None, "steps": 1, "step_bytes": "1MB"}):
+        r = c.post("/v1/jobs", json={**long, **tiny}, headers=H["alice"])
+        assert r.status_code == 403 and r.json()["field"] == "epochs", r.text
+        assert "min_work" in r.text and "PUT /v1/quotas/alice" in r.text
+    r = c.post("/v1/jobs", json={**long, "epochs": 101}, headers=H["alice"])  # 101 TB
+    assert r.status_code == 403 and "max_work" in r.text, r.text
+    service.run_round("test")
+    assert (_state(c, "bob", bob), _state(c, "carol", carol)) == ("running", "running")
+    ok = c.post("/v1/jobs", json={**long, "epochs": 0.1}, headers=H["alice"])  # 100 GB: within the range
+    assert ok.status_code == 201, ok.text
+    # The tenant reads its range; it cannot set it; a range upside down is a 422 naming it.
+    assert c.get("/v1/quotas/alice", headers=H["alice"]).json()["min_work"] == 100 * GB
+    assert c.put("/v1/quotas/alice", json={"min_work": "1GB"}, headers=H["alice"]).status_code == 403
+    r = c.put("/v1/quotas/bob", json={"min_work": "2GB", "max_work": "1GB"}, headers=H_ADMIN)
+    assert r.status_code == 422 and "min_work" in r.text, r.text
+
+
+def test_the_work_range_is_a_default_quota_key(tmp_path):
+    from estimator.errors import UserError
+    from scheduler.service.cli import parse_quota
+
+    q = parse_quota("min_work=50GB,max_work=1PB")
+    assert (q.min_work, q.max_work) == (50 * GB, 1e15)
+    with pytest.raises(UserError, match="min_work is above max_work"):
+        parse_quota("min_work=2GB,max_work=1GB")
+    with pytest.raises(UserError, match="--default-quota min_work"):
+        parse_quota("min_work=lots")
+    # The default quota's floor applies to a tenant whose own quota leaves it unset.
+    service = build_service(db=f"sqlite:///{tmp_path / 'w.db'}", backend="null", policy="sjf", round_s=360,
+                            gpus="8", gpus_per_node="8", cache="1GB", remote_io="1GB/s", state_dir=tmp_path / "s",
+                            default_quota=q)
+    try:
+        from scheduler.service.types import ForbiddenError, NewDataset, NewJob
+
+        alice = Principal("alice")
+        service.register_dataset(alice, NewDataset("web", "s3://d/web", 1e12))
+        with pytest.raises(ForbiddenError, match="min_work"):
+            service.submit_job(alice, NewJob("tiny", 1, "web", epochs=0.01, ideal_throughput=1e8))
+        assert service.submit_job(alice, NewJob("ok", 1, "web", epochs=0.05, ideal_throughput=1e8)).state == "queued"
+    finally:
+        service.close()

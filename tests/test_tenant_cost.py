@@ -267,3 +267,19 @@ def _check_counts(c, service) -> None:  # type: ignore[no-untyped-def]
     assert {(o, JobState(st).value): n for (o, st), n in rows.items()} == kept, (rows, kept)
     o = c.get("/v1/overview", headers=H_ADMIN).json()
     assert o["queued_total"] == sum(n for (_, st), n in kept.items() if st == "queued")
+
+
+def test_a_per_job_metrics_scrape_reads_the_series_it_gives_not_every_waiting_job(svc):
+    """Bob's 3,000 queued jobs: a per-job /metrics scrape reads the waiting jobs that get series
+    (the first MAX_WAITING_SERIES in line) and counts the rest (on 19aec68 every scrape built the
+    whole overview: every tenant's active jobs, read and sorted)."""
+    from scheduler.service.api.metrics import MAX_WAITING_SERIES
+
+    c, service = svc
+    _bulk_queue(service, "bob", 3000)
+    with _RowCounter(service.engine) as rc:
+        r = c.get("/metrics", headers=H_ADMIN)
+    assert r.status_code == 200, r.text
+    assert r.text.count("silod_job_queue_position{") == MAX_WAITING_SERIES
+    assert "silod_queue_length 3000.0" in r.text
+    assert rc.rows <= MAX_WAITING_SERIES + 100, rc.rows

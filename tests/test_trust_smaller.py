@@ -150,6 +150,22 @@ def test_the_agents_mounts_and_records_are_private(tmp_path):
     assert stat.S_IMODE((tmp_path / "state" / "volumes.json").stat().st_mode) == 0o600
 
 
+def test_the_agents_mount_log_is_private(tmp_path):
+    """A mount's log names the tenant's dataset and its errors: the agent's only (on 19aec68 it was
+    opened 0644). The agent starts a real process as its `silod mount`, which fails at once."""
+    import sys
+
+    from fuse_client.agent.datasets import DatasetSource
+    from fuse_client.agent.volumes import MountError, VolumeManager
+
+    vm = VolumeManager(tmp_path / "state", "node-a", kubelet_dir=tmp_path / "kubelet",
+                       silod=[sys.executable, "-c", "import sys; print('no such bucket'); sys.exit(3)"])
+    with pytest.raises(MountError, match="no such bucket"):
+        vm._dataset_mount(DatasetSource("alice", "imagenet", "s3://b/imagenet", key="d1-imagenet"))
+    log = tmp_path / "state" / "mounts" / "alice" / "imagenet.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
 def test_the_mounts_stats_file_is_private(tmp_path):
     from fuse_client.mount import ControlLoop
 
@@ -160,18 +176,22 @@ def test_the_mounts_stats_file_is_private(tmp_path):
 
 # --- the service's secret keys stay in the service ----------------------------------------------------
 
-def test_secret_keys_do_not_reach_local_workers_or_mounts(monkeypatch):
+def test_secret_keys_do_not_reach_local_workers_or_mounts(monkeypatch, tmp_path):
     from contract.credentials import SourceCredential
     from fuse_client.agent.datasets import DatasetSource
     from fuse_client.agent.volumes import mount_env
-    from scheduler.backends.base import DatasetInfo
-    from scheduler.backends.local import SERVICE_SECRETS, source_env
+    from policies.types import ClusterCapacity
+    from scheduler.backends.base import BackendConfig, DatasetInfo, JobSpec
+    from scheduler.backends.local import LocalBackend
 
     monkeypatch.setenv("SILOD_SECRET_KEYS", "a-fernet-key")
-    # The local backend's worker environment is os.environ without SERVICE_SECRETS, then source_env.
-    worker = {**{k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS},
-              **source_env(DatasetInfo("d", "s3://b/d", 1e9))}
-    assert not worker.get("SILOD_SECRET_KEYS")
+    monkeypatch.setenv("SILOD_TOKEN_KEY", "an-hmac-key")
+    # The environment the local backend starts a job's worker (its mount, its program) with.
+    backend = LocalBackend(BackendConfig(capacity=ClusterCapacity(gpus=1, cache=1e9, remote_io=1e9),
+                                         state_dir=tmp_path / "state"))
+    worker = backend.worker_env(JobSpec("1", "j", "alice", 1, DatasetInfo("d", "s3://b/d", 1e9), 1e8, 1e9, 0.0))
+    assert not worker.get("SILOD_SECRET_KEYS") and not worker.get("SILOD_TOKEN_KEY")
+    assert worker["PYTHONUNBUFFERED"] == "1"  # the rest of the service's environment is kept
     agent_mount = mount_env(DatasetSource("alice", "d", "s3://b/d", None, key="d1-d",
                                           credential=SourceCredential("AK", "SK")))
     assert "SILOD_SECRET_KEYS" not in agent_mount

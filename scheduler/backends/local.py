@@ -298,10 +298,7 @@ class LocalBackend(ClusterBackend):
                     [sys.executable, "-m", "scheduler.backends.local_worker", str(jdir / "spec.json")],
                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,  # survives the service, and stop() can signal the group
-                    env={**{k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS},
-                         "PYTHONUNBUFFERED": "1", **source_env(job.dataset), **self._policy_env,
-                         # the job's program reports with its own token (never spec.json)
-                         "SILOD_TOKEN": job.report_token or ""},
+                    env=self.worker_env(job),
                 )
             start_time = process_start_time(popen.pid)
             write_json_atomic(jdir / "worker.pid", {"pid": popen.pid, "start_time": start_time, "attempt": attempt})
@@ -311,6 +308,14 @@ class LocalBackend(ClusterBackend):
             )
             log.info("job %s: worker %d started (attempt %d, cache %s, io %s, cpu %s)", job.job_id, popen.pid, attempt,
                      cache_size, io_rate, self._cpu_text(job.job_id) if cpu else "not CPU-bound")
+
+    def worker_env(self, job: JobSpec) -> dict[str, str]:
+        """The environment a job's worker (its mount and its program) starts with: this process's
+        without the service's secrets (SERVICE_SECRETS), then the dataset owner's credential."""
+        return {**{k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS},
+                "PYTHONUNBUFFERED": "1", **source_env(job.dataset), **self._policy_env,
+                # the job's program reports with its own token (never spec.json)
+                "SILOD_TOKEN": job.report_token or ""}
 
     def _program_fields(self, job: JobSpec) -> dict[str, Any]:
         """WorkerSpec fields of a job that runs its own program (JobIn.program)."""

@@ -498,6 +498,14 @@ class Catalogue:
                 return float(v)
         return DEFAULT_IDEAL_PER_GPU * self.config.gpu_speed
 
+    def work_range(self, q: TenantQuota) -> tuple[float | None, float | None]:
+        """The least and the most work (bytes) a job under quota `q` may declare: the tenant's
+        own bound, else the default quota's, else none. The shortest declared job goes first in
+        SJF (and preempts) before anything is measured: declared work is a bounded claim."""
+        d = self.config.default_quota
+        return (q.min_work if q.min_work is not None else d.min_work,
+                q.max_work if q.max_work is not None else d.max_work)
+
     def set_quota(self, who: Principal, tenant: str, quota: TenantQuota) -> TenantQuota:
         if not who.is_admin:
             raise ForbiddenError("only the admin may set quotas")
@@ -592,6 +600,18 @@ class Catalogue:
             q = self._quota(c, who.user)
         if q.gpus is not None and req.gpus > q.gpus:
             raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
+        least, most = self.work_range(q)
+        if least is not None and total < least:
+            raise ForbiddenError(
+                f"the job declares {total:.4g} bytes of work, below the {least:.4g} your jobs must declare at least"
+                f" (quota min_work: SJF runs the shortest declared job first, so the declaration is bounded);"
+                f" declare what it reads (epochs x dataset size, or steps x step_bytes), or ask an admin to lower"
+                f" it (PUT /v1/quotas/{who.user})", field="epochs")
+        if most is not None and total > most:
+            raise ForbiddenError(
+                f"the job declares {total:.4g} bytes of work, above the {most:.4g} your jobs may declare"
+                f" (quota max_work); declare what it reads, or ask an admin to raise it"
+                f" (PUT /v1/quotas/{who.user})", field="epochs")
         if req.ideal_throughput is not None:
             per_gpu = self.ideal_ceiling(q)
             if ideal > per_gpu * req.gpus:

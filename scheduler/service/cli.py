@@ -122,7 +122,7 @@ def parse_quota(value: str | None) -> Any:
     if not value:
         return DEFAULT_QUOTA
     names = {"gpus": "gpus", "cache": "cache_bytes", "running": "running_jobs", "queued": "queued_jobs",
-             "fstar": "ideal_per_gpu"}
+             "fstar": "ideal_per_gpu", "min_work": "min_work", "max_work": "max_work"}
     out: dict[str, Any] = {"queued_jobs": DEFAULT_QUOTA.queued_jobs}
     for item in value.split(","):
         key, sep, val = item.strip().partition("=")
@@ -134,10 +134,14 @@ def parse_quota(value: str | None) -> Any:
             out[names[key]] = float(parse_size(val, what="--default-quota cache"))
         elif key == "fstar":  # per GPU
             out[names[key]] = float(parse_rate(val, what="--default-quota fstar"))
+        elif key in ("min_work", "max_work"):  # bytes a job declares (epochs x dataset size)
+            out[names[key]] = float(parse_size(val, what=f"--default-quota {key}"))
         elif re.fullmatch(r"[0-9]+", val.strip()):  # ASCII digits only: str.isdigit() accepts '²'
             out[names[key]] = int(val)
         else:
             raise UserError(f"--default-quota {key}={val!r} must be a whole number >= 0")
+    if (out.get("min_work") or 0.0) > (out.get("max_work") or float("inf")):
+        raise UserError("--default-quota min_work is above max_work; give min_work <= max_work")
     return TenantQuota(**out)
 
 
@@ -761,7 +765,7 @@ def register(app: typer.Typer) -> None:
         node_agent: Annotated[list[str] | None, typer.Option("--node-agent", help="user whose tokens belong to node agents: may look up any tenant's dataset; USER=NODE also binds the user to NODE, whose consumption reports it then may send (repeatable)")] = None,
         agent_service_account: Annotated[list[str] | None, typer.Option("--agent-service-account", help="NAMESPACE:NAME of the node agents' service account: an agent pod's projected token, bound to its pod, identifies the agent of the node that pod runs on (checked with a TokenReview; repeatable)")] = None,
         agent_audience: Annotated[str | None, typer.Option("--agent-audience", help="audience the agents' projected tokens are minted for [default: silod]")] = None,
-        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100,fstar=1GB/s (KEY=none: no limit; queued defaults to 1000, fstar, the most f* per GPU a job may declare, to 1GB/s x --gpu-speed)")] = None,
+        default_quota: Annotated[str | None, typer.Option("--default-quota", help="per-tenant limits, e.g. gpus=8,cache=500GB,running=4,queued=100,fstar=1GB/s (KEY=none: no limit; queued defaults to 1000, fstar, the most f* per GPU a job may declare, to 1GB/s x --gpu-speed; min_work=SIZE,max_work=SIZE bound the work a job may declare, default none)")] = None,
         object_limits: Annotated[str | None, typer.Option("--object-limits", help="objects one tenant may hold, e.g. datasets=10000,credentials=1000,grants=256,jobs=10000 (grants: tenants one dataset is shared with; jobs: active jobs) [default: those]")] = None,
         max_body: Annotated[str, typer.Option("--max-body", help="largest request body accepted (413 beyond)")] = "1MiB",
         tls_cert: Annotated[Path | None, typer.Option("--tls-cert", help="serve HTTPS with this certificate (PEM)")] = None,
@@ -857,11 +861,17 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from http_guard.auth_limit import FailedAuthLimiter
+
+        # Failed tokens are counted per client network in one table all API workers map (a
+        # table per worker allowed --workers times the guessing rate); new at every start.
+        auth_failures = FailedAuthLimiter.create_table(state_dir / "api-auth-failures")
         os.environ[WORKER_CONFIG_ENV] = json.dumps({
             "build": {k: (str(v) if isinstance(v, Path) else v) for k, v in build_kwargs.items()
                       if k not in ("default_quota",)},
             "default_quota": default_quota, "state_dir": str(state_dir), "max_body": body_cap,
             "serve_pid": os.getpid(),  # the workers die with it (lifeline.py)
+            "auth_failures": str(auth_failures),
         })
         from scheduler.core.cluster import cluster_overrides
 

@@ -313,7 +313,7 @@ class SchedulerService(ReadViews):
                 ):
                     owners[storage_key(ds_id, ds_name)] = ds_owner
             quotas = {
-                q.tenant: TenantQuota(q.gpus, q.cache_bytes, q.running_jobs, q.queued_jobs, q.ideal_per_gpu)
+                q.tenant: TenantQuota(*(getattr(q, k) for k in TenantQuota.FIELDS))
                 for q in s.scalars(select(Quota))
             }
         admitted, held_back = admit(jobs, quotas, self.config.default_quota)

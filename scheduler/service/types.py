@@ -296,8 +296,14 @@ class TenantQuota:
     #: claim that orders the SJF queue before anything is measured, so it is bounded (issue 47).
     #: None: the service's default quota's, else DEFAULT_IDEAL_PER_GPU x the cluster's GPU speed.
     ideal_per_gpu: float | None = None
+    #: the least and the most work (bytes: epochs x dataset size, or steps x step_bytes) a job of
+    #: the tenant may declare. Declared work orders the SJF queue before the job has run (the
+    #: shortest goes first and preempts), so it is a bounded claim like f* (issue 47). None: the
+    #: service's default quota's (`--default-quota min_work=SIZE,max_work=SIZE`), else no bound.
+    min_work: float | None = None
+    max_work: float | None = None
 
-    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs", "ideal_per_gpu")
+    FIELDS = ("gpus", "cache_bytes", "running_jobs", "queued_jobs", "ideal_per_gpu", "min_work", "max_work")
 
 
 #: Waiting jobs a tenant without its own quota may have (`--default-quota queued=N`, or

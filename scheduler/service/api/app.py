@@ -32,6 +32,7 @@ from http_guard.timeouts import BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S
 from policies.registry import available_policies
 from scheduler.service.api.auth import TokenStore, check_tenant
 from scheduler.service.api.fair_pool import FairThreadPool
+from http_guard.auth_limit import FailedAuthLimiter
 from scheduler.service.api.guard import DEFAULT_MAX_BODY, OUTAGE_BODY, RETRY_AFTER_S, RequestGuard, is_database_outage
 from scheduler.service.api.metrics import make_registry, metrics_response
 from scheduler.service.api.schemas import (
@@ -207,8 +208,11 @@ def _admin(who: Principal, what: str) -> None:
 
 def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = True,
                max_body: int = DEFAULT_MAX_BODY,
-               body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S)) -> FastAPI:
-    """The API over `service`. With run_loop, the scheduling loop runs for the app's lifetime."""
+               body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S),
+               failures: FailedAuthLimiter | None = None) -> FastAPI:
+    """The API over `service`. With run_loop, the scheduling loop runs for the app's lifetime.
+    `failures`: the failed-token buckets (shared by the API workers of one server; default: this
+    app's own)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -243,7 +247,8 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     app.add_middleware(RequestGuard, tokens=tokens, max_body=max_body,
                        agent_node=service.config.agent_node if service is not None else None,
                        body_timeouts=body_timeouts,
-                       reviewer=service.config.agent_reviewer if service is not None else None)
+                       reviewer=service.config.agent_reviewer if service is not None else None,
+                       failures=failures)
     registries = {per_job: make_registry(service, per_job) for per_job in (False, True)} if service is not None else None
     reads, writes = FairThreadPool(HOT_THREADS), FairThreadPool(HOT_THREADS)
     others = FairThreadPool(OTHER_THREADS)

@@ -88,13 +88,16 @@ def is_database_outage(exc: BaseException, probe: Callable[[], bool] | None = No
 
 OUTAGE_BODY = {"detail": "the database is unavailable; retry later", "field": None}
 OUTAGE_HEADERS = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+# What a token lookup answers besides a principal or None: the client's failure budget ran out
+# while it waited for a lookup thread (429, the token unchecked); or None, already counted.
+LIMITED, COUNTED_FAILURE = object(), object()
 
 
 class RequestGuard:
     def __init__(self, app: Any, tokens: TokenStore, max_body: int = DEFAULT_MAX_BODY,
                  agent_node: Callable[[str], str | None] | None = None,
                  body_timeouts: tuple[float, float] = (BODY_IDLE_TIMEOUT_S, BODY_TOTAL_TIMEOUT_S),
-                 reviewer: Any = None):
+                 reviewer: Any = None, failures: FailedAuthLimiter | None = None):
         self.app = app
         self.body_timeouts = body_timeouts  # (idle, total) seconds: a stalled body is a 408
         self.tokens = tokens
@@ -109,8 +112,14 @@ class RequestGuard:
         # stuck behind slow routes on the shared default pool would stall the whole API.
         self._lookups: list[anyio.CapacityLimiter] = []  # made in the worker's event loop, at first use
         # Failed token checks per client network (http_guard/auth_limit.py): guessing is slowed
-        # to a couple a second, and a guess made past the limit is not even checked.
-        self.failures = FailedAuthLimiter()
+        # to a couple a second, and a guess made past the limit is not even checked. `silod serve`
+        # hands every API worker the same table, so the bound is the server's, not a worker's.
+        self.failures = failures if failures is not None else FailedAuthLimiter()
+
+    @staticmethod
+    async def _too_many(send: Send, wait: float) -> None:
+        await send_json(send, 429, {"detail": "too many requests with an invalid token from your address;"
+                                    " retry later with a valid one", "field": None}, retry_after_header(wait))
 
     def _public(self, path: str, headers: dict[bytes, bytes]) -> bool:
         # /metrics without SILOD_METRICS_TOKEN: the cluster totals need no token; a token asks for
@@ -118,14 +127,27 @@ class RequestGuard:
         return path in PUBLIC_PATHS or (path == "/metrics" and not self.tokens.protects_metrics
                                         and b"authorization" not in headers)
 
-    async def _principal(self, token: str) -> Principal | None:
+    async def _principal(self, token: str, client: str | None) -> Principal | None | object:
+        """The token's principal, None, or LIMITED (the client's failures ran out while it waited)."""
         hit, who = self.tokens.cached(token)
         if hit:
             return who
         # A cache miss reads the database: off the event loop, one thread hop per token per TTL.
         if not self._lookups:
             self._lookups.append(anyio.CapacityLimiter(LOOKUP_THREADS))
-        return await anyio.to_thread.run_sync(self.tokens.authenticate, token, limiter=self._lookups[0])
+        return await anyio.to_thread.run_sync(self._lookup, token, client, limiter=self._lookups[0])
+
+    def _lookup(self, token: str, client: str | None) -> Principal | None | object:
+        # The failure budget is checked again right before the token is, and a failure counted
+        # before the thread is free: 64 guesses arriving at once all passed the check made on
+        # arrival, so at most LOOKUP_THREADS per worker are in flight past an empty bucket.
+        if self.failures.retry_after(client) > 0:
+            return LIMITED
+        who = self.tokens.authenticate(token)
+        if who is None and not (self.reviewer is not None and looks_like_jwt(token)):
+            self.failures.failed(client)
+            return COUNTED_FAILURE
+        return who
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -148,24 +170,28 @@ class RequestGuard:
             who: Principal | None = None
             metrics_token = False
             client = (scope.get("client") or (None,))[0]
+            counted = False
             if scheme.lower() == "bearer" and token:
                 wait = self.failures.retry_after(client)
                 if wait > 0:
-                    await send_json(send, 429, {"detail": "too many requests with an invalid token from your address;"
-                                                " retry later with a valid one", "field": None},
-                                    retry_after_header(wait))
+                    await self._too_many(send, wait)
                     return
                 if path == "/metrics" and self.tokens.is_metrics_token(token):
                     who, metrics_token = Principal("metrics"), True
                 else:
                     try:
-                        who = await self._principal(token)
+                        found = await self._principal(token, client)
                     except Exception as exc:
                         if not is_database_outage(exc):
                             raise
                         log.warning("token lookup failed, database unavailable: %s", type(exc).__name__)
                         await send_json(send, 503, OUTAGE_BODY, OUTAGE_HEADERS)
                         return
+                    if found is LIMITED:
+                        await self._too_many(send, max(self.failures.retry_after(client), 1.0))
+                        return
+                    counted = found is COUNTED_FAILURE
+                    who = None if counted else found  # type: ignore[assignment]
                     if who is None and self.reviewer is not None and looks_like_jwt(token):
                         try:
                             agent = await anyio.to_thread.run_sync(self.reviewer.review, token)
@@ -188,7 +214,7 @@ class RequestGuard:
                                                " cluster totals"), "field": None})
                 return
             if who is None:
-                if scheme.lower() == "bearer" and token:
+                if scheme.lower() == "bearer" and token and not counted:
                     self.failures.failed(client)
                 await send_json(
                     send, 401, {"detail": "missing or invalid bearer token (Authorization: Bearer TOKEN)", "field": None},

@@ -587,6 +587,16 @@ class QuotaIn(_Strict):
     queued_jobs: int | None = Field(default=None, ge=0, le=10_000_000)
     ideal_per_gpu: Rate | None = Field(default=None, description="the most f* per GPU a job may declare;"
                                        " null: the service's default")
+    min_work: Size | None = Field(default=None, description="the least work (bytes: epochs x dataset size, or"
+                                  " steps x step_bytes) a job may declare; null: the service's default")
+    max_work: Size | None = Field(default=None, description="the most work (bytes) a job may declare; null: the"
+                                  " service's default")
+
+    @model_validator(mode="after")
+    def _work_range(self) -> "QuotaIn":
+        if self.min_work is not None and self.max_work is not None and self.min_work > self.max_work:
+            raise ValueError("min_work is above max_work; give min_work <= max_work")
+        return self
 
 
 class QuotaOut(BaseModel):
@@ -598,6 +608,8 @@ class QuotaOut(BaseModel):
     running_jobs: int | None
     queued_jobs: int | None
     ideal_per_gpu: float | None = None
+    min_work: float | None = None
+    max_work: float | None = None
 
 
 class CredentialIn(_Strict):

@@ -34,7 +34,12 @@ def create_worker_app() -> FastAPI:
         build["cluster_file"] = Path(build["cluster_file"])
     service = build_api_service(**build, default_quota=parse_quota(cfg.get("default_quota")))
     tokens = make_token_store(service.engine, Path(cfg["state_dir"]), None, require_any=False)
-    app = create_app(service, tokens, run_loop=False, max_body=int(cfg["max_body"]))
+    failures = None
+    if cfg.get("auth_failures"):  # the failed-token table every worker of this server shares
+        from http_guard.auth_limit import FailedAuthLimiter
+
+        failures = FailedAuthLimiter(path=cfg["auth_failures"])
+    app = create_app(service, tokens, run_loop=False, max_body=int(cfg["max_body"]), failures=failures)
     # What is built by now lives as long as the worker: frozen out of the cyclic GC's reach, a
     # full collection no longer walks it (~25 ms each over the modules and app a worker holds,
     # paid by whichever request set it off: GET's p99 at 16 clients was 1.6-2.1x the bare app's).

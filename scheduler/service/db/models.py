@@ -250,6 +250,9 @@ class Quota(Base):
     queued_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)  # active (queued or running) jobs
     # Most f* per GPU a job may declare (bytes/s); None: the service's default (migration 0008).
     ideal_per_gpu: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The least and the most work (bytes) a job may declare; None: the service's default (0010).
+    min_work: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_work: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class IdempotencyKey(Base):

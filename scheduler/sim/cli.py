@@ -222,9 +222,13 @@ def register(app: typer.Typer) -> None:
 
 
 def _register_trace(app: typer.Typer) -> None:
-    trace_app = typer.Typer(help="Work with traces: export the exact trace a simulation or an experiment runs.",
+    from traces import cli as trace_cli
+
+    trace_app = typer.Typer(help="Work with traces: export the exact trace a simulation or an experiment runs; "
+                                 "fetch the public traces silod does not ship; print where a public trace is.",
                             no_args_is_help=True)
     app.add_typer(trace_app, name="trace")
+    trace_cli.register(trace_app)
 
     @trace_app.command("export")
     def export(

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.service.overview import diagnosis, wait_reason
+from scheduler.service.overview import wait_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SILOD = [sys.executable, "-m", "scheduler"]
@@ -41,6 +41,15 @@ def test_wait_reason_names_what_is_missing():
     assert "3 later job(s) started on free GPUs (backfilling)" in wait_reason(8, 2, False, 3, "fifo")
     assert "quota" in wait_reason(1, 8, True, 0, "fifo")
     assert "next round" in wait_reason(1, 8, False, 0, "gavel")
+
+
+def diagnosis(ideal, gpus, remote_io, cache, size, cores, cpu_rate, link):
+    """(predicted throughput, bound) by the one diagnosis every view reads, nothing measured."""
+    from scheduler.service.diagnosis import diagnose_jobs, diagnosis_input
+
+    i = diagnosis_input(ideal, cpu_rate, gpus, remote_io, cores, cache, size, None, None, None, None, None, None, None, 0.0)
+    b = diagnose_jobs([i], link)[0]
+    return b.throughput, b.bound
 
 
 def test_diagnosis_follows_silodperf():

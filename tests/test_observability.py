@@ -244,6 +244,26 @@ def test_grafana_dashboard_uses_only_exported_metrics(server):
         assert needed in used, needed
 
 
+def test_grafana_panels_have_ids_and_tables_are_instant_one_row_per_job(server):
+    """Grafana keys a panel by its id (links, alerts, reports), and a table panel over a range
+    query shows one row per sample, not per job. Each table's query is evaluated, as an instant
+    query is, on the real /metrics: one series per running (or waiting) job."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p.get("id") for p in dashboard["panels"]]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids), ids
+    text = httpx.get(f"{server['base']}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+    admin = _overview(server["base"], ADMIN)
+    tables = [p for p in dashboard["panels"] if p["type"] == "table"]
+    assert {p["title"] for p in tables} == {"Per job: what bounds it", "Queue positions"}
+    for panel in tables:
+        (target,) = panel["targets"]
+        assert target.get("instant") is True and target.get("range") is False and target.get("format") == "table", panel["title"]
+        assert re.fullmatch(r"silod_[a-z_]+", target["expr"]), target["expr"]  # a bare selector: evaluated below
+        jobs = [m.group(1) for m in re.finditer(rf'^{target["expr"]}{{[^}}]*\bjob="([^"]+)"', text, re.M)]
+        want = admin["running"] if "bound" in target["expr"] else admin["queue"]
+        assert sorted(jobs) == sorted(j["id"] for j in want) and len(jobs) == len(set(jobs)), (panel["title"], jobs)
+
+
 def test_observability_doc_lists_every_gauge():
     from scheduler.service.api.metrics import BOUND_GAUGE, DATASET_GAUGES, JOB_GAUGES
 

@@ -176,6 +176,7 @@ _RECORD_COLUMNS = (
     *(getattr(JobMeasurementRow, c) for c in _MEASURED_COLUMNS),
     CacheAllocationRow.expansion,
 )
+ENDED_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
 _EXPANSION = len(_RECORD_COLUMNS) - 1  # the row's autocaching column (None: source bytes)
 _DIAGNOSIS_AT = positions(_RECORD_COLUMNS)  # where diagnosis.COLUMNS are in a record row
 
@@ -727,11 +728,13 @@ class Catalogue:
         if state is not None:
             if state == "active":
                 q = q.where(Job.state.in_(ACTIVE_STATES))
+            elif state == "ended":  # the history: finished, failed and cancelled, newest first
+                q = q.where(Job.state.in_(ENDED_STATES)).order_by(None).order_by(Job.id.desc())
             else:
                 try:
                     q = q.where(Job.state == JobState(state))
                 except ValueError:
-                    valid = ", ".join([*(s.value for s in JobState), "active"])
+                    valid = ", ".join([*(s.value for s in JobState), "active", "ended"])
                     raise ServiceError(f"unknown state {state!r}; choose one of: {valid}", field="state") from None
         q = q.limit(limit).offset(offset)
         with self.sessions() as s:

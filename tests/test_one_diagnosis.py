@@ -161,3 +161,25 @@ def test_all_four_views_name_the_same_bound_before_and_after_a_step_time_report(
     assert measured["ideal_throughput"] == pytest.approx(20 * MB)
     after = _four(demo)
     assert after[demo["fast"]] == ("gpu", pytest.approx(20 * MB))
+
+
+def test_piped_job_tables_print_every_cell_whole(demo):
+    """Issue 48: piped (not a terminal), rich squeezed tables into 80 columns: names cut to
+    'resnet-…', cells wrapped, narrow columns shrunk to nothing so borders glued. Piped output is
+    now printed at the table's own width (scheduler/console.py); here `silod jobs` and
+    `silod jobs --wide` write to a pipe (capture_output)."""
+    name = "a-job-name-long-enough-to-overflow-eighty-columns-on-its-own"
+    demo["post"]("/v1/jobs", {"name": name, "gpus": 1, "dataset": "small", "epochs": 1, "ideal_throughput": "5MB/s"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_") and k != "COLUMNS"}
+    env.update(SILOD_SERVER=demo["base"], SILOD_TOKEN=ALICE)
+    for wide in ([], ["--wide"]):
+        proc = subprocess.run([*SILOD, "jobs", *wide], capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert "…" not in proc.stdout, proc.stdout
+        headers = [h.strip() for h in lines[1].strip("┃").split("┃")]
+        assert all(headers) and "f* (measured)" in headers and "bound" in headers, lines[1]
+        row = next(line for line in lines if name in line)  # the whole name, on one line
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert len(cells) == len(headers) and all(cells), row  # no column shrunk to nothing
+        assert cells[headers.index("progress")].endswith("of 1GB"), row  # not wrapped onto a second line

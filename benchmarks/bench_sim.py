@@ -14,7 +14,8 @@
    to the child's memory after imports alone.
 
 4. `--sweep`: every public trace (each gavel-msr VC and the Alibaba openb trace, from
-   --traces-dir, ../shared/traces by default) x 4 policies (fifo, fifo-strict, sjf, gavel) x 4
+   --traces-dir; by default the VCs shipped in traces/gavel-msr and the openb trace where
+   `silod trace fetch alibaba-openb` puts it) x 4 policies (fifo, fifo-strict, sjf, gavel) x 4
    cache systems, each cell a `silod simulate` on the paper's 400-GPU cluster (8 GPUs a node,
    100 TB, 4 GB/s), in a process of its own stopped after --cell-timeout CPU-bound seconds. Per
    cell: CPU seconds and steps, and steps over the engine's step budget
@@ -91,11 +92,15 @@ SWEEP_POLICIES = ("fifo", "fifo-strict", "sjf", "gavel")
 SWEEP_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 
 
-def public_traces(root: Path) -> list[Path]:
-    """Every gavel-msr VC (*.trace) and the Alibaba openb trace's folder under `root`."""
-    found = sorted((root / "gavel-msr").glob("*.trace"))
-    if (root / "alibaba-openb" / "openb_pod_list_default.csv").is_file():
-        found.append(root / "alibaba-openb")
+def public_traces(root: Path | None) -> list[Path]:
+    """Every gavel-msr VC (*.trace) and the Alibaba openb trace's folder under `root` (None: the
+    shipped VCs and the fetched openb trace)."""
+    from traces.public import SHIPPED_GAVEL_DIR, default_fetch_dir
+
+    gavel, openb = (SHIPPED_GAVEL_DIR, default_fetch_dir("alibaba-openb")) if root is None else (root / "gavel-msr", root / "alibaba-openb")
+    found = sorted(gavel.glob("*.trace"))
+    if (openb / "openb_pod_list_default.csv").is_file():
+        found.append(openb)
     return found
 
 
@@ -113,7 +118,7 @@ def sweep_cell(trace: Path, policy: str, system: str, timeout_s: float) -> dict:
 def sweep(args) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    traces = public_traces(Path(args.traces_dir))
+    traces = public_traces(None if args.traces_dir is None else Path(args.traces_dir))
     if args.only_traces:
         traces = [t for t in traces if t.stem in args.only_traces or t.name in args.only_traces]
     if not traces:
@@ -155,7 +160,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "out" / "bench_sim.json"))
     parser.add_argument("--skip-matrix", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="only the public-trace sweep (item 4 of the docstring)")
-    parser.add_argument("--traces-dir", default=str(ROOT.parent / "shared" / "traces"), help="folder with gavel-msr/ and alibaba-openb/")
+    parser.add_argument("--traces-dir", default=None, help="folder with gavel-msr/ and alibaba-openb/ [default: traces/gavel-msr and the fetched openb trace]")
     parser.add_argument("--only-traces", nargs="*", help="trace names (e.g. 6c71a0 alibaba-openb) [default: all]")
     parser.add_argument("--policies", nargs="*", default=list(SWEEP_POLICIES))
     parser.add_argument("--cache-systems", nargs="*", default=list(SWEEP_SYSTEMS))

@@ -460,7 +460,7 @@ def run_once(label: str, scenario: Scenario, sources: dict[str, tuple[str, int]]
 
 def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = True, console: Any = None,
              wide: bool = False, api: DemoApi | None = None, cpu: bool = False, pytorch: bool = False) -> dict:
-    from rich.console import Console
+    from scheduler.console import table_console
     from rich.table import Table
 
     from scheduler.backends.local import fuse_problems
@@ -475,7 +475,7 @@ def run_demo(workdir: Path, quick: bool, policy: str = "fifo", baseline: bool = 
             raise UserError(f"silod demo --pytorch: {problem}")
         if api is None:  # the PyTorch job reports its step times to the API: serve it on a free port
             api = DemoApi.from_option(f"127.0.0.1:{_free_port()}")
-    console = console or Console()
+    console = console or table_console()
     if pytorch:
         scenario = TORCH_QUICK if quick else TORCH_FULL
     else:

@@ -76,3 +76,38 @@ def test_unwritable_state_dir_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="--state-dir"):
         build_service(db=None, backend="null", policy="fifo", round_s=60, gpus="4", cache="1TB", remote_io="1GB/s",
                       state_dir=blocker / "state")
+
+
+def test_piped_demo_and_headline_tables_are_printed_at_their_own_width(tmp_path):
+    """Piped, the demo's --wide table used to be squeezed into 80 columns (cells cut to 'ru…',
+    columns shrunk to nothing: '┃  ┃┃ ┃'). The commands print tables through
+    scheduler.console.table_console, run here in a process whose stdout is a pipe."""
+    import subprocess
+    import sys
+
+    code = (
+        "from scheduler.console import table_console\n"
+        "from scheduler.demo import JobRow, render_table\n"
+        "from scheduler.sim.cli import _print_headlines\n"
+        "row = JobRow(job='resnet50-imagenet-a-long-name', data='A', ideal='114MB/s', state='running', done='12%',"
+        " epoch='3', gpus='2/2', cache='143GB own', io_cap='47.6MB/s', hit='71%', speed='112.3MB/s', cores='4.0',"
+        " bound='remote_io')\n"
+        "table_console().print(render_table('t', [row], wide=True))\n"
+        "_print_headlines([('matrix', 'a setup', [('SiloD vs the storage-unaware baseline, average JCT', '1.23x')])])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    headers = [h.strip() for h in next(line for line in lines if "job" in line and "┃" in line).strip("┃").split("┃")]
+    assert headers == [h for h, _, _ in COLUMNS]  # every column, none shrunk to nothing
+    row = next(line for line in lines if "resnet50-imagenet-a-long-name" in line)
+    assert [c.strip() for c in row.strip("│").split("│")] == [
+        "resnet50-imagenet-a-long-name", "A", "114MB/s", "running", "12%", "3", "2/2", "143GB own", "47.6MB/s", "71%",
+        "112.3MB/s", "4.0", "remote_io"]
+    assert any("SiloD vs the storage-unaware baseline, average JCT" in line for line in lines)
+    # COLUMNS, when set, still decides the width.
+    narrow = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={**env, "COLUMNS": "60"})
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 60

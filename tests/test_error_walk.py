@@ -81,6 +81,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("simulate-bad-gpus", ["simulate", "--gpus", "many"], 2, "--gpus 'many'"),
     ("trace-export-point-without-experiment", ["trace", "export", "--autocache-points", "--out", "{root}/t.csv"], 2,
      "add --experiment NAME"),
+    ("trace-fetch-unknown", ["trace", "fetch", "alibaba-openc", "--dest", "{root}/openb"], 2, "did you mean 'alibaba-openb'"),
+    ("trace-fetch-dest-is-a-file", ["trace", "fetch", "alibaba-openb", "--dest", "{tiny}"], 2, "is a file, not a folder"),
     ("simulate-unknown-option", ["simulate", "--gpu", "4"], 2, "--gpu"),
     ("simulate-bad-format", ["simulate", "--format", "xml"], 2, "--format"),
     ("simulate-cache-out-of-range", ["simulate", "--cache", "1e30"], 2, "1EB"),

@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "traces": {"estimator"},
     "policies": {"estimator"},
     "scheduler.core": {"estimator", "policies"},
-    "scheduler.sim": {"estimator", "policies", "traces", "scheduler.core", "scheduler.outputs"},
+    "scheduler.sim": {"estimator", "policies", "traces", "scheduler.core", "scheduler.outputs", "scheduler.console"},
     "scheduler.backends": {"estimator", "policies", "contract", "datamanager.client", "scheduler.core",
                            # the Kubernetes admission controller records kubectl-created workloads
                            # as jobs of the service's catalogue and reads their measured consumption
@@ -34,8 +34,9 @@ ALLOWED: dict[str, set[str]] = {
                            "scheduler.service.db"},
     "scheduler.service": {"estimator", "policies", "contract", "http_guard", "traces", "datamanager.client",
                           "scheduler.core", "scheduler.backends",
-                          # the CLI's REST commands are the SDK's client
-                          "silod_client"},
+                          # the CLI's REST commands are the SDK's client; its tables print through
+                          # scheduler.console (a leaf: rich only)
+                          "silod_client", "scheduler.console"},
     "scheduler": {"estimator", "policies", "contract", "traces", "datamanager.client", "scheduler"},
     "datamanager": {"estimator", "contract", "http_guard"},
     "fuse_client": {"estimator", "contract", "http_guard"},

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.service.overview import QUOTA_REASON, diagnosis, wait_reason
+from scheduler.service.overview import QUOTA_REASON, wait_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SILOD = [sys.executable, "-m", "scheduler"]
@@ -45,6 +45,15 @@ def test_wait_reason_names_what_is_missing():
     why = "unschedulable: kube-scheduler cannot bind its pods (0/1 nodes are available: 1 Insufficient memory.)"
     assert wait_reason(1, 8, True, 0, "gavel", message=why) == why
     assert wait_reason(1, 8, True, 0, "gavel", message="preempted") == QUOTA_REASON
+
+
+def diagnosis(ideal, gpus, remote_io, cache, size, cores, cpu_rate, link):
+    """(predicted throughput, bound) by the one diagnosis every view reads, nothing measured."""
+    from scheduler.service.diagnosis import diagnose_jobs, diagnosis_input
+
+    i = diagnosis_input(ideal, cpu_rate, gpus, remote_io, cores, cache, size, None, None, None, None, None, None, None, 0.0)
+    b = diagnose_jobs([i], link)[0]
+    return b.throughput, b.bound
 
 
 def test_diagnosis_follows_silodperf():
@@ -237,6 +246,26 @@ def test_grafana_dashboard_uses_only_exported_metrics(server):
                    "silod_job_remote_io_allocated_bytes_per_second", "silod_remote_io_bytes_per_second_allocated",
                    "silod_cache_bytes_allocated", "silod_dataset_cached_bytes"):
         assert needed in used, needed
+
+
+def test_grafana_panels_have_ids_and_tables_are_instant_one_row_per_job(server):
+    """Grafana keys a panel by its id (links, alerts, reports), and a table panel over a range
+    query shows one row per sample, not per job. Each table's query is evaluated, as an instant
+    query is, on the real /metrics: one series per running (or waiting) job."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p.get("id") for p in dashboard["panels"]]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids), ids
+    text = httpx.get(f"{server['base']}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+    admin = _overview(server["base"], ADMIN)
+    tables = [p for p in dashboard["panels"] if p["type"] == "table"]
+    assert {p["title"] for p in tables} == {"Per job: what bounds it", "Queue positions"}
+    for panel in tables:
+        (target,) = panel["targets"]
+        assert target.get("instant") is True and target.get("range") is False and target.get("format") == "table", panel["title"]
+        assert re.fullmatch(r"silod_[a-z_]+", target["expr"]), target["expr"]  # a bare selector: evaluated below
+        jobs = [m.group(1) for m in re.finditer(rf'^{target["expr"]}{{[^}}]*\bjob="([^"]+)"', text, re.M)]
+        want = admin["running"] if "bound" in target["expr"] else admin["queue"]
+        assert sorted(jobs) == sorted(j["id"] for j in want) and len(jobs) == len(set(jobs)), (panel["title"], jobs)
 
 
 def test_observability_doc_lists_every_gauge():

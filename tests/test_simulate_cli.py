@@ -37,21 +37,29 @@ def test_default_simulation_writes_the_contract_outputs(tmp_path):
     assert timeline[0].startswith("time_s,running_jobs") and len(timeline) > 2
 
 
+#: The Gavel msr traces ship in the repository (MIT, with their licence).
+SHIPPED_GAVEL = Path(__file__).resolve().parents[1] / "traces" / "gavel-msr"
+
+
 def _shared_traces() -> Path:
-    """The Gavel/Philly traces are not copied into the repository; they live in shared/ beside
-    it, or beside the repository this one was cloned from (a clone made elsewhere, e.g. /tmp)."""
+    """The traces silod may not ship (Alibaba's openb, which users get with `silod trace fetch`)
+    live in shared/ beside the repository, or beside the repository this one was cloned from
+    (a clone made elsewhere, e.g. /tmp)."""
     repo = Path(__file__).resolve().parents[1]
     candidates = [repo.parent / "shared" / "traces"]
     origin = subprocess.run(["git", "-C", str(repo), "config", "--get", "remote.origin.url"], capture_output=True, text=True)
     url = origin.stdout.strip().removeprefix("file://")
     if origin.returncode == 0 and url.startswith("/"):
         candidates.append(Path(url).resolve().parent / "shared" / "traces")
+    git_common = subprocess.run(["git", "-C", str(repo), "rev-parse", "--git-common-dir"], capture_output=True, text=True)
+    if git_common.returncode == 0 and git_common.stdout.strip():  # a worktree: beside the main checkout
+        candidates.append((repo / git_common.stdout.strip()).resolve().parent.parent / "shared" / "traces")
     return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def test_gavel_trace_with_cluster_file(tmp_path):
-    trace = _shared_traces() / "gavel-msr" / "23dbec.trace"
-    assert trace.is_file(), f"{trace} missing: the project expects ../shared/traces beside the repository"
+    trace = SHIPPED_GAVEL / "23dbec.trace"
+    assert trace.is_file(), f"{trace} missing: the msr traces ship in traces/gavel-msr"
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("gpus: 32\ngpus_per_node: 4\ncache: 8TB\nremote_io: 2Gbps\n")
     proc = silod("simulate", "--trace", str(trace), "--format", "gavel", "--cluster", str(cluster),

@@ -1,4 +1,4 @@
-"""Alibaba's 2023 GPU cluster trace "openb" (../shared/traces/alibaba-openb, `--format alibaba-openb`).
+"""Alibaba's 2023 GPU cluster trace "openb" (`silod trace fetch alibaba-openb`, `--format alibaba-openb`).
 
 One row per task (pod): `name, cpu_milli, memory_mib, num_gpu, gpu_milli, gpu_spec, qos,
 pod_phase, creation_time, deletion_time, scheduled_time`. The trace names no model or dataset, so,
@@ -37,6 +37,7 @@ from estimator.pipeline import InputPipeline
 from estimator.units import MAX_GPUS
 from traces.catalog import DATASETS, MODELS
 from traces.model import MAX_SUBMIT_S, Trace, TraceJob
+from traces.public import default_fetch_dir
 from traces.synthetic import MODEL_MIX
 
 COLUMNS = ("name", "cpu_milli", "num_gpu", "gpu_milli", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
@@ -72,7 +73,9 @@ def load_alibaba_trace(path: str | Path, *, dataset_sharing: float = 0.0, max_jo
     if path.is_dir():
         path = path / "openb_pod_list_default.csv"
     if not path.is_file():
-        raise AlibabaTraceError(f"Alibaba openb trace {path} does not exist; give openb_pod_list_default.csv (or its folder)")
+        raise AlibabaTraceError(f"Alibaba openb trace {path} does not exist; silod does not ship it: `silod trace fetch alibaba-openb` "
+                                f"downloads it (into {default_fetch_dir('alibaba-openb')}); pass that folder or its "
+                                "openb_pod_list_default.csv as --trace")
     if not 0.0 <= dataset_sharing <= 1.0:
         raise AlibabaTraceError(f"--dataset-sharing {dataset_sharing} must be a fraction between 0 and 1")
     rng = np.random.default_rng(seed)

@@ -29,6 +29,7 @@ from estimator.pipeline import PIPELINE_FIELDS, parse_pipeline
 from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
 from traces.model import MAX_SUBMIT_S, Trace, TraceJob
+from traces.public import where_to_get
 
 REQUIRED = ("job_id", "submit_time", "num_gpus", "model", "dataset", "dataset_size", "ideal_throughput")
 COLUMNS = (*REQUIRED, "epochs")
@@ -70,7 +71,7 @@ def load_csv_trace(path: str | Path) -> Trace:
         # utf-8-sig: spreadsheet programs write a byte-order mark, which is not part of the header
         handle = path.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
-        raise TraceError(f"trace file {path} does not exist; check the --trace path") from None
+        raise TraceError(f"trace file {path} does not exist; {where_to_get()}") from None
     except IsADirectoryError:
         raise TraceError(f"trace {path} is a directory; give a CSV file") from None
     except PermissionError:

@@ -1,4 +1,4 @@
-"""Gavel/Philly TSV traces (../shared/traces/gavel-msr, `--format gavel`).
+"""Gavel/Philly TSV traces (shipped in traces/gavel-msr, `--format gavel`).
 
 Arrival times, GPU counts and step counts come from the trace; step rates from Gavel's
 `simulation_throughputs.json` (V100, running alone). The Gavel job types train on small public
@@ -10,8 +10,9 @@ duration x f* / dataset size. The mapping is FAMILIES below; docs/simulator.md (
 gives it as a table and says what the throughput table holds.
 
 Gavel's table (simulation_throughputs.json, v100) does not have every GPU count for every job
-type: A3C, CycleGAN and the Recommendation types have 1-GPU entries only, while the msr traces
-give them 2-32 GPUs (103-197 jobs per trace); Gavel's own simulator cannot run those jobs. The
+type: A3C, CycleGAN and the Recommendation types have 1-GPU entries only, no type has one above 8
+GPUs, while the msr traces ask for up to 64 (per VC: traces/gavel-msr/README.md); Gavel's own
+simulator cannot run those jobs. The
 reader runs them by an explicit rule (`scale_missing`, `--scale-missing`) and warns with their
 count: `linear` (the default) scales the rate of the largest measured count below by the GPU
 ratio; `nearest` takes that count's measured rate as it is (no speed-up beyond what was measured).
@@ -34,6 +35,7 @@ from estimator.errors import UserError
 from estimator.units import MAX_GPUS
 from traces.catalog import DATASETS, MODELS
 from traces.model import MAX_SUBMIT_S, Trace, TraceJob
+from traces.public import SHIPPED_GAVEL_DIR, where_to_get
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +80,14 @@ def _steps_per_second(table: dict, job_type: str, gpus: int, where: str, scale_m
     measured = [k for k in (8, 4, 2, 1) if k <= gpus and f"('{job_type}', {k})" in table]
     if not measured:
         raise UserError(f"{where}: no throughput for {job_type!r} on {gpus} or fewer GPUs; add its v100 entries to the file "
-                        "or use Gavel's file from ../shared/traces/gavel-msr")
+                        f"or use Gavel's file shipped in {SHIPPED_GAVEL_DIR}")
     k = measured[0]
     key = f"('{job_type}', {k})"
     entry = table[key]
     rate = entry.get("null") if isinstance(entry, dict) else None
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise UserError(f"{where}: v100 entry {key} needs \"null\": the steps per second running alone, "
-                        f"a number > 0 (it is {rate if isinstance(entry, dict) else entry!r:.80}); use Gavel's file from ../shared/traces/gavel-msr")
+                        f"a number > 0 (it is {rate if isinstance(entry, dict) else entry!r:.80}); use Gavel's file shipped in {SHIPPED_GAVEL_DIR}")
     return float(rate) * gpus / k if scale_missing == "linear" else float(rate)
 
 
@@ -110,13 +112,13 @@ def load_gavel_trace(
     if scale_missing not in SCALE_MISSING:
         raise UserError(f"--scale-missing {scale_missing!r} is not one of {', '.join(SCALE_MISSING)}")
     if not path.is_file():
-        raise UserError(f"trace file {path} does not exist; check the --trace path")
+        raise UserError(f"trace file {path} does not exist; {where_to_get()}")
     if not 0.0 <= dataset_sharing <= 1.0:
         raise UserError(f"dataset sharing {dataset_sharing} must be a fraction between 0 and 1")
     tp_path = Path(throughputs) if throughputs else default_throughputs_path(path)
     if not tp_path.is_file():
         raise UserError(f"{tp_path} not found; a Gavel trace needs Gavel's simulation_throughputs.json in the same "
-                        f"directory (as in ../shared/traces/gavel-msr)")
+                        f"directory (as in {SHIPPED_GAVEL_DIR})")
     try:
         table = json.loads(tp_path.read_text(encoding="utf-8"))["v100"]
     except (UnicodeDecodeError, ValueError, KeyError, TypeError):

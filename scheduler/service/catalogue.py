@@ -47,6 +47,7 @@ from scheduler.service.db.models import (
     TenantJobCount,
     WorkloadPod,
 )
+from scheduler.service.diagnosis import diagnose_jobs, positions, record_input
 from scheduler.service.measured_params import params_of
 from scheduler.service.types import (
     DEFAULT_IDEAL_PER_GPU,
@@ -66,7 +67,6 @@ from scheduler.service.types import (
     access_columns,
     access_from_row,
     check_name,
-    job_bottlenecks,
     pipeline_columns,
 )
 from traces.catalog import lookup_model
@@ -176,7 +176,9 @@ _RECORD_COLUMNS = (
     *(getattr(JobMeasurementRow, c) for c in _MEASURED_COLUMNS),
     CacheAllocationRow.expansion,
 )
+ENDED_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
 _EXPANSION = len(_RECORD_COLUMNS) - 1  # the row's autocaching column (None: source bytes)
+_DIAGNOSIS_AT = positions(_RECORD_COLUMNS)  # where diagnosis.COLUMNS are in a record row
 
 
 _JOB_QUERY = (select(*_RECORD_COLUMNS).join(Dataset, Job.dataset_id == Dataset.id)
@@ -204,11 +206,13 @@ def _row_record(r, **extra: Any) -> JobRecord:  # type: ignore[no-untyped-def]
 
 
 def _with_bottlenecks(rows: list, records: list[JobRecord], capacity) -> list[JobRecord]:  # type: ignore[no-untyped-def]
-    """Running jobs' records with their diagnosis (one vectorised call for the whole list)."""
+    """Running jobs' records with their diagnosis (scheduler/service/diagnosis.py, the one every
+    view reads; one vectorised call for the whole list)."""
     idx = [i for i, rec in enumerate(records) if rec.state == JobState.RUNNING.value]
     if not idx:
         return records
-    found = job_bottlenecks([records[i] for i in idx], [rows[i][31] for i in idx], [rows[i][32] for i in idx], capacity)
+    now = time.time()
+    found = diagnose_jobs([record_input(rows[i], _DIAGNOSIS_AT, now) for i in idx], float(capacity.remote_io))
     out = list(records)
     for i, b in zip(idx, found):
         out[i] = replace(out[i], bottleneck=b)
@@ -750,11 +754,13 @@ class Catalogue:
         if state is not None:
             if state == "active":
                 q = q.where(Job.state.in_(ACTIVE_STATES))
+            elif state == "ended":  # the history: finished, failed and cancelled, newest first
+                q = q.where(Job.state.in_(ENDED_STATES)).order_by(None).order_by(Job.id.desc())
             else:
                 try:
                     q = q.where(Job.state == JobState(state))
                 except ValueError:
-                    valid = ", ".join([*(s.value for s in JobState), "active"])
+                    valid = ", ".join([*(s.value for s in JobState), "active", "ended"])
                     raise ServiceError(f"unknown state {state!r}; choose one of: {valid}", field="state") from None
         q = q.limit(limit).offset(offset)
         with self.sessions() as s:

@@ -980,7 +980,7 @@ def register(app: typer.Typer) -> None:
 
             typer.echo(json.dumps(rows, indent=2))
             return
-        from rich.console import Console
+        from scheduler.console import table_console
         from rich.table import Table
 
         from estimator.units import format_rate, format_size
@@ -1010,7 +1010,7 @@ def register(app: typer.Typer) -> None:
                      "f* (measured)": fstar, "bound": bound.replace("remote_io", "io")}
             table.add_row(*(cells[c] for c in columns))
         # --wide is wider than 80 columns: it is not squeezed into a narrow terminal (lines wrap).
-        console = Console(width=max(Console().width, 150) if wide else None)
+        console = table_console(min_width=150 if wide else None)
         console.print(table)
         # Why a queued job cannot start (the backend's reason, e.g. no node can take its pods).
         for j in rows:

@@ -3,8 +3,8 @@ per-dataset gauges of /metrics all render this one overview, so they cannot disa
 
 `build_overview` reads the database (jobs, allocations, datasets) and the status the scheduling
 process publishes (measurements from the data manager or the backend, jobs held back by quota,
-a short utilisation history). `wait_reason` and `diagnosis` are pure functions of that state,
-tested on their own.
+a short utilisation history). `wait_reason` is a pure function of that state, tested on its
+own; what bounds a running job is scheduler/service/diagnosis.py's, the job view's and /metrics'.
 
 A tenant sees its own jobs and the datasets it owns or was granted; the cluster's totals and
 each waiting job's position in the whole queue are visible to everyone (as `GET /v1/cluster`
@@ -36,6 +36,7 @@ from scheduler.service.db.models import (
     JobState,
     TenantJobCount,
 )
+from scheduler.service.diagnosis import running_jobs
 from scheduler.service.types import Principal
 
 QUOTA_REASON = "held back by the tenant's quota (GPUs or running jobs)"
@@ -107,19 +108,6 @@ class Overview:
         out = asdict(self)
         out["history"] = [dict(h) for h in self.history]
         return out
-
-
-def diagnosis(ideal: float, gpus: int, remote_io: float | None, cache: float | None, size: float,
-              cores: float | None, cpu_rate: float | None, link: float) -> tuple[float, str]:
-    """(predicted throughput, bounding resource) of a running job from what it holds, by the
-    same model as `GET /v1/jobs/{id}`'s bottleneck (estimator.pipeline.diagnose: SiloDPerf with
-    the CPU stage): 'gpu' | 'cpu' | 'cache' | 'remote_io'. Unmanaged IO counts as the whole link
-    `link`, as there."""
-    from estimator.pipeline import diagnose
-
-    d = diagnose([ideal], gpus, link if remote_io is None else remote_io, cache or 0.0, size,
-                 math.inf if cores is None else cores, math.inf if cpu_rate is None else cpu_rate)
-    return float(d.throughput[0]), str(d.bound[0])
 
 
 def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: int, policy: str,
@@ -222,6 +210,8 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         wanted = {j.dataset_id for j in own_running} | {d.id for d in visible_datasets}
         cache_rows = {r.dataset_id: r.bytes for r in s.scalars(
             select(CacheAllocationRow).where(CacheAllocationRow.dataset_id.in_(wanted)))} if wanted else {}
+        # What bounds each running job: the one diagnosis the job view and /metrics read.
+        diagnosed = running_jobs(s, now, float(capacity.remote_io), ids)
     gpus_used = sum(r.gpus for r in running_keys)
     free = max(int(capacity.gpus) - gpus_used, 0)
     running_order = [(-r.priority, r.submit_time, r.id) for r in running_keys]
@@ -244,8 +234,9 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         if not m and pods is not None and pods.hit_bytes + pods.miss_bytes > 0:
             m = {"hit_ratio": pods.hit_bytes / (pods.hit_bytes + pods.miss_bytes)}
         remote_io = a.remote_io if a else None
-        predicted, bound = diagnosis(j.ideal_throughput, j.gpus, remote_io, cache, j.dataset.size,
-                                     a.cpu if a else None, j.cpu_rate, float(capacity.remote_io))
+        found = diagnosed.get(j.id)
+        # A job that stopped running between the two reads above has no diagnosis: none shown.
+        predicted, bound = (found[1].throughput, found[1].bound) if found else (0.0, "-")
         rows.append(RunningJob(
             str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.ideal_throughput,
             min(j.consumed_bytes / j.total_bytes, 1.0) if j.total_bytes > 0 else 0.0,

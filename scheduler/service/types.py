@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import functools
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -392,46 +391,6 @@ def access_columns(access: AccessPattern) -> dict[str, Any]:
         "curriculum_step": None if c is None else c.step,
         "curriculum_batch": None if c is None else c.batch,
     }
-
-
-def job_bottleneck(record: JobRecord, dataset_size: float, cache: float | None, capacity: Any) -> Bottleneck:
-    """The diagnosis of a running job from what it holds now (estimator.pipeline.diagnose), while
-    it holds its GPUs (a time-shared job runs at this speed for its share of the time)."""
-    return job_bottlenecks([record], [dataset_size], [cache], capacity)[0]
-
-
-def job_bottlenecks(records: list[JobRecord], sizes: list[float], caches: list[float | None],
-                    capacity: Any) -> list[Bottleneck]:
-    """`job_bottleneck` for many jobs in one vectorised call (the job list).
-
-    With the parameters planning uses: the measured f* and per-core rate once there is evidence
-    (measured_parameters), else the declared ones. Unmanaged storage (no IO cap): the whole link
-    and no cache, the most and least it could see. CPU not modelled (no cores recorded):
-    unconstrained cores."""
-    from estimator.pipeline import diagnose
-
-    if not records:
-        return []
-
-    def used(r: JobRecord) -> tuple[float, float]:
-        m = r.measured_parameters
-        f = r.ideal_throughput if m is None else m.ideal_throughput
-        rate = r.cpu_rate if m is None or m.cpu_rate is None else m.cpu_rate
-        return f, math.inf if rate is None else rate
-
-    fr = [used(r) for r in records]
-    # Autocaching: a cache holding preprocessed data holds e x the bytes per item, and a cached
-    # item costs post_cpu_rate per core (estimator/pipeline.py). Source caching is the same with
-    # e = 1 and cached items costing the whole pipeline's rate.
-    pre = [r.cache_expansion is not None and r.post_cpu_rate is not None and r.cpu_rate is not None for r in records]
-    d = diagnose([f for f, _ in fr], [r.gpus for r in records],
-                 [capacity.remote_io if r.remote_io is None else r.remote_io for r in records],
-                 [c or 0.0 for c in caches], sizes,
-                 [math.inf if r.allocated_cpus is None else r.allocated_cpus for r in records], [x for _, x in fr],
-                 [r.cache_expansion if p else 1.0 for r, p in zip(records, pre)],
-                 [r.post_cpu_rate if p else x for r, p, (_, x) in zip(records, pre, fr)])
-    return [Bottleneck(str(d.bound[i]), float(d.throughput[i]), float(d.speedup_gpu[i]), float(d.speedup_cpu[i]),
-                       float(d.speedup_cache[i]), float(d.speedup_remote_io[i])) for i in range(len(records))]
 
 
 def pipeline_columns(pipeline: InputPipeline | None) -> dict[str, Any]:

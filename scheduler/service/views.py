@@ -3,6 +3,7 @@ shared by the scheduling process (SchedulerService) and the API processes (ApiSe
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -97,42 +98,18 @@ class ReadViews:
 
     def cpu_and_bottlenecks(self) -> tuple[float, dict[str, int]]:
         """Cores allocated to running jobs, and how many running jobs each resource bounds now
-        (estimator.pipeline.diagnose on what each holds; the metrics read this at scrape time)."""
-        import math
+        (scheduler/service/diagnosis.py, what the job view and the overview read; the metrics
+        read this at scrape time)."""
+        from estimator.pipeline import RESOURCES
 
-        import numpy as np
+        from scheduler.service.diagnosis import running_jobs
 
-        from estimator.pipeline import RESOURCES, diagnose
-
-        from scheduler.service.db.models import JobMeasurementRow
-        from scheduler.service.measured_params import planned
-
-        m = JobMeasurementRow
-        q = (select(Job.ideal_throughput, Job.gpus, Job.cpu_rate, JobAllocationRow.remote_io, JobAllocationRow.cpu, Dataset.size,
-                    CacheAllocationRow.bytes, m.ideal_throughput, m.cpu_rate, m.client_step_s, m.client_batch_bytes,
-                    m.client_at)
-             .join(JobAllocationRow, JobAllocationRow.job_id == Job.id).join(Dataset, Job.dataset_id == Dataset.id)
-             .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
-             .outerjoin(m, m.job_id == Job.id)
-             .where(JobAllocationRow.running))
         with self.sessions() as s:
-            now = time.time()
-            # With the parameters planning uses (measured once there is evidence).
-            rows = [(*planned(r[0], r[2], *r[7:12], now)[:1], r[1], planned(r[0], r[2], *r[7:12], now)[1], *r[3:7])
-                    for r in s.execute(q).all()]
+            found = running_jobs(s, time.time(), float(self.config.capacity.remote_io))
         counts = {r: 0 for r in RESOURCES}
-        if not rows:
-            return 0.0, counts
-        cap = self.config.capacity
-        col = list(zip(*rows, strict=True))
-        f, g = np.array(col[0], dtype=float), np.array(col[1], dtype=float)
-        rate = np.array([math.inf if v is None else v for v in col[2]], dtype=float)
-        io = np.array([cap.remote_io if v is None else v for v in col[3]], dtype=float)
-        cores = np.array([math.inf if v is None else v for v in col[4]], dtype=float)
-        size, cache = np.array(col[5], dtype=float), np.array([0.0 if v is None else v for v in col[6]], dtype=float)
-        for bound in diagnose(f, g, io, cache, size, cores, rate).bound:
-            counts[str(bound)] += 1
-        return float(np.sum(np.where(np.isfinite(cores), cores, 0.0))), counts
+        for _, b in found.values():
+            counts[b.bound] += 1
+        return float(sum(i.cores for i, _ in found.values() if i.cores is not None and math.isfinite(i.cores))), counts
 
     def allocations(self, who: Principal) -> AllocationsRecord:
         with self.sessions() as s:

@@ -222,9 +222,13 @@ def register(app: typer.Typer) -> None:
 
 
 def _register_trace(app: typer.Typer) -> None:
-    trace_app = typer.Typer(help="Work with traces: export the exact trace a simulation or an experiment runs.",
+    from traces import cli as trace_cli
+
+    trace_app = typer.Typer(help="Work with traces: export the exact trace a simulation or an experiment runs; "
+                                 "fetch the public traces silod does not ship; print where a public trace is.",
                             no_args_is_help=True)
     app.add_typer(trace_app, name="trace")
+    trace_cli.register(trace_app)
 
     @trace_app.command("export")
     def export(
@@ -272,10 +276,10 @@ def _register_trace(app: typer.Typer) -> None:
 
 
 def _print_headlines(headlines: list) -> None:
-    from rich.console import Console
+    from scheduler.console import table_console
     from rich.table import Table
 
-    console = Console()
+    console = table_console()
     for name, setup, rows in headlines:
         table = Table(title=f"{name}: {setup}", title_justify="left", show_header=False)
         table.add_column("what", overflow="fold")
@@ -286,7 +290,7 @@ def _print_headlines(headlines: list) -> None:
 
 
 def _print_summary(summary: dict, out: Path) -> None:
-    from rich.console import Console
+    from scheduler.console import table_console
     from rich.table import Table
 
     table = Table(title=f"{summary['policy']} on {summary['cache_system']}: {summary['jobs']} jobs")
@@ -298,7 +302,7 @@ def _print_summary(summary: dict, out: Path) -> None:
     table.add_row("GPU utilisation", f"{summary['gpu_utilization']:.1%}")
     table.add_row("remote IO utilisation", f"{summary['remote_io_utilization']:.1%}")
     table.add_row("simulation wall / CPU time", f"{summary['sim_wall_s']:.1f} s / {summary['sim_cpu_s']:.1f} s")
-    console = Console()
+    console = table_console()
     console.print(table)
     # Its own line, unwrapped: what was simulated is the first thing to check (a unit typo in
     # --cache shows here, not only in the JCTs).

@@ -220,7 +220,9 @@ def build_trace(source: TraceSource) -> Trace:
 
         return load_alibaba_trace(path, dataset_sharing=source.sharing, max_jobs=source.max_jobs, seed=source.seed, window_s=source.window_s)
     if not path.is_file():
-        raise UserError(f"trace {path} not found; pass --trace (the Gavel/Philly traces live in ../shared/traces/gavel-msr)")
+        from traces.public import where_to_get
+
+        raise UserError(f"trace {path} not found; {where_to_get()}")
     return load_trace(path, TraceFormat.auto, source.sharing, source.max_jobs, source.seed)
 
 
@@ -1218,7 +1220,6 @@ def experiment_autocache(runner: ExperimentRunner, out: Path, capacity: ClusterC
 #: with the most GPU-hours offered; cluster nodes of 8 GPUs (the trace has 8-GPU tasks).
 ALIBABA_WINDOW_DAYS = 7.0
 ALIBABA_GPUS_PER_NODE = 8
-ALIBABA_DEFAULT_PATH = Path("../shared/traces/alibaba-openb")
 DAY_S = 86400.0
 
 
@@ -1252,12 +1253,16 @@ def densest_window(path: Path, seed: int, days: float = ALIBABA_WINDOW_DAYS) -> 
 
 def alibaba_source(runner: ExperimentRunner) -> TraceSource:
     """The openb trace's densest week, as experiment alibaba simulates it (--trace: the file or
-    its directory; default ../shared/traces/alibaba-openb)."""
-    path = Path(runner.source.path) if runner.source.path is not None else ALIBABA_DEFAULT_PATH
+    its directory; default: where `silod trace fetch alibaba-openb` puts it)."""
+    from traces.public import ALIBABA_OPENB, default_fetch_dir
+
+    path = Path(runner.source.path) if runner.source.path is not None else default_fetch_dir(ALIBABA_OPENB.name)
     if path.is_dir():
         path = path / "openb_pod_list_default.csv"
     if not path.is_file():
-        raise UserError(f"experiment alibaba needs the openb trace: {path} not found; pass --trace ../shared/traces/alibaba-openb")
+        raise UserError(f"experiment alibaba needs Alibaba's openb trace, which silod does not ship ({ALIBABA_OPENB.why_fetched}) "
+                        f"and {path} does not hold: run `silod trace fetch alibaba-openb` (it downloads the trace into "
+                        f"{default_fetch_dir(ALIBABA_OPENB.name)}, checked by SHA-256), or pass --trace DIR")
     return replace(runner.source, path=str(path), window_s=densest_window(path, runner.source.seed))
 
 

@@ -530,7 +530,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     @app.get("/v1/jobs", response_model=list[JobOut], responses=_ERRORS, tags=["jobs"])
     async def list_jobs(
         who: Who,
-        state: Annotated[str | None, Query(max_length=32, description="a state, or 'active'")] = None,
+        state: Annotated[str | None, Query(max_length=32, description="a state, 'active' (queued and running) or 'ended' (finished, failed and cancelled, newest first)")] = None,
         owner: Annotated[str | None, Query(max_length=128, description="admin only: one tenant's jobs")] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
         offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,

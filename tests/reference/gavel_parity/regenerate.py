@@ -16,7 +16,7 @@ How to run it (about a minute on one core):
     # 3. this script, with Gavel's interpreter, from the repository root
     /tmp/gavel-venv/bin/python tests/reference/gavel_parity/regenerate.py --gavel /tmp/gavel/scheduler
 
-What it does, per case of CASES: it cuts the case's trace from ../shared/traces/gavel-msr (the
+What it does, per case of CASES: it cuts the case's trace from traces/gavel-msr (the
 first `jobs` lines whose job type has a throughput entry for their GPU count: Gavel's simulator
 cannot run the others) into traces/<case>.trace (our 7-column format, which `silod simulate
 --format gavel` reads), then runs Gavel's simulator on it as its driver
@@ -44,9 +44,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-#: ../shared/traces/gavel-msr beside the checkout (or beside the worktrees' folder)
-SHARED = next((r / "shared" / "traces" / "gavel-msr" for r in (REPO.parent, REPO.parent.parent) if (r / "shared").is_dir()),
-              REPO.parent / "shared" / "traces" / "gavel-msr")
+#: the msr traces shipped with silod
+SHARED = REPO / "traces" / "gavel-msr"
 
 #: name -> (source trace, jobs kept, GPUs, longest job kept in hours alone: None = any). Small
 #: enough that each of our runs takes a second or two (a run has a round per 360 s of makespan);
@@ -116,7 +115,7 @@ def run_gavel(gavel: Path, lines: list[str], policy_name: str, interval: float, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gavel", type=Path, required=True, help="Gavel's scheduler/ directory at c4fa400")
-    ap.add_argument("--traces", type=Path, default=SHARED, help="the gavel-msr traces (../shared/traces/gavel-msr)")
+    ap.add_argument("--traces", type=Path, default=SHARED, help="the gavel-msr traces (traces/gavel-msr)")
     ap.add_argument("--case", action="append", help="only these cases (default: all)")
     args = ap.parse_args()
     table = json.loads((args.gavel / "simulation_throughputs.json").read_text())["v100"]

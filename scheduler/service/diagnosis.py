@@ -1,0 +1,111 @@
+"""What bounds a running job now: the one diagnosis every view reads.
+
+`GET /v1/jobs` and `GET /v1/jobs/{id}` (`bottleneck`), /metrics (`silod_job_bound`,
+`silod_job_predicted_throughput_bytes_per_second`, `silod_running_jobs_bound`), the overview
+behind /ui and `silod top` all call `diagnose_jobs` on inputs made by `diagnosis_input` from the
+same columns (COLUMNS): they cannot disagree about a job unless its rows change between two reads.
+
+The inputs are the parameters planning uses (measured_params.planned: the measured f* and
+per-core rate once there is evidence, else the declared ones), what the job holds (its remote-IO
+cap, cores and its dataset's cache allocation, preprocessed or source bytes), and its dataset's
+size. Unmanaged storage (no IO cap): the whole link and no cache, the most and least it could
+see; CPU not modelled (no cores recorded): unconstrained cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from scheduler.service.db.models import CacheAllocationRow, Dataset, Job, JobAllocationRow, JobMeasurementRow, JobState
+from scheduler.service.measured_params import planned
+from scheduler.service.types import Bottleneck
+
+
+@dataclass(frozen=True, slots=True)
+class DiagnosisInput:
+    """One running job, as planning sees it."""
+
+    fstar: float  # planned f*, bytes/s
+    cpu_rate: float | None  # planned source bytes/s per core; None: no CPU stage
+    gpus: int
+    remote_io: float | None  # the job's cap; None: unmanaged (the whole link)
+    cores: float | None  # held; None: CPU not modelled
+    cache: float | None  # its dataset's cache allocation, bytes
+    dataset_size: float
+    expansion: float | None  # autocaching: bytes cached per source byte; None: source bytes cached
+    post_cpu_rate: float | None  # per-core rate of a cached (preprocessed) item
+
+
+_M = JobMeasurementRow
+#: The columns diagnosis_input reads, in its argument order after the job id. A query that wants
+#: to diagnose its running jobs selects these (catalogue.py's record query holds them all).
+COLUMNS = (Job.id, Job.ideal_throughput, Job.cpu_rate, Job.gpus, JobAllocationRow.remote_io, JobAllocationRow.cpu,
+           CacheAllocationRow.bytes, Dataset.size, CacheAllocationRow.expansion, Job.post_cpu_rate,
+           _M.ideal_throughput, _M.cpu_rate, _M.client_step_s, _M.client_batch_bytes, _M.client_at)
+
+
+def diagnosis_input(declared_fstar: float, declared_cpu: float | None, gpus: int, remote_io: float | None,
+                    cores: float | None, cache: float | None, dataset_size: float, cache_expansion: float | None,
+                    post_cpu_rate: float | None, measured_fstar: float | None, measured_cpu: float | None,
+                    step_s: float | None, batch_bytes: float | None, client_at: float | None, now: float) -> DiagnosisInput:
+    f, cpu = planned(declared_fstar, declared_cpu, measured_fstar, measured_cpu, step_s, batch_bytes, client_at, now)
+    # Autocaching counts only when the cache holds preprocessed data for a job with both rates.
+    pre = cache_expansion is not None and post_cpu_rate is not None and cpu is not None
+    return DiagnosisInput(float(f), cpu, int(gpus), remote_io, cores, cache, float(dataset_size),
+                          cache_expansion if pre else None, post_cpu_rate if pre else None)
+
+
+def diagnose_jobs(inputs: Sequence[DiagnosisInput], link: float) -> list[Bottleneck]:
+    """The diagnosis of each job (estimator.pipeline.diagnose, one vectorised call). `link`: the
+    cluster's remote IO, what an unmanaged job is diagnosed with."""
+    from estimator.pipeline import diagnose
+
+    if not inputs:
+        return []
+    inf = math.inf
+    rates = [inf if i.cpu_rate is None else i.cpu_rate for i in inputs]
+    d = diagnose([i.fstar for i in inputs], [i.gpus for i in inputs],
+                 [link if i.remote_io is None else i.remote_io for i in inputs],
+                 [i.cache or 0.0 for i in inputs], [i.dataset_size for i in inputs],
+                 [inf if i.cores is None else i.cores for i in inputs], rates,
+                 [1.0 if i.expansion is None else i.expansion for i in inputs],
+                 [r if i.post_cpu_rate is None else i.post_cpu_rate for i, r in zip(inputs, rates)])
+    return [Bottleneck(str(d.bound[k]), float(d.throughput[k]), float(d.speedup_gpu[k]), float(d.speedup_cpu[k]),
+                       float(d.speedup_cache[k]), float(d.speedup_remote_io[k])) for k in range(len(inputs))]
+
+
+def running_jobs(s: Session, now: float, link: float, job_ids: Iterable[int] | None = None) -> dict[int, tuple[DiagnosisInput, Bottleneck]]:
+    """Every running job's (or those of `job_ids`') inputs and diagnosis, from one query."""
+    q = (select(*COLUMNS).join(Dataset, Job.dataset_id == Dataset.id)
+         .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
+         .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+         .outerjoin(_M, _M.job_id == Job.id)
+         .where(Job.state == JobState.RUNNING))
+    if job_ids is not None:
+        ids = list(job_ids)
+        if not ids:
+            return {}
+        q = q.where(Job.id.in_(ids))
+    rows = s.execute(q).all()
+    inputs = [diagnosis_input(*r[1:], now) for r in rows]
+    return {int(r[0]): (i, b) for r, i, b in zip(rows, inputs, diagnose_jobs(inputs, link))}
+
+
+def positions(columns: Sequence[Any]) -> list[int]:
+    """Where each input column of COLUMNS (after the id) is in another query's `columns`, which
+    must select them all (compared by identity: SQLAlchemy's == builds an expression)."""
+    return [next(k for k, c in enumerate(columns) if c is want) for want in COLUMNS[1:]]
+
+
+def record_input(row: Any, where: Sequence[int], now: float) -> DiagnosisInput:
+    """diagnosis_input from a row of another query; `where`: positions(that query's columns)."""
+    return diagnosis_input(*(row[k] for k in where), now)
+
+
+__all__ = ["COLUMNS", "DiagnosisInput", "diagnose_jobs", "diagnosis_input", "positions", "record_input", "running_jobs"]

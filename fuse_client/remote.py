@@ -208,15 +208,20 @@ class RemoteStore:
         past it are never asked for (s3fs's find listed the whole prefix into memory first)."""
         from fsspec.asyn import sync
 
-        if not self.fs.isdir(self.root):
-            raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
+        # (no fs.isdir first: s3fs answers it by listing the whole prefix, every page)
+        missing = UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = key.rstrip("/") + "/" if key else ""
         kwargs: dict = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
         seen = 0
         while True:
-            page = self._listing_call(f"ListObjectsV2 {bucket}/{prefix} (after {seen} keys)",
-                                      lambda: sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **kwargs))
+            try:
+                page = self._listing_call(f"ListObjectsV2 {bucket}/{prefix} (after {seen} keys)",
+                                          lambda: sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **kwargs))
+            except FileNotFoundError:  # no such bucket
+                raise missing from None
+            if not seen and not page.get("Contents"):
+                raise missing
             for obj in page.get("Contents", ()):
                 name = obj["Key"]
                 if name.endswith("/") or not name.startswith(prefix):  # a "directory" marker

@@ -534,7 +534,8 @@ class RemoteStore:
                     on_buffer(-(size + 1))
                     raise
             else:
-                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance)
+                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance,
+                                      want)
         except item_stream.ObjectChanged:
             state.restart(reset)
             state.validator = None

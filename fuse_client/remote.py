@@ -479,7 +479,7 @@ class RemoteStore:
                 before = clock()
                 throttle.acquire(want)
                 progress[0] += clock() - before  # waiting for our own tokens is not the remote's fault
-                on_buffer(want)
+                self._room(on_buffer, want, progress, clock)
                 try:
                     data = f.read(want)
                     progress[0] = clock()
@@ -490,6 +490,13 @@ class RemoteStore:
                 finally:
                     on_buffer(-want)
         return state.crc
+
+    @staticmethod
+    def _room(on_buffer, n: int, progress: list[float], clock) -> None:
+        """Wait for room for `n` fetched bytes (--max-inflight-bytes): not the remote's time."""
+        before = clock()
+        on_buffer(n)
+        progress[0] += clock() - before
 
     @staticmethod
     def _stage(data: bytes, state: "_FetchState", write, on_remote_bytes) -> None:
@@ -527,7 +534,7 @@ class RemoteStore:
         small = not state.offset and want >= size
         try:
             if small:
-                on_buffer(size + 1)
+                self._room(on_buffer, size + 1, progress, clock)
                 try:
                     opened, data, exc = streams.get(full, 0, None, size + 1, piece, allowance)
                 except BaseException:
@@ -566,7 +573,7 @@ class RemoteStore:
                     throttle.acquire(want)
                     progress[0] += clock() - before
                 first = False
-                on_buffer(want)
+                self._room(on_buffer, want, progress, clock)
                 try:
                     data, exc = streams.read(opened, want, piece, allowance)
                     self._stage_checked(entry, data, state, write, on_remote_bytes)

@@ -131,11 +131,6 @@ class DatasetListing:
                 i = bisect.bisect_left(paths, prefix + rest[:slash] + b"0", i, end)
         return out
 
-    def rows(self) -> Iterator[tuple[bytes, int]]:
-        paths, sizes = self._paths, self._sizes
-        for i in range(len(sizes)):
-            yield bytes(paths[i]), sizes[i]
-
     def same(self, other: "DatasetListing") -> bool:
         return (self._sizes == other._sizes and self._paths.offsets == other._paths.offsets
                 and self._paths.buf == other._paths.buf)

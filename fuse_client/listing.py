@@ -229,7 +229,8 @@ class ListingBuilder:
     """Collects (path, size) in any order in a private temporary SQLite database (a file that
     SQLite deletes when it is closed; its page cache is capped), then builds the columns.
 
-    `max_bytes` caps the paths' bytes (ListingFull); a path added twice raises DuplicatePath
+    `max_bytes` caps the bytes of the paths, the files' and then the directories' (ListingFull);
+    a path added twice raises DuplicatePath
     (when its batch is written: at the latest at `flush`)."""
 
     _BATCH = 4096
@@ -331,5 +332,8 @@ class ListingBuilder:
         files = _Column.fill(paths(), n, nbytes)
         db.execute("INSERT OR IGNORE INTO d VALUES (?)", (b"",))
         m, dbytes = db.execute("SELECT count(*), coalesce(sum(length(path)), 0) FROM d").fetchone()
+        if self.max_bytes is not None and nbytes + dbytes > self.max_bytes:
+            # (a file per directory of its own doubles the paths: the directories count too)
+            raise ListingFull(f"{nbytes} bytes of file paths and {dbytes} of directory paths")
         dirs = _Column.fill((raw for (raw,) in db.execute("SELECT path FROM d ORDER BY path")), m, dbytes)
         return DatasetListing(files, sizes, dirs)

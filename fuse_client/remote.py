@@ -187,11 +187,7 @@ class RemoteStore:
                     self._list_local(builder)
                 else:
                     self._list_s3(builder)
-            except ListingFull:
-                raise UserError(f"--source {self.url!r} lists paths of more than {self.limits.max_listing_bytes} "
-                                "bytes in all (--max-listing-bytes); the listing is kept in memory, so a larger one "
-                                "needs a higher limit") from None
-            except UserError:
+            except (UserError, ListingFull):
                 raise
             except Exception as exc:  # connection refused, DNS, auth, ...: one clear line, exit 2
                 raise UserError(f"--source {self.url!r} is unreachable: {type(exc).__name__}: {exc}") from exc
@@ -200,6 +196,10 @@ class RemoteStore:
                 raise UserError(f"--source {self.url!r} contains no files")
             self._count_entries(n)
             return builder.build()
+        except ListingFull:
+            raise UserError(f"--source {self.url!r} lists paths (files and directories) of more than "
+                            f"{self.limits.max_listing_bytes} bytes in all (--max-listing-bytes); the listing is "
+                            "kept in memory, so a larger one needs a higher limit") from None
         finally:
             builder.close()
 
@@ -611,7 +611,7 @@ class ListingLimits:
 
     max_index_bytes: int = 32 * 1024 * 1024  # one directory index page
     max_entries: int = 1_500_000  # files and directories of the whole listing
-    max_listing_bytes: int = 64 * 1024 * 1024  # the paths of the listing's files, summed
+    max_listing_bytes: int = 64 * 1024 * 1024  # the paths of the listing's files and directories, summed
 
 
 class StagingWriteError(OSError):

@@ -560,6 +560,21 @@ def test_long_names_are_capped_by_the_listing_bytes_limit(tmp_path):
     print(f"long names: peak RSS {peak / 1024:.0f} MB")
 
 
+def test_directory_paths_count_toward_the_listing_bytes(tmp_path):
+    """A file in a directory of its own doubles the listing's path bytes (the directory column
+    holds the prefix again): --max-listing-bytes caps both together, so no choice of layout
+    takes the listing past it."""
+    from estimator.errors import UserError
+    from fuse_client.remote import ListingLimits, RemoteStore
+
+    for i in range(5):
+        (tmp_path / f"dir{i:010d}").mkdir()
+        (tmp_path / f"dir{i:010d}" / "f").write_bytes(b"x")  # 15 bytes of file path, 13 of directory
+    with pytest.raises(UserError, match=r"more than 100 bytes in all \(--max-listing-bytes\)"):
+        RemoteStore(str(tmp_path), limits=ListingLimits(max_listing_bytes=100)).list()
+    assert len(RemoteStore(str(tmp_path), limits=ListingLimits(max_listing_bytes=140)).list().files) == 5
+
+
 def test_an_s3_listing_stops_asking_at_the_entry_cap(moto_endpoint, monkeypatch):
     """1,050 keys with --max-listing-entries 100: the listing fails after the first page of
     ListObjectsV2 (1,000 keys). Before: s3fs listed both pages into memory twice (fs.isdir

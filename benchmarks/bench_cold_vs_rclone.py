@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bench_dataplane import cpu_seconds, _free_port  # noqa: E402
+from bench_dataplane import HttpServerProcess, cpu_seconds  # noqa: E402
 from bench_fuse import Proc, silod  # noqa: E402
 from json_index_server import json_index_handler  # noqa: E402
 
@@ -105,26 +104,13 @@ def serve(root: str, port: int, index: str) -> None:
     server.serve_forever()
 
 
-class Server:
-    """The source in its own process (no GIL shared with the readers)."""
+class Server(HttpServerProcess):
+    """The source in its own process (no GIL shared with the readers): this file's server, started
+    and waited for by bench_dataplane's HttpServerProcess."""
 
     def __init__(self, root: Path, index: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self.p = subprocess.Popen([sys.executable, __file__, "--serve", str(root), str(self.port), index])
-        deadline = time.time() + 20
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=1).read()
-                return
-            except OSError:
-                if time.time() > deadline or self.p.poll() is not None:
-                    raise RuntimeError("HTTP server did not start")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.p.kill()
-        self.p.wait()
+        super().__init__(root, 0.0, index=index,
+                         command=lambda port: [sys.executable, __file__, "--serve", str(root), str(port), index])
 
 
 def make_set(root: Path, count: int, size: int) -> list[str]:

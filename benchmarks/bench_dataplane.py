@@ -250,13 +250,16 @@ def serve_http(root: Path, port: int = 0, latency_s: float = 0.02, index: str = 
 class HttpServerProcess:
     """The remote in its own process, so that it does not share a GIL with the readers."""
 
-    def __init__(self, root: Path, latency_s: float, port: int = 0, index: str = "json") -> None:
+    def __init__(self, root: Path, latency_s: float, port: int = 0, index: str = "json", command=None) -> None:
+        """`command(port)`: another server's command line (benchmarks/bench_cold_vs_rclone.py's)."""
         import subprocess
 
         port = port or _free_port()
         self.port = port
         self.url = f"http://127.0.0.1:{port}/"
-        self.p = subprocess.Popen([sys.executable, __file__, "--serve-http", str(root), str(port), str(latency_s), index])
+        argv = command(port) if command is not None else [sys.executable, __file__, "--serve-http", str(root), str(port),
+                                                          str(latency_s), index]
+        self.p = subprocess.Popen(argv)
         deadline = time.time() + 20
         while True:
             try:

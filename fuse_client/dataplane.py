@@ -66,6 +66,7 @@ class ItemResolver:
         fetch_workers: int = DEFAULT_FETCH_WORKERS,
         slow_fetches: int = DEFAULT_SLOW_FETCHES,
         memory_staging_bytes: int = 256 * 1024 * 1024,
+        max_inflight_bytes: int | None = None,
     ) -> None:
         if fetch_workers < 1:
             raise ValueError(f"fetch workers must be >= 1, got {fetch_workers}")
@@ -90,7 +91,12 @@ class ItemResolver:
         self._last_progress = time.monotonic()  # any fetch of this mount delivered / started
         self._throttled_fetches = 0  # leaders waiting for tokens now
         self._pauses = PauseLog()  # when this process did not run: not the remote's stall
-        self._inflight_bytes = 0  # fetched data the pool may hold in memory now (stats)
+        self._inflight_bytes = 0  # fetched data the pool may hold in memory now
+        self._inflight_peak = 0
+        # A chunk waits for room under this bound before it is read (--max-inflight-bytes; by
+        # default what the lanes can hold anyway: workers x 4 MiB + slow x 256 KiB).
+        self.max_inflight_bytes = max_inflight_bytes or self._pool.inflight_bound
+        self._inflight_cv = threading.Condition()
 
     def close(self) -> None:
         """At unmount: stop the prober, cancel queued fetches and wake the opens waiting for them.
@@ -98,17 +104,31 @@ class ItemResolver:
         Running fetches end on their own (the throttle is closed first, so they raise
         InterruptedError at their next chunk) and finish their flights."""
         self._closed.set()
+        with self._inflight_cv:
+            self._inflight_cv.notify_all()
         self._pool.shutdown()
         self.flights.abort_all(InterruptedError("unmounting"))
 
     def lanes_snapshot(self) -> dict:
-        with self._active_lock:
-            inflight = self._inflight_bytes
-        return {**self._pool.snapshot(), "inflight_bytes": inflight}
+        with self._inflight_cv:
+            inflight, peak = self._inflight_bytes, self._inflight_peak
+        return {**self._pool.snapshot(), "inflight_bytes": inflight, "inflight_bytes_peak": peak,
+                "inflight_bytes_bound": self.max_inflight_bytes}
 
     def _buffered(self, n: int) -> None:
-        with self._active_lock:
+        """A fetch is about to read `n` bytes into memory (n > 0: waits until they fit under the
+        bound; a chunk larger than the bound waits until it is alone), or has staged them (n < 0)."""
+        with self._inflight_cv:
+            if n > 0:
+                while self._inflight_bytes and self._inflight_bytes + n > self.max_inflight_bytes:
+                    if self._closed.is_set():
+                        raise InterruptedError("unmounting")
+                    self._inflight_cv.wait(0.5)
             self._inflight_bytes += n
+            if n > 0:
+                self._inflight_peak = max(self._inflight_peak, self._inflight_bytes)
+            else:
+                self._inflight_cv.notify_all()
 
     def fetches_running(self) -> int:
         with self._active_lock:
@@ -409,8 +429,9 @@ class ItemResolver:
                 kw: dict = {"on_buffer": self._buffered}
                 if on_progress is not None:
                     kw["on_progress"] = on_progress
-                if lane is not None:
-                    kw["chunk_cap"] = lane.chunk_cap
+                bound = self.max_inflight_bytes  # no chunk is larger than the in-flight bound
+                cap = lane.chunk_cap if lane is not None else (lambda: 4 * 1024 * 1024)
+                kw["chunk_cap"] = lambda: min(cap(), bound)
                 crc = self.store.fetch(entry, write, throttle, on_bytes, reset, on_error=on_error, **kw)
             except RemoteFetchError as exc:
                 if errors:  # the remote failed (not just "no such object"): count it against it

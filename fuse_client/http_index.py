@@ -14,8 +14,10 @@ the entry, never a partial listing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+from collections.abc import Iterator
 from typing import NamedTuple
 from urllib.parse import quote, urlparse
 
@@ -38,7 +40,8 @@ class IndexEntry(NamedTuple):
 def looks_like_json_index(body: bytes) -> bool:
     """JSON (an index is an array; an object is a malformed one): an HTML page never starts
     with '[' or '{'."""
-    return body.lstrip()[:1] in (b"[", b"{")
+    i = _WS_BYTES.match(body).end()
+    return body[i:i + 1] in (b"[", b"{")
 
 
 #: The largest size stat can report (st_size is a signed 64-bit integer).
@@ -50,28 +53,35 @@ MAX_FILE_SIZE = 2**63 - 1
 _LINK = re.compile(r"""<(a|A)\s+(?:[^>]*?\s+)?(href|HREF)=["'](?P<url>[^"']+)""")
 _SIMPLE_LINK = re.compile(r"""(?P<url>http[s]?://[-a-zA-Z0-9@:%_+.~#?&/=]+)""")
 _WS = re.compile(r"[ \t\n\r]*")
+_WS_BYTES = re.compile(rb"[ \t\n\r]*")
 
 
-def html_links(body: bytes, content_type: str | None, url: str) -> list[str]:
+def html_links(body: bytes, content_type: str | None, url: str) -> Iterator[str]:
     """The absolute URLs an HTML index page of directory `url` links to (as fsspec's `ls`
-    finds them: links under `url`, relative ones joined to it, `..` left out)."""
+    finds them: links under `url`, relative ones joined to it, `..` left out), one at a time:
+    a page of short links holds millions (the caller drops the ones it has seen)."""
     mimetype = content_type.partition(";")[0] if content_type else None
     if mimetype not in ("text/html", None):
-        return []
+        return
     text = body.decode("utf-8", errors="ignore")
-    links = _SIMPLE_LINK.findall(text) + [m[2] for m in _LINK.findall(text)]
-    out: dict[str, None] = {}
+    del body
     parts = urlparse(url)
     prefix = url.rstrip("/") + "/"
-    for link in links:
+    last = None
+    for link in itertools.chain((m.group("url") for m in _SIMPLE_LINK.finditer(text)),
+                                (m.group("url") for m in _LINK.finditer(text))):
         if link.startswith("/") and len(link) > 1:
             link = f"{parts.scheme}://{parts.netloc}{link}"
         if link.startswith("http"):
-            if link.replace("https", "http").startswith(prefix.replace("https", "http")):
-                out[link] = None
-        elif link not in ("..", "../"):
-            out["/".join([url.rstrip("/"), link.lstrip("/")])] = None
-    return list(out)
+            if not link.replace("https", "http").startswith(prefix.replace("https", "http")):
+                continue
+        elif link in ("..", "../"):
+            continue
+        else:
+            link = "/".join([url.rstrip("/"), link.lstrip("/")])
+        if link != last:
+            last = link
+            yield link
 
 
 def _array_items(text: str, bad):
@@ -106,21 +116,36 @@ def _array_items(text: str, bad):
         raise bad(f"is not valid JSON (extra data at character {i})")
 
 
+def bad_index(source: str, url: str, problem: str) -> UserError:
+    return UserError(f"--source {source!r}: the JSON directory index of {url!r} {problem}; serve it as nginx's "
+                     "`autoindex_format json` does (an array of {\"name\", \"type\", \"size\"} objects)")
+
+
 def parse_json_index(body: bytes, url: str, source: str, max_entries: int | None = None) -> list[IndexEntry]:
-    """The entries of the JSON index `body` of directory `url`; "other" entries (sockets, FIFOs)
-    are left out. Raises UserError naming `source`, `url` and what is wrong, also when it has
-    more than `max_entries` entries (what is left of the listing's --max-listing-entries)."""
+    """The entries of the JSON index `body` of directory `url`, as a list (iter_json_index's)."""
+    entries = list(iter_json_index(body, url, source, max_entries))
+    names = set()
+    for e in entries:
+        if e.name in names:
+            raise bad_index(source, url, f"lists {e.name!r} twice")
+        names.add(e.name)
+    return entries
+
+
+def iter_json_index(body: bytes, url: str, source: str, max_entries: int | None = None) -> Iterator[IndexEntry]:
+    """The entries of the JSON index `body` of directory `url`, one at a time; "other" entries
+    (sockets, FIFOs) are left out. Raises UserError naming `source`, `url` and what is wrong,
+    also when it has more than `max_entries` entries (what is left of the listing's
+    --max-listing-entries). A name listed twice is the caller's to catch (it keeps the names)."""
 
     def bad(problem: str) -> UserError:
-        return UserError(f"--source {source!r}: the JSON directory index of {url!r} {problem}; serve it as nginx's "
-                         "`autoindex_format json` does (an array of {\"name\", \"type\", \"size\"} objects)")
+        return bad_index(source, url, problem)
 
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad(f"is not valid JSON ({exc})") from None
-    entries: list[IndexEntry] = []
-    seen: set[str] = set()
+    del body
     for i, item in enumerate(_array_items(text, bad)):
         if max_entries is not None and i >= max_entries:
             raise UserError(f"--source {source!r} lists more entries than --max-listing-entries allows (the "
@@ -133,9 +158,6 @@ def parse_json_index(body: bytes, url: str, source: str, max_entries: int | None
             raise bad(f"has entry {i} with an unusable name {name!r} (one path component, not '.' or '..')")
         if kind not in TYPES:
             raise bad(f"has entry {name!r} of unknown type {kind!r} (expected one of {', '.join(TYPES)})")
-        if name in seen:
-            raise bad(f"lists {name!r} twice")
-        seen.add(name)
         if kind == "other":
             continue
         size = 0
@@ -147,5 +169,4 @@ def parse_json_index(body: bytes, url: str, source: str, max_entries: int | None
                 # stat's st_size is a signed 64-bit count: 2^63 broke `ls` of the mount (issue 47).
                 raise bad(f"gives file {name!r} the size {size} (more than {MAX_FILE_SIZE}, the most a file's"
                           " size can be)")
-        entries.append(IndexEntry(name, kind == "directory", size))
-    return entries
+        yield IndexEntry(name, kind == "directory", size)

@@ -71,6 +71,8 @@ class MountConfig:
     slow_fetches: int = 64  # the slow lane of the fetch pool (fetch_lanes.py)
     max_index_bytes: int = 32 * 1024 * 1024  # one directory index page of an http(s) source
     max_listing_entries: int = 1_500_000
+    max_listing_bytes: int = 64 * 1024 * 1024  # the listed paths, summed (the listing's memory)
+    max_inflight_bytes: int | None = None  # fetched data in memory at once; None: what the lanes hold
     memory_staging_bytes: int = 256 * 1024 * 1024  # misses staged in memory while the cache disk refuses
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
@@ -359,6 +361,10 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--max-index-bytes {cfg.max_index_bytes}: must be at least 1 KiB")
     if cfg.max_listing_entries < 1:
         raise UserError(f"--max-listing-entries {cfg.max_listing_entries}: must be >= 1")
+    if cfg.max_inflight_bytes is not None and cfg.max_inflight_bytes < 64 * 1024:
+        raise UserError(f"--max-inflight-bytes {cfg.max_inflight_bytes}: must be at least 64 KiB")
+    if cfg.max_listing_bytes < 1024:
+        raise UserError(f"--max-listing-bytes {cfg.max_listing_bytes}: must be at least 1 KiB")
     if cfg.memory_staging_bytes < 0:
         raise UserError(f"--memory-staging {cfg.memory_staging_bytes}: must be >= 0 bytes")
     if not (0 < cfg.open_deadline_s <= 3600):
@@ -442,7 +448,7 @@ def run_mount(cfg: MountConfig) -> int:
     # Every request, redirect and connection of the store is held to `allow` (safe_http.py).
     store = RemoteStore(cfg.source, RetryPolicy(deadline_s=cfg.open_deadline_s), credential=SourceCredential.from_env(),
                         anonymous=os.environ.get(ANONYMOUS_ENV) == "1", allow=allow,
-                        limits=ListingLimits(cfg.max_index_bytes, cfg.max_listing_entries))
+                        limits=ListingLimits(cfg.max_index_bytes, cfg.max_listing_entries, cfg.max_listing_bytes))
     snapshot = listing_snapshot.snapshot_path(cfg.cache_dir / cfg.dataset)
     listing = listing_snapshot.load(snapshot, cfg.source) if snapshot.parent.is_dir() else None
     if listing is not None:
@@ -487,7 +493,8 @@ def run_mount(cfg: MountConfig) -> int:
 
     breaker = CircuitBreaker(cfg.source, threshold=cfg.breaker_threshold, probe_interval_s=cfg.probe_interval_s)
     resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers,
-                            slow_fetches=cfg.slow_fetches, memory_staging_bytes=cfg.memory_staging_bytes)
+                            slow_fetches=cfg.slow_fetches, memory_staging_bytes=cfg.memory_staging_bytes,
+                            max_inflight_bytes=cfg.max_inflight_bytes)
     control.breaker = breaker
     control.resolver = resolver
     if recovery.ran and cache.verify_pending:

@@ -23,13 +23,13 @@ import time
 import zlib
 from urllib.parse import unquote, urlsplit
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
 from contract.uri_policy import UriPolicy, UriRejected
 from fuse_client import beneath, http_index, item_stream
+from fuse_client.listing import DatasetListing, DuplicatePath, FileEntry, ListingBuilder, ListingFull  # noqa: F401 (re-exported)
 from fuse_client.safe_http import DestinationRefused, HttpGuard
 from fuse_client.breaker import RetryPolicy
 from fuse_client.token_bucket import Throttle, TokenWaitExpired, chunk_size_for
@@ -39,46 +39,6 @@ log = logging.getLogger(__name__)
 
 class RemoteFetchError(OSError):
     """The remote store kept failing for one item; the FUSE layer turns this into EIO."""
-
-
-class FileEntry(NamedTuple):
-    """One item of the listing. A NamedTuple, not a dataclass: a 1.28M-item listing is built
-    at every mount, and a frozen dataclass costs several times more per instance to create."""
-
-    index: int  # position in the sorted listing; the bit of this item in the epoch bitset
-    path: str  # relative to the dataset root, '/'-separated
-    size: int
-
-
-@dataclass
-class DatasetListing:
-    files: dict[str, FileEntry] = field(default_factory=dict)
-    dirs: dict[str, list[str]] = field(default_factory=dict)  # dir path ('' = root) -> child names
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
-
-    @classmethod
-    def from_sizes(cls, sizes: dict[str, int]) -> "DatasetListing":
-        listing = cls()
-        files, dirs = listing.files, listing.dirs
-        dirs[""] = []
-
-        def add_dir(path: str) -> list[str]:
-            children = dirs[path] = []
-            parent, _, name = path.rpartition("/")
-            (dirs.get(parent) if parent in dirs else add_dir(parent)).append(name)
-            return children
-
-        for index, path in enumerate(sorted(sizes)):
-            files[path] = FileEntry(index, path, sizes[path])
-            parent, _, name = path.rpartition("/")
-            children = dirs.get(parent)
-            if children is None:
-                children = add_dir(parent)
-            children.append(name)
-        return listing
 
 
 SUPPORTED_SCHEMES = ("", "file", "s3", "http", "https")  # "": a local directory
@@ -213,41 +173,76 @@ class RemoteStore:
         return posixpath.join(self.root, rel) if self.root else rel
 
     def list(self) -> DatasetListing:
-        """Every file under the root with its size. Raises UserError if the store is unreachable."""
-        try:
-            if self.protocol in ("http", "https"):
-                sizes = self._list_http()
-            elif self.protocol in ("file", "local"):
-                sizes = self._list_local()
-            else:
-                if not self.fs.isdir(self.root):
-                    raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
-                found = self.fs.find(self.root, detail=True, withdirs=False)
-                sizes = {}
-                prefix = self.root.rstrip("/") + "/"
-                for full, info in found.items():
-                    full = full.rstrip("/")
-                    rel = full[len(prefix):] if full.startswith(prefix) else full
-                    sizes[rel] = int(info.get("size") or 0)
-        except UserError:
-            raise
-        except Exception as exc:  # connection refused, DNS, auth, ...: one clear line, exit 2
-            raise UserError(f"--source {self.url!r} is unreachable: {type(exc).__name__}: {exc}") from exc
-        if not sizes:
-            raise UserError(f"--source {self.url!r} contains no files")
-        self._count_entries(len(sizes))
-        return DatasetListing.from_sizes(sizes)
+        """Every file under the root with its size. Raises UserError if the store is unreachable.
 
-    def _list_local(self) -> dict[str, int]:
+        Entries go to a ListingBuilder (sorted on disk) as they are listed, and the listing is
+        capped as it grows (--max-listing-entries, --max-listing-bytes): a source never makes the
+        mount hold more than the caps allow, not even for a moment."""
+        builder = ListingBuilder(self.limits.max_listing_bytes)
+        try:
+            try:
+                if self.protocol in ("http", "https"):
+                    self._list_http(builder)
+                elif self.protocol in ("file", "local"):
+                    self._list_local(builder)
+                else:
+                    self._list_s3(builder)
+            except (UserError, ListingFull):
+                raise
+            except Exception as exc:  # connection refused, DNS, auth, ...: one clear line, exit 2
+                raise UserError(f"--source {self.url!r} is unreachable: {type(exc).__name__}: {exc}") from exc
+            n = builder.count()
+            if not n:
+                raise UserError(f"--source {self.url!r} contains no files")
+            self._count_entries(n)
+            return builder.build()
+        except ListingFull:
+            raise UserError(f"--source {self.url!r} lists paths (files and directories) of more than "
+                            f"{self.limits.max_listing_bytes} bytes in all (--max-listing-bytes); the listing is "
+                            "kept in memory, so a larger one needs a higher limit") from None
+        finally:
+            builder.close()
+
+    def _list_s3(self, builder: ListingBuilder) -> None:
+        """ListObjectsV2 page by page (1,000 keys each), stopping at the entry cap: the keys
+        past it are never asked for (s3fs's find listed the whole prefix into memory first)."""
+        from fsspec.asyn import sync
+
+        # (no fs.isdir first: s3fs answers it by listing the whole prefix, every page)
+        missing = UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
+        bucket, key, _ = self.fs.split_path(self.root)
+        prefix = key.rstrip("/") + "/" if key else ""
+        kwargs: dict = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
+        seen = 0
+        while True:
+            try:
+                page = self._listing_call(f"ListObjectsV2 {bucket}/{prefix} (after {seen} keys)",
+                                          lambda: sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **kwargs))
+            except FileNotFoundError:  # no such bucket
+                raise missing from None
+            if not seen and not page.get("Contents"):
+                raise missing
+            for obj in page.get("Contents", ()):
+                name = obj["Key"]
+                if name.endswith("/") or not name.startswith(prefix):  # a "directory" marker
+                    continue
+                seen += 1
+                self._count_entries(seen)
+                builder.add(name[len(prefix):], int(obj.get("Size") or 0))
+            if not page.get("IsTruncated"):
+                return
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def _list_local(self, builder: ListingBuilder) -> None:
         """A local (or NFS) directory, walked with scandir: about 2x faster than fsspec's find,
         which builds an info dict per file (most of a remount's time at 100k+ items). Symlinks
         are followed, as fsspec does; a directory reached twice (a symlink cycle) is walked once."""
         if not os.path.isdir(self.root):
             raise UserError(f"--source {self.url!r} is not a directory in the store (or does not exist)")
-        sizes: dict[str, int] = {}
         root_stat = os.stat(self.root)
         seen = {(root_stat.st_dev, root_stat.st_ino)}
         pending = [("", self.root)]
+        count = 0
         while pending:
             rel_dir, path = pending.pop()
             with os.scandir(path) as entries:
@@ -261,8 +256,9 @@ class RemoteStore:
                             seen.add((st.st_dev, st.st_ino))
                             pending.append((rel + "/", entry.path))
                     elif entry.is_file():
-                        sizes[rel] = entry.stat().st_size
-        return sizes
+                        count += 1
+                        self._count_entries(count)
+                        builder.add(rel, entry.stat().st_size)
 
     def _beneath_root(self, rel: str) -> bool:
         """Whether the symlink `rel` resolves beneath the root (the open will check it again)."""
@@ -277,8 +273,9 @@ class RemoteStore:
 
     def _count_entries(self, n: int) -> None:
         if n > self.limits.max_entries:
-            raise UserError(f"--source {self.url!r} lists more than {self.limits.max_entries} entries; the listing is "
-                            f"kept in memory (about 0.4 KB per item), so a larger one needs --max-listing-entries")
+            raise UserError(f"--source {self.url!r} lists more than {self.limits.max_entries} entries "
+                            "(--max-listing-entries); the listing is kept in memory, so a larger one needs a "
+                            "higher limit")
 
     def _listing_call(self, what: str, fn: Callable[[], object]):
         """One request of the listing, retried with backoff while the remote has answered within
@@ -312,37 +309,38 @@ class RemoteStore:
                 if r.status == 404:
                     raise FileNotFoundError(url)
                 r.raise_for_status()
-                parts, got = [], 0
+                body, got = bytearray(), 0  # one buffer: a list of parts and their join held it twice
                 while True:
                     piece = await r.content.read(min(1 << 20, cap + 1 - got))
                     if not piece:
                         break
-                    parts.append(piece)
+                    body += piece
                     got += len(piece)
                     if got > cap:
                         raise UserError(f"--source {self.url!r}: the directory index {url!r} is larger than "
                                         f"{cap} bytes (--max-index-bytes); it is read into memory, so a larger "
                                         "one needs a higher limit")
-                return b"".join(parts), r.headers.get("Content-Type")
+                return body, r.headers.get("Content-Type")
 
         from fsspec.asyn import sync
 
         return self._listing_call(f"GET {url}", lambda: sync(self.fs.loop, get))
 
-    def _list_http(self) -> dict[str, int]:
+    def _list_http(self, builder: ListingBuilder) -> None:
         base = self.root.rstrip("/") + "/"
-        first, ctype = self._get_index(base)
-        if http_index.looks_like_json_index(first):
-            return self._list_http_json(base, first)
-        sizes: dict[str, int] = {}
-        pending: list[tuple[str, bytes | None, str | None]] = [(base, first, ctype)]
+        body, ctype = self._get_index(base)
+        if http_index.looks_like_json_index(body):
+            first = [body]
+            del body  # (the page is up to --max-index-bytes: one reference, dropped once parsed)
+            return self._list_http_json(builder, base, first)
+        # Directories still to list wait in the builder's database (a page may link millions).
+        builder.push(base)
         seen = 0
-        while pending:
-            url, body, ctype = pending.pop()
+        while (url := builder.pop()) is not None:
             if body is None:
                 body, ctype = self._get_index(url)
             links = http_index.html_links(body, ctype, url)
-            del body
+            body = None
             for name in links:
                 rel = _rel_beneath(base, name)
                 if rel is None:  # links that leave the dataset (parent directory, absolute links, %2e%2e)
@@ -351,37 +349,44 @@ class RemoteStore:
                     continue
                 if not rel:
                     continue
+                if name.endswith("/"):
+                    if builder.push(name):
+                        seen += 1
+                        self._count_entries(seen)
+                    continue
+                if builder.has(rel):  # linked twice (fsspec's ls dropped the second one too)
+                    continue
                 seen += 1
                 self._count_entries(seen)
-                if name.endswith("/"):
-                    pending.append((name, None, None))
-                    continue
                 size = self._listing_call(f"HEAD {name}", lambda: self.fs.info(name).get("size"))
                 if size is None:
                     raise UserError(f"--source {self.url!r}: the server reports no size for {name!r}")
-                sizes[rel] = int(size)
-        return sizes
+                builder.add(rel, int(size))
 
-    def _list_http_json(self, base: str, first: bytes) -> dict[str, int]:
+    def _list_http_json(self, builder: ListingBuilder, base: str, first: list[bytes]) -> None:
         """A server with JSON directory indexes (nginx `autoindex_format json`): one GET per
         directory. Paths are kept URL-encoded, as the links of an HTML index give them, so the
         mount shows the same names whichever index the server sends."""
-        sizes: dict[str, int] = {}
-        pending: list[tuple[str, bytes | None]] = [(base, first)]
+        builder.push(base)
+        body: bytes | None = first.pop()
         seen = 0
-        while pending:
-            url, body = pending.pop()
+        while (url := builder.pop()) is not None:
             if body is None:
                 body, _ = self._get_index(url)
-            entries = http_index.parse_json_index(body, url, self.url, max_entries=self.limits.max_entries - seen)
-            del body
-            seen += len(entries)
-            for entry in entries:
-                if entry.is_dir:
-                    pending.append((f"{url}{entry.url_name}/", None))
-                else:
-                    sizes[f"{url[len(base):]}{entry.url_name}"] = entry.size
-        return sizes
+            entries = http_index.iter_json_index(body, url, self.url, max_entries=self.limits.max_entries - seen)
+            body = None  # the generator holds the decoded text while it runs
+            rel_dir = url[len(base):]
+            try:
+                for entry in entries:
+                    seen += 1
+                    if entry.is_dir:
+                        if not builder.push(f"{url}{entry.url_name}/"):
+                            raise DuplicatePath(entry.name)
+                    else:
+                        builder.add(f"{rel_dir}{entry.url_name}", entry.size)
+                builder.flush()  # a name listed twice is named with its own directory
+            except DuplicatePath as exc:
+                raise http_index.bad_index(self.url, url, f"lists {exc.path.rpartition('/')[2]!r} twice") from None
 
     def _open(self, rel: str, chunk: int, size: int | None = None):
         # The listing knows the size: passing it saves the HEAD request fsspec would send first.
@@ -474,7 +479,7 @@ class RemoteStore:
                 before = clock()
                 throttle.acquire(want)
                 progress[0] += clock() - before  # waiting for our own tokens is not the remote's fault
-                on_buffer(want)
+                self._room(on_buffer, want, progress, clock)
                 try:
                     data = f.read(want)
                     progress[0] = clock()
@@ -485,6 +490,13 @@ class RemoteStore:
                 finally:
                     on_buffer(-want)
         return state.crc
+
+    @staticmethod
+    def _room(on_buffer, n: int, progress: list[float], clock) -> None:
+        """Wait for room for `n` fetched bytes (--max-inflight-bytes): not the remote's time."""
+        before = clock()
+        on_buffer(n)
+        progress[0] += clock() - before
 
     @staticmethod
     def _stage(data: bytes, state: "_FetchState", write, on_remote_bytes) -> None:
@@ -522,14 +534,15 @@ class RemoteStore:
         small = not state.offset and want >= size
         try:
             if small:
-                on_buffer(size + 1)
+                self._room(on_buffer, size + 1, progress, clock)
                 try:
                     opened, data, exc = streams.get(full, 0, None, size + 1, piece, allowance)
                 except BaseException:
                     on_buffer(-(size + 1))
                     raise
             else:
-                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance)
+                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance,
+                                      want)
         except item_stream.ObjectChanged:
             state.restart(reset)
             state.validator = None
@@ -560,7 +573,7 @@ class RemoteStore:
                     throttle.acquire(want)
                     progress[0] += clock() - before
                 first = False
-                on_buffer(want)
+                self._room(on_buffer, want, progress, clock)
                 try:
                     data, exc = streams.read(opened, want, piece, allowance)
                     self._stage_checked(entry, data, state, write, on_remote_bytes)
@@ -592,11 +605,13 @@ class RemoteStore:
 @dataclass(frozen=True)
 class ListingLimits:
     """What a source may make the mount hold while listing: the listing lives in memory for the
-    mount's lifetime and index pages are parsed whole, so both are capped (a hostile or broken
+    mount's lifetime (about path length + 16 bytes per item: listing.py) and index pages are
+    parsed whole, so both are capped (a hostile or broken
     source otherwise decides how much memory the mount, a root process, takes)."""
 
     max_index_bytes: int = 32 * 1024 * 1024  # one directory index page
     max_entries: int = 1_500_000  # files and directories of the whole listing
+    max_listing_bytes: int = 64 * 1024 * 1024  # the paths of the listing's files and directories, summed
 
 
 class StagingWriteError(OSError):

@@ -455,6 +455,216 @@ def test_a_hostile_index_fails_the_mount_with_a_message_and_bounded_memory(tmp_p
     print(f"{flood}: peak RSS {peak / 1024:.0f} MB")
 
 
+class _TreeSource:
+    """A real HTTP source on 127.0.0.1 with nginx's JSON indexes for `dirs` directories of `files`
+    items each, generated as they are sent (the test process never holds the listing); every item
+    is one byte. `name_len` pads the item names (a source choosing long names)."""
+
+    def __init__(self, dirs: int, files: int, name_len: int = 9) -> None:
+        import http.server
+
+        outer = self
+        self.dirs, self.files, self.name_len = dirs, files, name_len
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                parts = self.path.split("/")  # ['', 'ds', 'd0001', 'f...'] or ['', 'ds', 'd0001', '']
+                if self.path == "/ds/":
+                    self._send(b"[" + ",".join(f'{{"name":"d{d:04d}","type":"directory"}}'
+                                                for d in range(outer.dirs)).encode() + b"]")
+                elif len(parts) == 4 and parts[3] == "":
+                    self._stream(outer._page)
+                elif len(parts) == 4:
+                    self._send(b"x", "application/octet-stream")
+                else:
+                    self.send_error(404)
+
+            def _send(self, body: bytes, ctype: str = "application/json") -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _stream(self, gen) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                try:
+                    for piece in gen():
+                        self.wfile.write(piece)
+                except OSError:
+                    pass
+                self.close_connection = True
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ds/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def name(self, i: int) -> str:
+        return f"f{i:08d}".ljust(self.name_len, "n")
+
+    def _page(self):
+        yield b"["
+        step = 5_000
+        for start in range(0, self.files, step):
+            end = min(self.files, start + step)
+            yield ",".join(f'{{"name":"{self.name(i)}","type":"file","size":1}}'
+                           for i in range(start, end)).encode() + (b"," if end < self.files else b"")
+        yield b"]"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_listing_at_the_default_entry_cap_mounts_within_the_memory_limit(tmp_path, backend):
+    """A JSON index of 149 directories of 10,000 items (1,490,149 entries: the most the default
+    --max-listing-entries allows) mounts and serves with a peak RSS within the limit. Before: the
+    listing cost ~0.4 KB per item (a dict of path -> NamedTuple, child-name lists, the raw front
+    end's list of entries), ~650 MB here."""
+    src = _TreeSource(149, 10_000)
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     timeout=240) as m:
+            assert (m.mountpoint / "d0148" / src.name(9_999)).read_bytes() == b"x"
+            assert len(os.listdir(m.mountpoint / "d0007")) == 10_000
+            assert os.listdir(m.mountpoint)[:2] == ["d0000", "d0001"]
+            assert m.fresh_stats(10)["items_total"] == 1_490_000
+            peak = _peak_rss_kb(m.proc.pid)
+        assert peak < RSS_LIMIT_KB, f"peak RSS {peak} kB"
+        print(f"1,490,149 entries ({backend}): peak RSS {peak / 1024:.0f} MB")
+    finally:
+        src.close()
+
+
+@pytest.mark.fuse
+def test_long_names_are_capped_by_the_listing_bytes_limit(tmp_path):
+    """1,400,000 items of 200-byte names, within both per-page and entry caps (280 MB of names;
+    before: about 0.9 GB of RSS), are refused at --max-listing-bytes (64MiB) with one line naming
+    the limit, exit 2, and a peak RSS within the limit."""
+    src = _TreeSource(14, 100_000, name_len=200)
+    try:
+        rc, out, peak = _failed_mount_peak_rss(tmp_path, src.url)
+    finally:
+        src.close()
+    assert rc == 2 and "(--max-listing-bytes)" in " ".join(out.split()), out
+    assert peak < RSS_LIMIT_KB, f"peak RSS {peak} kB"
+    print(f"long names: peak RSS {peak / 1024:.0f} MB")
+
+
+def test_directory_paths_count_toward_the_listing_bytes(tmp_path):
+    """A file in a directory of its own doubles the listing's path bytes (the directory column
+    holds the prefix again): --max-listing-bytes caps both together, so no choice of layout
+    takes the listing past it."""
+    from estimator.errors import UserError
+    from fuse_client.remote import ListingLimits, RemoteStore
+
+    for i in range(5):
+        (tmp_path / f"dir{i:010d}").mkdir()
+        (tmp_path / f"dir{i:010d}" / "f").write_bytes(b"x")  # 15 bytes of file path, 13 of directory
+    with pytest.raises(UserError, match=r"more than 100 bytes in all \(--max-listing-bytes\)"):
+        RemoteStore(str(tmp_path), limits=ListingLimits(max_listing_bytes=100)).list()
+    assert len(RemoteStore(str(tmp_path), limits=ListingLimits(max_listing_bytes=140)).list().files) == 5
+
+
+def test_an_s3_listing_stops_asking_at_the_entry_cap(moto_endpoint, monkeypatch):
+    """1,050 keys with --max-listing-entries 100: the listing fails after the first page of
+    ListObjectsV2 (1,000 keys). Before: s3fs listed both pages into memory twice (fs.isdir
+    lists the whole prefix too), then the cap was checked (so a bucket of millions of keys was held whole first). Requests are counted
+    with botocore's own event hook on the real client."""
+    import boto3
+    from fsspec.asyn import sync
+
+    from estimator.errors import UserError
+    from fuse_client.remote import ListingLimits, RemoteStore
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_endpoint}.items():
+        monkeypatch.setenv(k, v)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3.create_bucket(Bucket="many")
+    for i in range(1_050):
+        s3.put_object(Bucket="many", Key=f"ds/k{i:05d}", Body=b"x")
+    store = RemoteStore("s3://many/ds", limits=ListingLimits(max_entries=100))
+    sync(store.fs.loop, store.fs.set_session)
+    pages: list[dict] = []
+    store.fs.s3.meta.events.register("before-call.s3.ListObjectsV2", lambda params, **kw: pages.append(params))
+    with pytest.raises(UserError, match="--max-listing-entries"):
+        store.list()
+    assert len(pages) == 1 and "continuation-token" not in pages[0]["query_string"], pages
+    assert sorted(RemoteStore("s3://many/ds", limits=ListingLimits(max_entries=3_000)).list().files)[-1] == "k01049"
+
+
+@pytest.mark.fuse
+def test_an_html_index_of_millions_of_directory_links_is_refused_in_bounded_memory(tmp_path):
+    """A 32 MB HTML page of ~2.3M short directory links (within --max-index-bytes): the listing
+    stops at --max-listing-entries with a message, exit 2, peak RSS within the limit. Before: every
+    link was kept as an absolute URL, twice (a list and a dict), with the page: about 0.6 GB."""
+    def flood():
+        sent, j = 0, 0
+        while True:
+            line = "".join(f'<a href="{j:x}.{i:x}/">' for i in range(4096)).encode()
+            if sent + len(line) > 32 * 1024 * 1024:
+                return
+            sent += len(line)
+            j += 1
+            yield line
+
+    src = HostileSource({"ok.bin": b"x"})
+    src.index_stream, src.index_type = flood, "text/html"
+    try:
+        rc, out, peak = _failed_mount_peak_rss(tmp_path, src.url)
+    finally:
+        src.close()
+    assert rc == 2 and "--max-listing-entries" in out, out
+    assert peak < RSS_LIMIT_KB, f"peak RSS {peak} kB"
+    print(f"html directory links: peak RSS {peak / 1024:.0f} MB")
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_fetch_pools_in_flight_bytes_are_bounded_by_configuration(tmp_path, backend):
+    """Build item 5: --max-inflight-bytes bounds the fetched data the pool holds in memory at once.
+    16 readers open 16 uncached 300 KB items and 2 items of 3 MB on 8 fetch workers under a
+    1 MiB bound: every item arrives whole, and the pool never held more than the bound (a chunk
+    waits for room before it is read; the 3 MB items are read in chunks of at most the bound).
+    Before: the bytes were counted but bounded only by workers x 4 MiB (no such option)."""
+    from dataplane_helpers import make_dataset
+
+    ds = make_dataset(tmp_path / "src", n_files=16, min_size=290_000, max_size=310_000, subdirs=2)
+    for name in ("big0.bin", "big1.bin"):
+        data = _data(3_000_000, len(name))
+        (ds.root / name).write_bytes(data)
+        ds.sizes[name], ds.digests[name] = len(data), hashlib.sha256(data).hexdigest()
+    bound = 1 << 20
+    with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                 "--fetch-workers", "8", "--max-inflight-bytes", "1MiB") as m:
+        errors: list[str] = []
+
+        def reader(name: str) -> None:
+            data = (m.mountpoint / name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != ds.digests[name]:
+                errors.append(name)
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in ds.sizes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        lanes = m.fresh_stats()["fetch_lanes"]
+    assert lanes["inflight_bytes_bound"] == bound and lanes["inflight_bytes"] == 0, lanes
+    assert 0 < lanes["inflight_bytes_peak"] <= bound + 1, lanes  # + 1: a whole item is read as size + 1
+
+
 # -- smaller ones (item 6) -----------------------------------------------------------------------
 
 

@@ -245,6 +245,8 @@ def _run_mount(*args: str) -> subprocess.CompletedProcess:
         ("negative_memory_staging", "--memory-staging"),
         ("zero_index_bytes", "--max-index-bytes"),
         ("zero_listing_entries", "--max-listing-entries"),
+        ("tiny_listing_bytes", "--max-listing-bytes"),
+        ("tiny_inflight_bytes", "--max-inflight-bytes"),
     ],
 )
 def test_bad_mount_input_exits_2_with_a_clear_message(tmp_path, dataset, case, expect):
@@ -277,6 +279,10 @@ def test_bad_mount_input_exits_2_with_a_clear_message(tmp_path, dataset, case, e
         extra = ["--max-index-bytes", "0"]
     elif case == "zero_listing_entries":
         extra = ["--max-listing-entries", "0"]
+    elif case == "tiny_listing_bytes":
+        extra = ["--max-listing-bytes", "100"]
+    elif case == "tiny_inflight_bytes":
+        extra = ["--max-inflight-bytes", "1KB"]
     r = _run_mount(args["mnt"], "--source", args["source"], "--dataset", args["dataset"], "--job", args["job"],
                    "--cache-dir", str(cache), *extra)
     try:

@@ -190,7 +190,7 @@ def test_remount_starts_from_the_listing_snapshot_and_notices_a_changed_source(t
     cache = tmp_path / "cache"
     with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache) as m:
         read_epoch(m.mountpoint, ds, seed=1)
-        wait_until(lambda: (cache / "ds" / "listing.json").exists(), 5.0, message="snapshot saved")
+        wait_until(lambda: (cache / "ds" / "listing.bin").exists(), 5.0, message="snapshot saved")
     (ds.root / "class0" / "new-item.bin").write_bytes(b"n" * 1000)
     with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache, "--log-level", "INFO") as m:
         # Started from the snapshot: the new file is not there for this mount; the change is logged.
@@ -213,7 +213,7 @@ def test_a_snapshot_does_not_let_a_mount_skip_reaching_the_source(tmp_path):
     cache = tmp_path / "cache"
     with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", cache) as m:
         read_epoch(m.mountpoint, ds, seed=1)
-        wait_until(lambda: (cache / "ds" / "listing.json").exists(), 5.0, message="snapshot saved")
+        wait_until(lambda: (cache / "ds" / "listing.bin").exists(), 5.0, message="snapshot saved")
     shutil.rmtree(ds.root)  # the source is gone (or no longer readable with these credentials)
     r = subprocess.run([*silod_cmd(), "mount", str(tmp_path / "mnt"), "--source", str(ds.root), "--dataset", "ds",
                         "--job", "j", "--cache-dir", str(cache)], capture_output=True, text=True, timeout=60)

@@ -91,31 +91,31 @@ class RawCounters:
 
 
 class _Inodes:
+    """Node ids over the listing's columns: 1 is the root, then the other directories in sorted
+    order, then the items by index (nothing per item is kept here)."""
+
     def __init__(self, ops: DatasetOperations) -> None:
         listing = ops.listing
-        self.dir_paths: list[str] = ["", ""] + sorted(d for d in listing.dirs if d)  # [0] unused
-        self.dir_ids = {path: i for i, path in enumerate(self.dir_paths) if i}
-        self.file_base = len(self.dir_paths)
-        self.files: list[FileEntry | None] = [None] * len(listing.files)
-        for entry in listing.files.values():
-            self.files[entry.index] = entry
+        self.file_base = 1 + listing.num_dirs  # the directories are 1.. (the root, '', sorts first)
+        self.num_files = len(listing)
         self.listing = listing
 
     def file(self, nodeid: int) -> FileEntry | None:
         i = nodeid - self.file_base
-        return self.files[i] if 0 <= i < len(self.files) else None
+        return self.listing.entry(i) if 0 <= i < self.num_files else None
 
     def dir_path(self, nodeid: int) -> str | None:
-        return self.dir_paths[nodeid] if 1 <= nodeid < self.file_base else None
+        return self.listing.dir_path(nodeid - 1) if 1 <= nodeid < self.file_base else None
 
     def child(self, parent: str, name: str) -> tuple[int, FileEntry | None] | None:
         rel = f"{parent}/{name}" if parent else name
-        entry = self.listing.files.get(rel)
-        if entry is not None:
-            return self.file_base + entry.index, entry
-        dir_id = self.dir_ids.get(rel)
-        if dir_id is not None:
-            return dir_id, None
+        listing = self.listing
+        i = listing.find(rel)
+        if i >= 0:
+            return self.file_base + i, listing.entry(i)
+        d = listing.dir_index(rel)
+        if d >= 0:
+            return d + 1, None
         return None
 
 
@@ -274,7 +274,7 @@ class RawFuseServer:
         self.backing_dir = backing_dir
         self.keep_backing = keep_backing
         self.inodes = _Inodes(ops)
-        self._files, self._file_base = self.inodes.files, self.inodes.file_base
+        self._file_base = self.inodes.file_base
         self.counters = RawCounters()
         self.negotiated: Negotiated | None = None
         self._fd = -1
@@ -607,8 +607,7 @@ class RawFuseServer:
 
     def _open(self, fd: int, unique: int, nodeid: int, view) -> None:
         # The hot path of every cached read: kept to a few calls on purpose.
-        i = nodeid - self._file_base
-        entry = self._files[i] if 0 <= i < len(self._files) else None
+        entry = self.inodes.file(nodeid)
         if entry is None:
             if self.inodes.dir_path(nodeid) is not None:
                 raise IsADirectoryError(errno.EISDIR, "is a directory")
@@ -762,7 +761,7 @@ class RawFuseServer:
         if self._key_nodes is None:
             from fuse_client.cache_store import item_key
 
-            self._key_nodes = {item_key(e.path): self._file_base + e.index for e in self._files if e is not None}
+            self._key_nodes = {item_key(e.path): self._file_base + e.index for e in self.inodes.listing.files.values()}
         return self._key_nodes
 
     # -- introspection -----------------------------------------------------------------------

@@ -94,18 +94,26 @@ def cache_efficiency(ideal: ArrayLike, dataset_size: ArrayLike) -> Number:
     return _out(f / d)
 
 
-def can_reuse_new_cache(remaining_bytes: ArrayLike, dataset_size: ArrayLike) -> Number:
-    """1.0 where a job has more than one epoch of work left, else 0.0.
+def can_reuse_new_cache(remaining_bytes: ArrayLike, dataset_size: ArrayLike, shared: ArrayLike | None = None) -> Number:
+    """1.0 where a job has more than one epoch of work left, or (`shared`) another active job
+    reads its dataset; else 0.0.
 
-    An item is cached when first read in the current epoch and only saves IO when read again in
-    a later epoch (delayed effectiveness, §6). A job in its last epoch gains nothing from new
-    cache, so its f*/d (Eq. 5) must not count for bytes that are not cached yet; otherwise a
-    finishing job takes cache from a job that could use it. A step, not a fraction: a smooth
-    weight makes two otherwise equal datasets swap allocations as their jobs progress.
+    An item is cached when first read in the current epoch and only saves its reader IO when
+    read again in a later epoch (delayed effectiveness, §6). A job in its last epoch that reads
+    its dataset alone gains nothing from new cache, so its f*/d (Eq. 5) must not count for
+    bytes that are not cached yet; otherwise a finishing job takes cache from a job that could
+    use it. (SiloD's Algorithm 2 counts every reader for every byte; the paper leaves delayed
+    effectiveness to policies that inspect the effective cache, §6.) On a shared dataset the
+    co-readers admit items it has not read yet, which it then hits in this epoch: there it
+    counts. A step, not a fraction: a smooth weight makes two otherwise equal datasets swap
+    allocations as their jobs progress.
     """
     w = _as_array(remaining_bytes, "remaining_bytes")
     d = _as_array(dataset_size, "dataset_size", positive=True)
-    return _out((w > d).astype(float))
+    reuse = w > d
+    if shared is not None:
+        reuse = reuse | np.asarray(shared, dtype=bool)
+    return _out(reuse.astype(float))
 
 
 def dataset_cache_efficiency(readers_ideal: Iterable[float], dataset_size: float) -> float:

@@ -136,7 +136,8 @@ class GavelProblem:
                 else np.array([np.nan if j.hit_ratio_now is None else j.hit_ratio_now for j in snapshot.jobs], dtype=float)
             ),
             reuse=None if not manages_storage else np.asarray(
-                can_reuse_new_cache([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs]),
+                can_reuse_new_cache([j.remaining_bytes for j in snapshot.jobs], [snapshot.datasets[j.dataset].size for j in snapshot.jobs],
+                                    [sum(o.dataset == j.dataset for o in snapshot.jobs) > 1 for j in snapshot.jobs]),
                 dtype=float,
             ).reshape(-1),
             dataset_cached=(
@@ -175,7 +176,9 @@ class GavelProblem:
             total_io=float(snapshot.capacity.remote_io),
             manages_storage=manages_storage,
             hit_now=cols.hit_now,
-            reuse=(cols.remaining > sizes[dataset_index]).astype(float) if manages_storage else None,  # can_reuse_new_cache
+            # can_reuse_new_cache: more than an epoch left, or a co-reader on the dataset
+            reuse=((cols.remaining > sizes[dataset_index]) | (np.bincount(dataset_index, minlength=sizes.size)[dataset_index] > 1)).astype(float)
+            if manages_storage else None,
             dataset_cached=_filled(sizes, list(map(_CACHED, views))) if manages_storage else None,
         )
 

@@ -32,9 +32,11 @@ def greedy_cache(
     remote IO the jobs need to run at their weighted speed.
 
     When the data layer reports what is cached (DatasetView.cached), bytes not cached yet count
-    only the jobs with more than one epoch left (estimator.can_reuse_new_cache: an item cached
-    now helps from the next epoch on), while bytes already cached keep the full f*/d. Without
-    this, a job in its last epoch would take cache it can never use from a job that can.
+    only the jobs with more than one epoch left or with a co-reader on their dataset
+    (estimator.can_reuse_new_cache: an item a job caches now helps it from the next epoch on,
+    and a co-reader's admissions help it in this one), while bytes already cached keep the full
+    f*/d. Without this, a job in its last epoch would take cache it can never use from a job
+    that can. (Algorithm 2 as the paper writes it counts every reader for every byte.)
     """
     rate = np.fromiter(map(_IDEAL, jobs), dtype=float, count=len(jobs))
     if weights is not None:
@@ -54,7 +56,8 @@ def greedy_cache_of(names_read: Sequence[str], rate: np.ndarray, remaining: np.n
     job_ds = np.fromiter(map(index.__getitem__, names_read), dtype=np.int64, count=count)
     views = [datasets[n] for n in names]
     sizes = np.array([d.size for d in views], dtype=float)
-    reuse = np.asarray(can_reuse_new_cache(remaining, sizes[job_ds]), dtype=float)
+    shared = np.bincount(job_ds, minlength=len(names))[job_ds] > 1
+    reuse = np.asarray(can_reuse_new_cache(remaining, sizes[job_ds], shared), dtype=float)
     full = np.bincount(job_ds, weights=rate, minlength=len(names))
     fresh = np.bincount(job_ds, weights=rate * reuse, minlength=len(names))
     filled = np.array([0.0 if d.cached is None else min(d.cached, d.size) for d in views], dtype=float)

@@ -3,13 +3,19 @@
 tests/reference/gavel_parity/results holds what Gavel's simulator gave on small cuts of the msr
 traces (regenerate.py there says how to run it again); here our simulator runs the same traces
 with storage made irrelevant (a cache and a link no job can fill), one GPU type, Gavel's 360 s
-rounds and the same allocation-recompute interval, and must agree:
+rounds and the same allocation-recompute interval, and must agree (issue 46's targets):
 
-- max-min fairness (`--policy gavel`): average JCT within 3% on every case and interval (0 and
-  Gavel's default 1,920 s), and at least PER_JOB_SHARE of the jobs within 10% of Gavel's JCT;
+- max-min fairness (`--policy gavel`), at intervals 0 and Gavel's default 1,920 s: average JCT
+  within 3% of Gavel's simulator as its code is, except where one of its simulator's artefacts
+  moves it (51b7ef at 1,920 s: an idle cluster waits for the next arrival, -3.05%); and, against
+  the same runs `corrected` (regenerate.CORRECTIONS: its LP solver's noise rounded off the
+  shares, an idle cluster deciding at once, whole 360 s rounds), average JCT within 3% and at
+  least 90% of the jobs within 10% -- but e13805 at interval 0, 80% (docs/gavel.md: what is
+  ruled out). Gavel as is is noisy per job by itself: its shares perturbed by 1e-7 (within
+  ECOS's tolerance) put 93-100% of its own jobs within 10% of its unperturbed JCT;
 - FIFO: Gavel's FIFO is head-of-line (`--policy fifo-strict`): average JCT within 3%.
 
-Every case takes well under a few seconds.
+Every case takes a few seconds.
 """
 
 from __future__ import annotations
@@ -27,14 +33,13 @@ from traces.gavel_trace import load_gavel_trace
 
 HERE = Path(__file__).resolve().parent / "reference" / "gavel_parity"
 CASES = sorted(p.stem for p in (HERE / "results").glob("*.json"))
-#: The targets (issue 46): average JCT within 3%, >= 90% of jobs within 10%. Where ours misses
-#: them: the measured figure, a bound just below it. The cause is not established
-#: (docs/gavel.md, "Parity with Gavel's own simulator": neither Gavel's uncapped ratio nor
-#: leaving spare GPU time unspread moves e13805). On the planner before Gavel's mechanism the
-#: same runs gave 21-94% of jobs within 10% and e13805's averages -4.3% / -5.2%.
-AVG_TOLERANCE = {("51b7ef-small", 1920): 0.035}  # measured -3.05% (17 jobs: one 8-GPU job's wait moves it)
-PER_JOB_SHARE = {("e13805-mixed", 0): 0.7, ("e13805-mixed", 1920): 0.7,  # measured 74%, 76%
-                 ("51b7ef-small", 1920): 0.85, ("ed69ec-1gpu", 1920): 0.85}  # measured 88%, 89%
+AVG_TOLERANCE = 0.03
+PER_JOB_SHARE = 0.9  # of the jobs within 10% of Gavel's (corrected) JCT
+#: MEASURED misses of the targets, not tuning knobs: (case, interval, corrected) -> bound just
+#: below the figure. 51b7ef at 1,920 s as is: an 8-GPU job waits 6,818 s on an idle cluster in
+#: Gavel's simulator (corrected: -0.00%, 100% of jobs). e13805 at 0: 80% of jobs within 10%.
+AVG_EXCEPTIONS = {("51b7ef-small", 1920, False): 0.035}
+PER_JOB_EXCEPTIONS = {("e13805-mixed", 0, True): 0.78}
 POLICIES = {"max_min_fairness": "gavel", "fifo": "fifo-strict"}
 
 
@@ -53,15 +58,20 @@ def test_our_simulator_agrees_with_gavels(name):
     case = json.loads((HERE / "results" / f"{name}.json").read_text())
     trace = load_gavel_trace(HERE / "traces" / f"{name}.trace", HERE / "throughputs.json")
     assert len(trace.jobs) == case["jobs"]
+    ours_by_run: dict = {}  # (policy, interval) -> our JCTs: one run of ours per Gavel pair
     for run in case["runs"]:
         gavel = np.array(run["jct_s"])
-        ours = _ours(case, trace, POLICIES[run["policy"]], run["interval_s"])
-        label = f"{name} {run['policy']} interval {run['interval_s']} s"
-        key = (name, run["interval_s"]) if run["policy"] == "max_min_fairness" else None
-        assert ours.mean() == pytest.approx(gavel.mean(), rel=AVG_TOLERANCE.get(key, 0.03)), label
-        if key is not None:
+        key = (run["policy"], run["interval_s"])
+        if key not in ours_by_run:
+            ours_by_run[key] = _ours(case, trace, POLICIES[run["policy"]], run["interval_s"])
+        ours = ours_by_run[key]
+        corrected = "corrections" in run
+        label = f"{name} {run['policy']} interval {run['interval_s']} s{' corrected' if corrected else ''}"
+        exception = (name, run["interval_s"], corrected)
+        assert ours.mean() == pytest.approx(gavel.mean(), rel=AVG_EXCEPTIONS.get(exception, AVG_TOLERANCE)), label
+        if corrected:
             within = float(np.mean(np.abs(ours / gavel - 1) <= 0.10))
-            assert within >= PER_JOB_SHARE.get(key, 0.9), f"{label}: {within:.0%} of jobs within 10%"
+            assert within >= PER_JOB_EXCEPTIONS.get(exception, PER_JOB_SHARE), f"{label}: {within:.0%} of jobs within 10%"
 
 
 def test_the_cases_cover_single_gpu_and_gang_traces():
@@ -69,5 +79,5 @@ def test_the_cases_cover_single_gpu_and_gang_traces():
     assert any(g == {1} for g in gpus.values())  # the 1-GPU-only case
     assert any(max(g) >= 8 for g in gpus.values())
     for name in CASES:
-        runs = {(r["policy"], r["interval_s"]) for r in json.loads((HERE / "results" / f"{name}.json").read_text())["runs"]}
-        assert {("max_min_fairness", 0), ("max_min_fairness", 1920)} <= runs
+        runs = {(r["policy"], r["interval_s"], "corrections" in r) for r in json.loads((HERE / "results" / f"{name}.json").read_text())["runs"]}
+        assert {("max_min_fairness", i, c) for i in (0, 1920) for c in (False, True)} <= runs

@@ -623,3 +623,28 @@ def test_demands_refuse_a_dataset_of_size_zero_as_the_job_by_job_rule_did():
             rule(unmeasured, {"a": 0.0}, datasets)
     measured = [JobView("j", 1, "a", 10.0, 1e9, 0.0, hit_ratio_now=0.5)]  # no division by the size
     np.testing.assert_array_equal(demands_at_full_speed(measured, {}, datasets), _demands_job_by_job(measured, {}, datasets))
+
+
+def test_a_last_epoch_reader_counts_for_new_cache_only_on_a_shared_dataset():
+    """Delayed effectiveness (issue 46): bytes not cached yet count a job in its last epoch only
+    where a co-reader reads its dataset (the co-reader's admissions serve items it has not read
+    yet, in this epoch); a last-epoch job reading its dataset alone cannot use them. SiloD's
+    Algorithm 2 has no such rule (it counts every reader); main dropped the last-epoch reader in
+    both cases and gave the cache to d2 here."""
+    from policies.storage import greedy_cache
+
+    def datasets():
+        return {"d1": DatasetView("d1", 60 * GB, cached=0.0), "d2": DatasetView("d2", 60 * GB, cached=0.0)}
+
+    last = job("a", 1, 100 * MB, "d1", work=30 * GB)  # half an epoch left: its last
+    co = job("b", 1, 40 * MB, "d1", work=180 * GB)
+    other = job("c", 1, 80 * MB, "d2", work=180 * GB)
+    # shared: d1's new bytes save (100 + 40) / 60 GB, more than d2's 80 / 60 GB
+    assert greedy_cache([last, co, other], datasets(), 60 * GB) == pytest.approx({"d1": 60 * GB, "d2": 0.0})
+    # alone: d1's new bytes save nothing for it
+    assert greedy_cache([last, other], datasets(), 60 * GB) == pytest.approx({"d1": 0.0, "d2": 60 * GB})
+    # Gavel's knapsack weighs its readers the same way
+    s = Snapshot(0.0, (last, co, other), datasets(), ClusterCapacity(gpus=3, cache=60 * GB, remote_io=50 * MB))
+    assert GavelProblem.from_snapshot(s, True).reuse.tolist() == [1.0, 1.0, 1.0]
+    s = Snapshot(0.0, (last, other), datasets(), ClusterCapacity(gpus=3, cache=60 * GB, remote_io=50 * MB))
+    assert GavelProblem.from_snapshot(s, True).reuse.tolist() == [0.0, 1.0]

@@ -52,8 +52,10 @@ def test_halving_the_step_bound_moves_no_jct_by_one_percent(case):
 #: chunks at the default --resolution 128, AlluxioLRUCache.resolution_factor) is held to 5% when
 #: doubled. The same grain moves the slow rereader of stream-through-alluxio: 2,588 / 2,546 /
 #: 2,559 s at 256 / 512 / 1,024 chunks over 24 seeds (item level 2,506 s over 3), held to 2%.
+#: Four jobs on two datasets over one LRU (four-gavel-alluxio, issue 46): b's mean JCT over 24
+#: seeds is 3,499 s at 256 chunks and 3,390 s at 512 (item level 3,405 s over 6): held to 4%.
 #: Every other case: 1%.
-RESOLUTION_TOLERANCE = {"five-lru-alluxio": 0.05, "stream-through-alluxio": 0.02}
+RESOLUTION_TOLERANCE = {"five-lru-alluxio": 0.05, "stream-through-alluxio": 0.02, "four-gavel-alluxio": 0.04}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

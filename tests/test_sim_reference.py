@@ -41,6 +41,9 @@ class Case:
     #: one LRU: about 1/sqrt(chunks) of the hit ratio) a case runs over more seeds.
     resolution: int = 128
     seeds: int = SEEDS
+    #: our policy; the reference runs FIFO, so a policy other than fifo only where every job
+    #: holds its GPUs from arrival to completion under it too (all gangs fit at once)
+    policy: str = "fifo"
 
 
 def job(job_id, dataset, f_mb, epochs, submit=0.0, gpus=1):
@@ -83,6 +86,14 @@ CASES = [
     Case("stream-through-alluxio", (job("a", "d1", 294, 3.0), job("b", "d1", 113, 4.0, submit=1746.0),
                                     job("c", "d0", 240, 3.0, submit=1874.0)),
          {"d0": 74 * GB, "d1": 64 * GB}, 2, 115 * GB, 56 * MB, "alluxio"),
+    # Issue 46: four jobs under Gavel on Alluxio, two datasets (40 and 30 GB) overflowing a 50 GB
+    # LRU, a 40 MB/s link. Every gang fits at once, so Gavel's rounds run every job from the end
+    # of the round it arrives in to its completion, as the reference's FIFO runs it from arrival:
+    # the arrivals are at round ends (360 s). (Arriving mid-round at 100/200/300 s, a job starts
+    # at 360 s under Gavel: the reference with the arrivals moved there agrees within 2%.)
+    Case("four-gavel-alluxio", (job("a", "d1", 120, 3.0), job("b", "d2", 90, 3.0, submit=360.0), job("c", "d1", 60, 3.0, submit=720.0),
+                                job("d", "d2", 30, 3.0, submit=1080.0)),
+         {"d1": 40 * GB, "d2": 30 * GB}, 4, 50 * GB, 40 * MB, "alluxio", seeds=6, policy="gavel"),
     # Two GPUs, a 2-GPU job holds them; the second waits (FIFO gang scheduling) and then runs.
     Case("gang-wait-alluxio", (job("a", "d1", 100, 2.0, gpus=2), job("b", "d2", 100, 2.0, submit=100.0)),
          {"d1": 50 * GB, "d2": 50 * GB}, 2, 40 * GB, 50 * MB, "alluxio"),
@@ -103,7 +114,7 @@ def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
     out = tmp / f"out{seed}"
     result = CliRunner().invoke(app, [
         "simulate", "--trace", str(trace), "--gpus", str(case.gpus), "--gpus-per-node", str(case.gpus),
-        "--cache", f"{case.cache:.0f}", "--remote-io", f"{case.link:.0f}", "--policy", "fifo",
+        "--cache", f"{case.cache:.0f}", "--remote-io", f"{case.link:.0f}", "--policy", case.policy,
         "--cache-system", case.system, "--seed", str(seed), "--out", str(out), "--quiet", "--resolution", str(case.resolution),
     ])
     assert result.exit_code == 0, result.output
@@ -124,7 +135,10 @@ def _silod(case: Case, tmp: Path, seed: int) -> tuple[dict, dict]:
 #: same holds where a fast job streams a dataset through the LRU a slow one rereads
 #: (stream-through-alluxio): the slow job's last epoch hits 0.74 against 0.78 item by item over
 #: 3 seeds, its JCT 2-4% longer.
-HIT_TOLERANCE = {"three-compete-alluxio": 0.05, "five-lru-alluxio": 0.05, "stream-through-alluxio": 0.05}
+#: four-gavel-alluxio (issue 46's case) is that gap again, either way: over 6 seeds b's last epoch
+#: hits 0.82 against 0.87 item by item, d's 0.57 against 0.52; JCTs a 1.011x, b 1.043x, c 1.007x,
+#: d 0.991x (FIFO on the same jobs: the same within 0.5%, so not Gavel's rounds).
+HIT_TOLERANCE = {"three-compete-alluxio": 0.05, "five-lru-alluxio": 0.05, "stream-through-alluxio": 0.05, "four-gavel-alluxio": 0.06}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

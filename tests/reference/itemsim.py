@@ -59,8 +59,9 @@ The model, item by item:
   source (a filled cache is not thrown away for a decoded copy).
 - SiloD's allocation (FIFO form, recomputed at every event): cache per dataset by descending
   cache efficiency (sum of f*/d over the running jobs reading it; bytes not cached yet count
-  only the readers with more than one pass left, since an item cached now helps from the next
-  pass on); remote IO to the running jobs max-min fair by demand (SiloD §5.3: FIFO has no
+  only the readers with more than one pass left, since an item cached now helps its reader from
+  the next pass on, and the readers of a dataset another running job reads, whose admissions
+  serve them in this pass: `fresh_rule`); remote IO to the running jobs max-min fair by demand (SiloD §5.3: FIFO has no
   estimator to rank jobs by), a job's demand f* x (the miss ratio of what it still has to load
   this epoch).
 """
@@ -99,6 +100,11 @@ class RefScenario:
     partition: bool = True  # silod: curriculum jobs in the irregular partition (LRU)
     cpus: float | None = None  # cluster CPU cores (one node); None: no CPU stage
     cpu_rule: str = "model"  # model | gpu-proportional
+    #: silod: which readers count for a dataset's bytes not cached yet: "co-reader" (readers
+    #: with more than one pass left, and every reader of a dataset another running job reads:
+    #: a co-reader's admissions serve its unread items), "last-epoch" (only readers with more
+    #: than one pass left), "all" (every reader, Algorithm 2 as the paper writes it)
+    fresh_rule: str = "co-reader"
 
 
 @dataclass
@@ -312,7 +318,10 @@ def simulate(sc: RefScenario, seed: int = 0) -> RefResult:
             ds = r.spec.dataset
             e = r.ideal() / sc.dataset_bytes[ds]
             eff_cached[ds] = eff_cached.get(ds, 0.0) + e
-            eff_new[ds] = eff_new.get(ds, 0.0) + (e if r.total - r.consumed > r.n_items else 0.0)
+            shared = sum(1 for o in regular if o.spec.dataset == ds) > 1
+            counts = (sc.fresh_rule == "all" or r.total - r.consumed > r.n_items
+                      or (sc.fresh_rule == "co-reader" and shared))
+            eff_new[ds] = eff_new.get(ds, 0.0) + (e if counts else 0.0)
         def cache_plan() -> dict:
             pieces = []  # (efficiency per cache byte, dataset, cache bytes)
             for ds in eff_cached:

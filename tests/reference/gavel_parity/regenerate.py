@@ -28,7 +28,9 @@ always uses its default, 1,920 s) is set per run, and the trace is given as Job 
 the 7-column lines (the driver's parse_trace wants Gavel's later 10-column format; the three extra
 columns are the defaults: no working directory, priority weight 1, no SLO). Results go to
 results/<case>.json: per run (policy, interval) the average JCT and each job's JCT, in trace
-order, read from the Scheduler's own per-job completion times.
+order, read from the Scheduler's own per-job completion times. Max-min fairness runs twice per
+interval: as Gavel's code is, and `corrected` (CORRECTIONS below, three patches of Scheduler
+methods for that run alone), which the per-job targets are held to.
 """
 
 from __future__ import annotations
@@ -56,8 +58,23 @@ CASES = {
     "2869ce-gangs": ("2869ce.trace", 60, 32, None),  # mostly 8- and 32-GPU gangs
     "51b7ef-small": ("51b7ef.trace", 18, 16, None),  # 1-, 4- and 8-GPU jobs
 }
-#: (Gavel policy name, allocation-recompute interval in seconds) recorded per case
-RUNS = (("max_min_fairness", 0), ("max_min_fairness", 1920), ("fifo", 0))
+#: (Gavel policy name, allocation-recompute interval in seconds, corrected) recorded per case.
+#: corrected: the same run with two departures of Gavel's simulator from its own rules taken out
+#: (CORRECTIONS; docs/gavel.md, "Parity with Gavel's own simulator", shows what each moves).
+RUNS = (("max_min_fairness", 0, False), ("max_min_fairness", 1920, False), ("fifo", 0, False),
+        ("max_min_fairness", 0, True), ("max_min_fairness", 1920, True))
+#: What a corrected run changes, as recorded in results/<case>.json:
+#: 1. its allocation's shares rounded to SHARE_DIGITS significant digits: ECOS returns the equal
+#:    shares of jobs alike (x_j = G / (n g_j) when the GPUs bind) with solver noise in the last
+#:    digits, and that noise, not the deficit (Gavel's tie-break), decides their order;
+#: 2. an idle cluster recomputes its allocation at once: with an interval, the simulator waits
+#:    for the next arrival when every job of the allocation in force has finished, GPUs idle
+#:    while jobs wait (its physical scheduler computes the allocation at once);
+#: 3. whole rounds: a job runs int(throughput x 360) steps a round, so a round ends up to one
+#:    step short of 360 s, by an amount that depends on which job types run, and the rounds'
+#:    ends drift against the arrivals; here a round runs throughput x 360 steps (a fraction).
+CORRECTIONS = ("shares to 6 significant digits", "an idle cluster recomputes at once", "whole 360 s rounds")
+SHARE_DIGITS = 6
 ROUND_S = 360  # Gavel's time_per_iteration default, and ours
 
 
@@ -83,7 +100,30 @@ def write_throughputs(table: dict, traces: Path) -> None:
     (HERE / "throughputs.json").write_text(json.dumps({"v100": keep}, indent=0, sort_keys=True) + "\n")
 
 
-def run_gavel(gavel: Path, lines: list[str], policy_name: str, interval: float, gpus: int) -> dict:
+def _corrected(scheduler) -> tuple:
+    """Patch Gavel's Scheduler with CORRECTIONS; returns what to restore."""
+    cls = scheduler.Scheduler
+    originals = (cls._compute_allocation, cls._update_priorities, cls._get_num_steps)
+    compute, update, _ = originals
+
+    def compute_allocation(self, state=None):
+        allocation = compute(self, state)
+        return {job: {w: float(f"{v:.{SHARE_DIGITS}g}") for w, v in per.items()} for job, per in allocation.items()}
+
+    def update_priorities(self):
+        if self._need_to_update_allocation and self._jobs and not any(j in (self._allocation or {}) for j in self._jobs):
+            self._last_reset_time = 0  # as the simulator forces a reset when its queue is empty
+        return update(self)
+
+    def get_num_steps(self, job_id, worker_type, single_job_id=None):
+        # (single jobs only: the parity runs pack no jobs)
+        return min(self._throughputs[job_id][worker_type] * self._time_per_iteration, self._get_remaining_steps(job_id))
+
+    cls._compute_allocation, cls._update_priorities, cls._get_num_steps = compute_allocation, update_priorities, get_num_steps
+    return originals
+
+
+def run_gavel(gavel: Path, lines: list[str], policy_name: str, interval: float, gpus: int, corrected: bool = False) -> dict:
     sys.path.insert(0, str(gavel))
     import scheduler  # Gavel's
     import utils
@@ -100,16 +140,23 @@ def run_gavel(gavel: Path, lines: list[str], policy_name: str, interval: float, 
     sched = scheduler.Scheduler(policy, throughputs_file=str(gavel / "simulation_throughputs.json"), simulate=True, seed=0,
                                 time_per_iteration=ROUND_S, minimum_time_between_allocation_resets=interval)
     logging.disable(logging.WARNING)  # Gavel logs every micro-task
+    originals = _corrected(scheduler) if corrected else None
     started = time.process_time()
-    with contextlib.redirect_stdout(io.StringIO()):
-        sched.simulate({"v100": gpus, "p100": 0, "k80": 0}, arrivals, jobs, num_gpus_per_server={"v100": 1, "p100": 1, "k80": 1})
-        avg = sched.get_average_jct(verbose=False)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            sched.simulate({"v100": gpus, "p100": 0, "k80": 0}, arrivals, jobs, num_gpus_per_server={"v100": 1, "p100": 1, "k80": 1})
+            avg = sched.get_average_jct(verbose=False)
+    finally:
+        if originals is not None:
+            cls = scheduler.Scheduler
+            cls._compute_allocation, cls._update_priorities, cls._get_num_steps = originals
     cpu = time.process_time() - started
     assert len(sched._job_completion_times) == len(lines), "Gavel did not finish every job"
     ids = sorted(sched._job_completion_times, key=lambda j: j[0])
     jct = [sched._job_completion_times[j] for j in ids]
     sched.shutdown()
-    return {"policy": policy_name, "interval_s": interval, "avg_jct_s": float(avg), "jct_s": jct, "gavel_cpu_s": round(cpu, 2)}
+    run = {"policy": policy_name, "interval_s": interval, "avg_jct_s": float(avg), "jct_s": jct, "gavel_cpu_s": round(cpu, 2)}
+    return {**run, "corrections": list(CORRECTIONS)} if corrected else run
 
 
 def main() -> None:
@@ -128,11 +175,11 @@ def main() -> None:
         lines = cut_trace(args.traces / source, jobs, table, hours)
         (HERE / "traces" / f"{case}.trace").write_text("\n".join(lines) + "\n")
         runs = []
-        for policy_name, interval in RUNS:
-            run = run_gavel(args.gavel, lines, policy_name, interval, gpus)
+        for policy_name, interval, corrected in RUNS:
+            run = run_gavel(args.gavel, lines, policy_name, interval, gpus, corrected)
             runs.append(run)
-            print(f"{case}: {policy_name} interval {interval} s: avg JCT {run['avg_jct_s']:.1f} s ({len(run['jct_s'])} jobs, "
-                  f"{run['gavel_cpu_s']} CPU s)")
+            print(f"{case}: {policy_name} interval {interval} s{' corrected' if corrected else ''}: avg JCT {run['avg_jct_s']:.1f} s "
+                  f"({len(run['jct_s'])} jobs, {run['gavel_cpu_s']} CPU s)")
         out = {"source": f"gavel-msr/{source}", "jobs": len(lines), "gpus": gpus, "max_hours": hours, "round_s": ROUND_S,
                "gavel_commit": "c4fa40097339e9608ab71fd64c8bdea96a5e4a4c", "runs": runs}
         (HERE / "results" / f"{case}.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +55,8 @@ class Served:
     """`silod serve` on a free loopback port; `url`, the admin token, tenants' tokens."""
 
     def __init__(self, tmp: Path, *extra: str, backend: str = "null", tokens: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, admin: str = ADMIN_TOKEN, ready: str = "/healthz",
+                 timeout: float = 90.0):
         self.tmp = tmp
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -67,21 +69,25 @@ class Served:
         if "--round" not in extra:
             cmd += ["--round", "1s"]
         self.log = open(tmp / "serve.log", "w")
-        self.proc = subprocess.Popen(cmd, env=clean_env(SILOD_ADMIN_TOKEN=ADMIN_TOKEN, **(env or {})),
-                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        # Its own process group: stop() ends the API workers and the scheduling process with it.
+        self.proc = subprocess.Popen(cmd, env=clean_env(SILOD_ADMIN_TOKEN=admin, **(env or {})),
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            wait_healthy(f"{self.url}/healthz", self.proc, "silod serve")
+            wait_healthy(f"{self.url}{ready}", self.proc, "silod serve", timeout)
         except AssertionError:
             self.stop()
-            raise AssertionError(f"silod serve did not start: {(tmp / 'serve.log').read_text()[-3000:]}") from None
+            raise AssertionError(f"silod serve did not start: {self.log_tail()}") from None
+
+    def log_tail(self, n: int = 3000) -> str:
+        return (self.tmp / "serve.log").read_text()[-n:]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=40)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
 

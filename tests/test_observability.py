@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from scheduler.service.overview import QUOTA_REASON, wait_reason
+from sdk_helpers import Served
 
 ROOT = Path(__file__).resolve().parent.parent
 SILOD = [sys.executable, "-m", "scheduler"]
@@ -128,29 +128,11 @@ def server(tmp_path_factory):
     """`silod serve` with two tenants: alice has a running 6-GPU job and a waiting 8-GPU job,
     bob a running 1-GPU job (it starts after alice's 8-GPU job waits: backfilling)."""
     root = tmp_path_factory.mktemp("obs")
-    (root / "tokens.txt").write_text(f"alice:{ALICE}\nbob:{BOB}\n")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
-    env.update(SILOD_ADMIN_TOKEN=ADMIN, XDG_STATE_HOME=str(root / "xdg"))
-    log = (root / "serve.log").open("wb")
-    proc = subprocess.Popen([*SILOD, "serve", "--backend", "null", "--listen", f"127.0.0.1:{port}",
-                             "--state-dir", str(root / "state"), "--gpus", "8", "--gpus-per-node", "8",
-                             "--cache", "1TB", "--remote-io", "1GB/s", "--tokens", str(root / "tokens.txt"),
-                             "--policy", "fifo", "--round", "1h"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    serve = Served(root, "--gpus", "8", "--gpus-per-node", "8", "--cache", "1TB", "--remote-io", "1GB/s",
+                   "--policy", "fifo", "--round", "1h", tokens={"alice": ALICE, "bob": BOB}, admin=ADMIN,
+                   env={"XDG_STATE_HOME": str(root / "xdg")})
+    base = serve.url
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (root / "serve.log").read_text()
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "silod serve did not come up"
-            time.sleep(0.2)
-
         def post(token, path, body):
             r = httpx.post(f"{base}{path}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
             assert r.status_code in (200, 201), r.text
@@ -169,12 +151,7 @@ def server(tmp_path_factory):
                   and any(q["id"] == waiting["id"] for q in o["queue"]) and len(o["history"]) >= 2)
         yield {"base": base, "running": big["id"], "waiting": waiting["id"], "bob": small["id"], "root": root}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        serve.stop()
 
 
 def _overview(base: str, token: str) -> dict:

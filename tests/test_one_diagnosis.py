@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,8 @@ import time
 import httpx
 import pytest
 
-from test_observability import _chromium, _free_port  # noqa: E402 - the same real server and browser
+from sdk_helpers import Served
+from test_observability import _chromium  # noqa: E402 - the same browser
 
 SILOD = [sys.executable, "-m", "scheduler"]
 ADMIN = "diag-admin-token-0123456789"
@@ -35,30 +35,12 @@ MB = 1e6
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("diag")
-    (root / "tokens.txt").write_text(f"alice:{ALICE}\n")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
-    env.update(SILOD_ADMIN_TOKEN=ADMIN, XDG_STATE_HOME=str(root / "xdg"))
-    log = (root / "serve.log").open("wb")
-    proc = subprocess.Popen([*SILOD, "serve", "--backend", "null", "--listen", f"127.0.0.1:{port}",
-                             "--state-dir", str(root / "state"), "--gpus", "8", "--gpus-per-node", "8",
-                             "--cache", "10GB", "--remote-io", "50MB/s", "--tokens", str(root / "tokens.txt"),
-                             "--policy", "fifo", "--round", "1h"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    serve = Served(root, "--gpus", "8", "--gpus-per-node", "8", "--cache", "10GB", "--remote-io", "50MB/s",
+                   "--policy", "fifo", "--round", "1h", tokens={"alice": ALICE}, admin=ADMIN,
+                   env={"XDG_STATE_HOME": str(root / "xdg")}, ready="/readyz")
+    base = serve.url
     h = {"Authorization": f"Bearer {ALICE}"}
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (root / "serve.log").read_text()
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "silod serve did not come up"
-            time.sleep(0.2)
-
         def post(path, body, status=(200, 201)):
             r = httpx.post(f"{base}{path}", json=body, headers=h, timeout=30)
             assert r.status_code in status, r.text
@@ -73,16 +55,11 @@ def demo(tmp_path_factory):
         ids = [fast["id"], light["id"]]
         deadline = time.monotonic() + 60
         while not all(httpx.get(f"{base}/v1/jobs/{i}", headers=h, timeout=30).json()["state"] == "running" for i in ids):
-            assert time.monotonic() < deadline, (root / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, serve.log_tail()
             time.sleep(0.3)
         yield {"base": base, "root": root, "fast": fast["id"], "light": light["id"], "post": post}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        serve.stop()
 
 
 def _api(demo) -> dict[str, tuple[str, float]]:

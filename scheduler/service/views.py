@@ -110,7 +110,7 @@ class ReadViews:
         m = JobMeasurementRow
         q = (select(Job.ideal_throughput, Job.gpus, Job.cpu_rate, JobAllocationRow.remote_io, JobAllocationRow.cpu, Dataset.size,
                     CacheAllocationRow.bytes, m.ideal_throughput, m.cpu_rate, m.client_step_s, m.client_batch_bytes,
-                    m.client_at)
+                    m.client_at, m.observed)
              .join(JobAllocationRow, JobAllocationRow.job_id == Job.id).join(Dataset, Job.dataset_id == Dataset.id)
              .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
              .outerjoin(m, m.job_id == Job.id)
@@ -118,7 +118,7 @@ class ReadViews:
         with self.sessions() as s:
             now = time.time()
             # With the parameters planning uses (measured once there is evidence).
-            rows = [(*planned(r[0], r[2], *r[7:12], now)[:1], r[1], planned(r[0], r[2], *r[7:12], now)[1], *r[3:7])
+            rows = [(*planned(r[0], r[2], *r[7:12], now, r[12])[:1], r[1], planned(r[0], r[2], *r[7:12], now, r[12])[1], *r[3:7])
                     for r in s.execute(q).all()]
         counts = {r: 0 for r in RESOURCES}
         if not rows:

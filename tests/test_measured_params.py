@@ -313,3 +313,16 @@ def test_warm_up_counts_from_the_first_read(svc):
     for _ in range(4):
         mount.interval(REAL_FSTAR)
     assert mount.fstar(c) == pytest.approx(REAL_FSTAR, rel=0.02)
+
+
+def test_a_client_word_below_what_the_job_just_read_is_contradicted():
+    """A job consumes at least what it reads: a step-time report taken over a slow second (the
+    real PyTorch job on a loaded machine: 1.1 MB/s reported while it read 3 MB/s) lowers the f*
+    planning uses no further than the data plane's last interval."""
+    m = JobMeasurement.start(100 * MB)
+    assert m.used_fstar(10 * MB, observed=40 * MB) == 40 * MB
+    assert m.used_fstar(60 * MB, observed=40 * MB) == 60 * MB
+    assert m.used_fstar(10 * MB, observed=400 * MB) == 100 * MB  # never above the estimate
+    from scheduler.service.measured_params import planned
+
+    assert planned(100 * MB, None, 80 * MB, None, 0.1, 1 * MB, 1000.0, 1000.0, 40 * MB)[0] == 40 * MB

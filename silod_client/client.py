@@ -288,20 +288,22 @@ class Jobs(_Api):
     def submit(self, name: str, *, gpus: int, dataset: str, epochs: float | None = None, steps: int | None = None,
                step_bytes: float | str | None = None, ideal_throughput: float | str | None = None,
                model: str | None = None, priority: int | None = None, dataset_owner: str | None = None,
-               access: str | dict[str, Any] | None = None, pod_template: dict[str, Any] | None = None,
+               access: str | dict[str, Any] | None = None, pod_template: m.PodTemplate | dict[str, Any] | None = None,
                cpu_rate: float | str | None = None, autocache_expansion: float | None = None,
                post_cpu_rate: float | str | None = None, program: dict[str, Any] | None = None,
                idempotency_key: str | None = None) -> m.Job:
         """Submit a job: `epochs`, or `steps` with `step_bytes`; `ideal_throughput` (f*, bytes/s or
         "114MB/s") or a catalog `model`. `access`: "epoch", "irregular" or {"kind": "curriculum", ...};
-        `pod_template`: the pods on Kubernetes; `program`: {"command": [...], "env": {...}}, what
+        `pod_template`: the pods on Kubernetes (`models.PodTemplate` or a dict: image, command, env,
+        resources, tolerations, node_selector, affinity, ...); `program`: {"command": [...], "env": {...}}, what
         the local backend runs on the mounted dataset; `cpu_rate`/`autocache_expansion`/
         `post_cpu_rate`: the input pipeline. Retried safely under one Idempotency-Key (a fresh
         one unless given): a lost answer never submits the job twice."""
         body = _drop_none({
             "name": name, "gpus": gpus, "dataset": dataset, "epochs": epochs, "steps": steps, "step_bytes": step_bytes,
             "ideal_throughput": ideal_throughput, "model": model, "priority": priority, "dataset_owner": dataset_owner,
-            "access": access, "pod_template": pod_template, "cpu_rate": cpu_rate,
+            "access": access, "cpu_rate": cpu_rate,
+            "pod_template": pod_template.to_json() if isinstance(pod_template, m.PodTemplate) else pod_template,
             "autocache_expansion": autocache_expansion, "post_cpu_rate": post_cpu_rate, "program": program,
         })
         key = idempotency_key or f"silod-client-{uuid.uuid4()}"

@@ -315,3 +315,54 @@ class Overview(_Answer):
     #: None while rounds run normally; else what keeps the scheduler from placing jobs now,
     #: e.g. "scheduler starting: compiling policy kernels, 12 s"
     scheduling: str | None = None
+
+
+# --- request bodies the client builds -----------------------------------------------------------
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def to_json(self) -> dict:
+        return self.model_dump(exclude_none=True, exclude_defaults=True, mode="json")
+
+
+class Toleration(_Request):
+    """A pod spec's toleration (Kubernetes spells the fields the same, but tolerationSeconds)."""
+
+    key: str | None = None
+    operator: str | None = None  # Equal | Exists
+    value: str | None = None
+    effect: str | None = None  # NoSchedule | PreferNoSchedule | NoExecute
+    toleration_seconds: int | None = None
+
+
+class Affinity(_Request):
+    """A pod spec's affinity; each part as Kubernetes spells it (requiredDuringScheduling...)."""
+
+    node_affinity: dict | None = None
+    pod_affinity: dict | None = None
+    pod_anti_affinity: dict | None = None
+
+
+class Resources(_Request):
+    requests: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, str] = Field(default_factory=dict)
+
+
+class PodTemplate(_Request):
+    """`Jobs.submit(pod_template=...)` on Kubernetes: the pods of a job (a dict works as well).
+    Scheduling fields are checked by the server as its admission webhook checks a workload."""
+
+    image: str
+    command: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    cpu: str | None = None
+    memory: str | None = None
+    pods: int = 1
+    data_path: str = "/data"
+    run_as_user: int = 1000
+    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    affinity: Affinity | None = None
+    resources: Resources | None = None

@@ -244,7 +244,7 @@ class ControlPlane:
 
     def add_node(self, name: str, gpus: int, *, taints: list[dict[str, str]] | None = None, ready: bool = True,
                  unschedulable: bool = False, labels: dict[str, str] | None = None,
-                 annotations: dict[str, str] | None = None, cpu: str = "64") -> None:
+                 annotations: dict[str, str] | None = None, cpu: str = "64", memory: str = "256Gi") -> None:
         """A Node with `gpus` nvidia.com/gpu, `cpu` cores and, when `ready`, a Ready condition, as kubelet
         and the node lifecycle controller leave it: the TaintNodesByCondition admission plugin
         taints every new Node node.kubernetes.io/not-ready:NoSchedule, and the lifecycle
@@ -256,7 +256,7 @@ class ControlPlane:
                              "annotations": annotations or {}},
                 "spec": {"unschedulable": unschedulable}}
         core.create_node(body)
-        capacity = {"cpu": cpu, "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+        capacity = {"cpu": cpu, "memory": memory, "pods": "110", "nvidia.com/gpu": str(gpus)}
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         cond = {"type": "Ready", "status": "True" if ready else "False", "reason": "Test",
                 "lastHeartbeatTime": now, "lastTransitionTime": now}
@@ -265,6 +265,13 @@ class ControlPlane:
         kept = [t for t in (node.spec.taints or []) if not (ready and t.key == "node.kubernetes.io/not-ready")]
         wanted = [{"key": t.key, "value": t.value, "effect": t.effect} for t in kept] + list(taints or [])
         core.patch_node(name, {"spec": {"taints": wanted or None}})
+
+    def set_ready(self, name: str, ready: bool) -> None:
+        """Flip the node's Ready condition, as its kubelet (or the lifecycle controller) would."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.core.patch_node_status(name, {"status": {"conditions": [{
+            "type": "Ready", "status": "True" if ready else "False", "reason": "Test", "lastHeartbeatTime": now,
+            "lastTransitionTime": now}]}})
 
     def delete_nodes(self, names: list[str]) -> None:
         for name in names:
@@ -400,6 +407,9 @@ def start_control_plane(base: Path) -> ControlPlane:
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/24", "--allow-privileged=true",
             "--enable-priority-and-fairness=false", "--profiling=false",
+            # On top of the default plugins: pods requesting nvidia.com/gpu tolerate nvidia.com/gpu
+            # taints (what GPU clusters commonly run; silod's placement must agree with it).
+            "--enable-admission-plugins=ExtendedResourceToleration",
         ])
         import httpx
 
@@ -421,7 +431,12 @@ def start_control_plane(base: Path) -> ControlPlane:
         # The scheduler's admission webhook, served as `silod serve --webhook-listen` serves it.
         whca = make_ca(pki, "webhook-ca")
         whcert = issue(whca, pki, "webhook", ips=("127.0.0.1",))
-        cp.webhook = WebhookServer("127.0.0.1", 0, whcert.cert, whcert.key, admitters=frozenset({SILOD_SA})).start()
+        from scheduler.backends.kubernetes.webhook import NodeCache
+
+        # As `silod serve` runs it: with the cluster's nodes (read as silod, no caching here so a
+        # test's new node counts at once) for the nodeSelector / affinity check.
+        cp.webhook = WebhookServer("127.0.0.1", 0, whcert.cert, whcert.key, admitters=frozenset({SILOD_SA}),
+                                   nodes=NodeCache(cp.api_client(SILOD_SA), ttl_s=0.0)).start()
         docs = []
         for doc in deploy_base_docs():
             if doc["kind"] == "MutatingWebhookConfiguration":

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.service.overview import diagnosis, wait_reason
+from scheduler.service.overview import QUOTA_REASON, diagnosis, wait_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SILOD = [sys.executable, "-m", "scheduler"]
@@ -41,6 +41,10 @@ def test_wait_reason_names_what_is_missing():
     assert "3 later job(s) started on free GPUs (backfilling)" in wait_reason(8, 2, False, 3, "fifo")
     assert "quota" in wait_reason(1, 8, True, 0, "fifo")
     assert "next round" in wait_reason(1, 8, False, 0, "gavel")
+    # A job the backend holds back because no node can take it says why (it is no quota's doing).
+    why = "unschedulable: kube-scheduler cannot bind its pods (0/1 nodes are available: 1 Insufficient memory.)"
+    assert wait_reason(1, 8, True, 0, "gavel", message=why) == why
+    assert wait_reason(1, 8, True, 0, "gavel", message="preempted") == QUOTA_REASON
 
 
 def test_diagnosis_follows_silodperf():

@@ -67,6 +67,13 @@ def test_every_route_of_a_real_server_has_a_client_method(served: Served) -> Non
         fields = set(schemas[schema].get("properties", {}))
         params = set(inspect.signature(method).parameters)
         assert fields <= params, f"{method.__qualname__} cannot send {sorted(fields - params)} of {schema}"
+    # Request bodies nested in those (a job's pod template and its scheduling fields): every field
+    # the server takes is a field of the client's model of it.
+    for schema, model in (("PodTemplateIn", m.PodTemplate), ("TolerationIn", m.Toleration),
+                          ("AffinityIn", m.Affinity), ("ResourcesIn", m.Resources)):
+        assert schema in schemas, f"{schema} is not in the server's schema any more"
+        missing_fields = set(schemas[schema].get("properties", {})) - set(model.model_fields)
+        assert not missing_fields, f"silod_client.models.{model.__name__} lacks {sorted(missing_fields)} of {schema}"
     answered = {r.split("/")[-1] for ops in doc["paths"].values() for op in ops.values()
                 for resp in op.get("responses", {}).values()
                 for r in [json.dumps(resp.get("content", {}))] if "#/components/schemas/" in r}

@@ -538,6 +538,12 @@ class Catalogue:
             raise ServiceError("program is what the local backend runs; on Kubernetes give the pods to run as"
                                " pod_template", field="program")
         check_name(req.dataset, "dataset")
+        check = getattr(self.workloads, "check_workload", None)
+        if req.pod_template is not None and callable(check):
+            try:  # the admission webhook's own check, before anything is recorded
+                check(who.user, req.name, req.gpus, req.dataset, req.pod_template)
+            except UserError as exc:
+                raise ServiceError(str(exc), field="pod_template") from None
         cap = self.config.capacity
         if req.gpus < 1:
             raise ServiceError(f"gpus = {req.gpus}; a job needs at least 1 GPU", field="gpus")

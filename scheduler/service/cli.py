@@ -226,7 +226,8 @@ def _agents(values: list[str] | None, service_accounts: list[str] | None = None,
 
 
 def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, client_ca: Path | None,
-                    backend: str, admitters: list[str] | None = None):  # type: ignore[no-untyped-def]
+                    backend: str, admitters: list[str] | None = None,
+                    backend_opt: list[str] | None = None):  # type: ignore[no-untyped-def]
     """The admission webhook's HTTPS server (not started yet), or None without --webhook-listen."""
     if listen is None:
         if cert or key or client_ca:
@@ -240,12 +241,17 @@ def _webhook_server(listen: str | None, cert: Path | None, key: Path | None, cli
     for flag, f in (("--webhook-cert", cert), ("--webhook-key", key), ("--webhook-client-ca", client_ca)):
         if f is not None and not f.is_file():
             raise UserError(f"{flag} {str(f)!r} does not exist")
-    from scheduler.backends.kubernetes.webhook import WebhookServer
+    from scheduler.backends.kubernetes import load_api_client
+    from scheduler.backends.kubernetes.webhook import NodeCache, WebhookServer
 
     host, port = parse_listen(listen)
+    opts = dict(parse_backend_opts(backend_opt))
+    # The cluster's nodes: a workload whose nodeSelector / affinity no node matches is refused.
+    nodes = NodeCache(load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"),
+                                      opts.get("token-file")))
     try:
         default = f"system:serviceaccount:{os.environ.get('POD_NAMESPACE') or 'silod-system'}:silod-scheduler"
-        return WebhookServer(host, port, cert, key, client_ca, admitters=frozenset(admitters or [default]))
+        return WebhookServer(host, port, cert, key, client_ca, admitters=frozenset(admitters or [default]), nodes=nodes)
     except OSError as exc:
         raise UserError(f"--webhook-listen {listen}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 - a bad certificate or key is the operator's to fix
@@ -790,7 +796,7 @@ def register(app: typer.Typer) -> None:
         if workers < 1 or workers > 64:
             raise UserError(f"--workers {workers} must be between 1 and 64")
         webhook = _webhook_server(webhook_listen, webhook_cert, webhook_key, webhook_client_ca, backend,
-                                  webhook_admitter)
+                                  webhook_admitter, backend_opt)
         ca_keeper = _ca_keeper(webhook, webhook_cert, webhook_ca, webhook_configuration, backend_opt)
         # Resolved once here, so the API workers and the scheduling process use the same paths.
         state_dir = default_state_dir() if state_dir is None else state_dir

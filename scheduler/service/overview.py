@@ -123,10 +123,13 @@ def diagnosis(ideal: float, gpus: int, remote_io: float | None, cache: float | N
 
 
 def wait_reason(job_gpus: int, free_gpus: int, held_by_quota: bool, passed_by: int, policy: str,
-                scheduling: str | None = None) -> str:
+                scheduling: str | None = None, message: str = "") -> str:
     """Why a queued job is not running, in words a user can act on. `scheduling`: what keeps
     the scheduler from placing anything now (control.scheduling_note), which is then the
-    reason, not the policy."""
+    reason, not the policy. `message`: the job's own; a backend's "unschedulable: ..." (no node
+    can take its pods, kube-scheduler's refusal) is the reason it is held back, not a quota."""
+    if message.startswith("unschedulable"):
+        return message
     if held_by_quota:
         return QUOTA_REASON
     if job_gpus > free_gpus:
@@ -227,7 +230,8 @@ def build_overview(sessions: sessionmaker, who: Principal, *, capacity: Any, pol
         key = (-j.priority, j.submit_time, j.id)
         passed_by = sum(1 for r in running_order if r > key)
         queue.append(QueuedJob(str(j.id), j.name, j.owner, j.gpus, j.dataset.name, j.priority, j.submit_time,
-                               positions[j.id], wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy, scheduling)))
+                               positions[j.id], wait_reason(j.gpus, free, str(j.id) in held, passed_by, policy, scheduling,
+                                                                 j.message or "")))
     # Kubernetes: the node agents' per-pod counters (trusted consumption) give the hit ratio of
     # jobs the data manager and the backend have no figure for.
     agents = ConsumptionStore(sessions, None).measured(str(j.id) for j in own_running if str(j.id) not in m_jobs)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import bindparam, case, delete, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.credentials import SourceCredential
@@ -226,7 +226,9 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
         preempted = [jid for jid in d.preempts if states.get(jid) == JobState.RUNNING]
         for i in range(0, len(preempted), _CHUNK):
             s.execute(update(Job).where(Job.id.in_(preempted[i:i + _CHUNK]), Job.state == JobState.RUNNING)
-                      .values(state=JobState.QUEUED, message="preempted"))
+                      # A backend's "unschedulable: ..." reason is why it stops: kept, not "preempted".
+                      .values(state=JobState.QUEUED, message=case(
+                          (Job.message.startswith("unschedulable"), Job.message), else_="preempted")))
         pending.stop.extend(str(j) for j in preempted)
         # Starts: load just these jobs (and their datasets and credentials) to build the specs.
         pending.update = [a for a in pending.update if int(a.job_id) in live]

@@ -40,7 +40,7 @@ from estimator.errors import UserError
 from policies.estimators import SiloDEstimator
 from policies.registry import available_policies, get_policy, resolve_policy_name
 from scheduler.service.overview import measurements_from_backend, measurements_from_datamanager
-from policies.types import DatasetView, JobView, Snapshot
+from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.service import control
 from scheduler.service.catalogue import Catalogue, parse_job_id
@@ -352,8 +352,27 @@ class SchedulerService(ReadViews):
                             min(max(float(cached.get(ds, 0.0)), 0.0), sizes[ds]))
             for ds in dict.fromkeys(v.dataset for v in admitted)
         }
-        snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=self.config.capacity)
+        capacity = self._round_capacity()
+        if capacity is None:  # no node with a GPU is Ready: nothing can run this round
+            held_back, admitted, datasets = [*held_back, *admitted], [], {}
+            capacity = self.config.capacity
+        snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=capacity)
         return _RoundInput(snapshot, tuple(held_back), owners, quotas)
+
+    def _round_capacity(self) -> ClusterCapacity | None:
+        """The capacity this round plans with: the backend's view of the cluster when it has one
+        (Kubernetes: the Ready GPU nodes of its last poll, capped by the flags), else the flags.
+        None: the backend sees no GPU at all."""
+        probe = getattr(self.backend, "cluster_capacity", None)
+        if not callable(probe):
+            return self.config.capacity
+        try:
+            seen = probe()
+            self._description = self.backend.describe()  # /v1/cluster lists the nodes planned on
+        except Exception as exc:  # noqa: BLE001 - the backend's view is not ready: plan on the flags
+            log.warning("cluster capacity not read from the backend this round (%s); using the flags", exc)
+            return self.config.capacity
+        return seen
 
     def _enforce_cache_quota(self, plan: RoundPlan, inp: _RoundInput) -> RoundPlan:
         if plan.cache is None:

@@ -8,6 +8,13 @@ Options (`silod serve --backend kubernetes --backend-opt KEY=VALUE`):
   service-account credentials, else the kubeconfig (`kubeconfig=FILE`, `context=NAME`);
 - `namespace-prefix=P`: user U's jobs live in namespace P+U (default: no prefix);
 - `queue=NAME`: the queue label of Jobs created for REST submissions (default "default");
+- `unschedulable-timeout=1h`: a job no node can take (silod's fit check, or kube-scheduler's
+  Unschedulable on its admitted pods) fails after this long;
+- `unschedulable-grace=2m`: how long kube-scheduler may keep an admitted job's pods Unschedulable
+  before the job is suspended and goes back to the queue;
+- `extended-resource-toleration=true`: the API server runs the ExtendedResourceToleration
+  admission plugin (pods requesting nvidia.com/gpu tolerate nvidia.com/gpu taints): placement
+  assumes the toleration too;
 - `leader-election=true`, `lease-namespace=NS`, `lease-name=NAME`, `identity=ID`, `lease-seconds=15`: only the holder
   of the coordination.k8s.io Lease runs the scheduling loop (several replicas; see leader.py).
 """
@@ -64,24 +71,24 @@ def load_api_client(server: str | None = None, kubeconfig: str | None = None, co
 def create_backend(config: BackendConfig) -> KubernetesBackend:
     opts = dict(config.options)
     known = {"server", "token-file", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
-             "lease-name", "identity", "lease-seconds", "unschedulable-timeout"}
+             "lease-name", "identity", "lease-seconds", "unschedulable-timeout", "unschedulable-grace",
+             "extended-resource-toleration"}
     unknown = sorted(set(opts) - known)
     if unknown:
         raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
     api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
-    timeout = 3600.0
-    if opts.get("unschedulable-timeout"):
-        text = opts["unschedulable-timeout"].strip().lower()
-        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:], None)
-        try:
-            timeout = float(text[:-1]) * unit if unit else float(text)
-        except ValueError:
-            timeout = -1.0
-        if not 0 < timeout <= 30 * 86400:
-            raise UserError(f"--backend-opt unschedulable-timeout={opts['unschedulable-timeout']!r}: give a duration"
-                            f" between 1s and 30d (e.g. 30m), how long a job no node can take waits before it fails")
+    timeout = _duration(opts, "unschedulable-timeout", 3600.0,
+                        "how long a job no node can take waits before it fails")
+    grace = _duration(opts, "unschedulable-grace", 120.0,
+                      "how long kube-scheduler may keep an admitted job's pods Unschedulable before the job goes back"
+                      " to the queue")
+    ert = opts.get("extended-resource-toleration", "false").lower()
+    if ert not in ("true", "false"):
+        raise UserError(f"--backend-opt extended-resource-toleration={opts['extended-resource-toleration']!r}: true"
+                        f" when the API server runs the ExtendedResourceToleration admission plugin, else false")
     backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
-                                default_queue=opts.get("queue") or "default", unschedulable_timeout_s=timeout)
+                                default_queue=opts.get("queue") or "default", unschedulable_timeout_s=timeout,
+                                pending_grace_s=grace, extended_resource_toleration=ert == "true")
     if config.datamanager_url:
         from datamanager.client import DataManagerClient
 
@@ -94,6 +101,21 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
             **_lease_timing(opts.get("lease-seconds")),
         )
     return backend
+
+
+def _duration(opts: dict[str, str], key: str, default: float, what: str) -> float:
+    """`KEY=30m`-style option (s, m, h, d; bare numbers are seconds), between 1 s and 30 days."""
+    if not opts.get(key):
+        return default
+    text = opts[key].strip().lower()
+    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:], None)
+    try:
+        value = float(text[:-1]) * unit if unit else float(text)
+    except ValueError:
+        value = -1.0
+    if not 1 <= value <= 30 * 86400:
+        raise UserError(f"--backend-opt {key}={opts[key]!r}: give a duration between 1s and 30d (e.g. 30m), {what}")
+    return value
 
 
 def _lease_timing(value: str | None) -> dict[str, float]:

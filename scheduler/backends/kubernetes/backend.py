@@ -47,8 +47,9 @@ from scheduler.backends.base import (
 from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
     GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError, parse_cpu_quantity,
-    PYTORCHJOB, admitted_object, parse_workload, rest_job_object,
+    PYTORCHJOB, admission_problems, admitted_object, parse_memory_quantity, parse_workload, rest_job_object,
 )
+from scheduler.backends.kubernetes.nodematch import NodeLabels
 
 log = logging.getLogger("silod.kubernetes")
 
@@ -79,6 +80,7 @@ class Admission:
     total: float
     tenant: str = ""
     cpus: dict[str, float] = field(default_factory=dict)  # node -> CPU cores its pods there request
+    memory: dict[str, float] = field(default_factory=dict)  # node -> bytes of memory its pods there request
 
 
 @dataclass
@@ -113,6 +115,8 @@ class KubernetesBackend(ClusterBackend):
         clock: Callable[[], float] = time.time,
         request_timeout: float = 30.0,
         unschedulable_timeout_s: float = 3600.0,
+        extended_resource_toleration: bool = False,
+        pending_grace_s: float = 120.0,
     ):
         from kubernetes import client
 
@@ -152,7 +156,19 @@ class KubernetesBackend(ClusterBackend):
         self._unschedulable: dict[str, tuple[str, float]] = {}
         self._unschedulable_specs: dict[str, tuple[JobSpec, JobAllocation]] = {}
         self.unschedulable_timeout_s = unschedulable_timeout_s
+        self.extended_resource_toleration = extended_resource_toleration
+        # Pods of an admitted workload that kube-scheduler keeps Unschedulable for this long send
+        # the job back to the queue (a shorter wait would catch pods waiting for preempted pods
+        # to leave). Their first sighting per job, on silod's clock:
+        self.pending_grace_s = pending_grace_s
+        self._pending_since: dict[str, float] = {}
+        self._refused_first: dict[str, float] = {}  # job id -> kube-scheduler's first refusal (timeout)
+        # When kube-scheduler refused a job (its reason is one silod's fit check does not model):
+        # job id -> the nodes' signature then; released when the nodes change.
+        self._refused_on: dict[str, tuple[str, str]] = {}  # ... -> (nodes' signature, kube-scheduler's reason)
+        self._unbound: list[dict[str, Any]] = []  # pods no scheduler bound yet (not ended)
         self._raw_nodes: list[Any] = []
+        self._raw_nodes_at = -1e18  # time.monotonic() of the last node list
         self.admissions = 0  # successful admissions (observability, tests)
         self.suspensions = 0
 
@@ -255,10 +271,12 @@ class KubernetesBackend(ClusterBackend):
     def refresh(self) -> None:
         t = self.timeout
         nodes = self.core.list_node(_request_timeout=t).items
-        # Bound pods, ended ones included: those hold no GPUs (_bound leaves them out) but a pod
-        # that read data and finished between two polls must still be attributed to its job.
+        # Every pod. Bound ones, ended ones included: those hold no GPUs (_bound leaves them out)
+        # but a pod that read data and finished between two polls must still be attributed to its
+        # job. Pending unbound ones say whether kube-scheduler can bind an admitted workload's pods
+        # at all (_check_refused).
         pods = self.api_client.sanitize_for_serialization(self.core.list_pod_for_all_namespaces(
-            field_selector="spec.nodeName!=", _request_timeout=t).items)
+            _request_timeout=t).items)
         workloads: dict[str, Workload] = {}
         objects: dict[str, dict[str, Any]] = {}
         for kind in self._available_kinds():
@@ -277,10 +295,12 @@ class KubernetesBackend(ClusterBackend):
                 objects[uid] = obj
         with self._lock:
             self._placed = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+            self._unbound = [p for p in pods if not (p.get("spec") or {}).get("nodeName")
+                             and (p.get("status") or {}).get("phase") in (None, "Pending")]
             self._bound = [p for p in self._placed
                            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             self.workloads, self._objects = workloads, objects
-            self._raw_nodes = nodes
+            self._raw_nodes, self._raw_nodes_at = nodes, time.monotonic()
             self.nodes = self._node_states(nodes)
             if not self._recovered:
                 self._recover()
@@ -301,19 +321,24 @@ class KubernetesBackend(ClusterBackend):
         count = max(len(ready), 1)
         used: dict[str, int] = {}
         cpu_used: dict[str, float] = {}
+        mem_used: dict[str, float] = {}
         for p in self._bound:
             used[p["spec"]["nodeName"]] = used.get(p["spec"]["nodeName"], 0) + _pod_gpus(p)
             cpu_used[p["spec"]["nodeName"]] = cpu_used.get(p["spec"]["nodeName"], 0.0) + _pod_cpus(p)
+            mem_used[p["spec"]["nodeName"]] = mem_used.get(p["spec"]["nodeName"], 0.0) + _pod_memory(p)
         cache_used: dict[str, dict[str, float]] = {}
         io_used: dict[str, float] = {}
         reserved: dict[str, int] = {}
         cpu_reserved: dict[str, float] = {}
+        mem_reserved: dict[str, float] = {}
         for job_id, adm in self._admitted.items():
             bound_here = self._bound_gpus_of(job_id)
             bound_cpus = self._bound_cpus_of(job_id) if adm.cpus else {}
+            bound_mem = self._bound_memory_of(job_id) if adm.memory else {}
             for node, g in adm.nodes.items():
                 reserved[node] = reserved.get(node, 0) + max(g - bound_here.get(node, 0), 0)
                 cpu_reserved[node] = cpu_reserved.get(node, 0.0) + max(adm.cpus.get(node, 0.0) - bound_cpus.get(node, 0.0), 0.0)
+                mem_reserved[node] = mem_reserved.get(node, 0.0) + max(adm.memory.get(node, 0.0) - bound_mem.get(node, 0.0), 0.0)
                 per = cache_used.setdefault(node, {})
                 per[adm.dataset] = max(per.get(adm.dataset, 0.0), adm.cache_bytes)
                 io_used[node] = io_used.get(node, 0.0) + adm.io_per_pod * adm.pods_per_node.get(node, 0)
@@ -332,6 +357,8 @@ class KubernetesBackend(ClusterBackend):
             gpus = int(str((n.status.allocatable or {}).get(GPU_RESOURCE, "0")))
             try:
                 cpus = parse_cpu_quantity((n.status.allocatable or {}).get("cpu", "0"), f"node {name} allocatable cpu")
+                memory = parse_memory_quantity((n.status.allocatable or {}).get("memory", "0"),
+                                               f"node {name} allocatable memory")
             except WorkloadError as exc:
                 log.warning("node %s ignored: %s", name, exc)
                 continue
@@ -345,15 +372,17 @@ class KubernetesBackend(ClusterBackend):
                 # A node that does not publish allocatable cpu is not CPU-limited here.
                 cpus_free=(max(cpus - cpu_used.get(name, 0.0) - cpu_reserved.get(name, 0.0), 0.0)
                            if "cpu" in (n.status.allocatable or {}) else float("inf")),
+                memory_free=(max(memory - mem_used.get(name, 0.0) - mem_reserved.get(name, 0.0), 0.0)
+                             if "memory" in (n.status.allocatable or {}) else float("inf")),
             ))
         return out
 
-    def _pods_of(self, job_id: str) -> list[dict[str, Any]]:
+    def _pods_of(self, job_id: str, pods: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         ref = self._refs.get(job_id)
         if ref is None:
             return []
         out = []
-        for p in self._bound:
+        for p in self._bound if pods is None else pods:
             meta = p["metadata"]
             if meta.get("namespace") != ref.namespace:
                 continue
@@ -368,6 +397,12 @@ class KubernetesBackend(ClusterBackend):
         out: dict[str, float] = {}
         for p in self._pods_of(job_id):
             out[p["spec"]["nodeName"]] = out.get(p["spec"]["nodeName"], 0.0) + _pod_cpus(p)
+        return out
+
+    def _bound_memory_of(self, job_id: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self._pods_of(job_id):
+            out[p["spec"]["nodeName"]] = out.get(p["spec"]["nodeName"], 0.0) + _pod_memory(p)
         return out
 
     def _bound_gpus_of(self, job_id: str) -> dict[str, int]:
@@ -532,9 +567,8 @@ class KubernetesBackend(ClusterBackend):
     def create_workload(self, job: Any, template: PodTemplate) -> None:
         """Create the suspended Job for a REST submission `job` (a JobRecord) in its owner's
         namespace. UserError (the job is then failed) when Kubernetes refuses it."""
-        ns = self.tenant_namespace(job.owner)
-        body = rest_job_object(job_id=job.id, name=job.name, namespace=ns, queue=self.default_queue, gpus=job.gpus,
-                               dataset=job.dataset, template=template)
+        body = self.check_workload(job.owner, job.name, job.gpus, job.dataset, template, job_id=job.id)
+        ns = body["metadata"]["namespace"]
         try:
             obj = self.custom.create_namespaced_custom_object("batch", "v1", ns, "jobs", body,
                                                               field_manager=FIELD_MANAGER, _request_timeout=self.timeout)
@@ -550,6 +584,39 @@ class KubernetesBackend(ClusterBackend):
             self.workloads[wl.uid] = wl
             self._objects[wl.uid] = obj
             self._remember(job.id, wl)
+
+    def check_workload(self, owner: str, name: str, gpus: int, dataset: str, template: PodTemplate,
+                       job_id: str = "0") -> dict[str, Any]:
+        """The Job a REST submission would create, checked as the admission webhook checks a
+        kubectl workload (workloads.admission_problems: one validation for both). WorkloadError
+        (a UserError naming the field and the fix) when silod would never admit it."""
+        ns = self.tenant_namespace(owner)
+        body = rest_job_object(job_id=job_id, name=name, namespace=ns, queue=self.default_queue, gpus=gpus,
+                               dataset=dataset, template=template)
+        problems = admission_problems(JOB, body, self.node_labels())
+        if problems:
+            raise WorkloadError("; ".join(p.replace(f"Job silod-{job_id} spec.template", "pod_template")
+                                          for p in problems))
+        return body
+
+    def node_labels(self) -> list[NodeLabels]:
+        """Every node's name, labels and GPUs (for admission's selector check), read at most
+        every 10 s (this process may not poll: the API workers create REST Jobs)."""
+        now = time.monotonic()
+        if self._raw_nodes and now - self._raw_nodes_at < 10:
+            nodes = self._raw_nodes
+        else:
+            nodes = self.core.list_node(_request_timeout=self.timeout).items
+            with self._lock:
+                self._raw_nodes, self._raw_nodes_at = nodes, now
+        out = []
+        for n in nodes:
+            try:
+                gpus = int(str(((n.status.allocatable or {}) if n.status else {}).get(GPU_RESOURCE, "0")))
+            except ValueError:
+                gpus = 0
+            out.append(NodeLabels(n.metadata.name, dict(n.metadata.labels or {}), gpus))
+        return out
 
     # --- ClusterBackend --------------------------------------------------------------------------
 
@@ -588,6 +655,20 @@ class KubernetesBackend(ClusterBackend):
             if not self._admit(job, allocation) and job.job_id not in self._unschedulable:
                 self._deferred[job.job_id] = (job, allocation)
 
+    def _pod_requests(self, wl: Workload) -> list[PodRequest]:
+        """The workload's pods as placement sees them. With `extended-resource-toleration` (the API
+        server runs the ExtendedResourceToleration admission plugin) a pod requesting GPUs
+        tolerates `nvidia.com/gpu` NoSchedule taints as that plugin makes it, so silod offers
+        the nodes kube-scheduler will bind it to."""
+        out = []
+        for ps in wl.pod_sets:
+            tols = tuple(Toleration(*t) for t in ps.tolerations)
+            if self.extended_resource_toleration and ps.gpus > 0:
+                tols += (Toleration(GPU_RESOURCE, "Exists", "", "NoSchedule"),)
+            out += [PodRequest(f"{wl.key}/{ps.name}-{i}", ps.gpus, ps.node_selector, tols, ps.cpus, ps.affinity_terms,
+                               ps.memory) for i in range(ps.count)]
+        return out
+
     def unschedulable_jobs(self) -> set[str]:
         """Jobs whose pods fit on no node even with the cluster empty (the service holds them
         back from the policy: they get no GPUs while this lasts)."""
@@ -602,6 +683,22 @@ class KubernetesBackend(ClusterBackend):
             return self._node_states(self._raw_nodes)
         finally:
             self._bound, self._admitted = bound, admitted
+
+    def cluster_capacity(self) -> ClusterCapacity | None:
+        """What the cluster's Ready, schedulable GPU nodes offer (as of the last poll), capped by
+        the flags (`--gpus`, `--cache`, `--remote-io`, `--gpus-per-node`): nodes added or removed
+        reach the next round. None when no such node has a GPU (the service then plans nothing)."""
+        with self._lock:
+            nodes = self._empty_cluster()
+        cap = self.capacity
+        gpus = sum(n.gpus_free for n in nodes)
+        if gpus < 1:
+            return None
+        return ClusterCapacity(
+            gpus=min(cap.gpus, gpus), cache=min(cap.cache, sum(n.cache_capacity for n in nodes)),
+            remote_io=min(cap.remote_io, sum(n.io_capacity for n in nodes)),
+            gpus_per_node=max(min(cap.gpus_per_node, max(n.gpus_free for n in nodes)), 1),
+            irregular_share=cap.irregular_share, cpus_per_node=cap.cpus_per_node, cpu_allocation=cap.cpu_allocation)
 
     def _never_fits(self, pods: list[PodRequest], ds_key: str, cache: float, io_per_pod: float) -> str | None:
         """Why the pods fit on no node of the empty cluster, or None when they would fit there
@@ -656,8 +753,7 @@ class KubernetesBackend(ClusterBackend):
         io_total = float(allocation.remote_io or 0.0)
         io_per_pod = io_total / max(wl.pods, 1)
         pod_cpus = wl.pod_cpus()
-        pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols), pod_cpus.get(key, 0.0))
-                for key, gpus, sel, tols in wl.pod_list()]
+        pods = self._pod_requests(wl)
         # Cache on a node is per storage key: two tenants' `files` are two caches (issue 20).
         ds_key = job.dataset.name
         where = place(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod)
@@ -676,8 +772,7 @@ class KubernetesBackend(ClusterBackend):
                          + why_not(pods, self.nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod),
                          reason="SiloDWaitingForPlacement")
             return False
-        self._unschedulable.pop(job.job_id, None)
-        self._unschedulable_specs.pop(job.job_id, None)
+        self._drop_unschedulable(job.job_id)
         host = {n.name: n.hostname for n in self.nodes}
         hostnames = sorted({host[n] for n in where.values()})
         if not self._write(wl, admitted_object(wl.kind, obj, hostnames)):
@@ -686,10 +781,13 @@ class KubernetesBackend(ClusterBackend):
         per_node: dict[str, int] = {}
         gpus_of = {p.key: p.gpus for p in pods}
         cpus_on: dict[str, float] = {}
+        mem_on: dict[str, float] = {}
+        mem_of = {p.key: p.memory for p in pods}
         for key, n in where.items():
             nodes[n] = nodes.get(n, 0) + gpus_of[key]
             per_node[n] = per_node.get(n, 0) + 1
             cpus_on[n] = cpus_on.get(n, 0.0) + pod_cpus.get(key, 0.0)
+            mem_on[n] = mem_on.get(n, 0.0) + mem_of[key]
         rate = job.ideal_throughput
         if allocation.remote_io is not None and allocation.cache_bytes is not None:
             rate = float(silod_perf(job.ideal_throughput, allocation.remote_io, allocation.cache_bytes,
@@ -697,7 +795,8 @@ class KubernetesBackend(ClusterBackend):
         self._admitted[job.job_id] = Admission(
             nodes=nodes, dataset=ds_key, cache_bytes=cache, io_per_pod=io_per_pod, pods_per_node=per_node,
             since=self.clock(), base_consumed=job.consumed_bytes, rate=rate, total=job.total_bytes,
-            tenant=self.namespace_tenant(wl.namespace) or "", cpus={n: c for n, c in cpus_on.items() if c > 0})
+            tenant=self.namespace_tenant(wl.namespace) or "", cpus={n: c for n, c in cpus_on.items() if c > 0},
+            memory={n: m for n, m in mem_on.items() if m > 0})
         self.admissions += 1
         self.nodes = self._node_states_from_cache()
         log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
@@ -764,6 +863,7 @@ class KubernetesBackend(ClusterBackend):
             self._awaiting.pop(job_id, None)
             self._deferred.pop(job_id, None)
             self._admitted.pop(job_id, None)
+            self._pending_since.pop(job_id, None)
             found = self._workload_of(job_id)
             if found is None:
                 return
@@ -816,12 +916,35 @@ class KubernetesBackend(ClusterBackend):
         self.suspensions += 1
         return True
 
+    def _drop_unschedulable(self, job_id: str) -> None:
+        self._unschedulable.pop(job_id, None)
+        self._unschedulable_specs.pop(job_id, None)
+        self._refused_on.pop(job_id, None)
+
     def _recheck_unschedulable(self, now: float) -> None:
         """Each poll: a held job that would fit now (a node was added or changed) is released to
         the policy; one held longer than unschedulable_timeout_s fails with its reason; the others
         repeat their reason (the service keeps it as the job's message)."""
         for job_id, (reason, since) in list(self._unschedulable.items()):
             found = self._workload_of(job_id)
+            if job_id in self._refused_on:  # kube-scheduler's refusal: retried when the nodes change
+                if found is None or found[0].phase != "active":
+                    self._drop_unschedulable(job_id)
+                elif self._refused_on[job_id][0] != self._nodes_signature():
+                    log.info("%s (job %s): the nodes changed: back to the policy", found[0].key, job_id)
+                    self._drop_unschedulable(job_id)
+                    self._events.append(JobEvent(job_id, "unschedulable", time=now,
+                                                 message="the cluster's nodes changed: waits for the policy"))
+                elif now - since > self.unschedulable_timeout_s:
+                    why = self._refused_on[job_id][1]
+                    self._drop_unschedulable(job_id)
+                    self._refused_first.pop(job_id, None)
+                    self._events.append(JobEvent(job_id, "failed", time=now, message=(
+                        f"unschedulable: kube-scheduler could not bind its pods for {now - since:.0f} s"
+                        f" ({why}; --backend-opt unschedulable-timeout)")))
+                else:
+                    self._events.append(JobEvent(job_id, "unschedulable", time=now, message=reason))
+                continue
             spec_alloc = self._unschedulable_specs.get(job_id)
             if found is None or found[0].phase != "active" or spec_alloc is None:
                 self._unschedulable.pop(job_id, None)
@@ -831,9 +954,7 @@ class KubernetesBackend(ClusterBackend):
             spec, alloc = spec_alloc
             cache = float(alloc.cache_bytes or 0.0)
             io_per_pod = float(alloc.remote_io or 0.0) / max(wl.pods, 1)
-            pod_cpus = wl.pod_cpus()
-            pods = [PodRequest(key, gpus, sel, tuple(Toleration(*t) for t in tols), pod_cpus.get(key, 0.0))
-                    for key, gpus, sel, tols in wl.pod_list()]
+            pods = self._pod_requests(wl)
             if self._never_fits(pods, spec.dataset.name, cache, io_per_pod) is None:
                 log.info("%s (job %s) fits a node now: back to the policy", wl.key, job_id)
                 self._unschedulable.pop(job_id, None)
@@ -847,6 +968,68 @@ class KubernetesBackend(ClusterBackend):
                     f"{reason.split(';')[0]} for {now - since:.0f} s (--backend-opt unschedulable-timeout)")))
             else:
                 self._events.append(JobEvent(job_id, "unschedulable", time=now, message=reason))
+
+    def _refusal(self, job_id: str) -> str | None:
+        """kube-scheduler's reason when a pod of the job is unbound and marked Unschedulable
+        (condition PodScheduled=False, reason Unschedulable: what it also reports as a
+        FailedScheduling Event), else None."""
+        for pod in self._pods_of(job_id, self._unbound):
+            if (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            for cond in (pod.get("status") or {}).get("conditions") or []:
+                if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                        and cond.get("reason") == "Unschedulable":
+                    return str(cond.get("message") or "Unschedulable").strip()
+        return None
+
+    def _nodes_signature(self) -> str:
+        """What kube-scheduler's answer depends on among the nodes: their names, labels, taints,
+        allocatable resources, readiness. A job kube-scheduler refused is retried when it changes."""
+        import json
+
+        return json.dumps(sorted(
+            [n.metadata.name, n.metadata.labels or {}, self.api_client.sanitize_for_serialization(n.spec.taints or []
+                                                                                                  if n.spec else []),
+             (n.status.allocatable or {}) if n.status else {},
+             sorted((c.type, c.status) for c in ((n.status.conditions or []) if n.status else []))]
+            for n in self._raw_nodes), sort_keys=True, default=str)
+
+    def _check_refused(self, now: float) -> None:
+        """Admitted jobs whose pods kube-scheduler cannot bind (it knows what silod's fit check
+        does not model: memory, other extended resources, pod affinity, ports, volumes). After
+        `pending_grace_s` of Unschedulable pods (counted only while no pod on the job's nodes is
+        still terminating: pods of a job silod preempted for it hold their resources until they
+        are gone), the workload is suspended and the job goes back to the queue with
+        kube-scheduler's reason, held back from the policy (no GPUs) until the nodes change,
+        and failed once `unschedulable_timeout_s` have passed since the first refusal."""
+        for job_id in list(self._admitted):
+            reason = self._refusal(job_id)
+            adm = self._admitted[job_id]
+            leaving = any((p.get("metadata") or {}).get("deletionTimestamp") and p["spec"]["nodeName"] in adm.nodes
+                          for p in self._bound)
+            if reason is None or leaving:
+                self._pending_since.pop(job_id, None)
+                if reason is None and not self._pods_of(job_id, self._unbound):
+                    self._refused_first.pop(job_id, None)  # every pod bound: it runs
+                continue
+            first = self._pending_since.setdefault(job_id, now)
+            found = self._workload_of(job_id)
+            if now - first < self.pending_grace_s or found is None:
+                continue
+            if not self._suspend(found[0]):
+                continue  # the API server did not take it: the next poll retries
+            since = self._refused_first.setdefault(job_id, first)
+            self._admitted.pop(job_id, None)
+            self._pending_since.pop(job_id, None)
+            message = (f"unschedulable: kube-scheduler cannot bind its pods ({reason[:400]}); back in the queue without"
+                       f" GPUs until the cluster's nodes change, failed {self.unschedulable_timeout_s:g} s after the first"
+                       f" refusal")
+            self._unschedulable[job_id] = (message, since)
+            self._refused_on[job_id] = (self._nodes_signature(), reason[:400])
+            self._report(found[1], found[0].kind, f"{found[0].key} is {message}", reason="SiloDUnschedulable")
+            self._events.append(JobEvent(job_id, "unschedulable", time=now, message=message))
+            log.info("%s (job %s): kube-scheduler cannot bind its pods: %s", found[0].key, job_id, reason)
+            self.nodes = self._node_states(self._raw_nodes)  # its GPUs are free for the others
 
     def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
         if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
@@ -881,6 +1064,7 @@ class KubernetesBackend(ClusterBackend):
                     self._to_suspend.discard(job_id)
                 elif self._suspend(found[0]):
                     self._to_suspend.discard(job_id)
+            self._check_refused(now)
             self._recheck_unschedulable(now)
             for job_id, (spec, alloc) in list(self._deferred.items()):
                 found = self._workload_of(job_id)
@@ -899,10 +1083,13 @@ class KubernetesBackend(ClusterBackend):
                                                  message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
                     self._admitted.pop(job_id, None)
                     self._deferred.pop(job_id, None)
-                    self._unschedulable.pop(job_id, None)
-                    self._unschedulable_specs.pop(job_id, None)
+                    self._drop_unschedulable(job_id)
+                    self._pending_since.pop(job_id, None)
+                    self._refused_first.pop(job_id, None)
                     self._forget(job_id)
                     continue
+                if wl.phase != "active":
+                    self._refused_first.pop(job_id, None)
                 if wl.phase == "finished":
                     self._events.append(JobEvent(job_id, "finished", None, now, wl.message))
                     self._admitted.pop(job_id, None)
@@ -997,6 +1184,15 @@ def _pod_cpus(pod: dict[str, Any]) -> float:
 
     try:
         return pod_cpus((pod.get("spec") or {}), "pod")
+    except WorkloadError:
+        return 0.0
+
+
+def _pod_memory(pod: dict[str, Any]) -> float:
+    from scheduler.backends.kubernetes.workloads import pod_memory
+
+    try:
+        return pod_memory((pod.get("spec") or {}), "pod")
     except WorkloadError:
         return 0.0
 

@@ -14,6 +14,8 @@ IO; this module decides *where*, and refuses a placement that a node cannot hono
   minus what bound pods request and what silod promised to admitted pods not bound yet (the
   cores the scheduler allocates a job's input pipeline are not pushed into its pods: a Job's pod
   resources cannot change once it exists, so the pods' own requests are what the node must hold);
+- nodeSelector and required node affinity: by kube-scheduler's rules (nodematch.py);
+- memory: the same, from the pods' memory requests and the node's allocatable memory;
 - taints: a node whose NoSchedule/NoExecute taints the pod does not tolerate is never chosen
   (kube-scheduler would leave the pod Pending while silod holds the node's GPUs). Nodes that are
   not Ready or are cordoned never reach this module (backend.py leaves them out), and a node
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.backends.kubernetes.nodematch import node_selected
 
 EPS = 1e-6
 
@@ -69,14 +74,17 @@ class NodeState:
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Taint, ...] = ()
     cpus_free: float = float("inf")  # cores: allocatable minus requests of bound and promised pods
+    memory_free: float = float("inf")  # bytes, counted as cpus_free
 
     def cache_free_for(self, dataset: str) -> float:
         return self.cache_capacity - sum(v for k, v in self.cache_used.items() if k != dataset)
 
-    def admits(self, selector: Mapping[str, str], tolerations: Sequence[Toleration] = ()) -> bool:
-        """The node's labels satisfy the pod's nodeSelector and the pod tolerates every taint
-        that keeps pods off the node."""
-        return (all(self.labels.get(k) == v for k, v in selector.items())
+    def admits(self, selector: Mapping[str, str], tolerations: Sequence[Toleration] = (),
+               affinity_terms: Sequence[Mapping[str, Any]] | None = None) -> bool:
+        """The node's labels satisfy the pod's nodeSelector and required node affinity
+        (nodematch: kube-scheduler's rules), and the pod tolerates every taint that keeps pods
+        off the node."""
+        return (node_selected(self.name, self.labels, selector, affinity_terms)
                 and all(any(t.tolerates(taint) for t in tolerations)
                         for taint in self.taints if taint.effect in BLOCKING_EFFECTS))
 
@@ -88,15 +96,17 @@ class PodRequest:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
     cpus: float = 0.0  # cores the pod requests
+    affinity_terms: tuple[Mapping[str, Any], ...] | None = None  # required node affinity (None: none)
+    memory: float = 0.0  # bytes of memory the pod requests
 
 
 def why_not(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: str, cache_bytes: float,
             io_per_pod: float) -> str:
     """One sentence for an operator: which resource no node offers."""
     gpus = sum(p.gpus for p in pods)
-    if pods and not [n for n in nodes if all(n.admits(p.node_selector, p.tolerations) for p in pods)]:
+    if pods and not [n for n in nodes if all(n.admits(p.node_selector, p.tolerations, p.affinity_terms) for p in pods)]:
         tainted = sorted({t.key for n in nodes for t in n.taints if t.effect in BLOCKING_EFFECTS})
-        return ("no node matches its pods' nodeSelector and tolerations"
+        return ("no node matches its pods' nodeSelector, node affinity and tolerations"
                 + (f" (nodes tainted {', '.join(tainted)}: add a toleration if the pods may run there)" if tainted else ""))
     free = sum(n.gpus_free for n in nodes)
     if gpus > free:
@@ -109,6 +119,10 @@ def why_not(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: 
     if need > 0 and not any(n.cpus_free + EPS >= need for n in nodes):
         best = max((n.cpus_free for n in nodes), default=0.0)
         return f"a pod requests {need:g} CPU cores, no node has more than {best:g} free"
+    need = max((p.memory for p in pods), default=0.0)
+    if need > 0 and not any(n.memory_free + EPS >= need for n in nodes):
+        best = max((n.memory_free for n in nodes), default=0.0)
+        return f"a pod requests {need / 2**30:.4g}Gi of memory, no node has more than {best / 2**30:.4g}Gi free"
     return "the pods do not fit on the free GPUs of the nodes that have the cache and IO"
 
 
@@ -122,7 +136,7 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
     order = sorted(pods, key=lambda p: (-p.gpus, p.key))
     eligible = {
         p.key: [n.name for n in sorted(nodes, key=lambda n: n.name)
-                if n.admits(p.node_selector, p.tolerations) and n.cache_free_for(dataset) + EPS >= cache_bytes]
+                if n.admits(p.node_selector, p.tolerations, p.affinity_terms) and n.cache_free_for(dataset) + EPS >= cache_bytes]
         for p in order
     }
     if any(not eligible[p.key] for p in order):
@@ -130,9 +144,10 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
     gpus = {n.name: n.gpus_free for n in nodes}
     io = {n.name: n.io_capacity - n.io_used for n in nodes}
     cpus = {n.name: n.cpus_free for n in nodes}
+    mem = {n.name: n.memory_free for n in nodes}
 
     def fits(p: PodRequest, n: str) -> bool:
-        return gpus[n] >= p.gpus and io[n] + EPS >= io_per_pod and cpus[n] + EPS >= p.cpus
+        return gpus[n] >= p.gpus and io[n] + EPS >= io_per_pod and cpus[n] + EPS >= p.cpus and mem[n] + EPS >= p.memory
 
     chosen: dict[str, str] = {}
     for p in order:
@@ -144,12 +159,14 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
         gpus[best] -= p.gpus
         io[best] -= io_per_pod
         cpus[best] -= p.cpus
+        mem[best] -= p.memory
     else:
         return chosen
 
     gpus = {n.name: n.gpus_free for n in nodes}
     io = {n.name: n.io_capacity - n.io_used for n in nodes}
     cpus = {n.name: n.cpus_free for n in nodes}
+    mem = {n.name: n.memory_free for n in nodes}
     chosen = {}
     steps = 0
 
@@ -163,19 +180,21 @@ def place(pods: Sequence[PodRequest], nodes: Sequence[NodeState], *, dataset: st
             steps += 1
             if steps > max_steps:
                 return False
-            sig = (gpus[n], round(io[n], 3), round(cpus[n], 3))
+            sig = (gpus[n], round(io[n], 3), round(cpus[n], 3), round(mem[n], -3))
             if not fits(p, n) or sig in tried:
                 continue
             tried.add(sig)
             gpus[n] -= p.gpus
             io[n] -= io_per_pod
             cpus[n] -= p.cpus
+            mem[n] -= p.memory
             chosen[p.key] = n
             if search(i + 1):
                 return True
             gpus[n] += p.gpus
             io[n] += io_per_pod
             cpus[n] += p.cpus
+            mem[n] += p.memory
             del chosen[p.key]
         return False
 

@@ -31,12 +31,13 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler.backends.kubernetes.nodematch import NodeLabels
 from scheduler.backends.kubernetes.workloads import (
-    KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, propagation_patch, writable_silod_volumes,
+    GPU_RESOURCE, KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, admission_problems, propagation_patch,
 )
 
 log = logging.getLogger("silod.webhook")
@@ -79,13 +80,16 @@ def _labelled(obj: Any) -> bool:
     return isinstance(labels, Mapping) and QUEUE_LABEL in labels
 
 
-def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[str, Any]:
+def review_response(body: Any, admitters: frozenset[str] = frozenset(),
+                    nodes: Callable[[], Sequence[NodeLabels]] | None = None) -> dict[str, Any]:
     """The AdmissionReview answering `body` (the parsed request). BadReview when it is not one.
 
     CREATE of a labelled workload: patched suspended. UPDATE that unsuspends a workload that is
     (or was) labelled: denied unless the requester (`request.userInfo.username`, the API server's
     authenticated identity) is one of `admitters`, silod's own service account: only silod's
-    admission may start a queued workload's pods."""
+    admission may start a queued workload's pods. CREATE of a labelled workload silod would
+    never admit (workloads.admission_problems; `nodes` gives the cluster's nodes for the
+    nodeSelector / affinity check): denied with the reasons."""
     if not isinstance(body, Mapping) or body.get("apiVersion") != REVIEW_VERSION or body.get("kind") != "AdmissionReview":
         raise BadReview(f"expected an AdmissionReview of apiVersion {REVIEW_VERSION}")
     req = body.get("request")
@@ -128,15 +132,18 @@ def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[
     if ours and req.get("operation") == "CREATE" and isinstance(obj, Mapping):
         labels = (obj.get("metadata") or {}).get("labels") if isinstance(obj.get("metadata"), Mapping) else None
         if isinstance(labels, Mapping) and QUEUE_LABEL in labels:
-            writable = writable_silod_volumes(known, obj)
-            if writable:
+            try:
+                cluster = nodes() if nodes is not None else None
+            except Exception as exc:  # noqa: BLE001 - the node list is a bonus: admission goes on without it
+                log.warning("node list unavailable, node selectors not checked: %s", exc)
+                cluster = None
+            problems = admission_problems(known, obj, cluster)
+            if problems:
                 # Refused now, with the reason, rather than queued, admitted and then stuck with
-                # pods whose volume the node agent will never publish.
+                # pods no node will take (or whose volume the node agent will never publish).
                 return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {
                     "uid": uid, "allowed": False, "status": {
-                        "code": 422, "reason": "Invalid",
-                        "message": f"silod volumes are read-only datasets: set `readOnly: true` on the csi volume(s)"
-                                   f" {', '.join(sorted(set(writable)))} (driver silod.io)"}}}
+                        "code": 422, "reason": "Invalid", "message": "silod: " + "; ".join(problems)[:3000]}}}
             patch = _suspend_patch(known.kind, obj) + propagation_patch(known, obj)
             if patch:
                 response["patchType"] = "JSONPatch"
@@ -148,9 +155,11 @@ def review_response(body: Any, admitters: frozenset[str] = frozenset()) -> dict[
 class WebhookApp:
     """ASGI: POST /mutate with an AdmissionReview; /healthz for probes."""
 
-    def __init__(self, max_body: int = DEFAULT_MAX_BODY, admitters: frozenset[str] = frozenset()):
+    def __init__(self, max_body: int = DEFAULT_MAX_BODY, admitters: frozenset[str] = frozenset(),
+                 nodes: Callable[[], Sequence[NodeLabels]] | None = None):
         self.max_body = max_body
         self.admitters = admitters
+        self.nodes = nodes
         self.reviews = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -188,7 +197,7 @@ class WebhookApp:
             if not msg.get("more_body"):
                 break
         try:
-            answer = review_response(json.loads(b"".join(chunks)), self.admitters)
+            answer = review_response(json.loads(b"".join(chunks)), self.admitters, self.nodes)
         except (ValueError, RecursionError) as exc:  # JSON errors and BadReview
             await _reply(send, 400, {"detail": f"not an AdmissionReview: {str(exc)[:200]}"})
             return
@@ -208,14 +217,15 @@ class WebhookServer:
     API: another port, another certificate (the one the API server trusts through caBundle)."""
 
     def __init__(self, host: str, port: int, cert: Path, key: Path, client_ca: Path | None = None,
-                 max_body: int = DEFAULT_MAX_BODY, admitters: frozenset[str] = frozenset()):
+                 max_body: int = DEFAULT_MAX_BODY, admitters: frozenset[str] = frozenset(),
+                 nodes: Callable[[], Sequence[NodeLabels]] | None = None):
         import uvicorn
 
         # Load the pair now: a bad certificate or key is an error at start, not in a thread later.
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(cert), str(key))
         if client_ca is not None:
             ssl.create_default_context(cafile=str(client_ca))
-        self.app = WebhookApp(max_body, admitters)
+        self.app = WebhookApp(max_body, admitters, nodes)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -249,3 +259,33 @@ class WebhookServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+class NodeCache:
+    """The cluster's nodes for the webhook's nodeSelector / affinity check: listed through the
+    API server at most every `ttl_s` seconds (a burst of creates costs one list)."""
+
+    def __init__(self, api_client: Any, ttl_s: float = 10.0):
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._at = -1e18
+        self._nodes: list[NodeLabels] = []
+
+    def __call__(self) -> list[NodeLabels]:
+        with self._lock:
+            if time.monotonic() - self._at > self.ttl_s:
+                items = self.core.list_node(_request_timeout=10).items
+                self._nodes = [NodeLabels(n.metadata.name, dict(n.metadata.labels or {}), _gpus(n)) for n in items]
+                self._at = time.monotonic()
+            return list(self._nodes)
+
+
+def _gpus(node: Any) -> int:
+    alloc = (node.status.allocatable or {}) if node.status else {}
+    try:
+        return int(str(alloc.get(GPU_RESOURCE, "0")))
+    except ValueError:
+        return 0

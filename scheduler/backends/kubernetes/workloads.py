@@ -27,6 +27,7 @@ from typing import Any
 
 from estimator.errors import UserError
 from estimator.units import UnitError, parse_rate
+from scheduler.backends.kubernetes.nodematch import NodeLabels, pod_spec_problems, required_terms
 
 PREFIX = "silod.io/"
 QUEUE_LABEL = PREFIX + "queue"  # opt-in: the queue a workload waits in
@@ -77,6 +78,9 @@ class PodSet:
     path: tuple[str | int, ...]  # where the pod template (with .spec) sits in the object
     tolerations: tuple[tuple[str, str, str, str], ...] = ()  # (key, operator, value, effect)
     cpus: float = 0.0  # CPU cores each pod requests (resources.requests.cpu; limits imply requests)
+    memory: float = 0.0  # bytes of memory each pod requests
+    # The required node affinity's nodeSelectorTerms (nodematch.required_terms), None without one.
+    affinity_terms: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,34 @@ def pod_cpus(pod_spec: Mapping[str, Any], where: str) -> float:
     return max(app, init)
 
 
+_MEMORY_SUFFIX = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "m": 1e-3,
+                  "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def parse_memory_quantity(value: Any, where: str) -> float:
+    """A Kubernetes memory quantity in bytes: "512Gi", "64G", "1e9", "128974848"."""
+    text = str(value).strip()
+    import re
+
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?", text)
+    if not m:
+        raise WorkloadError(f"{where} = {text!r} is not a memory quantity (e.g. 64Gi or 500M)")
+    return float(m.group(1)) * _MEMORY_SUFFIX[m.group(2) or ""]
+
+
+def pod_memory(pod_spec: Mapping[str, Any], where: str) -> float:
+    """Bytes of memory one pod requests, counted as pod_cpus counts cores."""
+    def of(c: Mapping[str, Any], what: str) -> float:
+        res = c.get("resources") or {}
+        for source in ("requests", "limits"):
+            if "memory" in (res.get(source) or {}):
+                return parse_memory_quantity(res[source]["memory"], f"{where} {what} {c.get('name')} memory")
+        return 0.0
+    app = sum(of(c, "container") for c in pod_spec.get("containers") or [])
+    init = max((of(c, "init container") for c in pod_spec.get("initContainers") or []), default=0.0)
+    return max(app, init)
+
+
 def template_datasets(pod_spec: Mapping[str, Any]) -> list[str]:
     """Datasets named by silod CSI inline volumes in a pod spec."""
     out = []
@@ -254,6 +286,36 @@ def writable_silod_volumes(kind: Kind, obj: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def admission_problems(kind: Kind, obj: Mapping[str, Any], nodes: Sequence[NodeLabels] | None = None) -> list[str]:
+    """Why silod would never admit this workload as written, one sentence each (empty: fine).
+
+    The one validation of a workload's pods: the admission webhook refuses a labelled workload
+    with these reasons (webhook.py), and a REST submission's Job is checked by the same call
+    before it is created (backend.create_workload). Read-only silod volumes; well-formed
+    tolerations and node affinity; a nodeSelector / required node affinity some node of the
+    cluster matches (`nodes`; None: not checked)."""
+    problems: list[str] = []
+    writable = writable_silod_volumes(kind, obj)
+    if writable:
+        problems.append(f"silod volumes are read-only datasets: set `readOnly: true` on the csi volume(s)"
+                        f" {', '.join(sorted(set(writable)))} (driver {CSI_DRIVER})")
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+    for path in template_paths(kind, obj):
+        pod_spec = _get(obj, *path, "spec")
+        if not isinstance(pod_spec, Mapping):
+            continue
+        where = f"{kind.kind} {meta.get('name') or meta.get('generateName') or ''} {'.'.join(map(str, path))}"
+        try:
+            gpus = pod_gpus(pod_spec, where)
+        except WorkloadError as exc:
+            problems.append(str(exc))
+            gpus = 0
+        except (AttributeError, TypeError):  # not a pod spec at all: the API server says why
+            continue
+        problems += pod_spec_problems(pod_spec, where, nodes, gpus)
+    return problems
+
+
 def _tolerations(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
     if value is None:
         return ()
@@ -271,7 +333,16 @@ def _count(value: Any, where: str, default: int = 1) -> int:
     return value
 
 
-def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str) -> list[PodSet]:
+def _owners_terms(pod_spec: Mapping[str, Any], admitted: Sequence[str]) -> tuple[Mapping[str, Any], ...] | None:
+    """The owner's required node affinity: without the expression silod's admission added."""
+    if admitted and required_terms(pod_spec) is not None:
+        pod_spec = copy.deepcopy(dict(pod_spec))
+        _strip_ours(pod_spec, admitted)
+    terms = required_terms(pod_spec)
+    return None if terms is None else tuple(terms)
+
+
+def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str, admitted: Sequence[str] = ()) -> list[PodSet]:
     spec = obj.get("spec") or {}
     sets: list[PodSet] = []
 
@@ -281,7 +352,9 @@ def _pod_sets(kind: Kind, obj: Mapping[str, Any], where: str) -> list[PodSet]:
         sets.append(PodSet(name=name, count=count, gpus=pod_gpus(pod_spec, f"{where} {name}"),
                            node_selector=dict(pod_spec.get("nodeSelector") or {}), path=path,
                            tolerations=_tolerations(pod_spec.get("tolerations"), f"{where} {name} tolerations"),
-                           cpus=pod_cpus(pod_spec, f"{where} {name}")))
+                           cpus=pod_cpus(pod_spec, f"{where} {name}"),
+                           affinity_terms=_owners_terms(pod_spec, admitted),
+                           memory=pod_memory(pod_spec, f"{where} {name}")))
 
     if kind == JOB:
         add("main", _count(spec.get("parallelism"), f"{where} spec.parallelism"), ("spec", "template"))
@@ -332,7 +405,8 @@ def parse_workload(kind: Kind, obj: Mapping[str, Any]) -> Workload:
     where = f"{kind.kind} {ns}/{name}"
     labels = meta.get("labels") or {}
     ann = meta.get("annotations") or {}
-    sets = _pod_sets(kind, obj, where)
+    admitted = tuple(n for n in str(ann.get(ANN_ADMITTED) or "").split(",") if n)
+    sets = _pod_sets(kind, obj, where, admitted)
     datasets: list[str] = []
     for ps in sets:
         for d in template_datasets(_get(obj, *ps.path, "spec") or {}):
@@ -358,7 +432,6 @@ def parse_workload(kind: Kind, obj: Mapping[str, Any]) -> Workload:
             raise WorkloadError(f"{where} annotation {ANN_EPOCHS} must be > 0")
     first_spec = (_get(obj, *sets[0].path, "spec") or {}) if sets else {}
     phase, message = _phase(kind, obj)
-    admitted = tuple(n for n in str(ann.get(ANN_ADMITTED) or "").split(",") if n)
     return Workload(
         kind=kind, namespace=ns, name=name, uid=str(meta.get("uid") or ""),
         resource_version=str(meta.get("resourceVersion") or ""), queue=str(labels.get(QUEUE_LABEL) or ""),
@@ -465,6 +538,12 @@ class PodTemplate:
     pods: int = 1
     data_path: str = "/data"
     run_as_user: int = 1000
+    # Scheduling fields, as in a pod spec (JSON as the API server takes it); checked by
+    # admission_problems, the webhook's check, before the Job is created.
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] | None = None
+    affinity: Mapping[str, Any] | None = None
+    resources: Mapping[str, Mapping[str, str]] | None = None  # {"requests": {...}, "limits": {...}}
 
 
 def rest_job_object(*, job_id: str, name: str, namespace: str, queue: str, gpus: int, dataset: str,
@@ -476,6 +555,12 @@ def rest_job_object(*, job_id: str, name: str, namespace: str, queue: str, gpus:
         raise WorkloadError(f"gpus = {gpus} does not split evenly over pod_template.pods = {template.pods}")
     per_pod = gpus // template.pods
     resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
+    for part in ("requests", "limits"):
+        given = dict((template.resources or {}).get(part) or {})
+        if GPU_RESOURCE in given and str(given[GPU_RESOURCE]) != str(per_pod):
+            raise WorkloadError(f"pod_template.resources.{part}[{GPU_RESOURCE}] = {given[GPU_RESOURCE]!r}: silod sets it"
+                                f" from gpus / pods ({per_pod}); leave it out")
+        resources[part].update(given)
     if per_pod:
         resources["requests"][GPU_RESOURCE] = resources["limits"][GPU_RESOURCE] = str(per_pod)
     if template.cpu:
@@ -506,6 +591,12 @@ def rest_job_object(*, job_id: str, name: str, namespace: str, queue: str, gpus:
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account
+    if template.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in template.tolerations]
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.affinity:
+        pod_spec["affinity"] = copy.deepcopy(dict(template.affinity))
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": f"silod-{job_id}", "namespace": namespace, "labels": labels,

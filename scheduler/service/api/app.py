@@ -75,8 +75,9 @@ from scheduler.service.types import (ConflictError, ForbiddenError, JobRecord, N
 log = logging.getLogger("silod.api")
 
 # Above the largest legal body (a consumption report: 1,000 pods of 6 values; a pod template's
-# 256 args and 64 env entries), far below what made validation expensive.
-BODY_LIMITS = JsonLimits(max_depth=8, max_keys=64, max_items=1000, max_values=16_384)
+# 256 args and 64 env entries; its affinity, nested as Kubernetes nests it: podAffinity's
+# preferred terms reach 11 levels from the body), far below what made validation expensive.
+BODY_LIMITS = JsonLimits(max_depth=12, max_keys=64, max_items=1000, max_values=16_384)
 MAX_ERRORS = 20
 #: characters of an error message answered: messages quote the caller's own input (an id from the
 #: path, a name), which the server has no reason to echo back whole

@@ -159,6 +159,46 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 Arg = Annotated[str, Field(max_length=4096)]
 
 
+LabelKey = Annotated[str, Field(min_length=1, max_length=317, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./]*$")]
+LabelValue = Annotated[str, Field(max_length=63, pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")]
+ResourceName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./]*$")]
+Quantity = Annotated[str, Field(max_length=32, pattern=QUANTITY_PATTERN)]
+
+
+class TolerationIn(_Strict):
+    """A pod spec's toleration (k8s.io/api/core/v1 Toleration)."""
+
+    key: LabelKey | None = None
+    operator: Literal["Equal", "Exists"] | None = None
+    value: LabelValue | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, ge=0, le=2**31, description="NoExecute only: how long")
+
+    def to_k8s(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True, exclude={"toleration_seconds"})
+        if self.toleration_seconds is not None:
+            out["tolerationSeconds"] = self.toleration_seconds
+        return out
+
+
+class AffinityIn(_Strict):
+    """A pod spec's affinity, passed to the API server as given (it validates the terms); silod
+    honours nodeAffinity's required terms in placement and refuses terms no node matches."""
+
+    node_affinity: dict[str, Any] | None = Field(default=None, description="Kubernetes' nodeAffinity, as it spells it")
+    pod_affinity: dict[str, Any] | None = Field(default=None, description="Kubernetes' podAffinity")
+    pod_anti_affinity: dict[str, Any] | None = Field(default=None, description="Kubernetes' podAntiAffinity")
+
+    def to_k8s(self) -> dict[str, Any]:
+        names = {"node_affinity": "nodeAffinity", "pod_affinity": "podAffinity", "pod_anti_affinity": "podAntiAffinity"}
+        return {names[k]: v for k, v in self.model_dump(exclude_none=True).items()}
+
+
+class ResourcesIn(_Strict):
+    requests: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=16)
+    limits: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=16)
+
+
 class PodTemplateIn(_Strict):
     """The pods of a job on Kubernetes (`--backend kubernetes`). Nothing here can grant privilege:
     silod writes the security context (Pod Security "restricted") and the dataset volume."""
@@ -173,13 +213,26 @@ class PodTemplateIn(_Strict):
     data_path: str = Field(default="/data", max_length=256, pattern=r"^/[A-Za-z0-9._/-]*$",
                            description="where the dataset is mounted (read-only) in the containers")
     run_as_user: int = Field(default=1000, ge=1, le=2_147_483_647, description="a non-root uid")
+    tolerations: list[TolerationIn] = Field(default_factory=list, max_length=32,
+                                            description="as a pod spec's tolerations (e.g. for GPU nodes' taints)")
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32,
+                                                     description="as a pod spec's nodeSelector")
+    affinity: AffinityIn | None = Field(default=None, description="as a pod spec's affinity (nodeAffinity,"
+                                        " podAffinity, podAntiAffinity; the API server validates them)")
+    resources: ResourcesIn | None = Field(default=None, description="requests and limits per resource (not"
+                                          " nvidia.com/gpu: silod sets it from gpus / pods); cpu and memory above"
+                                          " are shorthands for them")
 
     def to_template(self) -> Any:
         from scheduler.backends.kubernetes.workloads import PodTemplate
 
         return PodTemplate(image=self.image, command=tuple(self.command), args=tuple(self.args), env=dict(self.env),
                            cpu=self.cpu, memory=self.memory, pods=self.pods, data_path=self.data_path,
-                           run_as_user=self.run_as_user)
+                           run_as_user=self.run_as_user,
+                           tolerations=tuple(t.to_k8s() for t in self.tolerations),
+                           node_selector=dict(self.node_selector) or None,
+                           affinity=self.affinity.to_k8s() if self.affinity else None,
+                           resources=self.resources.model_dump(exclude_none=True) if self.resources else None)
 
 
 class ProgramIn(_Strict):

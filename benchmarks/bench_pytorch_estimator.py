@@ -14,8 +14,12 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
   epochs of measured / min(f* of the epoch before, b / (1 - c/d)); its f*, predicted and
   measured columns are medians too (so ratio need not be measured / predicted exactly);
 - the hit ratio the mount measured over the steady epochs is printed beside c/d;
-- the departure seen at every point with misses is modelled as a miss term (see below) fitted
-  on the c/d = 0, b-free point.
+- beside the paper's prediction, the extended one (estimator.loader_perf, window_io_perf):
+  min(1 / (1/f* + (1 - c/d)/m), (b + B/E) / (1 - c/d)). m = W s / L is the rate at which the
+  loader's W workers absorb misses of s-byte items that each take L seconds (L: the mount's
+  mean miss-open latency at the same c/d with the link not binding; nothing is fitted); B is the
+  burst the mount's token bucket banks while the link idles (the reference epoch before each
+  measured one), which an epoch of E seconds reads on top of b E.
 
 Then the job's epoch time under SiloD's plan and under a storage-unaware plan (CoorDL-style
 private cache of its GPU share, an equal share of the link), the same cache and link for two
@@ -69,6 +73,8 @@ class Result:
     hit_ratio: float | None  # measured by the mount over the steady epochs
     predicted_with_hits_mb_s: float | None
     ratio_with_hits: float | None
+    miss_latency_s: float | None  # the mount's mean open latency of a miss over the steady epochs
+    burst_bytes: float  # what the token bucket banks while the link idles (0: no cap)
     epoch_s: list[float]
     pairs: list[tuple[float, float]]  # (f* of the reference epoch, the point's epoch), bytes/s
 
@@ -164,12 +170,18 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
             t.close()
     read = after["read_bytes"] - before["read_bytes"]
     hit = (after["hit_bytes"] - before["hit_bytes"]) / read if read else None
+    lat0, lat1 = before.get("open_latency_miss") or {}, after.get("open_latency_miss") or {}
+    misses = (lat1.get("count") or 0) - (lat0.get("count") or 0)
+    latency = ((lat1.get("sum_s") or 0.0) - (lat0.get("sum_s") or 0.0)) / misses if misses > 0 else None
+    from fuse_client.token_bucket import TokenBucket
+
+    burst = TokenBucket(rate=b).burst if p.io_rate is not None else 0.0
     fstar, measured = median(fs), median(ts)
     predicted = min(fstar, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else fstar
     with_hits = None if hit is None else (min(fstar, b / (1 - hit)) if hit < 1 else fstar)
     return Result(p.label, p.cache_fraction, None if p.io_rate is None else p.io_rate / MB, fstar / MB, predicted / MB,
                   measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
-                  None if with_hits is None else measured / with_hits,
+                  None if with_hits is None else measured / with_hits, latency, burst,
                   [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)))
 
 
@@ -238,26 +250,23 @@ def main(argv: list[str] | None = None) -> int:
     refs = [r.fstar_mb_s * MB for r in results]
     fstar = median(refs)
 
-    # The departure the table shows at every point with misses: a miss holds a DataLoader worker
-    # (the mount fetches the item, on this machine also on the job's cores) while the decode of
-    # the job's other items waits; so the loader's rate falls with the miss ratio:
-    # 1 / (1/f* + (1-h)/m), m = the rate at which the job's workers take misses. m is fitted on
-    # the one point that shows it alone (c/d = 0, link not binding) and predicts the others.
-    free0 = next((r for r in results if r.cache_fraction == 0 and r.label.endswith("free")), None)
-    miss_rate = None
-    if free0 is not None and free0.measured_mb_s < free0.fstar_mb_s:
-        miss_rate = 1.0 / (1.0 / free0.measured_mb_s - 1.0 / free0.fstar_mb_s) * MB
-    def with_miss_term(f: float, c: float, b: float) -> float:
-        return (min(1.0 / (1.0 / f + (1 - c) / miss_rate), b / (1 - c))) if c < 1 else f
+    # The extended prediction (module docstring): the loader's miss term, with the miss latency
+    # the mount measured at the same c/d with the link not binding (a bound link's token waits
+    # are the IO term's), and the token bucket's burst over each measured epoch's length.
+    from estimator import loader_miss_rate, loader_perf, window_io_perf
 
-    loader_terms = {}
-    for r in results:
-        if miss_rate is None:
-            continue
+    item = d / images
+    latency_free = {r.cache_fraction: r.miss_latency_s for r in results if r.label.endswith("free")}
+
+    def extended(f: float, r: Result, seconds: float) -> float:
+        lat = latency_free.get(r.cache_fraction)
+        m = float(loader_miss_rate(args.workers, item, lat)) if lat else float("inf")
         b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
-        pred = with_miss_term(r.fstar_mb_s * MB, r.cache_fraction, b)
-        # as the plain ratio: the median over the point's epochs, each against its own f*
-        loader_terms[r.label] = (pred / MB, median([t / with_miss_term(f, r.cache_fraction, b) for f, t in r.pairs]))
+        io = float(window_io_perf(b, r.cache_fraction, 1.0, seconds, r.burst_bytes)) if r.cache_fraction < 1 else float("inf")
+        return min(float(loader_perf(f, r.cache_fraction, m)), io)
+
+    ext = {r.label: (extended(r.fstar_mb_s * MB, r, d / (r.measured_mb_s * MB)) / MB,
+                     median([t / extended(f, r, d / t) for f, t in r.pairs])) for r in results}
     # SiloD's plan vs a storage-unaware one for this job, same cache and link: each cache filled
     # first (in the service the link's spare capacity goes to a job while its cache fills:
     # WorkConservingPusher), then epochs under the two plans' caps, alternating.
@@ -286,21 +295,21 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(title=f"real PyTorch job vs min(f*, b/(1-c/d)); f* measured before each point "
                         f"({min(refs) / MB:.3f}-{max(refs) / MB:.3f} MB/s, mean {fstar / MB:.3f}), d = {d / MB:.2f} MB")
-    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "w/ miss term", "ratio"):
+    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "miss ms", "extended", "ratio"):
         table.add_column(col, justify="right")
     fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
-        lt = loader_terms.get(r.label, (None, None))
+        e = ext[r.label]
         table.add_row(f"{r.cache_fraction:g}", fmt(r.io_mb_s), fmt(r.fstar_mb_s), fmt(r.predicted_mb_s), fmt(r.measured_mb_s),
-                      fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"), fmt(lt[0]), fmt(lt[1], ".2f"))
+                      fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"),
+                      fmt(None if r.miss_latency_s is None else r.miss_latency_s * 1e3, ".1f"), fmt(e[0]), fmt(e[1], ".2f"))
     Console(width=120).print(table)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
     print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
-    if loader_terms:
-        within2 = sum(abs(v[1] - 1) <= 0.10 for v in loader_terms.values())
-        print(f"with the miss term (m = {miss_rate / MB:.2f} MB/s, fitted on c/d=0 b=free): {within2}/{len(loader_terms)}"
-              f" within 10%")
+    within2 = sum(abs(v[1] - 1) <= 0.10 for v in ext.values())
+    print(f"extended (loader miss term from the measured miss latency, token-bucket burst): {within2}/{len(ext)}"
+          f" points within 10%")
     s, u = plan_epoch["silod"], plan_epoch["storage-unaware"]
     print(f"epoch time, same cache ({d / MB:.2f} MB) and link ({0.6 * fstar / MB:.3f} MB/s) shared with a 4x-larger"
           f" dataset's job: SiloD's plan (cache {s['cache_fraction']:.2f} d, {s['io_mb_s']:.3f} MB/s) {s['epoch_s']:.2f}s,"
@@ -310,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"fstar_mb_s": fstar / MB, "fstar_refs_mb_s": [f / MB for f in refs], "dataset_mb": d / MB, "images": images,
                                     "pairs": pairs, "workers": args.workers, "points": [asdict(r) for r in results],
                                     "plans": plan_epoch, "load": [load0, load1],
-                                    "miss_rate_mb_s": None if miss_rate is None else miss_rate / MB,
-                                    "with_miss_term": loader_terms}, indent=1))
+                                    "extended": ext}, indent=1))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

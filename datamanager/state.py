@@ -386,6 +386,9 @@ class StateStore:
                     # node may carry) is capped there.
                     "remote_rate_bytes_per_s": _rate_at_most(stats.get("remote_rate_bytes_per_s"), alloc_rate),
                     "throughput_bytes_per_s": _rate_at_most(stats.get("throughput_bytes_per_s"), None),
+                    # How old these figures are (the mount's last heartbeat): the scheduler takes
+                    # the counters' deltas over the time they span, not over its own interval.
+                    "stats_age_s": None if seen is None else max(0.0, round(now - seen, 3)),
                     **{k: _bounded_or_none(stats.get(k), None) for k in ("hit_bytes", "miss_bytes", "remote_bytes", "epoch")},
                 }
             datasets = {}

@@ -122,13 +122,23 @@ class JobMeasurement:
         cpu = None if declared_cpu_rate is None else FStarEstimate.start(declared_cpu_rate)
         return cls(FStarEstimate.start(declared_fstar, floor_factor=SERVICE_FSTAR_FLOOR), cpu)
 
-    def used_fstar(self, client_fstar: float | None = None) -> float:
+    def used_fstar(self, client_fstar: float | None = None, observed: float | None = None) -> float:
         """The f* planning uses: the data plane's estimate, lowered (never raised) by the client's
         word: a client can only make its own job look slower than measured, which gains it
-        nothing (it gets fewer resources). No floor: its word may take it below declared / 4."""
-        if client_fstar is None or not math.isfinite(client_fstar) or client_fstar <= 0:
-            return self.fstar.estimate
-        return min(self.fstar.estimate, self.fstar.clip(client_fstar))
+        nothing (it gets fewer resources). No floor at declared / 4; but not below `observed`,
+        the rate the data plane measured it reading at in its last interval: a job consumes at
+        least what it reads, so a lower word is contradicted (a step-time report taken over a
+        slow second of a loaded machine dragged a real job's planned f* to half its speed)."""
+        return used_fstar(self.fstar, client_fstar, observed)
+
+
+def used_fstar(fstar: FStarEstimate, client_fstar: float | None, observed: float | None = None) -> float:
+    """JobMeasurement.used_fstar on an estimate (the service's round path has no JobMeasurement)."""
+    if client_fstar is None or not math.isfinite(client_fstar) or client_fstar <= 0:
+        return fstar.estimate
+    if observed is not None and math.isfinite(observed) and observed > client_fstar:
+        client_fstar = observed
+    return min(fstar.estimate, fstar.clip(client_fstar))
 
 
 def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: float = math.inf,
@@ -182,4 +192,4 @@ def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: fl
     return JobMeasurement(fs, cpu, max_observed, bound, best)
 
 
-__all__ += ["CLIENT_SLACK", "SERVICE_FSTAR_FLOOR", "JobMeasurement", "observe_job"]
+__all__ += ["CLIENT_SLACK", "SERVICE_FSTAR_FLOOR", "JobMeasurement", "observe_job", "used_fstar"]

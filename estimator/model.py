@@ -80,6 +80,52 @@ def silod_perf(ideal: ArrayLike, remote_io: ArrayLike, cache: ArrayLike, dataset
     return _out(np.minimum(f, np.asarray(io_perf(remote_io, cache, dataset_size))))
 
 
+def window_io_perf(remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike, seconds: ArrayLike,
+                   burst: ArrayLike) -> Number:
+    """IOPerf over a window of `seconds` that starts with `burst` bytes of remote IO banked:
+    (b + burst / seconds) / (1 - c/d); +inf once the whole dataset is cached.
+
+    A token bucket (the mount's rate limiter) keeps up to a bounded burst of its rate while the
+    link idles, so a job that reads after an idle spell fetches b x seconds + burst in its first
+    `seconds`. Over a long run the term vanishes and this is `io_perf` (Eq. 3); it matters for
+    short measurement windows (an epoch of a fraction of a second after the link idled)."""
+    b = _as_array(remote_io, "remote_io")
+    t = _as_array(seconds, "seconds", positive=True)
+    extra = _as_array(burst, "burst")
+    h = np.asarray(hit_ratio(cache, dataset_size))
+    return _out(_io_k(b + extra / t, h))
+
+
+def loader_miss_rate(workers: ArrayLike, item_bytes: ArrayLike, miss_latency_s: ArrayLike) -> Number:
+    """m = W s / L: the bytes per second of misses a loader of W workers absorbs when each miss
+    of an s-byte item holds its worker L seconds (Little's law); +inf when a miss costs nothing."""
+    w = _as_array(workers, "workers", positive=True)
+    s = _as_array(item_bytes, "item_bytes", positive=True)
+    lat = _as_array(miss_latency_s, "miss_latency_s")
+    with np.errstate(divide="ignore"):
+        return _out(np.asarray(np.where(lat <= 0.0, np.inf, w * s / np.where(lat <= 0.0, 1.0, lat)), dtype=float))
+
+
+def loader_perf(ideal: ArrayLike, hit: ArrayLike, miss_rate: ArrayLike = np.inf) -> Number:
+    """1 / (1/f* + (1 - h)/m): the job's rate when each byte of input costs its compute (1/f*)
+    and each missed byte the loader's time to absorb it (1/m, `loader_miss_rate`), which the
+    loader's workers cannot hide behind compute (on a machine whose cores both share, or with
+    too few workers for the miss latency). m = inf (a job that declares nothing about its
+    loader) gives f*: the paper's model."""
+    f = _as_array(ideal, "ideal", positive=True)
+    h = np.clip(_as_array(hit, "hit"), 0.0, 1.0)
+    m = _as_array(miss_rate, "miss_rate", positive=True)
+    return _out(np.asarray(1.0 / (1.0 / f + (1.0 - h) / m), dtype=float))
+
+
+def silod_loader_perf(ideal: ArrayLike, remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike,
+                      miss_rate: ArrayLike = np.inf) -> Number:
+    """min(1 / (1/f* + (1 - c/d)/m), b / (1 - c/d)): SiloDPerf (Eq. 4) with the loader's miss
+    term (`loader_perf`); exactly `silod_perf` when m = inf."""
+    h = np.asarray(hit_ratio(cache, dataset_size))
+    return _out(np.minimum(np.asarray(loader_perf(ideal, h, miss_rate)), np.asarray(io_perf(remote_io, cache, dataset_size))))
+
+
 def remote_demand(ideal: ArrayLike, cache: ArrayLike, dataset_size: ArrayLike) -> Number:
     """Remote IO a job needs to run at full speed: f* (1 - c/d) (Eq. 2)."""
     f = _as_array(ideal, "ideal")

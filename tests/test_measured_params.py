@@ -223,3 +223,106 @@ def test_on_kubernetes_the_node_agents_counters_give_the_rate(svc):
     mp = c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["measured_parameters"]
     assert mp["observed_throughput"] == pytest.approx(REAL_FSTAR)
     assert mp["ideal_throughput"] == pytest.approx(REAL_FSTAR)
+
+
+# --- which intervals are evidence (issue 49: a real PyTorch job; issue 48: an IO-held interval) ------
+
+SMALL = {"name": "small", "uri": "s3://datasets/small", "size": "1GB"}  # fits the 200 GB cache
+
+
+class _Mount:
+    """A job's mount as the data manager reports it: cumulative read and miss bytes, the smoothed
+    read rate and the whole-run hit ratio (what the service had before issue 49), fed interval by
+    interval to `service.self_correct`."""
+
+    def __init__(self, service, job_id: str, t: float):
+        self.service, self.job_id, self.t = service, job_id, t
+        self.read = self.miss = 0.0
+
+    def interval(self, rate: float, miss_share: float = 0.0, seconds: float = 2.0) -> None:
+        self.read += rate * seconds
+        self.miss += rate * miss_share * seconds
+        self.t += seconds
+        hit = 1.0 - self.miss / self.read if self.read else None
+        self.service.self_correct({self.job_id: {"throughput": rate, "hit_ratio": hit, "read_bytes": self.read,
+                                                 "miss_bytes": self.miss, "age_s": 0.0}}, self.t)
+
+    def fstar(self, c) -> float:
+        return c.get(f"/v1/jobs/{self.job_id}", headers=H_ALICE).json()["measured_parameters"]["ideal_throughput"]
+
+
+def test_a_cached_job_with_no_remote_io_converges_from_its_intervals_not_its_whole_run(svc):
+    """The real PyTorch job's finding: its dataset fits the cache, so the round gives it no remote
+    IO (b = f* (1 - c/d) = 0). Its first epoch missed everything, so the whole-run hit ratio stays
+    below 1 for the rest of the run, and b / (1 - h) = 0 called every later interval IO-bound:
+    f* was only ever raised and planning stayed at the declaration. Each interval's own hit ratio
+    (all hits once the cache is full) says the GPUs held it: a sample of f*."""
+    c, service = svc
+    assert c.post("/v1/datasets", json=SMALL, headers=H_ALICE).status_code == 201
+    for declared, real in ((100 * MB, 50 * MB), (100 * MB, 200 * MB)):  # 2x too high, 2x too low
+        job = c.post("/v1/jobs", json={**JOB, "dataset": "small", "epochs": 1000, "ideal_throughput": declared},
+                     headers=H_ALICE).json()
+        service.run_round("test")
+        assert _cap(service, job["id"]) == 0.0  # cached in full: planned to need no remote IO
+        mount = _Mount(service, job["id"], 1000.0)
+        mount.interval(0.0)  # first sight
+        for _ in range(4):  # the first epoch: every read a miss, at the rate the spare link lent
+            mount.interval(20 * MB, miss_share=1.0)
+        for _ in range(5):  # cached: at the GPUs' speed
+            mount.interval(real)
+            service.run_round("test")
+        assert mount.fstar(c) == pytest.approx(real, rel=0.02), (declared, real)
+        c.delete(f"/v1/jobs/{job['id']}", headers=H_ALICE)
+        service.run_round("test")
+
+
+def test_an_interval_held_by_remote_io_never_lowers_fstar(svc):
+    """Issue 48: the link held the job (every read of the interval missed, at its cap) while the
+    whole-run hit ratio said most reads hit; judged against b / (1 - whole-run h) the interval
+    looked GPU-bound and its IO-limited rate became f*. An IO-held interval only says f* >= rate."""
+    c, service = svc
+    job = c.post("/v1/jobs", json={**JOB, "gpus": 8, "ideal_throughput": "4GB/s"}, headers=H_ALICE).json()
+    service.run_round("test")
+    cap = _cap(service, job["id"])
+    assert 0 < cap <= 1000 * MB  # the link (1 GB/s) binds
+    mount = _Mount(service, job["id"], 1000.0)
+    mount.interval(0.0)
+    for _ in range(5):  # earlier reads hit (say another job had cached them)...
+        mount.interval(4000 * MB, miss_share=0.0)
+    before = mount.fstar(c)
+    for _ in range(4):  # ...then the cache was taken away: every read misses, at the cap
+        mount.interval(cap, miss_share=1.0)
+        assert mount.fstar(c) >= before * 0.999
+    mp = c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["measured_parameters"]
+    assert mp["bound"] == "remote_io"
+
+
+def test_warm_up_counts_from_the_first_read(svc):
+    """A framework takes seconds to start before its first read (torch's import, the DataLoader's
+    worker processes): a warm-up counted from the first sight of the job was over by then, and the
+    pipeline's slow first seconds of reading became samples of f*."""
+    c, service = svc
+    job = c.post("/v1/jobs", json=JOB, headers=H_ALICE).json()
+    service.run_round("test")
+    mount = _Mount(service, job["id"], 1000.0)
+    mount.interval(0.0)
+    for _ in range(4):  # 8 s of start-up: nothing read
+        mount.interval(0.0)
+    mount.interval(10 * MB)  # the loader's workers start, caches are cold
+    mount.interval(30 * MB)
+    for _ in range(4):
+        mount.interval(REAL_FSTAR)
+    assert mount.fstar(c) == pytest.approx(REAL_FSTAR, rel=0.02)
+
+
+def test_a_client_word_below_what_the_job_just_read_is_contradicted():
+    """A job consumes at least what it reads: a step-time report taken over a slow second (the
+    real PyTorch job on a loaded machine: 1.1 MB/s reported while it read 3 MB/s) lowers the f*
+    planning uses no further than the data plane's last interval."""
+    m = JobMeasurement.start(100 * MB)
+    assert m.used_fstar(10 * MB, observed=40 * MB) == 40 * MB
+    assert m.used_fstar(60 * MB, observed=40 * MB) == 60 * MB
+    assert m.used_fstar(10 * MB, observed=400 * MB) == 100 * MB  # never above the estimate
+    from scheduler.service.measured_params import planned
+
+    assert planned(100 * MB, None, 80 * MB, None, 0.1, 1 * MB, 1000.0, 1000.0, 40 * MB)[0] == 40 * MB

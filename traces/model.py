@@ -33,6 +33,10 @@ class TraceJob:
     #: scheduler starts from it and corrects it from what the job reads (estimator/measured.py).
     #: None: the declaration is exact. Python API and experiments only (no trace column).
     declared_throughput: float | None = None
+    #: Bytes/s of misses the job's data loader absorbs (estimator.loader_perf: each missed byte
+    #: costs 1/m beside its compute; m = W s / L, estimator.loader_miss_rate). None: a loader that
+    #: hides every miss (the paper's model). Python API and experiments only (no trace column).
+    loader_miss_rate: float | None = None
 
     def total_bytes(self, dataset_size: float) -> float:
         return self.epochs * dataset_size

@@ -47,14 +47,16 @@ _M = JobMeasurementRow
 #: to diagnose its running jobs selects these (catalogue.py's record query holds them all).
 COLUMNS = (Job.id, Job.ideal_throughput, Job.cpu_rate, Job.gpus, JobAllocationRow.remote_io, JobAllocationRow.cpu,
            CacheAllocationRow.bytes, Dataset.size, CacheAllocationRow.expansion, Job.post_cpu_rate,
-           _M.ideal_throughput, _M.cpu_rate, _M.client_step_s, _M.client_batch_bytes, _M.client_at)
+           _M.ideal_throughput, _M.cpu_rate, _M.client_step_s, _M.client_batch_bytes, _M.client_at, _M.observed)
 
 
 def diagnosis_input(declared_fstar: float, declared_cpu: float | None, gpus: int, remote_io: float | None,
                     cores: float | None, cache: float | None, dataset_size: float, cache_expansion: float | None,
                     post_cpu_rate: float | None, measured_fstar: float | None, measured_cpu: float | None,
-                    step_s: float | None, batch_bytes: float | None, client_at: float | None, now: float) -> DiagnosisInput:
-    f, cpu = planned(declared_fstar, declared_cpu, measured_fstar, measured_cpu, step_s, batch_bytes, client_at, now)
+                    step_s: float | None, batch_bytes: float | None, client_at: float | None, observed: float | None,
+                    now: float) -> DiagnosisInput:
+    f, cpu = planned(declared_fstar, declared_cpu, measured_fstar, measured_cpu, step_s, batch_bytes, client_at, now,
+                     observed)
     # Autocaching counts only when the cache holds preprocessed data for a job with both rates.
     pre = cache_expansion is not None and post_cpu_rate is not None and cpu is not None
     return DiagnosisInput(float(f), cpu, int(gpus), remote_io, cores, cache, float(dataset_size),

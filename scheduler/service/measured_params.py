@@ -15,7 +15,8 @@ Trust (the same rules as the consumption reports, scheduler/service/consumption.
 - once the data plane has measured a job, the measurement replaces its declared f* downward
   without a floor (a declaration is a claim: a tenant can only lose by overstating it), and
   upward at most to declared x 4;
-- what a client claims can only lower the f* planning uses, and is believed for telling a CPU
+- what a client claims can only lower the f* planning uses (not below the rate the data plane
+  measured it reading at in its last interval), and is believed for telling a CPU
   bottleneck from a GPU one only up to the highest rate the data plane measured (see
   observe_job): a client that says its job is faster than measured gains nothing.
 """
@@ -32,10 +33,12 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from estimator.measured import SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job
+from estimator.measured import SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job, used_fstar
 from scheduler.service.db.models import Job, JobMeasurementRow
 
-#: Intervals in a job's first seconds of running are not evidence: its mount and pipeline warm up.
+#: Intervals in a job's first seconds of reading are not evidence: its mount and pipeline warm up.
+#: Counted from its first read, not from its start (a framework's import and its loader's worker
+#: processes take seconds before anything is read).
 WARMUP_S = 5.0
 #: An interval longer than this (the service paused, a job restarted) is not evidence of a rate.
 MAX_INTERVAL_S = 30.0
@@ -94,7 +97,7 @@ def params_of(row: JobMeasurementRow | None, declared_fstar: float, declared_cpu
     m = state_from_row(row, declared_fstar, declared_cpu)
     client = client_fstar(row, now)
     return MeasuredParams(
-        declared_fstar, m.used_fstar(client), m.fstar.evidence_s, declared_cpu,
+        declared_fstar, m.used_fstar(client, row.observed), m.fstar.evidence_s, declared_cpu,
         None if m.cpu is None else m.cpu.estimate, 0.0 if m.cpu is None else m.cpu.evidence_s,
         row.observed, m.max_observed, m.bound, client, row.client_at, row.updated_at)
 
@@ -106,15 +109,16 @@ def client_report_fresh(client_at: float | None, now: float) -> bool:
 
 def planned(declared_fstar: float, declared_cpu: float | None, measured_fstar: float | None,
             measured_cpu: float | None, step_s: float | None, batch_bytes: float | None, client_at: float | None,
-            now: float) -> tuple[float, float | None]:
+            now: float, observed: float | None = None) -> tuple[float, float | None]:
     """(f*, per-core rate) planning uses, from a job's row columns (the round's hot path: no ORM).
-    Depends on `now` only through `client_report_fresh(client_at, now)` (round_jobs.py relies on it)."""
+    Depends on `now` only through `client_report_fresh(client_at, now)` (round_jobs.py relies on it).
+    `observed`: the data plane's last interval rate (JobMeasurement.used_fstar)."""
     if measured_fstar is None and step_s is None:
         return declared_fstar, declared_cpu
     fs = FStarEstimate(declared_fstar, declared_fstar, floor_factor=SERVICE_FSTAR_FLOOR)
     est = fs.clip(measured_fstar) if measured_fstar is not None else declared_fstar
     if step_s and batch_bytes and client_report_fresh(client_at, now):
-        est = min(est, fs.clip(batch_bytes / step_s))
+        est = used_fstar(replace(fs, estimate=est), batch_bytes / step_s, observed)
     cpu = declared_cpu
     if declared_cpu is not None and measured_cpu is not None:
         cpu = FStarEstimate(declared_cpu, declared_cpu).clip(measured_cpu)
@@ -132,6 +136,12 @@ class Observation:
     cores: float | None  # held; None: CPU not modelled
     cache: float | None  # its dataset's cache allocation
     dataset_size: float
+    # The data plane's cumulative counters of this run of the job (bytes read, bytes of them that
+    # missed the cache) and when they were taken (None: now). With them an interval's rate and hit
+    # ratio are those of the interval itself, not a smoothed rate and a whole-run hit ratio.
+    read_bytes: float | None = None
+    miss_bytes: float | None = None
+    at: float | None = None
 
 
 def io_bound(o: Observation, link: float) -> float:
@@ -150,7 +160,8 @@ class MeasurementStore:
         self.sessions = sessions
         self.lock = write_lock or threading.RLock()
         self._last: dict[int, float] = {}  # job -> when it was last observed (scheduling process)
-        self._first: dict[int, float] = {}  # job -> when this run of it was first observed
+        self._first_read: dict[int, float] = {}  # job -> when this run of it was first seen reading
+        self._counts: dict[int, tuple[float, float, float]] = {}  # job -> (read, miss, at) last seen
 
     def rows(self, job_ids: Iterable[int]) -> dict[int, JobMeasurementRow]:
         ids = [int(j) for j in job_ids]
@@ -172,7 +183,8 @@ class MeasurementStore:
         obs = {o.job_id: o for o in observations}
         for jid in [j for j in self._last if j not in obs]:
             del self._last[jid]  # not running now: its next interval starts afresh
-            self._first.pop(jid, None)
+            self._first_read.pop(jid, None)
+            self._counts.pop(jid, None)
         if not obs:
             return {}
         with self.sessions() as s:
@@ -184,27 +196,65 @@ class MeasurementStore:
         for jid, o in obs.items():
             if jid not in declared:
                 continue
-            last = self._last.get(jid)
-            self._last[jid] = now
-            first = self._first.setdefault(jid, now)
-            if last is None or not 0 < now - last <= MAX_INTERVAL_S or now - first < WARMUP_S:
+            interval = self._interval(jid, o, now)
+            if interval is None:
                 continue
-            if o.observed <= 0:
-                continue  # stalled (or not started reading): says nothing about its rates
+            observed, hit, seconds = interval
             f, r = declared[jid]
             row = rows.get(jid)
             before = state_from_row(row, f, r)
-            after = observe_job(before, o.observed, now - last, io_bound(o, link),
+            after = observe_job(before, observed, seconds, io_bound(replace(o, hit_ratio=hit), link),
                                 math.inf if o.cores is None else o.cores, client_fstar(row, now))
             out[jid] = after
             writes.append(dict(
                 job_id=jid, ideal_throughput=after.fstar.estimate, ideal_evidence_s=after.fstar.evidence_s,
                 cpu_rate=None if after.cpu is None else after.cpu.estimate,
                 cpu_evidence_s=0.0 if after.cpu is None else after.cpu.evidence_s,
-                max_observed=after.max_observed, best_per_core=after.best_per_core, observed=o.observed,
+                max_observed=after.max_observed, best_per_core=after.best_per_core, observed=observed,
                 bound=after.bound, updated_at=now, existed=row is not None))
         self._write(writes)
         return out
+
+    def _interval(self, jid: int, o: Observation, now: float) -> tuple[float, float | None, float] | None:
+        """(read rate, hit ratio, seconds) of the job's interval ending now, or None when it is no
+        evidence: the first sight of it (or after a gap), its warm-up, a stall, restarted counters.
+
+        With the data plane's counters the rate and the hit ratio are the interval's own: a
+        whole-run hit ratio lags (a job whose cache filled in its first epoch still shows its cold
+        misses epochs later), and an interval with misses judged against the cache it will have
+        looks GPU-bound while the link held it (issue 48: such an interval lowered f*)."""
+        last = self._last.get(jid)
+        self._last[jid] = now
+        counted = o.read_bytes is not None and o.miss_bytes is not None
+        if counted:
+            at = now if o.at is None else min(float(o.at), now)
+            read, miss = float(o.read_bytes), float(o.miss_bytes)
+            prev = self._counts.get(jid)
+            if prev is not None and at <= prev[2] and read >= prev[0]:
+                return None  # no new figures since the last look: the next interval spans both
+            self._counts[jid] = (read, miss, at)
+            if read > 0:
+                self._first_read.setdefault(jid, at)
+            if prev is None or last is None or not 0 < now - last <= MAX_INTERVAL_S:
+                return None
+            d_read, d_miss, start = read - prev[0], miss - prev[1], prev[2]
+            if d_read < 0 or d_miss < 0:
+                self._first_read.pop(jid, None)  # counters restarted (a new mount): warm up again
+                if read > 0:
+                    self._first_read[jid] = at
+                return None
+            if not 0 < at - start <= MAX_INTERVAL_S:
+                return None
+            if start < self._first_read.get(jid, math.inf) + WARMUP_S or d_read <= 0:
+                return None  # warming up, or read nothing (stalled, not started): no rate to learn
+            return d_read / (at - start), 1.0 - min(d_miss, d_read) / d_read, at - start
+        if o.observed > 0:
+            self._first_read.setdefault(jid, now)
+        if last is None or not 0 < now - last <= MAX_INTERVAL_S:
+            return None
+        if last < self._first_read.get(jid, math.inf) + WARMUP_S or o.observed <= 0:
+            return None
+        return o.observed, o.hit_ratio, now - last
 
     def _write(self, writes: list[dict]) -> None:
         if not writes:

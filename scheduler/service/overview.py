@@ -290,7 +290,7 @@ def measurements_from_datamanager(status: Any, link: float | None = None) -> dic
     if not isinstance(status, Mapping):
         return {}
     for node in (status.get("nodes") or {}).values():
-        mounts: list[tuple[str, float, float, float]] = []  # (job, hit, miss, throughput)
+        mounts: list[tuple[str, float, float, float, float | None]] = []  # (job, hit, miss, throughput, age)
         remote = 0.0
         for entry in ((node or {}).get("datasets") or {}).values():
             for job, j in ((entry or {}).get("jobs") or {}).items():
@@ -299,16 +299,27 @@ def measurements_from_datamanager(status: Any, link: float | None = None) -> dic
                 tput = _finite(j.get("throughput_bytes_per_s")) or 0.0
                 rate = _finite(j.get("remote_rate_bytes_per_s"))
                 remote += rate if rate is not None else (tput * miss / (hit + miss) if hit + miss > 0 else tput)
-                mounts.append((str(job), hit, miss, tput))
+                mounts.append((str(job), hit, miss, tput, _finite(j.get("stats_age_s"))))
         scale = link / remote if link is not None and link > 0 and remote > link else 1.0
-        for job, hit, miss, tput in mounts:
-            acc = out.setdefault(job, {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "seen": 0.0})
+        for job, hit, miss, tput, age in mounts:
+            acc = out.setdefault(job, {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "age": 0.0, "counted": 1.0})
             acc["hit"] += hit
             acc["miss"] += miss
             acc["throughput"] += tput * scale
-            acc["seen"] = 1.0
-    return {job: {"hit_ratio": (a["hit"] / (a["hit"] + a["miss"])) if a["hit"] + a["miss"] > 0 else None,
-                  "throughput": a["throughput"]} for job, a in out.items()}
+            # Counters are believed only where the node's figures are (scale 1) and dated.
+            if scale < 1.0 or age is None or age < 0:
+                acc["counted"] = 0.0
+            else:
+                acc["age"] = max(acc["age"], age)
+    res: dict[str, dict[str, float | None]] = {}
+    for job, a in out.items():
+        res[job] = {"hit_ratio": (a["hit"] / (a["hit"] + a["miss"])) if a["hit"] + a["miss"] > 0 else None,
+                    "throughput": a["throughput"]}
+        if a["counted"]:
+            # Cumulative counters of the job's mounts (summed over nodes) and their age: the
+            # scheduler's measured parameters take each interval's own rate and hit ratio from them.
+            res[job].update(read_bytes=a["hit"] + a["miss"], miss_bytes=a["miss"], age_s=a["age"])
+    return res
 
 
 def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]]:
@@ -320,8 +331,13 @@ def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]
     out: dict[str, dict[str, float | None]] = {}
     for job_id in running():
         st = status_of(job_id) or {}
+        mount = st.get("mount") or {}
         out[str(job_id)] = {"hit_ratio": _finite(st.get("hit_ratio")), "throughput": _finite(st.get("throughput")),
                             # the rate its mount's token bucket enforces now (work conservation may
                             # lend it more than its allocation): the IO bound of its last interval
-                            "io_rate": _finite((st.get("mount") or {}).get("io_rate_bytes_per_s"))}
+                            "io_rate": _finite(mount.get("io_rate_bytes_per_s"))}
+        read, miss, at = _finite(mount.get("read_bytes")), _finite(mount.get("miss_bytes")), _finite(st.get("updated_at"))
+        if read is not None and miss is not None and at is not None:
+            # the mount's cumulative counters as of the worker's status (wall-clock time)
+            out[str(job_id)].update(read_bytes=read, miss_bytes=miss, at=at)
     return out

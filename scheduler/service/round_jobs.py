@@ -33,7 +33,7 @@ _QUERY: Select = (
         Job.curriculum_starting_percent, Job.curriculum_alpha, Job.curriculum_step, Job.curriculum_batch,
         Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
         JobMeasurementRow.ideal_throughput, JobMeasurementRow.cpu_rate, JobMeasurementRow.client_step_s,
-        JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at, Job.start_time,
+        JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at, Job.start_time, JobMeasurementRow.observed,
     )
     .join(Dataset, Job.dataset_id == Dataset.id)
     .outerjoin(JobMeasurementRow, JobMeasurementRow.job_id == Job.id)
@@ -80,7 +80,7 @@ def _build(row: tuple, now: float) -> TenantJob:
     jid, gpus, ds_id, ds_name, ideal, total, consumed, submit, state, prio, _size, owner, *rest = row
     # Measured, self-correcting parameters (measured_params.py): the estimate once there is
     # evidence, else what the job declared.
-    ideal, cpu_rate = planned(ideal, rest[5], rest[8], rest[9], *rest[10:13], now)
+    ideal, cpu_rate = planned(ideal, rest[5], rest[8], rest[9], *rest[10:13], now, rest[14])
     if cpu_rate is not None and rest[7] is not None:
         cpu_rate = min(cpu_rate, rest[7])  # the autocache point's rate bounds the whole pipeline's
     view = JobView(

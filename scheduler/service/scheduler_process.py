@@ -84,6 +84,26 @@ from scheduler.service.round_persistence import Pending, diff_round, read_curren
 from scheduler.service.measured_params import MeasurementStore, Observation
 
 
+def _counters(m: Mapping[str, Any], now: float) -> tuple[float | None, float | None, float | None]:
+    """(read bytes, miss bytes, when taken) of a job's cumulative data-plane counters in a
+    measurement dict (overview.measurements_from_*), or Nones when it carries none."""
+    read, miss = m.get("read_bytes"), m.get("miss_bytes")
+    try:
+        read, miss = float(read), float(miss)
+    except (TypeError, ValueError):
+        return None, None, None
+    if not (math.isfinite(read) and math.isfinite(miss) and 0 <= miss <= read):
+        return None, None, None
+    at = m.get("at")
+    if at is None and m.get("age_s") is not None:
+        at = now - float(m["age_s"])
+    try:
+        at = None if at is None else float(at)
+    except (TypeError, ValueError):
+        at = None
+    return read, miss, (at if at is not None and math.isfinite(at) else None)
+
+
 @dataclass(frozen=True, slots=True)
 class _RoundInput:
     snapshot: Snapshot  # the jobs admitted within their tenants' quotas
@@ -511,7 +531,9 @@ class SchedulerService(ReadViews):
             enforced = m.get("io_rate")  # what the mount enforces now, when the backend can tell
             if enforced is not None and math.isfinite(float(enforced)) and float(enforced) > 0:
                 io = max(float(enforced), io or 0.0)
-            obs.append(Observation(int(jid), float(rate), None if hit is None else float(hit), io, cores, cache, size))
+            counters = _counters(m, now)
+            obs.append(Observation(int(jid), float(rate), None if hit is None else float(hit), io, cores, cache, size,
+                                   *counters))
         self.measurements.observe(obs, float(self.config.capacity.remote_io), now)
 
     def _agent_rates(self, job_ids: list[str], now: float) -> dict[str, dict[str, float | None]]:
@@ -530,7 +552,9 @@ class SchedulerService(ReadViews):
             if prev is not None and now > prev[1] and m.read_bytes >= prev[0]:
                 hits = m.hit_bytes + m.miss_bytes
                 out[jid] = {"throughput": (m.read_bytes - prev[0]) / (now - prev[1]),
-                            "hit_ratio": m.hit_bytes / hits if hits > 0 else None}
+                            "hit_ratio": m.hit_bytes / hits if hits > 0 else None,
+                            # the counters themselves: the interval's own hit ratio comes from them
+                            "read_bytes": float(hits), "miss_bytes": float(m.miss_bytes)}
         self._consumed_seen = seen
         return out
 

@@ -331,6 +331,9 @@ class Simulator:
             raise UserError("cache system 'silod' needs the SiloD estimator (its allocations drive the cache)")
         self.progress = progress
         self._autocaching = any(j.pipeline is not None and j.pipeline.autocaches for j in trace.jobs)  # (_Members.autocaches)
+        # Jobs with a loader miss term (TraceJob.loader_miss_rate): their rate follows their miss
+        # ratio, as autocaching readers' does, so they take the same per-job path.
+        self._loaders = any(j.loader_miss_rate is not None for j in trace.jobs)
         self._snapshots = 0  # snapshots taken (the last one's views may reuse the kept ones: _views)
         self.datasets: dict[str, SimDataset] = {}
         starts: dict[str, float] = {}  # smallest starting_percent of each dataset's curriculum readers
@@ -545,7 +548,8 @@ class Simulator:
         # Autocaching: a preprocessed reader's CPU cost follows m, so its m matters even on a
         # link that could serve everyone.
         contended = sum(st.ideal.tolist()) > link
-        if contended or (self._expanded and any(j.dataset.expansion != 1.0 for j in running)):
+        if contended or (self._expanded and any(j.dataset.expansion != 1.0 for j in running)) or (
+                self._loaders and any(j.trace.loader_miss_rate is not None for j in running)):
             tol = self.config.demand_tolerance
             moves = self.cache.moves_under_all(running)
             if moves.any():
@@ -1026,10 +1030,11 @@ class Simulator:
 
     def _preprocessed(self, running: list[SimJob]) -> list[int]:
         """Positions of the running jobs whose dataset's cache holds preprocessed data
-        (autocaching): their rate without IO limits depends on their miss ratio."""
-        if not self._expanded:
+        (autocaching) or with a loader miss term: their rate without IO limits depends on their
+        miss ratio."""
+        if not self._expanded and not self._loaders:
             return []
-        return [i for i, j in enumerate(running) if j.dataset.expansion != 1.0]
+        return [i for i, j in enumerate(running) if j.dataset.expansion != 1.0 or j.trace.loader_miss_rate is not None]
 
     @staticmethod
     def _ideal_at(running: list[SimJob], st, m: np.ndarray, pre: list[int]) -> np.ndarray:

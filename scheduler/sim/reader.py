@@ -40,6 +40,7 @@ import numpy as np
 from estimator.access import CurriculumPacing
 from estimator.measured import FStarEstimate
 from estimator.pipeline import RESOURCES
+from estimator.model import loader_perf
 from policies.types import JobView
 from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.position import (BOUND, CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, N_ADVANCED,
@@ -162,12 +163,18 @@ class SimJob:
         """The rate IO does not bind, at miss ratio `miss`. Caching preprocessed data
         (autocaching: the dataset's expansion is not 1) a hit costs post_cpu_rate per core and a
         miss cpu_rate, so on k cores: min(f*, k / ((1-m)/p + m/r)) (estimator/pipeline.py);
-        otherwise `ideal`."""
+        otherwise `ideal`. A job with a loader term (TraceJob.loader_miss_rate) reads that at
+        1 / (1/ideal + m / loader_miss_rate) (estimator.loader_perf)."""
         pipeline = self.trace.pipeline
         if self.dataset.expansion == 1.0 or pipeline is None or not pipeline.autocaches or math.isinf(self.cores):
-            return self.ideal
-        cost = (1.0 - miss) / pipeline.post_cpu_rate + miss / pipeline.cpu_rate
-        return min(self.gpu_ideal, self.cores / cost)
+            ideal = self.ideal
+        else:
+            cost = (1.0 - miss) / pipeline.post_cpu_rate + miss / pipeline.cpu_rate
+            ideal = min(self.gpu_ideal, self.cores / cost)
+        loader = self.trace.loader_miss_rate
+        if loader is None or miss <= 0.0:
+            return ideal
+        return float(loader_perf(ideal, 1.0 - miss, loader))  # the service's estimator, the same function
 
     @property
     def remaining(self) -> float:
@@ -348,7 +355,7 @@ def advance(job: SimJob, now: float, dt: float, io_cap: float, cache: SimCacheSy
     An epoch reader of a cache system with a compiled advance (Alluxio's LRU: lru_kernel.py)
     takes that, which makes the same steps as `python_advance`."""
     compiled = cache.compiled_advance
-    if compiled is not None and job.pacing is None and job.dataset.expansion == 1.0:
+    if compiled is not None and job.pacing is None and job.dataset.expansion == 1.0 and job.trace.loader_miss_rate is None:
         k = job.dataset.n_chunks
         read, remote, finished_at, elapsed = compiled(job, now, dt, io_cap, substeps, max(1, int(k * VOLATILE_SUBSTEP))).tolist()
         return StepResult(read, remote, None if math.isnan(finished_at) else finished_at, elapsed)
@@ -362,7 +369,8 @@ def python_advance(job: SimJob, now: float, dt: float, io_cap: float, cache: Sim
     k = job.dataset.n_chunks
     ideal = job.ideal
     total = job.total_bytes
-    preprocessed = job.dataset.expansion != 1.0  # autocaching: the CPU cost per byte follows m
+    # Autocaching (the CPU cost per byte) or the loader's miss term: the rate IO allows follows m.
+    preprocessed = job.dataset.expansion != 1.0 or job.trace.loader_miss_rate is not None
     curriculum = job.pacing is not None
     volatile = cache.volatile_for(job)
     substep = max(1, int(k * VOLATILE_SUBSTEP)) if volatile else k

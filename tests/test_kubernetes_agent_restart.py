@@ -116,6 +116,17 @@ class Agent:
 def test_a_pod_keeps_reading_correct_bytes_across_an_agent_restart(control_plane, tmp_path):
     require_fuse()
     propagation = _webhook_propagation(control_plane)
+    final = restart_agent_under_reader(tmp_path, propagation)
+    assert final["mismatches"] == 0, final
+    assert propagation == "HostToContainer"
+
+
+def restart_agent_under_reader(tmp_path: Path, propagation: str | None) -> dict:
+    """Publish a dataset volume through a real `silod agent`, read it from a container mount
+    namespace with the propagation kubelet gives `propagation`, SIGKILL the agent and its mounts,
+    start it again; fails unless the reader gets its data back. Returns the reader's final
+    counters (passes, errors, mismatches). Also the operator walk's restart step
+    (tests/test_kubernetes_operator_walk.py)."""
     from fuse_client.agent.csi import csi_pb2 as pb, csi_pb2_grpc as pb_grpc
     import grpc
 
@@ -182,9 +193,7 @@ def test_a_pod_keeps_reading_correct_bytes_across_an_agent_restart(control_plane
                 f"the pod's reads did not come back after the agent restarted (propagation {propagation!r} ->"
                 f" {mode}): {read_state()}; agent: {(tmp_path / 'agent2.log').read_text()[-1500:]}")
             time.sleep(0.2)
-        final = read_state()
-        assert final["mismatches"] == 0, final
-        assert propagation == "HostToContainer"
+        return read_state()
     finally:
         if reader is not None and reader.poll() is None:
             os.killpg(reader.pid, signal.SIGKILL)

@@ -110,12 +110,19 @@ def test_reapplying_the_manifests_keeps_the_webhook_working(control_plane: Contr
         assert _submit(cp, ns, "repaired")["spec"]["suspend"] is True
     finally:
         keeper.stop()
-        cfg = admission.read_mutating_webhook_configuration(CONFIG)
-        for i, wh in enumerate(cfg.webhooks):  # leave the shared control plane as the fixture made it
-            if base64.b64decode(wh.client_config.ca_bundle or "") != ca_pem:
-                admission.patch_mutating_webhook_configuration(CONFIG, [
-                    {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": base64.b64encode(ca_pem).decode()}])
+        restore_ca_bundle(cp, ca_pem)
         cp.cleanup_namespace(ns)
+
+
+def restore_ca_bundle(cp: ControlPlane, ca_pem: bytes) -> None:
+    """Leave the shared control plane's webhook configuration as the fixture made it (its CA in
+    every webhook's caBundle), whatever a test applied over it."""
+    admission = client.AdmissionregistrationV1Api(cp.api_client())
+    cfg = admission.read_mutating_webhook_configuration(CONFIG)
+    for i, wh in enumerate(cfg.webhooks):
+        if base64.b64decode(wh.client_config.ca_bundle or "") != ca_pem:
+            admission.patch_mutating_webhook_configuration(CONFIG, [
+                {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": base64.b64encode(ca_pem).decode()}])
 
 
 def test_silod_changes_workloads_only_in_tenant_namespaces(control_plane: ControlPlane):

@@ -16,7 +16,7 @@ checking at each step what an operator checks:
    labelled Job are still admitted (201, stored suspended), and silod had nothing to rewrite.
 5. Add a node: a second 4-GPU Node; the next round plans on it (/v1/cluster lists it) and the
    two jobs waiting since step 4 run there (node a is full). /v1/cluster lists each node with its
-   free GPUs; its `gpus.total` is the --gpus flag (the cap), not the nodes' sum.
+   free GPUs, and its `gpus.total` grows from 4 to 8 (what the Ready nodes offer; --gpus only caps it).
 6. Delete a job: `kubectl delete job`; its silod job ends (failed, "... was deleted") within a
    round and its GPUs are free.
 
@@ -133,10 +133,11 @@ def test_the_operator_walk_of_docs_kubernetes_md(control_plane: ControlPlane, tm
             assert r.status_code == 200, r.text
             return r.json()
 
-        # The round plans on the nodes /v1/cluster lists (each with its free GPUs). Its
-        # `gpus.total` is the --gpus flag, the cap, not what the nodes offer.
+        # The round plans on the nodes /v1/cluster lists (each with its free GPUs), and its
+        # `gpus.total` is what they offer (the --gpus flag, 64, only caps it).
         wait(lambda: {n["name"]: n["gpus"] for n in cluster()["nodes"]}.get(a) == 4, 60, "the node in /v1/cluster",
              interval=0.5)
+        assert cluster()["gpus"]["total"] == 4
 
         # --- 2. submit a REST job and a kubectl Job; both run ----------------------------------
         r = user.post("/v1/datasets", json={"name": "ds", "uri": f"file://{ds.root}", "size": ds.total})
@@ -197,6 +198,7 @@ def test_the_operator_walk_of_docs_kubernetes_md(control_plane: ControlPlane, tm
         cp.add_node(b, 4)
         wait(lambda: b in {n["name"] for n in cluster()["nodes"]}, 60, lambda: f"the new node: {cluster()['nodes']}",
              interval=0.5)
+        assert cluster()["gpus"]["total"] == 8
         wait(lambda: running([rest2, "by-kubectl-2"]), 120, lambda: f"the second jobs to run: {states()}", interval=0.5)
         second = {(p["metadata"].get("labels") or {}).get("job-name"): p["spec"].get("nodeName") for p in cp.pods(ns)
                   if (p["metadata"].get("labels") or {}).get("job-name") in (rest2, "by-kubectl-2")}

@@ -7,6 +7,7 @@ Several of these run side by side (`silod serve --workers N`), one per uvicorn w
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -73,8 +74,12 @@ class ApiService(ReadViews):
         st = self._raw_status()
         nodes = tuple(NodeInfo(n["name"], int(n["gpus"]), float(n["cache"]), dict(n.get("labels") or {}))
                       for n in st.get("nodes", ()))
+        planned = st.get("capacity")
+        capacity = None if not isinstance(planned, dict) else dataclasses.replace(
+            self.config.capacity, gpus=int(planned["gpus"]), cache=float(planned["cache"]),
+            remote_io=float(planned["remote_io"]))
         return ClusterStatus(ClusterDescription(nodes, self.config.capacity.remote_io), st.get("backend", "unknown"),
-                             st.get("datamanager"), st.get("last_round_time"), st.get("last_push_error"))
+                             st.get("datamanager"), st.get("last_round_time"), st.get("last_push_error"), capacity)
 
     @property
     def rounds_total(self) -> int:

@@ -145,6 +145,8 @@ class SchedulerService(ReadViews):
         self._pushed_placements: dict[str, list[str]] | None = None
         self._placements_at = 0.0
         self._description = backend.describe()
+        #: The capacity the last round planned with (/v1/cluster's totals): the flags until then.
+        self._planned_capacity: ClusterCapacity = config.capacity
         name = config.policy or self._stored_policy() or "fifo"
         self.core = SchedulingCore(get_policy(name), SiloDEstimator(), round_s=config.round_seconds)
         self.policy_name = name
@@ -235,7 +237,7 @@ class SchedulerService(ReadViews):
 
     def _status(self) -> ClusterStatus:
         return ClusterStatus(self._description, self.backend.name, self.datamanager_url, self._last_round_time,
-                             self.last_push_error)
+                             self.last_push_error, self._planned_capacity)
 
     # ------------------------------------------------------------------ the loop
 
@@ -356,6 +358,9 @@ class SchedulerService(ReadViews):
         if capacity is None:  # no node with a GPU is Ready: nothing can run this round
             held_back, admitted, datasets = [*held_back, *admitted], [], {}
             capacity = self.config.capacity
+            self._planned_capacity = dataclasses.replace(capacity, gpus=0)
+        else:
+            self._planned_capacity = capacity
         snapshot = Snapshot(time=now, jobs=tuple(admitted), datasets=datasets, capacity=capacity)
         return _RoundInput(snapshot, tuple(held_back), owners, quotas)
 
@@ -566,6 +571,8 @@ class SchedulerService(ReadViews):
                 "backend": self.backend.name, "datamanager": self.datamanager_url,
                 "nodes": [{"name": n.name, "gpus": n.gpus, "cache": n.cache, "labels": dict(n.labels)} for n in d.nodes],
                 "last_round_time": self._last_round_time, "last_push_error": self.last_push_error,
+                "capacity": {"gpus": self._planned_capacity.gpus, "cache": self._planned_capacity.cache,
+                             "remote_io": self._planned_capacity.remote_io},
                 "rounds_total": self.rounds_total,
                 "last_round_duration_s": self.round_durations[-1] if self.round_durations else 0.0,
                 "measured": self._measured, "held_back": sorted(self._held_back), "history": list(self._history),

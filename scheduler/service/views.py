@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
 from contract.names import storage_key
+from policies.types import ClusterCapacity
 from scheduler.backends.base import ClusterDescription
 from scheduler.service.db.models import (
     AllocationChange,
@@ -47,6 +48,9 @@ class ClusterStatus:
     datamanager: str | None
     last_round_time: float | None
     last_push_error: str | None
+    #: What the last round planned with (Kubernetes: the Ready GPU nodes, capped by the flags);
+    #: None: the flags (no round yet, or a backend without a view of its own).
+    capacity: ClusterCapacity | None = None
 
 
 class ReadViews:
@@ -66,7 +70,8 @@ class ReadViews:
         `queue_limit`: only the first waiting jobs (/metrics gives no series to the others)."""
         from scheduler.service.control import scheduling_note
 
-        return build_overview(self.sessions, who, capacity=self.config.capacity, policy=self.policy_name,
+        capacity = self._status().capacity or self.config.capacity
+        return build_overview(self.sessions, who, capacity=capacity, policy=self.policy_name,
                               status=self._overview_status(), queue_limit=queue_limit,
                               scheduling=scheduling_note(self.sessions))
 
@@ -85,7 +90,7 @@ class ReadViews:
         st = self._status()
         return ClusterRecord(
             description=st.description,
-            capacity=self.config.capacity,
+            capacity=st.capacity or self.config.capacity,
             gpus_used=int(gpus_used),
             cache_used=float(cache_used),
             remote_io_used=float(io_used),

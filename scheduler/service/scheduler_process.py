@@ -561,7 +561,7 @@ class SchedulerService(ReadViews):
             return write_round(
                 self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
                 running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
-                now=now, t0=t0, secrets=self.config.secrets,
+                now=now, t0=t0, secrets=self.config.secrets, link=float(self.config.capacity.remote_io),
             )
 
     def _execute(self, pending: Pending) -> None:

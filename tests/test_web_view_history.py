@@ -2,14 +2,16 @@
 Chromium as tests/test_observability.py runs it.
 
 - History: the caller's own ended jobs (finished, failed, cancelled), newest first, paged (10 a
-  page), with the wait, the JCT and what bound them as last measured; another tenant's never.
+  page), with the wait, the JCT and what bound them: the model's diagnosis of the last round they
+  ran in (stored by each round, migration 0011), else the last measured; another tenant's never.
 - Detail: a job's allocation, hit ratio, throughput against f* and the diagnosis, opened by a
   click or by a `#job=ID` link (what this test uses: headless --dump-dom cannot click).
 - The chart: a time axis and share labels; the GPU line drawn last (on top) so a 100% cache line
   cannot hide it; "0 B/s" of remote IO beside a cached dataset says the job reads from cache.
 
 The server is the real `silod serve` with the null backend (jobs start without running anything,
-so nothing is measured: the history says "not measured").
+so nothing is measured: what bound a job that ran is the model's last diagnosis; one that never ran
+says "not diagnosed").
 """
 
 from __future__ import annotations
@@ -123,13 +125,25 @@ def test_history_lists_the_tenants_ended_jobs_newest_first_paged(server):
     assert [jid for jid, _ in rows] == sorted(ended, key=int, reverse=True)[:10]  # page 1: the 10 newest
     assert f'data-job-id="{server["bob"]}"' not in dom and "bob-secret" not in dom
     never = dict(rows)[server["waiting"][-1]]
-    assert _cells(never)[3:] == ["cancelled", "8", "imagenet", "never started", _cells(never)[7], "not measured", _cells(never)[9]]
+    assert _cells(never)[3:] == ["cancelled", "8", "imagenet", "never started", _cells(never)[7], "not diagnosed", _cells(never)[9]]
     assert re.search(r'<button id="older" type="button">', dom)  # enabled: 12 ended jobs
     # Page 2 (what "older" loads): the oldest two, the one that ran with its wait and JCT.
     older = server["call"]("GET", ALICE, "/v1/jobs?state=ended&limit=11&offset=10")
     assert [j["id"] for j in older] == sorted(ended, key=int, reverse=True)[10:]
     ran = next(j for j in older if j["id"] == server["ran"])
     assert ran["start_time"] is not None and ran["finish_time"] - ran["submit_time"] >= 1.0
+    # What bound it: the model's diagnosis of the last round it ran in (8 GPUs at 100 MB/s of f* on
+    # a 1 GB/s link: its GPUs), kept after it ended although nothing measured it.
+    assert ran["last_bound"] == "gpu" and ran["last_predicted_throughput"] > 0
+
+
+def test_an_ended_jobs_detail_shows_the_models_last_bound(server):
+    dom = _dom(server, f"token={ALICE}&job={server['ran']}", "alice-ended")
+    detail = re.search(r'<section id="detail"([^>]*)>(.*?)</section>', dom, re.S)
+    assert detail and "hidden" not in detail.group(1), dom[-3000:]
+    fields = dict(re.findall(r'<tr data-field="([^"]+)"><td>[^<]*</td><td>(.*?)</td></tr>', detail.group(2)))
+    assert fields["bound by"] == "gpu (model, last round it ran)"
+    assert fields["predicted throughput"] == "100.0 MB/s (last round it ran)"
 
 
 def test_a_job_link_opens_its_detail(server):

@@ -148,8 +148,22 @@ async function loadHistory() {
   $("page").textContent = `page ${page + 1}`;
 }
 
+// One value of a job's allocation change (GET /v1/jobs/{id}/allocations), in the resource's unit.
+function allocationValue(resource, v) {
+  if (resource === "remote_io") return v === null ? "not managed" : rate(v);
+  if (v === null) return "–";
+  if (resource === "gpu_share") return pct(v);
+  if (resource === "running") return v ? "running" : "stopped";
+  if (resource === "cpu") return v.toFixed(1) + " cores";
+  return String(v);
+}
+
 async function detail(id) {
   const j = await api(`/v1/jobs/${encodeURIComponent(id)}`);
+  const changes = await api(`/v1/jobs/${encodeURIComponent(id)}/allocations?limit=50`);
+  fill("detail-allocations", changes.map(c => row(
+    [clock(c.time), c.round_id === null ? "–" : String(c.round_id), c.resource, allocationValue(c.resource, c.old_value),
+     allocationValue(c.resource, c.new_value)], {"data-resource": c.resource})), "no allocation yet");
   const m = j.measured_parameters, b = j.bottleneck;
   const live = lastOverview && lastOverview.running.find(r => r.id === j.id);
   const speedups = b ? `GPU ×${b.speedup_gpu.toFixed(2)}, core ×${b.speedup_cpu.toFixed(2)}, ` +

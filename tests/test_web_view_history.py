@@ -178,6 +178,13 @@ def test_a_jobs_allocation_history_is_its_owners_only(server):
     assert r.status_code == 404
     assert r.json()  # a JSON error, naming the id
     assert server["call"]("GET", ADMIN, f"/v1/jobs/{server['ran']}/allocations") == ran
+    from silod_client import Client
+    from silod_client.errors import NotFound
+
+    with Client(server["base"], ALICE) as sdk:  # the SDK's method for the route reads the same
+        assert [c.model_dump() for c in sdk.jobs.allocations(server["ran"])] == ran
+    with Client(server["base"], BOB) as sdk, pytest.raises(NotFound):
+        sdk.jobs.allocations(server["ran"])
     bobs = server["call"]("GET", BOB, f"/v1/jobs/{server['bob']}/allocations")  # his own: held, never running
     assert bobs and {c["subject"] for c in bobs} == {server["bob"]}
     assert all(c["new_value"] in (0.0, None) for c in bobs if c["resource"] in ("gpus", "running"))

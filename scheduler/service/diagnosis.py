@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import bindparam, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.service.db.models import CacheAllocationRow, Dataset, Job, JobAllocationRow, JobMeasurementRow, JobState
 from scheduler.service.measured_params import planned
@@ -102,17 +102,19 @@ def running_jobs(s: Session, now: float, link: float, job_ids: Iterable[int] | N
 RECORD_TOLERANCE = 0.01
 
 
-def record_bounds(s: Session, now: float, link: float) -> int:
+def record_bounds(sessions: sessionmaker, write_lock: Any, now: float, link: float) -> int:
     """Store each running job's diagnosis (its bound and predicted throughput) on its row, so an
     ended job keeps the model's diagnosis of the last round it ran in (GET /v1/jobs?state=ended).
-    Called inside a round's write transaction; writes only the jobs whose diagnosis changed.
+    Called after a round commits: the read holds no write transaction (on SQLite one blocks every
+    submission), and only the jobs whose diagnosis changed are written, in one short one.
     Returns how many rows it wrote."""
     q = (select(*COLUMNS, Job.last_bound, Job.last_predicted_throughput).join(Dataset, Job.dataset_id == Dataset.id)
          .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
          .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
          .outerjoin(_M, _M.job_id == Job.id)
          .where(Job.state == JobState.RUNNING))
-    rows = s.execute(q).all()
+    with sessions() as s:
+        rows = s.execute(q).all()
     n = len(COLUMNS)
     found = diagnose_jobs([diagnosis_input(*r[1:n], now) for r in rows], link)
     changed = []
@@ -123,11 +125,12 @@ def record_bounds(s: Session, now: float, link: float) -> int:
             changed.append({"b_id": int(r[0]), "last_bound": b.bound, "last_predicted_throughput": b.throughput,
                             "last_bound_at": now})
     if changed:  # Core executemany: one statement for all of them
-        s.connection().execute(
-            update(Job.__table__).where(Job.__table__.c.id == bindparam("b_id")).values(
-                last_bound=bindparam("last_bound"), last_predicted_throughput=bindparam("last_predicted_throughput"),
-                last_bound_at=bindparam("last_bound_at")),
-            changed)
+        with write_lock, sessions.begin() as s:
+            s.connection().execute(
+                update(Job.__table__).where(Job.__table__.c.id == bindparam("b_id")).values(
+                    last_bound=bindparam("last_bound"), last_predicted_throughput=bindparam("last_predicted_throughput"),
+                    last_bound_at=bindparam("last_bound_at")),
+                changed)
     return len(changed)
 
 

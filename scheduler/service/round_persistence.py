@@ -10,8 +10,8 @@ SQLite a write transaction blocks every other writer, i.e. every submission):
    Jobs whose state changed while the policy ran (a cancel) are re-checked there, and only
    those the round touches are read.
 
-In a steady state (nothing changed) step 3 writes one round row (and reads the running jobs to
-store the diagnoses that changed, diagnosis.record_bounds).
+In a steady state (nothing changed) step 3 writes one round row. After it commits, the running
+jobs' diagnoses that changed are stored on their rows (diagnosis.record_bounds, scheduler_process).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from scheduler.service.db.models import (
     Round,
 )
 from contract.names import dataset_id_of_key, storage_key
-from scheduler.service.diagnosis import record_bounds
 from scheduler.service.sealed import SecretBox, SecretUnavailable
 from scheduler.service.types import JobProgram
 
@@ -194,9 +193,8 @@ def _open_secret(secrets: SecretBox | None, stored: str) -> str:
 
 def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: str, active: int, running: int,
                 objective: float | None, now: float, t0: float,
-                secrets: SecretBox | None = None, link: float | None = None) -> tuple[Pending, int, int]:
-    """Step 3: one short write transaction with only what changed. `link`: the cluster's remote
-    IO; given, the running jobs' diagnoses are stored on their rows (diagnosis.record_bounds)."""
+                secrets: SecretBox | None = None) -> tuple[Pending, int, int]:
+    """Step 3: one short write transaction with only what changed."""
     pending = d.pending
     with sessions.begin() as s:
         rid = s.execute(insert(Round).values(
@@ -285,8 +283,6 @@ def write_round(sessions: sessionmaker, d: RoundDiff, *, policy: str, reason: st
                 audit += _audit(now, "dataset", key, {"cache": (olds.get(did), 0.0)})
                 pending.cache[key] = 0.0
             s.execute(delete(CacheAllocationRow).where(CacheAllocationRow.dataset_id.in_(d.cache_release)))
-        if link is not None:  # after the starts and preemptions: diagnoses what runs from now on
-            record_bounds(s, now, link)
         if audit:  # one Core executemany: no ORM objects, nor the ORM's per-row bulk-insert pass
             s.connection().execute(insert(AllocationChange.__table__), [{**a, "round_id": rid} for a in audit])
         s.execute(update(Round).where(Round.id == rid).values(changes=len(audit), duration_s=time.perf_counter() - t0))

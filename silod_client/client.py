@@ -314,6 +314,12 @@ class Jobs(_Api):
     def get(self, job_id: str) -> m.Job:
         return self._c._get(f"/v1/jobs/{segment(job_id)}", m.Job)
 
+    @route("GET", "/v1/jobs/{job_id}/allocations")
+    def allocations(self, job_id: str, limit: int = 100) -> list[m.Change]:
+        """Your job's allocation over time, newest first: one row per changed value (GPUs, GPU
+        share, remote IO cap, cores), with the round that changed it."""
+        return self._c._get(f"/v1/jobs/{segment(job_id)}/allocations", list[m.Change], {"limit": limit})
+
     @route("GET", "/v1/jobs")
     def list(self, *, state: str | None = None, owner: str | None = None, limit: int = 1000,
              offset: int = 0) -> list[m.Job]:

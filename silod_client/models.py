@@ -123,6 +123,11 @@ class Job(_Answer):
     cache_mode: str | None = None
     cache_expansion: float | None = None
     measured_parameters: MeasuredParameters | None = None
+    #: The model's bound and predicted throughput (bytes/s) as of the last round the job ran in:
+    #: what bound an ended job; None = never diagnosed.
+    last_bound: str | None = None
+    last_predicted_throughput: float | None = None
+    last_bound_at: float | None = None
     measured: Measured | None = None
 
     @property

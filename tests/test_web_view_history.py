@@ -2,14 +2,17 @@
 Chromium as tests/test_observability.py runs it.
 
 - History: the caller's own ended jobs (finished, failed, cancelled), newest first, paged (10 a
-  page), with the wait, the JCT and what bound them as last measured; another tenant's never.
-- Detail: a job's allocation, hit ratio, throughput against f* and the diagnosis, opened by a
+  page), with the wait, the JCT and what bound them: the model's diagnosis of the last round they
+  ran in (stored by each round, migration 0011), else the last measured; another tenant's never.
+- Detail: a job's allocation (now and over time: GET /v1/jobs/{id}/allocations, its owner's
+  only), hit ratio, throughput against f* and the diagnosis, opened by a
   click or by a `#job=ID` link (what this test uses: headless --dump-dom cannot click).
 - The chart: a time axis and share labels; the GPU line drawn last (on top) so a 100% cache line
   cannot hide it; "0 B/s" of remote IO beside a cached dataset says the job reads from cache.
 
 The server is the real `silod serve` with the null backend (jobs start without running anything,
-so nothing is measured: the history says "not measured").
+so nothing is measured: what bound a job that ran is the model's last diagnosis; one that never ran
+says "not diagnosed").
 """
 
 from __future__ import annotations
@@ -123,13 +126,25 @@ def test_history_lists_the_tenants_ended_jobs_newest_first_paged(server):
     assert [jid for jid, _ in rows] == sorted(ended, key=int, reverse=True)[:10]  # page 1: the 10 newest
     assert f'data-job-id="{server["bob"]}"' not in dom and "bob-secret" not in dom
     never = dict(rows)[server["waiting"][-1]]
-    assert _cells(never)[3:] == ["cancelled", "8", "imagenet", "never started", _cells(never)[7], "not measured", _cells(never)[9]]
+    assert _cells(never)[3:] == ["cancelled", "8", "imagenet", "never started", _cells(never)[7], "not diagnosed", _cells(never)[9]]
     assert re.search(r'<button id="older" type="button">', dom)  # enabled: 12 ended jobs
     # Page 2 (what "older" loads): the oldest two, the one that ran with its wait and JCT.
     older = server["call"]("GET", ALICE, "/v1/jobs?state=ended&limit=11&offset=10")
     assert [j["id"] for j in older] == sorted(ended, key=int, reverse=True)[10:]
     ran = next(j for j in older if j["id"] == server["ran"])
     assert ran["start_time"] is not None and ran["finish_time"] - ran["submit_time"] >= 1.0
+    # What bound it: the model's diagnosis of the last round it ran in (8 GPUs at 100 MB/s of f* on
+    # a 1 GB/s link: its GPUs), kept after it ended although nothing measured it.
+    assert ran["last_bound"] == "gpu" and ran["last_predicted_throughput"] > 0
+
+
+def test_an_ended_jobs_detail_shows_the_models_last_bound(server):
+    dom = _dom(server, f"token={ALICE}&job={server['ran']}", "alice-ended")
+    detail = re.search(r'<section id="detail"([^>]*)>(.*?)</section>', dom, re.S)
+    assert detail and "hidden" not in detail.group(1), dom[-3000:]
+    fields = dict(re.findall(r'<tr data-field="([^"]+)"><td>[^<]*</td><td>(.*?)</td></tr>', detail.group(2)))
+    assert fields["bound by"] == "gpu (model, last round it ran)"
+    assert fields["predicted throughput"] == "100.0 MB/s (last round it ran)"
 
 
 def test_a_job_link_opens_its_detail(server):
@@ -141,6 +156,38 @@ def test_a_job_link_opens_its_detail(server):
     assert fields["f* declared / planned"] == "100.0 MB/s / 100.0 MB/s"
     assert fields["bound by"].endswith("(model, now)")
     assert fields["JCT"] == "running" and fields["hit ratio (measured)"] == "–"
+    # Its allocation over time (GET /v1/jobs/{id}/allocations): the round that started it gave it 2 GPUs.
+    changes = {r: _cells(html) for r, html in re.findall(
+        r'<tr data-resource="([^"]+)">(.*?)</tr>', re.search(r'<table id="detail-allocations">(.*?)</table>', dom, re.S).group(1), re.S)}
+    assert changes["gpus"][2:] == ["gpus", "–", "2"], changes
+    assert changes["running"][2:] == ["running", "–", "running"], changes
+
+
+def test_a_jobs_allocation_history_is_its_owners_only(server):
+    """GET /v1/jobs/{id}/allocations: alice reads her job's changes, from its start to its release;
+    bob cannot read them (404, as for the job itself), nor alice bob's; the admin can."""
+    ran = server["call"]("GET", ALICE, f"/v1/jobs/{server['ran']}/allocations")
+    assert ran and all(c["subject_kind"] == "job" and c["subject"] == server["ran"] for c in ran)
+    gpus = [(c["old_value"], c["new_value"]) for c in ran if c["resource"] == "gpus"]
+    assert gpus == [(8.0, 0.0), (None, 8.0)]  # newest first: released when cancelled, given 8 at its start
+    assert [c["id"] for c in ran] == sorted((c["id"] for c in ran), reverse=True)
+    for token, jid in ((BOB, server["ran"]), (BOB, server["live"]), (ALICE, server["bob"])):
+        r = httpx.get(f"{server['base']}/v1/jobs/{jid}/allocations", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert r.status_code == 404 and "subject" not in r.text, r.text  # no change of it leaks
+    r = httpx.get(f"{server['base']}/v1/jobs/not-a-job/allocations", headers={"Authorization": f"Bearer {ALICE}"}, timeout=30)
+    assert r.status_code == 404
+    assert r.json()  # a JSON error, naming the id
+    assert server["call"]("GET", ADMIN, f"/v1/jobs/{server['ran']}/allocations") == ran
+    from silod_client import Client
+    from silod_client.errors import NotFound
+
+    with Client(server["base"], ALICE) as sdk:  # the SDK's method for the route reads the same
+        assert [c.model_dump() for c in sdk.jobs.allocations(server["ran"])] == ran
+    with Client(server["base"], BOB) as sdk, pytest.raises(NotFound):
+        sdk.jobs.allocations(server["ran"])
+    bobs = server["call"]("GET", BOB, f"/v1/jobs/{server['bob']}/allocations")  # his own: held, never running
+    assert bobs and {c["subject"] for c in bobs} == {server["bob"]}
+    assert all(c["new_value"] in (0.0, None) for c in bobs if c["resource"] in ("gpus", "running"))
 
 
 def test_the_chart_has_axes_and_the_gpu_line_on_top_and_a_zero_io_cap_reads_as_cached(tmp_path):

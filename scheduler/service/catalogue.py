@@ -174,8 +174,10 @@ _RECORD_COLUMNS = (
     Job.curriculum_step, Job.curriculum_batch, Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
     JobAllocationRow.cpu, Dataset.size, CacheAllocationRow.bytes,
     *(getattr(JobMeasurementRow, c) for c in _MEASURED_COLUMNS),
+    Job.last_bound, Job.last_predicted_throughput, Job.last_bound_at,
     CacheAllocationRow.expansion,
 )
+_LAST_BOUND = 33 + len(_MEASURED_COLUMNS)  # the row's last_bound, then its throughput and time
 ENDED_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
 _EXPANSION = len(_RECORD_COLUMNS) - 1  # the row's autocaching column (None: source bytes)
 _DIAGNOSIS_AT = positions(_RECORD_COLUMNS)  # where diagnosis.COLUMNS are in a record row
@@ -201,6 +203,7 @@ def _row_record(r, **extra: Any) -> JobRecord:  # type: ignore[no-untyped-def]
         post_cpu_rate=r[29], allocated_cpus=r[30],
         measured_parameters=None if r[33] is None else params_of(
             JobMeasurementRow(**dict(zip(_MEASURED_COLUMNS, r[33:33 + len(_MEASURED_COLUMNS)]))), r[7], r[27]),
+        last_bound=r[_LAST_BOUND], last_predicted_throughput=r[_LAST_BOUND + 1], last_bound_at=r[_LAST_BOUND + 2],
         **extra,
     )
 
@@ -713,7 +716,8 @@ class Catalogue:
             access=access_from_row(j.access, j.curriculum_starting_percent, j.curriculum_alpha, j.curriculum_step,
                                    j.curriculum_batch),
             cpu_rate=j.cpu_rate, autocache_expansion=j.autocache_expansion, post_cpu_rate=j.post_cpu_rate,
-            allocated_cpus=a.cpu if a else None,
+            allocated_cpus=a.cpu if a else None, last_bound=j.last_bound,
+            last_predicted_throughput=j.last_predicted_throughput, last_bound_at=j.last_bound_at,
         )
 
     def _load_job(self, s: Session, who: Principal, job_id: str) -> Job:

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.service.db.models import CacheAllocationRow, Dataset, Job, JobAllocationRow, JobMeasurementRow, JobState
 from scheduler.service.measured_params import planned
@@ -99,6 +99,43 @@ def running_jobs(s: Session, now: float, link: float, job_ids: Iterable[int] | N
     return {int(r[0]): (i, b) for r, i, b in zip(rows, inputs, diagnose_jobs(inputs, link))}
 
 
+#: A running job's stored diagnosis is rewritten when its bound changes or its predicted
+#: throughput moves by more than this fraction: a steady round writes nothing for it.
+RECORD_TOLERANCE = 0.01
+
+
+def record_bounds(sessions: sessionmaker, write_lock: Any, now: float, link: float) -> int:
+    """Store each running job's diagnosis (its bound and predicted throughput) on its row, so an
+    ended job keeps the model's diagnosis of the last round it ran in (GET /v1/jobs?state=ended).
+    Called after a round commits: the read holds no write transaction (on SQLite one blocks every
+    submission), and only the jobs whose diagnosis changed are written, in one short one.
+    Returns how many rows it wrote."""
+    q = (select(*COLUMNS, Job.last_bound, Job.last_predicted_throughput).join(Dataset, Job.dataset_id == Dataset.id)
+         .outerjoin(JobAllocationRow, JobAllocationRow.job_id == Job.id)
+         .outerjoin(CacheAllocationRow, CacheAllocationRow.dataset_id == Dataset.id)
+         .outerjoin(_M, _M.job_id == Job.id)
+         .where(Job.state == JobState.RUNNING))
+    with sessions() as s:
+        rows = s.execute(q).all()
+    n = len(COLUMNS)
+    found = diagnose_jobs([diagnosis_input(*r[1:n], now) for r in rows], link)
+    changed = []
+    for r, b in zip(rows, found):
+        old_bound, old_tput = r[n], r[n + 1]
+        if (old_bound != b.bound or old_tput is None
+                or abs(b.throughput - old_tput) > RECORD_TOLERANCE * max(abs(old_tput), 1.0)):
+            changed.append({"b_id": int(r[0]), "last_bound": b.bound, "last_predicted_throughput": b.throughput,
+                            "last_bound_at": now})
+    if changed:  # Core executemany: one statement for all of them
+        with write_lock, sessions.begin() as s:
+            s.connection().execute(
+                update(Job.__table__).where(Job.__table__.c.id == bindparam("b_id")).values(
+                    last_bound=bindparam("last_bound"), last_predicted_throughput=bindparam("last_predicted_throughput"),
+                    last_bound_at=bindparam("last_bound_at")),
+                changed)
+    return len(changed)
+
+
 def positions(columns: Sequence[Any]) -> list[int]:
     """Where each input column of COLUMNS (after the id) is in another query's `columns`, which
     must select them all (compared by identity: SQLAlchemy's == builds an expression)."""
@@ -110,4 +147,4 @@ def record_input(row: Any, where: Sequence[int], now: float) -> DiagnosisInput:
     return diagnosis_input(*(row[k] for k in where), now)
 
 
-__all__ = ["COLUMNS", "DiagnosisInput", "diagnose_jobs", "diagnosis_input", "positions", "record_input", "running_jobs"]
+__all__ = ["COLUMNS", "DiagnosisInput", "diagnose_jobs", "diagnosis_input", "positions", "record_bounds", "record_input", "running_jobs"]

@@ -10,7 +10,8 @@ SQLite a write transaction blocks every other writer, i.e. every submission):
    Jobs whose state changed while the policy ran (a cancel) are re-checked there, and only
    those the round touches are read.
 
-In a steady state (nothing changed) step 3 writes one round row.
+In a steady state (nothing changed) step 3 writes one round row. After it commits, the running
+jobs' diagnoses that changed are stored on their rows (diagnosis.record_bounds, scheduler_process).
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ from scheduler.service.types import (  # noqa: F401 - re-exported: callers impor
 )
 from scheduler.service.quota_admission import admit, clamp_cache
 from scheduler.service.round_jobs import RoundJobs
+from scheduler.service.diagnosis import record_bounds
 from scheduler.service.round_persistence import Pending, diff_round, read_current, write_round
 from scheduler.service.measured_params import MeasurementStore, Observation
 
@@ -589,11 +590,16 @@ class SchedulerService(ReadViews):
         jobs_now, cache_now = read_current(self.sessions)
         diff = diff_round(snapshot, held_back, plan, jobs_now, cache_now, now)
         with self._write_lock:
-            return write_round(
+            written = write_round(
                 self.sessions, diff, policy=self.policy_name, reason=reason, active=len(snapshot.jobs),
                 running=len(plan.running) if plan else 0, objective=plan.allocation.objective if plan else None,
                 now=now, t0=t0, secrets=self.config.secrets,
             )
+        try:  # what bound each running job, kept for when it has ended (the round itself is committed)
+            record_bounds(self.sessions, self._write_lock, now, float(self.config.capacity.remote_io))
+        except Exception:
+            log.exception("could not store the running jobs' diagnoses")
+        return written
 
     def _execute(self, pending: Pending) -> None:
         """Backend and data-manager actions for a committed round. Failures are recorded, not raised."""

@@ -212,6 +212,11 @@ class JobRecord:
     # Declared vs measured f* and per-core rate (scheduler/service/measured_params.MeasuredParams);
     # None until the data plane measured it or its client reported.
     measured_parameters: Any = None
+    # The model's diagnosis as of the last round the job ran in (diagnosis.record_bounds): what
+    # bound an ended job; None = never diagnosed.
+    last_bound: str | None = None
+    last_predicted_throughput: float | None = None
+    last_bound_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from scheduler.service.types import (
     ClusterRecord,
     ForbiddenError,
     JobAllocationRecord,
+    NotFoundError,
     Principal,
     ServiceConfig,
 )
@@ -138,6 +139,24 @@ class ReadViews:
             round_id=last.id if last else None, time=last.time if last else None,
             policy=self.policy_name, jobs=jobs, cache=cache,
         )
+
+    def job_allocation_history(self, who: Principal, job_id: str, limit: int = 100) -> list[ChangeRecord]:
+        """One job's allocation changes (GPUs, share, remote IO, cores), newest first: its owner's
+        (or the admin's) to read. Another tenant's job is not found, as GET /v1/jobs/{id} says."""
+        from scheduler.service.catalogue import parse_job_id
+
+        pk = parse_job_id(job_id)
+        with self.sessions() as s:
+            owner = s.scalar(select(Job.owner).where(Job.id == pk)) if pk is not None else None
+            if owner is None or (not who.is_admin and owner != who.user):
+                raise NotFoundError(f"no job with id {job_id!r}", field="job_id")
+            q = (select(AllocationChange).where(AllocationChange.subject_kind == "job",
+                                                AllocationChange.subject == str(pk))
+                 .order_by(AllocationChange.id.desc()).limit(limit))
+            return [
+                ChangeRecord(c.id, c.round_id, c.time, c.subject_kind, c.subject, c.resource, c.old_value, c.new_value)
+                for c in s.scalars(q)
+            ]
 
     def allocation_history(
         self, who: Principal, subject: str | None = None, limit: int = 100

@@ -552,6 +552,15 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     async def get_job(job_id: str, who: Who) -> Any:
         return await reads.run(who.user, read_job, job_id, who)
 
+    @app.get("/v1/jobs/{job_id}/allocations", response_model=list[ChangeOut], responses=_ERRORS, tags=["jobs"])
+    @fair
+    def job_allocation_history(
+        job_id: str, who: Who, limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> list[ChangeOut]:
+        """The job's allocation over time, newest first: each change of its GPUs, GPU share, remote
+        IO cap and cores, with the round that made it. Your own jobs only (the admin: any)."""
+        return [ChangeOut.model_validate(c) for c in service.job_allocation_history(who, job_id, limit)]
+
     @app.post("/v1/jobs/{job_id}/report", response_model=MeasuredParamsOut, status_code=202, responses=_ERRORS,
               tags=["jobs"])
     @fair

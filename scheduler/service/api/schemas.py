@@ -448,6 +448,12 @@ class JobOut(BaseModel):
     cache_expansion: float | None = Field(None, description="GET /v1/jobs/{id} only, preprocessed: bytes cached per source byte")
     measured_parameters: MeasuredParamsOut | None = Field(
         None, description="declared vs measured f* and per-core rate (null until measured or reported)")
+    last_bound: str | None = Field(
+        None, description="the model's bound (gpu | cpu | cache | remote_io) as of the last round the job ran in: what"
+                          " bound an ended job; null = never diagnosed (it never ran)")
+    last_predicted_throughput: float | None = Field(
+        None, description="the model's predicted throughput, bytes/s, with that diagnosis")
+    last_bound_at: float | None = Field(None, description="when that diagnosis was stored (the round's time)")
     measured: MeasuredOut | None = Field(
         None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
                           " report yet, or not a Kubernetes job)")

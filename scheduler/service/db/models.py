@@ -103,6 +103,11 @@ class Job(Base):
     # The local backend's program for the job, JSON {"command": [...], "env": {...}} (migration
     # 0009); NULL runs the built-in stand-in worker.
     program: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The model's diagnosis (scheduler/service/diagnosis.py) as of the last round the job ran in
+    # (migration 0011): what bound an ended job; NULL = never diagnosed.
+    last_bound: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    last_predicted_throughput: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_bound_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
     allocation: Mapped[JobAllocationRow | None] = relationship(

@@ -120,11 +120,13 @@ function duration(s) {
   return (s / 3600).toFixed(1) + " h";
 }
 
-// What bound an ended job: the data plane's last measured interval (docs/input-pipeline.md); a
-// job nothing measured (e.g. on the null backend) says so rather than guessing.
-function measuredBound(j) {
+// What bound an ended job: the model's diagnosis of the last round it ran in (the one every view
+// reads, stored by each round), else the data plane's last measured interval
+// (docs/input-pipeline.md); a job never diagnosed nor measured (it never ran) says so.
+function endedBound(j) {
+  if (j.last_bound) return j.last_bound + " (model)";
   const m = j.measured_parameters;
-  return m && m.bound && m.bound !== "unknown" ? m.bound : "not measured";
+  return m && m.bound && m.bound !== "unknown" ? m.bound + " (measured)" : "not diagnosed";
 }
 
 function clickable(tr, id) {  // styled by ui.css (#running and #history rows)
@@ -138,7 +140,7 @@ async function loadHistory() {
   fill("history", jobs.slice(0, PAGE).map(j => clickable(row(
     [j.id, j.name, j.owner, j.state, j.gpus, j.dataset,
      j.start_time === null ? "never started" : duration(j.start_time - j.submit_time),
-     j.finish_time === null ? "–" : duration(j.finish_time - j.submit_time), measuredBound(j),
+     j.finish_time === null ? "–" : duration(j.finish_time - j.submit_time), endedBound(j),
      j.finish_time === null ? "–" : clock(j.finish_time)],
     {"data-job-id": j.id}), j.id)), page ? "no older jobs" : "no ended jobs yet");
   $("older").disabled = jobs.length <= PAGE;
@@ -146,8 +148,22 @@ async function loadHistory() {
   $("page").textContent = `page ${page + 1}`;
 }
 
+// One value of a job's allocation change (GET /v1/jobs/{id}/allocations), in the resource's unit.
+function allocationValue(resource, v) {
+  if (resource === "remote_io") return v === null ? "not managed" : rate(v);
+  if (v === null) return "–";
+  if (resource === "gpu_share") return pct(v);
+  if (resource === "running") return v ? "running" : "stopped";
+  if (resource === "cpu") return v.toFixed(1) + " cores";
+  return String(v);
+}
+
 async function detail(id) {
   const j = await api(`/v1/jobs/${encodeURIComponent(id)}`);
+  const changes = await api(`/v1/jobs/${encodeURIComponent(id)}/allocations?limit=50`);
+  fill("detail-allocations", changes.map(c => row(
+    [clock(c.time), c.round_id === null ? "–" : String(c.round_id), c.resource, allocationValue(c.resource, c.old_value),
+     allocationValue(c.resource, c.new_value)], {"data-resource": c.resource})), "no allocation yet");
   const m = j.measured_parameters, b = j.bottleneck;
   const live = lastOverview && lastOverview.running.find(r => r.id === j.id);
   const speedups = b ? `GPU ×${b.speedup_gpu.toFixed(2)}, core ×${b.speedup_cpu.toFixed(2)}, ` +
@@ -161,8 +177,10 @@ async function detail(id) {
     ["hit ratio (measured)", live ? pct(live.hit_ratio) : "–"],
     ["read throughput (measured)", live ? rate(live.throughput) : (m ? rate(m.observed_throughput) : "–")],
     ["f* declared / planned", rate(j.ideal_throughput) + " / " + rate(m ? m.ideal_throughput : j.ideal_throughput)],
-    ["predicted throughput", b ? rate(b.throughput) : "–"],
-    ["bound by", b ? b.bound + " (model, now)" : measuredBound(j) + " (last measured)"],
+    ["predicted throughput", b ? rate(b.throughput) : (j.last_predicted_throughput !== null ?
+      rate(j.last_predicted_throughput) + " (last round it ran)" : "–")],
+    ["bound by", b ? b.bound + " (model, now)" : (j.last_bound ? j.last_bound + " (model, last round it ran)" :
+      endedBound(j))],
     ["speed-up of one more", speedups],
     ["progress", j.total_bytes ? pct(j.consumed_bytes / j.total_bytes) + " of " + bytes(j.total_bytes) : "–"],
     ["waited", j.start_time === null ? "not started" : duration(j.start_time - j.submit_time)],

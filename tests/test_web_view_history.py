@@ -18,9 +18,7 @@ says "not diagnosed").
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_observability import _chromium, _free_port  # noqa: E402 - the same real server and browser
+from sdk_helpers import Served
+from test_observability import _chromium  # noqa: E402 - the same browser
 
 ROOT = Path(__file__).resolve().parent.parent
 SILOD = [sys.executable, "-m", "scheduler"]
@@ -41,29 +40,11 @@ BOB = "hist-bob-token-0123456789ab"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("hist")
-    (root / "tokens.txt").write_text(f"alice:{ALICE}\nbob:{BOB}\n")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SILOD_")}
-    env.update(SILOD_ADMIN_TOKEN=ADMIN, XDG_STATE_HOME=str(root / "xdg"))
-    log = (root / "serve.log").open("wb")
-    proc = subprocess.Popen([*SILOD, "serve", "--backend", "null", "--listen", f"127.0.0.1:{port}",
-                             "--state-dir", str(root / "state"), "--gpus", "8", "--gpus-per-node", "8",
-                             "--cache", "1TB", "--remote-io", "1GB/s", "--tokens", str(root / "tokens.txt"),
-                             "--policy", "fifo", "--round", "1h"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    serve = Served(root, "--gpus", "8", "--gpus-per-node", "8", "--cache", "1TB", "--remote-io", "1GB/s",
+                   "--policy", "fifo", "--round", "1h", tokens={"alice": ALICE, "bob": BOB}, admin=ADMIN,
+                   env={"XDG_STATE_HOME": str(root / "xdg")}, ready="/readyz")
+    base = serve.url
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (root / "serve.log").read_text()
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "silod serve did not come up"
-            time.sleep(0.2)
-
         def call(method, token, path, body=None):
             r = httpx.request(method, f"{base}{path}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
             assert r.status_code in (200, 201, 202), r.text
@@ -95,12 +76,7 @@ def server(tmp_path_factory):
         yield {"base": base, "root": root, "ran": ran["id"], "waiting": waiting, "bob": bobs, "live": live["id"],
                "call": call}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        serve.stop()
 
 
 def _dom(server, url_fragment: str, profile: str) -> str:

@@ -491,3 +491,65 @@ def test_the_claimers_caps_are_numpys():
             claimed += 1
             assert want[0].tobytes() == got[0].tobytes() and (want[1] == got[1]).all() and (want[2] == got[2]).all(), trial
     assert claimed > 1000
+
+
+def _python_clock(self, jobs, crows, left, t0, step, tol, per_job):
+    """Simulator._interleave's clock as the Python loop it was: heapq, one reader.advance a sub-step."""
+    import heapq
+
+    now, dt, caps, read, remote, finished_at = step.now, step.dt, step.caps, step.read, step.remote, step.finished_at
+
+    clock = list(zip(t0.tolist(), left.tolist()))
+    heapq.heapify(clock)
+    while clock:
+        t, i = heapq.heappop(clock)
+        part = advance(jobs[i], now + t, dt - t, float(caps[i]), self, substeps=1)
+        read[i] += part.bytes_read
+        remote[i] += part.remote_bytes
+        t += max(part.elapsed, 0.0)
+        if part.finished_at is not None:
+            finished_at[i] = part.finished_at
+        elif dt - t > tol and part.elapsed > 0:
+            heapq.heappush(clock, (t, i))
+
+
+def test_the_compiled_clock_makes_the_python_clocks_runs(monkeypatch):
+    # Five epoch readers of three datasets and a curriculum reader on one full LRU, on a link
+    # they contend for at times: the interleaved sub-steps (lru_kernel.lru_clock) hand epoch ends and
+    # the curriculum reader's sub-steps back to Python. Every job's JCT, the remote bytes and
+    # the cache's evictions are the Python loop's, to the bit.
+    from estimator.access import AccessPattern
+    from policies import ClusterCapacity, get_policy
+    from policies.registry import estimator_for
+    from scheduler.sim import lru_kernel
+    from scheduler.sim.cache_systems import AlluxioLRUCache
+    from scheduler.sim.engine import SimConfig, Simulator
+    from traces.model import Trace
+
+    jobs = [TraceJob(f"j{i}", 40.0 * i, 1, "m", f"d{i % 3}", (60 + 25 * i) * MB, 3.0) for i in range(5)]
+    jobs.append(TraceJob("c", 10.0, 1, "m", "d3", 100 * MB, 2.0, AccessPattern.curriculum_learning(0.2, 2.0, 50, 64)))
+    trace = Trace(tuple(jobs), {"d0": 6 * GB, "d1": 9 * GB, "d2": 4 * GB, "d3": 5 * GB}, item_sizes={"d3": 1e6})
+    cap = ClusterCapacity(gpus=6, cache=10 * GB, remote_io=400 * MB, gpus_per_node=6)
+
+    def run():
+        sim = Simulator(trace, cap, get_policy("fifo"), estimator_for("alluxio"), "alluxio", SimConfig(resolution=8))  # epochs end inside steps
+        result = sim.run()
+        return {r.job_id: r.jct_s for r in result.jobs}, result.remote_bytes, sim.cache.evicted_bytes, result.steps
+
+    seen = {"clock": 0, "python": 0, "epoch": 0}
+    kernel = lru_kernel.lru_clock
+
+    def counting(*args):
+        out = kernel(*args)
+        seen["clock"] += 1
+        if out[0] >= 0:
+            seen["python" if out[3] < 0 else "epoch"] += 1
+        return out
+
+    monkeypatch.setattr("scheduler.sim.cache_systems.lru_clock", counting)
+    compiled = run()
+    assert seen["clock"] > 0 and seen["python"] > 0 and seen["epoch"] > 0, seen  # every path taken
+    monkeypatch.setattr(AlluxioLRUCache, "advance_clock", _python_clock)
+    python = run()
+    assert compiled == python
+    assert len(compiled[0]) == 6 and compiled[2] > 0

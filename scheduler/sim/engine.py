@@ -936,6 +936,18 @@ class Simulator:
         tol = 1e-9 * max(dt, 1.0)
         elapsed = first.elapsed
         left = (np.isnan(first.finished_at) & (dt - elapsed > tol) & (elapsed > 0)).nonzero()[0]
+        if not left.size:
+            return first
+        if self.cache.compiled_advance is not None:  # the same clock, compiled (Alluxio's LRU)
+            python = st.curriculum.copy()
+            python[list(pre)] = True  # (a list: an empty tuple as an index is every element)
+            k = st.k
+            step = TurnAdvance(python, st.slots, np.maximum((k * VOLATILE_SUBSTEP).astype(np.int64), 1), k, st.chunk, st.ideal, st.total,
+                               caps_arr, now, dt, 1, self._table.state, first.read, first.remote, first.finished_at, first.elapsed,
+                               np.zeros(len(running), dtype=bool))
+            self.cache.advance_clock(running, st.crows, left, elapsed[left], step, tol,
+                                     lambda i, t: advance(running[i], now + t, dt - t, caps[i], self.cache, substeps=1))
+            return first
         clock = list(zip(elapsed[left].tolist(), left.tolist()))
         heapq.heapify(clock)
         read, remote, finished_at = first.read, first.remote, first.finished_at

@@ -238,3 +238,90 @@ def lru_turns(turns: np.ndarray, at: int, prev: int, changed: bool, simple: np.n
         if code == EPOCH or code == FINISHED_EPOCH:
             return i, at, prev, code, t, left
         read[i], remote[i], finished_at[i], elapsed[i] = res[0], res[1], res[2], res[3]
+
+
+@kernel()
+def _before(ta: float, ia: int, tb: float, ib: int) -> bool:
+    return ta < tb or (ta == tb and ia < ib)
+
+
+@kernel()
+def _push(heap_t: np.ndarray, heap_i: np.ndarray, size: int, t: float, i: int) -> int:
+    at = size
+    while at > 0:
+        up = (at - 1) >> 1
+        if not _before(t, i, heap_t[up], heap_i[up]):
+            break
+        heap_t[at], heap_i[at] = heap_t[up], heap_i[up]
+        at = up
+    heap_t[at], heap_i[at] = t, i
+    return size + 1
+
+
+@kernel()
+def _pop(heap_t: np.ndarray, heap_i: np.ndarray, size: int) -> int:
+    """Removes the heap's least (t, i), which the caller read from heap_t[0], heap_i[0]; returns the new size."""
+    size -= 1
+    t, i = heap_t[size], heap_i[size]
+    at = 0
+    while True:
+        child = 2 * at + 1
+        if child >= size:
+            break
+        if child + 1 < size and _before(heap_t[child + 1], heap_i[child + 1], heap_t[child], heap_i[child]):
+            child += 1
+        if not _before(heap_t[child], heap_i[child], t, i):
+            break
+        heap_t[at], heap_i[at] = heap_t[child], heap_i[child]
+        at = child
+    if size > 0:
+        heap_t[at], heap_i[at] = t, i
+    return size
+
+
+@kernel()
+def _settle(heap_t: np.ndarray, heap_i: np.ndarray, size: int, i: int, t: float, dt: float, tol: float, read: np.ndarray,
+            remote: np.ndarray, finished_at: np.ndarray, res: np.ndarray) -> int:
+    """A sub-step's results (`res`) into the step's; the job back on the clock if it has step left."""
+    read[i] += res[0]
+    remote[i] += res[1]
+    t += max(res[3], 0.0)
+    if not np.isnan(res[2]):
+        finished_at[i] = res[2]
+    elif dt - t > tol and res[3] > 0:
+        size = _push(heap_t, heap_i, size, t, i)
+    return size
+
+
+@kernel(numba.types.Tuple((i8, i8, f8, i8, f8, i8))(
+    F, I, i8, i8, f8, B, I, I, I, F, I, F, F, F, F, f8, f8, f8, F2, F, F, F, F, LRU))
+def lru_clock(heap_t: np.ndarray, heap_i: np.ndarray, size: int, pending: int, pending_t: float, python: np.ndarray,
+              slots: np.ndarray, crows: np.ndarray, ds_of: np.ndarray, k: np.ndarray, substep: np.ndarray, s: np.ndarray,
+              ideal: np.ndarray, total: np.ndarray, caps: np.ndarray, now: float, dt: float, tol: float, state: np.ndarray,
+              read: np.ndarray, remote: np.ndarray, finished_at: np.ndarray, res: np.ndarray,
+              lru: tuple) -> tuple[int, int, float, int, float, int]:
+    """Simulator._interleave's clock: the jobs' later sub-steps, earliest (t, position) first,
+    each `advance(job, now + t, dt - t, cap, substeps=1)` (`lru_advance` for epoch readers),
+    its results added to `read`/`remote`/`finished_at`, the job back on the clock while it has
+    step left. The clock is a binary heap in `heap_t`/`heap_i` (`size` entries): a heap pops
+    the same least (t, position) whatever its layout, so the order is heapq's.
+
+    Returns to Python where a job needs it: (its position or -1 once the clock is empty, the
+    heap's size, the job's t, what it needs: -1 the per-job `advance` (`python` jobs), else
+    lru_advance's EPOCH or FINISHED_EPOCH with its t within the call and substeps left, `res`
+    holding its results so far). The caller finishes that sub-step into `res` and calls again
+    with `pending` its position and `pending_t` its t."""
+    if pending >= 0:
+        size = _settle(heap_t, heap_i, size, pending, pending_t, dt, tol, read, remote, finished_at, res)
+    while size > 0:
+        t, i = heap_t[0], heap_i[0]
+        size = _pop(heap_t, heap_i, size)
+        res[0], res[1], res[2], res[3] = 0.0, 0.0, np.nan, 0.0
+        if python[i]:
+            return i, size, t, -1, 0.0, 0
+        code, t_in, left = lru_advance(slots[i], crows[i], ds_of[i], np.int64(k[i]), substep[i], s[i], ideal[i], total[i],
+                                       caps[i], now + t, dt - t, 0.0, 1, True, res, state, lru)
+        if code == EPOCH or code == FINISHED_EPOCH:
+            return i, size, t, code, t_in, left
+        size = _settle(heap_t, heap_i, size, i, t, dt, tol, read, remote, finished_at, res)
+    return -1, 0, 0.0, DONE, 0.0, 0

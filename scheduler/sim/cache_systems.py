@@ -41,7 +41,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 import math
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,11 +49,8 @@ from scheduler.sim.lru_kernel import EPOCH, FINISHED_EPOCH, lru_access, lru_adva
 from scheduler.sim.reader_rows import MOVED, UNREAD
 from scheduler.sim.reader_rows import ReaderGroups, ReaderRows
 from scheduler.sim.types import CacheReader, TurnAdvance
-from scheduler.sim.types import SimDataset
+from scheduler.sim.types import SimDataset, StepResult
 from scheduler.sim.uniform_kernel import NO_DOMAIN, PER_JOB, PYTHON_DOMAIN, uniform_turns
-
-if TYPE_CHECKING:  # reader.py imports this module
-    from scheduler.sim.reader import StepResult
 
 CACHE_SYSTEMS = ("silod", "alluxio", "coordl", "quiver")
 _NO_CHUNKS = np.zeros(0, dtype=np.int64)

@@ -46,7 +46,7 @@ from scheduler.sim.cache_systems import SimCacheSystem
 from scheduler.sim.position import (BOUND, CONSUMED, DRIFT_M, DRIFT_T, EPOCH_READ, EPOCH_REMOTE, EXPECTED, HIT, LOOKED, N_ADVANCED,
                                     N_COLUMNS, POS, REMOTE, SYNCED, TAIL_MISS)
 from scheduler.sim.reader_rows import MOVED, UNREAD
-from scheduler.sim.types import SimDataset
+from scheduler.sim.types import SimDataset, StepResult
 from traces.model import TraceJob
 
 
@@ -333,14 +333,6 @@ class SimJob:
 
 #: A change of miss ratio at an epoch boundary below this does not re-divide the link.
 DEMAND_CHANGE = 0.05
-
-
-@dataclass(slots=True)
-class StepResult:
-    bytes_read: float = 0.0
-    remote_bytes: float = 0.0
-    finished_at: float | None = None
-    elapsed: float = 0.0  # seconds of the step used (less than dt only with `substeps`)
 
 
 #: LRU: the share of an epoch read between two looks at the miss ratio (the cached set moves

@@ -71,3 +71,14 @@ class TurnAdvance:
     finished_at: np.ndarray  # out: when it finished (NaN: it did not)
     elapsed: np.ndarray  # out: seconds of the step used
     applied: np.ndarray  # out: cleared for each job advanced per job
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one job's read over a step did (scheduler/sim/reader.py's advance; the cache systems'
+    compiled clocks hand per-job steps back in it)."""
+
+    bytes_read: float = 0.0
+    remote_bytes: float = 0.0
+    finished_at: float | None = None
+    elapsed: float = 0.0  # seconds of the step used (less than dt only with `substeps`)

@@ -6,6 +6,7 @@ directory where a file belongs)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -178,6 +179,21 @@ def test_default_quota_takes_ascii_digits_only(value: str) -> None:
     with pytest.raises(UserError, match="must be a whole number >= 0"):
         parse_quota(value)
     assert parse_quota("gpus=8,running=4").gpus == 8
+
+
+@pytest.mark.parametrize("value, says", [
+    ("min_work=-5GB", "min_work '-5GB' is negative"),
+    ("min_work=abc", "min_work 'abc' is not a size"),
+    ("max_work=10tb", "max_work '10tb' is ambiguous"),
+    ("min_work=1e400", "min_work '1e400' is not a finite number"),
+    ("min_work=2GB,max_work=1GB", "min_work is above max_work"),
+])
+def test_default_quota_work_range_bad_values_name_the_key(value: str, says: str) -> None:
+    from estimator.errors import UserError
+    from scheduler.service.cli import parse_quota
+
+    with pytest.raises(UserError, match=re.escape(says)):
+        parse_quota(value)
 
 
 def test_serve_default_quota_superscript_is_a_user_error(run, tmp_path: Path) -> None:

@@ -202,3 +202,10 @@ document.getElementById("out").textContent = JSON.stringify(Object.fromEntries(O
     out = json.loads(re.search(r'<pre id="out">(.*?)</pre>', dom, re.S).group(1).replace("&quot;", '"'))
     assert out == {"cached": "0 B/s (dataset cached)", "partly": "0 B/s (cached items only)",
                    "capped": "50.0 MB/s", "unmanaged": "not managed"}
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "10001", "many", "1e3"])
+def test_a_jobs_allocation_history_refuses_a_bad_limit(server, limit):
+    r = httpx.get(f"{server['base']}/v1/jobs/{server['live']}/allocations", params={"limit": limit},
+                  headers={"Authorization": f"Bearer {ALICE}"}, timeout=30)
+    assert r.status_code == 422 and "limit" in r.text, r.text

@@ -33,7 +33,7 @@ import pytest
 from policies.storage import max_min_share
 from scheduler.sim.cache_systems import ChunkPool, SimCacheSystem, make_cache_system
 from scheduler.sim.link_kernel import max_min
-from scheduler.sim.reader import VOLATILE_SUBSTEP, SimJob, StepResult, advance, python_advance
+from scheduler.sim.reader import VOLATILE_SUBSTEP, SimJob, advance, python_advance
 from scheduler.sim.types import SimDataset, TurnAdvance
 from traces.model import TraceJob
 
@@ -494,23 +494,10 @@ def test_the_claimers_caps_are_numpys():
 
 
 def _python_clock(self, jobs, crows, left, t0, step, tol, per_job):
-    """Simulator._interleave's clock as the Python loop it was: heapq, one reader.advance a sub-step."""
-    import heapq
+    """Simulator._interleave's clock as the Python loop every other cache system runs."""
+    from scheduler.sim.engine import python_clock
 
-    now, dt, caps, read, remote, finished_at = step.now, step.dt, step.caps, step.read, step.remote, step.finished_at
-
-    clock = list(zip(t0.tolist(), left.tolist()))
-    heapq.heapify(clock)
-    while clock:
-        t, i = heapq.heappop(clock)
-        part = advance(jobs[i], now + t, dt - t, float(caps[i]), self, substeps=1)
-        read[i] += part.bytes_read
-        remote[i] += part.remote_bytes
-        t += max(part.elapsed, 0.0)
-        if part.finished_at is not None:
-            finished_at[i] = part.finished_at
-        elif dt - t > tol and part.elapsed > 0:
-            heapq.heappush(clock, (t, i))
+    python_clock(jobs, self, t0, left, step.now, step.dt, step.caps, tol, step.read, step.remote, step.finished_at)
 
 
 def test_the_compiled_clock_makes_the_python_clocks_runs(monkeypatch):

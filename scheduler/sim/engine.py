@@ -180,6 +180,26 @@ class SimResult:
     unfinished: list[str] = field(default_factory=list)
 
 
+def python_clock(jobs: list[SimJob], cache: SimCacheSystem, t0: np.ndarray, left: np.ndarray, now: float, dt: float,
+                 caps, tol: float, read: np.ndarray, remote: np.ndarray, finished_at: np.ndarray) -> None:
+    """Interleave jobs `left` (each at its own time `t0` into the step) by sub-steps on one heap
+    clock, one reader.advance a sub-step, adding to `read`, `remote` and `finished_at` in place:
+    the clock of every cache system but Alluxio's, whose compiled clock
+    (lru_kernel.lru_clock) makes the same runs (tests/test_sim_compiled.py)."""
+    clock = list(zip(t0.tolist(), left.tolist()))
+    heapq.heapify(clock)
+    while clock:
+        t, i = heapq.heappop(clock)
+        part = advance(jobs[i], now + t, dt - t, caps[i], cache, substeps=1)
+        read[i] += part.bytes_read
+        remote[i] += part.remote_bytes
+        t += max(part.elapsed, 0.0)
+        if part.finished_at is not None:
+            finished_at[i] = part.finished_at
+        elif dt - t > tol and part.elapsed > 0:
+            heapq.heappush(clock, (t, i))
+
+
 def step_budget(trace: Trace, makespan_s: float, round_s: float, demand_tolerance: float = 0.025) -> float:
     """The most steps a run should take: STEP_BUDGET_FACTOR x (arrivals + completions + every
     job's epoch boundaries + rounds over the makespan) + (its epochs) / demand_tolerance.
@@ -948,19 +968,8 @@ class Simulator:
             self.cache.advance_clock(running, st.crows, left, elapsed[left], step, tol,
                                      lambda i, t: advance(running[i], now + t, dt - t, caps[i], self.cache, substeps=1))
             return first
-        clock = list(zip(elapsed[left].tolist(), left.tolist()))
-        heapq.heapify(clock)
-        read, remote, finished_at = first.read, first.remote, first.finished_at
-        while clock:
-            t, i = heapq.heappop(clock)
-            part = advance(running[i], now + t, dt - t, caps[i], self.cache, substeps=1)
-            read[i] += part.bytes_read
-            remote[i] += part.remote_bytes
-            t += max(part.elapsed, 0.0)
-            if part.finished_at is not None:
-                finished_at[i] = part.finished_at
-            elif dt - t > tol and part.elapsed > 0:
-                heapq.heappush(clock, (t, i))
+        python_clock(running, self.cache, elapsed[left], left, now, dt, caps, tol, first.read, first.remote,
+                     first.finished_at)
         return first  # its results, with the later sub-steps added
 
     def _io_caps(self, plan, running: list[SimJob], st, m: np.ndarray, ideal_m: np.ndarray) -> tuple[np.ndarray, bool, Claimers | None]:

@@ -466,3 +466,19 @@ def control_plane(tmp_path_factory) -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
+
+
+def kubectl_job(name: str, gpus: int = 2) -> dict:
+    """A labelled Job of `gpus` GPUs as a user writes it (suspend unset: created running), Pod Security
+    "restricted" compliant, reading dataset `ds` through an inline silod volume."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "labels": {"silod.io/queue": "default"},
+                         "annotations": {"silod.io/epochs": "1", "silod.io/ideal-throughput": "1MB/s"}},
+            "spec": {"backoffLimit": 0, "template": {"spec": {
+                "restartPolicy": "Never",
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [{"name": "train", "image": "trainer:1", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                                "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}],
+                "volumes": [{"name": "data", "csi": {"driver": "silod.io", "readOnly": True,
+                                                     "volumeAttributes": {"dataset": "ds"}}}]}}}}

@@ -44,7 +44,7 @@ import pytest
 from kubernetes import client
 
 from dataplane_helpers import make_dataset, require_fuse
-from k8s_testenv import SILOD_SA, ControlPlane, Kubelet, free_port, wait
+from k8s_testenv import SILOD_SA, ControlPlane, Kubelet, free_port, kubectl_job, wait
 
 try:
     from test_kubernetes_agent_restart import restart_agent_under_reader
@@ -57,22 +57,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.fuse]
 
 ADMIN_TOKEN = "admin-token-walk-0123456789"
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
-
-
-def kubectl_job(name: str) -> dict:
-    """A labelled 2-GPU Job as a user writes it (suspend unset: created running), Pod Security
-    "restricted" compliant, reading dataset `ds` through an inline silod volume."""
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": name, "labels": {"silod.io/queue": "default"},
-                         "annotations": {"silod.io/epochs": "1", "silod.io/ideal-throughput": "1MB/s"}},
-            "spec": {"backoffLimit": 0, "template": {"spec": {
-                "restartPolicy": "Never",
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
-                "containers": [{"name": "train", "image": "trainer:1", "resources": {"limits": {"nvidia.com/gpu": "2"}},
-                                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                                "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}],
-                "volumes": [{"name": "data", "csi": {"driver": "silod.io", "readOnly": True,
-                                                     "volumeAttributes": {"dataset": "ds"}}}]}}}}
 
 
 def test_the_operator_walk_of_docs_kubernetes_md(control_plane: ControlPlane, tmp_path):

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from dataplane_helpers import force_unmount, make_dataset, require_fuse, silod_cmd
-from k8s_testenv import SILOD_SA, ControlPlane, free_port, wait
+from k8s_testenv import SILOD_SA, ControlPlane, free_port, kubectl_job, wait
 from scheduler.service.api.app import create_app
 from scheduler.service.api.auth import TokenStore, load_token_key
 from scheduler.service.cli import build_service
@@ -197,17 +197,7 @@ def test_rest_and_kubectl_jobs_time_shared_and_moved_on_the_real_control_plane(c
             rest_job = f"silod-{r.json()['id']}"
         time.sleep(0.3)
         # Created running, as most users write a Job: the real API server has the webhook store it suspended.
-        job = {"apiVersion": "batch/v1", "kind": "Job",
-               "metadata": {"name": "by-kubectl", "labels": {"silod.io/queue": "default"},
-                            "annotations": {"silod.io/epochs": "1", "silod.io/ideal-throughput": "1MB/s"}},
-               "spec": {"backoffLimit": 0, "template": {"spec": {
-                   "restartPolicy": "Never",
-                   "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
-                   "containers": [{"name": "train", "image": "trainer:1", "resources": {"limits": {"nvidia.com/gpu": "4"}},
-                                   "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                                   "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}],
-                   "volumes": [{"name": "data", "csi": {"driver": "silod.io", "readOnly": True,
-                                                        "volumeAttributes": {"dataset": "ds"}}}]}}}}
+        job = kubectl_job("by-kubectl", gpus=4)
         created = cp.batch.create_namespaced_job(ns, job)
         assert created.spec.suspend is True  # stored suspended: the webhook's patch, applied by the real API server
 

@@ -114,20 +114,23 @@ def test_history_lists_the_tenants_ended_jobs_newest_first_paged(server):
     assert ran["last_bound"] == "gpu" and ran["last_predicted_throughput"] > 0
 
 
-def test_an_ended_jobs_detail_shows_the_models_last_bound(server):
-    dom = _dom(server, f"token={ALICE}&job={server['ran']}", "alice-ended")
+def _detail(server, job_id: str, profile: str) -> tuple[str, dict[str, str]]:
+    """The web view opened on a job's detail (`#job=ID`): the DOM and the detail's fields."""
+    dom = _dom(server, f"token={ALICE}&job={job_id}", profile)
     detail = re.search(r'<section id="detail"([^>]*)>(.*?)</section>', dom, re.S)
     assert detail and "hidden" not in detail.group(1), dom[-3000:]
     fields = dict(re.findall(r'<tr data-field="([^"]+)"><td>[^<]*</td><td>(.*?)</td></tr>', detail.group(2)))
+    return dom, fields
+
+
+def test_an_ended_jobs_detail_shows_the_models_last_bound(server):
+    dom, fields = _detail(server, server["ran"], "alice-ended")
     assert fields["bound by"] == "gpu (model, last round it ran)"
     assert fields["predicted throughput"] == "100.0 MB/s (last round it ran)"
 
 
 def test_a_job_link_opens_its_detail(server):
-    dom = _dom(server, f"token={ALICE}&job={server['live']}", "alice-detail")
-    detail = re.search(r'<section id="detail"([^>]*)>(.*?)</section>', dom, re.S)
-    assert detail and "hidden" not in detail.group(1), dom[-3000:]
-    fields = dict(re.findall(r'<tr data-field="([^"]+)"><td>[^<]*</td><td>(.*?)</td></tr>', detail.group(2)))
+    dom, fields = _detail(server, server["live"], "alice-detail")
     assert fields["GPUs held"] == "2 of 2, share 100%"
     assert fields["f* declared / planned"] == "100.0 MB/s / 100.0 MB/s"
     assert fields["bound by"].endswith("(model, now)")

@@ -113,8 +113,11 @@ def test_pods_kube_scheduler_cannot_bind_send_the_job_back_to_the_queue_and_fail
     t[0] += 30
     events = [e for e in backend.poll() if e.job_id == "951"]
     assert backend.unschedulable_jobs() == set() and "nodes changed" in events[-1].message, events
-    # ... admitted again, refused again (the new node has no FPGA either), held again:
+    # ... admitted again, refused again (the new node has no FPGA either), held again. Between
+    # the re-admission and the Job controller's new pods the job has no pods at all: that is not
+    # "every pod bound, it runs" (which once forgot the first refusal and restarted the timeout).
     admit(backend, cp, ns, spec)
+    assert backend._refused_first.get("951") == 10_000.0
     wait(lambda: refused_pods(cp, ns), 120, "kube-scheduler to refuse the new pod too", interval=0.5)
     backend.poll()
     t[0] += 61

@@ -1009,8 +1009,12 @@ class KubernetesBackend(ClusterBackend):
                           for p in self._bound)
             if reason is None or leaving:
                 self._pending_since.pop(job_id, None)
-                if reason is None and not self._pods_of(job_id, self._unbound):
-                    self._refused_first.pop(job_id, None)  # every pod bound: it runs
+                # Every pod bound: it runs, and a later refusal starts a new timeout. Right after
+                # a re-admission the Job has no pods yet (or only the old ones, leaving): that is
+                # not "runs", the first refusal holds.
+                if reason is None and not self._pods_of(job_id, self._unbound) and any(
+                        not (p.get("metadata") or {}).get("deletionTimestamp") for p in self._pods_of(job_id)):
+                    self._refused_first.pop(job_id, None)
                 continue
             first = self._pending_since.setdefault(job_id, now)
             found = self._workload_of(job_id)

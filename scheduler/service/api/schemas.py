@@ -350,6 +350,9 @@ class ConsumptionIn(_Strict):
     """A node agent's cumulative per-pod counters (POST /v1/agents/{node}/consumption)."""
 
     pods: list[PodConsumptionIn] = Field(max_length=1000)
+    cache_disk_bytes: _COUNT | None = Field(
+        default=None, description="bytes the node's cache directory can hold (statvfs of it, capped by the agent's"
+                                  " --cache-size): the Kubernetes backend plans the node's cache with it while fresh")
 
 
 class IgnoredOut(BaseModel):
@@ -469,6 +472,9 @@ class NodeOut(BaseModel):
     gpus: int
     cache: float
     labels: dict[str, str]
+    cache_source: Literal["agent", "annotation", "share"] | None = Field(
+        default=None, description="Kubernetes: where `cache` comes from: the node agent's report (fresh), the node's"
+                                  " silod.io/cache-capacity annotation, or an even share of --cache")
 
 
 class ClusterOut(BaseModel):

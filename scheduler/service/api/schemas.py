@@ -238,8 +238,8 @@ class PodTemplateIn(_Strict):
 class ProgramIn(_Strict):
     """The local backend (`--backend local`): the training program a job runs instead of the
     built-in stand-in worker, in the worker's process group after the dataset is mounted. It gets
-    SILOD_DATA (the mount), SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN (a token of the job's owner,
-    for its step reports) besides `env`. The job ends when the program exits (0: finished)."""
+    SILOD_DATA (the mount), SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN (the job's report token: it
+    may post this job's step reports and nothing else) besides `env`. The job ends when the program exits (0: finished)."""
 
     command: list[Arg] = Field(min_length=1, max_length=256, examples=[["python", "train.py", "--epochs", "2"]])
     env: dict[Annotated[str, Field(max_length=128, pattern=ENV_NAME_PATTERN)], Arg] = Field(

@@ -1206,6 +1206,9 @@ class KubernetesBackend(ClusterBackend):
                     self._events.append(JobEvent(job_id, "progress", done, now))
             self._push_node_io()
             events, self._events = self._events, []
+            for ev in events:  # ended for a reason of silod's own (e.g. unschedulable for too long)
+                if ev.kind == "failed" and ev.job_id in self._refs:
+                    self._delete_report_secret(ev.job_id)
             return events
 
     def close(self) -> None:

@@ -92,9 +92,10 @@ def test_a_nodes_cache_is_what_its_agent_reports_and_a_smaller_disk_gets_less_ca
                                         "pod_template": {"image": "trainer:1", "node_selector": here}})
         assert r.status_code == 201, r.text
         job = r.json()["id"]
-        wait(lambda: user.get(f"/v1/jobs/{job}").json()["state"] == "running", 90,
-             lambda: f"the job admitted: {user.get(f'/v1/jobs/{job}').json()}", interval=0.5)
-        stored = cp.job(tenant, f"silod-{job}")
+        # Admitted: silod unsuspended its Job with the placement (the job is "running" in silod from
+        # the round that starts it, a moment before the backend writes the Job).
+        stored = wait(lambda: (j := cp.job(tenant, f"silod-{job}"))["spec"].get("suspend") is False and j, 90,
+                      lambda: f"the job admitted: {user.get(f'/v1/jobs/{job}').json()}", interval=0.5)
         terms = stored["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         hosts = {v for t in terms for e in t["matchExpressions"] if e["key"] == "kubernetes.io/hostname" for v in e["values"]}

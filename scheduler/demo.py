@@ -349,8 +349,7 @@ class DemoApi:
 
         tokens = TokenStore(service.engine, secrets.token_bytes(32), admin_token=self.token)
         # Jobs that run a program (--pytorch) report their step times here, with a token of their own.
-        service.job_tokens = lambda spec: tokens.create(spec.owner, is_admin=spec.owner == "admin",
-                                                        expires_at=time.time() + 86400, label=f"job {spec.job_id}")[1]
+        service.job_tokens = lambda spec: tokens.mint_job_token(spec.owner, spec.job_id, 86400)
         app = create_app(service, tokens, run_loop=False)  # the demo starts and stops the loop itself
         server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                                access_log=False, lifespan="on"))

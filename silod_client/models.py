@@ -189,6 +189,9 @@ class Node(_Answer):
     gpus: int
     cache: float
     labels: dict[str, str] = Field(default_factory=dict)
+    #: Kubernetes: where `cache` comes from: "agent" (its node agent's fresh report), "annotation"
+    #: (silod.io/cache-capacity) or "share" (an even share of --cache); None on other backends
+    cache_source: str | None = None
 
 
 class Cluster(_Answer):

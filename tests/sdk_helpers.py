@@ -62,6 +62,8 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tokens = tokens or {"alice": "alice-sdk-token-0123", "bob": "bob-sdk-token-01234"}
         (tmp / "tokens").write_text("".join(f"{u}:{t}\n" for u, t in self.tokens.items()))
+        # "{url}" in an argument is this server's own URL (e.g. --backend-opt api-url={url}).
+        extra = tuple(a.replace("{url}", self.url) for a in extra)
         cmd = [*SILOD, "serve", "--listen", f"127.0.0.1:{self.port}", "--db", f"sqlite:///{tmp / 'silod.db'}",
                "--backend", backend, "--tokens", str(tmp / "tokens"), "--state-dir", str(tmp / "state"), *extra]
         if "--gpus" not in extra:

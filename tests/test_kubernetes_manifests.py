@@ -115,7 +115,9 @@ def test_scheduler_rbac_is_least_privilege_and_covers_its_calls():
     for res in (("batch", "jobs"), ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs")):
         assert rules[res] == {"get", "list", "watch"}, res
     assert ("batch", "jobs/status") not in rules
+    # Per tenant namespace also the jobs' report Secrets: written, never read (no get/list/watch).
     assert _rules("ClusterRole", "silod-scheduler-jobs") == {
+        ("", "secrets"): {"create", "update", "delete"},
         ("batch", "jobs"): {"create", "delete", "update", "patch"}, ("batch", "jobs/status"): {"update", "patch"},
         ("jobset.x-k8s.io", "jobsets"): {"update", "patch"}, ("kubeflow.org", "pytorchjobs"): {"update", "patch"}}
     assert not any(d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == "silod-scheduler-jobs" for d in all_docs())

@@ -18,6 +18,7 @@ import yaml
 
 from k8s_emulator import EmulatedCluster, json_patch
 from scheduler.backends.kubernetes.webhook import BadReview, WebhookServer, review_response
+from scheduler.backends.kubernetes.workloads import report_env
 from tls_helpers import issue, make_ca
 
 try:
@@ -85,8 +86,32 @@ def test_no_patch_when_there_is_nothing_to_do(case):
         for c in job["spec"]["template"]["spec"]["containers"]:
             for m in c.get("volumeMounts") or []:
                 m["mountPropagation"] = "HostToContainer"
+            c["env"] = report_env("silod-report-job-j")  # and its containers the reporter's variables
     answer = review_response(review(job, **kw))
     assert answer["response"]["allowed"] is True and "patch" not in answer["response"]
+
+
+def test_every_container_gets_the_reporters_variables_from_the_jobs_report_secret():
+    """SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN from Secret silod-report-<kind>-<name> (written
+    when silod admits the workload); a variable the owner set stays the owner's."""
+    job = kubectl_job("j")
+    containers = job["spec"]["template"]["spec"]["containers"]
+    containers.append({**copy.deepcopy(containers[0]), "name": "side", "env": [{"name": "SILOD_SERVER", "value": "mine"}]})
+    body = review(job)
+    got = patched(body, review_response(body))["spec"]["template"]["spec"]["containers"]
+    refs = {(e["name"], e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"],
+             e["valueFrom"]["secretKeyRef"]["optional"]) for e in got[0]["env"]}
+    assert refs == {("SILOD_JOB_ID", "silod-report-job-j", "job-id", True),
+                    ("SILOD_SERVER", "silod-report-job-j", "server", True),
+                    ("SILOD_TOKEN", "silod-report-job-j", "token", True)}
+    assert got[1]["env"][0] == {"name": "SILOD_SERVER", "value": "mine"}
+    assert [e["name"] for e in got[1]["env"]] == ["SILOD_SERVER", "SILOD_JOB_ID", "SILOD_TOKEN"]
+    ptj = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+           "metadata": {"name": "p", "namespace": "alice", "labels": {"silod.io/queue": "default"}},
+           "spec": {"pytorchReplicaSpecs": {"Worker": {"template": {"spec": {"containers": [{"name": "w"}]}}}}}}
+    body = review(ptj, kind="PyTorchJob", group="kubeflow.org")
+    env = patched(body, review_response(body))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env} == {"silod-report-pytorchjob-p"}
 
 
 def test_every_mount_of_a_silod_volume_gets_host_to_container_propagation():

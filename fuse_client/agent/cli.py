@@ -37,6 +37,9 @@ def register(app: typer.Typer) -> None:
         report_token_file: Annotated[Path | None, typer.Option("--report-token-file", help="this node's agent token"
                                                                " (bound to the node: silod serve --node-agent USER=NODE),"
                                                                " re-read at every report [default: $SILOD_AGENT_TOKEN]")] = None,
+        cache_size: Annotated[str | None, typer.Option("--cache-size", help="the most this node's cache may use"
+                                                       " (e.g. 500GB); the agent reports the smaller of it and its"
+                                                       " cache directory's disk [default: the whole disk]")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "info",
     ) -> None:
         """Serve the CSI Identity and Node services for the silod.io driver on this node."""
@@ -59,17 +62,28 @@ def register(app: typer.Typer) -> None:
         volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
                                 idle_unmount_s=idle_unmount)
         server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
+        cap = None
+        if cache_size is not None:
+            from estimator.units import UnitError, parse_size
+
+            try:
+                cap = int(parse_size(cache_size, "--cache-size"))
+            except UnitError as exc:
+                raise UserError(str(exc)) from None
+            if cap < 1:
+                raise UserError(f"--cache-size {cache_size!r} must be positive (e.g. 500GB)")
         if report_interval < 0 or report_interval > 3600:
             raise UserError(f"--report-interval {report_interval} must be between 0 and 3600 seconds")
         reporter = None
         if report_interval > 0 and scheduler is not None:
-            from fuse_client.agent.reporter import ConsumptionReporter, token_source
+            from fuse_client.agent.reporter import ConsumptionReporter, cache_disk_bytes, token_source
 
             if report_token_file is not None and not report_token_file.is_file():
                 raise UserError(f"--report-token-file {str(report_token_file)!r} does not exist")
             reporter = ConsumptionReporter(
                 node=node, mounts=volumes.mount_stats_files, state_file=state_dir / "consumption.json", url=scheduler,
-                token=token_source(report_token_file, os.environ.get("SILOD_AGENT_TOKEN")), interval_s=report_interval)
+                token=token_source(report_token_file, os.environ.get("SILOD_AGENT_TOKEN")), interval_s=report_interval,
+                cache_disk=lambda: cache_disk_bytes(state_dir / "cache", cap))
         repaired = server.start()
         if reporter is not None:
             reporter.start()

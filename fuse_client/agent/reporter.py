@@ -8,6 +8,10 @@ which process wrote it, so the reporter carries the last totals of an old instan
 scheduler sees counters that only rise. The carried totals are kept in `<state>/consumption.json`
 so an agent restart does not lose them.
 
+Each report also carries the bytes the node's cache directory can hold (`cache_disk`: statvfs
+of the directory's file system, capped by the agent's --cache-size): the scheduler plans the
+node's cache with it instead of an annotation or an even share (docs/kubernetes-nodes.md).
+
 The token is read from a file at every report (a node-bound credential an operator provisions
 per node, rotated in place), or from $SILOD_AGENT_TOKEN.
 """
@@ -44,7 +48,7 @@ class _Seen:
 class ConsumptionReporter:
     def __init__(self, *, node: str, mounts: Callable[[], list[Path]], state_file: Path, url: str | None = None,
                  token: Callable[[], str] | None = None, interval_s: float = 10.0, timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, cache_disk: Callable[[], int | None] | None = None):
         self.node = node
         self.mounts = mounts
         self.state_file = state_file
@@ -53,6 +57,7 @@ class ConsumptionReporter:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.clock = clock
+        self.cache_disk = cache_disk
         self.seen: dict[str, _Seen] = {}  # "<stats file>|<pod uid>" -> last seen
         self.last_result: dict | None = None
         self.last_error: str | None = None
@@ -121,8 +126,12 @@ class ConsumptionReporter:
         pods = [{"pod_uid": uid, **c} for uid, c in sorted(totals.items())]
         result: dict = {"accepted": 0, "ignored": []}
         headers = {"Authorization": f"Bearer {self.token()}"}
+        disk = self.cache_disk() if self.cache_disk is not None else None
         for i in range(0, max(len(pods), 1), BATCH):
-            r = httpx.post(f"{self.url}/v1/agents/{self.node}/consumption", json={"pods": pods[i:i + BATCH]},
+            body: dict = {"pods": pods[i:i + BATCH]}
+            if disk is not None and i == 0:
+                body["cache_disk_bytes"] = disk
+            r = httpx.post(f"{self.url}/v1/agents/{self.node}/consumption", json=body,
                            headers=headers, timeout=self.timeout_s)
             if r.status_code != 200:
                 raise RuntimeError(f"the scheduler answered HTTP {r.status_code}: {r.text[:300]}")
@@ -148,6 +157,19 @@ class ConsumptionReporter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.interval_s + self.timeout_s + 1)
+
+
+def cache_disk_bytes(cache_dir: Path, cap: int | None = None) -> int | None:
+    """The bytes the node's cache directory can hold: the size of its file system (statvfs),
+    capped by the agent's configured --cache-size. None when the directory cannot be read (the
+    report then says nothing of the disk, and the scheduler keeps its fallback)."""
+    try:
+        st = os.statvfs(cache_dir)
+    except OSError as exc:
+        log.warning("cache directory %s not measured: %s", cache_dir, exc)
+        return None
+    size = int(st.f_blocks) * int(st.f_frsize)
+    return min(size, cap) if cap is not None else size
 
 
 def token_source(token_file: Path | None, env_token: str | None) -> Callable[[], str]:

@@ -115,6 +115,7 @@ class NodeInfo:
     gpus: int
     cache: float  # bytes of local disk this node contributes to the dataset cache
     labels: Mapping[str, str] = field(default_factory=dict)
+    cache_source: str | None = None  # Kubernetes: "agent" | "annotation" | "share" (where `cache` comes from)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "labels", MappingProxyType(dict(self.labels)))

@@ -72,7 +72,8 @@ class ApiService(ReadViews):
 
     def _status(self) -> ClusterStatus:
         st = self._raw_status()
-        nodes = tuple(NodeInfo(n["name"], int(n["gpus"]), float(n["cache"]), dict(n.get("labels") or {}))
+        nodes = tuple(NodeInfo(n["name"], int(n["gpus"]), float(n["cache"]), dict(n.get("labels") or {}),
+                               n.get("cache_source"))
                       for n in st.get("nodes", ()))
         planned = st.get("capacity")
         capacity = None if not isinstance(planned, dict) else dataclasses.replace(

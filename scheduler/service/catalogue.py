@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from estimator.errors import UserError
 from contract.credentials import SourceCredential
 from contract.names import storage_key
+from scheduler.service.api.auth import revoke_job_tokens
 from scheduler.service.db.models import (
     ACTIVE_STATES,
     Credential,
@@ -778,6 +779,7 @@ class Catalogue:
                 raise ConflictError(f"job {job_id} is already {JobState(job.state).value}", field="job_id")
             job.state = JobState.CANCELLED
             job.finish_time = time.time()
+            revoke_job_tokens(s, job.id, job.finish_time)  # its pods' or program's report token
             job.message = f"cancelled by {who.user}"
             record = self._job_record(job)
         self._trigger("cancel")

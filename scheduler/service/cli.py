@@ -496,36 +496,28 @@ def build_service(
         tenant_namespace_prefix=(backend_opts or {}).get("namespace-prefix", ""),
     )
     service = SchedulerService(engine, cluster_backend, config, pusher=pusher, datamanager_url=datamanager)
-    if backend == "local":
-        service.job_tokens = program_token_minter(engine, state_dir)
+    if backend in ("local", "kubernetes"):  # the backends whose jobs' code can report its steps
+        service.job_tokens = job_token_minter(engine, state_dir)
     attach = getattr(cluster_backend, "attach", None)  # backends that also feed the queue (kubectl workloads)
     if callable(attach):
         attach(service)
     return service
 
 
-#: How long a job program's report token stays valid (a new one is minted at every start).
-PROGRAM_TOKEN_TTL_S = 7 * 86400.0
+#: How long a job's report token stays valid (a new one is minted at every start; revoked when
+#: the job ends).
+REPORT_TOKEN_TTL_S = 7 * 86400.0
 
 
-def program_token_minter(engine: Any, state_dir: Path) -> Any:
-    """A function minting, per start of a job that runs a program, a token of the job's owner for
-    its step reports (SILOD_TOKEN in the program's environment). The program is the owner's own
-    code, so it gets the owner's rights, no more; the token expires after PROGRAM_TOKEN_TTL_S."""
-    import time
-
-    from scheduler.service.api.auth import ADMIN, TokenStore, load_token_key
+def job_token_minter(engine: Any, state_dir: Path) -> Any:
+    """A function minting, per start of a job, its report token (TokenStore.mint_job_token): a
+    token that may post that one job's step reports and nothing else. The local backend gives it
+    to the job's program as SILOD_TOKEN; the Kubernetes backend to the job's pods through a
+    per-job Secret. It expires after REPORT_TOKEN_TTL_S and is revoked when the job ends."""
+    from scheduler.service.api.auth import TokenStore, load_token_key
 
     store = TokenStore(engine, load_token_key(state_dir))
-
-    def mint(spec: Any) -> str:
-        now = time.time()
-        # The admin's own jobs report as the admin (a non-admin token may not be owned by 'admin').
-        _record, token = store.create(spec.owner, is_admin=spec.owner == ADMIN, expires_at=now + PROGRAM_TOKEN_TTL_S,
-                                      label=f"job {spec.job_id} program", now=now)
-        return token
-
-    return mint
+    return lambda spec: store.mint_job_token(spec.owner, spec.job_id, REPORT_TOKEN_TTL_S)
 
 
 def _open_service_state(db: str | None, state_dir: Path) -> Any:

@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from contract.names import storage_key
-from scheduler.service.db.models import ACTIVE_STATES, Dataset, Job, PodConsumption, WorkloadPod
+from scheduler.service.db.models import ACTIVE_STATES, Dataset, Job, NodeCacheDisk, PodConsumption, WorkloadPod
 
 COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
 # No pod reads 2^53 bytes (9 PB: a 100 Gbit/s link for 8 days) or items: a larger counter is a
@@ -149,6 +149,31 @@ class ConsumptionStore:
                 self._raise_counters(node, agent, w.job_id, r, now)
                 accepted += 1
         return ReportResult(accepted, tuple(ignored))
+
+    def record_cache_disk(self, node: str, agent: str, capacity_bytes: float) -> None:
+        """The node's agent says its cache directory holds `capacity_bytes` (the latest wins)."""
+        now = self.clock()
+        with self.lock:
+            for _ in range(2):
+                with self.sessions.begin() as s:
+                    row = s.get(NodeCacheDisk, node)
+                    if row is not None:
+                        row.capacity_bytes, row.agent, row.reported_at = float(capacity_bytes), agent, now
+                        return
+                try:
+                    with self.sessions.begin() as s:
+                        s.add(NodeCacheDisk(node=node, capacity_bytes=float(capacity_bytes), agent=agent, reported_at=now))
+                    return
+                except IntegrityError:
+                    continue  # another worker inserted it meanwhile: update it instead
+
+    def cache_disks(self, max_age_s: float) -> dict[str, float]:
+        """node -> the cache bytes its agent reported within the last `max_age_s` seconds (an
+        older report may be of a disk that was replaced, or of an agent that is gone)."""
+        since = self.clock() - max_age_s
+        with self.sessions() as s:
+            return {str(n): float(c) for n, c in s.execute(
+                select(NodeCacheDisk.node, NodeCacheDisk.capacity_bytes).where(NodeCacheDisk.reported_at >= since))}
 
     def _raise_counters(self, node: str, agent: str, job_id: int, r: PodReport, now: float) -> None:
         cols = {c: getattr(PodConsumption, c) for c in COUNTERS}

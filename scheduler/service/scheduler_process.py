@@ -43,6 +43,7 @@ from scheduler.service.overview import measurements_from_backend, measurements_f
 from policies.types import ClusterCapacity, DatasetView, JobView, Snapshot
 from scheduler.backends.base import ClusterBackend, JobEvent
 from scheduler.service import control
+from scheduler.service.api.auth import revoke_job_tokens
 from scheduler.service.catalogue import Catalogue, parse_job_id
 from scheduler.service.loop import LoopRunner
 from scheduler.service.recovery import recover
@@ -127,8 +128,9 @@ class SchedulerService(ReadViews):
         self.config = config
         self.storage = StoragePush(pusher)
         self.datamanager_url = datamanager_url
-        #: Mints the token a job's program reports with (`report_token`): set by build_service
-        #: for backends that run programs (local); None: programs get no token.
+        #: Mints a job's report token (`report_token`, api.auth.TokenStore.mint_job_token) at each
+        #: start: set by build_service for the backends whose jobs' code reports (local programs,
+        #: Kubernetes pods, whose backend says `report_tokens`); None: no token.
         self.job_tokens: Any = None
         self.sessions = sessionmaker(engine, expire_on_commit=False)
         self._write_lock = threading.RLock()
@@ -279,6 +281,8 @@ class SchedulerService(ReadViews):
                         job.consumed_bytes = self._plausible_progress(job, reported, now)
                 if not JobState(job.state).active:
                     continue
+                if ev.kind in ("finished", "failed"):
+                    revoke_job_tokens(s, job.id, now)  # its pods' or program's report token
                 if ev.kind == "finished":
                     job.state = JobState.FINISHED
                     job.finish_time = ev.time or time.time()
@@ -570,7 +574,8 @@ class SchedulerService(ReadViews):
         try:
             control.publish_status(self.sessions, {
                 "backend": self.backend.name, "datamanager": self.datamanager_url,
-                "nodes": [{"name": n.name, "gpus": n.gpus, "cache": n.cache, "labels": dict(n.labels)} for n in d.nodes],
+                "nodes": [{"name": n.name, "gpus": n.gpus, "cache": n.cache, "labels": dict(n.labels),
+                           "cache_source": n.cache_source} for n in d.nodes],
                 "last_round_time": self._last_round_time, "last_push_error": self.last_push_error,
                 "capacity": {"gpus": self._planned_capacity.gpus, "cache": self._planned_capacity.cache,
                              "remote_io": self._planned_capacity.remote_io},
@@ -617,7 +622,8 @@ class SchedulerService(ReadViews):
         failed: dict[str, str] = {}
         for spec, alloc in pending.start:
             try:
-                if spec.program is not None and self.job_tokens is not None:
+                if self.job_tokens is not None and (spec.program is not None
+                                                    or getattr(self.backend, "report_tokens", False)):
                     spec = replace(spec, report_token=self.job_tokens(spec))
                 self.backend.start(spec, alloc)
             except Exception as exc:  # the job fails, the service carries on

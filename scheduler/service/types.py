@@ -94,6 +94,9 @@ class Principal:
     #: a node agent identified by its pod's service-account token (TokenReview): the node its pod
     #: runs on, as the API server says (http_guard/agent_identity.py); None for every other caller
     node: str | None = None
+    #: a job's report token (api_tokens.job_id): it may post that job's step reports and nothing
+    #: else (the API's guard refuses every other route before reading a body)
+    job_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,10 @@ Options (`silod serve --backend kubernetes --backend-opt KEY=VALUE`):
 - `extended-resource-toleration=true`: the API server runs the ExtendedResourceToleration
   admission plugin (pods requesting nvidia.com/gpu tolerate nvidia.com/gpu taints): placement
   assumes the toleration too;
+- `api-url=URL`: where the pods' step reporters reach this API (deploy/base:
+  http://silod-scheduler.silod-system.svc). With it, silod writes each admitted job's report
+  token into a per-job Secret that the pods read as SILOD_TOKEN (docs/kubernetes.md, "Step
+  reports from pods"); without it pods get no token;
 - `leader-election=true`, `lease-namespace=NS`, `lease-name=NAME`, `identity=ID`, `lease-seconds=15`: only the holder
   of the coordination.k8s.io Lease runs the scheduling loop (several replicas; see leader.py).
 """
@@ -72,7 +76,7 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
     opts = dict(config.options)
     known = {"server", "token-file", "kubeconfig", "context", "namespace-prefix", "queue", "leader-election", "lease-namespace",
              "lease-name", "identity", "lease-seconds", "unschedulable-timeout", "unschedulable-grace",
-             "extended-resource-toleration"}
+             "extended-resource-toleration", "api-url"}
     unknown = sorted(set(opts) - known)
     if unknown:
         raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
@@ -88,7 +92,8 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
                         f" when the API server runs the ExtendedResourceToleration admission plugin, else false")
     backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
                                 default_queue=opts.get("queue") or "default", unschedulable_timeout_s=timeout,
-                                pending_grace_s=grace, extended_resource_toleration=ert == "true")
+                                pending_grace_s=grace, extended_resource_toleration=ert == "true",
+                                api_url=_api_url(opts.get("api-url")))
     if config.datamanager_url:
         from datamanager.client import DataManagerClient
 
@@ -101,6 +106,25 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
             **_lease_timing(opts.get("lease-seconds")),
         )
     return backend
+
+
+def _api_url(value: str | None) -> str | None:
+    """`api-url=URL`: an http(s) URL with a host and nothing after the port (the reporter appends
+    /v1/jobs/{id}/report)."""
+    if value is None:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value.strip())
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/") \
+            and not parts.query and not parts.fragment and not parts.username and (parts.port or 1) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(f"--backend-opt api-url={value!r}: give the URL pods reach silod's API at, e.g."
+                        f" http://silod-scheduler.silod-system.svc (http or https, a host, no path)")
+    return value.strip().rstrip("/")
 
 
 def _duration(opts: dict[str, str], key: str, default: float, what: str) -> float:

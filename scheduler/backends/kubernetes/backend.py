@@ -46,8 +46,9 @@ from scheduler.backends.base import (
 )
 from scheduler.backends.kubernetes.placement import NodeState, PodRequest, Taint, Toleration, place, why_not
 from scheduler.backends.kubernetes.workloads import (
-    GPU_RESOURCE, HOSTNAME_LABEL, JOB, KINDS, QUEUE_LABEL, Kind, PodTemplate, Workload, WorkloadError, parse_cpu_quantity,
-    PYTORCHJOB, admission_problems, admitted_object, parse_memory_quantity, parse_workload, rest_job_object,
+    GPU_RESOURCE, HOSTNAME_LABEL, JOB, JOB_ID_LABEL, KINDS, MANAGED_BY, MANAGED_BY_LABEL, QUEUE_LABEL, Kind, PodTemplate,
+    Workload, WorkloadError, parse_cpu_quantity, PYTORCHJOB, admission_problems, admitted_object, parse_memory_quantity,
+    parse_workload, report_secret_name, rest_job_object,
 )
 from scheduler.backends.kubernetes.nodematch import NodeLabels
 
@@ -55,6 +56,9 @@ log = logging.getLogger("silod.kubernetes")
 
 NODE_ANN_CACHE = "silod.io/cache-capacity"  # bytes of local disk a node gives the dataset cache
 NODE_ANN_IO = "silod.io/remote-io"  # the node's share of the remote link (e.g. its NIC), bytes/s
+# A node agent's report of its cache disk counts this long (agents report every 10 s by default):
+# an older one may be of an agent that is gone or a disk that was replaced.
+AGENT_DISK_FRESH_S = 120.0
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 INTAKE_NAME = re.compile(r"^(job|jobset|pytorchjob)\.(.+)\.([0-9a-f-]{36})$")
 REST_NAME = re.compile(r"^silod-([0-9]+)$")
@@ -117,6 +121,7 @@ class KubernetesBackend(ClusterBackend):
         unschedulable_timeout_s: float = 3600.0,
         extended_resource_toleration: bool = False,
         pending_grace_s: float = 120.0,
+        api_url: str | None = None,
     ):
         from kubernetes import client
 
@@ -169,6 +174,11 @@ class KubernetesBackend(ClusterBackend):
         self._unbound: list[dict[str, Any]] = []  # pods no scheduler bound yet (not ended)
         self._raw_nodes: list[Any] = []
         self._raw_nodes_at = -1e18  # time.monotonic() of the last node list
+        self._agent_disks: dict[str, float] = {}  # node -> cache bytes its agent reported (fresh)
+        # Where pods' step reporters reach the API (--backend-opt api-url): with it, each admitted
+        # job gets a report token (the service mints it: `report_tokens`) in a per-job Secret.
+        self.api_url = api_url
+        self.report_tokens = api_url is not None
         self.admissions = 0  # successful admissions (observability, tests)
         self.suspensions = 0
 
@@ -301,6 +311,7 @@ class KubernetesBackend(ClusterBackend):
                            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             self.workloads, self._objects = workloads, objects
             self._raw_nodes, self._raw_nodes_at = nodes, time.monotonic()
+            self._agent_disks = self._read_agent_disks()
             self.nodes = self._node_states(nodes)
             if not self._recovered:
                 self._recover()
@@ -347,8 +358,14 @@ class KubernetesBackend(ClusterBackend):
             name = n.metadata.name
             ann = n.metadata.annotations or {}
             try:
-                cache = (parse_size(ann[NODE_ANN_CACHE], f"node {name} annotation {NODE_ANN_CACHE}")
-                         if ann.get(NODE_ANN_CACHE) else self.capacity.cache / count)
+                # The node agent's own measure of its cache disk while fresh; else the operator's
+                # annotation; else an even share of --cache.
+                if name in self._agent_disks:
+                    cache, source = self._agent_disks[name], "agent"
+                elif ann.get(NODE_ANN_CACHE):
+                    cache, source = parse_size(ann[NODE_ANN_CACHE], f"node {name} annotation {NODE_ANN_CACHE}"), "annotation"
+                else:
+                    cache, source = self.capacity.cache / count, "share"
                 io = (parse_rate(ann[NODE_ANN_IO], f"node {name} annotation {NODE_ANN_IO}")
                       if ann.get(NODE_ANN_IO) else self.capacity.remote_io / count)
             except UnitError as exc:
@@ -374,8 +391,20 @@ class KubernetesBackend(ClusterBackend):
                            if "cpu" in (n.status.allocatable or {}) else float("inf")),
                 memory_free=(max(memory - mem_used.get(name, 0.0) - mem_reserved.get(name, 0.0), 0.0)
                              if "memory" in (n.status.allocatable or {}) else float("inf")),
+                cache_source=source,
             ))
         return out
+
+    def _read_agent_disks(self) -> dict[str, float]:
+        """node -> the cache bytes its agent reported within AGENT_DISK_FRESH_S (the consumption
+        store over the service's database: the agents report to the API workers)."""
+        if self.consumption is None:
+            return {}
+        try:
+            return self.consumption.cache_disks(AGENT_DISK_FRESH_S)
+        except Exception as exc:  # noqa: BLE001 - a database hiccup: the last reading stays this poll
+            log.warning("agents' cache disks not read this poll: %s", exc)
+            return self._agent_disks
 
     def _pods_of(self, job_id: str, pods: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         ref = self._refs.get(job_id)
@@ -629,7 +658,8 @@ class KubernetesBackend(ClusterBackend):
                 raise UserError(f"cannot read the cluster from the Kubernetes API at {host}: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}") from None
         return ClusterDescription(
-            nodes=tuple(NodeInfo(name=n.name, gpus=n.gpus_free, cache=n.cache_capacity, labels=dict(n.labels))
+            nodes=tuple(NodeInfo(name=n.name, gpus=n.gpus_free, cache=n.cache_capacity, labels=dict(n.labels),
+                                 cache_source=n.cache_source)
                         for n in self.nodes),
             remote_io=self.capacity.remote_io,
         )
@@ -775,6 +805,8 @@ class KubernetesBackend(ClusterBackend):
         self._drop_unschedulable(job.job_id)
         host = {n.name: n.hostname for n in self.nodes}
         hostnames = sorted({host[n] for n in where.values()})
+        if job.report_token:  # before the pods exist: they read it when their containers start
+            self._write_report_secret(job.job_id, wl, job.report_token)
         if not self._write(wl, admitted_object(wl.kind, obj, hostnames)):
             return False
         nodes: dict[str, int] = {}
@@ -801,6 +833,58 @@ class KubernetesBackend(ClusterBackend):
         self.nodes = self._node_states_from_cache()
         log.info("admitted %s (job %s) on %s", wl.key, job.job_id, ", ".join(hostnames))
         return True
+
+    def _write_report_secret(self, job_id: str, wl: Workload, token: str) -> bool:
+        """The job's report Secret (workloads.report_secret_name) in the workload's own namespace:
+        its report token, the API's URL and its id, which its pods' env reads (the webhook's
+        report_env_patch, rest_job_object). Owned by the workload, so deleting the workload
+        deletes it (garbage collector); silod deletes it when the job ends. Written over an
+        existing one (each admission mints a new token and revokes the last). Best effort: a pod
+        without it trains, it does not report (an Event says why)."""
+        from kubernetes import client
+
+        name = report_secret_name(wl.kind, wl.name)
+        body = client.V1Secret(
+            metadata=client.V1ObjectMeta(
+                name=name, namespace=wl.namespace,
+                labels={MANAGED_BY_LABEL: MANAGED_BY, JOB_ID_LABEL: job_id},
+                owner_references=[client.V1OwnerReference(api_version=wl.kind.api_version, kind=wl.kind.kind,
+                                                          name=wl.name, uid=wl.uid)]),
+            type="Opaque", string_data={"token": token, "server": self.api_url or "", "job-id": job_id})
+        try:
+            try:
+                self.core.create_namespaced_secret(wl.namespace, body, field_manager=FIELD_MANAGER,
+                                                   _request_timeout=self.timeout)
+            except _api_exception() as exc:
+                if exc.status != 409:
+                    raise
+                self.core.replace_namespaced_secret(name, wl.namespace, body, field_manager=FIELD_MANAGER,
+                                                    _request_timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - the job runs without step reports
+            status = getattr(exc, "status", None)
+            hint = (" (bind ClusterRole silod-scheduler-jobs in this namespace: deploy/base/workloads-namespace.yaml)"
+                    if status == 403 else "")
+            self._report(self._objects.get(wl.uid) or {"metadata": {"name": wl.name, "namespace": wl.namespace,
+                                                                    "uid": wl.uid}}, wl.kind,
+                         f"{wl.key}: silod could not write Secret {name} (HTTP {status or type(exc).__name__}){hint};"
+                         f" its pods run without SILOD_TOKEN, so their step reports are not sent",
+                         reason="SiloDNoReportToken")
+            return False
+        return True
+
+    def _delete_report_secret(self, job_id: str) -> None:
+        """The ended job's report Secret (its token is revoked already: the service revokes a
+        job's report tokens when it ends). Best effort: the garbage collector removes it with
+        its workload, and a leftover token is refused anyway."""
+        ref = self._refs.get(job_id)
+        if ref is None or not self.report_tokens:
+            return
+        try:
+            self.core.delete_namespaced_secret(report_secret_name(ref.kind, ref.name), ref.namespace,
+                                               _request_timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - already gone (404) or the API server is away
+            if getattr(exc, "status", None) != 404:
+                log.warning("job %s: its report Secret was not deleted: %s", job_id, exc)
 
     def _clear_start_time(self, wl: Workload, obj: dict[str, Any]) -> tuple[Workload, dict[str, Any]] | None:
         """Clear a suspended Job's status.startTime through the jobs/status subresource, once its
@@ -870,6 +954,8 @@ class KubernetesBackend(ClusterBackend):
             wl, obj = found
             if wl.phase != "active":
                 return
+            if self._job_state(job_id) == "cancelled":
+                self._delete_report_secret(job_id)
             if self._cancelled_rest_job(job_id, wl):
                 try:  # silod's own Job for a cancelled REST job: remove it (and, by GC, its pods)
                     self.custom.delete_namespaced_custom_object("batch", "v1", wl.namespace, "jobs", wl.name,
@@ -1035,15 +1121,21 @@ class KubernetesBackend(ClusterBackend):
             log.info("%s (job %s): kube-scheduler cannot bind its pods: %s", found[0].key, job_id, reason)
             self.nodes = self._node_states(self._raw_nodes)  # its GPUs are free for the others
 
-    def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
-        if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
-            return False
+    def _job_state(self, job_id: str) -> str | None:
+        """The service's state of the job (None: no service, or no such job)."""
+        if self.service is None:
+            return None
         from scheduler.service.types import ADMIN, Principal
 
         try:
-            return self.service.get_job(Principal(ADMIN, is_admin=True), job_id).state == "cancelled"
+            return str(self.service.get_job(Principal(ADMIN, is_admin=True), job_id).state)
         except UserError:
+            return None
+
+    def _cancelled_rest_job(self, job_id: str, wl: Workload) -> bool:
+        if self.service is None or wl.kind != JOB or wl.rest_job_id != job_id or wl.name != f"silod-{job_id}":
             return False
+        return self._job_state(job_id) == "cancelled"
 
     def poll(self) -> list[JobEvent]:
         with self._lock:
@@ -1085,6 +1177,7 @@ class KubernetesBackend(ClusterBackend):
                     # (The deferred loop above has already dropped it from _deferred.)
                     self._events.append(JobEvent(job_id, "failed", time=now,
                                                  message=f"{ref.kind.kind} {ref.namespace}/{ref.name} was deleted"))
+                    self._delete_report_secret(job_id)
                     self._admitted.pop(job_id, None)
                     self._deferred.pop(job_id, None)
                     self._drop_unschedulable(job_id)
@@ -1096,10 +1189,12 @@ class KubernetesBackend(ClusterBackend):
                     self._refused_first.pop(job_id, None)
                 if wl.phase == "finished":
                     self._events.append(JobEvent(job_id, "finished", None, now, wl.message))
+                    self._delete_report_secret(job_id)
                     self._admitted.pop(job_id, None)
                     self._forget(job_id)
                 elif wl.phase == "failed":
                     self._events.append(JobEvent(job_id, "failed", None, now, f"{wl.key}: {wl.message}"))
+                    self._delete_report_secret(job_id)
                     self._admitted.pop(job_id, None)
                     self._forget(job_id)
                 elif adm is not None and job_id in measured:
@@ -1111,6 +1206,9 @@ class KubernetesBackend(ClusterBackend):
                     self._events.append(JobEvent(job_id, "progress", done, now))
             self._push_node_io()
             events, self._events = self._events, []
+            for ev in events:  # ended for a reason of silod's own (e.g. unschedulable for too long)
+                if ev.kind == "failed" and ev.job_id in self._refs:
+                    self._delete_report_secret(ev.job_id)
             return events
 
     def close(self) -> None:
@@ -1118,8 +1216,9 @@ class KubernetesBackend(ClusterBackend):
         _close_quietly(self.api_client)
 
     def node_cache_capacity(self) -> dict[str, float]:
-        """Bytes of cache disk of each ready node (its silod.io/cache-capacity annotation, else an
-        even share): the scheduler believes no node's agent reporting more cached than this."""
+        """Bytes of cache disk of each ready node (its agent's fresh report, else its
+        silod.io/cache-capacity annotation, else an even share): the scheduler believes no node's
+        agent reporting more cached than this."""
         return {n.name: float(n.cache_capacity) for n in self.nodes}
 
     def node_io(self) -> dict[str, float]:

@@ -75,6 +75,7 @@ class NodeState:
     taints: tuple[Taint, ...] = ()
     cpus_free: float = float("inf")  # cores: allocatable minus requests of bound and promised pods
     memory_free: float = float("inf")  # bytes, counted as cpus_free
+    cache_source: str = "share"  # where cache_capacity comes from: "agent" | "annotation" | "share"
 
     def cache_free_for(self, dataset: str) -> float:
         return self.cache_capacity - sum(v for k, v in self.cache_used.items() if k != dataset)

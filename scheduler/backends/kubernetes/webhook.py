@@ -6,7 +6,9 @@ server sends every CREATE of a labelled Job, JobSet or PyTorchJob (the
 MutatingWebhookConfiguration's objectSelector) here first, and we answer with a JSONPatch that
 sets `spec.suspend: true` (`spec.runPolicy.suspend` for a PyTorchJob), so no pod starts before
 silod admits it, and gives every container mount of a silod volume `mountPropagation:
-HostToContainer` (the pods keep their data across node agent restarts: workloads.propagation_patch). On UPDATE, unsuspending a queued workload, or removing the queue label from
+HostToContainer` (the pods keep their data across node agent restarts: workloads.propagation_patch), and gives
+every container the step reporter's SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN from the job's
+report Secret, which silod writes when it admits the workload (workloads.report_env_patch). On UPDATE, unsuspending a queued workload, or removing the queue label from
 one that is suspended, is denied to everyone but silod's own identity (`--webhook-admitter`,
 the scheduler's service account), so its owner cannot start it past the queue either. The configuration is deploy/base/webhook.yaml (failurePolicy: Fail; see
 docs/kubernetes.md for why and for the certificate).
@@ -37,7 +39,7 @@ from typing import Any
 
 from scheduler.backends.kubernetes.nodematch import NodeLabels
 from scheduler.backends.kubernetes.workloads import (
-    GPU_RESOURCE, KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, admission_problems, propagation_patch,
+    GPU_RESOURCE, KIND_BY_NAME, PYTORCHJOB, QUEUE_LABEL, admission_problems, propagation_patch, report_env_patch,
 )
 
 log = logging.getLogger("silod.webhook")
@@ -144,7 +146,7 @@ def review_response(body: Any, admitters: frozenset[str] = frozenset(),
                 return {"apiVersion": REVIEW_VERSION, "kind": "AdmissionReview", "response": {
                     "uid": uid, "allowed": False, "status": {
                         "code": 422, "reason": "Invalid", "message": "silod: " + "; ".join(problems)[:3000]}}}
-            patch = _suspend_patch(known.kind, obj) + propagation_patch(known, obj)
+            patch = _suspend_patch(known.kind, obj) + propagation_patch(known, obj) + report_env_patch(known, obj)
             if patch:
                 response["patchType"] = "JSONPatch"
                 response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()

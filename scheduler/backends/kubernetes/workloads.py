@@ -274,6 +274,56 @@ def propagation_patch(kind: Kind, obj: Mapping[str, Any]) -> list[dict[str, Any]
     return ops
 
 
+# --- the step reporter's environment (silod_client.reporter) ----------------------------------
+
+#: The per-job Secret silod writes into the workload's namespace when it admits the workload:
+#: the job's report token (api.auth.TokenStore.mint_job_token: it may post that job's step
+#: reports and nothing else), the API's URL and the job's id. Its name follows from the
+#: workload alone, so a pod template can refer to it before silod knows the job's id.
+REPORT_SECRET_PREFIX = "silod-report-"
+REPORT_ENV = (("SILOD_JOB_ID", "job-id"), ("SILOD_SERVER", "server"), ("SILOD_TOKEN", "token"))
+
+
+def report_secret_name(kind: Kind, name: str) -> str:
+    """The report Secret of workload `kind`/`name` (a DNS subdomain: both parts are DNS names)."""
+    return f"{REPORT_SECRET_PREFIX}{kind.kind.lower()}-{name}"
+
+
+def report_env(secret: str, skip: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Env entries reading the reporter's variables from the report Secret. `optional`: a pod
+    starts without them when silod could not write the Secret (the reporter then does nothing);
+    silod writes it before it unsuspends the workload, so its pods find it."""
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+            for var, key in REPORT_ENV if var not in skip]
+
+
+def report_env_patch(kind: Kind, obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """JSONPatch ops giving every container of the workload's pod templates the reporter's
+    variables from its report Secret (the webhook adds them at CREATE: a Job's pod template is
+    immutable afterwards). A variable the owner set is left as the owner set it."""
+    name = (obj.get("metadata") or {}).get("name") if isinstance(obj.get("metadata"), Mapping) else None
+    if not isinstance(name, str) or not name:
+        return []  # generateName: no name to refer to yet; the pods get no report token
+    secret = report_secret_name(kind, name)
+    ops: list[dict[str, Any]] = []
+    for path in template_paths(kind, obj):
+        containers = _get(obj, *path, "spec", "containers")
+        pointer = "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)
+        for i, c in enumerate(containers if isinstance(containers, list) else []):
+            if not isinstance(c, Mapping):
+                continue
+            env = c.get("env")
+            have = [e.get("name") for e in env if isinstance(e, Mapping)] if isinstance(env, list) else []
+            entries = report_env(secret, skip=have)
+            if not entries:
+                continue
+            if not isinstance(env, list):
+                ops.append({"op": "add", "path": f"/{pointer}/spec/containers/{i}/env", "value": entries})
+            else:
+                ops += [{"op": "add", "path": f"/{pointer}/spec/containers/{i}/env/-", "value": e} for e in entries]
+    return ops
+
+
 def writable_silod_volumes(kind: Kind, obj: Mapping[str, Any]) -> list[str]:
     """Names of silod CSI volumes in the workload's pod templates without `readOnly: true`: the
     node agent publishes datasets read-only only, so their pods could never start."""
@@ -574,7 +624,10 @@ def rest_job_object(*, job_id: str, name: str, namespace: str, queue: str, gpus:
         "volumeMounts": [{"name": "dataset", "mountPath": template.data_path, "readOnly": True,
                           "mountPropagation": PROPAGATION}],
         "env": [{"name": "SILOD_JOB_ID", "value": job_id}, {"name": "SILOD_DATA", "value": template.data_path},
-                *({"name": k, "value": v} for k, v in sorted((template.env or {}).items()))],
+                *({"name": k, "value": v} for k, v in sorted((template.env or {}).items())),
+                # The step reporter's server and token, from the report Secret silod writes when
+                # it admits the Job (unless the template sets them itself).
+                *report_env(report_secret_name(JOB, f"silod-{job_id}"), skip=["SILOD_JOB_ID", *(template.env or {})])],
     }
     if template.command:
         container["command"] = list(template.command)

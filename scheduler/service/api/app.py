@@ -595,8 +595,9 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
     @fair
     def report_consumption(node: Annotated[str, Path(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")],
                            body: ConsumptionIn, who: Who) -> ConsumptionOut:
-        """A node agent's cumulative per-pod read counters. Only the agent whose token is bound to
-        `node` (`silod serve --node-agent USER=NODE`) may call it; counters only ever rise."""
+        """A node agent's cumulative per-pod read counters, and the bytes its cache directory can
+        hold. Only the agent whose token is bound to `node` (`silod serve --node-agent USER=NODE`,
+        or an agent pod's own token on that node) may call it; counters only ever rise."""
         bound = (who.node or service.config.agent_node(who.user)) if not who.is_admin else None
         if bound is None:
             raise ForbiddenError("only a node agent's token bound to a node (silod serve --node-agent USER=NODE) may"
@@ -604,6 +605,8 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         if bound != node:
             raise ForbiddenError(f"this agent token is bound to node {bound}, not {node}")
         result = consumption.record_report(node, who.user, [PodReport(**p.model_dump()) for p in body.pods])
+        if body.cache_disk_bytes is not None:
+            consumption.record_cache_disk(node, who.user, body.cache_disk_bytes)
         return ConsumptionOut(accepted=result.accepted,
                               ignored=[{"pod_uid": i.pod_uid, "reason": i.reason} for i in result.ignored])
 
@@ -620,7 +623,8 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
         c = service.cluster()
         return ClusterOut(
             backend=c.backend,
-            nodes=[NodeOut(name=n.name, gpus=n.gpus, cache=n.cache, labels=dict(n.labels)) for n in c.description.nodes],
+            nodes=[NodeOut(name=n.name, gpus=n.gpus, cache=n.cache, labels=dict(n.labels), cache_source=n.cache_source)
+                   for n in c.description.nodes],
             gpus=UsageOut(total=c.capacity.gpus, used=c.gpus_used),
             cache=UsageOut(total=c.capacity.cache, used=c.cache_used),
             remote_io=UsageOut(total=c.capacity.remote_io, used=c.remote_io_used),

@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import IntegrityError
@@ -146,7 +147,8 @@ class TokenStore:
         if row is None or row.revoked_at is not None:
             entry = _Cached(None, None, now)
         else:
-            entry = _Cached(Principal(row.owner, is_admin=row.is_admin), row.expires_at, now)
+            entry = _Cached(Principal(row.owner, is_admin=row.is_admin and row.job_id is None,
+                                      job_id=None if row.job_id is None else str(row.job_id)), row.expires_at, now)
         with self._lock:
             if len(self._cache) >= _CACHE_MAX:
                 self._cache.clear()  # bounded: random bad tokens cannot grow memory
@@ -166,16 +168,19 @@ class TokenStore:
         return self.sessions
 
     def create(self, owner: str, *, is_admin: bool = False, expires_at: float | None = None, label: str = "",
-               now: float | None = None) -> tuple[TokenRecord, str]:
-        """A new random token for `owner`; the plain token is returned once and never stored."""
+               now: float | None = None, job_id: int | None = None) -> tuple[TokenRecord, str]:
+        """A new random token for `owner`; the plain token is returned once and never stored.
+        With `job_id` it is that job's report token: it may post the job's step reports only."""
         check_tenant(owner)
+        if job_id is not None and is_admin:
+            raise ServiceError("a job's report token cannot be an admin token", field="is_admin")
         now = time.time() if now is None else now
         if expires_at is not None and expires_at <= now:
             raise ServiceError("expires_at is in the past; give a future time or expires_in_s > 0", field="expires_at")
         token = "silod_" + secrets.token_urlsafe(32)
         with self._require_db().begin() as s:
             row = ApiToken(digest=self.digest(token), owner=owner, is_admin=is_admin, label=label[:128], source="api",
-                           created_at=now, expires_at=expires_at, revoked_at=None)
+                           created_at=now, expires_at=expires_at, revoked_at=None, job_id=job_id)
             s.add(row)
             s.flush()
             return _record(row), token
@@ -191,6 +196,20 @@ class TokenStore:
             with self._lock:
                 self._cache.pop(row.digest, None)
             return _record(row)
+
+    def mint_job_token(self, owner: str, job_id: str, ttl_s: float, now: float | None = None) -> str:
+        """The report token of one start of job `job_id` (owned by `owner`): it may post that
+        job's step reports (POST /v1/jobs/{id}/report) and nothing else, and expires after
+        `ttl_s`. The job's earlier report tokens are revoked (one live token per job: the pods
+        or program of an earlier start are gone); all are revoked when the job ends
+        (catalogue.revoke_job_tokens). The local backend hands it to the job's program as
+        SILOD_TOKEN, the Kubernetes backend to its pods through a Secret."""
+        now = time.time() if now is None else now
+        pk = int(job_id)
+        with self._require_db().begin() as s:
+            revoke_job_tokens(s, pk, now)
+        _record, token = self.create(owner, expires_at=now + ttl_s, label=f"job {job_id} report", now=now, job_id=pk)
+        return token
 
     def list(self) -> list[TokenRecord]:
         with self._require_db()() as s:
@@ -220,6 +239,16 @@ class TokenStore:
             except IntegrityError:  # another worker imported it at the same moment
                 continue
         return added
+
+
+def revoke_job_tokens(s: Any, job_pk: int, now: float) -> int:
+    """Revoke, in session `s`, every live report token of job `job_pk` (the job ended, or a new
+    start minted its successor). Other processes' caches forget them within their TTL (2 s)."""
+    from sqlalchemy import update
+
+    result = s.execute(update(ApiToken).where(ApiToken.job_id == job_pk, ApiToken.revoked_at.is_(None))
+                       .values(revoked_at=now))
+    return int(result.rowcount or 0)
 
 
 def _record(r: ApiToken) -> TokenRecord:
@@ -260,5 +289,5 @@ def parse_tokens_file(path: Path) -> list[tuple[str, str]]:
 
 __all__ = [
     "ADMIN_TOKEN_ENV", "METRICS_TOKEN_ENV", "TOKEN_KEY_ENV", "TokenRecord", "TokenStore",
-    "check_tenant", "load_token_key", "parse_tokens_file",
+    "check_tenant", "load_token_key", "parse_tokens_file", "revoke_job_tokens",
 ]

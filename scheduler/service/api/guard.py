@@ -3,7 +3,8 @@ before any route, body parsing or validation runs.
 
 Order matters (Kubernetes' API server does the same): authentication first, from the
 `Authorization` header alone, so an anonymous client cannot make the server read, buffer or
-parse a single byte of its body (401); then, for the node agents' paths, whether the token is bound to that node (403); then the
+parse a single byte of its body (401); then a job's report token may call its job's report route
+alone (403); then, for the node agents' paths, whether the token is bound to that node (403); then the
 body cap, from `Content-Length` when given (413
 at once) and by counting while the body streams in otherwise (413 as soon as the cap is
 passed; nothing beyond it is held); a body that stalls is a 408 (http_guard/timeouts.py).
@@ -222,6 +223,13 @@ class RequestGuard:
                 )
                 return
             scope.setdefault("state", {})["principal"] = who
+            if who.job_id is not None and (scope.get("method") != "POST"
+                                           or path != f"/v1/jobs/{who.job_id}/report"):
+                # A job's report token (a pod's or program's SILOD_TOKEN) acts for nothing but
+                # its own job's step reports: no reads, no submissions, no other job.
+                await send_json(send, 403, {"detail": f"a job's report token may only post job {who.job_id}'s step"
+                                            f" reports (POST /v1/jobs/{who.job_id}/report)", "field": None})
+                return
             if not who.is_admin and _ADMIN_ROUTES.match(f"{scope.get('method', 'GET')} {path}"):
                 await send_json(send, 403, {"detail": "only an admin token may call this route", "field": None})
                 return

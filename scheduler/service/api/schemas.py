@@ -238,8 +238,8 @@ class PodTemplateIn(_Strict):
 class ProgramIn(_Strict):
     """The local backend (`--backend local`): the training program a job runs instead of the
     built-in stand-in worker, in the worker's process group after the dataset is mounted. It gets
-    SILOD_DATA (the mount), SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN (a token of the job's owner,
-    for its step reports) besides `env`. The job ends when the program exits (0: finished)."""
+    SILOD_DATA (the mount), SILOD_JOB_ID, SILOD_SERVER and SILOD_TOKEN (the job's report token: it
+    may post this job's step reports and nothing else) besides `env`. The job ends when the program exits (0: finished)."""
 
     command: list[Arg] = Field(min_length=1, max_length=256, examples=[["python", "train.py", "--epochs", "2"]])
     env: dict[Annotated[str, Field(max_length=128, pattern=ENV_NAME_PATTERN)], Arg] = Field(
@@ -350,6 +350,9 @@ class ConsumptionIn(_Strict):
     """A node agent's cumulative per-pod counters (POST /v1/agents/{node}/consumption)."""
 
     pods: list[PodConsumptionIn] = Field(max_length=1000)
+    cache_disk_bytes: _COUNT | None = Field(
+        default=None, description="bytes the node's cache directory can hold (statvfs of it, capped by the agent's"
+                                  " --cache-size): the Kubernetes backend plans the node's cache with it while fresh")
 
 
 class IgnoredOut(BaseModel):
@@ -469,6 +472,9 @@ class NodeOut(BaseModel):
     gpus: int
     cache: float
     labels: dict[str, str]
+    cache_source: Literal["agent", "annotation", "share"] | None = Field(
+        default=None, description="Kubernetes: where `cache` comes from: the node agent's report (fresh), the node's"
+                                  " silod.io/cache-capacity annotation, or an even share of --cache")
 
 
 class ClusterOut(BaseModel):

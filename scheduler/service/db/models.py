@@ -200,6 +200,9 @@ class ApiToken(Base):
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # A job's report token (migration 0012): it may only post that job's step reports, and is
+    # revoked when the job ends. NULL: an ordinary token of its owner.
+    job_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class DatasetGrant(Base):
@@ -317,6 +320,19 @@ class PodConsumption(Base):
     misses: Mapped[int] = mapped_column(BigInteger)
     first_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class NodeCacheDisk(Base):
+    """The bytes a node's cache directory can hold, as its node agent reports them with its
+    consumption reports (statvfs of the directory, capped by the agent's --cache-size), from a
+    token bound to that node. The Kubernetes backend plans with it while it is fresh."""
+
+    __tablename__ = "node_cache_disks"
+
+    node: Mapped[str] = mapped_column(String(253), primary_key=True)
+    capacity_bytes: Mapped[float] = mapped_column(Float)
+    agent: Mapped[str] = mapped_column(String(128))  # the authenticated agent user that reported it
+    reported_at: Mapped[float] = mapped_column(Float)
 
 
 class JobMeasurementRow(Base):

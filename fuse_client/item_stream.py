@@ -10,19 +10,24 @@ retry continues from the bytes already staged with a ranged GET that is validate
 first response's ETag / Last-Modified (HTTP `If-Range`) or ETag (S3 `IfMatch`): if the object
 changed, the server sends it whole (or refuses) and the fetch restarts from byte 0.
 
-The requests run on fsspec's event loop with fsspec's own session (so the allow-list guard of
-safe_http.py sees every request and connection); the caller's thread waits for each step.
+HTTP(S) requests run on the fetching thread itself (blocking_http.py: a keep-alive pool whose
+every request, redirect and connection is held to the allow-list like fsspec's session is), and
+the body is read straight into the buffer that is staged. S3 requests run on fsspec's event loop
+with s3fs's own session (safe_http.py guards it); the caller's thread waits for each step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsspec.asyn import sync
+
+from fuse_client import blocking_http
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
@@ -109,38 +114,109 @@ class Opened:
             pass
 
 
-def _bufsize(chunk: int) -> int:
-    """aiohttp's read buffer for a response read in `chunk`-byte reads: 64 KiB to 1 MiB."""
-    return max(1 << 16, min(1 << 20, chunk // 2))
+class HttpOpened:
+    """An open HTTP response body read on the calling thread (blocking_http.py)."""
+
+    def __init__(self, start: int, validator: Validator, response) -> None:
+        self.start = start
+        self.validator = validator
+        self._response = response
+
+    def read_upto(self, n: int, on_piece: Callable[[int], None], timeout: Callable[[], float]) -> tuple[memoryview, BaseException | None]:
+        """Up to `n` bytes (fewer only at the end of the body) read into one new buffer, each
+        arrival reported to `on_piece`; a failure after some bytes returns them with the error."""
+        buf = memoryview(bytearray(n))
+        got = 0
+        try:
+            while got < n:
+                k = self._response.readinto1(buf[got:], timeout, on_piece)
+                if not k:
+                    break
+                got += k
+        except (socket.timeout, TimeoutError):
+            return buf[:got], TimeoutError(f"no byte arrived in time ({got} of {n} bytes of this chunk)")
+        except Exception as exc:  # a reset connection, a truncated body: keep what arrived
+            return buf[:got], exc
+        return buf[:got], None
+
+    def close(self) -> None:
+        try:
+            self._response.close()
+        except Exception:  # a broken connection is closed already
+            pass
 
 
 class ItemStreams:
     """Ranged, validated streaming GETs on an fsspec HTTP or S3 file system."""
 
-    def __init__(self, fs, protocol: str, connect_timeout_s: float) -> None:
+    def __init__(self, fs, protocol: str, connect_timeout_s: float, guard=None) -> None:
+        """`guard`: the HttpGuard of an HTTP(S) source (its item GETs then run on the calling
+        thread through a blocking_http pool held to it); S3 sources go through `fs`."""
         self.fs = fs
         self.protocol = protocol
         self.connect_timeout_s = connect_timeout_s
+        self._http = None
+        if protocol in ("http", "https"):
+            if guard is None:
+                raise ValueError("an HTTP(S) source's item streams need its allow-list guard")
+            self._http = blocking_http.HttpPool(guard, connect_timeout_s)
 
     # -- called from the fetching thread -----------------------------------------------------
 
-    def open(self, full: str, offset: int, validator: Validator | None, timeout: Callable[[], float],
-             chunk: int = 1 << 16) -> Opened:
-        return sync(self.fs.loop, self._open, full, offset, validator, timeout, _bufsize(chunk))
+    def open(self, full: str, offset: int, validator: Validator | None,
+             timeout: Callable[[], float]) -> "Opened | HttpOpened":
+        if self._http is not None:
+            return self._open_http_blocking(full, offset, validator, timeout)
+        return sync(self.fs.loop, self._open, full, offset, validator, timeout)
 
-    def read(self, opened: Opened, n: int, on_piece: Callable[[int], None], timeout: Callable[[], float]) -> tuple[bytes, BaseException | None]:
+    def read(self, opened, n: int, on_piece: Callable[[int], None], timeout: Callable[[], float]) -> tuple[bytes | memoryview, BaseException | None]:
+        if isinstance(opened, HttpOpened):
+            return opened.read_upto(n, on_piece, timeout)
         return sync(self.fs.loop, opened.read_upto, n, on_piece, timeout)
 
     def get(self, full: str, offset: int, validator: Validator | None, n: int, on_piece: Callable[[int], None],
-            timeout: Callable[[], float]) -> tuple[Opened, bytes, BaseException | None]:
-        """open + read_upto(n) + close in one trip to the event loop (small items: one call
-        instead of three cross-thread round trips)."""
-        return sync(self.fs.loop, self._get, full, offset, validator, n, on_piece, timeout, _bufsize(n))
+            timeout: Callable[[], float]) -> tuple["Opened | HttpOpened", bytes | memoryview, BaseException | None]:
+        """open + read_upto(n) + close (S3: in one trip to the event loop; small items: one
+        call instead of three cross-thread round trips)."""
+        if self._http is not None:
+            opened = self._open_http_blocking(full, offset, validator, timeout)
+            try:
+                data, exc = opened.read_upto(n, on_piece, timeout)
+            finally:
+                opened.close()
+            return opened, data, exc
+        return sync(self.fs.loop, self._get, full, offset, validator, n, on_piece, timeout)
 
-    def close(self, opened: Opened) -> None:
-        """Close the response on the event loop (aiohttp objects are not thread-safe); an
+    def close(self, opened) -> None:
+        """Close the response (S3: on the event loop, aiohttp objects are not thread-safe); an
         unread rest is dropped with the connection, never drained."""
+        if isinstance(opened, HttpOpened):
+            opened.close()
+            return
         sync(self.fs.loop, self._aclose, opened)
+
+    def shutdown(self) -> None:
+        """Close the idle connections of the HTTP pool."""
+        if self._http is not None:
+            self._http.close()
+
+    def _open_http_blocking(self, url: str, offset: int, validator: Validator | None,
+                            timeout: Callable[[], float]) -> HttpOpened:
+        headers = dict(self.fs.kwargs.get("headers") or {})
+        if offset:
+            assert validator is not None and validator.usable
+            headers["Range"] = f"bytes={offset}-"
+            headers["If-Range"] = validator.strong_etag or validator.last_modified
+        try:
+            r = self._http.get(url, headers, timeout)
+        except (socket.timeout, TimeoutError) as exc:
+            raise TimeoutError(f"{url}: no answer in time") from exc
+        try:
+            got, start = _check_http_answer(url, r.status, r.headers, offset, validator)
+        except BaseException:
+            r.close_quietly()
+            raise
+        return HttpOpened(start, got, r)
 
     @staticmethod
     async def _aclose(opened: Opened) -> None:
@@ -148,59 +224,17 @@ class ItemStreams:
 
     # -- on the event loop -------------------------------------------------------------------
 
-    async def _get(self, full, offset, validator, n, on_piece, timeout, bufsize):
-        opened = await self._open(full, offset, validator, timeout, bufsize)
+    async def _get(self, full, offset, validator, n, on_piece, timeout):
+        opened = await self._open(full, offset, validator, timeout)
         try:
             data, exc = await opened.read_upto(n, on_piece, timeout)
         finally:
             opened.close()
         return opened, data, exc
 
-    async def _open(self, full: str, offset: int, validator: Validator | None, timeout: Callable[[], float],
-                    bufsize: int = 1 << 16) -> Opened:
+    async def _open(self, full: str, offset: int, validator: Validator | None, timeout: Callable[[], float]) -> Opened:
         async with asyncio.timeout(max(0.001, timeout())):
-            if self.protocol in ("http", "https"):
-                return await self._open_http(full, offset, validator, bufsize)
             return await self._open_s3(full, offset, validator)
-
-    async def _open_http(self, url: str, offset: int, validator: Validator | None, bufsize: int) -> Opened:
-        import aiohttp
-
-        fs = self.fs
-        kw = fs.kwargs.copy()
-        headers = dict(kw.pop("headers", {}) or {})
-        if offset:
-            assert validator is not None and validator.usable
-            headers["Range"] = f"bytes={offset}-"
-            headers["If-Range"] = validator.strong_etag or validator.last_modified
-        kw["headers"] = headers
-        # Reads are bounded by the caller's stall allowance (read_upto), not by the session's
-        # per-read timeout: a pause shorter than --open-deadline is not an error.
-        kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=None)
-        # aiohttp stops reading the socket once 2 x read_bufsize bytes wait in its buffer (64 KiB
-        # by default): a 4 MiB chunk then took ~30 pause/resume rounds through the event loop.
-        # The buffer follows the chunk the caller reads (its in-flight bytes), up to 1 MiB.
-        kw["read_bufsize"] = bufsize
-        session = await fs.set_session()
-        r = await session.get(fs.encode_url(url), **kw)
-        try:
-            if r.status == 404:
-                raise FileNotFoundError(url)
-            r.raise_for_status()
-            got = Validator(r.headers.get("ETag"), r.headers.get("Last-Modified"))
-            start = 0
-            if r.status == 206:
-                m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
-                if m is None or int(m.group(1)) != offset:
-                    raise IOError(f"{url}: asked for bytes from {offset}, the server sent "
-                                  f"Content-Range {r.headers.get('Content-Range')!r}")
-                if validator is not None and validator.strong_etag and got.etag and got.etag != validator.etag:
-                    raise ObjectChanged(f"{url} changed while it was fetched (ETag {validator.etag} -> {got.etag})")
-                start = offset
-        except BaseException:
-            r.close()
-            raise
-        return Opened(start, got, r.content.read, r.close, r.content)
 
     async def _open_s3(self, full: str, offset: int, validator: Validator | None) -> Opened:
         fs = self.fs
@@ -230,6 +264,26 @@ class ItemStreams:
         raw = getattr(body, "_raw_stream", None)
         return Opened(start, Validator(resp.get("ETag"), str(resp.get("LastModified") or "") or None),
                       body.read, body.close, getattr(raw, "content", None))
+
+
+def _check_http_answer(url: str, status: int, headers, offset: int, validator: Validator | None) -> tuple[Validator, int]:
+    """The answer's validator and the offset of its first byte; an error for anything but 200 or
+    the 206 asked for (a 206 of another version: ObjectChanged)."""
+    if status == 404:
+        raise FileNotFoundError(url)
+    if status not in (200, 206):
+        raise IOError(f"{url}: HTTP {status}")
+    got = Validator(headers.get("ETag"), headers.get("Last-Modified"))
+    start = 0
+    if status == 206:
+        m = _CONTENT_RANGE.match(headers.get("Content-Range", ""))
+        if m is None or int(m.group(1)) != offset:
+            raise IOError(f"{url}: asked for bytes from {offset}, the server sent "
+                          f"Content-Range {headers.get('Content-Range')!r}")
+        if validator is not None and validator.strong_etag and got.etag and got.etag != validator.etag:
+            raise ObjectChanged(f"{url} changed while it was fetched (ETag {validator.etag} -> {got.etag})")
+        start = offset
+    return got, start
 
 
 def monotonic_allowance(progress: list[float], deadline_s: float, read_timeout_s: float,

@@ -160,6 +160,9 @@ class RemoteStore:
                                 f"{exc.strerror}") from None
 
     def close(self) -> None:
+        streams = getattr(self, "_item_streams", None)
+        if streams is not None:
+            streams.shutdown()
         if self._root_fd >= 0:
             os.close(self._root_fd)
             self._root_fd = -1
@@ -541,8 +544,7 @@ class RemoteStore:
                     on_buffer(-(size + 1))
                     raise
             else:
-                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance,
-                                      want)
+                opened = streams.open(full, state.offset if resume else 0, state.validator if resume else None, allowance)
         except item_stream.ObjectChanged:
             state.restart(reset)
             state.validator = None
@@ -598,7 +600,8 @@ class RemoteStore:
     def _streams(self) -> item_stream.ItemStreams:
         streams = getattr(self, "_item_streams", None)
         if streams is None:
-            streams = self._item_streams = item_stream.ItemStreams(self.fs, self.protocol, self.policy.client_timeout_s)
+            streams = self._item_streams = item_stream.ItemStreams(self.fs, self.protocol, self.policy.client_timeout_s,
+                                                                   getattr(self, "guard", None))
         return streams
 
 

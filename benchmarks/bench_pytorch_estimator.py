@@ -16,8 +16,9 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
 - the hit ratio the mount measured over the steady epochs is printed beside c/d;
 - beside the paper's prediction, the extended one (estimator.loader_perf, window_io_perf):
   min(1 / (1/f* + (1 - c/d)/m), (b + B/E) / (1 - c/d)). m = W s / L is the rate at which the
-  loader's W workers absorb misses of s-byte items that each take L seconds (L: the mount's
-  mean miss-open latency at the same c/d with the link not binding; nothing is fitted); B is the
+  loader's W workers absorb misses of s-byte items that each take L seconds (L and s: the mount's
+  measured per-miss service time, open request to last byte delivered, and mean missed item
+  size at the same c/d with the link not binding; nothing is fitted); B is the
   burst the mount's token bucket banks while the link idles (the reference epoch before each
   measured one), which an epoch of E seconds reads on top of b E.
 
@@ -74,6 +75,8 @@ class Result:
     predicted_with_hits_mb_s: float | None
     ratio_with_hits: float | None
     miss_latency_s: float | None  # the mount's mean open latency of a miss over the steady epochs
+    miss_service_s: float | None  # the mount's mean per-miss service time (open request to last byte)
+    miss_item_bytes: float | None  # mean size of the missed items counted in miss_service_s
     burst_bytes: float  # what the token bucket banks while the link idles (0: no cap)
     epoch_s: list[float]
     pairs: list[tuple[float, float]]  # (f* of the reference epoch, the point's epoch), bytes/s
@@ -173,6 +176,10 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
     lat0, lat1 = before.get("open_latency_miss") or {}, after.get("open_latency_miss") or {}
     misses = (lat1.get("count") or 0) - (lat0.get("count") or 0)
     latency = ((lat1.get("sum_s") or 0.0) - (lat0.get("sum_s") or 0.0)) / misses if misses > 0 else None
+    sv0, sv1 = before.get("miss_service") or {}, after.get("miss_service") or {}
+    served = (sv1.get("count") or 0) - (sv0.get("count") or 0)
+    service = ((sv1.get("sum_s") or 0.0) - (sv0.get("sum_s") or 0.0)) / served if served > 0 else None
+    served_item = ((sv1.get("bytes") or 0) - (sv0.get("bytes") or 0)) / served if served > 0 else None
     from fuse_client.token_bucket import TokenBucket
 
     burst = TokenBucket(rate=b).burst if p.io_rate is not None else 0.0
@@ -181,7 +188,7 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
     with_hits = None if hit is None else (min(fstar, b / (1 - hit)) if hit < 1 else fstar)
     return Result(p.label, p.cache_fraction, None if p.io_rate is None else p.io_rate / MB, fstar / MB, predicted / MB,
                   measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
-                  None if with_hits is None else measured / with_hits, latency, burst,
+                  None if with_hits is None else measured / with_hits, latency, service, served_item, burst,
                   [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)))
 
 
@@ -250,17 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     refs = [r.fstar_mb_s * MB for r in results]
     fstar = median(refs)
 
-    # The extended prediction (module docstring): the loader's miss term, with the miss latency
-    # the mount measured at the same c/d with the link not binding (a bound link's token waits
-    # are the IO term's), and the token bucket's burst over each measured epoch's length.
+    # The extended prediction (module docstring): the loader's miss term, with the per-miss
+    # service time the mount measured at the same c/d with the link not binding (a bound link's
+    # token waits are the IO term's), and the token bucket's burst over each measured epoch's length.
     from estimator import loader_miss_rate, loader_perf, window_io_perf
 
-    item = d / images
-    latency_free = {r.cache_fraction: r.miss_latency_s for r in results if r.label.endswith("free")}
+    service_free = {r.cache_fraction: (r.miss_service_s, r.miss_item_bytes) for r in results if r.label.endswith("free")}
 
     def extended(f: float, r: Result, seconds: float) -> float:
-        lat = latency_free.get(r.cache_fraction)
-        m = float(loader_miss_rate(args.workers, item, lat)) if lat else float("inf")
+        lat, item = service_free.get(r.cache_fraction) or (None, None)
+        m = float(loader_miss_rate(args.workers, item, lat)) if lat and item else float("inf")
         b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
         io = float(window_io_perf(b, r.cache_fraction, 1.0, seconds, r.burst_bytes)) if r.cache_fraction < 1 else float("inf")
         return min(float(loader_perf(f, r.cache_fraction, m)), io)
@@ -295,20 +301,21 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(title=f"real PyTorch job vs min(f*, b/(1-c/d)); f* measured before each point "
                         f"({min(refs) / MB:.3f}-{max(refs) / MB:.3f} MB/s, mean {fstar / MB:.3f}), d = {d / MB:.2f} MB")
-    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "miss ms", "extended", "ratio"):
+    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "open ms", "miss ms", "extended", "ratio"):
         table.add_column(col, justify="right")
     fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
         e = ext[r.label]
         table.add_row(f"{r.cache_fraction:g}", fmt(r.io_mb_s), fmt(r.fstar_mb_s), fmt(r.predicted_mb_s), fmt(r.measured_mb_s),
                       fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"),
-                      fmt(None if r.miss_latency_s is None else r.miss_latency_s * 1e3, ".1f"), fmt(e[0]), fmt(e[1], ".2f"))
+                      fmt(None if r.miss_latency_s is None else r.miss_latency_s * 1e3, ".2f"),
+                      fmt(None if r.miss_service_s is None else r.miss_service_s * 1e3, ".2f"), fmt(e[0]), fmt(e[1], ".2f"))
     Console(width=120).print(table)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
     print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
     within2 = sum(abs(v[1] - 1) <= 0.10 for v in ext.values())
-    print(f"extended (loader miss term from the measured miss latency, token-bucket burst): {within2}/{len(ext)}"
+    print(f"extended (loader miss term from the mount's per-miss service time, token-bucket burst): {within2}/{len(ext)}"
           f" points within 10%")
     s, u = plan_epoch["silod"], plan_epoch["storage-unaware"]
     print(f"epoch time, same cache ({d / MB:.2f} MB) and link ({0.6 * fstar / MB:.3f} MB/s) shared with a 4x-larger"

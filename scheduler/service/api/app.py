@@ -520,6 +520,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             pipeline=body.pipeline(),
             pod_template=body.pod_template.to_template() if body.pod_template else None,
             program=body.program.to_program() if body.program else None,
+            loader=body.loader.to_loader() if body.loader else None,
         )
         if req.pod_template is not None:  # creates the job's workload on the Kubernetes API: the default pool
             record, created = await anyio.to_thread.run_sync(catalogue.submit_job, who, req, idempotency_key)

@@ -9,8 +9,9 @@ The inputs are the parameters planning uses (measured_params.planned: the measur
 per-core rate once there is evidence, else the declared ones), what the job holds (its remote-IO
 cap, cores and its dataset's cache allocation, preprocessed or source bytes), its dataset's
 size, and for a job that declared its loader (jobs.loader_workers) the loader's miss term from
-its mount's measured per-miss service time (loader_miss_rate). Unmanaged storage (no IO cap): the whole link and no cache, the most and least it could
-see; CPU not modelled (no cores recorded): unconstrained cores.
+its mount's measured per-miss service time (measured_params.loader_miss_rate). Unmanaged storage
+(no IO cap): the whole link and no cache, the most and least it could see; CPU not modelled (no
+cores recorded): unconstrained cores.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.service.db.models import CacheAllocationRow, Dataset, Job, JobAllocationRow, JobMeasurementRow, JobState
-from scheduler.service.measured_params import planned
+from scheduler.service.measured_params import loader_miss_rate, planned
 from scheduler.service.types import Bottleneck
 
 
@@ -68,20 +69,6 @@ def diagnosis_input(declared_fstar: float, declared_cpu: float | None, gpus: int
     return DiagnosisInput(float(f), cpu, int(gpus), remote_io, cores, cache, float(dataset_size),
                           cache_expansion if pre else None, post_cpu_rate if pre else None,
                           loader_miss_rate(loader_workers, loader_item_bytes, miss_service_s, miss_item_bytes))
-
-
-def loader_miss_rate(workers: int | None, item_bytes: float | None, miss_service_s: float | None,
-                     miss_item_bytes: float | None) -> float:
-    """m = W s / L of a job's row (estimator.loader_miss_rate): W and s as the job declared its
-    loader (s: else the mean size of the missed items its mount measured), L its mount's measured
-    per-miss service time. inf (the paper's model) when the job declared no loader or its mount
-    has measured no miss yet."""
-    from estimator.model import loader_miss_rate as m_of
-
-    s = item_bytes if item_bytes is not None else miss_item_bytes
-    if not workers or miss_service_s is None or not s or s <= 0:
-        return math.inf
-    return float(m_of(workers, s, max(float(miss_service_s), 0.0)))
 
 
 def diagnose_jobs(inputs: Sequence[DiagnosisInput], link: float) -> list[Bottleneck]:
@@ -169,4 +156,4 @@ def record_input(row: Any, where: Sequence[int], now: float) -> DiagnosisInput:
     return diagnosis_input(*(row[k] for k in where), now)
 
 
-__all__ = ["COLUMNS", "DiagnosisInput", "diagnose_jobs", "diagnosis_input", "loader_miss_rate", "positions", "record_bounds", "record_input", "running_jobs"]
+__all__ = ["COLUMNS", "DiagnosisInput", "diagnose_jobs", "diagnosis_input", "positions", "record_bounds", "record_input", "running_jobs"]

@@ -33,6 +33,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from estimator.model import loader_miss_rate as model_loader_miss_rate
 from estimator.measured import SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job, used_fstar
 from scheduler.service.db.models import Job, JobMeasurementRow
 
@@ -126,6 +127,18 @@ def planned(declared_fstar: float, declared_cpu: float | None, measured_fstar: f
     if declared_cpu is not None and measured_cpu is not None:
         cpu = FStarEstimate(declared_cpu, declared_cpu).clip(measured_cpu)
     return est, cpu
+
+
+def loader_miss_rate(workers: int | None, item_bytes: float | None, miss_service_s: float | None,
+                     miss_item_bytes: float | None) -> float:
+    """m = W s / L of a job's row (estimator.loader_miss_rate): W and s as the job declared its
+    loader (s: else the mean size of the missed items its mount measured), L its mount's measured
+    per-miss service time. inf (the paper's model) when the job declared no loader or its mount
+    has measured no miss yet."""
+    s = item_bytes if item_bytes is not None else miss_item_bytes
+    if not workers or miss_service_s is None or not s or s <= 0:
+        return math.inf
+    return float(model_loader_miss_rate(workers, s, max(float(miss_service_s), 0.0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,8 +237,11 @@ class MeasurementStore:
         if not obs:
             return {}
         with self.sessions() as s:
-            declared = {jid: (f, r) for jid, f, r in s.execute(
+            declared = {jid: (f, r) for jid, f, r, *_ in s.execute(
                 select(Job.id, Job.ideal_throughput, Job.cpu_rate).where(Job.id.in_(list(obs))))}
+            loaders = {jid: (w, b) for jid, w, b in s.execute(
+                select(Job.id, Job.loader_workers, Job.loader_item_bytes)
+                .where(Job.id.in_(list(obs)), Job.loader_workers.is_not(None)))}
         rows = self.rows(obs)
         out: dict[int, JobMeasurement] = {}
         writes: list[dict] = []
@@ -243,7 +259,8 @@ class MeasurementStore:
             f, r = declared[jid]
             before = state_from_row(row, f, r)
             after = observe_job(before, observed, seconds, io_bound(replace(o, hit_ratio=hit), link),
-                                math.inf if o.cores is None else o.cores, client_fstar(row, now))
+                                math.inf if o.cores is None else o.cores, client_fstar(row, now),
+                                self._loader_cost(o, hit, loaders.get(jid), row, service))
             out[jid] = after
             writes.append(dict(
                 job_id=jid, ideal_throughput=after.fstar.estimate, ideal_evidence_s=after.fstar.evidence_s,
@@ -253,6 +270,22 @@ class MeasurementStore:
                 bound=after.bound, updated_at=now, existed=row is not None, **(service or {})))
         self._write(writes)
         return out
+
+    @staticmethod
+    def _loader_cost(o: Observation, hit: float | None, loader: tuple[int, float | None] | None,
+                     row: JobMeasurementRow | None, service: dict | None) -> float:
+        """(1 - h)/m, the seconds per byte a job that declared its loader spent on this interval's
+        misses (0: no loader declared, or no miss service time measured yet)."""
+        if loader is None:
+            return 0.0
+        sv = service or {}
+        m = loader_miss_rate(loader[0], loader[1], sv.get("miss_service_s", row.miss_service_s if row else None),
+                             sv.get("miss_item_bytes", row.miss_item_bytes if row else None))
+        if not math.isfinite(m):
+            return 0.0
+        if hit is None:
+            hit = min((o.cache or 0.0) / o.dataset_size, 1.0) if o.dataset_size > 0 else 0.0
+        return (1.0 - min(max(hit, 0.0), 1.0)) / m
 
     def _miss_service(self, jid: int, o: Observation, row: JobMeasurementRow | None) -> dict | None:
         """The job's per-miss service columns folded with this observation's misses (their

@@ -120,7 +120,7 @@ PageOffset = Annotated[int, Query(ge=0, le=1_000_000_000, description="skip this
 
 _JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
 #: JobRecord's fields that hold a dataclass (or None); every other field is a JSON scalar.
-_JOB_NESTED = ("bottleneck", "measured_parameters")
+_JOB_NESTED = ("bottleneck", "measured_parameters", "loader")
 
 
 def _record_dict(record: JobRecord) -> dict[str, Any]:

@@ -259,3 +259,28 @@ def test_the_mount_measures_each_miss_from_its_open_to_its_last_byte(tmp_path, b
             assert abs(job["miss_service_s"] - service["sum_s"]) < 1e-6
     finally:
         dm.kill()
+
+
+@pytest.mark.parametrize("service", [
+    {"count": "lots", "sum_s": 1.0, "bytes": 10}, {"count": 3, "sum_s": "inf", "bytes": 10},
+    {"count": 3, "sum_s": -1.0, "bytes": 10}, {"count": 3, "sum_s": 1.0}, [3, 1.0, 10], "fast", None,
+    {"count": True, "sum_s": 1.0, "bytes": 10},
+])
+def test_a_malformed_miss_service_figure_is_not_passed_on(tmp_path, service):
+    """A node's per-miss service counters feed the scheduler's loader term: a malformed one shows
+    as absent (null) in the status, a huge sum is capped at an hour a miss, never a traceback."""
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        reg = {"client_id": "evil", "node": "n1", "dataset": "ds", "job": "j", "source": "/x", "mountpoint": "/m", "pid": 1}
+        assert httpx.post(dm.url + "/v1/clients", json=reg).status_code == 200
+        for stats in ({"miss_service": service}, {"miss_service": {"count": 2, "sum_s": 1e12, "bytes": 10}}):
+            assert httpx.put(dm.url + "/v1/clients/evil/heartbeat", json={"stats": stats}).status_code == 200
+            r = httpx.get(dm.url + "/v1/status")
+            assert r.status_code == 200
+            job = r.json()["nodes"]["n1"]["datasets"]["ds"]["jobs"]["j"]
+            if stats["miss_service"] is service:
+                assert (job["miss_service_count"], job["miss_service_s"], job["miss_service_bytes"]) == (None, None, None)
+            else:
+                assert (job["miss_service_count"], job["miss_service_s"]) == (2, 7200.0)
+    finally:
+        dm.kill()

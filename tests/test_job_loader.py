@@ -11,7 +11,6 @@ import math
 
 import pytest
 from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
 from estimator import loader_perf
 from scheduler.service.types import Principal
@@ -175,40 +174,42 @@ def test_diagnosis_with_a_loader_at_a_partial_cache():
         assert math.isinf(m3) and b3.bound == "gpu" and b3.throughput == pytest.approx(f)
 
 
-def test_the_cli_and_the_sdk_send_the_loader_and_bad_flags_are_refused(tmp_path):
+def test_the_cli_and_the_sdk_send_the_loader_and_bad_flags_are_refused(tmp_path, capsys):
     """`silod submit --loader-workers/--loader-item-bytes` and the SDK's `loader=` against a real
-    `silod serve`; bad values fail before any call, naming the flag."""
-    from scheduler.cli import app as cli
+    `silod serve`; bad values fail before any call (exit 2, "error: ..." naming the flag)."""
+    from scheduler.cli import main
+    from silod_client import Client
+    from silod_client.models import Loader
 
     try:
         from sdk_helpers import Served
     except ImportError:
         from tests.sdk_helpers import Served
 
-    runner = CliRunner()
+    def silod(*argv: str) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as exc:
+            main(list(argv))
+        out, err = capsys.readouterr()
+        return int(exc.value.code or 0), out, err
+
+    submit = ["submit", "--name", "x", "--gpus", "1", "--dataset", "d", "--epochs", "1", "--ideal-throughput", "10MB/s"]
     for args, flag in ((["--loader-workers", "0"], "--loader-workers"),
                        (["--loader-workers", "5000"], "--loader-workers"),
                        (["--loader-workers", "2", "--loader-item-bytes", "0"], "--loader-item-bytes"),
                        (["--loader-workers", "2", "--loader-item-bytes", "lots"], "--loader-item-bytes"),
                        (["--loader-item-bytes", "9KB"], "--loader-workers")):
-        r = runner.invoke(cli, ["submit", "--name", "x", "--gpus", "1", "--dataset", "d", "--epochs", "1",
-                                "--ideal-throughput", "10MB/s", *args, "--server", "http://127.0.0.1:9"])
-        assert r.exit_code != 0, (args, r.output)
-        assert flag in r.output, (args, r.output)
-        assert "Traceback" not in r.output
-    from silod_client import Client
-    from silod_client.models import Loader
-
+        code, _, err = silod(*submit, *args, "--server", "http://127.0.0.1:9", "--token", "t")
+        assert code == 2 and err.startswith("error: ") and flag in err, (args, err)
+        assert "Traceback" not in err
     served = Served(tmp_path)
     try:
         token = served.tokens["alice"]
         with Client(served.url, token) as client:
             client.datasets.register("d", "s3://b/d", "1GB")
-            r = runner.invoke(cli, ["submit", "--name", "x", "--gpus", "1", "--dataset", "d", "--epochs", "1",
-                                    "--ideal-throughput", "10MB/s", "--loader-workers", "3", "--loader-item-bytes",
-                                    "9KB", "--server", served.url, "--token", token])
-            assert r.exit_code == 0, r.output
-            job = client.jobs.get(r.output.strip())
+            code, out, err = silod(*submit, "--loader-workers", "3", "--loader-item-bytes", "9KB",
+                                   "--server", served.url, "--token", token)
+            assert code == 0, err
+            job = client.jobs.get(out.strip())
             assert job.loader is not None and (job.loader.workers, job.loader.item_bytes) == (3, 9e3)
             # the SDK's own declaration, typed
             job = client.jobs.submit("y", gpus=1, dataset="d", epochs=1, ideal_throughput="10MB/s",

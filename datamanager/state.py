@@ -90,10 +90,11 @@ def _miss_service(value: object) -> dict[str, float | int | None]:
     none: dict[str, float | int | None] = {"miss_service_count": None, "miss_service_s": None, "miss_service_bytes": None}
     if not isinstance(value, dict):
         return none
-    count, nbytes = _bounded_or_none(value.get("count"), None), _bounded_or_none(value.get("bytes"), None)
-    total = _rate_at_most(value.get("sum_s"), None)
-    if count is None or nbytes is None or total is None:
+    got = [value.get(k) for k in ("count", "sum_s", "bytes")]
+    # Numbers only (a string, a bool or a list is no count), finite and non-negative.
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in got):
         return none
+    count, total, nbytes = int(got[0]), float(got[1]), int(got[2])
     return {"miss_service_count": count, "miss_service_s": min(total, count * MAX_MISS_SERVICE_S),
             "miss_service_bytes": nbytes}
 

@@ -3,7 +3,7 @@
 the mount's measured per-miss service time L it adds the loader's miss term m = W s / L to the
 job's diagnosis (estimator.loader_perf) and keeps that term out of the measured f*. On a real
 SQLite file and a real PostgreSQL server; the data plane's figures are fed to the service as the
-data manager's status gives them (overview.measurements_from_status)."""
+data manager's status gives them (overview.measurements_from_datamanager)."""
 
 from __future__ import annotations
 

@@ -12,4 +12,7 @@ REQUIRED_FIELDS = ("remote_bytes", "hit_bytes", "miss_bytes", "cached_bytes", "i
 
 #: What a worker's status report carries from the mount: the required fields and the allocation
 #: the mount is enforcing (None until the mount has one).
-REPORTED_FIELDS = REQUIRED_FIELDS + ("cache_allocation_bytes", "io_rate_bytes_per_s", "manager_connected")
+REPORTED_FIELDS = REQUIRED_FIELDS + ("cache_allocation_bytes", "io_rate_bytes_per_s", "manager_connected",
+                                     # per-miss service time ({"count", "sum_s", "bytes"}, cumulative): the
+                                     # loader term's L (scheduler/service/measured_params.py)
+                                     "miss_service")

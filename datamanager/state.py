@@ -79,6 +79,26 @@ def _bounded_or_none(value: object, allocated: int | None) -> int | None:
     return None if value is None else _bounded(value, allocated)
 
 
+#: A mean per-miss service time above this (seconds) is not a figure a mount measures: dropped.
+MAX_MISS_SERVICE_S = 3600.0
+
+
+def _miss_service(value: object) -> dict[str, float | int | None]:
+    """A mount's cumulative per-miss service counters ({"count", "sum_s", "bytes"}) as the status
+    shows them: counts and bytes non-negative ints, the sum a finite non-negative float no larger
+    than count x MAX_MISS_SERVICE_S; all None when absent or malformed (an older mount, a bad agent)."""
+    none: dict[str, float | int | None] = {"miss_service_count": None, "miss_service_s": None, "miss_service_bytes": None}
+    if not isinstance(value, dict):
+        return none
+    got = [value.get(k) for k in ("count", "sum_s", "bytes")]
+    # Numbers only (a string, a bool or a list is no count), finite and non-negative.
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in got):
+        return none
+    count, total, nbytes = int(got[0]), float(got[1]), int(got[2])
+    return {"miss_service_count": count, "miss_service_s": min(total, count * MAX_MISS_SERVICE_S),
+            "miss_service_bytes": nbytes}
+
+
 def _rate_at_most(value: object, allocated: float | None) -> float | None:
     """A reported rate (bytes/s) as a finite non-negative float, at most `allocated` when known;
     None when absent or not a number."""
@@ -390,6 +410,10 @@ class StateStore:
                     # the counters' deltas over the time they span, not over its own interval.
                     "stats_age_s": None if seen is None else max(0.0, round(now - seen, 3)),
                     **{k: _bounded_or_none(stats.get(k), None) for k in ("hit_bytes", "miss_bytes", "remote_bytes", "epoch")},
+                    # The mount's per-miss service time, cumulative (fuse_client/accounting.py):
+                    # the scheduler takes each interval's mean L = d(sum) / d(count) for the
+                    # loader term of a job that declared its loader.
+                    **_miss_service(stats.get("miss_service")),
                 }
             datasets = {}
             for ds in self.state.datasets.values():

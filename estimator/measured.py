@@ -141,8 +141,19 @@ def used_fstar(fstar: FStarEstimate, client_fstar: float | None, observed: float
     return min(fstar.estimate, fstar.clip(client_fstar))
 
 
+def compute_rate(observed: float, loader_cost: float) -> float:
+    """f* from a rate the GPU stage read at with the loader's miss term: observed = 1 / (1/f* +
+    loader_cost) (estimator.loader_perf, loader_cost = (1 - h)/m seconds per byte), so f* =
+    1 / (1/observed - loader_cost); inf when the term alone would be slower than what was read
+    (the measured miss time overstates what the misses cost: nothing to learn but f* >= observed)."""
+    if loader_cost <= 0 or not math.isfinite(loader_cost):
+        return observed
+    left = 1.0 / observed - loader_cost
+    return 1.0 / left if left > 0 else math.inf
+
+
 def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: float = math.inf,
-                cores: float = math.inf, client_fstar: float | None = None) -> JobMeasurement:
+                cores: float = math.inf, client_fstar: float | None = None, loader_cost: float = 0.0) -> JobMeasurement:
     """The measurement after `seconds` of reading at `observed` bytes/s (the data plane's figure)
     with the model's IO bound b / (1 - h) and `cores` for the interval; `client_fstar` is the
     rate the job's own step time says its GPUs consume (batch bytes / step seconds), if reported.
@@ -159,6 +170,11 @@ def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: fl
       and a slow pipeline look the same; nothing is learnt (a guess would feed on itself: a
       lower f* gets fewer cores, which reads slower again);
     - otherwise (no CPU stage, or cores unlimited): only the GPUs held it: a sample of f*.
+
+    `loader_cost`: the seconds per byte the job's loader spent on this interval's misses, (1 - h)/m
+    (a job that declared its loader; 0: the paper's model). A GPU-held interval's rate is then
+    1 / (1/f* + loader_cost), and its sample of f* is `compute_rate` of it: the diagnosis adds the
+    term back at whatever hit ratio the job has, so f* must not carry it twice.
     """
     if seconds <= 0 or not math.isfinite(observed) or observed < 0:
         return m
@@ -183,13 +199,18 @@ def observe_job(m: JobMeasurement, observed: float, seconds: float, io_bound: fl
             cpu = replace(cpu, estimate=cpu.clip(best))
     elif has_cpu and client_fstar is not None:
         bound = "gpu"  # the client's step time says the GPUs run at about this rate
-        fs = _sample(fs, observed, seconds)
+        fs = _gpu_sample(fs, observed, seconds, loader_cost)
     elif has_cpu:
         bound = "unknown"
     else:
         bound = "gpu"
-        fs = _sample(fs, observed, seconds)
+        fs = _gpu_sample(fs, observed, seconds, loader_cost)
     return JobMeasurement(fs, cpu, max_observed, bound, best)
 
 
-__all__ += ["CLIENT_SLACK", "SERVICE_FSTAR_FLOOR", "JobMeasurement", "observe_job", "used_fstar"]
+def _gpu_sample(fs: FStarEstimate, observed: float, seconds: float, loader_cost: float) -> FStarEstimate:
+    rate = compute_rate(observed, loader_cost) if observed > 0 else observed
+    return _sample(fs, rate, seconds) if math.isfinite(rate) else _at_least(fs, observed)
+
+
+__all__ += ["CLIENT_SLACK", "SERVICE_FSTAR_FLOOR", "JobMeasurement", "compute_rate", "observe_job", "used_fstar"]

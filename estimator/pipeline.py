@@ -234,9 +234,15 @@ def diagnose(
     cpu_rate: ArrayLike = np.inf,
     expansion: ArrayLike = 1.0,
     post_cpu_rate: ArrayLike | None = None,
+    miss_rate: ArrayLike = np.inf,
 ) -> Diagnosis:
     """Plumber's question for every job at once: which resource bounds it, and the speed-up of
-    one more unit of each (a GPU, a core, +10% cache, +10% remote IO)."""
+    one more unit of each (a GPU, a core, +10% cache, +10% remote IO).
+
+    `miss_rate`: the loader's miss term m (estimator.loader_miss_rate; inf: none, the paper's
+    model): the GPU stage then runs at loader_perf(f*, h, m) = 1 / (1/f* + (1-h)/m). A job held
+    there below f* is labelled by what relieves it, cache (fewer misses) or remote_io, as an
+    IO-bound one is: "gpu" stays the label of a job at f*."""
     # Checked once here; the five evaluations below run the model's kernels on checked arrays
     # (checking them every time was 4/5 of a one-job diagnosis: 0.8 ms per GET /v1/jobs/{id}).
     f = _as_array(ideal, "ideal")
@@ -248,12 +254,17 @@ def diagnose(
     b = _as_array(remote_io, "remote_io")
     d = _as_array(dataset_size, "dataset_size", positive=True)
     e = _as_array(expansion, "expansion", positive=True)
+    m = _as_array(miss_rate, "miss_rate", positive=True)
     rate, post = _rates(cpu_rate, post_cpu_rate)
-    f, g, b, c, d, k, r, e, p = np.broadcast_arrays(f, g, b, c, d, k, rate, e, post)
+    f, g, b, c, d, k, r, e, p, m = np.broadcast_arrays(f, g, b, c, d, k, rate, e, post, m)
     ed, h = _checked_hit(c, e, d)
+    loaders = bool(np.isfinite(m).any())
 
     def perf(f_=f, b_=b, c_=c, k_=k):
-        return _perf_k(f_, b_, h if c_ is c else _hit_k(c_, ed), k_, r, p)
+        h_ = h if c_ is c else _hit_k(c_, ed)
+        if loaders:  # the loader's miss term on the GPU stage (estimator.model.loader_perf)
+            f_ = 1.0 / (1.0 / f_ + (1.0 - h_) / m)
+        return _perf_k(f_, b_, h_, k_, r, p)
 
     now = perf()
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -269,10 +280,13 @@ def diagnose(
         s_io = ratio(perf(b_=np.where(b > 0, b * 1.1, 0.1 * f)))
     cpu_bound = _cpu_k(k, _cost_k(r, p, h))
     tol = 1e-9
-    bound = np.where(
-        now >= f * (1 - tol), "gpu",
-        np.where(now >= cpu_bound * (1 - tol), "cpu", np.where(s_cache > s_io * (1 + tol), "cache", "remote_io")),
-    ).astype(object)
+    io_side = np.where(s_cache > s_io * (1 + tol), "cache", "remote_io")
+    if loaders:
+        # Held by the loader's misses, not by the link: a larger hit ratio is what relieves it
+        # (also for a job with no cache yet, whose +10% of nothing buys nothing).
+        held = (now < f * (1 - tol)) & (_io_k(b, h) > now * (1 + tol))
+        io_side = np.where(held, "cache", io_side)
+    bound = np.where(now >= f * (1 - tol), "gpu", np.where(now >= cpu_bound * (1 - tol), "cpu", io_side)).astype(object)
     return Diagnosis(now, bound, s_gpu, s_cpu, s_cache, s_io)
 
 

@@ -110,6 +110,8 @@ class StatsSnapshot:
     failed_opens: int
     open_latency_hit: dict
     open_latency_miss: dict
+    # Per-miss service time (JobAccounting.miss_served): {"buckets", "sum_s", "count", "bytes"}.
+    miss_service: dict
 
 
 @dataclass
@@ -165,6 +167,13 @@ class JobAccounting:
     failed_opens: int = 0  # opens answered with EIO (remote failures and breaker rejections)
     latency_hit: LatencyHistogram = field(default_factory=LatencyHistogram)
     latency_miss: LatencyHistogram = field(default_factory=LatencyHistogram)
+    # How long each missed item held its reader: from the open request reaching this process to
+    # the item's last byte delivered (see DatasetOperations). The estimator's loader term
+    # (estimator.loader_miss_rate: m = W s / L) needs L, the time a miss keeps one loader worker
+    # from its next item; the open alone (latency_miss) ends before a daemon-served miss's bytes
+    # are read, and the remote fetch alone leaves out queueing for the open pool and the reads.
+    miss_service: LatencyHistogram = field(default_factory=LatencyHistogram)
+    miss_service_bytes: int = 0  # bytes of the items counted in miss_service (s = bytes / count)
     bitset: EpochBitset = field(init=False)
     _read_rate: _Rate = field(default_factory=_Rate)
     _remote_rate: _Rate = field(default_factory=_Rate)
@@ -252,6 +261,12 @@ class JobAccounting:
         with self._lock:
             (self.latency_hit if hit else self.latency_miss).observe(seconds)
 
+    def miss_served(self, seconds: float, nbytes: int) -> None:
+        """A missed item of `nbytes` was delivered whole, `seconds` after its open request arrived."""
+        with self._lock:
+            self.miss_service.observe(max(0.0, seconds))
+            self.miss_service_bytes += nbytes
+
     def remote_error(self) -> None:
         with self._lock:
             self.remote_errors += 1
@@ -290,4 +305,5 @@ class JobAccounting:
                 failed_opens=self.failed_opens,
                 open_latency_hit=self.latency_hit.export(),
                 open_latency_miss=self.latency_miss.export(),
+                miss_service={**self.miss_service.export(), "bytes": self.miss_service_bytes},
             )

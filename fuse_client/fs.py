@@ -116,6 +116,7 @@ class SilodFS(mfusepy.Operations):
 
     def open(self, path: str, fi) -> int:
         # raw_fi=True: `fi` is the fuse_file_info struct, so we can set fh and keep_cache.
+        received = time.perf_counter()  # a miss's service time starts with its request
         pin_thread_state()
         try:
             self.ops.check_flags(fi.flags)
@@ -123,7 +124,7 @@ class SilodFS(mfusepy.Operations):
             entry = self.ops.entry(self._rel(path))
             handle = None if self.ops.hits_may_block else self.ops.open_if_cached(entry, pid=pid)
             if handle is None:
-                handle = self._open_waiting(entry, pid)  # a remote failure is EIO
+                handle = self._open_waiting(entry, pid, received)  # a remote failure is EIO
         except OSError as exc:
             raise _fuse_error(exc) from None
         fi.fh = handle.fh
@@ -131,7 +132,7 @@ class SilodFS(mfusepy.Operations):
         fi.keep_cache = 1 if handle.mode is OpenMode.KERNEL_CACHE else 0
         return 0
 
-    def _open_waiting(self, entry, pid: int):
+    def _open_waiting(self, entry, pid: int, received: float | None = None):
         """An open that may wait for the remote: only while a waiting slot is free (else EAGAIN
         at once), and interruptible (a killed reader's INTERRUPT ends the wait with EINTR)."""
         if not self._waiting.acquire(blocking=False):
@@ -145,7 +146,7 @@ class SilodFS(mfusepy.Operations):
                             self.refused_opens)
             raise OSError(errno.EAGAIN, "too many opens waiting for the remote")
         try:
-            return self.ops.open(entry, pid=pid, cancelled=_interrupted)
+            return self.ops.open(entry, pid=pid, cancelled=_interrupted, received=received)
         finally:
             self._waiting.release()
 

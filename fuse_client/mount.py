@@ -193,6 +193,9 @@ class ControlLoop:
             cache_verify_pending=self.cache.verify_pending,
             cache_verified_items=None if self.verifier is None else self.verifier.checked,
             updated_at=time.time(),
+            # CPU seconds this mount process has used (all its threads): what serving misses
+            # costs the cores a job's own compute shares (benchmarks/bench_pytorch_estimator.py).
+            process_cpu_s=time.process_time(),
             instance=self.instance,
         )
         if self.cfg.pod_stats:

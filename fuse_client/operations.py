@@ -88,6 +88,8 @@ class DatasetOperations:
         self.mtime_ns = time.time_ns()
         self.counters = FrontendCounters()
         self._handles: dict[int, OpenFile] = {}
+        # Daemon-served misses not yet delivered whole: fh -> [open request time, bytes served].
+        self._serving: dict[int, list] = {}
         self._next_fh = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -126,16 +128,28 @@ class DatasetOperations:
             raise OSError(errno.EROFS, "read-only file system")
 
     def open(self, entry: FileEntry, passthrough: bool = False, pid: int = 0,
-             cancelled: Callable[[], bool] | None = None) -> OpenFile:
+             cancelled: Callable[[], bool] | None = None, received: float | None = None) -> OpenFile:
         """Resolve `entry` (hit, shared fetch or remote fetch; may block on the remote).
 
         `passthrough`: the caller can hand a cached item's descriptor to the kernel. `pid`: the
         opening process (from the FUSE request), for per-pod accounting. `cancelled`: polled
         while waiting for the remote; True (the FUSE request was interrupted) ends the wait with
         EINTR. Raises RemoteFetchError / RemoteUnavailable (OSError EIO) when the remote fails
-        or stalls past the open deadline.
+        or stalls past the open deadline. `received`: time.perf_counter() when the front end took
+        the open request (a queued miss counts its wait for the open pool); default now.
+
+        A miss's service time (accounting.miss_served) ends here when the kernel reads the item
+        itself (passthrough, whole local file by now), else at its last byte read (read_span).
         """
-        return self._register(self.resolver.resolve(entry, cancelled), passthrough, pod=self._pod(pid))
+        t0 = time.perf_counter() if received is None else received
+        handle = self._register(self.resolver.resolve(entry, cancelled), passthrough, pod=self._pod(pid))
+        if not handle.item.hit:
+            if handle.mode is OpenMode.DAEMON and handle.item.entry.size > 0:
+                with self._lock:
+                    self._serving[handle.fh] = [t0, 0]
+            else:
+                self.accounting.miss_served(time.perf_counter() - t0, handle.item.entry.size)
+        return handle
 
     @property
     def hits_may_block(self) -> bool:
@@ -207,10 +221,28 @@ class DatasetOperations:
         self.counters.read_requests += 1  # one writer per request; a lost increment is harmless
         if handle.count_reads:
             self.accounting.bytes_read(n, item.hit, handle.pod)
+            if not item.hit and n:
+                self._served(fh, n, item.entry.size)
         return item.fd, n
+
+    def _served(self, fh: int, n: int, size: int) -> None:
+        """`n` more bytes of a daemon-served miss go out: once they add up to the item, its service
+        time is over (the reply with the last bytes follows this call)."""
+        with self._lock:
+            track = self._serving.get(fh)
+            if track is None:
+                return
+            track[1] += n
+            if track[1] < size:
+                return
+            del self._serving[fh]
+        self.accounting.miss_served(time.perf_counter() - track[0], size)
 
     def release(self, fh: int) -> OpenFile | None:
         handle = self._handles.pop(fh, None)  # atomic under the GIL
+        if self._serving:
+            with self._lock:
+                self._serving.pop(fh, None)  # released before its last byte: not a whole item
         if handle is not None and not handle.borrowed:
             os.close(handle.item.fd)
         return handle

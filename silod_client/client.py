@@ -291,13 +291,15 @@ class Jobs(_Api):
                access: str | dict[str, Any] | None = None, pod_template: m.PodTemplate | dict[str, Any] | None = None,
                cpu_rate: float | str | None = None, autocache_expansion: float | None = None,
                post_cpu_rate: float | str | None = None, program: dict[str, Any] | None = None,
-               idempotency_key: str | None = None) -> m.Job:
+               loader: m.Loader | dict[str, Any] | None = None, idempotency_key: str | None = None) -> m.Job:
         """Submit a job: `epochs`, or `steps` with `step_bytes`; `ideal_throughput` (f*, bytes/s or
         "114MB/s") or a catalog `model`. `access`: "epoch", "irregular" or {"kind": "curriculum", ...};
         `pod_template`: the pods on Kubernetes (`models.PodTemplate` or a dict: image, command, env,
         resources, tolerations, node_selector, affinity, ...); `program`: {"command": [...], "env": {...}}, what
         the local backend runs on the mounted dataset; `cpu_rate`/`autocache_expansion`/
-        `post_cpu_rate`: the input pipeline. Retried safely under one Idempotency-Key (a fresh
+        `post_cpu_rate`: the input pipeline; `loader`: the job's data loader (`models.Loader` or
+        {"workers": 4, "item_bytes": "110KB"}), whose miss term the service's prediction then
+        counts. Retried safely under one Idempotency-Key (a fresh
         one unless given): a lost answer never submits the job twice."""
         body = _drop_none({
             "name": name, "gpus": gpus, "dataset": dataset, "epochs": epochs, "steps": steps, "step_bytes": step_bytes,
@@ -305,6 +307,7 @@ class Jobs(_Api):
             "access": access, "cpu_rate": cpu_rate,
             "pod_template": pod_template.to_json() if isinstance(pod_template, m.PodTemplate) else pod_template,
             "autocache_expansion": autocache_expansion, "post_cpu_rate": post_cpu_rate, "program": program,
+            "loader": loader.to_json() if isinstance(loader, m.Loader) else loader,
         })
         key = idempotency_key or f"silod-client-{uuid.uuid4()}"
         return m.Job.model_validate(self._c.request("POST", "/v1/jobs", json=body, retry_safe=True,

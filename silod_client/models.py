@@ -8,6 +8,8 @@ tests/test_sdk.py checks every field the server's OpenAPI schema declares is dec
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -78,6 +80,21 @@ class MeasuredParameters(_Answer):
     client_ideal_throughput: float | None = None
     client_at: float | None = None
     updated_at: float | None = None
+    #: The mount's mean per-miss service time (seconds, open request to last byte) and the mean
+    #: size of those missed items: the loader term's L and s.
+    miss_service_s: float | None = None
+    miss_item_bytes: float | None = None
+
+
+class Loader(_Answer):
+    """A job's data loader (Jobs.submit(loader=...)): `workers` processes (a DataLoader's
+    num_workers), `item_bytes` one item's size (None: the mount measures it)."""
+
+    workers: int
+    item_bytes: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"workers": self.workers, **({} if self.item_bytes is None else {"item_bytes": self.item_bytes})}
 
 
 class Measured(_Answer):
@@ -129,6 +146,7 @@ class Job(_Answer):
     last_predicted_throughput: float | None = None
     last_bound_at: float | None = None
     measured: Measured | None = None
+    loader: Loader | None = None
 
     @property
     def done(self) -> bool:

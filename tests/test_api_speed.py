@@ -80,7 +80,7 @@ def test_job_json_is_asdicts_for_every_kind_of_field() -> None:
     from estimator.access import AccessPattern
     from scheduler.service.api.app import _JOB_NESTED, _record_dict
     from scheduler.service.measured_params import MeasuredParams
-    from scheduler.service.types import Bottleneck, JobRecord
+    from scheduler.service.types import Bottleneck, JobLoader, JobRecord
 
     access = AccessPattern.curriculum_learning(0.04, 1.9, 50_000, 256)
     record = JobRecord(
@@ -91,7 +91,9 @@ def test_job_json_is_asdicts_for_every_kind_of_field() -> None:
         autocache_expansion=None, post_cpu_rate=None, allocated_cpus=8.0,
         bottleneck=Bottleneck("remote_io", 2e8, 1.0, 1.0, 1.05, 1.1),
         cache_mode="source", cache_expansion=None,
-        measured_parameters=MeasuredParams(4e8, 3.5e8, 60.0, 5e7, 5e7, 0.0, 3.4e8, 3.6e8, "remote_io", None, None, 9.0),
+        measured_parameters=MeasuredParams(4e8, 3.5e8, 60.0, 5e7, 5e7, 0.0, 3.4e8, 3.6e8, "remote_io", None, None, 9.0,
+                                           0.002, 110e3),
+        loader=JobLoader(4, 110e3),
     )
     nested = {f.name for f in fields(JobRecord) if f.name != "access" and is_dataclass(getattr(record, f.name))}
     assert nested == set(_JOB_NESTED)  # a new dataclass-valued field must be added to _JOB_NESTED
@@ -101,5 +103,5 @@ def test_job_json_is_asdicts_for_every_kind_of_field() -> None:
     got = _record_dict(record)
     assert got == expected and list(got) == list(expected)
     queued = JobRecord(**{**{f.name: getattr(record, f.name) for f in fields(JobRecord)},
-                          "bottleneck": None, "measured_parameters": None, "access": AccessPattern()})
+                          "bottleneck": None, "measured_parameters": None, "loader": None, "access": AccessPattern()})
     assert _record_dict(queued)["bottleneck"] is None and _record_dict(queued)["access"]["kind"] == "epoch"

@@ -211,3 +211,76 @@ def test_a_mount_restarted_while_the_manager_is_down_keeps_the_last_io_rate(tmp_
             assert m.fresh_stats()["io_rate_bytes_per_s"] is None
     finally:
         dm.kill()
+
+
+@pytest.mark.parametrize("backend", ["raw", "libfuse"])
+def test_the_mount_measures_each_miss_from_its_open_to_its_last_byte(tmp_path, backend):
+    """The loader term's L (estimator.loader_miss_rate) is how long a miss holds its reader. On
+    libfuse a miss's bytes are read through this process after the open: a reader that waits
+    0.3 s between the open and its reads shows it (the open latency does not), and an item
+    released before its last byte is no whole miss. On the raw front end with passthrough the
+    item is whole at the open reply and the kernel serves its reads: the service time is the
+    open's. The figures reach the data manager's status, which the scheduler reads."""
+    import os
+
+    ds = make_dataset(tmp_path / "remote", n_files=12, seed=11)
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with mounted(tmp_path / "mnt", str(ds.root), "ds", "job1", tmp_path / "cache", "--manager", dm.url,
+                     "--fuse-backend", backend) as m:
+            files = sorted(ds.sizes)
+            slow, partial, rest = files[0], files[1], files[2:]
+            with open(m.mountpoint / slow, "rb") as f:
+                time.sleep(0.3)
+                assert len(f.read()) == ds.sizes[slow]
+            with open(m.mountpoint / partial, "rb") as f:
+                f.read(10)
+            for rel in rest:
+                assert len((m.mountpoint / rel).read_bytes()) == ds.sizes[rel]
+            s = m.fresh_stats()
+            service, opened = s["miss_service"], s["open_latency_miss"]
+            assert opened["count"] == len(files)
+            # The raw front end serves reads here only where the kernel has no FUSE passthrough.
+            if backend == "libfuse" or s["fuse_requests"].get("READ", 0) > 0:
+                # the held open and its bytes count; the half-read item does not
+                assert service["count"] == len(files) - 1
+                assert service["bytes"] == sum(ds.sizes[r] for r in files if r != partial)
+                assert service["sum_s"] >= 0.3 > opened["sum_s"]
+            else:
+                assert service["count"] == len(files) and service["bytes"] == ds.total
+                # from the request's arrival, so at least as long as the open itself took
+                assert opened["sum_s"] <= service["sum_s"] < 0.3
+
+            def in_status():
+                job = next(iter(httpx.get(dm.url + "/v1/status").json()["nodes"].values()))["datasets"]["ds"]["jobs"]["job1"]
+                return job["miss_service_count"] == service["count"] and job
+            job = wait_until(in_status, 3.0, message="the data manager's status carries the per-miss service time")
+            assert job["miss_service_bytes"] == service["bytes"]
+            assert abs(job["miss_service_s"] - service["sum_s"]) < 1e-6
+    finally:
+        dm.kill()
+
+
+@pytest.mark.parametrize("service", [
+    {"count": "lots", "sum_s": 1.0, "bytes": 10}, {"count": 3, "sum_s": "inf", "bytes": 10},
+    {"count": 3, "sum_s": -1.0, "bytes": 10}, {"count": 3, "sum_s": 1.0}, [3, 1.0, 10], "fast", None,
+    {"count": True, "sum_s": 1.0, "bytes": 10},
+])
+def test_a_malformed_miss_service_figure_is_not_passed_on(tmp_path, service):
+    """A node's per-miss service counters feed the scheduler's loader term: a malformed one shows
+    as absent (null) in the status, a huge sum is capped at an hour a miss, never a traceback."""
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        reg = {"client_id": "evil", "node": "n1", "dataset": "ds", "job": "j", "source": "/x", "mountpoint": "/m", "pid": 1}
+        assert httpx.post(dm.url + "/v1/clients", json=reg).status_code == 200
+        for stats in ({"miss_service": service}, {"miss_service": {"count": 2, "sum_s": 1e12, "bytes": 10}}):
+            assert httpx.put(dm.url + "/v1/clients/evil/heartbeat", json={"stats": stats}).status_code == 200
+            r = httpx.get(dm.url + "/v1/status")
+            assert r.status_code == 200
+            job = r.json()["nodes"]["n1"]["datasets"]["ds"]["jobs"]["j"]
+            if stats["miss_service"] is service:
+                assert (job["miss_service_count"], job["miss_service_s"], job["miss_service_bytes"]) == (None, None, None)
+            else:
+                assert (job["miss_service_count"], job["miss_service_s"]) == (2, 7200.0)
+    finally:
+        dm.kill()

@@ -34,7 +34,7 @@ def test_migrations_create_the_model_schema(db_url: str) -> None:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
             version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         assert diff == [], f"models and migrations disagree: {diff}"
-        assert version == "0012"
+        assert version == "0013"
         # Idempotent: opening again (a restart) runs no migration and keeps the version.
         open_database(db_url).dispose()
     finally:
@@ -72,7 +72,7 @@ def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> Non
     engine = open_database(db_url)  # upgrades to head
     try:
         with engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0012"
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0013"
             row = conn.execute(sa.text("SELECT access, curriculum_alpha, curriculum_batch FROM jobs WHERE id = 1")).one()
             pipeline = conn.execute(sa.text("SELECT cpu_rate, autocache_expansion, post_cpu_rate FROM jobs WHERE id = 1")).one()
             # 0009: an existing job runs the stand-in worker, as before
@@ -81,6 +81,8 @@ def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> Non
             assert conn.execute(sa.text("SELECT count(*) FROM quotas WHERE min_work IS NOT NULL")).scalar() == 0
             # 0011: an existing job was never diagnosed: it has no stored bound
             assert conn.execute(sa.text("SELECT last_bound, last_predicted_throughput FROM jobs WHERE id = 1")).one() == (None, None)
+            # 0013: an existing job declared no loader: the paper's model, as before
+            assert conn.execute(sa.text("SELECT loader_workers, loader_item_bytes FROM jobs WHERE id = 1")).one() == (None, None)
         assert tuple(row) == ("curriculum", 2.0, 32)
         assert tuple(pipeline) == (None, None, None)  # 0005: an existing job is not CPU-bound, as before
     finally:

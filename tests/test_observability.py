@@ -51,7 +51,7 @@ def diagnosis(ideal, gpus, remote_io, cache, size, cores, cpu_rate, link):
     """(predicted throughput, bound) by the one diagnosis every view reads, nothing measured."""
     from scheduler.service.diagnosis import diagnose_jobs, diagnosis_input
 
-    i = diagnosis_input(ideal, cpu_rate, gpus, remote_io, cores, cache, size, None, None, None, None, None, None, None, None, 0.0)
+    i = diagnosis_input(ideal, cpu_rate, gpus, remote_io, cores, cache, size, None, None, None, None, None, None, None, None, None, None, None, None, 0.0)
     b = diagnose_jobs([i], link)[0]
     return b.throughput, b.bound
 

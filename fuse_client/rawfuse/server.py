@@ -636,20 +636,22 @@ class RawFuseServer:
         with self._pending_lock:
             self._pending[unique] = _PendingOpen(fd)
         try:
-            self._open_pool.submit(self._open_slow, fd, unique, nodeid, entry, pid)
+            self._open_pool.submit(self._open_slow, fd, unique, nodeid, entry, pid, time.perf_counter())
         except RuntimeError:  # shutting down
             with self._pending_lock:
                 self._pending.pop(unique, None)
             raise OSError(errno.EIO, "unmounting") from None
 
-    def _open_slow(self, fd: int, unique: int, nodeid: int, entry: FileEntry, pid: int = 0) -> None:
+    def _open_slow(self, fd: int, unique: int, nodeid: int, entry: FileEntry, pid: int = 0,
+                   received: float | None = None) -> None:
         handle = error = None
         with self._pending_lock:
             pending = self._pending.get(unique)
         try:
             # An interrupted opener already got EINTR (see _interrupt): stop waiting for it then.
             handle = self.ops.open(entry, passthrough=self._passthrough, pid=pid,
-                                   cancelled=(lambda: pending.interrupted) if pending is not None else None)
+                                   cancelled=(lambda: pending.interrupted) if pending is not None else None,
+                                   received=received)
         except OSError as exc:
             error = exc.errno or errno.EIO
         except Exception:

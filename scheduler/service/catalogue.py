@@ -68,6 +68,7 @@ from scheduler.service.types import (
     access_columns,
     access_from_row,
     check_name,
+    loader_from_row,
     pipeline_columns,
 )
 from traces.catalog import lookup_model
@@ -166,7 +167,7 @@ def parse_job_id(job_id: str) -> int | None:
 
 _MEASURED_COLUMNS = ("job_id", "ideal_throughput", "ideal_evidence_s", "cpu_rate", "cpu_evidence_s", "max_observed",
                      "best_per_core", "observed", "bound", "updated_at", "client_step_s", "client_batch_bytes",
-                     "client_reporter", "client_at")
+                     "client_reporter", "client_at", "miss_service_s", "miss_item_bytes")
 _RECORD_COLUMNS = (
     Job.id, Job.name, Job.owner, Job.gpus, Dataset.name, Dataset.owner, Job.model, Job.ideal_throughput, Job.epochs,
     Job.steps, Job.step_bytes, Job.total_bytes, Job.consumed_bytes, Job.priority, Job.state, Job.submit_time,
@@ -175,10 +176,10 @@ _RECORD_COLUMNS = (
     Job.curriculum_step, Job.curriculum_batch, Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
     JobAllocationRow.cpu, Dataset.size, CacheAllocationRow.bytes,
     *(getattr(JobMeasurementRow, c) for c in _MEASURED_COLUMNS),
-    Job.last_bound, Job.last_predicted_throughput, Job.last_bound_at,
+    Job.last_bound, Job.last_predicted_throughput, Job.last_bound_at, Job.loader_workers, Job.loader_item_bytes,
     CacheAllocationRow.expansion,
 )
-_LAST_BOUND = 33 + len(_MEASURED_COLUMNS)  # the row's last_bound, then its throughput and time
+_LAST_BOUND = 33 + len(_MEASURED_COLUMNS)  # the row's last_bound, then its throughput and time, then its loader
 ENDED_STATES = (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
 _EXPANSION = len(_RECORD_COLUMNS) - 1  # the row's autocaching column (None: source bytes)
 _DIAGNOSIS_AT = positions(_RECORD_COLUMNS)  # where diagnosis.COLUMNS are in a record row
@@ -205,7 +206,7 @@ def _row_record(r, **extra: Any) -> JobRecord:  # type: ignore[no-untyped-def]
         measured_parameters=None if r[33] is None else params_of(
             JobMeasurementRow(**dict(zip(_MEASURED_COLUMNS, r[33:33 + len(_MEASURED_COLUMNS)]))), r[7], r[27]),
         last_bound=r[_LAST_BOUND], last_predicted_throughput=r[_LAST_BOUND + 1], last_bound_at=r[_LAST_BOUND + 2],
-        **extra,
+        loader=loader_from_row(r[_LAST_BOUND + 3], r[_LAST_BOUND + 4]), **extra,
     )
 
 
@@ -643,6 +644,8 @@ class Catalogue:
                 total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
                 submit_time=now, start_time=None, finish_time=None, message="", **access_columns(req.access),
                 **pipeline_columns(req.pipeline), program=None if req.program is None else req.program.to_json(),
+                loader_workers=None if req.loader is None else req.loader.workers,
+                loader_item_bytes=None if req.loader is None else req.loader.item_bytes,
             )
             # Core insert, not an ORM object: attaching a Job to its Dataset would load the
             # dataset's whole job collection (thousands of rows) on every submission.
@@ -656,7 +659,7 @@ class Catalogue:
             step_bytes=req.step_bytes, total_bytes=total, consumed_bytes=0.0, remaining_bytes=total,
             priority=req.priority, state=JobState.QUEUED.value, submit_time=now, start_time=None,
             finish_time=None, message="", allocated_gpus=0, gpu_share=0.0, remote_io=None,
-            access=req.access, **pipeline_columns(req.pipeline),
+            access=req.access, **pipeline_columns(req.pipeline), loader=req.loader,
         )
         if req.pod_template is not None:
             self._create_workload(record, req.pod_template)
@@ -719,6 +722,7 @@ class Catalogue:
             cpu_rate=j.cpu_rate, autocache_expansion=j.autocache_expansion, post_cpu_rate=j.post_cpu_rate,
             allocated_cpus=a.cpu if a else None, last_bound=j.last_bound,
             last_predicted_throughput=j.last_predicted_throughput, last_bound_at=j.last_bound_at,
+            loader=loader_from_row(j.loader_workers, j.loader_item_bytes),
         )
 
     def _load_job(self, s: Session, who: Principal, job_id: str) -> Job:

@@ -928,6 +928,8 @@ def register(app: typer.Typer) -> None:
         priority: Annotated[int, typer.Option()] = 0,
         cpu_rate: Annotated[str | None, typer.Option("--cpu-rate", help="source bytes/s one CPU core preprocesses, e.g. 35MB/s [default: the catalog model's, else not CPU-bound]")] = None,
         program: Annotated[str | None, typer.Option("--program", help="local backend: the command that trains, run with the dataset mounted at $SILOD_DATA (e.g. 'python train.py'); default: the built-in stand-in")] = None,
+        loader_workers: Annotated[int | None, typer.Option("--loader-workers", help="the job's data loader worker processes (a DataLoader's num_workers): its predicted speed then counts the time its mount takes per miss")] = None,
+        loader_item_bytes: Annotated[str | None, typer.Option("--loader-item-bytes", help="with --loader-workers: one item's size, e.g. 110KB [default: the mean missed item the mount measures]")] = None,
         server: ServerOpt = None,
         token: TokenOpt = None,
     ) -> None:
@@ -942,6 +944,18 @@ def register(app: typer.Typer) -> None:
         if ideal_throughput is not None:
             parse_rate(ideal_throughput, "--ideal-throughput")
         body: dict[str, Any] = {"name": name, "gpus": gpus, "dataset": dataset, "priority": priority}
+        if loader_item_bytes is not None and loader_workers is None:
+            raise UserError("--loader-item-bytes describes the job's loader: give --loader-workers N with it")
+        if loader_workers is not None:
+            from scheduler.service.types import JobLoader
+
+            item = None if loader_item_bytes is None else parse_size(loader_item_bytes, "--loader-item-bytes")
+            try:
+                JobLoader(loader_workers, item)
+            except UserError as exc:
+                flag = "--loader-workers" if "workers" in str(exc) else "--loader-item-bytes"
+                raise UserError(f"{flag}: {exc}") from None
+            body["loader"] = {"workers": loader_workers, **({} if item is None else {"item_bytes": item})}
         if program is not None:
             body["program"] = {"command": _split_command(program)}
         for key, value in (("epochs", epochs), ("steps", steps), ("model", model)):

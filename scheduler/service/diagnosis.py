@@ -7,9 +7,11 @@ same columns (COLUMNS): they cannot disagree about a job unless its rows change 
 
 The inputs are the parameters planning uses (measured_params.planned: the measured f* and
 per-core rate once there is evidence, else the declared ones), what the job holds (its remote-IO
-cap, cores and its dataset's cache allocation, preprocessed or source bytes), and its dataset's
-size. Unmanaged storage (no IO cap): the whole link and no cache, the most and least it could
-see; CPU not modelled (no cores recorded): unconstrained cores.
+cap, cores and its dataset's cache allocation, preprocessed or source bytes), its dataset's
+size, and for a job that declared its loader (jobs.loader_workers) the loader's miss term from
+its mount's measured per-miss service time (measured_params.loader_miss_rate). Unmanaged storage
+(no IO cap): the whole link and no cache, the most and least it could see; CPU not modelled (no
+cores recorded): unconstrained cores.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from scheduler.service.db.models import CacheAllocationRow, Dataset, Job, JobAllocationRow, JobMeasurementRow, JobState
-from scheduler.service.measured_params import planned
+from scheduler.service.measured_params import loader_miss_rate, planned
 from scheduler.service.types import Bottleneck
 
 
@@ -40,6 +42,9 @@ class DiagnosisInput:
     dataset_size: float
     expansion: float | None  # autocaching: bytes cached per source byte; None: source bytes cached
     post_cpu_rate: float | None  # per-core rate of a cached (preprocessed) item
+    # The loader's miss term m = W s / L (estimator.loader_miss_rate), bytes/s: a job that declared
+    # its loader, once its mount measured a miss's service time L; inf: the paper's model.
+    loader_miss_rate: float = math.inf
 
 
 _M = JobMeasurementRow
@@ -47,20 +52,23 @@ _M = JobMeasurementRow
 #: to diagnose its running jobs selects these (catalogue.py's record query holds them all).
 COLUMNS = (Job.id, Job.ideal_throughput, Job.cpu_rate, Job.gpus, JobAllocationRow.remote_io, JobAllocationRow.cpu,
            CacheAllocationRow.bytes, Dataset.size, CacheAllocationRow.expansion, Job.post_cpu_rate,
-           _M.ideal_throughput, _M.cpu_rate, _M.client_step_s, _M.client_batch_bytes, _M.client_at, _M.observed)
+           _M.ideal_throughput, _M.cpu_rate, _M.client_step_s, _M.client_batch_bytes, _M.client_at, _M.observed,
+           Job.loader_workers, Job.loader_item_bytes, _M.miss_service_s, _M.miss_item_bytes)
 
 
 def diagnosis_input(declared_fstar: float, declared_cpu: float | None, gpus: int, remote_io: float | None,
                     cores: float | None, cache: float | None, dataset_size: float, cache_expansion: float | None,
                     post_cpu_rate: float | None, measured_fstar: float | None, measured_cpu: float | None,
                     step_s: float | None, batch_bytes: float | None, client_at: float | None, observed: float | None,
-                    now: float) -> DiagnosisInput:
+                    loader_workers: int | None, loader_item_bytes: float | None, miss_service_s: float | None,
+                    miss_item_bytes: float | None, now: float) -> DiagnosisInput:
     f, cpu = planned(declared_fstar, declared_cpu, measured_fstar, measured_cpu, step_s, batch_bytes, client_at, now,
                      observed)
     # Autocaching counts only when the cache holds preprocessed data for a job with both rates.
     pre = cache_expansion is not None and post_cpu_rate is not None and cpu is not None
     return DiagnosisInput(float(f), cpu, int(gpus), remote_io, cores, cache, float(dataset_size),
-                          cache_expansion if pre else None, post_cpu_rate if pre else None)
+                          cache_expansion if pre else None, post_cpu_rate if pre else None,
+                          loader_miss_rate(loader_workers, loader_item_bytes, miss_service_s, miss_item_bytes))
 
 
 def diagnose_jobs(inputs: Sequence[DiagnosisInput], link: float) -> list[Bottleneck]:
@@ -77,7 +85,8 @@ def diagnose_jobs(inputs: Sequence[DiagnosisInput], link: float) -> list[Bottlen
                  [i.cache or 0.0 for i in inputs], [i.dataset_size for i in inputs],
                  [inf if i.cores is None else i.cores for i in inputs], rates,
                  [1.0 if i.expansion is None else i.expansion for i in inputs],
-                 [r if i.post_cpu_rate is None else i.post_cpu_rate for i, r in zip(inputs, rates)])
+                 [r if i.post_cpu_rate is None else i.post_cpu_rate for i, r in zip(inputs, rates)],
+                 [i.loader_miss_rate for i in inputs])
     return [Bottleneck(str(d.bound[k]), float(d.throughput[k]), float(d.speedup_gpu[k]), float(d.speedup_cpu[k]),
                        float(d.speedup_cache[k]), float(d.speedup_remote_io[k])) for k in range(len(inputs))]
 

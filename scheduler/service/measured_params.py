@@ -33,6 +33,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from estimator.model import loader_miss_rate as model_loader_miss_rate
 from estimator.measured import SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job, used_fstar
 from scheduler.service.db.models import Job, JobMeasurementRow
 
@@ -65,6 +66,8 @@ class MeasuredParams:
     client_ideal_throughput: float | None  # batch bytes / step seconds of the latest fresh report
     client_at: float | None
     updated_at: float | None
+    miss_service_s: float | None = None  # the mount's mean per-miss service time (the loader term's L)
+    miss_item_bytes: float | None = None  # the mean size of those missed items (its s, when not declared)
 
 
 def client_fstar(row: JobMeasurementRow | None, now: float) -> float | None:
@@ -99,7 +102,8 @@ def params_of(row: JobMeasurementRow | None, declared_fstar: float, declared_cpu
     return MeasuredParams(
         declared_fstar, m.used_fstar(client, row.observed), m.fstar.evidence_s, declared_cpu,
         None if m.cpu is None else m.cpu.estimate, 0.0 if m.cpu is None else m.cpu.evidence_s,
-        row.observed, m.max_observed, m.bound, client, row.client_at, row.updated_at)
+        row.observed, m.max_observed, m.bound, client, row.client_at, row.updated_at, row.miss_service_s,
+        row.miss_item_bytes)
 
 
 def client_report_fresh(client_at: float | None, now: float) -> bool:
@@ -125,6 +129,18 @@ def planned(declared_fstar: float, declared_cpu: float | None, measured_fstar: f
     return est, cpu
 
 
+def loader_miss_rate(workers: int | None, item_bytes: float | None, miss_service_s: float | None,
+                     miss_item_bytes: float | None) -> float:
+    """m = W s / L of a job's row (estimator.loader_miss_rate): W and s as the job declared its
+    loader (s: else the mean size of the missed items its mount measured), L its mount's measured
+    per-miss service time. inf (the paper's model) when the job declared no loader or its mount
+    has measured no miss yet."""
+    s = item_bytes if item_bytes is not None else miss_item_bytes
+    if not workers or miss_service_s is None or not s or s <= 0:
+        return math.inf
+    return float(model_loader_miss_rate(workers, s, max(float(miss_service_s), 0.0)))
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """One running job's figures for an interval (all from silod's side)."""
@@ -142,6 +158,37 @@ class Observation:
     read_bytes: float | None = None
     miss_bytes: float | None = None
     at: float | None = None
+    # The mount's cumulative per-miss service counters (fuse_client/accounting.py): missed items
+    # delivered whole, the seconds they held their readers, their bytes. None: not measured.
+    miss_service_count: float | None = None
+    miss_service_s: float | None = None
+    miss_service_bytes: float | None = None
+
+
+#: The per-miss service time stored for a job is a running mean over about this many recent
+#: misses (an interval's own mean of a few misses is noisy; a whole-run mean never follows a
+#: change of load).
+MISS_SERVICE_WINDOW = 2000.0
+#: A per-miss service time above this is no figure of a working mount (a stalled remote, a
+#: stopped process): not folded in.
+MAX_MISS_SERVICE_S = 60.0
+
+
+def fold_miss_service(old_s: float | None, old_bytes: float | None, old_n: float | None, d_count: float,
+                      d_seconds: float, d_bytes: float) -> tuple[float, float, float] | None:
+    """(mean service seconds, mean item bytes, weight) after an interval in which `d_count` misses
+    were delivered whole in `d_seconds` of service with `d_bytes` bytes; None when the interval
+    says nothing (no miss delivered, or figures no working mount gives)."""
+    if not (d_count >= 1 and d_seconds >= 0 and d_bytes >= 0) or not all(map(math.isfinite, (d_count, d_seconds, d_bytes))):
+        return None
+    mean_s, mean_b = d_seconds / d_count, d_bytes / d_count
+    if mean_s > MAX_MISS_SERVICE_S:
+        return None
+    if old_s is None or old_bytes is None or not old_n:
+        return mean_s, mean_b, min(d_count, MISS_SERVICE_WINDOW)
+    n = max(0.0, min(old_n, MISS_SERVICE_WINDOW - d_count))  # the older misses' weight, within the window
+    w = n + d_count
+    return (old_s * n + d_seconds) / w, (old_bytes * n + d_bytes) / w, min(w, MISS_SERVICE_WINDOW)
 
 
 def io_bound(o: Observation, link: float) -> float:
@@ -162,6 +209,7 @@ class MeasurementStore:
         self._last: dict[int, float] = {}  # job -> when it was last observed (scheduling process)
         self._first_read: dict[int, float] = {}  # job -> when this run of it was first seen reading
         self._counts: dict[int, tuple[float, float, float]] = {}  # job -> (read, miss, at) last seen
+        self._service: dict[int, tuple[float, float, float]] = {}  # job -> per-miss service counters last seen
 
     def rows(self, job_ids: Iterable[int]) -> dict[int, JobMeasurementRow]:
         ids = [int(j) for j in job_ids]
@@ -185,11 +233,15 @@ class MeasurementStore:
             del self._last[jid]  # not running now: its next interval starts afresh
             self._first_read.pop(jid, None)
             self._counts.pop(jid, None)
+            self._service.pop(jid, None)
         if not obs:
             return {}
         with self.sessions() as s:
-            declared = {jid: (f, r) for jid, f, r in s.execute(
+            declared = {jid: (f, r) for jid, f, r, *_ in s.execute(
                 select(Job.id, Job.ideal_throughput, Job.cpu_rate).where(Job.id.in_(list(obs))))}
+            loaders = {jid: (w, b) for jid, w, b in s.execute(
+                select(Job.id, Job.loader_workers, Job.loader_item_bytes)
+                .where(Job.id.in_(list(obs)), Job.loader_workers.is_not(None)))}
         rows = self.rows(obs)
         out: dict[int, JobMeasurement] = {}
         writes: list[dict] = []
@@ -197,23 +249,63 @@ class MeasurementStore:
             if jid not in declared:
                 continue
             interval = self._interval(jid, o, now)
+            row = rows.get(jid)
+            service = self._miss_service(jid, o, row)
             if interval is None:
+                if service is not None and row is not None:  # no rate to learn; the misses' service time is a figure
+                    writes.append(dict(job_id=jid, existed=row is not None, only_service=True, **service))
                 continue
             observed, hit, seconds = interval
             f, r = declared[jid]
-            row = rows.get(jid)
             before = state_from_row(row, f, r)
             after = observe_job(before, observed, seconds, io_bound(replace(o, hit_ratio=hit), link),
-                                math.inf if o.cores is None else o.cores, client_fstar(row, now))
+                                math.inf if o.cores is None else o.cores, client_fstar(row, now),
+                                self._loader_cost(o, hit, loaders.get(jid), row, service))
             out[jid] = after
             writes.append(dict(
                 job_id=jid, ideal_throughput=after.fstar.estimate, ideal_evidence_s=after.fstar.evidence_s,
                 cpu_rate=None if after.cpu is None else after.cpu.estimate,
                 cpu_evidence_s=0.0 if after.cpu is None else after.cpu.evidence_s,
                 max_observed=after.max_observed, best_per_core=after.best_per_core, observed=observed,
-                bound=after.bound, updated_at=now, existed=row is not None))
+                bound=after.bound, updated_at=now, existed=row is not None, **(service or {})))
         self._write(writes)
         return out
+
+    @staticmethod
+    def _loader_cost(o: Observation, hit: float | None, loader: tuple[int, float | None] | None,
+                     row: JobMeasurementRow | None, service: dict | None) -> float:
+        """(1 - h)/m, the seconds per byte a job that declared its loader spent on this interval's
+        misses (0: no loader declared, or no miss service time measured yet)."""
+        if loader is None:
+            return 0.0
+        sv = service or {}
+        m = loader_miss_rate(loader[0], loader[1], sv.get("miss_service_s", row.miss_service_s if row else None),
+                             sv.get("miss_item_bytes", row.miss_item_bytes if row else None))
+        if not math.isfinite(m):
+            return 0.0
+        if hit is None:
+            hit = min((o.cache or 0.0) / o.dataset_size, 1.0) if o.dataset_size > 0 else 0.0
+        return (1.0 - min(max(hit, 0.0), 1.0)) / m
+
+    def _miss_service(self, jid: int, o: Observation, row: JobMeasurementRow | None) -> dict | None:
+        """The job's per-miss service columns folded with this observation's misses (their
+        counters' change since the last look), or None when nothing new was delivered."""
+        if o.miss_service_count is None or o.miss_service_s is None or o.miss_service_bytes is None:
+            return None
+        now_counts = (float(o.miss_service_count), float(o.miss_service_s), float(o.miss_service_bytes))
+        prev = self._service.get(jid)
+        self._service[jid] = now_counts
+        if prev is None:
+            return None
+        d = [a - b for a, b in zip(now_counts, prev)]
+        if d[0] < 0 or d[1] < 0 or d[2] < 0:
+            return None  # counters restarted (a new mount): the next look starts afresh
+        folded = fold_miss_service(row.miss_service_s if row is not None else None,
+                                   row.miss_item_bytes if row is not None else None,
+                                   row.miss_service_n if row is not None else None, *d)
+        if folded is None:
+            return None
+        return dict(miss_service_s=folded[0], miss_item_bytes=folded[1], miss_service_n=folded[2])
 
     def _interval(self, jid: int, o: Observation, now: float) -> tuple[float, float | None, float] | None:
         """(read rate, hit ratio, seconds) of the job's interval ending now, or None when it is no
@@ -260,16 +352,21 @@ class MeasurementStore:
         if not writes:
             return
         cols = ("ideal_throughput", "ideal_evidence_s", "cpu_rate", "cpu_evidence_s", "max_observed",
-                "best_per_core", "observed", "bound", "updated_at")
+                "best_per_core", "observed", "bound", "updated_at", "miss_service_s", "miss_item_bytes",
+                "miss_service_n")
+
+        def values(w: dict) -> dict:
+            return {c: w[c] for c in cols if c in w}
+
         with self.lock:
             with self.sessions.begin() as s:
                 for w in writes:
                     if w["existed"]:
                         s.execute(update(JobMeasurementRow).where(JobMeasurementRow.job_id == w["job_id"])
-                                  .values(**{c: w[c] for c in cols}))
+                                  .values(**values(w)))
             for w in writes:
                 if not w["existed"]:
-                    self._insert_or_update(w["job_id"], {c: w[c] for c in cols})
+                    self._insert_or_update(w["job_id"], values(w))
 
     def _insert_or_update(self, job_id: int, values: Mapping) -> None:
         """Insert the row, or (another process inserted it meanwhile) update only `values`."""
@@ -295,5 +392,5 @@ class MeasurementStore:
                                                 client_reporter=reporter[:128], client_at=now))
 
 
-__all__ = ["CLIENT_REPORT_TTL_S", "MAX_BATCH_BYTES", "MAX_STEP_S", "MIN_STEP_S", "MeasuredParams",
+__all__ = ["CLIENT_REPORT_TTL_S", "MAX_BATCH_BYTES", "MISS_SERVICE_WINDOW", "fold_miss_service", "MAX_STEP_S", "MIN_STEP_S", "MeasuredParams",
            "MeasurementStore", "Observation", "client_fstar", "client_report_fresh", "io_bound", "params_of", "planned", "state_from_row"]

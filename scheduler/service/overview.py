@@ -290,7 +290,8 @@ def measurements_from_datamanager(status: Any, link: float | None = None) -> dic
     if not isinstance(status, Mapping):
         return {}
     for node in (status.get("nodes") or {}).values():
-        mounts: list[tuple[str, float, float, float, float | None]] = []  # (job, hit, miss, throughput, age)
+        mounts: list[tuple[str, float, float, float, float | None, tuple[float, float, float] | None]] = []
+        # (job, hit, miss, throughput, age, per-miss service counters)
         remote = 0.0
         for entry in ((node or {}).get("datasets") or {}).values():
             for job, j in ((entry or {}).get("jobs") or {}).items():
@@ -299,10 +300,18 @@ def measurements_from_datamanager(status: Any, link: float | None = None) -> dic
                 tput = _finite(j.get("throughput_bytes_per_s")) or 0.0
                 rate = _finite(j.get("remote_rate_bytes_per_s"))
                 remote += rate if rate is not None else (tput * miss / (hit + miss) if hit + miss > 0 else tput)
-                mounts.append((str(job), hit, miss, tput, _finite(j.get("stats_age_s"))))
+                service = _service(j.get("miss_service_count"), j.get("miss_service_s"), j.get("miss_service_bytes"))
+                mounts.append((str(job), hit, miss, tput, _finite(j.get("stats_age_s")), service))
         scale = link / remote if link is not None and link > 0 and remote > link else 1.0
-        for job, hit, miss, tput, age in mounts:
-            acc = out.setdefault(job, {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "age": 0.0, "counted": 1.0})
+        for job, hit, miss, tput, age, service in mounts:
+            acc = out.setdefault(job, {"hit": 0.0, "miss": 0.0, "throughput": 0.0, "age": 0.0, "counted": 1.0,
+                                       "sv_count": 0.0, "sv_s": 0.0, "sv_bytes": 0.0, "sv": 1.0})
+            if service is None:
+                acc["sv"] = 0.0  # one of its mounts does not measure it: no sum over all of them
+            else:
+                acc["sv_count"] += service[0]
+                acc["sv_s"] += service[1]
+                acc["sv_bytes"] += service[2]
             acc["hit"] += hit
             acc["miss"] += miss
             acc["throughput"] += tput * scale
@@ -319,7 +328,19 @@ def measurements_from_datamanager(status: Any, link: float | None = None) -> dic
             # Cumulative counters of the job's mounts (summed over nodes) and their age: the
             # scheduler's measured parameters take each interval's own rate and hit ratio from them.
             res[job].update(read_bytes=a["hit"] + a["miss"], miss_bytes=a["miss"], age_s=a["age"])
+            if a["sv"]:
+                res[job].update(miss_service_count=a["sv_count"], miss_service_s=a["sv_s"],
+                                miss_service_bytes=a["sv_bytes"])
     return res
+
+
+def _service(count: Any, seconds: Any, nbytes: Any) -> tuple[float, float, float] | None:
+    """A mount's cumulative per-miss service counters (count, seconds, bytes), or None when it
+    reports none or a malformed figure."""
+    c, t, b = _finite(count), _finite(seconds), _finite(nbytes)
+    if c is None or t is None or b is None or min(c, t, b) < 0:
+        return None
+    return c, t, b
 
 
 def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]]:
@@ -340,4 +361,9 @@ def measurements_from_backend(backend: Any) -> dict[str, dict[str, float | None]
         if read is not None and miss is not None and at is not None:
             # the mount's cumulative counters as of the worker's status (wall-clock time)
             out[str(job_id)].update(read_bytes=read, miss_bytes=miss, at=at)
+            sv = mount.get("miss_service")
+            service = _service(sv.get("count"), sv.get("sum_s"), sv.get("bytes")) if isinstance(sv, Mapping) else None
+            if service is not None:
+                out[str(job_id)].update(miss_service_count=service[0], miss_service_s=service[1],
+                                        miss_service_bytes=service[2])
     return out

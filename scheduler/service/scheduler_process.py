@@ -106,6 +106,18 @@ def _counters(m: Mapping[str, Any], now: float) -> tuple[float | None, float | N
     return read, miss, (at if at is not None and math.isfinite(at) else None)
 
 
+def _service_counters(m: Mapping[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """(misses delivered, their service seconds, their bytes) of a job's cumulative per-miss service
+    counters in a measurement dict (overview.measurements_from_*), or Nones when it carries none."""
+    try:
+        got = tuple(float(m[k]) for k in ("miss_service_count", "miss_service_s", "miss_service_bytes"))
+    except (KeyError, TypeError, ValueError):
+        return None, None, None
+    if not all(math.isfinite(v) and v >= 0 for v in got):
+        return None, None, None
+    return got  # type: ignore[return-value]
+
+
 @dataclass(frozen=True, slots=True)
 class _RoundInput:
     snapshot: Snapshot  # the jobs admitted within their tenants' quotas
@@ -543,7 +555,7 @@ class SchedulerService(ReadViews):
                 io = max(float(enforced), io or 0.0)
             counters = _counters(m, now)
             obs.append(Observation(int(jid), float(rate), None if hit is None else float(hit), io, cores, cache, size,
-                                   *counters))
+                                   *counters, *_service_counters(m)))
         self.measurements.observe(obs, float(self.config.capacity.remote_io), now)
 
     def _agent_rates(self, job_ids: list[str], now: float) -> dict[str, dict[str, float | None]]:

@@ -4,9 +4,9 @@ the catalogue, the scheduling loop and the API; no I/O here."""
 
 from __future__ import annotations
 
-import json
-
 import functools
+import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -127,6 +127,41 @@ class NewJob:
     # The local backend's training program: (command, env) run on the mounted dataset; None runs
     # the built-in stand-in worker.
     program: JobProgram | None = None
+    # The job's data loader (types.JobLoader); None: not declared (the paper's model).
+    loader: JobLoader | None = None
+
+
+#: Most loader workers a job may declare, and the largest item: a declaration past these is a
+#: typo (the loader term uses them as given).
+MAX_LOADER_WORKERS = 1024
+MAX_LOADER_ITEM_BYTES = 2.0**40
+
+
+@dataclass(frozen=True, slots=True)
+class JobLoader:
+    """A job's data loader as it declares it (e.g. a torch DataLoader's num_workers): with the
+    mount's measured per-miss service time L it gives the estimator's loader term m = W s / L
+    (estimator.loader_miss_rate). `item_bytes`: one item's size; None: the mean size of the
+    missed items the mount measured."""
+
+    workers: int
+    item_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        w = self.workers
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_LOADER_WORKERS:
+            raise UserError(f"loader.workers = {w!r}: give the loader's worker processes, a whole number"
+                            f" from 1 to {MAX_LOADER_WORKERS}")
+        b = self.item_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                              or not 0 < b <= MAX_LOADER_ITEM_BYTES):
+            raise UserError(f"loader.item_bytes = {b!r}: give one item's size in bytes, > 0 and at most 1 TiB"
+                            " (or leave it out: the mount measures it)")
+
+
+def loader_from_row(workers: int | None, item_bytes: float | None) -> JobLoader | None:
+    """The JobLoader of a job's row columns (None: not declared)."""
+    return None if workers is None else JobLoader(int(workers), None if item_bytes is None else float(item_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +255,7 @@ class JobRecord:
     last_bound: str | None = None
     last_predicted_throughput: float | None = None
     last_bound_at: float | None = None
+    loader: JobLoader | None = None  # as declared
 
 
 @dataclass(frozen=True, slots=True)

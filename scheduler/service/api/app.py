@@ -120,7 +120,7 @@ PageOffset = Annotated[int, Query(ge=0, le=1_000_000_000, description="skip this
 
 _JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
 #: JobRecord's fields that hold a dataclass (or None); every other field is a JSON scalar.
-_JOB_NESTED = ("bottleneck", "measured_parameters")
+_JOB_NESTED = ("bottleneck", "measured_parameters", "loader")
 
 
 def _record_dict(record: JobRecord) -> dict[str, Any]:
@@ -520,6 +520,7 @@ def create_app(service: SchedulerService, tokens: TokenStore, run_loop: bool = T
             pipeline=body.pipeline(),
             pod_template=body.pod_template.to_template() if body.pod_template else None,
             program=body.program.to_program() if body.program else None,
+            loader=body.loader.to_loader() if body.loader else None,
         )
         if req.pod_template is not None:  # creates the job's workload on the Kubernetes API: the default pool
             record, created = await anyio.to_thread.run_sync(catalogue.submit_job, who, req, idempotency_key)

@@ -18,6 +18,7 @@ from traces.catalog import lookup_model
 from estimator.units import MAX_GPUS, MAX_RATE_BYTES_PER_S, MAX_SIZE_BYTES, parse_rate, parse_size
 from scheduler.service.consumption import MAX_COUNTER
 from scheduler.service.measured_params import MAX_BATCH_BYTES, MAX_STEP_S, MIN_STEP_S
+from scheduler.service.types import MAX_LOADER_ITEM_BYTES, MAX_LOADER_WORKERS
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 URI_PATTERN = r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$"
@@ -259,6 +260,33 @@ class ProgramIn(_Strict):
         return JobProgram(tuple(self.command), tuple(sorted(self.env.items())))
 
 
+class LoaderIn(_Strict):
+    """The job's data loader (e.g. a torch DataLoader): with the mount's measured per-miss
+    service time L, its miss term m = workers x item_bytes / L lowers the predicted throughput of
+    a job whose misses its workers cannot hide (estimator.loader_perf)."""
+
+    # strict: `true` and "4" are not worker counts
+    workers: int = Field(ge=1, le=MAX_LOADER_WORKERS, strict=True,
+                         description="the loader's worker processes (a DataLoader's num_workers; 1 for a loader"
+                                     " that reads in the training process)")
+    item_bytes: Annotated[float, BeforeValidator(_as_size), Field(gt=0, le=MAX_LOADER_ITEM_BYTES),
+                          WithJsonSchema(_SIZE_SCHEMA)] | None = Field(
+        default=None, description="one item's size (e.g. \"110KB\"); omitted: the mean size of the missed items"
+                                  " the mount measures")
+
+    def to_loader(self) -> Any:
+        from scheduler.service.types import JobLoader
+
+        return JobLoader(self.workers, self.item_bytes)
+
+
+class LoaderOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    workers: int
+    item_bytes: float | None = None
+
+
 class JobIn(_Strict):
     name: Name = Field(examples=["resnet50-run1"])
     gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs the job needs (gang-scheduled)")
@@ -283,6 +311,9 @@ class JobIn(_Strict):
     post_cpu_rate: Rate | None = Field(default=None, description="bytes/s per core of what remains after the autocache point")
     program: ProgramIn | None = Field(default=None, description="local backend: the command to run on the mounted"
                                       " dataset (default: the built-in stand-in that reads and sleeps)")
+    loader: LoaderIn | None = Field(default=None, description="the job's data loader ({\"workers\": 4, \"item_bytes\":"
+                                    " \"110KB\"}): adds its miss term to the job's predicted throughput once the"
+                                    " mount has measured a miss; null: the paper's model")
 
     _names = field_validator("name", "dataset")(_no_dotdot)
 
@@ -389,6 +420,9 @@ class MeasuredParamsOut(BaseModel):
                                                               " report (at most 10 minutes old)")
     client_at: float | None
     updated_at: float | None
+    miss_service_s: float | None = Field(None, description="the mount's mean per-miss service time, seconds: from a"
+                                                          " missed item's open request to its last byte delivered")
+    miss_item_bytes: float | None = Field(None, description="the mean size of those missed items, bytes")
 
 
 class ClientReportIn(_Strict):
@@ -460,6 +494,7 @@ class JobOut(BaseModel):
     measured: MeasuredOut | None = Field(
         None, description="GET /v1/jobs/{id} only: what the node agents measured the job's pods read (null: no"
                           " report yet, or not a Kubernetes job)")
+    loader: LoaderOut | None = Field(None, description="the job's data loader as declared; null: not declared")
 
 
 class UsageOut(BaseModel):

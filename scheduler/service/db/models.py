@@ -108,6 +108,10 @@ class Job(Base):
     last_bound: Mapped[str | None] = mapped_column(String(16), nullable=True)
     last_predicted_throughput: Mapped[float | None] = mapped_column(Float, nullable=True)
     last_bound_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The job's data loader as declared (migration 0013; types.JobLoader): its worker processes
+    # and, optionally, the size of one item; NULL workers = not declared (the paper's model).
+    loader_workers: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    loader_item_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     dataset: Mapped[Dataset] = relationship(back_populates="jobs", lazy="joined")
     allocation: Mapped[JobAllocationRow | None] = relationship(
@@ -358,3 +362,9 @@ class JobMeasurementRow(Base):
     client_batch_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
     client_reporter: Mapped[str | None] = mapped_column(String(128), nullable=True)
     client_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The mount's per-miss service time (migration 0013): the mean time a missed item held its
+    # reader (open request to last byte), the mean size of those items, and how many misses the
+    # means stand for (capped: a running mean over the recent misses). The loader term's L and s.
+    miss_service_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    miss_item_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
+    miss_service_n: Mapped[float | None] = mapped_column(Float, nullable=True)

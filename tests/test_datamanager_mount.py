@@ -221,8 +221,6 @@ def test_the_mount_measures_each_miss_from_its_open_to_its_last_byte(tmp_path, b
     released before its last byte is no whole miss. On the raw front end with passthrough the
     item is whole at the open reply and the kernel serves its reads: the service time is the
     open's. The figures reach the data manager's status, which the scheduler reads."""
-    import os
-
     ds = make_dataset(tmp_path / "remote", n_files=12, seed=11)
     dm = start_datamanager(tmp_path / "state")
     try:

@@ -56,14 +56,14 @@ def test_a_grant_revoked_while_a_submission_is_checked_refuses_it(tmp_path, monk
             assert client.put("/v1/datasets/imagenet/grants/bob", headers=H_ALICE).status_code == 200
             shared = {**JOB, "dataset_owner": "alice"}
             assert client.post("/v1/jobs", json=shared, headers=H_BOB).status_code == 201
-            quota = Catalogue._quota
+            work_range = Catalogue.work_range
 
-            def revoke_then_read_quota(self, c, tenant):  # type: ignore[no-untyped-def]
-                if tenant == "bob":  # between the submission's reads and its write transaction
-                    self.revoke_grant(Principal("alice"), "imagenet", "bob")
-                return quota(self, c, tenant)
+            def revoke_then_check_work(self, q):  # type: ignore[no-untyped-def]
+                # Between the submission's reads and its write transaction.
+                self.revoke_grant(Principal("alice"), "imagenet", "bob")
+                return work_range(self, q)
 
-            monkeypatch.setattr(Catalogue, "_quota", revoke_then_read_quota)
+            monkeypatch.setattr(Catalogue, "work_range", revoke_then_check_work)
             r = client.post("/v1/jobs", json=shared, headers=H_BOB)
             assert r.status_code == 404 and r.json()["field"] == "dataset", r.text
             assert len(client.get("/v1/jobs", headers=H_BOB).json()) == 1

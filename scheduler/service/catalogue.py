@@ -142,12 +142,17 @@ _INSERT_IDEMPOTENCY_KEY = IdempotencyKey.__table__.insert()
 _IDEMPOTENCY_KEY = select(IdempotencyKey.__table__.c.request_hash, IdempotencyKey.__table__.c.job_id).where(
     IdempotencyKey.__table__.c.owner == bindparam("owner"), IdempotencyKey.__table__.c.key == bindparam("key"))
 _DS = Dataset.__table__.c
-_DATASET_BY_NAME = select(_DS.id, _DS.name, _DS.owner, _DS.size).where(
-    _DS.owner == bindparam("owner"), _DS.name == bindparam("name"))
 _GRANT = select(DatasetGrant.__table__.c.grantee).where(
     DatasetGrant.__table__.c.dataset_id == bindparam("dataset_id"), DatasetGrant.__table__.c.grantee == bindparam("grantee"))
 _QUOTA = select(*(getattr(Quota.__table__.c, k) for k in TenantQuota.FIELDS)).where(
     Quota.__table__.c.tenant == bindparam("tenant"))
+# The submission's dataset and its tenant's quota in one statement (LEFT JOIN: no quota row is
+# the default quota), instead of one statement each.
+_DATASET_AND_QUOTA = (
+    select(_DS.id, _DS.name, _DS.owner, _DS.size, Quota.__table__.c.tenant.label("quota_tenant"),
+           *(getattr(Quota.__table__.c, k) for k in TenantQuota.FIELDS))
+    .select_from(Dataset.__table__.outerjoin(Quota.__table__, Quota.__table__.c.tenant == bindparam("tenant")))
+    .where(_DS.owner == bindparam("owner"), _DS.name == bindparam("name")))
 # A tenant's jobs per state, kept by triggers on `jobs` (TenantJobCount, migration 0008): counting
 # a tenant's 10,000 jobs over an index cost ~4 ms of a submission's ~2 (SQLite).
 _COUNTS_OF_OWNER = select(TenantJobCount.__table__.c.state, TenantJobCount.__table__.c.n).where(
@@ -292,14 +297,19 @@ class Catalogue:
         granted = s.get(DatasetGrant, (d.id, who.user))
         return d if granted is not None else None
 
-    def _usable_dataset(self, c: Connection, who: Principal, name: str, owner: str | None):  # type: ignore[no-untyped-def]
-        """`_visible_dataset` as plain columns (id, name, owner, size): the submission path."""
+    def _usable_dataset_and_quota(self, c: Connection, who: Principal, name: str,
+                                  owner: str | None) -> tuple[Any, TenantQuota]:
+        """The submission path's reads: `_visible_dataset` as plain columns (id, name, owner,
+        size), or None, and the caller's quota."""
         owner = owner or who.user
-        d = c.execute(_DATASET_BY_NAME, {"owner": owner, "name": name}).first()
-        if d is None or who.is_admin or d.owner == who.user:
-            return d
+        d = c.execute(_DATASET_AND_QUOTA, {"owner": owner, "name": name, "tenant": who.user}).first()
+        if d is None:
+            return None, self.config.default_quota  # refused as an unknown dataset
+        q = self.config.default_quota if d.quota_tenant is None else TenantQuota(*d[5:])
+        if who.is_admin or d.owner == who.user:
+            return d, q
         granted = c.execute(_GRANT, {"dataset_id": d.id, "grantee": who.user}).first()
-        return d if granted is not None else None
+        return (d if granted is not None else None), q
 
     def register_dataset(self, who: Principal, req: NewDataset) -> tuple[DatasetRecord, bool]:
         """Register a dataset of the caller's tenant; re-registering identical fields is a no-op
@@ -617,6 +627,8 @@ class Catalogue:
         # deleted); a quota's limits apply to later submissions (a change racing this one may
         # or may not apply to it, as before). An Idempotency-Key inserted meanwhile fails the
         # insert on its primary key and submit_job reads that job.
+        # One pooled connection for the reads and the write transaction (a checkout and its
+        # reset cost about as much as a statement).
         with engine.connect() as c:
             if key is not None:
                 known = c.execute(_IDEMPOTENCY_KEY, {"owner": who.user, "key": key}).first()
@@ -625,7 +637,7 @@ class Catalogue:
                         raise ConflictError("this Idempotency-Key was used with a different request body",
                                             field="Idempotency-Key")
                     return self.get_job(who, str(known.job_id)), False
-            ds = self._usable_dataset(c, who, req.dataset, req.dataset_owner)
+            ds, q = self._usable_dataset_and_quota(c, who, req.dataset, req.dataset_owner)
             if ds is None:
                 raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")
             if req.epochs is not None and req.steps is None:
@@ -638,7 +650,11 @@ class Catalogue:
                 raise ServiceError("give either epochs, or steps together with step_bytes", field="epochs")
             if not (0 < total <= MAX_BYTES):
                 raise ServiceError(f"the job would read {total:.3g} bytes; must be > 0 and <= 1e21", field="epochs")
-            q = self._quota(c, who.user)
+            c.rollback()  # ends the reads' transaction: the write below begins its own
+            return self._insert_job(c, who, req, ideal, key, digest, ds, q, total)
+
+    def _insert_job(self, c: Connection, who: Principal, req: NewJob, ideal: float, key: str | None, digest: str,
+                    ds: Any, q: TenantQuota, total: float) -> tuple[JobRecord, bool]:
         if q.gpus is not None and req.gpus > q.gpus:
             raise ForbiddenError(f"gpus = {req.gpus} exceeds your quota of {q.gpus} GPUs (quota gpus)", field="gpus")
         least, most = self.work_range(q)
@@ -664,7 +680,7 @@ class Catalogue:
         # Another tenant's dataset: the grant is checked again in the write transaction, so a job
         # submitted after the grant's revocation committed is refused (revoke_grant's promise).
         through_grant = not who.is_admin and ds.owner != who.user
-        with self._write_lock, engine.begin() as c:
+        with self._write_lock, c.begin():
             if c.dialect.name == "postgresql":  # see _insert_job_checked
                 c.execute(_TENANT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
             now = max(time.time(), self._last_submit)

@@ -118,6 +118,36 @@ def test_a_late_job_is_measured_from_the_allocation_change_its_arrival_brings_an
     assert "a" not in planner.received and "a" not in planner.active
 
 
+def test_the_ledger_takes_the_allocations_shares_for_the_jobs_it_knows_and_zero_for_the_others():
+    """An allocation names only the jobs it gives GPU time to (Gavel leaves queued gangs out),
+    while the ledger knows every job it has seen: a change writes the named jobs' shares and 0
+    for the rest, by the allocation's jobs, and the ledger's rows follow new and forgotten jobs."""
+    planner = RoundPlanner(round_s=1.0)
+    jobs = [job(f"j{k}", submit=k) for k in range(6)]
+    s = snap(jobs, gpus=2)
+    store = planner._seconds
+
+    def shares():
+        return {j: float(store.share[r]) for j, r in store.at.items()}
+
+    planner.choose(s, Allocation({"j0": 1.0, "j1": 0.5, "j2": 0.5}))
+    assert shares() == {"j0": 1.0, "j1": 0.5, "j2": 0.5, "j3": 0.0, "j4": 0.0, "j5": 0.0}
+    rows = store.all_rows()
+    assert sorted(rows.tolist()) == sorted(store.at.values())
+    # Same jobs, new shares; then another set of jobs (a reset), with a job the ledger never saw.
+    planner.choose(s, Allocation({"j0": 0.25, "j1": 0.75, "j2": 1.0}))
+    assert shares() == {"j0": 0.25, "j1": 0.75, "j2": 1.0, "j3": 0.0, "j4": 0.0, "j5": 0.0}
+    assert store.all_rows() is rows  # no job got or left a row
+    planner.choose(s, Allocation({"j4": 1.0, "j5": 1.0, "unseen": 1.0}))
+    assert shares() == {"j0": 0.0, "j1": 0.0, "j2": 0.0, "j3": 0.0, "j4": 1.0, "j5": 1.0}
+    planner.forget("j0")
+    assert sorted(store.all_rows().tolist()) == sorted(store.at.values()) and len(store.all_rows()) == 5
+    s2 = snap(jobs[1:] + [job("j6", submit=6)], gpus=2)
+    planner.choose(s2, Allocation({"j6": 1.0, "j1": 1.0}))
+    assert shares() == {"j1": 1.0, "j2": 0.0, "j3": 0.0, "j4": 0.0, "j5": 0.0, "j6": 1.0}
+    assert sorted(store.all_rows().tolist()) == sorted(store.at.values())
+
+
 def test_a_job_owed_time_at_an_allocation_change_runs_first_after_it():
     """The deficit: time a job was owed under earlier allocations and did not get decides among
     jobs of equal priority (right after a change, all have the same)."""

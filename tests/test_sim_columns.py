@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from policies import ClusterCapacity, get_policy
-from policies.gavel import GavelProblem
+from policies.gavel import GavelProblem, _equal_share_throughput, equal_share_throughput
 from policies.registry import estimator_for
 from policies.types import JobColumns
 from policies.validation import _clearly_valid, allocation_violations
 from scheduler.core.planner import RoundPlanner
+from scheduler.sim import engine as engine_module
 from scheduler.sim.engine import SimConfig, Simulator
 from traces.model import Trace, TraceJob
 from traces.synthetic import generate_trace
@@ -413,3 +414,39 @@ def test_the_compiled_step_columns_answer_as_each_job_does(policy, system):
     result = sim.run()
     assert not result.unfinished
     assert sim.events_checked > 50 and sim.contended_checked > 20
+
+
+class ReferenceCountingSimulator(Simulator):
+    """After every decision, the Eq. 8 references the engine holds for the active jobs equal
+    ones computed afresh from the snapshot; counts the decisions."""
+
+    decisions = 0
+
+    def _references(self, snapshot, slots):
+        super()._references(snapshot, slots)
+        if slots.size:
+            fresh = _equal_share_throughput(GavelProblem.from_snapshot(snapshot, manages_storage=True))
+            np.testing.assert_array_equal(self._table.reference[slots], fresh)
+            self.decisions += 1
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sjf"])
+def test_the_references_are_rebuilt_only_when_the_jobs_or_their_fstar_change(policy, monkeypatch):
+    # FIFO and SJF decide at nearly every step; Eq. 8's references depend only on the active
+    # jobs, their GPUs and f*, so between arrivals and completions the engine keeps them. Half
+    # the jobs declare an f* the engine corrects as they run (their references move with it).
+    built = []
+
+    def counted(problem):
+        built.append(problem.n)
+        return equal_share_throughput(problem)
+
+    monkeypatch.setattr(engine_module, "equal_share_throughput", counted)
+    trace = generate_trace(40, mean_interarrival_s=300.0, seed=5)
+    jobs = [replace(j, declared_throughput=j.ideal_throughput * 0.5) if k % 2 else j for k, j in enumerate(trace.jobs)]
+    trace = replace(trace, jobs=jobs)
+    cap = ClusterCapacity(gpus=16, cache=trace_cache(trace), remote_io=2 * GB, gpus_per_node=4)
+    sim = ReferenceCountingSimulator(trace, cap, get_policy(policy), estimator_for("silod"), "silod", SimConfig())
+    assert not sim.run().unfinished
+    assert sim.decisions > 40
+    assert 0 < len(built) < sim.decisions

@@ -66,6 +66,27 @@ class _Seconds:
     got_known: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=bool))  # recorded as running
     seen_known: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=bool))  # recorded as active
     offset: float = 0.0  # what `since` starts at
+    #: every known job's row (`all_rows`), None once a job got or left a row
+    _all: np.ndarray | None = field(default=None, repr=False)
+
+    def all_rows(self) -> np.ndarray:
+        """The rows of every known job, in `at`'s order (kept until a job gets or leaves one:
+        the allocation changes far more often than the jobs, and a trace with thousands of
+        queued jobs paid a pass over all of them at each change)."""
+        if self._all is None:
+            self._all = np.fromiter(self.at.values(), dtype=np.int64, count=len(self.at))
+        return self._all
+
+    def set_shares(self, rows: np.ndarray, shares: dict[str, float]) -> None:
+        """Every known job's (`rows`: all_rows) share: its value in `shares`, 0 for the others.
+        By the allocation's jobs, not by the known ones: a Gavel allocation names the few dozen
+        jobs it gives GPU time to, while thousands may be known."""
+        self.share[rows] = 0.0
+        at = self.at.get
+        mine = np.fromiter(map(at, shares, repeat(-1)), dtype=np.int64, count=len(shares))
+        values = np.fromiter(shares.values(), dtype=float, count=len(shares))
+        known = mine >= 0
+        self.share[mine[known]] = values[known]
 
     def rows(self, ids: Sequence[str]) -> np.ndarray:
         """The rows of `ids` (new ones get a zeroed row, unknown until recorded)."""
@@ -84,12 +105,14 @@ class _Seconds:
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         self.at[job_id] = row
+        self._all = None
         self.since[row] = self.offset
         return row
 
     def forget(self, job_id: str) -> None:
         row = self.at.pop(job_id, None)
         if row is not None:
+            self._all = None
             for name in _COLUMNS:
                 getattr(self, name)[row] = 0
             self.free.append(row)
@@ -181,18 +204,18 @@ class RoundPlanner:
         if shares == self._shares:
             return
         store = self._seconds
-        rows = np.fromiter(store.at.values(), dtype=np.int64, count=len(store.at))
+        rows = store.all_rows()
         same_jobs = self._shares is not None and shares.keys() == self._shares.keys()
         self._shares = shares
         self._ranked = None
         if same_jobs:
-            store.share[rows] = np.fromiter(map(shares.get, store.at, repeat(0.0)), dtype=float, count=rows.size)
+            store.set_shares(rows, shares)
             return
         elapsed = now - self._last_reset if self._last_reset is not None else 0.0
         store.deficit[rows] += store.share[rows] * elapsed - (store.since[rows] - store.offset)
         store.since[rows] = store.offset
         self._worker_time = store.offset * rows.size
-        store.share[rows] = np.fromiter(map(shares.get, store.at, repeat(0.0)), dtype=float, count=rows.size)
+        store.set_shares(rows, shares)
         self._last_reset = now
         self._ranked = None
 

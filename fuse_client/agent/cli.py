@@ -55,14 +55,7 @@ def register(app: typer.Typer) -> None:
         node = node or os.environ.get("NODE_NAME")
         if not node:
             raise UserError("no node name: pass --node or set NODE_NAME (the DaemonSet sets it from spec.nodeName)")
-        resolver = _dataset_resolver(datasets, scheduler)
-        silod = [str(Path(sys.executable).parent / "silod")]
-        if not Path(silod[0]).exists():
-            silod = [sys.executable, "-c", "from scheduler.cli import main; main()"]
-        volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
-                                idle_unmount_s=idle_unmount)
-        server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
-        cap = None
+        cap = None  # checked before the dataset source, so a bad flag is named first
         if cache_size is not None:
             from estimator.units import UnitError, parse_size
 
@@ -72,6 +65,13 @@ def register(app: typer.Typer) -> None:
                 raise UserError(str(exc)) from None
             if cap < 1:
                 raise UserError(f"--cache-size {cache_size!r} must be positive (e.g. 500GB)")
+        resolver = _dataset_resolver(datasets, scheduler)
+        silod = [str(Path(sys.executable).parent / "silod")]
+        if not Path(silod[0]).exists():
+            silod = [sys.executable, "-c", "from scheduler.cli import main; main()"]
+        volumes = VolumeManager(state_dir, node, silod=silod, kubelet_dir=kubelet_dir, manager_url=manager,
+                                idle_unmount_s=idle_unmount)
+        server = Agent(socket, node, volumes, resolver, namespace_prefix=namespace_prefix)
         if report_interval < 0 or report_interval > 3600:
             raise UserError(f"--report-interval {report_interval} must be between 0 and 3600 seconds")
         reporter = None

@@ -80,7 +80,6 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
     unknown = sorted(set(opts) - known)
     if unknown:
         raise UserError(f"unknown --backend-opt {', '.join(unknown)} for the kubernetes backend; known: {', '.join(sorted(known))}")
-    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
     timeout = _duration(opts, "unschedulable-timeout", 3600.0,
                         "how long a job no node can take waits before it fails")
     grace = _duration(opts, "unschedulable-grace", 120.0,
@@ -90,10 +89,13 @@ def create_backend(config: BackendConfig) -> KubernetesBackend:
     if ert not in ("true", "false"):
         raise UserError(f"--backend-opt extended-resource-toleration={opts['extended-resource-toleration']!r}: true"
                         f" when the API server runs the ExtendedResourceToleration admission plugin, else false")
+    api_url = _api_url(opts.get("api-url"))
+    # Every option is checked before the cluster is reached: a typo is named even where no cluster is.
+    api = load_api_client(opts.get("server"), opts.get("kubeconfig"), opts.get("context"), opts.get("token-file"))
     backend = KubernetesBackend(api, capacity=config.capacity, namespace_prefix=opts.get("namespace-prefix", ""),
                                 default_queue=opts.get("queue") or "default", unschedulable_timeout_s=timeout,
                                 pending_grace_s=grace, extended_resource_toleration=ert == "true",
-                                api_url=_api_url(opts.get("api-url")))
+                                api_url=api_url)
     if config.datamanager_url:
         from datamanager.client import DataManagerClient
 

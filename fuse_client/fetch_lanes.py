@@ -147,6 +147,10 @@ class FetchLanes:
                 self._fast_free -= 1
                 lane = Lane()
                 self._running.append(lane)
+                if self._queue and not self._fast_free:
+                    # Tasks still wait and this one took the last fast slot: the monitor must
+                    # watch it (it may have just ended, having freed fewer slots than tasks wait).
+                    self._kick()
                 cv.release()
                 try:
                     fn(lane, *args)

@@ -63,6 +63,12 @@ def server(tmp_path_factory):
                                                     "ideal_throughput": "100MB/s"})["id"] for i in range(11)]
         bobs = call("POST", BOB, "/v1/jobs", {"name": "bob-secret", "gpus": 8, "dataset": "bobs", "epochs": 1,
                                              "ideal_throughput": "10MB/s"})["id"]
+        # A round has seen bob's job (queued: a row with no GPUs) before it is cancelled; the
+        # rounds run on submissions, but not necessarily within a fixed sleep on a loaded machine.
+        deadline = time.monotonic() + 60
+        while not call("GET", BOB, f"/v1/jobs/{bobs}/allocations"):
+            assert time.monotonic() < deadline, "no round saw bob's queued job in 60 s"
+            time.sleep(0.3)
         time.sleep(1.0)  # the running job's JCT is at least a second
         for jid in [*waiting, ran["id"]]:  # the waiting ones first: none of them ever starts
             call("DELETE", ALICE, f"/v1/jobs/{jid}")

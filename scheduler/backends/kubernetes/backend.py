@@ -1098,8 +1098,8 @@ class KubernetesBackend(ClusterBackend):
                 # Every pod bound: it runs, and a later refusal starts a new timeout. Right after
                 # a re-admission the Job has no pods yet (or only the old ones, leaving): that is
                 # not "runs", the first refusal holds.
-                if reason is None and not self._pods_of(job_id, self._unbound) and any(
-                        not (p.get("metadata") or {}).get("deletionTimestamp") for p in self._pods_of(job_id)):
+                if reason is None and job_id in self._refused_first and not self._pods_of(job_id, self._unbound) \
+                        and any(not (p.get("metadata") or {}).get("deletionTimestamp") for p in self._pods_of(job_id)):
                     self._refused_first.pop(job_id, None)
                 continue
             first = self._pending_since.setdefault(job_id, now)

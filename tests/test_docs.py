@@ -232,12 +232,38 @@ class DocumentRun:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        self._stop_detached()
         with open("/proc/mounts") as mounts:  # an example that failed half-way may leave a mount
             leftover = [line.split()[1] for line in mounts if str(self.workdir) in line]
         for mountpoint in leftover:
             subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
         if self.s3 is not None:
             self.s3.stop()
+
+
+    def _stop_detached(self) -> None:
+        """The local backend's job workers (and their mounts) run in sessions of their own so that
+        jobs survive a service restart: stopping an example's `silod serve` leaves them running.
+        Stop every process group whose command line names a path in this document's directory."""
+        groups = set()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if any(str(self.workdir).encode() in arg for arg in argv):
+                    groups.add(os.getpgid(int(entry.name)))
+            except (OSError, ProcessLookupError):
+                continue  # ended meanwhile
+        groups.discard(os.getpgrp())
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for group in groups:
+                try:
+                    os.killpg(group, sig)
+                except ProcessLookupError:
+                    pass
+            if sig == signal.SIGTERM and groups:
+                time.sleep(2)  # a worker unmounts its dataset on SIGTERM
 
 
 def _examples(document: Path) -> list[Block]:

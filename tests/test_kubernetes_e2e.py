@@ -249,3 +249,7 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
         assert m["read_bytes"] <= pods_read * ds.total  # never more than its pods read
         assert m["read_bytes"] == m["hit_bytes"] + m["miss_bytes"]
         assert m["hits"] + m["misses"] >= len(ds.digests) and 1 <= m["pods"] <= pods_read
+        # The misses the pods' mount delivered whole, with their service time (the loader term's L
+        # for a Kubernetes pod's job): the first read of the dataset missed.
+        assert 1 <= m["miss_service_count"] <= m["misses"] and 0 < m["miss_service_bytes"] <= m["miss_bytes"]
+        assert 0 < m["miss_service_us"] < m["miss_service_count"] * 60 * 10**6

@@ -119,15 +119,15 @@ def mounted(work: Path, source: Path, name: str, cache_size: float, io_rate: flo
         log.close()
 
 
-def trainer(data: Path, workers: int):  # type: ignore[no-untyped-def]
+def trainer(data: Path, workers: int, prefetch: int = 2):  # type: ignore[no-untyped-def]
     from silod_client.examples.train_cnn import Trainer, parser
 
-    return Trainer(parser().parse_args(["--data", str(data), "--workers", str(workers)]))
+    return Trainer(parser().parse_args(["--data", str(data), "--workers", str(workers), "--prefetch", str(prefetch)]))
 
 
-def run_job(data: Path, epochs: int, workers: int) -> list[dict]:
+def run_job(data: Path, epochs: int, workers: int, prefetch: int = 2) -> list[dict]:
     """The training job for `epochs` epochs on `data`: its per-epoch records."""
-    t = trainer(data, workers)
+    t = trainer(data, workers, prefetch)
     try:
         return [t.epoch() for _ in range(epochs)]
     finally:
@@ -148,7 +148,8 @@ def median(values: list[float]) -> float:
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
-def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pairs: int, workers: int) -> Result:  # type: ignore[no-untyped-def]
+def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pairs: int, workers: int,  # type: ignore[no-untyped-def]
+              prefetch: int = 2) -> Result:
     """One point. Its epochs alternate with epochs of `reference` (a Trainer on the fully cached
     dataset, alone: f*), so that each measured epoch has an f* measured seconds before it: this
     machine's load moves f* by tens of percent within a minute. The point's figure is the median
@@ -156,7 +157,7 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
     cache = p.cache_fraction * d
     b = p.io_rate if p.io_rate is not None else float("inf")
     with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats):
-        t = trainer(mnt, workers)
+        t = trainer(mnt, workers, prefetch)
         try:
             first = t.epoch()
             time.sleep(0.6)  # the mount rewrites its stats twice a second
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=400, help="JPEGs in the dataset (~9 KB each)")
     ap.add_argument("--pairs", type=int, default=3, help="measured epochs per point, each after an f* epoch")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    ap.add_argument("--prefetch", type=int, default=2, help="batches each DataLoader worker loads ahead (torch's prefetch_factor)")
     ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     # f*: the job alone on a fully cached mount (filled once, kept), one of its epochs before
     # every measured epoch of a point (run_point).
     with mounted(work, source, "fstar", d * 1.05, None) as (mnt, _stats):
-        reference = trainer(mnt, args.workers)
+        reference = trainer(mnt, args.workers, args.prefetch)
         try:
             reference.epoch()  # fills the cache
             f_before = median([rate(reference.epoch()) for _ in range(2)])
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                       for c in fractions for b in (B_BIND, B_FREE)]
             results = []
             for i, p in enumerate(points):
-                r = run_point(work, source, d, i, p, reference, pairs, args.workers)
+                r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch)
                 results.append(r)
                 print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"
                       f" {r.measured_mb_s:.3f} MB/s: {r.ratio:.2f} (hit {r.hit_ratio if r.hit_ratio is not None else float('nan'):.2f})",
@@ -277,6 +279,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ext = {r.label: (extended(r.fstar_mb_s * MB, r, d / (r.measured_mb_s * MB)) / MB,
                      median([t / extended(f, r, d / t) for f, t in r.pairs])) for r in results}
+
+    # The same with L as the service reads it: the point's own measured service time (a job's
+    # running mean at its allocation). Where the link binds, a miss also waits for the bucket's
+    # tokens: the worker is held L_free + that wait, which is what the loader term's Little's law
+    # needs (the link term stays the upper bound beside it, min, not added).
+    def extended_at(f: float, r: Result, seconds: float) -> float:
+        own = (r.miss_service_s, r.miss_item_bytes) if r.miss_service_s and r.miss_item_bytes else None
+        lat, item = own or service_free.get(r.cache_fraction) or (None, None)
+        m = float(loader_miss_rate(args.workers, item, lat)) if lat and item else float("inf")
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        io = float(window_io_perf(b, r.cache_fraction, 1.0, seconds, r.burst_bytes)) if r.cache_fraction < 1 else float("inf")
+        return min(float(loader_perf(f, r.cache_fraction, m)), io)
+
+    ext_at = {r.label: median([t / extended_at(f, r, d / t) for f, t in r.pairs]) for r in results}
 
     # A diagnostic beside it, not the model the service uses: the misses' cost as the mount's CPU
     # rather than its wall time. A missed item costs the mount cpu_miss - cpu_hit more CPU seconds
@@ -304,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     room = {name: cache * 1.02 if cache >= d else cache for name, (cache, _io) in plan.items()}  # mount bookkeeping slack
     for name in plan:
         with mounted(work, source, f"plan-{name}", room[name], None) as (mnt, _stats):
-            run_job(mnt, 1, args.workers)
+            run_job(mnt, 1, args.workers, args.prefetch)
     with contextlib.ExitStack() as stack:
         runs = {}
         for name, (_cache, io) in plan.items():
             mnt, _stats = stack.enter_context(mounted(work, source, f"plan-{name}", room[name], io, fresh=False))
-            runs[name] = trainer(mnt, args.workers)
+            runs[name] = trainer(mnt, args.workers, args.prefetch)
             stack.callback(runs[name].close)
         seconds: dict[str, list[float]] = {name: [] for name in plan}
         for _ in range(pairs + 1):
@@ -326,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"real PyTorch job vs min(f*, b/(1-c/d)); f* measured before each point "
                         f"({min(refs) / MB:.3f}-{max(refs) / MB:.3f} MB/s, mean {fstar / MB:.3f}), d = {d / MB:.2f} MB")
     for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "open ms", "miss ms", "extended",
-                "ratio", "cpu ms/item", "cpu-term ratio"):
+                "ratio", "own-L ratio", "cpu ms/item", "cpu-term ratio"):
         table.add_column(col, justify="right")
     fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
     for r in results:
@@ -335,14 +351,18 @@ def main(argv: list[str] | None = None) -> int:
                       fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"),
                       fmt(None if r.miss_latency_s is None else r.miss_latency_s * 1e3, ".2f"),
                       fmt(None if r.miss_service_s is None else r.miss_service_s * 1e3, ".2f"), fmt(e[0]), fmt(e[1], ".2f"),
+                      fmt(ext_at[r.label], ".2f"),
                       fmt(None if r.mount_cpu_per_item_s is None else r.mount_cpu_per_item_s * 1e3, ".2f"),
                       fmt(cpu_ext[r.label][1], ".2f"))
-    Console(width=150).print(table)
+    Console(width=170).print(table)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
     print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
     within2 = sum(abs(v[1] - 1) <= 0.10 for v in ext.values())
     print(f"extended (loader miss term from the mount's per-miss service time, token-bucket burst): {within2}/{len(ext)}"
+          f" points within 10%")
+    within_at = sum(abs(v - 1) <= 0.10 for v in ext_at.values())
+    print(f"extended with each point's own measured L (as the service reads it: token waits included): {within_at}/{len(ext_at)}"
           f" points within 10%")
     within3 = sum(abs(v[1] - 1) <= 0.10 for v in cpu_ext.values())
     print(f"diagnostic (the misses' cost as the mount's extra CPU per miss on {os.cpu_count()} cores): {within3}/{len(cpu_ext)}"
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
           f" {u['epoch_s'] / s['epoch_s']:.2f}x (predicted {u['predicted_epoch_s'] / s['predicted_epoch_s']:.2f}x)")
     print(f"wall {time.time() - t0:.0f}s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     args.out.write_text(json.dumps({"fstar_mb_s": fstar / MB, "fstar_refs_mb_s": [f / MB for f in refs], "dataset_mb": d / MB, "images": images,
-                                    "pairs": pairs, "workers": args.workers, "points": [asdict(r) for r in results],
+                                    "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "extended_own_l": ext_at, "points": [asdict(r) for r in results],
                                     "plans": plan_epoch, "load": [load0, load1],
                                     "extended": ext, "cpu_term": cpu_ext}, indent=1))
     if args.workdir is None:

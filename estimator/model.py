@@ -96,6 +96,14 @@ def window_io_perf(remote_io: ArrayLike, cache: ArrayLike, dataset_size: ArrayLi
     return _out(_io_k(b + extra / t, h))
 
 
+#: Most loader workers a job may declare, and the largest item: a declaration past these is a
+#: typo (the loader term uses them as given). The REST API's and the trace reader's bounds.
+MAX_LOADER_WORKERS = 1024
+MAX_LOADER_ITEM_BYTES = 2.0**40
+#: Longest per-miss service time a trace may give (as the service caps a measured one): an hour.
+MAX_LOADER_MISS_S = 3600.0
+
+
 def loader_miss_rate(workers: ArrayLike, item_bytes: ArrayLike, miss_latency_s: ArrayLike) -> Number:
     """m = W s / L: the bytes per second of misses a loader of W workers absorbs when each miss
     of an s-byte item holds its worker L seconds (Little's law); +inf when a miss costs nothing."""

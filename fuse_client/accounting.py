@@ -150,6 +150,13 @@ class PodCounters:
     miss_bytes: int = 0
     hits: int = 0
     misses: int = 0
+    # Its misses' service time (JobAccounting.miss_served): how many were delivered whole, their
+    # summed service time in whole microseconds (counters stay integers that only rise, as the
+    # node agent carries them over mount restarts), and their bytes. A Kubernetes pod's job gets
+    # the loader term's L (estimator.loader_miss_rate) from these, through its agent's reports.
+    miss_service_count: int = 0
+    miss_service_us: int = 0
+    miss_service_bytes: int = 0
 
 
 @dataclass
@@ -261,11 +268,16 @@ class JobAccounting:
         with self._lock:
             (self.latency_hit if hit else self.latency_miss).observe(seconds)
 
-    def miss_served(self, seconds: float, nbytes: int) -> None:
-        """A missed item of `nbytes` was delivered whole, `seconds` after its open request arrived."""
+    def miss_served(self, seconds: float, nbytes: int, pod: str = "") -> None:
+        """A missed item of `nbytes` was delivered whole, `seconds` after its open request arrived
+        (`pod`: the uid of the pod whose process opened it, counted for it too)."""
         with self._lock:
             self.miss_service.observe(max(0.0, seconds))
             self.miss_service_bytes += nbytes
+            if pod and (c := self._pod(pod)) is not None:
+                c.miss_service_count += 1
+                c.miss_service_us += round(max(0.0, seconds) * 1e6)
+                c.miss_service_bytes += nbytes
 
     def remote_error(self) -> None:
         with self._lock:

@@ -146,9 +146,9 @@ class DatasetOperations:
         if not handle.item.hit:
             if handle.mode is OpenMode.DAEMON and handle.item.entry.size > 0:
                 with self._lock:
-                    self._serving[handle.fh] = [t0, 0]
+                    self._serving[handle.fh] = [t0, 0, handle.pod]
             else:
-                self.accounting.miss_served(time.perf_counter() - t0, handle.item.entry.size)
+                self.accounting.miss_served(time.perf_counter() - t0, handle.item.entry.size, handle.pod)
         return handle
 
     @property
@@ -236,7 +236,7 @@ class DatasetOperations:
             if track[1] < size:
                 return
             del self._serving[fh]
-        self.accounting.miss_served(time.perf_counter() - track[0], size)
+        self.accounting.miss_served(time.perf_counter() - track[0], size, track[2])
 
     def release(self, fh: int) -> OpenFile | None:
         handle = self._handles.pop(fh, None)  # atomic under the GIL

@@ -23,6 +23,7 @@ import numpy as np
 from policies.base import Policy
 from policies.cpu import cores_the_link_can_feed, cpu_for_running, effective_jobs
 from policies.estimators import Estimator
+from policies.loader import cache_weight
 from policies.storage import (demands_at_full_speed, demands_of, greedy_cache, greedy_cache_of, io_in_priority_order, keep_for_waiting,
                               keep_for_waiting_of, max_min_share)
 from policies.types import Allocation, JobColumns, JobView, Snapshot
@@ -98,16 +99,19 @@ def running_allocation_of(placed: list[int], snapshot: Snapshot, cols: JobColumn
         cap = snapshot.capacity
         names = list(map(cols.datasets.__getitem__, placed))
         ideal = cols.ideal[at]
-        cache = greedy_cache_of(names, ideal, cols.remaining[at], snapshot.datasets, cap.cache)
+        miss = None if cols.miss_rate is None else cols.miss_rate[at]
+        cache = greedy_cache_of(names, cache_weight(ideal, miss), cols.remaining[at], snapshot.datasets, cap.cache)
         if sum(cache.values()) < cap.cache:
             waiting = np.ones(len(cols.ids), dtype=bool)
             waiting[at] = False
             w = waiting.nonzero()[0]
-            cache = keep_for_waiting_of(cache, list(map(cols.datasets.__getitem__, w.tolist())), cols.ideal[w], snapshot.datasets, cap.cache)
+            cache = keep_for_waiting_of(cache, list(map(cols.datasets.__getitem__, w.tolist())),
+                                        cache_weight(cols.ideal[w], None if cols.miss_rate is None else cols.miss_rate[w]),
+                                        snapshot.datasets, cap.cache)
         hits = None if cols.hit_now is None else cols.hit_now[at]
         measured = np.zeros(at.size, dtype=bool) if hits is None else ~np.isnan(hits)
         told = np.where(measured, hits, 0.0) if measured.any() else None
-        demands = demands_of(ideal, names, measured, told, cache, snapshot.datasets)
+        demands = demands_of(ideal, names, measured, told, cache, snapshot.datasets, miss)
         io = dict(zip(ids, _share_link(demands, cap.remote_io, io_rule).tolist(), strict=True))
     share = dict.fromkeys(cols.ids, 0.0)
     share.update(dict.fromkeys(ids, 1.0))

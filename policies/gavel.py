@@ -26,7 +26,7 @@ at most 1), 1/n of the remote IO, and each dataset the equal cache shares of its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 
 import numpy as np
@@ -34,7 +34,8 @@ import numpy as np
 from estimator import can_reuse_new_cache
 from policies.base import Policy
 from policies.estimators import Estimator
-from policies.types import Allocation, Snapshot, name_ranks
+from policies.loader import planned_rate
+from policies.types import Allocation, Snapshot, miss_rates, name_ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,8 @@ class GavelProblem:
         if last is not None and last[0] is snapshot and last[1].manages_storage == manages_storage:
             return last[1]
         problem = cls._build(snapshot, manages_storage)
+        cols = snapshot.job_columns()
+        problem = problem.with_loaders(cols.miss_rate if cols is not None else miss_rates(snapshot.jobs))
         _LAST_PROBLEM = (snapshot, problem)
         return problem
 
@@ -185,6 +188,20 @@ class GavelProblem:
     @property
     def n(self) -> int:
         return len(self.job_ids)
+
+    def with_loaders(self, miss_rate: np.ndarray | None) -> GavelProblem:
+        """The problem with each loader job's f* replaced by the rate its loader allows at its
+        hit ratio now (policies/loader.py: X(h) = 1 / (1/f* + (1-h)/m); h measured on the rest of
+        its epoch, else its dataset's cached part, else 0): the GPU time it needs for a target
+        is T / X(h). Storage-unaware baselines and jobs without a loader term keep f*."""
+        if miss_rate is None or not self.manages_storage or not np.isfinite(miss_rate).any():
+            return self
+        per_ds = (np.zeros(len(self.dataset_names)) if self.dataset_cached is None
+                  else np.minimum(self.dataset_cached / self.dataset_size, 1.0))
+        h = per_ds[self.dataset_index]
+        if self.hit_now is not None:
+            h = np.where(np.isnan(self.hit_now), h, self.hit_now)
+        return replace(self, ideal=planned_rate(self.ideal, miss_rate, h))
 
 
 _SIZE, _CACHED = attrgetter("size"), attrgetter("cached")

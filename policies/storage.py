@@ -13,7 +13,8 @@ from operator import attrgetter
 import numpy as np
 
 from estimator import can_reuse_new_cache
-from policies.types import DatasetView, JobView
+from policies.loader import cache_weight, planned_rate
+from policies.types import DatasetView, JobView, miss_rates
 
 _DATASET, _IDEAL, _REMAINING = attrgetter("dataset"), attrgetter("ideal_throughput"), attrgetter("remaining_bytes")
 _SIZE = attrgetter("size")
@@ -38,7 +39,8 @@ def greedy_cache(
     f*/d. Without this, a job in its last epoch would take cache it can never use from a job
     that can. (Algorithm 2 as the paper writes it counts every reader for every byte.)
     """
-    rate = np.fromiter(map(_IDEAL, jobs), dtype=float, count=len(jobs))
+    # The loader's miss term (policies/loader.py): a job whose misses cost its loader weighs more.
+    rate = cache_weight(np.fromiter(map(_IDEAL, jobs), dtype=float, count=len(jobs)), miss_rates(jobs))
     if weights is not None:
         rate *= np.array([weights.get(j.job_id, 0.0) for j in jobs], dtype=float)
     return greedy_cache_of(list(map(_DATASET, jobs)), rate, np.fromiter(map(_REMAINING, jobs), dtype=float, count=len(jobs)), datasets,
@@ -47,7 +49,8 @@ def greedy_cache(
 
 def greedy_cache_of(names_read: Sequence[str], rate: np.ndarray, remaining: np.ndarray, datasets: Mapping[str, DatasetView],
                     capacity: float) -> dict[str, float]:
-    """greedy_cache on columns: each job's dataset name, weighted f* and remaining bytes."""
+    """greedy_cache on columns: each job's dataset name, weighted f* (policies.loader.cache_weight
+    of it for jobs with a loader term) and remaining bytes."""
     count = len(names_read)
     names = sorted(set(names_read))
     if not names:
@@ -86,12 +89,14 @@ def keep_for_waiting(
     room reserved: nobody fills a dataset that only waiting jobs read, and the running jobs'
     plan, computed first, is never reduced by it (as Quiver keeps a paused job's cache unless a
     better candidate needs the space)."""
-    return keep_for_waiting_of(cache, list(map(_DATASET, waiting)), list(map(_IDEAL, waiting)), datasets, capacity)
+    rates = cache_weight(np.fromiter(map(_IDEAL, waiting), dtype=float, count=len(waiting)), miss_rates(waiting))
+    return keep_for_waiting_of(cache, list(map(_DATASET, waiting)), rates, datasets, capacity)
 
 
 def keep_for_waiting_of(cache: Mapping[str, float], names_read: Sequence[str], rates: Sequence[float],
                         datasets: Mapping[str, DatasetView], capacity: float) -> dict[str, float]:
-    """keep_for_waiting on columns: the waiting jobs' dataset names and f*."""
+    """keep_for_waiting on columns: the waiting jobs' dataset names and f* (cache_weight of it
+    for jobs with a loader term)."""
     out = dict(cache)
     left = capacity - sum(out.values())
     names = sorted(set(names_read))
@@ -165,13 +170,16 @@ def demands_at_full_speed(jobs: Sequence[JobView], cache: Mapping[str, float], d
     n = len(jobs)
     measured = np.fromiter((x is not None for x in told), dtype=bool, count=n)
     h = np.fromiter((0.0 if x is None else x for x in told), dtype=float, count=n) if measured.any() else None
-    return demands_of(np.fromiter(map(_IDEAL, jobs), dtype=float, count=n), list(map(_DATASET, jobs)), measured, h, cache, datasets)
+    return demands_of(np.fromiter(map(_IDEAL, jobs), dtype=float, count=n), list(map(_DATASET, jobs)), measured, h, cache, datasets,
+                      miss_rates(jobs))
 
 
 def demands_of(ideal: np.ndarray, names: Sequence[str], measured: np.ndarray, told: np.ndarray | None, cache: Mapping[str, float],
-               datasets: Mapping[str, DatasetView]) -> np.ndarray:
+               datasets: Mapping[str, DatasetView], miss_rate: np.ndarray | None = None) -> np.ndarray:
     """demands_at_full_speed on columns: f*, dataset names, whether the hit ratio now is
-    measured and its values (0.0 where not; None: measured for no job)."""
+    measured and its values (0.0 where not; None: measured for no job), and each job's loader
+    miss rate (None: no job has a loader term). A job with one reads at most X(h) =
+    1 / (1/f* + (1-h)/m) (policies/loader.py), so it can use X(h) (1 - h) of the link, not f* (1 - h)."""
     n = len(names)
     views = list(map(datasets.__getitem__, names))
     allocated = np.fromiter(map(cache.get, names, repeat(0.0)), dtype=float, count=n)
@@ -192,7 +200,7 @@ def demands_of(ideal: np.ndarray, names: Sequence[str], measured: np.ndarray, to
             some = c0 != 0.0  # `not view.cached`: None or zero keeps everything
             kept = np.where(some, _py_min(allocated / np.where(some, c0, 1.0), 1.0), 1.0)
             hit = np.where(measured, _py_min(np.where(0.0 > told, 0.0, told) * kept, 1.0), hit)  # min(max(h, 0) x kept, 1)
-        return ideal * (1.0 - hit)
+        return planned_rate(ideal, miss_rate, hit) * (1.0 - hit)
 
 
 def _py_min(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:

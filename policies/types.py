@@ -7,6 +7,7 @@ what lets one policy implementation serve both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -40,6 +41,11 @@ class JobView:
     access: AccessPattern = EPOCH
     #: The job's CPU preprocessing stage (estimator/pipeline.py); None = not CPU-bound.
     pipeline: InputPipeline | None = None
+    #: m, the bytes/s of misses the job's data loader absorbs (estimator.loader_miss_rate: W s / L
+    #: for a job that declared its loader and whose misses' service time L is known); inf: the
+    #: loader hides every miss, the paper's model. Policies plan such a job with the loader term
+    #: (policies/loader.py).
+    loader_miss_rate: float = math.inf
 
     @property
     def cpu_rate(self) -> float:
@@ -52,7 +58,7 @@ class JobView:
 
 
 _JOB_VIEW_SLOTS = ("job_id", "gpus", "dataset", "ideal_throughput", "remaining_bytes", "submit_time", "running", "priority",
-                   "hit_ratio_now", "access", "pipeline")
+                   "hit_ratio_now", "access", "pipeline", "loader_miss_rate")
 if JobView.__slots__ != _JOB_VIEW_SLOTS:  # a field added or moved: job_view() would set the wrong slots
     raise RuntimeError(f"JobView's fields are {JobView.__slots__}; update job_view() and _JOB_VIEW_SLOTS with them")
 _set_job_view = tuple(JobView.__dict__[f].__set__ for f in _JOB_VIEW_SLOTS)
@@ -60,12 +66,12 @@ _set_job_view = tuple(JobView.__dict__[f].__set__ for f in _JOB_VIEW_SLOTS)
 
 def job_view(job_id: str, gpus: int, dataset: str, ideal_throughput: float, remaining_bytes: float, submit_time: float,
              running: bool, priority: int, hit_ratio_now: float | None, access: AccessPattern,
-             pipeline: InputPipeline | None) -> JobView:
+             pipeline: InputPipeline | None, loader_miss_rate: float = math.inf) -> JobView:
     """JobView(...) with every field given in order, its slots set directly: the same object
     without the keyword handling and the frozen dataclass's per-field `object.__setattr__`
     (1.65 -> 0.8 us). The simulator rebuilds about a million views in a Fig. 12 run."""
     v = object.__new__(JobView)
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _set_job_view
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11 = _set_job_view
     s0(v, job_id)
     s1(v, gpus)
     s2(v, dataset)
@@ -77,6 +83,7 @@ def job_view(job_id: str, gpus: int, dataset: str, ideal_throughput: float, rema
     s8(v, hit_ratio_now)
     s9(v, access)
     s10(v, pipeline)
+    s11(v, loader_miss_rate)
     return v
 
 
@@ -188,6 +195,9 @@ class JobColumns:
     #: Each job's dataset's place in the order of dataset names (ints; ranks among more names
     #: do, e.g. all a backend knows), for grouping by dataset in name order; None: sort the names.
     dataset_rank: np.ndarray | None = None
+    #: Each job's loader miss rate m (JobView.loader_miss_rate, inf where none); None: no job
+    #: has a loader term (then every rule is the paper's, on the same arithmetic).
+    miss_rate: np.ndarray | None = None
 
     @classmethod
     def of(cls, jobs: tuple[JobView, ...]) -> JobColumns:
@@ -208,7 +218,15 @@ class JobColumns:
             id_ranks(ids),
             any(j.pipeline is not None and j.pipeline.autocaches for j in jobs),
             name_ranks([j.dataset for j in jobs]),
+            miss_rates(jobs),
         )
+
+
+def miss_rates(jobs: Sequence[JobView]) -> np.ndarray | None:
+    """The jobs' loader miss rates (inf where none), or None when no job has a loader term."""
+    if all(j.loader_miss_rate == math.inf for j in jobs):
+        return None
+    return np.array([j.loader_miss_rate for j in jobs], dtype=float)
 
 
 def name_ranks(names: Sequence[str]) -> np.ndarray:

@@ -54,7 +54,8 @@ def test_per_pod_counters_are_bounded():
         acc.bytes_read(10, hit=True, pod=f"pod-{i}")
     snap = acc.pod_snapshot()
     assert len(snap) == MAX_PODS and snap["pod-0"] == {"read_bytes": 10, "hit_bytes": 10, "miss_bytes": 0,
-                                                       "hits": 1, "misses": 0}
+                                                       "hits": 1, "misses": 0, "miss_service_count": 0,
+                                                       "miss_service_us": 0, "miss_service_bytes": 0}
     assert acc.hit_bytes == 10 * (MAX_PODS + 10)  # the mount's own totals still count everything
 
 
@@ -115,3 +116,35 @@ def test_pods_gone_for_a_day_are_forgotten(tmp_path):
     write_stats(a, "m2", {"live": 9})
     got = r.collect()
     assert set(got) == {"live"} and got["live"]["read_bytes"] == 14
+
+
+def test_a_pods_miss_service_is_counted_for_it_and_carried_like_the_other_counters(tmp_path):
+    """The mount counts each miss delivered whole for the pod that opened it (its service time in
+    whole microseconds, its bytes); the reporter carries them over a mount restart, and over an
+    agent state file written before these counters existed."""
+    acc = JobAccounting(num_items=4)
+    acc.pod_opened("p1", hit=False)
+    acc.miss_served(0.0042, 9000, "p1")
+    acc.miss_served(0.001, 100)  # outside any pod: the mount's own figures only
+    assert acc.pod_snapshot()["p1"]["miss_service_count"] == 1
+    assert (acc.pod_snapshot()["p1"]["miss_service_us"], acc.pod_snapshot()["p1"]["miss_service_bytes"]) == (4200, 9000)
+    assert acc.miss_service.export()["count"] == 2
+
+    a, state = tmp_path / "a.stats.json", tmp_path / "consumption.json"
+    # An agent from before: its state file has the old five counters only.
+    state.write_text(json.dumps({f"{a}|p1": {"instance": "m0", "counters": {"read_bytes": 5, "hit_bytes": 5, "miss_bytes": 0,
+                                                                            "hits": 1, "misses": 0},
+                                              "carried": {"read_bytes": 0, "hit_bytes": 0, "miss_bytes": 0, "hits": 0,
+                                                          "misses": 0}, "seen_at": 0.0}}))
+    r = ConsumptionReporter(node="n1", mounts=lambda: [a], state_file=state)
+
+    def write(instance: str, count: int, us: int) -> None:
+        a.write_text(json.dumps({"instance": instance, "pods": {"p1": {
+            "read_bytes": 9000 * count, "hit_bytes": 0, "miss_bytes": 9000 * count, "hits": 0, "misses": count,
+            "miss_service_count": count, "miss_service_us": us, "miss_service_bytes": 9000 * count}}}))
+    write("m1", 2, 5000)  # a new mount process: the old one's 5 bytes are carried
+    got = r.collect()["p1"]
+    assert (got["read_bytes"], got["miss_service_count"], got["miss_service_us"]) == (18005, 2, 5000)
+    write("m2", 1, 3000)  # restarted again: 2 misses carried, 1 new
+    got = r.collect()["p1"]
+    assert (got["miss_service_count"], got["miss_service_us"], got["miss_service_bytes"]) == (3, 8000, 27000)

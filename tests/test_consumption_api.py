@@ -85,6 +85,64 @@ def test_reports_raise_counters_monotonically_and_get_job_shows_them(world):
     assert client.get(f"/v1/jobs/{job_id}", headers=H["bob"]).status_code == 404
 
 
+def test_pods_miss_service_counters_reach_the_job_and_its_measured_service_time(world):
+    """An agent's per-pod miss-service counters (misses delivered whole, their service time in us,
+    their bytes) are raised like the others, summed per job in GET /v1/jobs/{id}, and the
+    scheduling process reads them as the job's interval figures (_agent_rates), from which the
+    measurement store learns the loader term's L and s (a Kubernetes pod's job has no data
+    manager figure)."""
+    client, job_id, pods, _ = world
+    served = {"miss_service_count": 2, "miss_service_us": 8000, "miss_service_bytes": 400}
+    assert report(client, "n1", "agent-n1", {pods["a"]: {**counters(1000, hits=3, misses=2), **served}}).status_code == 200
+    assert report(client, "n2", "agent-n2", {pods["b"]: {**counters(500, hits=1, misses=1), "miss_service_count": 1,
+                                                          "miss_service_us": 1000, "miss_service_bytes": 250}}).status_code == 200
+    # lower counters (a replay) move nothing back
+    assert report(client, "n1", "agent-n1", {pods["a"]: {**counters(1000, hits=3, misses=2), "miss_service_count": 1,
+                                                          "miss_service_us": 10, "miss_service_bytes": 100}}).status_code == 200
+    m = measured(client, job_id)
+    assert (m["miss_service_count"], m["miss_service_us"], m["miss_service_bytes"]) == (3, 9000, 650)
+    # An agent from before these counters: they read 0.
+    assert report(client, "n1", "agent-n1", {pods["a"]: counters(2000, hits=5, misses=3)}).status_code == 200
+    assert measured(client, job_id)["miss_service_count"] == 3
+
+    from scheduler.service.scheduler_process import _service_counters
+
+    sp = _Sched(world[3].sessions)  # the scheduling process's reader, on the same database
+    sp._agent_rates([job_id], 100.0)
+    out = sp._agent_rates([job_id], 110.0)[job_id]
+    assert _service_counters(out) == (3.0, 0.009, 650.0)
+
+
+class _Sched:
+    """The scheduling process's agent reader alone (SchedulerService._agent_rates on its store)."""
+
+    def __init__(self, sessions) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        self.sessions, self._write_lock, self._consumed_seen = sessions, threading.RLock(), {}
+
+    from scheduler.service.scheduler_process import SchedulerService as _S
+
+    _agent_rates = _S._agent_rates
+
+
+@pytest.mark.parametrize("extra", [
+    {"miss_service_count": 3, "miss_service_us": 10, "miss_service_bytes": 10},  # more served than misses (1)
+    {"miss_service_count": 1, "miss_service_us": 10, "miss_service_bytes": 10**6},  # more bytes than missed
+    {"miss_service_count": 1, "miss_service_us": 3600 * 10**6 + 1, "miss_service_bytes": 10},  # over an hour a miss
+    {"miss_service_count": 1, "miss_service_us": 10, "miss_service_bytes": 0},  # a served miss has bytes
+    {"miss_service_count": 0, "miss_service_us": 0, "miss_service_bytes": 10},
+    {"miss_service_count": -1, "miss_service_us": 0, "miss_service_bytes": 0},
+    {"miss_service_count": 1, "miss_service_us": 1.5, "miss_service_bytes": 10},
+])
+def test_malformed_miss_service_counters_are_422(world, extra):
+    client, job_id, pods, _ = world
+    r = report(client, "n1", "agent-n1", {pods["a"]: {**counters(1000, hits=1, misses=1), **extra}})
+    assert r.status_code == 422, r.text
+    assert "miss_service" in r.text
+    assert measured(client, job_id) is None
+
+
 @pytest.mark.parametrize("who", ["alice", "bob", "lookup"])
 def test_tenants_and_unbound_agents_get_403(world, who):
     client, job_id, pods, _ = world

@@ -34,7 +34,7 @@ def test_migrations_create_the_model_schema(db_url: str) -> None:
             diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
             version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         assert diff == [], f"models and migrations disagree: {diff}"
-        assert version == "0013"
+        assert version == "0014"
         # Idempotent: opening again (a restart) runs no migration and keeps the version.
         open_database(db_url).dispose()
     finally:
@@ -72,7 +72,7 @@ def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> Non
     engine = open_database(db_url)  # upgrades to head
     try:
         with engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0013"
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0014"
             row = conn.execute(sa.text("SELECT access, curriculum_alpha, curriculum_batch FROM jobs WHERE id = 1")).one()
             pipeline = conn.execute(sa.text("SELECT cpu_rate, autocache_expansion, post_cpu_rate FROM jobs WHERE id = 1")).one()
             # 0009: an existing job runs the stand-in worker, as before
@@ -83,6 +83,12 @@ def test_database_at_0002_upgrades_and_keeps_access_patterns(db_url: str) -> Non
             assert conn.execute(sa.text("SELECT last_bound, last_predicted_throughput FROM jobs WHERE id = 1")).one() == (None, None)
             # 0013: an existing job declared no loader: the paper's model, as before
             assert conn.execute(sa.text("SELECT loader_workers, loader_item_bytes FROM jobs WHERE id = 1")).one() == (None, None)
+        with engine.begin() as conn:
+            # 0014: a pod row written as an agent from before the miss-service counters writes it
+            # reads as no miss served (the paper's model for its job), not NULL
+            conn.execute(sa.text("INSERT INTO pod_consumption (node, pod_uid, job_id, agent, read_bytes, hit_bytes, miss_bytes,"
+                                 " hits, misses, first_at, updated_at) VALUES ('n1', 'u1', 1, 'a', 10, 4, 6, 1, 1, 0, 0)"))
+            assert conn.execute(sa.text("SELECT miss_service_count, miss_service_us, miss_service_bytes FROM pod_consumption")).one() == (0, 0, 0)
         assert tuple(row) == ("curriculum", 2.0, 32)
         assert tuple(pipeline) == (None, None, None)  # 0005: an existing job is not CPU-bound, as before
     finally:

@@ -240,6 +240,7 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
         r = httpx.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {ALICE}"}, timeout=10)
         assert r.status_code == 200, r.text
         return r.json()["measured"]
+    seen = []
     for job, name in ((jobs["by-rest"], rest_job), (kube, "by-kubectl")):
         # Every complete read of a pod, at least (a pod preempted mid-read adds what it read).
         want = full_reads[name] * ds.total
@@ -249,3 +250,12 @@ def test_rest_and_kubectl_jobs_share_one_queue_gavel_time_shares_them_by_suspens
         assert m["read_bytes"] <= pods_read * ds.total  # never more than its pods read
         assert m["read_bytes"] == m["hit_bytes"] + m["miss_bytes"]
         assert m["hits"] + m["misses"] >= len(ds.digests) and 1 <= m["pods"] <= pods_read
+        # The misses the pods' mount delivered whole, with their service time (the loader term's L
+        # for a Kubernetes pod's job): never more than the pods' misses, and about a read's time.
+        assert m["miss_service_count"] <= m["misses"] and m["miss_service_bytes"] <= m["miss_bytes"], m
+        assert m["miss_service_us"] <= m["miss_service_count"] * 60 * 10**6, m
+        seen.append(m)
+    # The dataset's first read (by whichever job's pod came first) missed, and the agent reported
+    # those misses' service time with the pod's counters.
+    assert sum(m["misses"] for m in seen) >= 1, seen
+    assert sum(m["miss_service_count"] for m in seen) >= 1 and sum(m["miss_service_us"] for m in seen) > 0, seen

@@ -66,3 +66,23 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
                 assert 0.8 <= windowed <= 1.15, (r, windowed)
         finally:
             reference.close()
+
+
+def test_the_benchmark_runs_the_loader_with_the_prefetch_it_is_given(tmp_path: Path) -> None:
+    """`--prefetch P` reaches the job's DataLoader (torch's prefetch_factor), for every trainer the
+    benchmark starts: the depth of the loader's read-ahead is what the c/d = 0.5 point's departure
+    from the loader term is checked against (docs/sdk.md)."""
+    from scheduler.demo import make_jpegs, torch_problem
+
+    _need(torch_problem())
+    from bench_pytorch_estimator import main, trainer
+
+    make_jpegs(tmp_path / "jpegs", 8, seed=3)
+    for prefetch in (2, 8):
+        t = trainer(tmp_path / "jpegs", 2, prefetch)
+        try:
+            assert t.loader.prefetch_factor == prefetch and t.loader.num_workers == 2
+        finally:
+            t.close()
+    with pytest.raises(SystemExit):
+        main(["--prefetch", "x"])

@@ -10,6 +10,8 @@ item of the row's dataset) lets the simulator count a curriculum job's items and
 catalog datasets have one. Optional input-pipeline columns `cpu_rate` (source bytes/s one core
 preprocesses; empty = not CPU-bound), `autocache_expansion` and `post_cpu_rate` (the autocache
 point: preprocessed bytes per source byte, and the per-core rate after it), estimator/pipeline.py.
+Optional loader columns `loader_workers`, `loader_item_bytes`, `loader_miss_s` (all three or
+none): the job's data loader and its misses' service time, m = W s / L (policies/loader.py).
 An empty cpu_rate means not CPU-bound; the catalog's per-model rates (traces/catalog.py) are
 not filled in here, because an empty cell has to keep that meaning. Every problem is reported with file, line and
 column, and what to write instead.
@@ -25,6 +27,8 @@ from typing import TextIO
 
 from estimator.access import CURRICULUM_FIELDS, EPOCH, parse_access
 from estimator.errors import UserError, did_you_mean
+from estimator.model import MAX_LOADER_ITEM_BYTES, MAX_LOADER_MISS_S, MAX_LOADER_WORKERS
+from estimator.model import loader_miss_rate as model_loader_miss_rate
 from estimator.pipeline import PIPELINE_FIELDS, parse_pipeline
 from estimator.units import MAX_GPUS, UnitError, parse_rate, parse_size
 from traces.catalog import DATASETS, MODELS, lookup_model
@@ -37,7 +41,10 @@ ACCESS_COLUMNS = ("access", *CURRICULUM_FIELDS)  # optional; see estimator/acces
 ITEM_SIZE = "item_size"  # optional: bytes per item of the row's dataset
 # Every column the reader knows. Any other column is an error: a misspelled optional column
 # (`acess`) would otherwise be ignored and the run would silently use the default.
-KNOWN_COLUMNS = (*COLUMNS, "duration", *ACCESS_COLUMNS, ITEM_SIZE, *PIPELINE_FIELDS)
+#: Optional, all three or none: the job's data loader (W worker processes, s-byte items) and the
+#: seconds L a miss holds a worker; the job's loader miss rate is m = W s / L (TraceJob.loader_miss_rate).
+LOADER_COLUMNS = ("loader_workers", "loader_item_bytes", "loader_miss_s")
+KNOWN_COLUMNS = (*COLUMNS, "duration", *ACCESS_COLUMNS, ITEM_SIZE, *PIPELINE_FIELDS, *LOADER_COLUMNS)
 MAX_GPUS_PER_JOB = MAX_GPUS
 #: The REST API's bound too (POST /v1/jobs): beyond it a job's bytes overflow the float counts.
 MAX_EPOCHS = 1e6
@@ -186,7 +193,34 @@ def _parse_row(row: dict[str, str], path: Path, line: int, sizes: dict[str, floa
         raise _fail(path, line, "epochs", "empty; give epochs or a duration in seconds")
     if epochs > MAX_EPOCHS:
         raise _fail(path, line, "epochs", f"{epochs:g} is more than {MAX_EPOCHS:g} epochs; a job reads its dataset at most that often")
-    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line), _pipeline(get, path, line))
+    return TraceJob(job_id, submit, gpus, model, dataset, ideal, epochs, _access(get, path, line), _pipeline(get, path, line),
+                    loader_miss_rate=_loader(get, path, line))
+
+
+def _loader(get: dict[str, str], path: Path, line: int) -> float | None:
+    """m = W s / L from the three loader columns (all empty: None, the paper's model)."""
+    given = [c for c in LOADER_COLUMNS if get.get(c, "")]
+    if not given:
+        return None
+    if len(given) < len(LOADER_COLUMNS):
+        missing = next(c for c in LOADER_COLUMNS if c not in given)
+        raise _fail(path, line, missing, "empty; the loader columns come together: loader_workers (worker processes), "
+                                         "loader_item_bytes (one item, e.g. 110KB) and loader_miss_s (seconds a miss holds a worker)")
+    workers = _number(get["loader_workers"], path, line, "loader_workers", integer=True)
+    if not 1 <= workers <= MAX_LOADER_WORKERS:
+        raise _fail(path, line, "loader_workers", f"{workers} is not a worker count; use an integer from 1 to {MAX_LOADER_WORKERS}")
+    try:
+        item = parse_size(get["loader_item_bytes"], "loader_item_bytes")
+    except UnitError as exc:
+        raise _fail(path, line, "loader_item_bytes", str(exc)) from None
+    if not 0 < item <= MAX_LOADER_ITEM_BYTES:
+        raise _fail(path, line, "loader_item_bytes", f"{item:g} B must be > 0 and at most 1 TiB (one item's size, e.g. 110KB)")
+    miss = _number(get["loader_miss_s"], path, line, "loader_miss_s")
+    if not 0 < miss <= MAX_LOADER_MISS_S:
+        raise _fail(path, line, "loader_miss_s", f"{miss:g} must be > 0 and at most {MAX_LOADER_MISS_S:g} seconds (how long a "
+                                                 "miss holds a loader worker, e.g. 0.003); leave the loader columns empty for a "
+                                                 "loader that hides its misses")
+    return float(model_loader_miss_rate(workers, item, miss))
 
 
 def _pipeline(get: dict[str, str], path: Path, line: int):
@@ -247,12 +281,13 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
     with_access = any(not j.access.regular for j in trace.jobs)
     with_items = bool(trace.item_sizes)
     with_pipeline = any(j.pipeline is not None for j in trace.jobs)
+    with_loader = any(j.loader_miss_rate is not None for j in trace.jobs)
 
     def num(v: float | None) -> str:
         return "" if v is None else repr(v) if isinstance(v, float) else str(v)
 
     rows = [(*COLUMNS, *(ACCESS_COLUMNS if with_access else ()), *((ITEM_SIZE,) if with_items else ()),
-             *(PIPELINE_FIELDS if with_pipeline else ()))]
+             *(PIPELINE_FIELDS if with_pipeline else ()), *(LOADER_COLUMNS if with_loader else ()))]
     for j in trace.jobs:
         row = [j.job_id, num(float(j.submit_time)), j.num_gpus, j.model, j.dataset,
                num(float(trace.dataset_sizes[j.dataset])), num(float(j.ideal_throughput)), num(float(j.epochs))]
@@ -264,6 +299,10 @@ def write_csv_trace(trace: Trace, path: str | Path) -> None:
         if with_pipeline:
             p = j.pipeline
             row += ["", "", ""] if p is None else [num(float(p.cpu_rate)), num(p.autocache_expansion), num(p.post_cpu_rate)]
+        if with_loader:
+            # Only m = W s / L is kept: written as 1 worker, s = m bytes, L = 1 s (the same m, exactly).
+            m = j.loader_miss_rate
+            row += ["", "", ""] if m is None else ["1", num(float(m)), "1.0"]
         rows.append(row)
     # Written beside the target and renamed over it: a failure half-way (a full disk) leaves the
     # user's earlier file whole instead of a cut-off trace.

@@ -29,7 +29,10 @@ from pathlib import Path
 
 log = logging.getLogger("silod.agent.report")
 
-COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
+COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses",
+            # the pod's misses delivered whole, their summed service time (us) and bytes
+            # (accounting.PodCounters): the loader term's L for a Kubernetes pod's job
+            "miss_service_count", "miss_service_us", "miss_service_bytes")
 MAX_STATS_BYTES = 16 * 1024 * 1024
 # A pod no stats file has listed for this long ended long ago, and the scheduler already holds its
 # last counters (they only rise): the agent stops reporting it and forgets it.
@@ -102,7 +105,8 @@ class ConsumptionReporter:
                     continue
                 prev.seen_at = now
                 if prev.instance != instance:  # a new mount process: its counters started again at 0
-                    prev.carried = {k: prev.carried[k] + prev.counters[k] for k in COUNTERS}
+                    # (.get: a state file from before a counter existed has none of it)
+                    prev.carried = {k: prev.carried.get(k, 0) + prev.counters.get(k, 0) for k in COUNTERS}
                     prev.instance = instance
                 prev.counters = counters
         for key in [k for k, s in self.seen.items() if now - s.seen_at > FORGET_AFTER_S]:
@@ -112,7 +116,7 @@ class ConsumptionReporter:
             uid = key.rsplit("|", 1)[1]
             t = totals.setdefault(uid, dict.fromkeys(COUNTERS, 0))
             for k in COUNTERS:
-                t[k] += s.carried[k] + s.counters[k]
+                t[k] += s.carried.get(k, 0) + s.counters.get(k, 0)
         self._save()
         return totals
 

@@ -36,7 +36,8 @@ from sqlalchemy.orm import sessionmaker
 from contract.names import storage_key
 from scheduler.service.db.models import ACTIVE_STATES, Dataset, Job, NodeCacheDisk, PodConsumption, WorkloadPod
 
-COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses")
+COUNTERS = ("read_bytes", "hit_bytes", "miss_bytes", "hits", "misses", "miss_service_count", "miss_service_us",
+            "miss_service_bytes")
 # No pod reads 2^53 bytes (9 PB: a 100 Gbit/s link for 8 days) or items: a larger counter is a
 # forged or broken report, refused at the API (schemas.PodConsumptionIn). Keeping every stored
 # value below 2^53 also keeps it exact as a float (SQLite's overflow-free total()).
@@ -52,6 +53,11 @@ class PodReport:
     miss_bytes: int
     hits: int
     misses: int
+    # The pod's misses delivered whole, their summed service time (us) and bytes (0: an agent
+    # from before these counters, or no miss served yet).
+    miss_service_count: int = 0
+    miss_service_us: int = 0
+    miss_service_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,9 @@ class Measured:
     miss_bytes: int
     hits: int
     misses: int
+    miss_service_count: int
+    miss_service_us: int
+    miss_service_bytes: int
     pods: int
     updated_at: float
 
@@ -208,7 +217,8 @@ class ConsumptionStore:
         q = _measured_query(engine.dialect.name == "sqlite", len(ids) == 1)
         with nullcontext(connection) if connection is not None else engine.connect() as c:
             rows = c.execute(q, {"jid": ids[0]} if len(ids) == 1 else {"ids": ids})
-            return {str(row[0]): Measured(*(int(v or 0) for v in row[1:6]), pods=int(row[6]), updated_at=float(row[7]))
+            n = len(COUNTERS)
+            return {str(row[0]): Measured(*(int(v or 0) for v in row[1:n + 1]), pods=int(row[n + 1]), updated_at=float(row[n + 2]))
                     for row in rows}
 
 

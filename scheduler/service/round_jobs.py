@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Select, String, select, type_coerce
 from contract.names import storage_key
 from policies.types import JobView
 from scheduler.service.db.models import ACTIVE_STATES, Dataset, Job, JobMeasurementRow, JobState
-from scheduler.service.measured_params import client_report_fresh, planned
+from scheduler.service.measured_params import client_report_fresh, loader_miss_rate, planned
 from scheduler.service.quota_admission import TenantJob
 from scheduler.service.types import access_from_row, pipeline_from_row
 
@@ -34,6 +34,7 @@ _QUERY: Select = (
         Job.cpu_rate, Job.autocache_expansion, Job.post_cpu_rate,
         JobMeasurementRow.ideal_throughput, JobMeasurementRow.cpu_rate, JobMeasurementRow.client_step_s,
         JobMeasurementRow.client_batch_bytes, JobMeasurementRow.client_at, Job.start_time, JobMeasurementRow.observed,
+        Job.loader_workers, Job.loader_item_bytes, JobMeasurementRow.miss_service_s, JobMeasurementRow.miss_item_bytes,
     )
     .join(Dataset, Job.dataset_id == Dataset.id)
     .outerjoin(JobMeasurementRow, JobMeasurementRow.job_id == Job.id)
@@ -89,6 +90,8 @@ def _build(row: tuple, now: float) -> TenantJob:
         submit_time=submit,
         running=state == JobState.RUNNING, priority=prio, access=access_from_row(*rest[:5]),
         pipeline=pipeline_from_row(cpu_rate, *rest[6:8]),
+        # The loader's miss term (policies/loader.py), from the same columns as the diagnosis's.
+        loader_miss_rate=loader_miss_rate(*rest[15:19]),
     )
     return TenantJob(view, owner)
 

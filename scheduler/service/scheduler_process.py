@@ -576,7 +576,10 @@ class SchedulerService(ReadViews):
                 out[jid] = {"throughput": (m.read_bytes - prev[0]) / (now - prev[1]),
                             "hit_ratio": m.hit_bytes / hits if hits > 0 else None,
                             # the counters themselves: the interval's own hit ratio comes from them
-                            "read_bytes": float(hits), "miss_bytes": float(m.miss_bytes)}
+                            "read_bytes": float(hits), "miss_bytes": float(m.miss_bytes),
+                            # the misses' service time (_service_counters: the loader term's L)
+                            "miss_service_count": float(m.miss_service_count),
+                            "miss_service_s": m.miss_service_us / 1e6, "miss_service_bytes": float(m.miss_service_bytes)}
         self._consumed_seen = seen
         return out
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from estimator.access import EPOCH, AccessPattern, parse_access
+from estimator.model import MAX_LOADER_ITEM_BYTES, MAX_LOADER_WORKERS
 from estimator.pipeline import InputPipeline
 from estimator.errors import UserError
 from policies.types import ClusterCapacity
@@ -131,10 +132,8 @@ class NewJob:
     loader: JobLoader | None = None
 
 
-#: Most loader workers a job may declare, and the largest item: a declaration past these is a
-#: typo (the loader term uses them as given).
-MAX_LOADER_WORKERS = 1024
-MAX_LOADER_ITEM_BYTES = 2.0**40
+# (Most loader workers a job may declare, and the largest item: estimator/model.py, which the
+# trace reader shares.)
 
 
 @dataclass(frozen=True, slots=True)

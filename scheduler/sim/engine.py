@@ -426,9 +426,19 @@ class Simulator:
         columns = LazyJobColumns(lazy, rows[:, GPUS].copy(), ideal, remaining, running, hits if measured and active else None, all_regular,
                                  members.ids, names, rows[:, SUBMIT].copy(), rows[:, ID_RANK].astype(np.int64),
                                  members.autocaches,
-                                 self._name_rank[rows[:, DATASET].astype(np.int64)])
+                                 self._name_rank[rows[:, DATASET].astype(np.int64)],
+                                 self._miss_rates(active) if self._loaders else None)
         # A read-only view of the fresh dict (Snapshot would copy any other mapping into one).
         return LazySnapshot(now, lazy, MappingProxyType(dviews), self.capacity, columns)
+
+    @staticmethod
+    def _miss_rates(active: tuple[SimJob, ...]) -> np.ndarray | None:
+        """The active jobs' loader miss rates (JobColumns.miss_rate: inf where none; None when
+        none of them has one), which the policies plan with (policies/loader.py)."""
+        rates = [j.trace.loader_miss_rate for j in active]
+        if all(m is None for m in rates):
+            return None
+        return np.array([math.inf if m is None else m for m in rates], dtype=float)
 
     def _views(self, taken: int, active: tuple[SimJob, ...], slots: np.ndarray, remaining: np.ndarray, running: np.ndarray,
                ideal: np.ndarray, hits: np.ndarray | None) -> tuple[JobView, ...]:
@@ -441,8 +451,9 @@ class Simulator:
         hit_l = hits.tolist() if hits is not None else [None] * len(active)
 
         def view(j: SimJob, f: float, rem: float, is_running: bool, hit: float | None) -> JobView:
+            m = j.trace.loader_miss_rate
             return job_view(j.job_id, j.trace.num_gpus, j.dataset.name, f, rem, j.trace.submit_time, is_running, 0, hit,
-                            j.trace.access if told else _EPOCH, j.trace.pipeline)
+                            j.trace.access if told else _EPOCH, j.trace.pipeline, math.inf if m is None else m)
 
         if taken != self._snapshots:
             return tuple(map(view, active, ideal.tolist(), remaining.tolist(), running.tolist(), hit_l))

@@ -354,9 +354,15 @@ class MeasuredOut(BaseModel):
     miss_bytes: int
     hits: int
     misses: int
+    miss_service_count: int = Field(0, description="misses its pods' mounts delivered whole")
+    miss_service_us: int = Field(0, description="their summed service time, microseconds (open request to last byte)")
+    miss_service_bytes: int = Field(0, description="their bytes")
     pods: int = Field(description="pods that reported")
     updated_at: float
 
+
+#: Longest service time one miss may report (an hour, as the data manager caps a mount's).
+MAX_MISS_SERVICE_US = 3600 * 10**6
 
 # A pod's cumulative counter: at most 2^53 (9 PB; scheduler/service/consumption.py MAX_COUNTER).
 _COUNT = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
@@ -369,11 +375,23 @@ class PodConsumptionIn(_Strict):
     miss_bytes: _COUNT
     hits: _COUNT
     misses: _COUNT
+    # Optional (agents before these counters send none): the pod's misses delivered whole, their
+    # summed service time in microseconds and their bytes (fuse_client/accounting.PodCounters).
+    miss_service_count: _COUNT = 0
+    miss_service_us: _COUNT = 0
+    miss_service_bytes: _COUNT = 0
 
     @model_validator(mode="after")
     def _sums(self) -> "PodConsumptionIn":
         if self.read_bytes != self.hit_bytes + self.miss_bytes:
             raise ValueError("read_bytes must equal hit_bytes + miss_bytes")
+        if self.miss_service_count > self.misses or self.miss_service_bytes > self.miss_bytes:
+            raise ValueError("miss_service_count and miss_service_bytes count misses delivered whole: at most misses"
+                             " and miss_bytes")
+        if self.miss_service_us > self.miss_service_count * MAX_MISS_SERVICE_US:
+            raise ValueError(f"miss_service_us is more than {MAX_MISS_SERVICE_US} us (an hour) per miss served")
+        if (self.miss_service_count == 0) != (self.miss_service_bytes == 0):
+            raise ValueError("miss_service_count and miss_service_bytes are zero together (misses served have bytes)")
         return self
 
 

@@ -322,6 +322,11 @@ class PodConsumption(Base):
     miss_bytes: Mapped[int] = mapped_column(BigInteger)
     hits: Mapped[int] = mapped_column(BigInteger)
     misses: Mapped[int] = mapped_column(BigInteger)
+    # Its misses delivered whole, their summed service time (microseconds) and bytes (migration
+    # 0014): the loader term's L of the pod's job (estimator.loader_miss_rate).
+    miss_service_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    miss_service_us: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    miss_service_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     first_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 

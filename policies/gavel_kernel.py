@@ -200,3 +200,79 @@ def cache_and_misses(ref: np.ndarray, ref_eq: np.ndarray, dataset_index: np.ndar
         miss[j] = np_max(1.0 - hit, 0.0)
         terms[j] = ref[j] * miss[j]
     return cache, miss, pairwise_sum(terms, n), pairwise_sum(ref, n)
+
+
+#: Bisection steps on log(mu) in central_shares (from 1e-12 to 1e12: 2^-70 of the bracket).
+CENTRE_STEPS = 70
+
+
+@kernel()
+def _centre_share(lower: float, g: float, mu: float, x: float) -> float:
+    """The share x in (lower, 1) where 1/(x - lower) + 1/x - 1/(1 - x) = g mu (the left side
+    falls from +inf to -inf on the interval): Newton from `x`, kept inside the bracket."""
+    lo, hi = lower, 1.0
+    if not (lo < x < hi):
+        x = 0.5 * (lo + hi)
+    for _ in range(60):
+        d_low, d_one = x - lower, 1.0 - x
+        phi = 1.0 / d_low + 1.0 / x - 1.0 / d_one - g * mu
+        if phi > 0:
+            lo = x
+        else:
+            hi = x
+        slope = -1.0 / (d_low * d_low) - 1.0 / (x * x) - 1.0 / (d_one * d_one)
+        step = x - phi / slope
+        if not (lo < step < hi):
+            step = 0.5 * (lo + hi)
+        if abs(step - x) <= 1e-15 * x or hi - lo <= 1e-15:
+            return step
+        x = step
+    return x
+
+
+@kernel()
+def central_shares(lower: np.ndarray, gpus: np.ndarray, total_gpus: float) -> np.ndarray:
+    """The analytic centre of {lower_j <= x_j <= 1, sum_j g_j x_j <= G} over the jobs with
+    0 < lower_j < 1 (the others keep their lower bound, 0 or 1): the x maximising
+    sum_j [log(x_j - lower_j) + log(x_j) + log(1 - x_j)] + log(G - sum_j g_j x_j).
+
+    Stationarity: each free share solves 1/(x - l) + 1/x - 1/(1 - x) = g mu, one common
+    mu = 1 / (G - sum g x); the shares fall as mu grows, so mu is found by bisection (on its
+    log) where mu (G - sum g x(mu)) = 1. If the lower bounds already use the GPUs, the face is
+    the one point x = lower."""
+    n = lower.size
+    x = lower.copy()
+    left = total_gpus
+    free = 0
+    for j in range(n):
+        if lower[j] >= 1.0 or lower[j] <= 0.0 or not (gpus[j] > 0):
+            left -= gpus[j] * x[j]
+        else:
+            free += 1
+    floor = 0.0
+    for j in range(n):
+        if 0.0 < lower[j] < 1.0 and gpus[j] > 0:
+            floor += gpus[j] * lower[j]
+    if free == 0 or floor >= left * (1.0 - 1e-12):
+        return x
+    guess = np.empty(n)
+    for j in range(n):
+        guess[j] = 0.5 * (lower[j] + 1.0)
+    lo, hi = -12.0 * np.log(10.0), 12.0 * np.log(10.0)
+    for _ in range(CENTRE_STEPS):
+        mid = 0.5 * (lo + hi)
+        mu = np.exp(mid)
+        used = 0.0
+        for j in range(n):
+            if 0.0 < lower[j] < 1.0 and gpus[j] > 0:
+                guess[j] = _centre_share(lower[j], gpus[j], mu, guess[j])
+                used += gpus[j] * guess[j]
+        if mu * (left - used) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    mu = np.exp(hi)  # the side where the GPUs fit
+    for j in range(n):
+        if 0.0 < lower[j] < 1.0 and gpus[j] > 0:
+            x[j] = _centre_share(lower[j], gpus[j], mu, guess[j])
+    return x

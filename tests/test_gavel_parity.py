@@ -10,9 +10,9 @@ rounds and the same allocation-recompute interval, and must agree (issue 46's ta
   moves it (51b7ef at 1,920 s: an idle cluster waits for the next arrival, -3.05%); and, against
   the same runs `corrected` (regenerate.CORRECTIONS: its LP solver's noise rounded off the
   shares, an idle cluster deciding at once, whole 360 s rounds), average JCT within 3% and at
-  least 90% of the jobs within 10% -- but e13805 at interval 0, 80% (docs/gavel.md: what is
-  ruled out). Gavel as is is noisy per job by itself: its shares perturbed by 1e-7 (within
-  ECOS's tolerance) put 93-100% of its own jobs within 10% of its unperturbed JCT;
+  least 90% of the jobs within 10%, on every case and interval. Gavel as is is noisy per job by
+  itself: its shares perturbed by 1e-7 (within ECOS's tolerance) put 93-100% of its own jobs
+  within 10% of its unperturbed JCT;
 - FIFO: Gavel's FIFO is head-of-line (`--policy fifo-strict`): average JCT within 3%.
 
 Every case takes a few seconds.
@@ -35,11 +35,13 @@ HERE = Path(__file__).resolve().parent / "reference" / "gavel_parity"
 CASES = sorted(p.stem for p in (HERE / "results").glob("*.json"))
 AVG_TOLERANCE = 0.03
 PER_JOB_SHARE = 0.9  # of the jobs within 10% of Gavel's (corrected) JCT
-#: MEASURED misses of the targets, not tuning knobs: (case, interval, corrected) -> bound just
-#: below the figure. 51b7ef at 1,920 s as is: an 8-GPU job waits 6,818 s on an idle cluster in
-#: Gavel's simulator (corrected: -0.00%, 100% of jobs). e13805 at 0: 80% of jobs within 10%.
+#: The MEASURED miss of the targets, not a tuning knob: (case, interval, corrected) -> bound just
+#: above the figure. 51b7ef at 1,920 s as is: an 8-GPU job waits 6,818 s on an idle cluster in
+#: Gavel's simulator (corrected: -0.00%, 100% of jobs). No per-job exception: e13805 at interval
+#: 0 (80% of jobs within 10% while spare GPU time was water-filled and spread; 96% since it is
+#: split at the optimal face's analytic centre, as Gavel's interior-point solver does) is held to
+#: 90% like every case.
 AVG_EXCEPTIONS = {("51b7ef-small", 1920, False): 0.035}
-PER_JOB_EXCEPTIONS = {("e13805-mixed", 0, True): 0.78}
 POLICIES = {"max_min_fairness": "gavel", "fifo": "fifo-strict"}
 
 
@@ -71,7 +73,7 @@ def test_our_simulator_agrees_with_gavels(name):
         assert ours.mean() == pytest.approx(gavel.mean(), rel=AVG_EXCEPTIONS.get(exception, AVG_TOLERANCE)), label
         if corrected:
             within = float(np.mean(np.abs(ours / gavel - 1) <= 0.10))
-            assert within >= PER_JOB_EXCEPTIONS.get(exception, PER_JOB_SHARE), f"{label}: {within:.0%} of jobs within 10%"
+            assert within >= PER_JOB_SHARE, f"{label}: {within:.0%} of jobs within 10%"
 
 
 def test_the_cases_cover_single_gpu_and_gang_traces():

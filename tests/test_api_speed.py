@@ -152,3 +152,42 @@ def test_a_submission_holds_sqlites_write_lock_for_one_statement(tmp_path) -> No
                 assert not any(s.startswith(("UPDATE", "DELETE")) for s in statements), statements
     finally:
         service.close()
+
+
+def test_the_api_workers_submissions_queue_on_one_lock_beside_the_sqlite_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 47, round 4: each API worker serialised its writes with a lock of its own process,
+    so a worker's next submission met another worker's write in SQLite's busy handler, which
+    sleeps 1-100 ms between tries and is not woken when the lock is freed: the database idled
+    while submissions waited. The API workers of one SQLite file now queue on one lock (an
+    flock on a file beside the database). Two ApiServices over one file stand in for two worker
+    processes: flock excludes two open files of one process exactly as it excludes two processes."""
+    import stat
+    import threading
+
+    from scheduler.service.cli import build_api_service
+    from scheduler.service.db import open_database
+    from scheduler.service.types import NewDataset, NewJob, Principal
+
+    db = f"sqlite:///{tmp_path / 'w.db'}"
+    open_database(db).dispose()
+    build = dict(db=db, backend="null", gpus="8", gpus_per_node="8", cache="1TB", remote_io="1GB/s", state_dir=tmp_path)
+    a, b = build_api_service(**build), build_api_service(**build)
+    alice = Principal("alice")
+    try:
+        a.catalogue.register_dataset(alice, NewDataset("imagenet", "s3://datasets/imagenet", 143e9))
+        done: list[bool] = []
+        with a._write_lock:  # worker A is writing
+            other = threading.Thread(target=lambda: done.append(
+                b.catalogue.submit_job(alice, NewJob("r50", 4, "imagenet", epochs=2, ideal_throughput=456e6))[1]))
+            other.start()
+            other.join(0.5)
+            # B's submission waits for A's write (before: it went ahead on a lock of its own).
+            assert other.is_alive() and not done
+        other.join(30)
+        assert done == [True]
+        assert stat.S_IMODE((tmp_path / "w.db-silod-writers").stat().st_mode) == 0o600
+        with b._write_lock, b._write_lock:  # re-entrant within a process
+            pass
+    finally:
+        a.close()
+        b.close()

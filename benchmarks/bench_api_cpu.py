@@ -12,7 +12,7 @@ Blocks of requests alternate between the apps, so both see the same machine.
   token store, the request guard), with bench_api.py's options (null backend, no queued quota).
 - bare: bench_api.py's BARE_APP, the same code its reference runs.
 
-    .venv/bin/python benchmarks/bench_api_cpu.py [--requests 2000] [--blocks 5] [--profile DIR]
+    .venv/bin/python benchmarks/bench_api_cpu.py [--requests 500] [--blocks 15] [--profile DIR]
 
 With --profile DIR, each app's POST requests then run alone under `py-spy record` (py-spy on PATH
 or in the venv; idle threads are not sampled) and the raw collapsed stacks go to
@@ -132,8 +132,8 @@ async def measure(apps: dict[str, Any], n: int, blocks: int, get_path: str) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--active", type=int, default=10_000)
-    ap.add_argument("--requests", type=int, default=2000, help="requests per block")
-    ap.add_argument("--blocks", type=int, default=5, help="blocks per app, alternating")
+    ap.add_argument("--requests", type=int, default=500, help="requests per block")
+    ap.add_argument("--blocks", type=int, default=15, help="blocks per app, alternating")
     ap.add_argument("--profile", type=Path, default=None, help="a directory for py-spy profiles of each app's POST")
     ap.add_argument("--out", type=Path, default=Path("out/bench_api_cpu.json"))
     args = ap.parse_args()

@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_api import BARE_APP, JOB_BODY, USER_TOKEN, prepare_db  # noqa: E402
+from benchmarks.bench_api_tenant_cost import _count  # noqa: E402
 
 BODY = json.dumps(JOB_BODY).encode()
 
@@ -131,9 +132,9 @@ async def measure(apps: dict[str, Any], n: int, blocks: int, get_path: str) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--active", type=int, default=10_000)
-    ap.add_argument("--requests", type=int, default=500, help="requests per block")
-    ap.add_argument("--blocks", type=int, default=15, help="blocks per app, alternating")
+    ap.add_argument("--active", type=_count(2, 1_000_000), default=10_000, help="queued jobs in the database")
+    ap.add_argument("--requests", type=_count(1, 1_000_000), default=500, help="requests per block")
+    ap.add_argument("--blocks", type=_count(1, 1000), default=15, help="blocks per app, alternating")
     ap.add_argument("--profile", type=Path, default=None, help="a directory for py-spy profiles of each app's POST")
     ap.add_argument("--out", type=Path, default=Path("out/bench_api_cpu.json"))
     args = ap.parse_args()

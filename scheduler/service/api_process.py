@@ -8,6 +8,7 @@ Several of these run side by side (`silod serve --workers N`), one per uvicorn w
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -19,7 +20,6 @@ from policies.registry import resolve_policy_name
 from scheduler.service import control
 from scheduler.backends.base import ClusterDescription, NodeInfo
 from scheduler.service.catalogue import Catalogue
-from scheduler.service.db.write_lock import writers_lock
 from scheduler.service.types import ForbiddenError, Principal, RoundResult, ServiceConfig, ServiceError
 from scheduler.service.views import ClusterStatus, ReadViews
 
@@ -37,10 +37,9 @@ class ApiService(ReadViews):
         self.engine = engine
         self.config = config
         self.sessions = sessionmaker(engine, expire_on_commit=False)
-        # Serialises this process's writes and, on a SQLite file, every API worker's (SQLite has
-        # one writer; waiting here is cheaper than sleeping in the database's busy handler:
-        # db/write_lock.py).
-        self._write_lock = writers_lock(engine)
+        # Serialises this process's writes (SQLite has one writer; waiting here is cheaper than
+        # waiting on the database's busy handler).
+        self._write_lock = threading.RLock()
         # `workloads`: with --backend kubernetes, a client that creates a REST job's suspended
         # Job from its pod_template; the scheduling process adopts it (no scheduling here).
         self.catalogue = Catalogue(self.sessions, config, self._write_lock, self.trigger, workloads=workloads)
@@ -60,9 +59,6 @@ class ApiService(ReadViews):
         close = getattr(self.workloads, "close", None)
         if callable(close):
             close()
-        lock_close = getattr(self._write_lock, "close", None)
-        if callable(lock_close):
-            lock_close()
         self.engine.dispose()
 
     def _raw_status(self) -> dict:

@@ -40,6 +40,15 @@ def test_bench_api_tenant_cost_refuses_bad_counts(args, flag):
     assert flag in out.stderr
 
 
+@pytest.mark.parametrize("args, flag", [(["--requests", "0"], "--requests"), (["--blocks", "-1"], "--blocks"),
+                                        (["--active", "1"], "--active"), (["--active", "many"], "--active")])
+def test_bench_api_cpu_refuses_bad_counts(args, flag):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_api_cpu.py"), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert flag in out.stderr
+
+
 @pytest.mark.slow
 def test_bench_api_measures_silod_once_its_scheduling_process_is_ready(tmp_path):
     """bench_api's first cells (POST at 16 and 64 clients, the ones that missed their target in

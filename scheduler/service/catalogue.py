@@ -26,7 +26,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, cast, exists, func, select, text, update
+from sqlalchemy import Connection, bindparam, cast, exists, func, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -177,7 +177,9 @@ def _insert_job_checked(columns: tuple[str, ...], queued_limit: bool, through_gr
     `active_limit`, and with the flags `queued_limit`, `grant_dataset` and `grantee`."""
     owner = bindparam("count_owner", type_=_COUNTS.owner.type)
     active = (select(func.coalesce(func.sum(_COUNTS.n), 0))
-              .where(_COUNTS.owner == owner, _COUNTS.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
+              # Two equalities, not IN (list): an IN list is re-expanded at every execution.
+              .where(_COUNTS.owner == owner, or_(_COUNTS.state == JobState.QUEUED.value,
+                                                 _COUNTS.state == JobState.RUNNING.value))
               .scalar_subquery())
     checks = [active < bindparam("active_limit", type_=_COUNTS.n.type)]
     if queued_limit:
@@ -682,27 +684,30 @@ class Catalogue:
         # Another tenant's dataset: the grant is checked again in the write transaction, so a job
         # submitted after the grant's revocation committed is refused (revoke_grant's promise).
         through_grant = not who.is_admin and ds.owner != who.user
+        # The statement and its parameters are made before the write lock is taken: every other
+        # writer waits while it is held (submit_time, which needs the lock, is set under it).
+        values = dict(
+            name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
+            ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
+            total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
+            submit_time=0.0, start_time=None, finish_time=None, message="", **access_columns(req.access),
+            **pipeline_columns(req.pipeline), program=None if req.program is None else req.program.to_json(),
+            loader_workers=None if req.loader is None else req.loader.workers,
+            loader_item_bytes=None if req.loader is None else req.loader.item_bytes,
+        )
+        # Core insert, not an ORM object: attaching a Job to its Dataset would load the
+        # dataset's whole job collection (thousands of rows) on every submission.
+        params = dict(values, count_owner=who.user, active_limit=self.config.objects.jobs)
+        if q.queued_jobs is not None:
+            params["queued_limit"] = q.queued_jobs
+        if through_grant:
+            params.update(grant_dataset=ds.id, grantee=who.user)
+        statement = _insert_job_checked(tuple(values), q.queued_jobs is not None, through_grant)
         with self._write_lock, c.begin():
             if c.dialect.name == "postgresql":  # see _insert_job_checked
                 c.execute(_TENANT_LOCK_PG, {"k": f"silod-submit:{who.user}"})
-            now = max(time.time(), self._last_submit)
-            values = dict(
-                name=req.name, owner=who.user, gpus=req.gpus, dataset_id=ds.id, model=req.model,
-                ideal_throughput=ideal, epochs=req.epochs, steps=req.steps, step_bytes=req.step_bytes,
-                total_bytes=total, consumed_bytes=0.0, priority=req.priority, state=JobState.QUEUED,
-                submit_time=now, start_time=None, finish_time=None, message="", **access_columns(req.access),
-                **pipeline_columns(req.pipeline), program=None if req.program is None else req.program.to_json(),
-                loader_workers=None if req.loader is None else req.loader.workers,
-                loader_item_bytes=None if req.loader is None else req.loader.item_bytes,
-            )
-            # Core insert, not an ORM object: attaching a Job to its Dataset would load the
-            # dataset's whole job collection (thousands of rows) on every submission.
-            params = dict(values, count_owner=who.user, active_limit=self.config.objects.jobs)
-            if q.queued_jobs is not None:
-                params["queued_limit"] = q.queued_jobs
-            if through_grant:
-                params.update(grant_dataset=ds.id, grantee=who.user)
-            jid = c.execute(_insert_job_checked(tuple(values), q.queued_jobs is not None, through_grant), params).scalar()
+            now = params["submit_time"] = max(time.time(), self._last_submit)
+            jid = c.execute(statement, params).scalar()
             if jid is None:  # refused: say why (this transaction still holds the lock the statement took)
                 if through_grant and c.execute(_GRANT, {"dataset_id": ds.id, "grantee": who.user}).first() is None:
                     raise NotFoundError(_UNKNOWN_DATASET.format(req.dataset), field="dataset")

@@ -224,9 +224,11 @@ def main() -> None:
         s = res["silod"]
         if "rclone" in res:
             rc = res["rclone"]
+            # A tiny set can cost rclone less CPU than the clock's tick: no ratio then, not a crash.
+            cpu = (f"{s['cpu_ms_per_miss'] / rc['cpu_ms_per_miss']:.2f}x" if rc["cpu_ms_per_miss"] > 0
+                   else "n/a (rclone's CPU below the clock's resolution)")
             print(f"{kind:6} silod/rclone: cold {s['cold_files_s'] / rc['cold_files_s']:.2f}x, warm "
-                  f"{s['warm_files_s'] / rc['warm_files_s']:.2f}x, CPU per miss "
-                  f"{s['cpu_ms_per_miss'] / rc['cpu_ms_per_miss']:.2f}x")
+                  f"{s['warm_files_s'] / rc['warm_files_s']:.2f}x, CPU per miss {cpu}")
         print(f"{kind:6} silod/direct: cold {s['cold_files_s'] / direct['files_s']:.2f}x, warm "
               f"{s['warm_files_s'] / direct['files_s']:.2f}x")
 

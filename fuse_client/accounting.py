@@ -211,6 +211,12 @@ class JobAccounting:
                 self.bitset.clear()
                 self.ineffective_cached_bytes = 0
 
+    def fetch_admitted(self, size: int) -> None:
+        """This job's own fetch of an item opened while it was fetched (a streaming open,
+        item_opened before its end) was admitted: the admitted_size of item_opened, told late."""
+        with self._lock:
+            self.ineffective_cached_bytes += size
+
     def hit_opened(self, index: int, seconds: float, nbytes_read: int = 0) -> None:
         """item_opened(hit=True) + open_finished(hit=True) [+ bytes_read(hit=True)] under one
         lock acquisition: this is the hot path of cached reads."""

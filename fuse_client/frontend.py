@@ -131,6 +131,7 @@ class Frontend:
             "passthrough_opens": c.passthrough_opens,
             "kernel_cache_opens": c.kernel_cache_opens,
             "daemon_opens": c.daemon_opens,
+            "streaming_opens": c.streaming_opens,
             "open_handles": self.ops.open_handles(),
         }
         if self.raw is not None:

@@ -153,7 +153,8 @@ class SilodFS(mfusepy.Operations):
     def read_buf(self, path: str, bufpp, size: int, offset: int, fi) -> int:
         pin_thread_state()
         try:
-            fd, n = self.ops.read_span(fi.fh, size, offset)
+            # A streaming open's read may wait for its bytes on this worker; interruptible.
+            fd, n = self.ops.read_span(fi.fh, size, offset, _interrupted)
         except OSError as exc:
             return -(exc.errno or errno.EIO)
         return reply_with_fd(bufpp, fd, n, offset)

@@ -36,6 +36,9 @@ class OpenMode(Enum):
     DAEMON = "daemon"  # every read reaches this process (misses; --no-kernel-cache)
     KERNEL_CACHE = "kernel_cache"  # page cache kept across opens (hits); a cold page still reaches us
     PASSTHROUGH = "passthrough"  # the kernel reads the local file itself (raw backend only)
+    # A miss opened while it is fetched: every read reaches this process and waits until the
+    # staged bytes cover it (inflight_item.py). Direct I/O on the raw backend (see rawfuse/).
+    STREAMING = "streaming"
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class OpenFile(NamedTuple):
     @property
     def count_reads(self) -> bool:
         # Kept and passthrough opens were accounted in full at open (see DatasetOperations.open).
-        return self.mode is OpenMode.DAEMON
+        return self.mode is OpenMode.DAEMON or self.mode is OpenMode.STREAMING
 
 
 @dataclass
@@ -71,6 +74,7 @@ class FrontendCounters:
     passthrough_opens: int = 0
     kernel_cache_opens: int = 0
     daemon_opens: int = 0
+    streaming_opens: int = 0
 
 
 class DatasetOperations:
@@ -144,7 +148,7 @@ class DatasetOperations:
         t0 = time.perf_counter() if received is None else received
         handle = self._register(self.resolver.resolve(entry, cancelled), passthrough, pod=self._pod(pid))
         if not handle.item.hit:
-            if handle.mode is OpenMode.DAEMON and handle.item.entry.size > 0:
+            if handle.count_reads and handle.item.entry.size > 0:
                 with self._lock:
                     self._serving[handle.fh] = [t0, 0, handle.pod]
             else:
@@ -176,9 +180,12 @@ class DatasetOperations:
 
     def _register(self, item: LocalItem, passthrough: bool, accounted: bool = False, pod: str = "",
                   borrowed: bool = False) -> OpenFile:
-        if passthrough:
-            # Misses too: their descriptor is a complete local file by now (fetched whole at
-            # open). Besides saving the reads, this is required: the kernel refuses (EIO) a
+        if item.stream is not None:
+            mode = OpenMode.STREAMING
+        elif passthrough:
+            # Misses too, but for streaming ones (above; direct I/O on the raw backend, which
+            # the kernel allows beside passthrough opens): their descriptor is a complete local
+            # file by now (fetched whole at open). Besides saving the reads, this is required: the kernel refuses (EIO) a
             # non-passthrough open of an inode another process holds open in passthrough mode.
             mode = OpenMode.PASSTHROUGH
         elif item.hit and self.kernel_cache:
@@ -187,7 +194,7 @@ class DatasetOperations:
             # Misses are never kept by the kernel: the page cache would otherwise act as a
             # second, unaccounted cache and break the c/d hit ratio.
             mode = OpenMode.DAEMON
-        whole = 0 if mode is OpenMode.DAEMON else item.entry.size
+        whole = 0 if mode is OpenMode.DAEMON or mode is OpenMode.STREAMING else item.entry.size
         if whole and not accounted:
             # Reads the kernel serves itself never reach us, so such an open is accounted as a
             # read of the whole item when it is opened (training reads every item whole). This
@@ -203,6 +210,8 @@ class DatasetOperations:
             c.passthrough_opens += 1
         elif mode is OpenMode.KERNEL_CACHE:
             c.kernel_cache_opens += 1
+        elif mode is OpenMode.STREAMING:
+            c.streaming_opens += 1
         else:
             c.daemon_opens += 1
         return handle
@@ -213,17 +222,28 @@ class DatasetOperations:
             raise OSError(errno.EBADF, "unknown file handle")
         return handle
 
-    def read_span(self, fh: int, size: int, offset: int) -> tuple[int, int]:
-        """(fd, n): the caller sends `n` bytes of `fd` at `offset`; the read is accounted here."""
+    def read_ready(self, fh: int, size: int, offset: int) -> bool:
+        """False when read_span would wait (a streaming open whose bytes are not staged yet):
+        a front end whose thread must not block hands such a read to a thread that may."""
+        handle = self._handles.get(fh)
+        if handle is None or handle.item.stream is None:
+            return True
+        return handle.item.stream.ready(offset, max(0, min(size, handle.item.entry.size - offset)))
+
+    def read_span(self, fh: int, size: int, offset: int, cancelled: Callable[[], bool] | None = None) -> tuple[int, int]:
+        """(fd, n): the caller sends `n` bytes of `fd` at `offset`; the read is accounted here.
+        A streaming open's read first waits until the bytes are staged (EIO if its fetch
+        failed, or the object changed after bytes of it were read; EINTR when `cancelled()`)."""
         handle = self.handle(fh)
         item = handle.item
         n = max(0, min(size, item.entry.size - offset))
+        fd = item.fd if item.stream is None else item.stream.span(offset, n, cancelled)
         self.counters.read_requests += 1  # one writer per request; a lost increment is harmless
         if handle.count_reads:
             self.accounting.bytes_read(n, item.hit, handle.pod)
             if not item.hit and n:
                 self._served(fh, n, item.entry.size)
-        return item.fd, n
+        return fd, n
 
     def _served(self, fh: int, n: int, size: int) -> None:
         """`n` more bytes of a daemon-served miss go out: once they add up to the item, its service
@@ -244,7 +264,10 @@ class DatasetOperations:
             with self._lock:
                 self._serving.pop(fh, None)  # released before its last byte: not a whole item
         if handle is not None and not handle.borrowed:
-            os.close(handle.item.fd)
+            if handle.item.stream is not None:
+                handle.item.stream.release()
+            else:
+                os.close(handle.item.fd)
         return handle
 
     def open_handles(self) -> int:
@@ -256,6 +279,9 @@ class DatasetOperations:
             handles, self._handles = list(self._handles.values()), {}
         for h in handles:
             if h.borrowed:
+                continue
+            if h.item.stream is not None:
+                h.item.stream.release()
                 continue
             try:
                 os.close(h.item.fd)

@@ -96,6 +96,11 @@ class Flight:
 
     key: str
     done: threading.Event = field(default_factory=threading.Event)
+    # Set with `done`, or earlier when a large item's first bytes are staged (`stream`): the
+    # waiting opens may then return and read the item while it is fetched (inflight_item.py).
+    ready: threading.Event = field(default_factory=threading.Event)
+    stream: object = None  # inflight_item.InFlightItem once published
+    leader_streamed: bool = False  # the leader's own open left with the stream
     waiters: int = 0
     # Set by the leader before `done`: admitted into the cache, or fds of a not-admitted copy
     # (one per waiter), or the error every waiter re-raises.
@@ -148,6 +153,19 @@ class Flights:
                 os.close(fd)
         return True
 
+    def detach(self, flight: Flight, leader: bool) -> bool:
+        """An open stops waiting for `flight` to end because it reads the item while it is
+        fetched (flight.stream). False when the flight has ended meanwhile: the open then takes
+        the outcome as usual."""
+        with self._lock:
+            if flight.done.is_set():
+                return False
+            if leader:
+                flight.leader_gone = flight.leader_streamed = True
+            else:
+                flight.waiters -= 1
+            return True
+
     def finish(self, flight: Flight, *, admitted: bool = False, fd: int | None = None, error: BaseException | None = None) -> bool:
         """Hand the outcome to the waiters. `fd` (a not-admitted copy) is dup'ed for each waiter.
         Returns True when the leader's own open has given up (the caller closes `fd` then)."""
@@ -162,6 +180,7 @@ class Flights:
                 flight.fds = [os.dup(fd) for _ in range(flight.waiters)]
             gone = flight.leader_gone
         flight.done.set()
+        flight.ready.set()
         return gone
 
     def abort_all(self, error: BaseException) -> None:
@@ -175,6 +194,7 @@ class Flights:
                     continue
                 flight.error = error
             flight.done.set()
+            flight.ready.set()
 
     def in_flight(self) -> int:
         with self._lock:

@@ -102,6 +102,9 @@ class _FakeOps:
         self.size = size
         self.fd = os.open(path, os.O_RDONLY)
 
+    def read_ready(self, fh: int, size: int, offset: int) -> bool:
+        return True  # a complete local file: no read waits
+
     def read_span(self, fh: int, size: int, offset: int) -> tuple[int, int]:
         return self.fd, max(0, min(size, self.size - offset))
 

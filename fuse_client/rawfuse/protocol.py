@@ -60,6 +60,7 @@ MAX_PAGES = 1 << 22
 CACHE_SYMLINKS = 1 << 23
 NO_OPENDIR_SUPPORT = 1 << 24
 INIT_EXT = 1 << 30
+DIRECT_IO_ALLOW_MMAP = 1 << 36  # 7.39: shared mmap of a FOPEN_DIRECT_IO open (streaming misses)
 PASSTHROUGH = 1 << 37
 
 # -- fuse_open_out.open_flags ------------------------------------------------------------------

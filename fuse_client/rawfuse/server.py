@@ -15,9 +15,12 @@ Threads:
   hit never waits behind a miss;
 - `silod-raw-sweep` closes kept backing files of items evicted since (see _BackingFiles).
 
-With passthrough every open is a passthrough open, misses included (an item is fetched whole
-before its open returns, so its local file is complete): the kernel refuses a non-passthrough
-open of an inode that is open in passthrough mode elsewhere, and reads never reach us anyway.
+With passthrough every open is a passthrough open, misses included (a miss is fetched whole
+before its open returns, so its local file is complete): the kernel refuses a page-cached open
+of an inode that is open in passthrough mode elsewhere, and reads never reach us anyway. The
+exception is a streaming miss (a large item opened while it is fetched, dataplane.py): its
+open is direct I/O, which the kernel allows beside passthrough opens, and its reads come here;
+one whose bytes are not staged yet waits on the open pool, never on a reader thread.
 
 Inodes are static (the listing is immutable while mounted): node 1 is the root, the other
 directories follow, file i of the listing is node `file_base + i`. FORGET is therefore a no-op.
@@ -335,7 +338,7 @@ class RawFuseServer:
         want = p.ASYNC_READ | p.MAX_PAGES | p.DO_READDIRPLUS | p.PARALLEL_DIROPS | p.INIT_EXT
         depth = 0
         if self.want_passthrough:
-            want |= p.PASSTHROUGH
+            want |= p.PASSTHROUGH | p.DIRECT_IO_ALLOW_MMAP  # streaming misses are direct I/O then
             depth = device.stack_depth_for(self.backing_dir or Path("/"))
         agreed = want & offered
         if not agreed & p.PASSTHROUGH:
@@ -686,6 +689,11 @@ class RawFuseServer:
                 backing_id, flags = 0, 0
             else:
                 flags = p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH
+        elif handle.mode is OpenMode.STREAMING:
+            # Read while it is fetched, so not a passthrough open; with passthrough on, direct
+            # I/O: the kernel refuses a page-cached open of an inode that another process holds
+            # in passthrough mode (and the reverse), not a direct one.
+            backing_id, flags = 0, p.FOPEN_DIRECT_IO if self._passthrough else 0
         else:
             backing_id, flags = 0, p.FOPEN_KEEP_CACHE if handle.mode is OpenMode.KERNEL_CACHE else 0
         try:
@@ -705,7 +713,45 @@ class RawFuseServer:
 
     def _read(self, fd: int, unique: int, view, out: bytearray, out_view: memoryview) -> None:
         fh, offset, size = p.READ_IN.unpack_from(view, p.IN_HEADER.size)[:3]
-        src, n = self.ops.read_span(fh, size, offset)
+        if not self.ops.read_ready(fh, size, offset):
+            # A streaming open's bytes are not staged yet: wait on the open pool, not here, and
+            # interruptibly, as an open does (a killed reader's READ is answered at once).
+            pending = _PendingOpen(fd)
+            with self._pending_lock:
+                self._pending[unique] = pending
+            try:
+                self._open_pool.submit(self._read_slow, fd, unique, fh, size, offset, pending)
+            except RuntimeError:  # shutting down
+                with self._pending_lock:
+                    self._pending.pop(unique, None)
+                raise OSError(errno.EIO, "unmounting") from None
+            return
+        self._answer_read(fd, unique, fh, size, offset, out, out_view)
+
+    def _read_slow(self, fd: int, unique: int, fh: int, size: int, offset: int, pending: _PendingOpen) -> None:
+        out = bytearray(p.OUT_HEADER.size + size)
+        try:
+            self._answer_read(fd, unique, fh, size, offset, out, memoryview(out), pending)
+        except OSError as exc:
+            if self._answered(unique):
+                self._reply_error(fd, unique, exc.errno or errno.EIO)
+        except Exception:
+            log.exception("read of handle %d failed", fh)
+            if self._answered(unique):
+                self._reply_error(fd, unique, errno.EIO)
+
+    def _answered(self, unique: int) -> bool:
+        """Take a waiting request off the pending list: False when _interrupt answered it already."""
+        with self._pending_lock:
+            pending = self._pending.pop(unique, None)
+        return pending is not None and not pending.interrupted
+
+    def _answer_read(self, fd: int, unique: int, fh: int, size: int, offset: int, out: bytearray,
+                     out_view: memoryview, pending: _PendingOpen | None = None) -> None:
+        if pending is None:
+            src, n = self.ops.read_span(fh, size, offset)
+        else:
+            src, n = self.ops.read_span(fh, size, offset, lambda: pending.interrupted)
         if n > len(out) - p.OUT_HEADER.size:
             # Never answer short: the kernel takes a short reply as end of file. The kernel never
             # asks more than INIT granted (MAX_READ), so this is a protocol error, said as one.
@@ -718,6 +764,8 @@ class RawFuseServer:
                 log.error("cache file of handle %d ended at %d, expected %d bytes", fh, offset + got, offset + n)
                 raise OSError(errno.EIO, "cache file shorter than the item")
             got += k
+        if pending is not None and not self._answered(unique):
+            return  # the reader was interrupted and got EINTR already
         p.OUT_HEADER.pack_into(out, 0, p.OUT_HEADER.size + got, 0, unique)
         try:
             os.write(fd, out_view[:p.OUT_HEADER.size + got])
@@ -743,7 +791,7 @@ class RawFuseServer:
         with self._pending_lock:
             pending = self._pending.get(target)
             if pending is None or pending.interrupted:
-                return  # already answered (or not an open we wait on): nothing to do, no reply
+                return  # already answered (or not a request we wait on): nothing to do, no reply
             pending.interrupted = True
         self.counters.interrupted_opens += 1
         # The fetch goes on (and may be admitted for the next reader); the opener gets EINTR.

@@ -99,6 +99,10 @@ class ItemResolver:
         self._pool = FetchLanes(fetch_workers, slow_fetches)
         # Misses staged in memory while the cache disk refuses writes (memory_staging.py).
         self.memory_staging = MemoryStaging(memory_staging_bytes)
+        # Items whose old version readers got bytes of before the object was replaced: the
+        # kernel's page cache may hold those bytes, so the next cached open of each must not keep
+        # it (Operations._register). A set of paths; add and discard are atomic under the GIL.
+        self.changed_while_read: set[str] = set()
         self._keys: dict[str, str] = {}  # item path -> cache key; sha1 per open is measurable
         # After a crash every cached item is checksummed on its first hit (one bit per item).
         self._verified = bytearray((accounting.num_items + 7) // 8)
@@ -483,6 +487,7 @@ class ItemResolver:
                 with contextlib.suppress(OSError):
                     old_staging.unlink()
             if not stream[0].restarted(target[0]):  # readers had bytes of the old version
+                self.changed_while_read.add(entry.path)
                 stream[0] = InFlightItem(entry.path, entry.size, target[0])
                 flight.stream = stream[0]
 

@@ -103,6 +103,11 @@ class Measured(_Answer):
     miss_bytes: int
     hits: int
     misses: int
+    #: Misses the pods' mounts delivered whole, their summed service time (microseconds, open
+    #: request to last byte) and their bytes: the loader term's L for a Kubernetes pod's job.
+    miss_service_count: int = 0
+    miss_service_us: int = 0
+    miss_service_bytes: int = 0
     pods: int
     updated_at: float
 

@@ -188,13 +188,13 @@ class DatasetOperations:
             # file by now (fetched whole at open). Besides saving the reads, this is required: the kernel refuses (EIO) a
             # non-passthrough open of an inode another process holds open in passthrough mode.
             mode = OpenMode.PASSTHROUGH
-        elif item.hit and self.kernel_cache and item.entry.path not in self.resolver.changed_while_read:
-            mode = OpenMode.KERNEL_CACHE
         elif item.hit and self.kernel_cache:
-            # Readers got bytes of the version the remote replaced: the page cache may hold them.
-            # This one open drops it (no keep-cache); the opens after it keep the new pages.
-            self.resolver.changed_while_read.discard(item.entry.path)
-            mode = OpenMode.DAEMON
+            mode = OpenMode.KERNEL_CACHE
+            if item.entry.path in self.resolver.changed_while_read:
+                # Readers got bytes of the version the remote replaced: the page cache may hold
+                # them. This one open drops it (no keep-cache); the opens after it keep the new pages.
+                self.resolver.changed_while_read.discard(item.entry.path)
+                mode = OpenMode.DAEMON
         else:
             # Misses are never kept by the kernel: the page cache would otherwise act as a
             # second, unaccounted cache and break the c/d hit ratio.

@@ -241,6 +241,37 @@ def test_a_small_miss_is_still_fetched_whole_before_its_open_returns(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["libfuse", "raw"])
+@pytest.mark.parametrize("option, size, streamed", [("off", SIZE, False), ("5MiB", 6 * MiB, True)],
+                         ids=["off", "5MiB"])
+def test_the_streaming_threshold_is_the_stream_min_size_option(tmp_path, backend, option, size, streamed):
+    """--stream-min-size off: a 12 MiB miss opens only after its last byte (as below 8 MiB);
+    --stream-min-size 5MiB: a 6 MiB miss is read while it arrives (an item of one 4 MiB chunk is
+    fetched by one request either way). The server holds the bytes after 5 MiB for 2 s, so when the
+    open returned tells which."""
+    data = _data(size, 14)
+    src = HostileSource({"item.bin": data}, {"item.bin": Behaviour(pause_at=5 * MiB, pause_s=2.0)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "10", "--stream-min-size", option) as m:
+            with open(m.mountpoint / "item.bin", "rb", buffering=0) as f:
+                sent = sum(r.sent for r in src.item_requests("item.bin"))
+                got = _read_all(f)
+            assert got == data
+            assert (sent < size) is streamed, f"{sent} of {size} bytes had left the server at the open"
+            assert m.fresh_stats()["streaming_opens"] == int(streamed)
+    finally:
+        src.close()
+
+
+def test_the_mount_default_threshold_is_the_data_paths():
+    from fuse_client.dataplane import DEFAULT_STREAM_MIN_BYTES
+    from fuse_client.mount import MountConfig, parse_stream_min
+
+    assert MountConfig.stream_min_bytes == DEFAULT_STREAM_MIN_BYTES == parse_stream_min("8MiB")
+    assert parse_stream_min(" OFF ") is None
+
+
+@pytest.mark.parametrize("backend", ["libfuse", "raw"])
 def test_a_reader_killed_while_its_read_waits_for_held_bytes_exits_at_once(tmp_path, backend):
     """The server holds the item after 2 MiB for 8 s; a reader killed while its read waits for
     the held bytes exits at once (its READ is answered with EINTR, not after the bytes come:

@@ -88,18 +88,21 @@ def test_two_pauses_in_a_streamed_item_cost_resumes_not_its_reader(tmp_path, bac
         src.close()
 
 
-def _full_disk_mount(tmp_path, backend, src, *extra):
+def _full_disk_mount(tmp_path, backend, src, *extra, size="1m", fill=True):
+    """A mount whose cache is on a tmpfs of `size`: filled to its last block (`fill`), or left to
+    fill up while the first items are staged (a disk that becomes full mid-item)."""
     from full_disk import fill_to_the_last_block, tiny_tmpfs
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    disk_cm = tiny_tmpfs(tmp_path / "disk", size="1m")
+    disk_cm = tiny_tmpfs(tmp_path / "disk", size=size)
     disk = disk_cm.__enter__()
     mount_cm = mounted(tmp_path / "mnt", src.url, "ds", "job1", disk / "cache", *_backend_args(backend),
                        "--breaker-threshold", "2", *extra)
     try:
         m = mount_cm.__enter__()
-        fill_to_the_last_block(disk / "filler")
+        if fill:
+            fill_to_the_last_block(disk / "filler")
     except BaseException:
         disk_cm.__exit__(None, None, None)
         raise
@@ -107,13 +110,17 @@ def _full_disk_mount(tmp_path, backend, src, *extra):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_streamed_misses_on_a_full_cache_disk_are_served_from_memory_and_the_breaker_stays_closed(tmp_path, backend):
+@pytest.mark.parametrize("disk", ["full", "fills-mid-item"])
+def test_streamed_misses_on_a_full_cache_disk_are_served_from_memory_and_the_breaker_stays_closed(tmp_path, backend, disk):
     """Item 4 with streaming opens: four readers of three 12 MiB items while the cache disk is
-    full. Every reader gets its bytes (staged in memory, the stream following the fetch there),
-    the breaker stays closed, the stats name the disk, and the memory staging is given back."""
+    full, or becomes full after the streams started (a 10 MiB disk: the fetches move to memory
+    mid-item, with readers holding descriptors of the staging files). Every reader gets its
+    bytes, the breaker stays closed, the stats name the disk, and the memory staging is given
+    back."""
     items = {f"big{i}.bin": _data(12 * MiB, 10 + i) for i in range(3)}
     src = HostileSource(items, {n: Behaviour(pause_at=6 * MiB, pause_s=0.5) for n in items})
-    m, cache, mount_cm, disk_cm = _full_disk_mount(tmp_path, backend, src, "--open-deadline", "5")
+    m, cache, mount_cm, disk_cm = _full_disk_mount(tmp_path, backend, src, "--open-deadline", "5",
+                                                   **({} if disk == "full" else {"size": "10m", "fill": False}))
     try:
         results: dict[str, bytes | OSError] = {}
         names = [*items, "big0.bin"]

@@ -88,6 +88,28 @@ def test_two_pauses_in_a_streamed_item_cost_resumes_not_its_reader(tmp_path, bac
         src.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_flaky_source_gives_a_streamed_items_reader_every_byte(tmp_path, backend):
+    """Item 6's flaky remote with a streaming open: the item's first three answers are 500s and
+    every later one is cut after 3 MiB. The reader of the 12 MiB item (its open returned at the
+    first staged bytes) gets every byte, no EIO: each cut is resumed after the staged bytes."""
+    data = _data(12 * MiB, 3)
+    src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(fail_first=3, drop_every=3 * MiB, times=100)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "5") as m:
+            got = _read(m.mountpoint / "big.bin")
+            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
+            reqs = src.item_requests("big.bin")
+            assert [r.status for r in reqs[:3]] == [500] * 3 and all(r.status == 206 for r in reqs[4:]), \
+                [(r.range, r.status, r.sent) for r in reqs]
+            assert sum(r.sent for r in reqs) < 1.2 * len(data)
+            s = m.fresh_stats()
+            assert s["streaming_opens"] == 1 and s["failed_opens"] == 0 and s["remote_breaker_state"] == "closed", s
+    finally:
+        src.close()
+
+
 def _full_disk_mount(tmp_path, backend, src, *extra, size="1m", fill=True):
     """A mount whose cache is on a tmpfs of `size`: filled to its last block (`fill`), or left to
     fill up while the first items are staged (a disk that becomes full mid-item)."""

@@ -174,6 +174,55 @@ def test_an_http_object_replaced_mid_fetch_restarts_cleanly():
         src.close()
 
 
+class _CountingSink(_Sink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+        super().reset()
+
+
+def test_a_server_without_ranges_sending_the_same_version_again_is_read_past_not_restarted():
+    """A server that ignores Range cuts the connection at 200 kB; its next answer is the whole
+    item again with the same ETag and Last-Modified: the staged bytes stay (no reset, which would
+    fail a streamed item's readers) and the re-sent ones are read past. Before: a restart."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    data = _data(500_000, 3)
+    src = HostileSource({"a.bin": data}, {"a.bin": Behaviour(no_ranges=True, drop_at=200_000)})
+    try:
+        sink = _CountingSink()
+        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(data),
+                        sink=sink)
+        assert got == data and sink.resets == 0
+        reqs = src.item_requests("a.bin")
+        assert [r.status for r in reqs] == [200, 200] and reqs[1].if_range == src.etag("a.bin"), reqs
+    finally:
+        src.close()
+
+
+def test_other_bytes_under_the_same_validators_restart_the_fetch_not_a_mix():
+    """The same server replaces the object at 200 kB but keeps answering with the old ETag and
+    Last-Modified: the re-sent first bytes do not match the staged ones, so the fetch restarts
+    from byte 0 and stages the new version whole, never a mix."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    old, new = _data(500_000, 4), _data(500_000, 5)
+    src = HostileSource({"a.bin": old}, {"a.bin": Behaviour(no_ranges=True, replace_at=200_000, replace_with=new,
+                                                            keep_validators=True)})
+    try:
+        sink = _CountingSink()
+        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(old),
+                        sink=sink)
+        assert got == new and sink.resets >= 1
+    finally:
+        src.close()
+
+
 def test_a_source_sending_more_than_the_listing_is_cut_at_size_plus_one():
     """Item 5: at most the listing's size + 1 byte is read, whatever the source sends."""
     from fuse_client.breaker import RetryPolicy

@@ -41,6 +41,7 @@ def register(app: typer.Typer) -> None:
         fetch_workers: int = typer.Option(16, "--fetch-workers", help="Most remote fetches in flight at once (a pool separate from the FUSE threads)."),
         slow_fetches: int = typer.Option(64, "--slow-fetches", help="Most fetches in the slow lane: a fetch running for over 1 s moves there (reading in 256 KiB chunks) and frees its --fetch-workers slot, so items that trickle never hold back healthy ones."),
         memory_staging: str = typer.Option("256MB", "--memory-staging", help="While the cache disk refuses writes (full, failing), misses are staged in memory up to this many bytes at once and served uncached; beyond it they fail with EIO."),
+        stream_min_size: str = typer.Option("8MiB", "--stream-min-size", help="A miss of an item this large or larger returns from its open once its first bytes are staged, and each read waits only for its own bytes (the reader works while the rest arrives); smaller misses open after their last byte. 64KiB-1TiB, or off: every miss opens after its last byte."),
         max_index_bytes: str = typer.Option("32MiB", "--max-index-bytes", help="Largest directory index page of an http(s) source (read whole into memory); a larger one fails the mount with a message."),
         max_listing_entries: int = typer.Option(1_500_000, "--max-listing-entries", help="Most files and directories the source may list (the listing stays in memory: about path length + 16 bytes per item); more fails the mount with a message."),
         max_inflight_bytes: str = typer.Option("", "--max-inflight-bytes", help="Most fetched data the fetch pool holds in memory at once (a chunk waits for room before it is read); default: --fetch-workers x 4 MiB + --slow-fetches x 256 KiB."),
@@ -61,7 +62,7 @@ def register(app: typer.Typer) -> None:
         from estimator.errors import UserError
         from estimator.units import parse_rate, parse_size
         from fuse_client.lru_cache import parse_mode
-        from fuse_client.mount import MountConfig, run_mount
+        from fuse_client.mount import MountConfig, parse_stream_min, run_mount
 
         level = parse_log_level(log_level).upper()
         try:
@@ -91,6 +92,7 @@ def register(app: typer.Typer) -> None:
             max_listing_bytes=int(parse_size(max_listing_bytes, what="--max-listing-bytes")),
             max_inflight_bytes=int(parse_size(max_inflight_bytes, what="--max-inflight-bytes")) if max_inflight_bytes else None,
             memory_staging_bytes=int(parse_size(memory_staging, what="--memory-staging")),
+            stream_min_bytes=parse_stream_min(stream_min_size),
             open_deadline_s=open_deadline,
             breaker_threshold=breaker_threshold,
             probe_interval_s=probe_interval,

@@ -9,7 +9,8 @@ its own open(2). A miss joins the item's flight (single_flight.py); the flight's
 a separate fetch pool, so the number of concurrent remote fetches is bounded independently of
 the FUSE worker threads, and misses of different items never wait for each other.
 
-Streaming opens: a miss of an item of at least `stream_min_bytes` returns as soon as its fetch
+Streaming opens: a miss of an item of at least `stream_min_bytes` (--stream-min-size; None: off)
+returns as soon as its fetch
 has staged the first bytes, with a LocalItem whose reads wait only until the staged bytes cover
 them (inflight_item.py), instead of after the item's last byte: the reader works while the
 rest arrives. Failures before the first byte still fail the open; later ones fail the reads.
@@ -83,7 +84,7 @@ class ItemResolver:
         slow_fetches: int = DEFAULT_SLOW_FETCHES,
         memory_staging_bytes: int = 256 * 1024 * 1024,
         max_inflight_bytes: int | None = None,
-        stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES,
+        stream_min_bytes: int | None = DEFAULT_STREAM_MIN_BYTES,  # None: no streaming opens
     ) -> None:
         if fetch_workers < 1:
             raise ValueError(f"fetch workers must be >= 1, got {fetch_workers}")
@@ -416,7 +417,7 @@ class ItemResolver:
         target = [fd, staging]  # where the bytes go: the staging file, or a memfd once the disk refused
         errors: list[Exception] = []
         # Published at the first staged bytes of a large item, for opens to read while it is fetched.
-        streaming = flight is not None and entry.size >= self.stream_min_bytes
+        streaming = flight is not None and self.stream_min_bytes is not None and entry.size >= self.stream_min_bytes
         stream: list[InFlightItem] = []
 
         def on_error(exc: Exception) -> None:

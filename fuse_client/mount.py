@@ -74,6 +74,8 @@ class MountConfig:
     max_listing_bytes: int = 64 * 1024 * 1024  # the listed paths, summed (the listing's memory)
     max_inflight_bytes: int | None = None  # fetched data in memory at once; None: what the lanes hold
     memory_staging_bytes: int = 256 * 1024 * 1024  # misses staged in memory while the cache disk refuses
+    # Misses of items this large are read while they arrive (dataplane.py); None: never.
+    stream_min_bytes: int | None = 8 * 1024 * 1024
     open_deadline_s: float = 5.0
     breaker_threshold: int = 5
     probe_interval_s: float = 1.0
@@ -353,6 +355,23 @@ def _serve(fuse_main, mountpoint: Path, on_signal) -> None:
         raise error[0]
 
 
+# --stream-min-size's range: below 64 KiB a miss is one chunk anyway (nothing to read early);
+# above 1 TiB it is no threshold but a typo (`off` says "never").
+STREAM_MIN_LOW, STREAM_MIN_HIGH = 64 * 1024, 1 << 40
+
+
+def parse_stream_min(text: str) -> int | None:
+    """--stream-min-size: a size, or `off` (None: no streaming opens)."""
+    from estimator.units import UnitError, parse_size
+
+    if text.strip().lower() == "off":
+        return None
+    try:
+        return int(parse_size(text, what="--stream-min-size"))
+    except UnitError as exc:
+        raise UnitError(f"{exc}; or off to turn streaming opens off") from None
+
+
 def validate_tuning(cfg: MountConfig) -> None:
     if not 1 <= cfg.fuse_threads <= 4096:
         raise UserError(f"--fuse-threads {cfg.fuse_threads}: must be between 1 and 4096")
@@ -368,6 +387,9 @@ def validate_tuning(cfg: MountConfig) -> None:
         raise UserError(f"--max-inflight-bytes {cfg.max_inflight_bytes}: must be at least 64 KiB")
     if cfg.max_listing_bytes < 1024:
         raise UserError(f"--max-listing-bytes {cfg.max_listing_bytes}: must be at least 1 KiB")
+    if cfg.stream_min_bytes is not None and not STREAM_MIN_LOW <= cfg.stream_min_bytes <= STREAM_MIN_HIGH:
+        raise UserError(f"--stream-min-size {cfg.stream_min_bytes} bytes: must be between 64 KiB and 1 TiB "
+                        f"(write e.g. 8MiB), or off to open every miss only once its last byte is staged")
     if cfg.memory_staging_bytes < 0:
         raise UserError(f"--memory-staging {cfg.memory_staging_bytes}: must be >= 0 bytes")
     if not (0 < cfg.open_deadline_s <= 3600):
@@ -497,7 +519,7 @@ def run_mount(cfg: MountConfig) -> int:
     breaker = CircuitBreaker(cfg.source, threshold=cfg.breaker_threshold, probe_interval_s=cfg.probe_interval_s)
     resolver = ItemResolver(store, cache, throttle, accounting, breaker=breaker, fetch_workers=cfg.fetch_workers,
                             slow_fetches=cfg.slow_fetches, memory_staging_bytes=cfg.memory_staging_bytes,
-                            max_inflight_bytes=cfg.max_inflight_bytes)
+                            max_inflight_bytes=cfg.max_inflight_bytes, stream_min_bytes=cfg.stream_min_bytes)
     control.breaker = breaker
     control.resolver = resolver
     if recovery.ran and cache.verify_pending:

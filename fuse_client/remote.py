@@ -550,9 +550,20 @@ class RemoteStore:
             state.validator = None
             raise
         progress[0] = clock()
+        # The bytes of this answer that are staged already and are checked, not staged again.
+        skip = 0
         if opened.start != state.offset:  # the server sent it whole: a new version, or no ranges
-            state.restart(reset)
+            if opened.start == 0 and state.validator is not None and state.validator.same_version(opened.validator):
+                # The same version from byte 0 (a server without ranges): readers may hold the
+                # staged bytes already (streaming opens), so they stay and the answer's first
+                # bytes are read past, checked against them (their CRC) instead of restarting.
+                skip = state.offset
+                log.info("%s: the server sent it whole again (no ranges) with the same validator; reading past "
+                         "the %d bytes staged already", entry.path, skip)
+            else:
+                state.restart(reset)
         state.validator = opened.validator
+        skip_crc = 0
         try:
             if small:
                 small = False  # closed on the event loop already
@@ -570,7 +581,7 @@ class RemoteStore:
             first = True
             while state.offset < size:
                 if not first:
-                    want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset)
+                    want = min(chunk_size_for(throttle.rate), chunk_cap(), size - state.offset + skip)
                     before = clock()
                     throttle.acquire(want)
                     progress[0] += clock() - before
@@ -578,12 +589,25 @@ class RemoteStore:
                 self._room(on_buffer, want, progress, clock)
                 try:
                     data, exc = streams.read(opened, want, piece, allowance)
+                    got = len(data)
+                    if skip:
+                        head = data[:skip]
+                        skip -= len(head)
+                        skip_crc = zlib.crc32(head, skip_crc)
+                        on_remote_bytes(len(head))
+                        data = data[len(head):]
+                        if not skip and skip_crc != state.crc:
+                            staged = state.offset
+                            state.restart(reset)
+                            state.validator = None
+                            raise IOError(f"{entry.path!r} was sent again with the same validator but other bytes "
+                                          f"in its first {staged}: fetching it again from byte 0")
                     self._stage_checked(entry, data, state, write, on_remote_bytes)
                 finally:
                     on_buffer(-want)
                 if exc is not None:
                     raise exc
-                if len(data) < want:
+                if got < want:
                     raise IOError(f"{entry.path!r} ended at {state.offset} bytes, the listing says {size}")
             extra, exc = streams.read(opened, 1, piece, allowance)
             if extra:

@@ -10,6 +10,8 @@ ETag or Last-Modified), as nginx does, and can, per item:
   bytes of its body), on its first `times` responses;
 - replace: after `at` bytes of the first response, replace the item's content (a new ETag and
   date) and close the connection, as a store does when an object is overwritten mid-fetch;
+- no_ranges: ignore Range and answer every request with the whole item (200);
+- keep_validators: keep the first ETag and Last-Modified after a replace (other bytes, same validators);
 - oversend: send `extra` bytes more than the listing says, with no Content-Length (a hostile
   source that would fill the mount's memory).
 
@@ -39,6 +41,11 @@ class Behaviour:
     replace_with: bytes | None = None
     oversend: int = 0
     fail_first: int = 0  # the first this many responses are 500s
+    no_ranges: bool = False  # ignore Range (every answer is a 200 of the whole item), as some servers do
+    # Keep answering with the first ETag and Last-Modified even after `replace` (a broken or
+    # lying server: other bytes under the same validators).
+    keep_validators: bool = False
+    validators: tuple[str, float] | None = None
     times: int = 1  # responses that pause / drop (the later ones behave)
     served: int = 0
 
@@ -136,6 +143,10 @@ class HostileSource:
                 b.served += 1
                 misbehave = b.served <= b.times
             etag, mtime = (self.etag(name), self.mtimes[name]) if data is not None else (None, 0)
+            if b is not None and b.keep_validators and data is not None:
+                if b.validators is None:
+                    b.validators = (etag, mtime)
+                etag, mtime = b.validators
         if data is None:
             self._send(h, req, 404, {}, b"not found", head)
             return
@@ -146,6 +157,8 @@ class HostileSource:
                    "Accept-Ranges": "bytes"}
         start, status = 0, 200
         rng = req.range
+        if b is not None and b.no_ranges:
+            rng = headers["Accept-Ranges"] = None
         if rng and rng.startswith("bytes=") and rng.endswith("-"):
             if req.if_range is None or req.if_range in (etag, headers["Last-Modified"]):
                 start, status = int(rng[len("bytes="):-1]), 206

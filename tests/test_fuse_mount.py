@@ -247,6 +247,11 @@ def _run_mount(*args: str) -> subprocess.CompletedProcess:
         ("zero_listing_entries", "--max-listing-entries"),
         ("tiny_listing_bytes", "--max-listing-bytes"),
         ("tiny_inflight_bytes", "--max-inflight-bytes"),
+        ("negative_stream_min", "--stream-min-size '-8MiB' is negative"),
+        ("rate_stream_min", "--stream-min-size '8MB/s' is a rate"),
+        ("word_stream_min", "--stream-min-size 'never' is not a size; write bytes as a number or with a unit, e.g. 143GB, 1.3TB, 512MiB; or off"),
+        ("huge_stream_min", "--stream-min-size 2199023255552 bytes: must be between 64 KiB and 1 TiB"),
+        ("tiny_stream_min", "--stream-min-size 1000 bytes: must be between 64 KiB and 1 TiB"),
     ],
 )
 def test_bad_mount_input_exits_2_with_a_clear_message(tmp_path, dataset, case, expect):
@@ -283,6 +288,16 @@ def test_bad_mount_input_exits_2_with_a_clear_message(tmp_path, dataset, case, e
         extra = ["--max-listing-bytes", "100"]
     elif case == "tiny_inflight_bytes":
         extra = ["--max-inflight-bytes", "1KB"]
+    elif case == "negative_stream_min":
+        extra = ["--stream-min-size", "-8MiB"]
+    elif case == "rate_stream_min":
+        extra = ["--stream-min-size", "8MB/s"]
+    elif case == "word_stream_min":
+        extra = ["--stream-min-size", "never"]  # the word is `off`
+    elif case == "huge_stream_min":
+        extra = ["--stream-min-size", "2TiB"]
+    elif case == "tiny_stream_min":
+        extra = ["--stream-min-size", "1KB"]
     r = _run_mount(args["mnt"], "--source", args["source"], "--dataset", args["dataset"], "--job", args["job"],
                    "--cache-dir", str(cache), *extra)
     try:

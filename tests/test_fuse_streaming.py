@@ -145,6 +145,64 @@ def test_an_object_replaced_after_a_reader_got_bytes_of_it_is_an_eio_not_a_mix(t
 
 
 @pytest.mark.parametrize("backend", ["libfuse", "raw"])
+def test_a_cut_from_a_server_without_ranges_is_invisible_to_a_reader_of_the_same_version(tmp_path, backend):
+    """The server ignores Range (every answer is the whole item, 200) and cuts the connection at
+    6 MiB after the reader got its first MiB. The fetch's next answer starts at byte 0 again, but
+    with the same ETag and Last-Modified: the object did not change, so the reader keeps reading
+    and gets the item whole (the re-sent first 6 MiB are checked against the staged ones, not
+    staged again). Before: the restart from byte 0 failed the reader with EIO."""
+    data = _data(SIZE, 11)
+    src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(no_ranges=True, pause_at=4 * MiB, pause_s=3.0,
+                                                                 drop_at=6 * MiB)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "10") as m:
+            with open(m.mountpoint / "big.bin", "rb", buffering=0) as f:
+                first = f.read(MiB)
+                assert sum(r.sent for r in src.item_requests("big.bin")) < SIZE
+                rest = _read_all(f)
+            whole = first + rest == data  # not in the assert: pytest's diff of two 12 MiB strings is slow
+            assert whole, f"read {len(first) + len(rest)} of {SIZE} bytes\n{m.log()}"
+            reqs = src.item_requests("big.bin")
+            assert [r.status for r in reqs] == [200, 200], [(r.range, r.status, r.sent) for r in reqs]
+            assert reqs[1].range is not None, "the retry did not even ask for a range"
+            assert "changed on the remote" not in m.log()
+            assert (m.mountpoint / "big.bin").read_bytes() == data  # admitted whole
+            assert len(src.item_requests("big.bin")) == 2
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("backend", ["libfuse", "raw"])
+@pytest.mark.parametrize("lying", [False, True], ids=["new-validators", "same-validators-other-bytes"])
+def test_a_server_without_ranges_that_replaces_the_object_still_fails_its_reader(tmp_path, backend, lying):
+    """The same server, but the object is replaced at 6 MiB: with a new ETag and date the
+    restart is a new version (EIO, as before); a server that keeps the old ETag and date for
+    the new bytes is caught by the re-sent bytes not matching the staged ones (EIO too). Never
+    bytes of two versions."""
+    v1, v2 = _data(SIZE, 12), _data(SIZE, 13)
+    src = HostileSource({"big.bin": v1}, {"big.bin": Behaviour(no_ranges=True, pause_at=4 * MiB, pause_s=3.0,
+                                                               replace_at=6 * MiB, replace_with=v2,
+                                                               keep_validators=lying)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "10") as m:
+            got = bytearray()
+            with open(m.mountpoint / "big.bin", "rb", buffering=0) as f:
+                got += f.read(MiB)
+                with pytest.raises(OSError) as err:
+                    while chunk := f.read(MiB):
+                        got += chunk
+            assert err.value.errno == errno.EIO, err.value
+            assert bytes(got) == v1[:len(got)], "bytes of two versions reached the reader"
+            wait_until(lambda: "changed on the remote while it was read" in m.log(), 10, message="the log line")
+            if lying:
+                assert "with the same validator but other bytes" in m.log()
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("backend", ["libfuse", "raw"])
 def test_a_source_sending_more_than_listed_fails_the_last_read_not_a_clean_eof(tmp_path, backend):
     """Every byte the listing promises arrives, then more: the reader must not see a clean end
     of file on an item the fetch rejects (size + 1 cap); the read with the last byte waits for
@@ -180,6 +238,37 @@ def test_a_small_miss_is_still_fetched_whole_before_its_open_returns(tmp_path):
             assert s["streaming_opens"] == 0 and s["daemon_opens"] == 1, s
     finally:
         src.close()
+
+
+@pytest.mark.parametrize("backend", ["libfuse", "raw"])
+@pytest.mark.parametrize("option, size, streamed", [("off", SIZE, False), ("5MiB", 6 * MiB, True)],
+                         ids=["off", "5MiB"])
+def test_the_streaming_threshold_is_the_stream_min_size_option(tmp_path, backend, option, size, streamed):
+    """--stream-min-size off: a 12 MiB miss opens only after its last byte (as below 8 MiB);
+    --stream-min-size 5MiB: a 6 MiB miss is read while it arrives (an item of one 4 MiB chunk is
+    fetched by one request either way). The server holds the bytes after 5 MiB for 2 s, so when the
+    open returned tells which."""
+    data = _data(size, 14)
+    src = HostileSource({"item.bin": data}, {"item.bin": Behaviour(pause_at=5 * MiB, pause_s=2.0)})
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                     "--open-deadline", "10", "--stream-min-size", option) as m:
+            with open(m.mountpoint / "item.bin", "rb", buffering=0) as f:
+                sent = sum(r.sent for r in src.item_requests("item.bin"))
+                got = _read_all(f)
+            assert got == data
+            assert (sent < size) is streamed, f"{sent} of {size} bytes had left the server at the open"
+            assert m.fresh_stats()["streaming_opens"] == int(streamed)
+    finally:
+        src.close()
+
+
+def test_the_mount_default_threshold_is_the_data_paths():
+    from fuse_client.dataplane import DEFAULT_STREAM_MIN_BYTES
+    from fuse_client.mount import MountConfig, parse_stream_min
+
+    assert MountConfig.stream_min_bytes == DEFAULT_STREAM_MIN_BYTES == parse_stream_min("8MiB")
+    assert parse_stream_min(" OFF ") is None
 
 
 @pytest.mark.parametrize("backend", ["libfuse", "raw"])

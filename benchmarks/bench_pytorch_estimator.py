@@ -20,14 +20,23 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
   measured per-miss service time, open request to last byte delivered, and mean missed item
   size at the same c/d with the link not binding; nothing is fitted); B is the
   burst the mount's token bucket banks while the link idles (the reference epoch before each
-  measured one), which an epoch of E seconds reads on top of b E.
+  measured one), which an epoch of E seconds reads on top of b E;
+- the model alone, as planning sees an allocation it has not run: one L_free (the c/d = 0 point's
+  with the link free) and at every point L(b) = max(L_free, W s (1/b' - 1/((1-h) f*))), the wait
+  a miss has in the token bucket's queue (estimator.loader_miss_time, b' = b + B/E), beside the
+  mount's measured L; and, as a diagnostic, the loader term with L as the workers see it (their
+  own open + read time per item, less a hit's, per missed item);
+- `spread`: the lowest and highest per-pair ratio; the fully cached points' spread is the
+  measurement's noise floor (their prediction is the reference's f* itself). Epochs shorter than
+  a second (300 images at ~10 MB/s) gave those controls 0.72-1.20 under load: the default, 1,000
+  images and 5 pairs, gives each epoch about a second of steady reading.
 
 Then the job's epoch time under SiloD's plan and under a storage-unaware plan (CoorDL-style
 private cache of its GPU share, an equal share of the link), the same cache and link for two
 1-GPU jobs: this job and one on a dataset 4x larger with the same f*. SiloD's plan comes from
 policies.storage (cache by f*/d, the link max-min by demand).
 
-    .venv/bin/python benchmarks/bench_pytorch_estimator.py [--quick] [--out FILE]
+    .venv/bin/python benchmarks/bench_pytorch_estimator.py [--images 1000] [--pairs 5] [--quick] [--out FILE]
 
 Needs torch (pip install torch==2.13.0), /dev/fuse, fusermount3 and root.
 """
@@ -223,8 +232,8 @@ def plans(fstar: float, d: float) -> dict[str, tuple[float, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench_pytorch_estimator.json"))
-    ap.add_argument("--images", type=int, default=400, help="JPEGs in the dataset (~9 KB each)")
-    ap.add_argument("--pairs", type=int, default=3, help="measured epochs per point, each after an f* epoch")
+    ap.add_argument("--images", type=int, default=1000, help="JPEGs in the dataset (~9 KB each)")
+    ap.add_argument("--pairs", type=int, default=5, help="measured epochs per point, each after an f* epoch")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     ap.add_argument("--prefetch", type=int, default=2, help="batches each DataLoader worker loads ahead (torch's prefetch_factor)")
     ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")

@@ -8,6 +8,7 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
 
 - epoch 0 fills the cache (delayed effectiveness); each later epoch's throughput is its source
   bytes over its time;
+- b is 0.35 (binding) or 3 (not) times f* measured just before the point (two reference epochs);
 - f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
   fully cached mount runs one epoch before each measured epoch of a point, since this machine's
   load moves f* by tens of percent within a minute; a point's ratio is the median over its
@@ -264,10 +265,14 @@ def main(argv: list[str] | None = None) -> int:
             reference.epoch()  # warm-up: a new DataLoader's first cached epochs run slow
             f_before = median([rate(reference.epoch()) for _ in range(3)])
             print(f"dataset {images} JPEGs, {d / MB:.2f} MB; f* alone, fully cached: {f_before / MB:.3f} MB/s", flush=True)
-            points = [Point(c, b * f_before, f"c/d={c:g} b={'bind' if b == B_BIND else 'free'}")
-                      for c in fractions for b in (B_BIND, B_FREE)]
+            # Each point's b from f* measured just before it (two reference epochs), not from the
+            # first f* alone: on a shared machine f* moved 2-3x between runs, and a b placed from
+            # a low or high first figure moved the bound points across the knee (c/d = 0.5 at
+            # 0.35 f* is next to the loader's X(0.5)) from one run to the next.
             results = []
-            for i, p in enumerate(points):
+            for i, (c, frac) in enumerate((c, frac) for c in fractions for frac in (B_BIND, B_FREE)):
+                f_now = median([rate(reference.epoch()) for _ in range(2)])
+                p = Point(c, frac * f_now, f"c/d={c:g} b={'bind' if frac == B_BIND else 'free'}")
                 r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch)
                 results.append(r)
                 print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"

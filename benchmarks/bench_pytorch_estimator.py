@@ -8,6 +8,7 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
 
 - epoch 0 fills the cache (delayed effectiveness); each later epoch's throughput is its source
   bytes over its time;
+- b is 0.35 (binding) or 3 (not) times f* measured just before the point (two reference epochs);
 - f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
   fully cached mount runs one epoch before each measured epoch of a point, since this machine's
   load moves f* by tens of percent within a minute; a point's ratio is the median over its
@@ -20,14 +21,23 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
   measured per-miss service time, open request to last byte delivered, and mean missed item
   size at the same c/d with the link not binding; nothing is fitted); B is the
   burst the mount's token bucket banks while the link idles (the reference epoch before each
-  measured one), which an epoch of E seconds reads on top of b E.
+  measured one), which an epoch of E seconds reads on top of b E;
+- the model alone, as planning sees an allocation it has not run: one L_free (the c/d = 0 point's
+  with the link free) and at every point L(b) = max(L_free, W s (1/b' - 1/((1-h) f*))), the wait
+  a miss has in the token bucket's queue (estimator.loader_miss_time, b' = b + B/E), beside the
+  mount's measured L; and, as a diagnostic, the loader term with L as the workers see it (their
+  own open + read time per item, less a hit's, per missed item);
+- `spread`: the lowest and highest per-pair ratio; the fully cached points' spread is the
+  measurement's noise floor (their prediction is the reference's f* itself). Epochs shorter than
+  a second (300 images at ~10 MB/s) gave those controls 0.72-1.20 under load: the default, 1,000
+  images and 5 pairs, gives each epoch about a second of steady reading.
 
 Then the job's epoch time under SiloD's plan and under a storage-unaware plan (CoorDL-style
 private cache of its GPU share, an equal share of the link), the same cache and link for two
 1-GPU jobs: this job and one on a dataset 4x larger with the same f*. SiloD's plan comes from
 policies.storage (cache by f*/d, the link max-min by demand).
 
-    .venv/bin/python benchmarks/bench_pytorch_estimator.py [--quick] [--out FILE]
+    .venv/bin/python benchmarks/bench_pytorch_estimator.py [--images 1000] [--pairs 5] [--quick] [--out FILE]
 
 Needs torch (pip install torch==2.13.0), /dev/fuse, fusermount3 and root.
 """
@@ -79,6 +89,8 @@ class Result:
     miss_item_bytes: float | None  # mean size of the missed items counted in miss_service_s
     mount_cpu_per_item_s: float | None  # the mount process's CPU seconds per item read (steady epochs)
     burst_bytes: float  # what the token bucket banks while the link idles (0: no cap)
+    read_per_item_s: float | None  # the workers' own open + read seconds per item (steady epochs)
+    ratio_spread: tuple[float, float]  # min and max of the per-pair ratios
     epoch_s: list[float]
     pairs: list[tuple[float, float]]  # (f* of the reference epoch, the point's epoch), bytes/s
 
@@ -162,10 +174,12 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
             first = t.epoch()
             time.sleep(0.6)  # the mount rewrites its stats twice a second
             before = json.loads(stats.read_text())
-            fs, ts, ratios = [], [], []
+            fs, ts, ratios, reads = [], [], [], []
             for _ in range(pairs):
                 f = rate(reference.epoch())
-                m = rate(t.epoch())
+                rec = t.epoch()
+                m = rate(rec)
+                reads.append(rec["read_s"] / rec["items"] if rec["items"] else 0.0)
                 fs.append(f)
                 ts.append(m)
                 ratios.append(m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f))
@@ -194,6 +208,7 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
     return Result(p.label, p.cache_fraction, None if p.io_rate is None else p.io_rate / MB, fstar / MB, predicted / MB,
                   measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
                   None if with_hits is None else measured / with_hits, latency, service, served_item, cpu_per_item, burst,
+                  median(reads), (min(ratios), max(ratios)),
                   [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)))
 
 
@@ -218,8 +233,8 @@ def plans(fstar: float, d: float) -> dict[str, tuple[float, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench_pytorch_estimator.json"))
-    ap.add_argument("--images", type=int, default=400, help="JPEGs in the dataset (~9 KB each)")
-    ap.add_argument("--pairs", type=int, default=3, help="measured epochs per point, each after an f* epoch")
+    ap.add_argument("--images", type=int, default=1000, help="JPEGs in the dataset (~9 KB each)")
+    ap.add_argument("--pairs", type=int, default=5, help="measured epochs per point, each after an f* epoch")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     ap.add_argument("--prefetch", type=int, default=2, help="batches each DataLoader worker loads ahead (torch's prefetch_factor)")
     ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")
@@ -247,12 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         reference = trainer(mnt, args.workers, args.prefetch)
         try:
             reference.epoch()  # fills the cache
-            f_before = median([rate(reference.epoch()) for _ in range(2)])
+            reference.epoch()  # warm-up: a new DataLoader's first cached epochs run slow
+            f_before = median([rate(reference.epoch()) for _ in range(3)])
             print(f"dataset {images} JPEGs, {d / MB:.2f} MB; f* alone, fully cached: {f_before / MB:.3f} MB/s", flush=True)
-            points = [Point(c, b * f_before, f"c/d={c:g} b={'bind' if b == B_BIND else 'free'}")
-                      for c in fractions for b in (B_BIND, B_FREE)]
+            # Each point's b from f* measured just before it (two reference epochs), not from the
+            # first f* alone: on a shared machine f* moved 2-3x between runs, and a b placed from
+            # a low or high first figure moved the bound points across the knee (c/d = 0.5 at
+            # 0.35 f* is next to the loader's X(0.5)) from one run to the next.
             results = []
-            for i, p in enumerate(points):
+            for i, (c, frac) in enumerate((c, frac) for c in fractions for frac in (B_BIND, B_FREE)):
+                f_now = median([rate(reference.epoch()) for _ in range(2)])
+                p = Point(c, frac * f_now, f"c/d={c:g} b={'bind' if frac == B_BIND else 'free'}")
                 r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch)
                 results.append(r)
                 print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"
@@ -293,6 +313,51 @@ def main(argv: list[str] | None = None) -> int:
         return min(float(loader_perf(f, r.cache_fraction, m)), io)
 
     ext_at = {r.label: median([t / extended_at(f, r, d / t) for f, t in r.pairs]) for r in results}
+
+    # The model alone, as planning sees an allocation it has not run: one L_free for the job (the
+    # mount's per-miss time at c/d = 0 with the link free, i.e. measured once) and, at every other
+    # point, L(b) = max(L_free, W s (1/b' - 1/((1-h) f*))), the token bucket's queue
+    # (estimator.loader_miss_time; b' = b + burst / epoch). Its prediction is
+    # loader_perf(f*, c/d, W s / L(b)) beside the window's IO term.
+    from estimator import loader_miss_time
+
+    free0 = service_free.get(0.0) or (None, None)
+
+    def model_l(f: float, r: Result, seconds: float) -> float | None:
+        if not (free0[0] and free0[1]) or r.cache_fraction >= 1:
+            return None
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        return float(loader_miss_time(free0[0], args.workers, free0[1], f, r.cache_fraction, b, r.burst_bytes, seconds))
+
+    def model(f: float, r: Result, seconds: float) -> float:
+        lat = model_l(f, r, seconds)
+        m = float(loader_miss_rate(args.workers, free0[1], lat)) if lat else float("inf")
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        io = float(window_io_perf(b, r.cache_fraction, 1.0, seconds, r.burst_bytes)) if r.cache_fraction < 1 else float("inf")
+        return min(float(loader_perf(f, r.cache_fraction, m)), io)
+
+    model_at = {r.label: (model_l(r.fstar_mb_s * MB, r, d / (r.measured_mb_s * MB)),
+                          median([t / model(f, r, d / t) for f, t in r.pairs])) for r in results}
+
+    # The miss time as the loader's workers see it (train_cnn's open + read per item, less a
+    # hit's at the fully cached point with the same b, per missed item): what Little's law needs;
+    # the mount's figure starts when the request reaches it and ends at its last byte sent.
+    hit_read = {r.label.split()[1]: r.read_per_item_s for r in results if r.cache_fraction == 1.0}
+
+    def worker_l(r: Result) -> float | None:
+        hr = hit_read.get(r.label.split()[1])
+        if r.cache_fraction >= 1 or hr is None or r.read_per_item_s is None:
+            return None
+        return max(r.read_per_item_s - hr, 0.0) / (1 - r.cache_fraction)
+
+    def with_worker_l(f: float, r: Result, seconds: float) -> float:
+        lat, item = worker_l(r), (service_free.get(r.cache_fraction) or (None, None))[1] or free0[1]
+        m = float(loader_miss_rate(args.workers, item, lat)) if lat and item else float("inf")
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        io = float(window_io_perf(b, r.cache_fraction, 1.0, seconds, r.burst_bytes)) if r.cache_fraction < 1 else float("inf")
+        return min(float(loader_perf(f, r.cache_fraction, m)), io)
+
+    worker_at = {r.label: median([t / with_worker_l(f, r, d / t) for f, t in r.pairs]) for r in results}
 
     # A diagnostic beside it, not the model the service uses: the misses' cost as the mount's CPU
     # rather than its wall time. A missed item costs the mount cpu_miss - cpu_hit more CPU seconds
@@ -341,20 +406,19 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(title=f"real PyTorch job vs min(f*, b/(1-c/d)); f* measured before each point "
                         f"({min(refs) / MB:.3f}-{max(refs) / MB:.3f} MB/s, mean {fstar / MB:.3f}), d = {d / MB:.2f} MB")
-    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "hit (mount)", "open ms", "miss ms", "extended",
-                "ratio", "own-L ratio", "cpu ms/item", "cpu-term ratio"):
+    for col in ("c/d", "b MB/s", "f*", "predicted", "measured", "ratio", "spread", "hit (mount)", "miss ms", "model ms",
+                "worker ms", "extended", "ratio", "own-L ratio", "model ratio", "worker-L ratio", "cpu-term ratio"):
         table.add_column(col, justify="right")
     fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
+    ms = lambda v: fmt(None if v is None else v * 1e3, ".2f")  # noqa: E731
     for r in results:
         e = ext[r.label]
         table.add_row(f"{r.cache_fraction:g}", fmt(r.io_mb_s), fmt(r.fstar_mb_s), fmt(r.predicted_mb_s), fmt(r.measured_mb_s),
-                      fmt(r.ratio, ".2f"), fmt(r.hit_ratio, ".2f"),
-                      fmt(None if r.miss_latency_s is None else r.miss_latency_s * 1e3, ".2f"),
-                      fmt(None if r.miss_service_s is None else r.miss_service_s * 1e3, ".2f"), fmt(e[0]), fmt(e[1], ".2f"),
-                      fmt(ext_at[r.label], ".2f"),
-                      fmt(None if r.mount_cpu_per_item_s is None else r.mount_cpu_per_item_s * 1e3, ".2f"),
+                      fmt(r.ratio, ".2f"), f"{r.ratio_spread[0]:.2f}-{r.ratio_spread[1]:.2f}", fmt(r.hit_ratio, ".2f"),
+                      ms(r.miss_service_s), ms(model_at[r.label][0]), ms(worker_l(r)), fmt(e[0]), fmt(e[1], ".2f"),
+                      fmt(ext_at[r.label], ".2f"), fmt(model_at[r.label][1], ".2f"), fmt(worker_at[r.label], ".2f"),
                       fmt(cpu_ext[r.label][1], ".2f"))
-    Console(width=170).print(table)
+    Console(width=200).print(table)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
     print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
@@ -364,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     within_at = sum(abs(v - 1) <= 0.10 for v in ext_at.values())
     print(f"extended with each point's own measured L (as the service reads it: token waits included): {within_at}/{len(ext_at)}"
           f" points within 10%")
+    within_model = sum(abs(v[1] - 1) <= 0.10 for v in model_at.values())
+    print(f"the model alone (one L_free, from c/d = 0 with the link free; L(b) from the token bucket at every point):"
+          f" {within_model}/{len(model_at)} points within 10%")
+    within_worker = sum(abs(v - 1) <= 0.10 for v in worker_at.values())
+    print(f"diagnostic (L as the loader's workers see it: open + read per miss): {within_worker}/{len(worker_at)} points within 10%")
+    controls = [r for r in results if r.cache_fraction >= 1]
+    print("noise floor (the fully cached controls, whose prediction is f* itself): per-pair ratios "
+          + ", ".join(f"{r.label.split()[1]} {r.ratio_spread[0]:.2f}-{r.ratio_spread[1]:.2f}" for r in controls))
     within3 = sum(abs(v[1] - 1) <= 0.10 for v in cpu_ext.values())
     print(f"diagnostic (the misses' cost as the mount's extra CPU per miss on {os.cpu_count()} cores): {within3}/{len(cpu_ext)}"
           f" points within 10%")
@@ -375,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
           f" {u['epoch_s'] / s['epoch_s']:.2f}x (predicted {u['predicted_epoch_s'] / s['predicted_epoch_s']:.2f}x)")
     print(f"wall {time.time() - t0:.0f}s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     args.out.write_text(json.dumps({"fstar_mb_s": fstar / MB, "fstar_refs_mb_s": [f / MB for f in refs], "dataset_mb": d / MB, "images": images,
-                                    "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "extended_own_l": ext_at, "points": [asdict(r) for r in results],
+                                    "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "extended_own_l": ext_at, "model": model_at,
+                                    "worker_l": worker_at, "points": [asdict(r) for r in results],
                                     "plans": plan_epoch, "load": [load0, load1],
                                     "extended": ext, "cpu_term": cpu_ext}, indent=1))
     if args.workdir is None:

@@ -114,6 +114,43 @@ def loader_miss_rate(workers: ArrayLike, item_bytes: ArrayLike, miss_latency_s: 
         return _out(np.asarray(np.where(lat <= 0.0, np.inf, w * s / np.where(lat <= 0.0, 1.0, lat)), dtype=float))
 
 
+def loader_miss_time(miss_free_s: ArrayLike, workers: ArrayLike, item_bytes: ArrayLike, ideal: ArrayLike, hit: ArrayLike,
+                     remote_io: ArrayLike, burst: ArrayLike = 0.0, seconds: ArrayLike = np.inf) -> Number:
+    """L(b): the seconds a miss holds its loader worker when the job's remote IO is capped at b by
+    the mount's token bucket (fuse_client/token_bucket.py), from L_free, its service time with
+    the link not binding:
+
+        L(b) = max(L_free, W s (1/b' - 1/((1 - h) f*))),    b' = b + burst / seconds
+
+    Why: the bucket refills at b and banks at most `burst` bytes (max(64 KiB, 0.1 s of b)); a
+    miss of s <= burst bytes goes through at once while it holds s tokens, else waits in arrival
+    order. With misses costing L_free the loader would miss X(1 - h) bytes/s, X = loader_perf at
+    m = W s / L_free. If that is within b', the bank refills between misses and the mean wait is 0
+    (L = L_free). If not, the bank empties and the waiters' queue grows until each miss's time L
+    makes the loader's misses flow at the bucket's rate: X(h; m = W s / L) (1 - h) = b', i.e.
+    1/f* + (1 - h) L / (W s) = (1 - h) / b', which is the second term (Little's law at the
+    bucket). Over a window of `seconds` that starts with the bank full, b' = b + burst / seconds
+    (window_io_perf's). h = 1 (nothing missed) or b = inf: L_free; b' = 0: inf.
+
+    The throughput this L gives through loader_perf is min(loader_perf(L_free), b'/(1 - h)):
+    the loader term with a miss time measured at a binding allocation carries that allocation's
+    b, which is why planning uses L_free (the service folds no link-bound interval's misses)."""
+    lf = _as_array(miss_free_s, "miss_free_s")
+    w = _as_array(workers, "workers", positive=True)
+    s = _as_array(item_bytes, "item_bytes", positive=True)
+    f = _as_array(ideal, "ideal", positive=True)
+    h = np.clip(_as_array(hit, "hit"), 0.0, 1.0)
+    b = _as_array(remote_io, "remote_io")
+    t = _as_array(seconds, "seconds", positive=True)
+    extra = _as_array(burst, "burst")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = b + np.where(np.isinf(t), 0.0, extra / t)
+        per_b = np.where(rate > 0, 1.0 / np.where(rate > 0, rate, 1.0), np.inf)
+        per_miss = np.where(h < 1.0, 1.0 / (np.where(h < 1.0, 1.0 - h, 1.0) * f), np.inf)
+        queued = np.where(h < 1.0, w * s * (per_b - per_miss), -np.inf)
+    return _out(np.asarray(np.maximum(lf, queued), dtype=float))
+
+
 def loader_perf(ideal: ArrayLike, hit: ArrayLike, miss_rate: ArrayLike = np.inf) -> Number:
     """1 / (1/f* + (1 - h)/m): the job's rate when each byte of input costs its compute (1/f*)
     and each missed byte the loader's time to absorb it (1/m, `loader_miss_rate`), which the

@@ -217,3 +217,33 @@ def test_the_cli_and_the_sdk_send_the_loader_and_bad_flags_are_refused(tmp_path,
             assert job.loader == Loader(workers=2, item_bytes=None)
     finally:
         served.stop()
+
+
+def test_misses_timed_while_the_link_held_the_job_do_not_become_its_loader_term(svc):
+    """At a binding remote-IO cap a miss also waits for the token bucket: L grows to
+    W s (1/b - 1/((1-h) f*)) (estimator.loader_miss_time), the cap's figure, not the loader's.
+    Folded into the L planning uses, m = W s / L would make the job's planned rate the old cap's
+    b / (1-h) whatever link it is offered next. The service folds only intervals the link did not
+    hold (their rate below the IO bound, as f*'s samples are judged): the stored L stays the free
+    one (1 ms here) through intervals at the cap whose misses took 20 ms."""
+    c, service = svc
+    job = c.post("/v1/jobs", json={**JOB, "loader": {"workers": 2, "item_bytes": "110KB"}}, headers=H_ALICE).json()
+    service.run_round("test")
+    h = 0.0  # c/d = 0.002 of a 100 TB dataset: every read misses
+    mount = _Mount(service, job["id"])
+    mount.interval(0.0, h, 0.001, 110e3)  # first sight
+    for _ in range(8):  # GPU-held: half the cap's rate, misses at 1 ms
+        mount.interval(0.5 * _cap(service, job["id"]), h, 0.001, 110e3)
+        service.run_round("test")
+    got = lambda: c.get(f"/v1/jobs/{job['id']}", headers=H_ALICE).json()["measured_parameters"]["miss_service_s"]  # noqa: E731
+    assert got() == pytest.approx(0.001, rel=1e-6)
+    for _ in range(6):  # held by the link: at the cap, each miss waited for tokens (20 ms)
+        mount.interval(_cap(service, job["id"]), h, 0.020, 110e3)
+        assert got() == pytest.approx(0.001, rel=1e-6)
+    mount.interval(0.5 * _cap(service, job["id"]), h, 0.003, 110e3)  # free again: folded
+    assert got() > 0.001
+
+
+def _cap(service, job_id: str) -> float:
+    """The remote-IO cap the last round gave the job."""
+    return next(j for j in service.allocations(ADMIN_P).jobs if j.job_id == job_id).remote_io

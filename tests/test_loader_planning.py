@@ -150,3 +150,32 @@ def test_the_service_plans_a_declared_loader_with_its_measured_service_time(tmp_
             assert views[str(plain)].loader_miss_rate == math.inf
     finally:
         service.close()
+
+
+def test_gavel_caches_by_its_io_knapsack_not_the_loader_weight():
+    """Gavel keeps Eq. 9's order e_k = (sum of readers' ref) / d_k with a loader job (docs/policies.md,
+    "The loader term in the policies"): its GPU bound takes a loader job's rate at the cache filled
+    now, X(h now), and so does its equal share ref, so the cache granted this round enters only the
+    IO bound, for which e_k is exact. Here Algorithm 2's weight f* (1 + f*/m) / d puts db (the
+    loader job's, 60 GB) first (2 F / 60 GB > F / 50 GB); Gavel caches da, and the LP over the same
+    problem (gavel_reference, cvxpy) finds the same ratio and cache: 7/6, where caching db would
+    need t (ref_a + ref_b / 6) <= 20 MB/s of IO, t = 0.875."""
+    import numpy as np
+
+    from policies.gavel import GavelProblem, solve_max_min
+    from policies.gavel_reference import solve_max_min_reference
+    from policies.loader import cache_weight
+
+    jobs = (JobView("a", 1, "da", F, 200 * GB, 0.0, running=True),
+            JobView("b", 1, "db", F, 200 * GB, 1.0, running=True, loader_miss_rate=M))
+    ds = {"da": DatasetView("da", 50 * GB), "db": DatasetView("db", 60 * GB)}
+    snap = Snapshot(0.0, jobs, ds, ClusterCapacity(gpus=2, cache=50 * GB, remote_io=20 * MB, gpus_per_node=8))
+    w = cache_weight(np.array([F, F]), np.array([math.inf, M])) / np.array([50 * GB, 60 * GB])
+    assert w[1] > w[0]  # the loader weight's order: db first
+    p = GavelProblem.from_snapshot(snap, True)
+    got, lp = solve_max_min(p), solve_max_min_reference(p)
+    assert list(got.cache) == pytest.approx([50 * GB, 0.0]) and list(lp.cache) == pytest.approx([50 * GB, 0.0], abs=1e3)
+    assert got.ratio == pytest.approx(7 / 6) and lp.ratio == pytest.approx(got.ratio, rel=1e-6)
+    ref_a, ref_b = got.reference
+    assert 20 * MB / (ref_a + ref_b / 6) == pytest.approx(0.875)  # the ratio with db cached instead
+    assert get_policy("gavel").allocate(snap, SiloDEstimator()).cache == pytest.approx({"da": 50 * GB, "db": 0.0})

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from estimator import io_perf, loader_miss_rate, loader_perf, silod_loader_perf, silod_perf, window_io_perf
+from estimator import io_perf, loader_miss_rate, loader_miss_time, loader_perf, silod_loader_perf, silod_perf, window_io_perf
 from policies.estimators import SiloDEstimator
 from policies.fifo import FifoPolicy
 from policies.types import ClusterCapacity
@@ -58,6 +58,34 @@ def _jct(loader: float | None, cache: float) -> float:
     trace = Trace((job,), {"d": 50 * GB})
     cap = ClusterCapacity(gpus=1, cache=cache, remote_io=1 * GB, gpus_per_node=1)
     return Simulator(trace, cap, FifoPolicy(), SiloDEstimator(), "silod", SimConfig()).run().jobs[0].jct_s
+
+
+def test_the_miss_time_at_a_binding_bucket_is_the_wait_that_matches_its_rate():
+    """L(b) (estimator.loader_miss_time), by hand: W = 2 workers, s = 10 kB items, f* = 10 MB/s,
+    h = 0.5, L_free = 0.5 ms. At b = 2 MB/s the loader would miss 0.5 X(L_free) = 4.76 MB/s > b:
+    the waiters' queue grows until L = W s (1/b - 1/((1-h) f*)) = 20,000 (1/2e6 - 1/5e6) = 6 ms,
+    where the loader's misses flow at b (X = b / (1-h) = 4 MB/s). At b = 8 MB/s the link does not
+    bind: W s / b = 2.5 ms < W s / ((1-h) f*) = 4 ms, so L = L_free."""
+    w, s, f, h, free = 2, 10_000.0, 10 * MB, 0.5, 0.5e-3
+    assert loader_miss_time(free, w, s, f, h, 2 * MB) == pytest.approx(6e-3)
+    assert loader_perf(f, h, loader_miss_rate(w, s, 6e-3)) == pytest.approx(2 * MB / (1 - h))
+    assert loader_miss_time(free, w, s, f, h, 8 * MB) == free
+    assert loader_miss_time(free, w, s, f, h, math.inf) == free  # no cap
+    assert loader_miss_time(free, w, s, f, 1.0, 2 * MB) == free  # nothing missed: no wait
+    assert loader_miss_time(free, w, s, f, h, 0.0) == math.inf  # paused
+    # The burst banked before a 2 s window: b' = 1 MB/s + 65,536 B / 2 s = 1,032,768 B/s,
+    # L = 20,000 / 1,032,768 - 4e-3 = 15.365 ms (it would be 16 ms without it).
+    assert loader_miss_time(free, w, s, f, h, 1 * MB, burst=65_536, seconds=2.0) == pytest.approx(20_000 / 1_032_768 - 4e-3)
+    assert loader_miss_time(free, w, s, f, h, 1 * MB) == pytest.approx(16e-3)
+    # 4 workers wait twice as long per miss for the same rate: twice the misses in flight.
+    assert loader_miss_time(free, 4, s, f, 0.0, 2 * MB) == pytest.approx(40_000 / 2e6 - 40_000 / 1e7)
+    # Arrays (the policies' columns) and the throughput it gives: min(X(L_free), b/(1-h)).
+    bs = np.array([1 * MB, 2 * MB, 4 * MB, 8 * MB])
+    lb = loader_miss_time(free, w, s, f, h, bs)
+    x = loader_perf(f, h, loader_miss_rate(w, s, lb))
+    assert x == pytest.approx(np.minimum(loader_perf(f, h, loader_miss_rate(w, s, free)), bs / (1 - h)))
+    with pytest.raises(ValueError, match="workers"):
+        loader_miss_time(free, 0, s, f, h, 2 * MB)
 
 
 def test_the_simulator_follows_the_loader_term():

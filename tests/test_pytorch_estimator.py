@@ -37,7 +37,7 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
     _need("real FUSE mounts are not possible here: " + "; ".join(problems) if problems else None)
     from bench_pytorch_estimator import Point, median, mounted, rate, run_point, trainer
 
-    from estimator import window_io_perf
+    from estimator import loader_miss_time, window_io_perf
     from fuse_client.token_bucket import TokenBucket
 
     source = tmp_path / "remote" / "jpegs"
@@ -64,6 +64,13 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
                       f" / ((b + B/E) / (1 - c/d)) {windowed:.3f}")
                 assert 0.8 <= r.ratio <= 1.15, r
                 assert 0.8 <= windowed <= 1.15, (r, windowed)
+                # The token bucket's queue (estimator.loader_miss_time): at this cap a miss holds
+                # its worker W s (1/b' - 1/((1-h) f*)), 20 s/f* - 2 s/((1-h) f*) here, mostly the
+                # wait for tokens (L_free, under 2 ms, is below it), as the mount times it.
+                seconds = median([d / t for _f, t in r.pairs])
+                model = float(loader_miss_time(0.0, 2, r.miss_item_bytes, r.fstar_mb_s * 1e6, c, b, r.burst_bytes, seconds))
+                print(f"c/d={c}: per-miss time {r.miss_service_s * 1e3:.2f} ms, L(b) {model * 1e3:.2f} ms")
+                assert r.miss_service_s == pytest.approx(model, rel=0.3), (r, model)
         finally:
             reference.close()
 

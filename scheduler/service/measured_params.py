@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from estimator.model import loader_miss_rate as model_loader_miss_rate
-from estimator.measured import SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job, used_fstar
+from estimator.measured import NOT_BOUND_SLACK, SERVICE_FSTAR_FLOOR, FStarEstimate, JobMeasurement, observe_job, used_fstar
 from scheduler.service.db.models import Job, JobMeasurementRow
 
 #: Intervals in a job's first seconds of reading are not evidence: its mount and pipeline warm up.
@@ -250,7 +250,13 @@ class MeasurementStore:
                 continue
             interval = self._interval(jid, o, now)
             row = rows.get(jid)
-            service = self._miss_service(jid, o, row)
+            # An interval the link held (its rate at the IO bound b / (1 - h), as f*'s samples
+            # judge it) timed its misses' waits for the token bucket, not the loader: L there is
+            # L(b) = W s (1/b - 1/((1-h) f*)) (estimator.loader_miss_time), the allocation's,
+            # and a plan for another b with it would keep the job at this b. Not folded: the L
+            # kept is the free one, and planning puts the link's bound beside it (min).
+            held = interval is not None and interval[0] >= NOT_BOUND_SLACK * io_bound(replace(o, hit_ratio=interval[1]), link)
+            service = self._miss_service(jid, o, row, held_by_link=held)
             if interval is None:
                 if service is not None and row is not None:  # no rate to learn; the misses' service time is a figure
                     writes.append(dict(job_id=jid, existed=row is not None, only_service=True, **service))
@@ -287,9 +293,10 @@ class MeasurementStore:
             hit = min((o.cache or 0.0) / o.dataset_size, 1.0) if o.dataset_size > 0 else 0.0
         return (1.0 - min(max(hit, 0.0), 1.0)) / m
 
-    def _miss_service(self, jid: int, o: Observation, row: JobMeasurementRow | None) -> dict | None:
+    def _miss_service(self, jid: int, o: Observation, row: JobMeasurementRow | None, held_by_link: bool = False) -> dict | None:
         """The job's per-miss service columns folded with this observation's misses (their
-        counters' change since the last look), or None when nothing new was delivered."""
+        counters' change since the last look), or None when nothing new was delivered or the
+        link held the interval (`held_by_link`: its counters are taken as the next start)."""
         if o.miss_service_count is None or o.miss_service_s is None or o.miss_service_bytes is None:
             return None
         now_counts = (float(o.miss_service_count), float(o.miss_service_s), float(o.miss_service_bytes))
@@ -300,6 +307,8 @@ class MeasurementStore:
         d = [a - b for a, b in zip(now_counts, prev)]
         if d[0] < 0 or d[1] < 0 or d[2] < 0:
             return None  # counters restarted (a new mount): the next look starts afresh
+        if held_by_link:
+            return None
         folded = fold_miss_service(row.miss_service_s if row is not None else None,
                                    row.miss_item_bytes if row is not None else None,
                                    row.miss_service_n if row is not None else None, *d)

@@ -46,7 +46,8 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     size = args.image_size
 
     class Jpegs(Dataset):
-        """(image tensor, label, source bytes): the bytes are what the mount served for it."""
+        """(image tensor, label, source bytes, seconds the worker waited for them): the bytes are
+        what the mount served for it."""
 
         def __len__(self) -> int:
             return len(files)
@@ -54,13 +55,15 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
             from PIL import Image
 
+            t0 = time.perf_counter()  # the worker's wait for the bytes (a miss: the mount's fetch)
             with open(files[i], "rb") as f:
                 raw = f.read()
+            read_s = time.perf_counter() - t0
             img = Image.open(io.BytesIO(raw)).convert("RGB").resize((size, size))
             x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size, size, 3)
             x = x.permute(2, 0, 1).float().div_(255.0)
             label = labels[files[i].parent] if labels is not None else i % 10
-            return x, label, len(raw)
+            return x, label, len(raw), read_s
 
     classes = len(dirs) if labels is not None else 10
     model = nn.Sequential(
@@ -91,8 +94,8 @@ def parser() -> argparse.ArgumentParser:
 
 class Trainer:
     """The model, its DataLoader and optimiser; `epoch()` trains one epoch and returns its record
-    {"epoch", "seconds", "bytes", "items", "steps", "compute_s_per_step", "loss", "reports_sent",
-    "reports_failed"}."""
+    {"epoch", "seconds", "bytes", "items", "steps", "compute_s_per_step", "read_s" (the workers'
+    summed seconds in open + read of its items), "loss", "reports_sent", "reports_failed"}."""
 
     def __init__(self, args: argparse.Namespace):
         import torch
@@ -112,7 +115,8 @@ class Trainer:
         t0 = time.perf_counter()
         nbytes = items = steps = 0
         compute = loss_value = 0.0
-        for x, y, raw in self.reporter.wrap(self.loader, batch_bytes=lambda b: int(b[2].sum())):
+        read_s = 0.0
+        for x, y, raw, waited in self.reporter.wrap(self.loader, batch_bytes=lambda b: int(b[2].sum())):
             c0 = time.perf_counter()
             self.opt.zero_grad()
             loss = self.loss_fn(self.model(x), y)
@@ -121,11 +125,12 @@ class Trainer:
             compute += time.perf_counter() - c0
             loss_value = loss.item()
             nbytes += int(raw.sum())
+            read_s += float(waited.sum())
             items += len(y)
             steps += 1
         seconds = time.perf_counter() - t0
         record = {"epoch": len(self.records), "seconds": seconds, "bytes": nbytes, "items": items, "steps": steps,
-                  "compute_s_per_step": compute / max(steps, 1), "loss": loss_value,
+                  "compute_s_per_step": compute / max(steps, 1), "read_s": read_s, "loss": loss_value,
                   "reports_sent": self.reporter.sent, "reports_failed": self.reporter.failed}
         self.records.append(record)
         return record

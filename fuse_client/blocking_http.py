@@ -20,17 +20,25 @@ The same guarantees as safe_http.py gives the aiohttp session, applied here on e
 Liveness: every wait for a byte (connect aside, which has its own timeout) is bounded by the
 caller's `timeout()` as it is at that moment, and every `recv` that returns data is reported
 through `on_piece` at once, so a slow but alive item is never taken for a dead one.
+
+Interruptible waits: a thread that must be able to give up a request at once (a fetch run on the
+thread of the open waiting for it, whose reader may be killed) sets a check with
+`interruptible(check)`; its waits for the connection and for bytes then poll the socket in
+slices of `CHECK_SLICE_S` and call `check()` between them, which raises to abandon the request.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import http.client
 import io
 import select
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from urllib.parse import quote, urljoin, urlsplit
 
 from fuse_client.safe_http import DestinationRefused, HttpGuard
@@ -42,6 +50,38 @@ _HEADER_BUFFER = 64 * 1024  # the reader's buffer: headers, and the body's first
 # Characters left as they are in a URL's path and query: reserved ones, and `%` so that the
 # listing's paths (kept percent-encoded as the server's index spelled them) are sent unchanged.
 _SAFE = "/%:@!$&'()*+,;=~-._?"
+CHECK_SLICE_S = 0.05  # how often an interruptible wait calls its check (see `interruptible`)
+_thread = threading.local()  # .check: this thread's interrupt check, or absent
+
+
+@contextlib.contextmanager
+def interruptible(check: Callable[[float], None]) -> Iterator[None]:
+    """Inside the block, this thread's waits for a connection or bytes call `check(due)` every
+    CHECK_SLICE_S (`due`: when that slice should have ended, time.monotonic()); whatever it
+    raises ends the request (the connection is closed)."""
+    _thread.check = check
+    try:
+        yield
+    finally:
+        _thread.check = None
+
+
+def _await(sock: socket.socket, limit: float, check: Callable[[float], None], events: int) -> float:
+    """Wait up to `limit` seconds for `events` on `sock` in slices, calling `check()` between
+    them; returns what is left of `limit` when they are there or the limit is over (the
+    caller's own call then times out)."""
+    if events == select.POLLIN and isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return limit
+    poller = select.poll()
+    poller.register(sock, events)
+    end = time.monotonic() + limit
+    while True:
+        now = time.monotonic()
+        left = end - now
+        step = min(left, CHECK_SLICE_S)
+        if left <= 0 or poller.poll(step * 1000):
+            return max(0.001, left)
+        check(now + step)
 
 
 def encode_url(url: str) -> str:
@@ -67,8 +107,20 @@ def guarded_connect(guard: HttpGuard, host: str, port: int, timeout: float) -> s
             continue
         sock = socket.socket(family, type_, proto)
         try:
+            check = getattr(_thread, "check", None)
+            if check is not None:  # connect without blocking, waiting in slices
+                sock.setblocking(False)
+                err = sock.connect_ex(sockaddr)
+                if err == errno.EINPROGRESS:
+                    _await(sock, timeout, check, select.POLLOUT)
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if not err and not select.select([], [sock], [], 0)[1]:
+                        raise TimeoutError(errno.ETIMEDOUT, f"connecting to {sockaddr} timed out")
+                if err:
+                    raise OSError(err, f"connecting to {sockaddr}: {errno.errorcode.get(err, err)}")
             sock.settimeout(timeout)
-            sock.connect(sockaddr)
+            if check is None:
+                sock.connect(sockaddr)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
         except OSError as exc:
@@ -103,7 +155,11 @@ class _SocketReader(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
-        self._sock.settimeout(max(0.001, self._wait.timeout()))
+        limit = max(0.001, self._wait.timeout())
+        check = getattr(_thread, "check", None)
+        if check is not None:
+            limit = _await(self._sock, limit, check, select.POLLIN)
+        self._sock.settimeout(limit)
         n = self._raw.readinto(b)
         if n:
             self._wait.on_piece(n)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from fuse_client import blocking_http
 from fuse_client.accounting import JobAccounting
 from fuse_client.breaker import CircuitBreaker, RemoteUnavailable
 from fuse_client.cache_store import DatasetCache, item_key
@@ -52,6 +53,21 @@ DEFAULT_STREAM_MIN_BYTES = 8 * 1024 * 1024
 # of 256 KiB writes on the test VM (256 MiB: 0.2-0.8 s against 0.05-0.06 s; each size measured in
 # a new process with os.pwrite on ext4, kernel 6.18).
 STAGING_WRITE_BYTES = 256 * 1024
+
+
+class _HandOff(BaseException):
+    """Raised inside a fetch run on its open's thread: the fetch moves to the fetch pool (it
+    starts again there, for the opens that wait for it). `error`: what the open itself raises
+    (EINTR when it was interrupted, EIO when the fetch stalls), None when it goes on waiting
+    (the fetch would wait for tokens or room, which a pool thread does).
+
+    A BaseException: no handler of the fetch's own (retries take an Exception for the remote's
+    failure) may catch it, and not an OSError of EINTR either, which Python's buffered reader
+    retries the read after."""
+
+    def __init__(self, error: OSError | None) -> None:
+        super().__init__("the fetch moves to the fetch pool")
+        self.error = error
 
 
 class LocalItem(NamedTuple):
@@ -138,12 +154,15 @@ class ItemResolver:
         return {**self._pool.snapshot(), "inflight_bytes": inflight, "inflight_bytes_peak": peak,
                 "inflight_bytes_bound": self.max_inflight_bytes}
 
-    def _buffered(self, n: int) -> None:
+    def _buffered(self, n: int, inline: bool = False) -> None:
         """A fetch is about to read `n` bytes into memory (n > 0: waits until they fit under the
-        bound; a chunk larger than the bound waits until it is alone), or has staged them (n < 0)."""
+        bound; a chunk larger than the bound waits until it is alone), or has staged them (n < 0).
+        `inline`: a fetch on its open's thread, which moves to the pool rather than wait here."""
         with self._inflight_cv:
             if n > 0:
                 while self._inflight_bytes and self._inflight_bytes + n > self.max_inflight_bytes:
+                    if inline:
+                        raise _HandOff(None)
                     if self._closed.is_set():
                         raise InterruptedError("unmounting")
                     self._inflight_cv.wait(0.5)
@@ -229,7 +248,8 @@ class ItemResolver:
         if leader:
             result: list[_LeaderResult] = []
             try:
-                self._pool.submit(self._lead, flight, entry, key, result)
+                if not self._lead_here(flight, entry, key, result, cancelled):
+                    self._pool.submit(self._lead, flight, entry, key, result)
             except RuntimeError as exc:  # the pool is shut down: we are unmounting
                 self.flights.finish(flight, error=InterruptedError(str(exc)))
             if not self._wait(flight, entry, True, cancelled, result):
@@ -260,6 +280,56 @@ class ItemResolver:
             return self._miss(entry, key, cancelled)  # evicted in between (a shrink): try again
         self.accounting.item_opened(entry.index, hit=False, shared_fetch=True)
         return LocalItem(flight.fds.pop(), entry, hit=False)
+
+    def _lead_here(self, flight: Flight, entry: FileEntry, key: str, result: list[_LeaderResult],
+                   cancelled: Callable[[], bool] | None) -> bool:
+        """Lead `flight` on this thread, the open's own, when a fast fetch slot is free and no
+        fetch queues for one (FetchLanes.run_here; a small item of an HTTP(S) source): a miss
+        then costs no hand-over to a pool thread and back, which profiled as most of a small
+        miss's CPU (futex wake-ups and GIL hand-overs). False when it did not run here (the
+        caller submits it to the pool).
+
+        The open must still give up at once when its request is interrupted, and with EIO when
+        the fetch stalls: the fetch's waits (for bytes, a connection, a peer's lock) call a
+        check every slice, which then hands the fetch to the pool (it starts again there, for
+        the opens that wait for it) and raises the open's error here. A fetch that would wait
+        for tokens or for room under the in-flight bound moves to the pool too, and this open
+        waits for it as for any pool fetch."""
+        if entry.size >= self.stream_min_bytes or self.store.protocol not in ("http", "https"):
+            return False  # streamed opens return at the first bytes; S3 and files wait elsewhere
+        handed: list[_HandOff] = []
+
+        def check(due: float) -> None:
+            self._pauses.woke(due, time.monotonic())  # as the waits of _wait do
+            if cancelled is not None and cancelled():
+                raise _HandOff(InterruptedError(errno.EINTR, f"open of {entry.path!r} interrupted"))
+            if self._stalled(flight):
+                error = RemoteFetchError(errno.EIO, f"remote store {self.store.url} delivered nothing for "
+                                         f"{self._stall_limit():.1f} s while {entry.path!r} waited for it")
+                log.warning("%s", error)
+                raise _HandOff(error)
+
+        def lead(lane: Lane) -> None:
+            flight.check = check
+            try:
+                with blocking_http.interruptible(check):
+                    self._lead(lane, flight, entry, key, result)
+            except _HandOff as exc:
+                handed.append(exc)
+            finally:
+                flight.check = None
+
+        if not self._pool.run_here(lead):
+            return False
+        if handed:
+            flight.started = False  # queued again: judged as a queued fetch until it runs
+            self._pool.submit(self._lead, flight, entry, key, result)
+            error = handed[0].error
+            if error is not None:
+                if self.flights.leave(flight, True) and result:
+                    os.close(result[0].fd)  # finished just now: nobody takes it
+                raise error
+        return True
 
     def _streamed(self, flight: Flight, entry: FileEntry, leader: bool) -> LocalItem | None:
         """The open reads `flight`'s item while it is fetched; None when the flight has ended
@@ -353,8 +423,15 @@ class ItemResolver:
                 # copy for us even if the cache has no room for it.
                 locks.mark_waiting(key)
                 flight.waiting_peer = True
+                between = self._peer_check(entry, key)
+                if flight.check is not None:  # on its open's thread: the open may give up
+                    peer_check, check = between, flight.check
+
+                    def between() -> None:
+                        check(time.monotonic())
+                        peer_check()
                 try:
-                    locks.acquire(key, self._peer_check(entry, key))
+                    locks.acquire(key, between)
                 finally:
                     # Stamped before the mark is cleared: the peer's fetch may have taken longer
                     # than the stall limit, and a waiter that saw the mark gone with the stamp from
@@ -366,6 +443,8 @@ class ItemResolver:
                 r = self._lead_locked(entry, key, flight)
             finally:
                 locks.release(key)
+        except _HandOff:
+            raise  # the flight goes on in the pool (_lead_here)
         except BaseException as exc:
             self.flights.finish(flight, error=exc)
             return
@@ -520,7 +599,8 @@ class ItemResolver:
                     def on_progress() -> None:  # every piece that arrives (any thread)
                         self._progressed(flight)
 
-                kw: dict = {"on_buffer": self._buffered}
+                inline = flight is not None and flight.check is not None
+                kw: dict = {"on_buffer": (lambda n: self._buffered(n, True)) if inline else self._buffered}
                 if on_progress is not None:
                     kw["on_progress"] = on_progress
                 bound = self.max_inflight_bytes  # no chunk is larger than the in-flight bound
@@ -600,6 +680,10 @@ class _FlightThrottle:
 
     def acquire(self, nbytes: int) -> None:
         r, f = self._resolver, self._flight
+        if f.check is not None:  # on its open's thread: never waits for tokens there
+            if r.throttle.try_acquire(nbytes):
+                return
+            raise _HandOff(None)
         with r._active_lock:
             r._throttled_fetches += 1
         f.throttled += 1

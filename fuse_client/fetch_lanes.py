@@ -58,6 +58,7 @@ class FetchLanes:
         self._monitor = False
         self._shutdown = False
         self.moved = 0  # fetches moved to the slow lane so far
+        self.ran_here = 0  # tasks run on their caller's thread (run_here)
 
     @property
     def inflight_bound(self) -> int:
@@ -66,7 +67,7 @@ class FetchLanes:
     def snapshot(self) -> dict:
         with self._cv:
             return {"fast_running": self.fast - self._fast_free, "slow_running": self.slow - self._slow_free,
-                    "queued": len(self._queue), "moved_to_slow_lane": self.moved,
+                    "queued": len(self._queue), "moved_to_slow_lane": self.moved, "ran_on_caller": self.ran_here,
                     "inflight_bytes_bound": self.inflight_bound}
 
     def submit(self, fn: Callable[[Lane], None], *args) -> None:
@@ -76,6 +77,32 @@ class FetchLanes:
                 raise RuntimeError("the fetch pool is shut down")
             self._queue.append((fn, args))
             self._kick()
+
+    def run_here(self, fn: Callable[[Lane], None], *args) -> bool:
+        """Run `fn(lane, *args)` on the calling thread when a fast slot is free and nothing is
+        queued (saves the hand-off to a pool thread and back); False, having run nothing, else.
+        The task holds its fast slot as a pool task does (the monitor may move it to the slow
+        lane); RuntimeError once shut down."""
+        with self._cv:
+            if self._shutdown:
+                raise RuntimeError("the fetch pool is shut down")
+            if self._queue or self._fast_free <= 0:
+                return False
+            self._fast_free -= 1
+            lane = Lane()
+            self._running.append(lane)
+            self.ran_here += 1
+        try:
+            fn(lane, *args)
+        finally:
+            with self._cv:
+                if lane.slow:
+                    self._slow_free += 1
+                else:
+                    self._running.remove(lane)
+                    self._fast_free += 1
+                self._kick()
+        return True
 
     def shutdown(self) -> list[tuple[Callable, tuple]]:
         """Stop taking tasks; returns the queued ones, which will never run."""

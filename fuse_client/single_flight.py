@@ -117,6 +117,10 @@ class Flight:
     waiting_peer: bool = False
     leader_gone: bool = False  # the leader's own open gave up: the leader closes its descriptor
     lane: object = None  # the fetch lane its leader runs in (fetch_lanes.Lane)
+    # Set while the leader runs on its own open's thread (dataplane.py, "inline"): called at the
+    # fetch's waits, it raises to hand the fetch to the pool (the open was interrupted, the
+    # fetch stalls, or it would wait for tokens or room).
+    check: object = None
 
 
 class Flights:

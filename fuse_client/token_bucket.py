@@ -177,6 +177,17 @@ class Throttle:
                 if self._queue:
                     self._queue[0].set()
 
+    def try_acquire(self, nbytes: int) -> bool:
+        """Take `nbytes` if they are there now and nobody waits before us; False, having taken
+        nothing, when acquire() would wait (a caller that must not block, dataplane's inline
+        fetch, then leaves the wait to a thread that may)."""
+        if self._bucket.rate == math.inf and not self._queue:
+            return True
+        with self._lock:
+            if self._closed:
+                raise InterruptedError("throttle closed")
+            return not self._queue and self._bucket.try_take(nbytes, self._clock()) == 0.0
+
     def _paused(self, now: float) -> TokenWaitExpired:
         """The error of a wait at rate 0; logged once per pause (called under the lock)."""
         paused_for = now - self._paused_since

@@ -40,3 +40,43 @@ def test_a_task_left_queued_when_the_monitor_freed_fewer_slots_than_tasks_wait_s
     finally:
         release.set()
         lanes.shutdown()
+
+
+def test_run_here_takes_a_free_fast_slot_on_the_callers_thread_and_never_overtakes_queued_tasks():
+    """run_here runs the task on the calling thread while a fast slot is free and nothing queues;
+    with the fast lane full (a task queued behind it), it runs nothing and the caller submits, so
+    tasks still start in arrival order. An inline task that runs long is moved to the slow lane
+    like a pool task, and its slot is given back either way."""
+    lanes = FetchLanes(fast=1, slow=1, slow_after_s=0.2)
+    release = threading.Event()
+    ran: list[tuple[str, str]] = []
+
+    def task(lane, name: str, block: bool) -> None:  # type: ignore[no-untyped-def]
+        ran.append((name, threading.current_thread().name))
+        if block:
+            release.wait(30)
+
+    try:
+        assert lanes.run_here(task, "first", False)
+        assert ran == [("first", threading.current_thread().name)]
+        inline = threading.Thread(target=lanes.run_here, args=(task, "long", True), name="opener")
+        inline.start()
+        deadline = time.monotonic() + 10
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran[1] == ("long", "opener")
+        assert lanes.snapshot()["fast_running"] == 1
+        lanes.submit(task, "queued", False)  # waits for the fast slot (the monitor frees it)
+        assert not lanes.run_here(task, "late", False)  # something queues: never overtaken here
+        deadline = time.monotonic() + 10
+        while len(ran) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [name for name, _ in ran] == ["first", "long", "queued"]
+        assert lanes.snapshot()["moved_to_slow_lane"] == 1  # the inline task moved like a pool task
+        release.set()
+        inline.join(10)
+        assert lanes.snapshot()["fast_running"] == lanes.snapshot()["slow_running"] == 0
+        assert lanes.snapshot()["ran_on_caller"] == 2
+    finally:
+        release.set()
+        lanes.shutdown()

@@ -295,8 +295,11 @@ class ItemResolver:
         the opens that wait for it) and raises the open's error here. A fetch that would wait
         for tokens or for room under the in-flight bound moves to the pool too, and this open
         waits for it as for any pool fetch."""
-        if entry.size >= self.stream_min_bytes or self.store.protocol not in ("http", "https"):
-            return False  # streamed opens return at the first bytes; S3 and files wait elsewhere
+        # Streamed opens return at the first bytes; S3 and files wait elsewhere. With streaming
+        # off, items past the default threshold still go to the pool: they are not "small".
+        small_below = self.stream_min_bytes if self.stream_min_bytes is not None else DEFAULT_STREAM_MIN_BYTES
+        if entry.size >= small_below or self.store.protocol not in ("http", "https"):
+            return False
         handed: list[_HandOff] = []
 
         def check(due: float) -> None:

@@ -38,6 +38,7 @@ private cache of its GPU share, an equal share of the link), the same cache and 
 policies.storage (cache by f*/d, the link max-min by demand).
 
     .venv/bin/python benchmarks/bench_pytorch_estimator.py [--images 1000] [--pairs 5] [--quick] [--out FILE]
+        [--out-of-order] [--fractions 0,0.5,1] [--free-only]
 
 Needs torch (pip install torch==2.13.0), /dev/fuse, fusermount3 and root.
 """
@@ -245,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
+    chosen: tuple[float, ...] = ()
+    if args.fractions:
+        try:
+            chosen = tuple(float(v) for v in args.fractions.split(","))
+        except ValueError:
+            ap.error(f"--fractions {args.fractions!r}: give comma-separated numbers in [0, 1], e.g. 0,0.5,1")
+        if any(not 0 <= c <= 1 for c in chosen):
+            ap.error(f"--fractions {args.fractions!r}: each c/d must be in [0, 1]")
     from estimator import silod_perf
     from scheduler.backends.local import fuse_problems
     from scheduler.demo import make_jpegs, torch_problem
@@ -255,12 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     images, pairs, fractions = (200, 2, (0.0, 0.5, 1.0)) if args.quick else (args.images, args.pairs, FRACTIONS)
     if args.fractions:
-        try:
-            fractions = tuple(float(v) for v in args.fractions.split(","))
-        except ValueError:
-            ap.error(f"--fractions {args.fractions!r}: give comma-separated numbers in [0, 1], e.g. 0,0.5,1")
-        if any(not 0 <= c <= 1 for c in fractions):
-            ap.error(f"--fractions {args.fractions!r}: each c/d must be in [0, 1]")
+        fractions = chosen
     links = (B_FREE,) if args.free_only else (B_BIND, B_FREE)
     epochs = pairs + 1
     work = args.workdir or Path(tempfile.mkdtemp(prefix="silod-bench-pytorch-"))

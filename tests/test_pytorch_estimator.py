@@ -115,3 +115,12 @@ def test_the_benchmark_runs_the_loader_out_of_order_when_asked(tmp_path: Path) -
     for bad in ("x", "0.5,2"):
         with pytest.raises(SystemExit):
             main(["--fractions", bad])
+
+
+def test_the_loader_order_benchmark_refuses_bad_input() -> None:
+    """benchmarks/bench_loader_order.py names the flag it cannot use, before any mount."""
+    from bench_loader_order import main
+
+    for bad in (["--fractions", "x"], ["--fractions", "1.5"], ["--pairs", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad)

@@ -8,7 +8,10 @@ epoch rate. Head-of-line blocking (a slow batch holding up faster ones) would sh
 above the c/d = 0 and c/d = 1 points' (all misses, all hits: no spread in misses per batch).
 
     .venv/bin/python benchmarks/bench_loader_order.py [--pairs 10] [--fractions 0,0.25,0.5,0.75,1]
-        [--prefetch 2] [--out FILE]
+        [--prefetch 2] [--out FILE] [--b-prefetch 8 --b-in-order]
+
+`--b-prefetch N --b-in-order` makes the second trainer an in-order one with a deeper read-ahead
+(torch's prefetch_factor N) instead: the other way round head-of-line blocking, a deeper window.
 
 Needs torch, /dev/fuse, fusermount3 and root.
 """
@@ -35,14 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=1000)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--fractions", default=",".join(f"{c:g}" for c in FRACTIONS))
+    ap.add_argument("--b-prefetch", type=int, default=None, help="the second trainer's prefetch (default --prefetch)")
+    ap.add_argument("--b-in-order", action="store_true", help="the second trainer in order too (with --b-prefetch)")
     ap.add_argument("--out", type=Path, default=Path("bench_loader_order.json"))
     args = ap.parse_args(argv)
     try:
         fractions = [float(v) for v in args.fractions.split(",")]
     except ValueError:
         ap.error(f"--fractions {args.fractions!r}: give comma-separated numbers in [0, 1], e.g. 0,0.5,1")
-    if any(not 0 <= c <= 1 for c in fractions) or args.pairs < 1 or args.images < 16:
-        ap.error("each --fractions value must be in [0, 1], --pairs >= 1, --images >= 16")
+    b_prefetch = args.prefetch if args.b_prefetch is None else args.b_prefetch
+    if any(not 0 <= c <= 1 for c in fractions) or args.pairs < 1 or args.images < 16 or min(args.prefetch, b_prefetch) < 1:
+        ap.error("each --fractions value must be in [0, 1], --pairs >= 1, --images >= 16, --prefetch and --b-prefetch >= 1")
+    b_name = f"{'in-order' if args.b_in_order else 'out-of-order'} prefetch {b_prefetch}"
     from scheduler.backends.local import fuse_problems
     from scheduler.demo import make_jpegs, torch_problem
 
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         load0 = os.getloadavg()[0]
         for i, c in enumerate(fractions):
             with mounted(work, source, f"o{i}", c * d * (1.02 if c >= 1 else 1.0), None) as (mnt, stats):
-                a, b = trainer(mnt, 2, args.prefetch, True), trainer(mnt, 2, args.prefetch, False)
+                a, b = trainer(mnt, 2, args.prefetch, True), trainer(mnt, 2, b_prefetch, args.b_in_order)
                 try:
                     a.epoch()
                     b.epoch()
@@ -71,12 +78,12 @@ def main(argv: list[str] | None = None) -> int:
                     a.close()
                     b.close()
             ratios = [y / x for x, y in zip(ra, rb)]
-            out[f"{c:g}"] = {"in_order_mb_s": median(ra) / MB, "out_of_order_mb_s": median(rb) / MB,
+            out[f"{c:g}"] = {"in_order_mb_s": median(ra) / MB, "b_mb_s": median(rb) / MB,
                              "ratio": median(ratios), "spread": [min(ratios), max(ratios)]}
-            print(f"c/d={c:g}: in-order {median(ra) / MB:.3f} MB/s, out-of-order {median(rb) / MB:.3f} MB/s,"
-                  f" out-of-order / in-order {median(ratios):.3f} (pairs {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+            print(f"c/d={c:g}: in-order prefetch {args.prefetch} {median(ra) / MB:.3f} MB/s, {b_name} {median(rb) / MB:.3f} MB/s,"
+                  f" ratio {median(ratios):.3f} (pairs {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
         print(f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-        args.out.write_text(json.dumps({"prefetch": args.prefetch, "pairs": args.pairs, "points": out}, indent=1))
+        args.out.write_text(json.dumps({"prefetch": args.prefetch, "b": b_name, "pairs": args.pairs, "points": out}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -121,6 +121,6 @@ def test_the_loader_order_benchmark_refuses_bad_input() -> None:
     """benchmarks/bench_loader_order.py names the flag it cannot use, before any mount."""
     from bench_loader_order import main
 
-    for bad in (["--fractions", "x"], ["--fractions", "1.5"], ["--pairs", "0"]):
+    for bad in (["--fractions", "x"], ["--fractions", "1.5"], ["--pairs", "0"], ["--b-prefetch", "0"]):
         with pytest.raises(SystemExit):
             main(bad)

@@ -38,6 +38,7 @@ private cache of its GPU share, an equal share of the link), the same cache and 
 policies.storage (cache by f*/d, the link max-min by demand).
 
     .venv/bin/python benchmarks/bench_pytorch_estimator.py [--images 1000] [--pairs 5] [--quick] [--out FILE]
+        [--out-of-order] [--fractions 0,0.5,1] [--free-only]
 
 Needs torch (pip install torch==2.13.0), /dev/fuse, fusermount3 and root.
 """
@@ -131,15 +132,16 @@ def mounted(work: Path, source: Path, name: str, cache_size: float, io_rate: flo
         log.close()
 
 
-def trainer(data: Path, workers: int, prefetch: int = 2):  # type: ignore[no-untyped-def]
+def trainer(data: Path, workers: int, prefetch: int = 2, in_order: bool = True):  # type: ignore[no-untyped-def]
     from silod_client.examples.train_cnn import Trainer, parser
 
-    return Trainer(parser().parse_args(["--data", str(data), "--workers", str(workers), "--prefetch", str(prefetch)]))
+    argv = ["--data", str(data), "--workers", str(workers), "--prefetch", str(prefetch)]
+    return Trainer(parser().parse_args(argv + ([] if in_order else ["--out-of-order"])))
 
 
-def run_job(data: Path, epochs: int, workers: int, prefetch: int = 2) -> list[dict]:
+def run_job(data: Path, epochs: int, workers: int, prefetch: int = 2, in_order: bool = True) -> list[dict]:
     """The training job for `epochs` epochs on `data`: its per-epoch records."""
-    t = trainer(data, workers, prefetch)
+    t = trainer(data, workers, prefetch, in_order)
     try:
         return [t.epoch() for _ in range(epochs)]
     finally:
@@ -161,7 +163,7 @@ def median(values: list[float]) -> float:
 
 
 def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pairs: int, workers: int,  # type: ignore[no-untyped-def]
-              prefetch: int = 2) -> Result:
+              prefetch: int = 2, in_order: bool = True) -> Result:
     """One point. Its epochs alternate with epochs of `reference` (a Trainer on the fully cached
     dataset, alone: f*), so that each measured epoch has an f* measured seconds before it: this
     machine's load moves f* by tens of percent within a minute. The point's figure is the median
@@ -169,7 +171,7 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
     cache = p.cache_fraction * d
     b = p.io_rate if p.io_rate is not None else float("inf")
     with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats):
-        t = trainer(mnt, workers, prefetch)
+        t = trainer(mnt, workers, prefetch, in_order)
         try:
             first = t.epoch()
             time.sleep(0.6)  # the mount rewrites its stats twice a second
@@ -237,9 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=5, help="measured epochs per point, each after an f* epoch")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     ap.add_argument("--prefetch", type=int, default=2, help="batches each DataLoader worker loads ahead (torch's prefetch_factor)")
+    ap.add_argument("--out-of-order", dest="in_order", action="store_false",
+                    help="the DataLoader hands batches out as they finish (torch's in_order=False)")
+    ap.add_argument("--fractions", default=None, help="comma-separated c/d values to run (default 0,.25,.5,.75,1)")
+    ap.add_argument("--free-only", action="store_true", help="only the points whose link does not bind (b = 3 f*)")
     ap.add_argument("--quick", action="store_true", help="200 images, 2 pairs, c/d in 0, .5, 1 (a rough check)")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args(argv)
+    chosen: tuple[float, ...] = ()
+    if args.fractions:
+        try:
+            chosen = tuple(float(v) for v in args.fractions.split(","))
+        except ValueError:
+            ap.error(f"--fractions {args.fractions!r}: give comma-separated numbers in [0, 1], e.g. 0,0.5,1")
+        if any(not 0 <= c <= 1 for c in chosen):
+            ap.error(f"--fractions {args.fractions!r}: each c/d must be in [0, 1]")
     from estimator import silod_perf
     from scheduler.backends.local import fuse_problems
     from scheduler.demo import make_jpegs, torch_problem
@@ -249,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 1
     images, pairs, fractions = (200, 2, (0.0, 0.5, 1.0)) if args.quick else (args.images, args.pairs, FRACTIONS)
+    if args.fractions:
+        fractions = chosen
+    links = (B_FREE,) if args.free_only else (B_BIND, B_FREE)
     epochs = pairs + 1
     work = args.workdir or Path(tempfile.mkdtemp(prefix="silod-bench-pytorch-"))
     source = work / "remote" / "jpegs"
@@ -259,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     # f*: the job alone on a fully cached mount (filled once, kept), one of its epochs before
     # every measured epoch of a point (run_point).
     with mounted(work, source, "fstar", d * 1.05, None) as (mnt, _stats):
-        reference = trainer(mnt, args.workers, args.prefetch)
+        reference = trainer(mnt, args.workers, args.prefetch, args.in_order)
         try:
             reference.epoch()  # fills the cache
             reference.epoch()  # warm-up: a new DataLoader's first cached epochs run slow
@@ -270,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             # a low or high first figure moved the bound points across the knee (c/d = 0.5 at
             # 0.35 f* is next to the loader's X(0.5)) from one run to the next.
             results = []
-            for i, (c, frac) in enumerate((c, frac) for c in fractions for frac in (B_BIND, B_FREE)):
+            for i, (c, frac) in enumerate((c, frac) for c in fractions for frac in links):
                 f_now = median([rate(reference.epoch()) for _ in range(2)])
                 p = Point(c, frac * f_now, f"c/d={c:g} b={'bind' if frac == B_BIND else 'free'}")
-                r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch)
+                r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch, args.in_order)
                 results.append(r)
                 print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"
                       f" {r.measured_mb_s:.3f} MB/s: {r.ratio:.2f} (hit {r.hit_ratio if r.hit_ratio is not None else float('nan'):.2f})",
@@ -385,12 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     room = {name: cache * 1.02 if cache >= d else cache for name, (cache, _io) in plan.items()}  # mount bookkeeping slack
     for name in plan:
         with mounted(work, source, f"plan-{name}", room[name], None) as (mnt, _stats):
-            run_job(mnt, 1, args.workers, args.prefetch)
+            run_job(mnt, 1, args.workers, args.prefetch, args.in_order)
     with contextlib.ExitStack() as stack:
         runs = {}
         for name, (_cache, io) in plan.items():
             mnt, _stats = stack.enter_context(mounted(work, source, f"plan-{name}", room[name], io, fresh=False))
-            runs[name] = trainer(mnt, args.workers, args.prefetch)
+            runs[name] = trainer(mnt, args.workers, args.prefetch, args.in_order)
             stack.callback(runs[name].close)
         seconds: dict[str, list[float]] = {name: [] for name in plan}
         for _ in range(pairs + 1):
@@ -447,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
           f" {u['epoch_s'] / s['epoch_s']:.2f}x (predicted {u['predicted_epoch_s'] / s['predicted_epoch_s']:.2f}x)")
     print(f"wall {time.time() - t0:.0f}s; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     args.out.write_text(json.dumps({"fstar_mb_s": fstar / MB, "fstar_refs_mb_s": [f / MB for f in refs], "dataset_mb": d / MB, "images": images,
-                                    "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "extended_own_l": ext_at, "model": model_at,
+                                    "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "in_order": args.in_order, "extended_own_l": ext_at, "model": model_at,
                                     "worker_l": worker_at, "points": [asdict(r) for r in results],
                                     "plans": plan_epoch, "load": [load0, load1],
                                     "extended": ext, "cpu_term": cpu_ext}, indent=1))

@@ -93,3 +93,34 @@ def test_the_benchmark_runs_the_loader_with_the_prefetch_it_is_given(tmp_path: P
             t.close()
     with pytest.raises(SystemExit):
         main(["--prefetch", "x"])
+
+
+def test_the_benchmark_runs_the_loader_out_of_order_when_asked(tmp_path: Path) -> None:
+    """`--out-of-order` reaches the job's DataLoader as torch's in_order=False (batches handed out
+    as workers finish them): the partial-cache points are compared both ways (docs/sdk.md). Bad
+    --fractions are refused with the flag named."""
+    from scheduler.demo import make_jpegs, torch_problem
+
+    _need(torch_problem())
+    from bench_pytorch_estimator import main, trainer
+
+    make_jpegs(tmp_path / "jpegs", 8, seed=3)
+    for in_order in (True, False):
+        t = trainer(tmp_path / "jpegs", 2, 2, in_order)
+        try:
+            assert t.loader.in_order is in_order
+            assert t.epoch()["items"] == 8  # every item once, whatever the order
+        finally:
+            t.close()
+    for bad in ("x", "0.5,2"):
+        with pytest.raises(SystemExit):
+            main(["--fractions", bad])
+
+
+def test_the_loader_order_benchmark_refuses_bad_input() -> None:
+    """benchmarks/bench_loader_order.py names the flag it cannot use, before any mount."""
+    from bench_loader_order import main
+
+    for bad in (["--fractions", "x"], ["--fractions", "1.5"], ["--pairs", "0"], ["--b-prefetch", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad)

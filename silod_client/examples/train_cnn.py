@@ -73,7 +73,7 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
     loader = DataLoader(Jpegs(), batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                         persistent_workers=args.workers > 0, prefetch_factor=args.prefetch if args.workers > 0 else None,
-                        drop_last=False)
+                        drop_last=False, in_order=not args.out_of_order)
     return model, loader
 
 
@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--prefetch", type=int, default=2, help="batches each worker loads ahead")
+    p.add_argument("--out-of-order", action="store_true",
+                   help="hand batches to the loop as workers finish them (torch's in_order=False), not in sampler order")
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the model")

@@ -266,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.fractions:
         fractions = chosen
     links = (B_FREE,) if args.free_only else (B_BIND, B_FREE)
-    epochs = pairs + 1
     work = args.workdir or Path(tempfile.mkdtemp(prefix="silod-bench-pytorch-"))
     source = work / "remote" / "jpegs"
     shutil.rmtree(source, ignore_errors=True)

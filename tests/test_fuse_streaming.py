@@ -15,7 +15,6 @@ import os
 import random
 import threading
 import time
-from pathlib import Path
 
 import pytest
 

@@ -4,15 +4,16 @@ A large miss's open returns as soon as the fetch has staged its first bytes (dat
 each read then waits only until the staged bytes cover it. The guarantees of a whole fetch stay:
 
 - A reader never gets bytes of two versions of an object. When the fetch restarts from byte 0
-  (the object was replaced, or a server without ranges or validators had to send it whole again)
+  (the object was replaced: another validator, or other bytes where bytes were staged)
   after bytes of this item were handed to a reader, every read of it fails with EIO from then on, with a log line,
   and the fetch goes on under a new InFlightItem for the opens that come later. The bytes of
   the new version go to a new file; the old one is left as it was, so a reply being sent from
   it still carries the old version only. (One item for all opens, not one verdict per open:
   with the kernel's page cache the opens of one inode share the pages already read.) Before
   any byte was handed out, a restart is invisible: the readers simply wait for the new bytes.
-  (A server without ranges that sends the same version again - same ETag / Last-Modified - is no
-  restart: the fetch reads past the bytes staged already, checking them: remote.py.)
+  (A server without ranges, or without validators, that sends the item whole again is no
+  restart unless it names another version or its first bytes differ from the staged ones: the
+  fetch reads past the bytes staged already, checking them: remote.py.)
 - A read that ends at the item's last byte waits for the fetch to end, not just for the
   byte: a fetch that fails after its last byte was staged (the server sends more than the
   listing's size) ends the reader with EIO, never with a clean end of file.

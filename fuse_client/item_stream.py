@@ -52,14 +52,15 @@ class Validator:
     def strong_etag(self) -> str | None:
         return self.etag if self.etag and not self.etag.startswith("W/") else None
 
-    def same_version(self, other: "Validator | None") -> bool:
-        """True when `other` names this version for sure: the same strong ETag, or the same
-        Last-Modified with no ETag that differs. Nothing to compare is not the same version."""
-        if other is None or (self.etag and other.etag and self.etag != other.etag):
+    def contradicts(self, other: "Validator | None") -> bool:
+        """True when `other` names another version for sure: another ETag, or (no ETag on one
+        side) another Last-Modified. Nothing to compare contradicts nothing: a caller that reads
+        past staged bytes on this answer checks those bytes themselves (remote.py)."""
+        if other is None:
             return False
-        if self.strong_etag and self.strong_etag == other.strong_etag:
-            return True
-        return bool(self.last_modified) and self.last_modified == other.last_modified
+        if self.etag and other.etag:
+            return self.etag != other.etag
+        return bool(self.last_modified and other.last_modified and self.last_modified != other.last_modified)
 
 
 class Opened:

@@ -421,8 +421,9 @@ class RemoteStore:
         Returns the CRC-32 of the content. `on_progress()` is called (from any thread) as each
         piece of data arrives. A try that fails is retried after a backoff, resuming after the
         bytes already written when the remote can send a validated range (item_stream.py);
-        otherwise, or when the object changed meanwhile, the output is discarded with `reset()`
-        and the fetch restarts from byte 0. Tries go on while the remote has delivered something
+        otherwise (no ranges, or no validator to pin one to) the item is asked for whole again
+        and read past the bytes already written, whose CRC must match; when the object changed
+        meanwhile the output is discarded with `reset()` and the fetch restarts from byte 0. Tries go on while the remote has delivered something
         within the last `policy.deadline_s` (token waits do not count) and until
         `policy.attempts` tries in a row delivered nothing; then RemoteFetchError (EIO).
         Errors of `write` itself (the cache disk) are raised as they are: not the remote's.
@@ -518,10 +519,12 @@ class RemoteStore:
         size = entry.size
         policy = self.policy
         streams = self._streams()
+        # A ranged resume only when the range can be pinned to the staged version (If-Range,
+        # IfMatch). Without a validator the item is asked for whole again (a range could not be
+        # checked) and its first bytes are compared with the staged ones below: readers holding
+        # them (streaming opens) read on when they match, instead of failing with the restart.
         resume = state.offset > 0 and state.validator is not None and (
             state.validator.usable if self.protocol in ("http", "https") else bool(state.validator.etag))
-        if state.offset and not resume:
-            state.restart(reset)
 
         def piece(n: int) -> None:
             progress[0] = clock()
@@ -552,14 +555,18 @@ class RemoteStore:
         progress[0] = clock()
         # The bytes of this answer that are staged already and are checked, not staged again.
         skip = 0
-        if opened.start != state.offset:  # the server sent it whole: a new version, or no ranges
-            if opened.start == 0 and state.validator is not None and state.validator.same_version(opened.validator):
-                # The same version from byte 0 (a server without ranges): readers may hold the
-                # staged bytes already (streaming opens), so they stay and the answer's first
-                # bytes are read past, checked against them (their CRC) instead of restarting.
+        # Whether the staged bytes carried a validator (for the log lines and the error below).
+        validated = state.validator is not None and bool(state.validator.etag or state.validator.last_modified)
+        if opened.start != state.offset:  # sent whole: a new version, no ranges, or not asked for one
+            if opened.start == 0 and state.validator is not None and not state.validator.contradicts(opened.validator):
+                # Perhaps the same version from byte 0 (a server without ranges, or no validator to
+                # pin a range to): readers may hold the staged bytes already (streaming opens), so
+                # they stay and the answer's first bytes are read past, checked against them (their
+                # CRC) instead of restarting. Other bytes there restart the fetch (below).
                 skip = state.offset
-                log.info("%s: the server sent it whole again (no ranges) with the same validator; reading past "
-                         "the %d bytes staged already", entry.path, skip)
+                log.info("%s: sent whole again (%s); reading past the %d bytes staged already, checking them",
+                         entry.path, "no ranges, the same validator" if validated else "no validator to resume a range against",
+                         skip)
             else:
                 state.restart(reset)
         state.validator = opened.validator
@@ -600,8 +607,9 @@ class RemoteStore:
                             staged = state.offset
                             state.restart(reset)
                             state.validator = None
-                            raise IOError(f"{entry.path!r} was sent again with the same validator but other bytes "
-                                          f"in its first {staged}: fetching it again from byte 0")
+                            raise IOError(f"{entry.path!r} was sent again "
+                                          f"{'with the same validator' if validated else 'without a validator'} "
+                                          f"but other bytes in its first {staged}: fetching it again from byte 0")
                     self._stage_checked(entry, data, state, write, on_remote_bytes)
                 finally:
                     on_buffer(-want)

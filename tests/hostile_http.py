@@ -12,6 +12,7 @@ ETag or Last-Modified), as nginx does, and can, per item:
   date) and close the connection, as a store does when an object is overwritten mid-fetch;
 - no_ranges: ignore Range and answer every request with the whole item (200);
 - keep_validators: keep the first ETag and Last-Modified after a replace (other bytes, same validators);
+- no_validators: send no ETag and no Last-Modified (ranges are still honoured, without If-Range);
 - oversend: send `extra` bytes more than the listing says, with no Content-Length (a hostile
   source that would fill the mount's memory).
 
@@ -30,6 +31,23 @@ import time
 from dataclasses import dataclass, field
 
 
+def start_server(handler: type[http.server.BaseHTTPRequestHandler]) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """A threaded HTTP server of `handler` on a free port of 127.0.0.1, serving from a daemon
+    thread, and the URL of its dataset (`/ds/`)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/ds/"
+
+
+def stop_server(server: http.server.ThreadingHTTPServer, release: threading.Event | None = None) -> None:
+    """Stop `server`; `release` (set first) is what its held-back answers wait on."""
+    if release is not None:
+        release.set()
+    server.shutdown()
+    server.server_close()
+
+
 @dataclass
 class Behaviour:
     trickle_rate: float | None = None  # bytes/s
@@ -45,6 +63,7 @@ class Behaviour:
     # Keep answering with the first ETag and Last-Modified even after `replace` (a broken or
     # lying server: other bytes under the same validators).
     keep_validators: bool = False
+    no_validators: bool = False  # no ETag, no Last-Modified: nothing identifies a version
     validators: tuple[str, float] | None = None
     times: int = 1  # responses that pause / drop (the later ones behave)
     served: int = 0
@@ -85,14 +104,10 @@ class HostileSource:
             def do_HEAD(self) -> None:
                 outer._get(self, head=True)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ds/"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = start_server(Handler)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        stop_server(self.server)
 
     def etag(self, name: str) -> str:
         return '"' + hashlib.sha1(self.items[name]).hexdigest()[:16] + '"'
@@ -159,6 +174,8 @@ class HostileSource:
         rng = req.range
         if b is not None and b.no_ranges:
             rng = headers["Accept-Ranges"] = None
+        if b is not None and b.no_validators:
+            headers["ETag"] = headers["Last-Modified"] = None
         if rng and rng.startswith("bytes=") and rng.endswith("-"):
             if req.if_range is None or req.if_range in (etag, headers["Last-Modified"]):
                 start, status = int(rng[len("bytes="):-1]), 206

@@ -223,6 +223,45 @@ def test_other_bytes_under_the_same_validators_restart_the_fetch_not_a_mix():
         src.close()
 
 
+@pytest.mark.parametrize("no_ranges", [False, True], ids=["ranges", "no-ranges"])
+def test_a_cut_from_a_server_without_validators_is_read_past_not_restarted(no_ranges):
+    """A server that sends no ETag and no Last-Modified cuts the connection at 200 kB: a range
+    could not be pinned to the staged version, so the item is asked for whole again (no Range)
+    and its first 200 kB are checked against the staged ones and read past; no reset (which
+    would fail a streamed item's readers). Before: a restart from byte 0."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    data = _data(500_000, 6)
+    src = HostileSource({"a.bin": data}, {"a.bin": Behaviour(no_validators=True, no_ranges=no_ranges, drop_at=200_000)})
+    try:
+        sink = _CountingSink()
+        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(data),
+                        sink=sink)
+        assert got == data and sink.resets == 0
+        reqs = src.item_requests("a.bin")
+        assert [(r.status, r.range, r.if_range) for r in reqs] == [(200, None, None)] * 2, reqs
+    finally:
+        src.close()
+
+
+def test_a_server_without_validators_that_replaces_the_object_restarts_the_fetch_not_a_mix():
+    """The same server replaces the object at 200 kB: its whole answer's first bytes differ from
+    the staged ones, so the fetch restarts from byte 0 and stages the new version whole."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    old, new = _data(500_000, 7), _data(500_000, 8)
+    src = HostileSource({"a.bin": old}, {"a.bin": Behaviour(no_validators=True, replace_at=200_000, replace_with=new)})
+    try:
+        sink = _CountingSink()
+        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(old),
+                        sink=sink)
+        assert got == new and sink.resets >= 1
+    finally:
+        src.close()
+
+
 def test_a_source_sending_more_than_the_listing_is_cut_at_size_plus_one():
     """Item 5: at most the listing's size + 1 byte is read, whatever the source sends."""
     from fuse_client.breaker import RetryPolicy

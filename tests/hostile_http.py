@@ -25,10 +25,14 @@ import email.utils
 import hashlib
 import http.server
 import json
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 
 def start_server(handler: type[http.server.BaseHTTPRequestHandler]) -> tuple[http.server.ThreadingHTTPServer, str]:
@@ -170,17 +174,19 @@ class HostileSource:
             return
         headers = {"ETag": etag, "Last-Modified": email.utils.formatdate(mtime, usegmt=True),
                    "Accept-Ranges": "bytes"}
-        start, status = 0, 200
+        start, end, status = 0, len(data), 200
         rng = req.range
         if b is not None and b.no_ranges:
             rng = headers["Accept-Ranges"] = None
         if b is not None and b.no_validators:
             headers["ETag"] = headers["Last-Modified"] = None
-        if rng and rng.startswith("bytes=") and rng.endswith("-"):
+        m = _RANGE.fullmatch(rng or "")
+        if m and int(m.group(1)) < len(data):  # `bytes=N-` (silod) or `bytes=N-M` (rclone)
             if req.if_range is None or req.if_range in (etag, headers["Last-Modified"]):
-                start, status = int(rng[len("bytes="):-1]), 206
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        body = data[start:]
+                start, status = int(m.group(1)), 206
+                end = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        body = data[start:end]
         if b is not None and b.oversend:
             headers["Content-Length"] = None  # close-delimited: the server decides the length
         self._send(h, req, status, headers, body, head, name, b if (b is not None and misbehave) else None, start,

@@ -39,7 +39,7 @@ from fuse_client.pause_log import PauseLog
 from fuse_client.peer_watch import PeerWatch
 from fuse_client.remote import FileEntry, RemoteFetchError, RemoteStore
 from fuse_client.single_flight import Flight, Flights
-from fuse_client.token_bucket import Throttle
+from fuse_client.token_bucket import Throttle, TokenWaitExpired
 
 log = logging.getLogger(__name__)
 
@@ -578,6 +578,10 @@ class ItemResolver:
             r = self._fetch_into(entry, key, flight, target, errors, on_error, write, reset)
         except BaseException as exc:
             if stream:
+                if isinstance(exc, TokenWaitExpired):  # the open's EAGAIN: say why its readers get EIO
+                    log.warning("%s: the fetch of this streamed item stopped on the job's token wait (%s); its readers "
+                                "get EIO, not EAGAIN (a read(2) caller takes EAGAIN for no data: a sample cut short); "
+                                "opened again once the job has a rate, it is fetched again", entry.path, exc)
                 stream[0].finish(exc)
             raise
         if stream:

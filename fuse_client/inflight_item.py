@@ -17,7 +17,10 @@ each read then waits only until the staged bytes cover it. The guarantees of a w
 - A read that ends at the item's last byte waits for the fetch to end, not just for the
   byte: a fetch that fails after its last byte was staged (the server sends more than the
   listing's size) ends the reader with EIO, never with a clean end of file.
-- A failed fetch fails every read that is still waiting, and every later read, with EIO.
+- A failed fetch fails every read that is still waiting, and every later read, with EIO. Also
+  when it stopped on the job's own token wait (paused at rate 0), where an open gets EAGAIN: a
+  read(2) cannot fail with EAGAIN, which its callers take for "no data yet" (Python's unbuffered
+  read returns None and its buffered read() the bytes so far: a sample cut short, no error).
 
 Descriptors handed to readers stay open until the last reader and the fetch have let go
 (`release`): a front end may still be reading from a descriptor after the fetch moved on to

@@ -254,6 +254,60 @@ def test_a_server_without_validators_that_replaces_the_object_fails_its_reader(t
 
 
 @pytest.mark.parametrize("backend", ["libfuse", "raw"])
+def test_a_job_paused_mid_stream_fails_its_reads_with_eio_never_a_short_read(tmp_path, backend):
+    """The data manager pauses the job (rate 0) while two readers are inside a streamed item.
+    Once the pause is older than the open deadline (1 s) - the bound an open of a miss has - the
+    reads waiting for the next bytes fail, with EIO: an open gets EAGAIN, but a read must not,
+    as Python (like any read(2) caller ready for non-blocking files) takes EAGAIN for "no data
+    yet": the unbuffered read returns None and the buffered read() the bytes so far, a sample
+    cut short with no error. So the buffered reader gets an OSError, not part of the item; a log
+    line names the pause as the cause, the pause itself is logged once, a whole open of a miss in
+    the same state gets EAGAIN, and once a rate is granted the item opened again reads whole."""
+    from datamanager.client import DataManagerClient
+    from dataplane_helpers import start_datamanager
+
+    data, small = _data(2 * SIZE, 17), _data(100_000, 18)
+    src = HostileSource({"big.bin": data, "small.bin": small})
+    dm = start_datamanager(tmp_path / "state")
+    try:
+        with DataManagerClient(dm.url) as sched, \
+                mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
+                        "--manager", dm.url, "--open-deadline", "1") as m:
+            sched.allocate_remote_io("job1", 2e6)  # 24 MiB take 12 s: the pause comes mid-item
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 2e6, 3.0, message="rate pulled")
+            with open(m.mountpoint / "big.bin", "rb", buffering=0) as f, open(m.mountpoint / "big.bin", "rb") as buffered:
+                got = bytearray(f.read(MiB))
+                sched.allocate_remote_io("job1", 0)
+                wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 0, 3.0, message="pause pulled")
+                paused = time.monotonic()
+                with pytest.raises(OSError) as err:
+                    while chunk := f.read(MiB):
+                        got += chunk
+                    raise AssertionError(f"the read ended with {chunk!r} after {len(got)} of {len(data)} bytes, no error")
+                assert err.value.errno == errno.EIO, err.value
+                assert time.monotonic() - paused < 4.0  # the deadline from the pause, plus slack
+                assert len(got) < len(data) and bytes(got) == data[:len(got)], "other bytes reached the reader"
+                with pytest.raises(OSError) as whole_read:
+                    cut = buffered.read()
+                    raise AssertionError(f"a buffered read() returned {len(cut)} of {len(data)} bytes, no error")
+                assert whole_read.value.errno == errno.EIO, whole_read.value
+            wait_until(lambda: "stopped on the job's token wait" in m.log(), 5, message="the log line naming the pause")
+            # A whole open of a miss in the same state: EAGAIN (open(2) has no "no data yet").
+            with pytest.raises(OSError) as opened:
+                (m.mountpoint / "small.bin").read_bytes()
+            assert opened.value.errno == errno.EAGAIN, opened.value
+            assert m.log().count("remote IO paused (rate 0)") == 1, m.log()
+            sched.allocate_remote_io("job1", 50e6)
+            wait_until(lambda: m.stats()["io_rate_bytes_per_s"] == 50e6, 3.0, message="rate pulled again")
+            whole = (m.mountpoint / "big.bin").read_bytes() == data
+            assert whole, "the item opened again after the pause is not whole"
+            assert (m.mountpoint / "small.bin").read_bytes() == small
+    finally:
+        dm.kill()
+        src.close()
+
+
+@pytest.mark.parametrize("backend", ["libfuse", "raw"])
 def test_a_source_sending_more_than_listed_fails_the_last_read_not_a_clean_eof(tmp_path, backend):
     """Every byte the listing promises arrives, then more: the reader must not see a clean end
     of file on an item the fetch rejects (size + 1 cap); the read with the last byte waits for

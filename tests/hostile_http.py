@@ -21,6 +21,7 @@ Every request is recorded (path, Range header, bytes sent), so a test can prove 
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import hashlib
 import http.server
@@ -29,7 +30,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
@@ -269,3 +272,21 @@ class HostileSource:
         except OSError:
             pass
         h.close_connection = True
+
+
+@contextlib.contextmanager
+def mount_and_read(tmp_path: Path, src: HostileSource, name: str, data: bytes, mount_args: Sequence[str],
+                   read: Callable[[Path], "bytes | OSError"]) -> Iterator:
+    """Mount `src` (dataplane_helpers.mounted: dataset `ds`, job `job1`, with `mount_args`), read
+    item `name` through it with `read` (its bytes, or the OSError it failed with) and check they
+    are `data` (an OSError fails the test with the mount's log); yield the mount for the test's
+    own checks. `src` is closed at the end, whatever happened."""
+    from dataplane_helpers import mounted
+
+    try:
+        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *mount_args) as m:
+            got = read(m.mountpoint / name)
+            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
+            yield m
+    finally:
+        src.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dataplane_helpers import free_port, mounted
-from hostile_http import Behaviour, HostileSource
+from hostile_http import Behaviour, HostileSource, mount_and_read
 
 
 @pytest.fixture(scope="module")
@@ -184,19 +184,24 @@ class _CountingSink(_Sink):
         super().reset()
 
 
+def _fetch_counting_resets(src: HostileSource, size: int) -> tuple[bytes, _CountingSink]:
+    """Fetch `a.bin` of `src` through a real RemoteStore (3 s deadline, quick retries)."""
+    from fuse_client.breaker import RetryPolicy
+    from fuse_client.remote import RemoteStore
+
+    sink = _CountingSink()
+    got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", size, sink=sink)
+    return got, sink
+
+
 def test_a_server_without_ranges_sending_the_same_version_again_is_read_past_not_restarted():
     """A server that ignores Range cuts the connection at 200 kB; its next answer is the whole
     item again with the same ETag and Last-Modified: the staged bytes stay (no reset, which would
     fail a streamed item's readers) and the re-sent ones are read past. Before: a restart."""
-    from fuse_client.breaker import RetryPolicy
-    from fuse_client.remote import RemoteStore
-
     data = _data(500_000, 3)
     src = HostileSource({"a.bin": data}, {"a.bin": Behaviour(no_ranges=True, drop_at=200_000)})
     try:
-        sink = _CountingSink()
-        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(data),
-                        sink=sink)
+        got, sink = _fetch_counting_resets(src, len(data))
         assert got == data and sink.resets == 0
         reqs = src.item_requests("a.bin")
         assert [r.status for r in reqs] == [200, 200] and reqs[1].if_range == src.etag("a.bin"), reqs
@@ -204,20 +209,16 @@ def test_a_server_without_ranges_sending_the_same_version_again_is_read_past_not
         src.close()
 
 
-def test_other_bytes_under_the_same_validators_restart_the_fetch_not_a_mix():
+@pytest.mark.parametrize("lying", [True, False], ids=["same-validators", "no-validators"])
+def test_other_bytes_under_the_same_or_no_validators_restart_the_fetch_not_a_mix(lying):
     """The same server replaces the object at 200 kB but keeps answering with the old ETag and
-    Last-Modified: the re-sent first bytes do not match the staged ones, so the fetch restarts
-    from byte 0 and stages the new version whole, never a mix."""
-    from fuse_client.breaker import RetryPolicy
-    from fuse_client.remote import RemoteStore
-
+    Last-Modified (or sends none at all): the re-sent first bytes do not match the staged ones,
+    so the fetch restarts from byte 0 and stages the new version whole, never a mix."""
     old, new = _data(500_000, 4), _data(500_000, 5)
     src = HostileSource({"a.bin": old}, {"a.bin": Behaviour(no_ranges=True, replace_at=200_000, replace_with=new,
-                                                            keep_validators=True)})
+                                                            keep_validators=lying, no_validators=not lying)})
     try:
-        sink = _CountingSink()
-        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(old),
-                        sink=sink)
+        got, sink = _fetch_counting_resets(src, len(old))
         assert got == new and sink.resets >= 1
     finally:
         src.close()
@@ -229,35 +230,13 @@ def test_a_cut_from_a_server_without_validators_is_read_past_not_restarted(no_ra
     could not be pinned to the staged version, so the item is asked for whole again (no Range)
     and its first 200 kB are checked against the staged ones and read past; no reset (which
     would fail a streamed item's readers). Before: a restart from byte 0."""
-    from fuse_client.breaker import RetryPolicy
-    from fuse_client.remote import RemoteStore
-
     data = _data(500_000, 6)
     src = HostileSource({"a.bin": data}, {"a.bin": Behaviour(no_validators=True, no_ranges=no_ranges, drop_at=200_000)})
     try:
-        sink = _CountingSink()
-        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(data),
-                        sink=sink)
+        got, sink = _fetch_counting_resets(src, len(data))
         assert got == data and sink.resets == 0
         reqs = src.item_requests("a.bin")
         assert [(r.status, r.range, r.if_range) for r in reqs] == [(200, None, None)] * 2, reqs
-    finally:
-        src.close()
-
-
-def test_a_server_without_validators_that_replaces_the_object_restarts_the_fetch_not_a_mix():
-    """The same server replaces the object at 200 kB: its whole answer's first bytes differ from
-    the staged ones, so the fetch restarts from byte 0 and stages the new version whole."""
-    from fuse_client.breaker import RetryPolicy
-    from fuse_client.remote import RemoteStore
-
-    old, new = _data(500_000, 7), _data(500_000, 8)
-    src = HostileSource({"a.bin": old}, {"a.bin": Behaviour(no_validators=True, replace_at=200_000, replace_with=new)})
-    try:
-        sink = _CountingSink()
-        got, _ = _fetch(RemoteStore(src.url, RetryPolicy(deadline_s=3.0, backoff_s=0.01)), "a.bin", len(old),
-                        sink=sink)
-        assert got == new and sink.resets >= 1
     finally:
         src.close()
 
@@ -407,16 +386,11 @@ def test_two_pauses_mid_transfer_cost_resumes_not_the_item(tmp_path, backend):
     reader gets the item, fetched once plus the resumed rest (before: EIO)."""
     data = _data(2_000_000, 5)
     src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(pause_at=(1_000_000, 1_500_000), pause_s=1.6, times=2)})
-    try:
-        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
-                     "--open-deadline", "2") as m:
-            got = _read(m.mountpoint / "big.bin")
-            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
-            reqs = src.item_requests("big.bin")
-            assert len(reqs) == 3 and all(r.range for r in reqs[1:]), [(r.range, r.sent) for r in reqs]
-            assert sum(r.sent for r in reqs) < 1.5 * len(data)
-    finally:
-        src.close()
+    with mount_and_read(tmp_path, src, "big.bin", data, [*_backend_args(backend), "--open-deadline", "2"],
+                        _read) as m:
+        reqs = src.item_requests("big.bin")
+        assert len(reqs) == 3 and all(r.range for r in reqs[1:]), [(r.range, r.sent) for r in reqs]
+        assert sum(r.sent for r in reqs) < 1.5 * len(data)
 
 
 @pytest.mark.fuse

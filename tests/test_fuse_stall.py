@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from dataplane_helpers import mounted
+from hostile_http import start_server, stop_server
 
 pytestmark = pytest.mark.fuse
 
@@ -56,15 +57,10 @@ class _StallingSource:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ds/"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = start_server(Handler)
 
     def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        stop_server(self.server, self.release)
 
 
 @pytest.mark.parametrize("backend", ["libfuse", "raw"])

@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from dataplane_helpers import mounted
-from hostile_http import Behaviour, HostileSource
+from hostile_http import Behaviour, HostileSource, mount_and_read
 from test_fuse_bad_day import RSS_LIMIT_KB, _peak_rss_kb
 
 pytestmark = pytest.mark.fuse
@@ -57,15 +57,11 @@ def test_a_slow_but_alive_streamed_item_reaches_its_reader(tmp_path, backend):
     its reads wait for each staged chunk, longer than the stall limit in all, and get every byte."""
     data = _data(200_000, 1)
     src = HostileSource({"slow.bin": data}, {"slow.bin": Behaviour(trickle_rate=40_000, times=100)})
-    try:
-        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
-                     "--open-deadline", "1", "--stream-min-size", "64KiB", "--max-inflight-bytes", "64KiB") as m:
-            got = _read(m.mountpoint / "slow.bin")
-            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
-            s = m.fresh_stats()
-            assert s["streaming_opens"] == 1 and s["failed_opens"] == 0, s
-    finally:
-        src.close()
+    with mount_and_read(tmp_path, src, "slow.bin", data, [*_backend_args(backend), "--open-deadline", "1",
+                                                          "--stream-min-size", "64KiB", "--max-inflight-bytes", "64KiB"],
+                        _read) as m:
+        s = m.fresh_stats()
+        assert s["streaming_opens"] == 1 and s["failed_opens"] == 0, s
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -75,17 +71,12 @@ def test_two_pauses_in_a_streamed_item_cost_resumes_not_its_reader(tmp_path, bac
     resumes after the staged bytes (ranged requests), never restarting from byte 0."""
     data = _data(12 * MiB, 2)
     src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(pause_at=(5 * MiB, 9 * MiB), pause_s=1.6, times=2)})
-    try:
-        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
-                     "--open-deadline", "2") as m:
-            got = _read(m.mountpoint / "big.bin")
-            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
-            reqs = src.item_requests("big.bin")
-            assert len(reqs) == 3 and all(r.range for r in reqs[1:]), [(r.range, r.sent) for r in reqs]
-            assert sum(r.sent for r in reqs) < 1.5 * len(data)
-            assert m.fresh_stats()["streaming_opens"] == 1
-    finally:
-        src.close()
+    with mount_and_read(tmp_path, src, "big.bin", data, [*_backend_args(backend), "--open-deadline", "2"],
+                        _read) as m:
+        reqs = src.item_requests("big.bin")
+        assert len(reqs) == 3 and all(r.range for r in reqs[1:]), [(r.range, r.sent) for r in reqs]
+        assert sum(r.sent for r in reqs) < 1.5 * len(data)
+        assert m.fresh_stats()["streaming_opens"] == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -95,19 +86,14 @@ def test_a_flaky_source_gives_a_streamed_items_reader_every_byte(tmp_path, backe
     first staged bytes) gets every byte, no EIO: each cut is resumed after the staged bytes."""
     data = _data(12 * MiB, 3)
     src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(fail_first=3, drop_every=3 * MiB, times=100)})
-    try:
-        with mounted(tmp_path / "mnt", src.url, "ds", "job1", tmp_path / "cache", *_backend_args(backend),
-                     "--open-deadline", "5") as m:
-            got = _read(m.mountpoint / "big.bin")
-            assert got == data, f"{got!r}\n{m.log()}" if isinstance(got, OSError) else "content differs"
-            reqs = src.item_requests("big.bin")
-            assert [r.status for r in reqs[:3]] == [500] * 3 and all(r.status == 206 for r in reqs[4:]), \
-                [(r.range, r.status, r.sent) for r in reqs]
-            assert sum(r.sent for r in reqs) < 1.2 * len(data)
-            s = m.fresh_stats()
-            assert s["streaming_opens"] == 1 and s["failed_opens"] == 0 and s["remote_breaker_state"] == "closed", s
-    finally:
-        src.close()
+    with mount_and_read(tmp_path, src, "big.bin", data, [*_backend_args(backend), "--open-deadline", "5"],
+                        _read) as m:
+        reqs = src.item_requests("big.bin")
+        assert [r.status for r in reqs[:3]] == [500] * 3 and all(r.status == 206 for r in reqs[4:]), \
+            [(r.range, r.status, r.sent) for r in reqs]
+        assert sum(r.sent for r in reqs) < 1.2 * len(data)
+        s = m.fresh_stats()
+        assert s["streaming_opens"] == 1 and s["failed_opens"] == 0 and s["remote_breaker_state"] == "closed", s
 
 
 def _full_disk_mount(tmp_path, backend, src, *extra, size="1m", fill=True):

@@ -23,6 +23,7 @@ from fuse_client.cache_store import DatasetCache
 from fuse_client.dataplane import ItemResolver
 from fuse_client.remote import FileEntry, RemoteStore
 from fuse_client.token_bucket import Throttle
+from hostile_http import start_server, stop_server
 
 BODY = os.urandom(50_000)
 
@@ -56,15 +57,10 @@ class TricklingSource:
                 else:
                     self.wfile.write(BODY)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ds/"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = start_server(Handler)
 
     def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        stop_server(self.server, self.release)
 
 
 @pytest.fixture

@@ -423,9 +423,10 @@ class RemoteStore:
         bytes already written when the remote can send a validated range (item_stream.py);
         otherwise (no ranges, or no validator to pin one to) the item is asked for whole again
         and read past the bytes already written, whose CRC must match; when the object changed
-        meanwhile the output is discarded with `reset()` and the fetch restarts from byte 0. Tries go on while the remote has delivered something
-        within the last `policy.deadline_s` (token waits do not count) and until
-        `policy.attempts` tries in a row delivered nothing; then RemoteFetchError (EIO).
+        meanwhile the output is discarded with `reset()` and the fetch restarts from byte 0.
+        Tries go on while the remote has delivered something within the last `policy.deadline_s`
+        (token waits do not count) and until `policy.attempts` tries in a row delivered nothing;
+        then RemoteFetchError (EIO).
         Errors of `write` itself (the cache disk) are raised as they are: not the remote's.
         `on_buffer(n)` is told the bytes this fetch may hold in memory (+n before a read, -n once
         it is staged), so the fetch pool can count its in-flight bytes.
@@ -565,7 +566,7 @@ class RemoteStore:
                 # CRC) instead of restarting. Other bytes there restart the fetch (below).
                 skip = state.offset
                 log.info("%s: sent whole again (%s); reading past the %d bytes staged already, checking them",
-                         entry.path, "no ranges, the same validator" if validated else "no validator to resume a range against",
+                         entry.path, "no ranges, no other validator" if validated else "no validator to resume a range against",
                          skip)
             else:
                 state.restart(reset)

@@ -2,6 +2,12 @@
 
     python benchmarks/bench_cold_vs_rclone.py                   # 2,000 x 110 KB and 4 x 64 MiB
     python benchmarks/bench_cold_vs_rclone.py --small 5000 --large 8 --large-mb 256
+    python benchmarks/bench_cold_vs_rclone.py --small 20000 --large 1 --large-mb 1 --runs 2
+
+Each tool's cache is a fresh ext4 with a journal on a loop device, made and removed around every
+run and identical for both tools, as a node's cache disk (`--cache-fs root` keeps it under the
+temporary directory instead). Runs alternate A-B-B-A (`--runs N` per tool, silod first); printed are
+every run, the medians, and the ratio within each adjacent silod/rclone pair.
 
 The source is one local HTTP server process (Python's, with byte ranges, as nginx serves them)
 over one directory: rclone's http backend reads its HTML index pages, silod the same directories
@@ -13,7 +19,11 @@ process's CPU per file in the cold pass, and the ratios silod / rclone and silod
 source directory read straight from disk). rclone comes from Debian (`apt-get install rclone`);
 without it the rclone rows are skipped with a message.
 
-Figures depend on the machine's load (2 cores shared here): compare the ratios of one run.
+Why a fresh file system: on an ext4 without a journal (this VM's root) creating a file skips every
+inode of its group deleted in the last 60-360 s (`recently_deleted()` in fs/ext4/ialloc.c, checked
+only when the file system has no journal), so a run right after another deleted 20k files pays up to
+3.6 ms per miss, whichever tool runs. Figures depend on the machine's load (2 cores shared here):
+compare the ratios of one run and the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,9 +163,46 @@ def drop_caches() -> None:
         pass  # not root: the direct reference then reads from the page cache
 
 
-def run_tool(tool: str, url: str, work: Path, names: list[str], readers: int) -> dict:
-    mnt, cache = work / f"mnt-{tool}", work / f"cache-{tool}"
-    shutil.rmtree(cache, ignore_errors=True)
+class CacheFs:
+    """A fresh file system for one run's cache: a sparse image with a new ext4 (journal included, as
+    mkfs makes it) on a loop device, unmounted and deleted afterwards; or, for `root`, a plain
+    directory under the work directory (whatever file system holds it)."""
+
+    def __init__(self, kind: str, path: Path, size: int) -> None:
+        self.kind, self.path = kind, path
+        self.image = path.with_suffix(".img")
+        path.mkdir(parents=True)
+        if kind == "root":
+            return
+        with open(self.image, "wb") as f:
+            f.truncate(size)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(self.image)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "loop", str(self.image), str(path)], check=True, capture_output=True)
+        except subprocess.CalledProcessError as e:
+            self.image.unlink()
+            raise SystemExit(f"--cache-fs loop: mounting a loop device failed ({e.stderr.decode().strip()}); "
+                             "run as root with loop devices, or pass --cache-fs root") from None
+
+    def close(self) -> None:
+        if self.kind != "root":
+            subprocess.run(["umount", str(self.path)], check=False)
+            self.image.unlink(missing_ok=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def run_tool(tool: str, url: str, work: Path, names: list[str], readers: int, cache_fs: str, cache_bytes: int,
+             run: int) -> dict:
+    mnt = work / f"mnt-{tool}"
+    cache_dir = CacheFs(cache_fs, work / f"cache-{tool}-{run}", cache_bytes)
+    cache = cache_dir.path / "cache"
+    try:
+        return _run_tool(tool, url, work, mnt, cache, names, readers)
+    finally:
+        cache_dir.close()
+
+
+def _run_tool(tool: str, url: str, work: Path, mnt: Path, cache: Path, names: list[str], readers: int) -> dict:
     if tool == "silod":
         stats = work / f"{tool}.stats.json"
         stats.unlink(missing_ok=True)
@@ -171,9 +219,53 @@ def run_tool(tool: str, url: str, work: Path, names: list[str], readers: int) ->
         warm_s, _ = read_pass(mnt, names, readers)
         return {"cold_files_s": len(names) / cold_s, "cold_mb_s": cold_bytes / cold_s / 1e6,
                 "warm_files_s": len(names) / warm_s, "warm_mb_s": cold_bytes / warm_s / 1e6,
-                "cpu_ms_per_miss": cpu / len(names) * 1e3, "rss_mb": proc.rss_mb()}
+                "cpu_ms_per_miss": cpu / len(names) * 1e3, "rss_mb": proc.rss_mb(),
+                "load": os.getloadavg()[0]}
     finally:
         proc.stop()
+
+
+def abba(tools: list[str], runs: int) -> list[tuple[str, int]]:
+    """The run order: A B B A A B B A ... (`runs` per tool), each entry (tool, its run number)."""
+    order: list[tuple[str, int]] = []
+    for i in range(runs):
+        pair = tools if i % 2 == 0 else tools[::-1]
+        order += [(t, i) for t in pair]
+    return order
+
+
+_KEYS = ("cold_files_s", "cold_mb_s", "warm_files_s", "warm_mb_s", "cpu_ms_per_miss", "rss_mb")
+
+
+def _row(kind: str, label: str, r: dict) -> str:
+    return (f"{kind:6} {label:10} {r['cold_files_s']:13.0f} {r['cold_mb_s']:10.0f} {r['warm_files_s']:13.0f} "
+            f"{r['warm_mb_s']:10.0f} {r['cpu_ms_per_miss']:12.2f} {r['rss_mb']:7.0f}" +
+            (f" {r['load']:5.1f}" if "load" in r else ""))
+
+
+def report(rows: list) -> None:
+    print(f"{'set':6} {'tool':10} {'cold files/s':>13} {'cold MB/s':>10} {'warm files/s':>13} {'warm MB/s':>10} "
+          f"{'CPU ms/miss':>12} {'RSS MB':>7} {'load':>5}")
+    for kind, direct, res in rows:
+        print(f"{kind:6} {'direct':10} {direct['files_s']:13.0f} {direct['mb_s']:10.0f}")
+        med = {}
+        for tool, runs in res.items():
+            for i, r in enumerate(runs):
+                print(_row(kind, f"{tool}#{i + 1}", r))
+            med[tool] = {k: statistics.median(r[k] for r in runs) for k in _KEYS}
+            print(_row(kind, f"{tool} med", med[tool]))
+        s = med["silod"]
+        if "rclone" in med:
+            rc = med["rclone"]
+            # A tiny set can cost rclone less CPU than the clock's tick: no ratio then, not a crash.
+            cpu = (f"{s['cpu_ms_per_miss'] / rc['cpu_ms_per_miss']:.2f}x" if rc["cpu_ms_per_miss"] > 0
+                   else "n/a (rclone's CPU below the clock's resolution)")
+            pairs = ", ".join(f"{a['cold_files_s'] / b['cold_files_s']:.2f}x"
+                              for a, b in zip(res["silod"], res["rclone"]))
+            print(f"{kind:6} silod/rclone (medians): cold {s['cold_files_s'] / rc['cold_files_s']:.2f}x, warm "
+                  f"{s['warm_files_s'] / rc['warm_files_s']:.2f}x, CPU per miss {cpu}; cold per pair: {pairs}")
+        print(f"{kind:6} silod/direct (medians): cold {s['cold_files_s'] / direct['files_s']:.2f}x, warm "
+              f"{s['warm_files_s'] / direct['files_s']:.2f}x")
 
 
 def main() -> None:
@@ -186,7 +278,13 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=4)
     ap.add_argument("--large-mb", type=int, default=64)
     ap.add_argument("--readers", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=1, help="runs per tool, alternated A-B-B-A (default 1)")
+    ap.add_argument("--cache-fs", choices=("loop", "root"), default="loop",
+                    help="loop: a fresh journaled ext4 on a loop device per run (default); root: a directory "
+                         "in the temporary directory's file system")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--runs must be at least 1, got {args.runs}")
     tools = ["silod"]
     if shutil.which("rclone"):
         tools.append("rclone")
@@ -196,6 +294,7 @@ def main() -> None:
     try:
         sets = {"small": make_set(work / "src" / "small", args.small, args.small_size),
                 "large": make_set(work / "src" / "large", args.large, args.large_mb << 20)}
+        sizes = {"small": args.small * args.small_size, "large": args.large * (args.large_mb << 20)}
         servers = {"json": Server(work / "src", "json"), "html": Server(work / "src", "html")}
         try:
             rows = []
@@ -203,34 +302,21 @@ def main() -> None:
                 drop_caches()
                 d_s, d_bytes = read_pass(work / "src" / kind, names, args.readers)
                 direct = {"files_s": len(names) / d_s, "mb_s": d_bytes / d_s / 1e6}
-                res = {}
-                for tool in tools:
+                # Room for the items, their metadata and the file system's own (ext4 reserves 5%).
+                cache_bytes = max(1 << 30, int(sizes[kind] * 1.5) + (len(names) << 13))
+                res: dict[str, list[dict]] = {t: [] for t in tools}
+                for tool, run in abba(tools, args.runs):
                     server = servers["json" if tool == "silod" else "html"]
                     drop_caches()
-                    res[tool] = run_tool(tool, f"{server.url}{kind}/", work, names, args.readers)
+                    res[tool].append(run_tool(tool, f"{server.url}{kind}/", work, names, args.readers,
+                                              args.cache_fs, cache_bytes, run))
                 rows.append((kind, direct, res))
         finally:
             for s in servers.values():
                 s.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'set':6} {'tool':7} {'cold files/s':>13} {'cold MB/s':>10} {'warm files/s':>13} {'warm MB/s':>10} "
-          f"{'CPU ms/miss':>12} {'RSS MB':>7}")
-    for kind, direct, res in rows:
-        print(f"{kind:6} {'direct':7} {direct['files_s']:13.0f} {direct['mb_s']:10.0f}")
-        for tool, r in res.items():
-            print(f"{kind:6} {tool:7} {r['cold_files_s']:13.0f} {r['cold_mb_s']:10.0f} {r['warm_files_s']:13.0f} "
-                  f"{r['warm_mb_s']:10.0f} {r['cpu_ms_per_miss']:12.2f} {r['rss_mb']:7.0f}")
-        s = res["silod"]
-        if "rclone" in res:
-            rc = res["rclone"]
-            # A tiny set can cost rclone less CPU than the clock's tick: no ratio then, not a crash.
-            cpu = (f"{s['cpu_ms_per_miss'] / rc['cpu_ms_per_miss']:.2f}x" if rc["cpu_ms_per_miss"] > 0
-                   else "n/a (rclone's CPU below the clock's resolution)")
-            print(f"{kind:6} silod/rclone: cold {s['cold_files_s'] / rc['cold_files_s']:.2f}x, warm "
-                  f"{s['warm_files_s'] / rc['warm_files_s']:.2f}x, CPU per miss {cpu}")
-        print(f"{kind:6} silod/direct: cold {s['cold_files_s'] / direct['files_s']:.2f}x, warm "
-              f"{s['warm_files_s'] / direct['files_s']:.2f}x")
+    report(rows)
 
 
 if __name__ == "__main__":

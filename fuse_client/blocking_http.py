@@ -84,6 +84,23 @@ def _await(sock: socket.socket, limit: float, check: Callable[[float], None], ev
         check(now + step)
 
 
+def _ready(poller: select.poll, limit: float, check: Callable[[float], None] | None) -> bool:
+    """Whether the poller's socket is ready within `limit` seconds; with a `check`, waits in
+    CHECK_SLICE_S slices and calls it between them (as `_await`)."""
+    if check is None:
+        return bool(poller.poll(limit * 1000))
+    end = time.monotonic() + limit
+    while True:
+        now = time.monotonic()
+        left = end - now
+        if left <= 0:
+            return False
+        step = min(left, CHECK_SLICE_S)
+        if poller.poll(step * 1000):
+            return True
+        check(now + step)
+
+
 def encode_url(url: str) -> str:
     """The URL as sent: spaces, non-ASCII and other unsafe characters percent-encoded, the rest
     (existing %XX escapes included) as they are."""
@@ -150,20 +167,45 @@ class _SocketReader(io.RawIOBase):
         self._sock = sock
         self._raw = sock.makefile("rb", buffering=0)
         self._wait = wait
+        self._plain = not isinstance(sock, ssl.SSLSocket)
+        self._poller: select.poll | None = None  # made at the first wait, kept for the next ones
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
-        limit = max(0.001, self._wait.timeout())
-        check = getattr(_thread, "check", None)
-        if check is not None:
-            limit = _await(self._sock, limit, check, select.POLLIN)
-        self._sock.settimeout(limit)
-        n = self._raw.readinto(b)
+        if self._plain:
+            n = self._recv_plain(b)
+        else:
+            limit = max(0.001, self._wait.timeout())
+            check = getattr(_thread, "check", None)
+            if check is not None:
+                limit = _await(self._sock, limit, check, select.POLLIN)
+            self._sock.settimeout(limit)
+            n = self._raw.readinto(b)
         if n:
             self._wait.on_piece(n)
         return n
+
+    def _recv_plain(self, b) -> int:
+        """One recv when bytes are there already (most reads of a body arriving over a fast
+        link); only an empty socket is waited for, with one poll (or the interruptible slices).
+        A socket with a timeout would poll before every recv (CPython's sock_call) and the
+        timeout itself costs an ioctl per call, so the socket stays non-blocking while it is read
+        (`HttpPool._request` sets the timeout again before sending the next request)."""
+        sock = self._sock
+        if sock.gettimeout() != 0.0:
+            sock.settimeout(0.0)
+        while True:
+            try:
+                return sock.recv_into(b)
+            except BlockingIOError:
+                pass
+            if self._poller is None:
+                self._poller = select.poll()
+                self._poller.register(sock, select.POLLIN)
+            if not _ready(self._poller, max(0.001, self._wait.timeout()), getattr(_thread, "check", None)):
+                raise TimeoutError("timed out")
 
     def close(self) -> None:
         if not self.closed:

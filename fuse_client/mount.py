@@ -193,6 +193,8 @@ class ControlLoop:
             dataset_bytes=self.dataset_bytes,
             manager_connected=None if self.link is None else self.link.connected,
             cache_verify_pending=self.cache.verify_pending,
+            # Fetched items admitted, and the index transactions that admitted them (group commit).
+            cache_admission_commits=self.cache.admission_commits,
             cache_verified_items=None if self.verifier is None else self.verifier.checked,
             updated_at=time.time(),
             # CPU seconds this mount process has used (all its threads): what serving misses

@@ -160,3 +160,87 @@ def test_an_item_name_that_resolves_to_an_internal_address_is_refused_at_connect
         assert connections == []  # not even a TCP connection was made
     finally:
         listener.close()
+
+
+def test_body_bytes_already_received_are_read_without_a_poll(source, monkeypatch):
+    """A body whose bytes are in the socket already is read with recv alone: before, every read
+    of an interruptible fetch (a miss on its open's thread) made a poll object and polled once,
+    and the socket's timeout then polled again in CPython before the recv."""
+    from fuse_client import blocking_http
+
+    store = RemoteStore(source.url)
+    pool = store._streams()._http  # the store's own pool, held to its allow-list guard
+    resp = pool.get(source.url + "a.bin", {}, lambda: 30.0)
+    threading.Event().wait(0.3)  # the rest of the 100 KB body arrives in the socket's buffer
+    polls = []
+    real_poll = blocking_http.select.poll
+
+    class CountingSelect:  # the module's `select`, with every poll object made counted
+        POLLIN, POLLOUT = blocking_http.select.POLLIN, blocking_http.select.POLLOUT
+
+        @staticmethod
+        def poll():
+            polls.append(1)
+            return real_poll()
+
+        select = staticmethod(blocking_http.select.select)
+
+    monkeypatch.setattr(blocking_http, "select", CountingSelect)
+    got = bytearray(len(ITEMS["a.bin"]))
+    view, n = memoryview(got), 0
+    with blocking_http.interruptible(lambda due: None):
+        while k := resp.readinto1(view[n:], lambda: 30.0, lambda k: None):
+            n += k
+    assert bytes(got[:n]) == ITEMS["a.bin"]
+    assert polls == []
+    resp.close()
+    store.close()
+
+
+def test_a_body_that_stops_arriving_times_out_after_the_wait_limit():
+    """The non-blocking read still waits for bytes, up to `timeout()`, then raises TimeoutError
+    (as the socket's own timeout did)."""
+    import time
+
+    from fuse_client import blocking_http
+
+    held = threading.Event()
+
+    class Stalling(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"x" * 10)
+            self.wfile.flush()
+            held.wait(10)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/ds/"
+    try:
+        store = RemoteStore(url)
+        for check in (None, lambda due: None):
+            resp = store._streams()._http.get(url + "a.bin", {}, lambda: 30.0)
+            buf = memoryview(bytearray(1000))
+            assert resp.readinto1(buf, lambda: 0.3, lambda n: None) == 10
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                if check is None:
+                    resp.readinto1(buf[10:], lambda: 0.3, lambda n: None)
+                else:
+                    with blocking_http.interruptible(check):
+                        resp.readinto1(buf[10:], lambda: 0.3, lambda n: None)
+            assert 0.25 <= time.monotonic() - t0 < 5
+            resp.close_quietly()
+        store.close()
+    finally:
+        held.set()
+        server.shutdown()
+        server.server_close()

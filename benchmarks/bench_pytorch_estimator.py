@@ -10,10 +10,16 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
   bytes over its time;
 - b is 0.35 (binding) or 3 (not) times f* measured just before the point (two reference epochs);
 - f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
-  fully cached mount runs one epoch before each measured epoch of a point, since this machine's
-  load moves f* by tens of percent within a minute; a point's ratio is the median over its
-  epochs of measured / min(f* of the epoch before, b / (1 - c/d)); its f*, predicted and
-  measured columns are medians too (so ratio need not be measured / predicted exactly);
+  fully cached mount runs one epoch before and one after each measured epoch of a point, since
+  this machine's load moves f* by tens of percent within a minute; a point's ratio is the median
+  over its epochs of measured / min(mean f* of the epochs around it, b / (1 - c/d)); its f*,
+  predicted and measured columns are medians too (so ratio need not be measured / predicted exactly);
+- per point and per its f* epochs, the CPU and the run-queue wait (runnable, no core free:
+  /proc schedstat) per item of the job's processes (the loop, the loader's workers, the mount),
+  the job's cores and the machine's busy share (a second table): what located the partial-cache
+  shortfall (docs/sdk.md); beside it two diagnostics, `wait-L` (the point's mount L plus its
+  threads' run-queue wait per miss) and the input pipeline's CPU bound (estimator.cpu_perf with
+  a hit's and a miss's CPU, the latter from c/d = 0);
 - the hit ratio the mount measured over the steady epochs is printed beside c/d;
 - beside the paper's prediction, the extended one (estimator.loader_perf, window_io_perf):
   min(1 / (1/f* + (1 - c/d)/m), (b + B/E) / (1 - c/d)). m = W s / L is the rate at which the
@@ -165,6 +171,15 @@ def median(values: list[float]) -> float:
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
+
+def bracketed(around: list[float]) -> list[float]:
+    """The f* of each measured epoch from the reference epochs around it (R P R P ... P R): the
+    mean of the one before and the one after (a load drift within a pair cancels to first order)."""
+    if len(around) < 2:
+        raise ValueError(f"bracketed needs a reference epoch before and after each measured one, got {len(around)}")
+    return [(a + z) / 2 for a, z in zip(around, around[1:])]
+
+
 #: The job's processes whose CPU the benchmark accounts: the training loop's (this process: the
 #: model's compute and the batches' collation), the DataLoader's workers (decode) and the mount's.
 ROLES = ("main", "workers", "mount")
@@ -272,16 +287,23 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
             first = t.epoch()
             time.sleep(0.6)  # the mount rewrites its stats twice a second
             before = json.loads(stats.read_text())
-            fs, ts, ratios, reads = [], [], [], []
+            around, ts, reads = [], [], []
             used, used_ref = Usage.zero(), Usage.zero()
+
+            def ref_epoch() -> float:
+                return rate(accounted_epoch(reference, ref_pid, used_ref) if ref_pid else reference.epoch())
+
+            # Each measured epoch between two reference epochs (R P R P ... P R): its f* is the mean
+            # of the one before and the one after, so a drift of the machine's load within a pair
+            # cancels to first order (one more reference epoch per point than pairs).
+            around.append(ref_epoch())
             for _ in range(pairs):
-                f = rate(accounted_epoch(reference, ref_pid, used_ref) if ref_pid else reference.epoch())
                 rec = accounted_epoch(t, mount_pid, used)
-                m = rate(rec)
                 reads.append(rec["read_s"] / rec["items"] if rec["items"] else 0.0)
-                fs.append(f)
-                ts.append(m)
-                ratios.append(m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f))
+                ts.append(rate(rec))
+                around.append(ref_epoch())
+            fs = bracketed(around)
+            ratios = [m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f) for f, m in zip(fs, ts)]
             time.sleep(0.6)
             after = json.loads(stats.read_text())
         finally:
@@ -513,6 +535,39 @@ def main(argv: list[str] | None = None) -> int:
         return min(float(loader_perf(f, r.cache_fraction, float(loader_miss_rate(args.workers, item, lat + wait)))), io)
 
     wait_at = {r.label: median([t / with_wait_l(f, r, d / t) for f, t in r.pairs]) for r in results}
+
+    # The input pipeline's CPU as a bound beside the loader term (Plumber's CPU stage, Cachew's
+    # cached/uncached cost: estimator.cpu_perf, k / (h/p + (1-h)/r)): every item costs the job's
+    # processes (loop, workers, mount) kappa_1 CPU seconds when it is a hit (the point's f*
+    # epochs, fully cached: p = s / kappa_1) and kappa_1 + delta when it is a miss (delta: the
+    # job's extra CPU per item at c/d = 0 with the link free, measured once: r = s / (kappa_1 +
+    # delta)); k: the cores the machine left the job while its f* was measured (C less what other
+    # work used: busy C - the job's cores). Nothing of the point's own epochs enters it.
+    from estimator import cpu_perf
+
+    item_s = d / images
+
+    def job_cpu(u: dict | None) -> float | None:
+        return None if not u or any(v is None for v in u["cpu_ms"].values()) else sum(u["cpu_ms"].values()) / 1e3
+
+    free_0 = next((r for r in results if r.cache_fraction == 0.0 and r.label.endswith("free")), None)
+    delta = None
+    if free_0 is not None and job_cpu(free_0.usage) is not None and job_cpu(free_0.usage_ref) is not None:
+        delta = max(job_cpu(free_0.usage) - job_cpu(free_0.usage_ref), 0.0)  # type: ignore[operator]
+    ncpu = os.cpu_count() or 1
+
+    def cpu_bound(r: Result) -> float:
+        k1, ref = job_cpu(r.usage_ref), r.usage_ref
+        if delta is None or k1 is None or not ref or ref["busy"] is None or ref["cores"] is None or k1 <= 0:
+            return float("inf")
+        cores = ncpu - max(ref["busy"] * ncpu - ref["cores"], 0.0)
+        return float(cpu_perf(cores, item_s / (k1 + delta), r.cache_fraction, item_s / k1))
+
+    def with_cpu(f: float, r: Result, seconds: float, term) -> float:  # type: ignore[no-untyped-def]
+        return min(term(f, r, seconds), cpu_bound(r))
+
+    ext_cpu = {r.label: median([t / with_cpu(f, r, d / t, extended) for f, t in r.pairs]) for r in results}
+    model_cpu = {r.label: median([t / with_cpu(f, r, d / t, model) for f, t in r.pairs]) for r in results}
     # SiloD's plan vs a storage-unaware one for this job, same cache and link: each cache filled
     # first (in the service the link's spare capacity goes to a job while its cache fills:
     # WorkConservingPusher), then epochs under the two plans' caps, alternating.
@@ -559,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     # (CPU over wall) and the machine's busy share (all processes, other work included).
     use = Table(title="the job's CPU and run-queue wait per item (ms; point / its f* epochs), cores used, machine busy")
     for col in ("point", "cpu main", "cpu workers", "cpu mount", "wait main", "wait workers", "wait mount",
-                "job cores", "machine busy", "mount wait/miss ms", "wait-L ratio"):
+                "job cores", "machine busy", "mount wait/miss ms", "wait-L ratio", "cpu bound", "ext+cpu", "model+cpu"):
         use.add_column(col, justify="right")
     pair = lambda u, v, k, role: (f"{fmt(u[k][role], '.2f')} / {fmt(v[k][role], '.2f')}" if u and v else "-")  # noqa: E731
     for r in results:
@@ -568,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
                     pair(u, v, "wait_ms", "main"), pair(u, v, "wait_ms", "workers"), pair(u, v, "wait_ms", "mount"),
                     f"{fmt(u and u['cores'], '.2f')} / {fmt(v and v['cores'], '.2f')}",
                     f"{fmt(u and u['busy'], '.2f')} / {fmt(v and v['busy'], '.2f')}", ms(mount_wait_per_miss(r)),
-                    fmt(wait_at[r.label], ".2f"))
+                    fmt(wait_at[r.label], ".2f"), fmt(cpu_bound(r) / MB), fmt(ext_cpu[r.label], ".2f"),
+                    fmt(model_cpu[r.label], ".2f"))
     Console(width=200).print(use)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
@@ -592,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
           f" points within 10%")
     within_wait = sum(abs(v - 1) <= 0.10 for v in wait_at.values())
     print(f"diagnostic (L = the point's mount L + its threads' run-queue wait per miss): {within_wait}/{len(wait_at)} points within 10%")
+    print(f"the job's extra CPU per miss (c/d = 0, link free): {fmt(None if delta is None else delta * 1e3, '.2f')} ms")
+    for name, col in (("extended + the CPU bound", ext_cpu), ("the model alone + the CPU bound", model_cpu)):
+        print(f"{name}: {sum(abs(v - 1) <= 0.10 for v in col.values())}/{len(col)} points within 10%")
     print(f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     s, u = plan_epoch["silod"], plan_epoch["storage-unaware"]
     print(f"epoch time, same cache ({d / MB:.2f} MB) and link ({0.6 * fstar / MB:.3f} MB/s) shared with a 4x-larger"
@@ -603,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "in_order": args.in_order, "extended_own_l": ext_at, "model": model_at,
                                     "worker_l": worker_at, "points": [asdict(r) for r in results],
                                     "plans": plan_epoch, "load": [load0, load1],
-                                    "extended": ext, "cpu_term": cpu_ext, "wait_l": wait_at}, indent=1))
+                                    "extended": ext, "cpu_term": cpu_ext, "wait_l": wait_at, "extended_cpu": ext_cpu, "model_cpu": model_cpu,
+                                    "cpu_per_miss_s": delta}, indent=1))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -155,13 +155,14 @@ def test_the_benchmark_accounts_each_process_cpu_and_run_queue_wait(tmp_path: Pa
         busy.wait()
     assert schedstat(busy.pid) == (0.0, 0.0)
 
-    make_jpegs(tmp_path / "jpegs", 32, seed=3)
+    # 256 images: ~0.1 s of decode, several of the 10 ms clock ticks /proc/<pid>/stat counts in
+    make_jpegs(tmp_path / "jpegs", 256, seed=3)
     t = trainer(tmp_path / "jpegs", 2)
     try:
         t.epoch()  # starts the persistent workers
         u = Usage.zero()
         rec = accounted_epoch(t, os.getpid(), u)  # no mount here: this process stands in as one
-        assert rec["items"] == 32 and u.items == 32 and u.seconds == rec["seconds"]
+        assert rec["items"] == 256 and u.items == 256 and u.seconds == rec["seconds"]
         assert u.cpu["workers"] > 0  # Pillow's decode runs in the two worker processes
         assert u.machine[0] > 0 and 0.0 <= (u.busy or 0.0) <= 1.0
     finally:
@@ -175,3 +176,14 @@ def test_the_benchmark_accounts_each_process_cpu_and_run_queue_wait(tmp_path: Pa
     assert s["cpu_ms"] == {"main": 1.0, "workers": 3.0, "mount": 1.0} and s["wait_ms"]["mount"] == 2.0
     assert s["cores"] == 2.0 and s["busy"] == 0.75 and set(s["cpu_ms"]) == set(ROLES)
     assert Usage.zero().per_item("cpu", "main") is None and Usage.zero().busy is None
+
+
+def test_each_measured_epoch_takes_the_mean_f_star_of_the_reference_epochs_around_it() -> None:
+    """R P R P R: the two measured epochs' f* are (10 + 14) / 2 and (14 + 6) / 2 (hand-computed);
+    a steady drift of f* from 10 to 14 within a pair is then cancelled, where the reference before
+    alone (10) would put the epoch 20% off. Fewer than two references is refused."""
+    from bench_pytorch_estimator import bracketed
+
+    assert bracketed([10.0, 14.0, 6.0]) == [12.0, 10.0]
+    with pytest.raises(ValueError, match="before and after"):
+        bracketed([10.0])

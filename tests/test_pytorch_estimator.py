@@ -42,7 +42,7 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
 
     source = tmp_path / "remote" / "jpegs"
     d = make_jpegs(source, 160, seed=2)
-    with mounted(tmp_path, source, "fstar", d * 1.05, None) as (mnt, _stats):
+    with mounted(tmp_path, source, "fstar", d * 1.05, None) as (mnt, _stats, ref_pid):
         reference = trainer(mnt, 2)
         try:
             reference.epoch()  # fills its cache
@@ -55,10 +55,14 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
             # neither b / (1 - c/d) (1.06, 0.91) nor the burst-aware rate (0.98, 0.80).
             b = 0.05 * fstar
             for i, c in enumerate((0.0, 0.5)):
-                r = run_point(tmp_path, source, d, i, Point(c, b, f"c/d={c}"), reference, 2, 2)
+                r = run_point(tmp_path, source, d, i, Point(c, b, f"c/d={c}"), reference, 2, 2, ref_pid=ref_pid)
                 assert r.hit_ratio is not None and abs(r.hit_ratio - c) <= 0.06, r
                 assert r.predicted_mb_s == pytest.approx(b / (1 - c) / 1e6), r
                 assert r.burst_bytes == TokenBucket(rate=b).burst
+                # Both trainers' processes were accounted over the point's two measured epochs and
+                # the three reference epochs around them (R P R P R).
+                assert r.usage is not None and r.usage["items"] == 2 * 160 and r.usage["cpu_ms"]["workers"] > 0
+                assert r.usage_ref is not None and r.usage_ref["items"] == 3 * 160
                 windowed = median([t / window_io_perf(b, c, 1.0, d / t, r.burst_bytes) for _f, t in r.pairs])
                 print(f"c/d={c}: epochs {r.epoch_s} s, measured / (b / (1 - c/d)) {r.ratio:.3f},"
                       f" / ((b + B/E) / (1 - c/d)) {windowed:.3f}")

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         d = make_jpegs(source, args.images, seed=1)
         load0 = os.getloadavg()[0]
         for i, c in enumerate(fractions):
-            with mounted(work, source, f"o{i}", c * d * (1.02 if c >= 1 else 1.0), None) as (mnt, stats):
+            with mounted(work, source, f"o{i}", c * d * (1.02 if c >= 1 else 1.0), None) as (mnt, stats, _pid):
                 a, b = trainer(mnt, 2, args.prefetch, True), trainer(mnt, 2, b_prefetch, args.b_in_order)
                 try:
                     a.epoch()

@@ -10,10 +10,16 @@ torch DataLoader of `--workers` processes, trained on the CPU), run in this proc
   bytes over its time;
 - b is 0.35 (binding) or 3 (not) times f* measured just before the point (two reference epochs);
 - f* is the job alone with its dataset fully cached (cache = d, no cap): a second trainer on a
-  fully cached mount runs one epoch before each measured epoch of a point, since this machine's
-  load moves f* by tens of percent within a minute; a point's ratio is the median over its
-  epochs of measured / min(f* of the epoch before, b / (1 - c/d)); its f*, predicted and
-  measured columns are medians too (so ratio need not be measured / predicted exactly);
+  fully cached mount runs one epoch before and one after each measured epoch of a point, since
+  this machine's load moves f* by tens of percent within a minute; a point's ratio is the median
+  over its epochs of measured / min(mean f* of the epochs around it, b / (1 - c/d)); its f*,
+  predicted and measured columns are medians too (so ratio need not be measured / predicted exactly);
+- per point and per its f* epochs, the CPU and the run-queue wait (runnable, no core free:
+  /proc schedstat) per item of the job's processes (the loop, the loader's workers, the mount),
+  the job's cores and the machine's busy share (a second table): what located the partial-cache
+  shortfall (docs/sdk.md); beside it two diagnostics, `wait-L` (the point's mount L plus its
+  threads' run-queue wait per miss) and the input pipeline's CPU bound (estimator.cpu_perf with
+  a hit's and a miss's CPU, the latter from c/d = 0);
 - the hit ratio the mount measured over the steady epochs is printed beside c/d;
 - beside the paper's prediction, the extended one (estimator.loader_perf, window_io_perf):
   min(1 / (1/f* + (1 - c/d)/m), (b + B/E) / (1 - c/d)). m = W s / L is the rate at which the
@@ -94,12 +100,15 @@ class Result:
     ratio_spread: tuple[float, float]  # min and max of the per-pair ratios
     epoch_s: list[float]
     pairs: list[tuple[float, float]]  # (f* of the reference epoch, the point's epoch), bytes/s
+    usage: dict | None = None  # the point's epochs: usage_summary (CPU and run-queue wait per item, per role)
+    usage_ref: dict | None = None  # the reference (f*) epochs between them, the same figures
 
 
 @contextlib.contextmanager
 def mounted(work: Path, source: Path, name: str, cache_size: float, io_rate: float | None,  # type: ignore[no-untyped-def]
             fresh: bool = True):
-    """A real `silod mount` of `source` with its own cache (dataset `name`; `fresh`: emptied first)."""
+    """A real `silod mount` of `source` with its own cache (dataset `name`; `fresh`: emptied first):
+    (mount point, stats file, the mount process's pid)."""
     from scheduler.backends.local import silod_cmd
     from scheduler.backends.local_worker import force_unmount
 
@@ -121,7 +130,7 @@ def mounted(work: Path, source: Path, name: str, cache_size: float, io_rate: flo
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"silod mount did not come up: {(work / f'mount-{name}.log').read_text()[-1000:]}")
             time.sleep(0.05)
-        yield mnt, stats
+        yield mnt, stats, proc.pid
     finally:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -162,29 +171,139 @@ def median(values: list[float]) -> float:
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
+
+def bracketed(around: list[float]) -> list[float]:
+    """The f* of each measured epoch from the reference epochs around it (R P R P ... P R): the
+    mean of the one before and the one after (a load drift within a pair cancels to first order)."""
+    if len(around) < 2:
+        raise ValueError(f"bracketed needs a reference epoch before and after each measured one, got {len(around)}")
+    return [(a + z) / 2 for a, z in zip(around, around[1:])]
+
+
+#: The job's processes whose CPU the benchmark accounts: the training loop's (this process: the
+#: model's compute and the batches' collation), the DataLoader's workers (decode) and the mount's.
+ROLES = ("main", "workers", "mount")
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a core) of process `pid`; 0, 0 once it is gone.
+
+    CPU from /proc/<pid>/stat (utime + stime: every thread, those that exited too); the wait
+    from the kernel's run-queue accounting of its live threads (/proc/<pid>/task/*/schedstat;
+    a thread that exited takes its wait with it: libfuse's and the pools' threads persist)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    wait = 0
+    for f in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            wait += int(f.read_text().split()[1])
+    return cpu, wait / 1e9
+
+
+def machine_busy() -> tuple[int, int]:
+    """(all, idle + iowait) jiffies of the whole machine (/proc/stat's cpu line)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(v[:8]), v[3] + v[4]
+
+
+def worker_pids(t) -> list[int]:  # type: ignore[no-untyped-def]
+    """The pids of a Trainer's DataLoader workers (persistent: alive from its first epoch on)."""
+    it = getattr(t.loader, "_iterator", None)
+    return [w.pid for w in getattr(it, "_workers", [])] if it is not None else []
+
+
+@dataclass
+class Usage:
+    """What the job's processes used over some epochs: CPU and run-queue wait (seconds) per
+    role, the items read, the wall seconds and the machine's busy share over them."""
+
+    cpu: dict[str, float]
+    wait: dict[str, float]
+    items: int = 0
+    seconds: float = 0.0
+    machine: tuple[int, int] = (0, 0)  # (all, idle) jiffies
+
+    @classmethod
+    def zero(cls) -> Usage:
+        return cls({r: 0.0 for r in ROLES}, {r: 0.0 for r in ROLES})
+
+    def per_item(self, what: str, role: str) -> float | None:
+        v = (self.cpu if what == "cpu" else self.wait)[role]
+        return v / self.items if self.items else None
+
+    @property
+    def busy(self) -> float | None:
+        return 1 - self.machine[1] / self.machine[0] if self.machine[0] else None
+
+    @property
+    def cores(self) -> float | None:
+        """The job's CPU over its wall time: the cores it used."""
+        return sum(self.cpu.values()) / self.seconds if self.seconds else None
+
+
+def usage_summary(u: Usage) -> dict:
+    """{"cpu_ms": {role: CPU ms per item}, "wait_ms": {role: run-queue ms per item}, "cores": the
+    job's CPU over its wall time, "busy": the machine's busy share}."""
+    ms = lambda v: None if v is None else round(v * 1e3, 4)  # noqa: E731
+    return {"cpu_ms": {r: ms(u.per_item("cpu", r)) for r in ROLES}, "wait_ms": {r: ms(u.per_item("wait", r)) for r in ROLES},
+            "cores": None if u.cores is None else round(u.cores, 3), "busy": None if u.busy is None else round(u.busy, 3),
+            "items": u.items}
+
+
+def accounted_epoch(t, mount_pid: int, usage: Usage) -> dict:  # type: ignore[no-untyped-def]
+    """One epoch of Trainer `t` (on the mount of `mount_pid`), its processes' CPU and run-queue
+    wait added to `usage`; the epoch's record."""
+    pids = {"main": [os.getpid()], "workers": worker_pids(t), "mount": [mount_pid]}
+    before = {r: [schedstat(p) for p in ps] for r, ps in pids.items()}
+    m0 = machine_busy()
+    rec = t.epoch()
+    m1 = machine_busy()
+    pids["workers"] = pids["workers"] or worker_pids(t)  # a first epoch starts them
+    for r, ps in pids.items():
+        after = [schedstat(p) for p in ps]
+        start = before[r] if len(before[r]) == len(after) else [(0.0, 0.0)] * len(after)
+        usage.cpu[r] += sum(a[0] - b[0] for a, b in zip(after, start))
+        usage.wait[r] += sum(a[1] - b[1] for a, b in zip(after, start))
+    usage.items += rec["items"]
+    usage.seconds += rec["seconds"]
+    usage.machine = (usage.machine[0] + m1[0] - m0[0], usage.machine[1] + m1[1] - m0[1])
+    return rec
+
+
 def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pairs: int, workers: int,  # type: ignore[no-untyped-def]
-              prefetch: int = 2, in_order: bool = True) -> Result:
+              prefetch: int = 2, in_order: bool = True, ref_pid: int | None = None) -> Result:
     """One point. Its epochs alternate with epochs of `reference` (a Trainer on the fully cached
     dataset, alone: f*), so that each measured epoch has an f* measured seconds before it: this
     machine's load moves f* by tens of percent within a minute. The point's figure is the median
     over `pairs` pairs after its first epoch (which fills the cache)."""
     cache = p.cache_fraction * d
     b = p.io_rate if p.io_rate is not None else float("inf")
-    with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats):
+    with mounted(work, source, f"p{i}", max(cache, 0.0), p.io_rate) as (mnt, stats, mount_pid):
         t = trainer(mnt, workers, prefetch, in_order)
         try:
             first = t.epoch()
             time.sleep(0.6)  # the mount rewrites its stats twice a second
             before = json.loads(stats.read_text())
-            fs, ts, ratios, reads = [], [], [], []
+            around, ts, reads = [], [], []
+            used, used_ref = Usage.zero(), Usage.zero()
+
+            def ref_epoch() -> float:
+                return rate(accounted_epoch(reference, ref_pid, used_ref) if ref_pid else reference.epoch())
+
+            # Each measured epoch between two reference epochs (R P R P ... P R): its f* is the mean
+            # of the one before and the one after, so a drift of the machine's load within a pair
+            # cancels to first order (one more reference epoch per point than pairs).
+            around.append(ref_epoch())
             for _ in range(pairs):
-                f = rate(reference.epoch())
-                rec = t.epoch()
-                m = rate(rec)
+                rec = accounted_epoch(t, mount_pid, used)
                 reads.append(rec["read_s"] / rec["items"] if rec["items"] else 0.0)
-                fs.append(f)
-                ts.append(m)
-                ratios.append(m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f))
+                ts.append(rate(rec))
+                around.append(ref_epoch())
+            fs = bracketed(around)
+            ratios = [m / (min(f, b / (1 - p.cache_fraction)) if p.cache_fraction < 1 else f) for f, m in zip(fs, ts)]
             time.sleep(0.6)
             after = json.loads(stats.read_text())
         finally:
@@ -211,7 +330,8 @@ def run_point(work: Path, source: Path, d: int, i: int, p: Point, reference, pai
                   measured / MB, median(ratios), hit, None if with_hits is None else with_hits / MB,
                   None if with_hits is None else measured / with_hits, latency, service, served_item, cpu_per_item, burst,
                   median(reads), (min(ratios), max(ratios)),
-                  [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)))
+                  [round(first["seconds"], 3)] + [round(e["seconds"], 3) for e in t.records[1:]], list(zip(fs, ts)),
+                  usage_summary(used), usage_summary(used_ref) if ref_pid else None)
 
 
 def plans(fstar: float, d: float) -> dict[str, tuple[float, float]]:
@@ -274,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     # f*: the job alone on a fully cached mount (filled once, kept), one of its epochs before
     # every measured epoch of a point (run_point).
-    with mounted(work, source, "fstar", d * 1.05, None) as (mnt, _stats):
+    with mounted(work, source, "fstar", d * 1.05, None) as (mnt, _stats, ref_pid):
         reference = trainer(mnt, args.workers, args.prefetch, args.in_order)
         try:
             reference.epoch()  # fills the cache
@@ -289,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, (c, frac) in enumerate((c, frac) for c in fractions for frac in links):
                 f_now = median([rate(reference.epoch()) for _ in range(2)])
                 p = Point(c, frac * f_now, f"c/d={c:g} b={'bind' if frac == B_BIND else 'free'}")
-                r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch, args.in_order)
+                r = run_point(work, source, d, i, p, reference, pairs, args.workers, args.prefetch, args.in_order, ref_pid)
                 results.append(r)
                 print(f"  {p.label:18s} f* {r.fstar_mb_s:.3f}, predicted {r.predicted_mb_s:.3f}, measured"
                       f" {r.measured_mb_s:.3f} MB/s: {r.ratio:.2f} (hit {r.hit_ratio if r.hit_ratio is not None else float('nan'):.2f})",
@@ -394,18 +514,72 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu_ext = {r.label: (cpu_term(r.fstar_mb_s * MB, r, d / (r.measured_mb_s * MB)) / MB,
                          median([t / cpu_term(f, r, d / t) for f, t in r.pairs])) for r in results}
+
+    # Where a miss's time goes beyond what the mount times (a diagnostic): the mount's threads'
+    # run-queue wait (schedstat: runnable, no core free) per miss, beyond what a hit of the
+    # reference's mount waits. The mount's miss_service starts when its handler runs; a request
+    # whose thread waits for a core waits outside it. `wait-L ratio`: the loader term with
+    # L = the point's own mount L + that wait.
+    def mount_wait_per_miss(r: Result) -> float | None:
+        if r.cache_fraction >= 1 or not r.usage or not r.usage_ref:
+            return None
+        pt, ref = r.usage["wait_ms"]["mount"], r.usage_ref["wait_ms"]["mount"]
+        return None if pt is None or ref is None else max(pt - ref, 0.0) / 1e3 / (1 - r.cache_fraction)
+
+    def with_wait_l(f: float, r: Result, seconds: float) -> float:
+        wait, (lat, item) = mount_wait_per_miss(r), (r.miss_service_s, r.miss_item_bytes)
+        b = r.io_mb_s * MB if r.io_mb_s is not None else float("inf")
+        io = float(window_io_perf(b, r.cache_fraction, 1.0, seconds, r.burst_bytes)) if r.cache_fraction < 1 else float("inf")
+        if wait is None or not lat or not item:
+            return min(float(loader_perf(f, r.cache_fraction, float("inf"))), io)
+        return min(float(loader_perf(f, r.cache_fraction, float(loader_miss_rate(args.workers, item, lat + wait)))), io)
+
+    wait_at = {r.label: median([t / with_wait_l(f, r, d / t) for f, t in r.pairs]) for r in results}
+
+    # The input pipeline's CPU as a bound beside the loader term (Plumber's CPU stage, Cachew's
+    # cached/uncached cost: estimator.cpu_perf, k / (h/p + (1-h)/r)): every item costs the job's
+    # processes (loop, workers, mount) kappa_1 CPU seconds when it is a hit (the point's f*
+    # epochs, fully cached: p = s / kappa_1) and kappa_1 + delta when it is a miss (delta: the
+    # job's extra CPU per item at c/d = 0 with the link free, measured once: r = s / (kappa_1 +
+    # delta)); k: the cores the machine left the job while its f* was measured (C less what other
+    # work used: busy C - the job's cores). Nothing of the point's own epochs enters it.
+    from estimator import cpu_perf
+
+    item_s = d / images
+
+    def job_cpu(u: dict | None) -> float | None:
+        return None if not u or any(v is None for v in u["cpu_ms"].values()) else sum(u["cpu_ms"].values()) / 1e3
+
+    free_0 = next((r for r in results if r.cache_fraction == 0.0 and r.label.endswith("free")), None)
+    delta = None
+    if free_0 is not None and job_cpu(free_0.usage) is not None and job_cpu(free_0.usage_ref) is not None:
+        delta = max(job_cpu(free_0.usage) - job_cpu(free_0.usage_ref), 0.0)  # type: ignore[operator]
+    ncpu = os.cpu_count() or 1
+
+    def cpu_bound(r: Result) -> float:
+        k1, ref = job_cpu(r.usage_ref), r.usage_ref
+        if delta is None or k1 is None or not ref or ref["busy"] is None or ref["cores"] is None or k1 <= 0:
+            return float("inf")
+        cores = ncpu - max(ref["busy"] * ncpu - ref["cores"], 0.0)
+        return float(cpu_perf(cores, item_s / (k1 + delta), r.cache_fraction, item_s / k1))
+
+    def with_cpu(f: float, r: Result, seconds: float, term) -> float:  # type: ignore[no-untyped-def]
+        return min(term(f, r, seconds), cpu_bound(r))
+
+    ext_cpu = {r.label: median([t / with_cpu(f, r, d / t, extended) for f, t in r.pairs]) for r in results}
+    model_cpu = {r.label: median([t / with_cpu(f, r, d / t, model) for f, t in r.pairs]) for r in results}
     # SiloD's plan vs a storage-unaware one for this job, same cache and link: each cache filled
     # first (in the service the link's spare capacity goes to a job while its cache fills:
     # WorkConservingPusher), then epochs under the two plans' caps, alternating.
     plan = plans(fstar, d)
     room = {name: cache * 1.02 if cache >= d else cache for name, (cache, _io) in plan.items()}  # mount bookkeeping slack
     for name in plan:
-        with mounted(work, source, f"plan-{name}", room[name], None) as (mnt, _stats):
+        with mounted(work, source, f"plan-{name}", room[name], None) as (mnt, _stats, _pid):
             run_job(mnt, 1, args.workers, args.prefetch, args.in_order)
     with contextlib.ExitStack() as stack:
         runs = {}
         for name, (_cache, io) in plan.items():
-            mnt, _stats = stack.enter_context(mounted(work, source, f"plan-{name}", room[name], io, fresh=False))
+            mnt, _stats, _pid = stack.enter_context(mounted(work, source, f"plan-{name}", room[name], io, fresh=False))
             runs[name] = trainer(mnt, args.workers, args.prefetch, args.in_order)
             stack.callback(runs[name].close)
         seconds: dict[str, list[float]] = {name: [] for name in plan}
@@ -435,6 +609,23 @@ def main(argv: list[str] | None = None) -> int:
                       fmt(ext_at[r.label], ".2f"), fmt(model_at[r.label][1], ".2f"), fmt(worker_at[r.label], ".2f"),
                       fmt(cpu_ext[r.label][1], ".2f"))
     Console(width=200).print(table)
+    # The job's processes at each point against its reference (f*) epochs: CPU and run-queue
+    # wait per item (ms) of the loop (main), the loader's workers and the mount; the job's cores
+    # (CPU over wall) and the machine's busy share (all processes, other work included).
+    use = Table(title="the job's CPU and run-queue wait per item (ms; point / its f* epochs), cores used, machine busy")
+    for col in ("point", "cpu main", "cpu workers", "cpu mount", "wait main", "wait workers", "wait mount",
+                "job cores", "machine busy", "mount wait/miss ms", "wait-L ratio", "cpu bound", "ext+cpu", "model+cpu"):
+        use.add_column(col, justify="right")
+    pair = lambda u, v, k, role: (f"{fmt(u[k][role], '.2f')} / {fmt(v[k][role], '.2f')}" if u and v else "-")  # noqa: E731
+    for r in results:
+        u, v = r.usage, r.usage_ref
+        use.add_row(r.label, pair(u, v, "cpu_ms", "main"), pair(u, v, "cpu_ms", "workers"), pair(u, v, "cpu_ms", "mount"),
+                    pair(u, v, "wait_ms", "main"), pair(u, v, "wait_ms", "workers"), pair(u, v, "wait_ms", "mount"),
+                    f"{fmt(u and u['cores'], '.2f')} / {fmt(v and v['cores'], '.2f')}",
+                    f"{fmt(u and u['busy'], '.2f')} / {fmt(v and v['busy'], '.2f')}", ms(mount_wait_per_miss(r)),
+                    fmt(wait_at[r.label], ".2f"), fmt(cpu_bound(r) / MB), fmt(ext_cpu[r.label], ".2f"),
+                    fmt(model_cpu[r.label], ".2f"))
+    Console(width=200).print(use)
     within = sum(abs(r.ratio - 1) <= 0.10 for r in results)
     worst = max(results, key=lambda r: abs(r.ratio - 1))
     print(f"{within}/{len(results)} points within 10% of the prediction; worst {worst.label}: ratio {worst.ratio:.2f}")
@@ -455,6 +646,11 @@ def main(argv: list[str] | None = None) -> int:
     within3 = sum(abs(v[1] - 1) <= 0.10 for v in cpu_ext.values())
     print(f"diagnostic (the misses' cost as the mount's extra CPU per miss on {os.cpu_count()} cores): {within3}/{len(cpu_ext)}"
           f" points within 10%")
+    within_wait = sum(abs(v - 1) <= 0.10 for v in wait_at.values())
+    print(f"diagnostic (L = the point's mount L + its threads' run-queue wait per miss): {within_wait}/{len(wait_at)} points within 10%")
+    print(f"the job's extra CPU per miss (c/d = 0, link free): {fmt(None if delta is None else delta * 1e3, '.2f')} ms")
+    for name, col in (("extended + the CPU bound", ext_cpu), ("the model alone + the CPU bound", model_cpu)):
+        print(f"{name}: {sum(abs(v - 1) <= 0.10 for v in col.values())}/{len(col)} points within 10%")
     print(f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} CPUs")
     s, u = plan_epoch["silod"], plan_epoch["storage-unaware"]
     print(f"epoch time, same cache ({d / MB:.2f} MB) and link ({0.6 * fstar / MB:.3f} MB/s) shared with a 4x-larger"
@@ -466,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "pairs": pairs, "workers": args.workers, "prefetch": args.prefetch, "in_order": args.in_order, "extended_own_l": ext_at, "model": model_at,
                                     "worker_l": worker_at, "points": [asdict(r) for r in results],
                                     "plans": plan_epoch, "load": [load0, load1],
-                                    "extended": ext, "cpu_term": cpu_ext}, indent=1))
+                                    "extended": ext, "cpu_term": cpu_ext, "wait_l": wait_at, "extended_cpu": ext_cpu, "model_cpu": model_cpu,
+                                    "cpu_per_miss_s": delta}, indent=1))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -42,7 +42,7 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
 
     source = tmp_path / "remote" / "jpegs"
     d = make_jpegs(source, 160, seed=2)
-    with mounted(tmp_path, source, "fstar", d * 1.05, None) as (mnt, _stats):
+    with mounted(tmp_path, source, "fstar", d * 1.05, None) as (mnt, _stats, ref_pid):
         reference = trainer(mnt, 2)
         try:
             reference.epoch()  # fills its cache
@@ -55,10 +55,14 @@ def test_io_bound_real_job_follows_b_over_one_minus_c_over_d(tmp_path: Path) -> 
             # neither b / (1 - c/d) (1.06, 0.91) nor the burst-aware rate (0.98, 0.80).
             b = 0.05 * fstar
             for i, c in enumerate((0.0, 0.5)):
-                r = run_point(tmp_path, source, d, i, Point(c, b, f"c/d={c}"), reference, 2, 2)
+                r = run_point(tmp_path, source, d, i, Point(c, b, f"c/d={c}"), reference, 2, 2, ref_pid=ref_pid)
                 assert r.hit_ratio is not None and abs(r.hit_ratio - c) <= 0.06, r
                 assert r.predicted_mb_s == pytest.approx(b / (1 - c) / 1e6), r
                 assert r.burst_bytes == TokenBucket(rate=b).burst
+                # Both trainers' processes were accounted over the point's two measured epochs and
+                # the three reference epochs around them (R P R P R).
+                assert r.usage is not None and r.usage["items"] == 2 * 160 and r.usage["cpu_ms"]["workers"] > 0
+                assert r.usage_ref is not None and r.usage_ref["items"] == 3 * 160
                 windowed = median([t / window_io_perf(b, c, 1.0, d / t, r.burst_bytes) for _f, t in r.pairs])
                 print(f"c/d={c}: epochs {r.epoch_s} s, measured / (b / (1 - c/d)) {r.ratio:.3f},"
                       f" / ((b + B/E) / (1 - c/d)) {windowed:.3f}")
@@ -124,3 +128,66 @@ def test_the_loader_order_benchmark_refuses_bad_input() -> None:
     for bad in (["--fractions", "x"], ["--fractions", "1.5"], ["--pairs", "0"], ["--b-prefetch", "0"]):
         with pytest.raises(SystemExit):
             main(bad)
+
+
+def test_the_benchmark_accounts_each_process_cpu_and_run_queue_wait(tmp_path: Path) -> None:
+    """The benchmark's per-process accounting (what located the partial-cache shortfall: the
+    loader's workers and the mount's threads waiting for a core, docs/sdk.md): one accounted
+    epoch of a real trainer charges its workers' decode CPU to `workers` (not to `main`), a busy
+    child process's CPU and its wait for a core are read from all its threads, and the per-item
+    figures are totals over items (hand-computed)."""
+    import subprocess
+
+    from scheduler.demo import make_jpegs, torch_problem
+
+    _need(torch_problem())
+    from bench_pytorch_estimator import ROLES, Usage, accounted_epoch, schedstat, trainer, usage_summary
+
+    # Two threads of a child spin until each has used 0.35 s of CPU, and exit: their CPU still counts (the process's
+    # utime + stime keeps exited threads'); a process that is gone reads 0, 0.
+    busy = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                             "def spin():\n    while time.thread_time() < 0.35: pass\n"
+                             "ts = [threading.Thread(target=spin) for _ in range(2)]\n"
+                             "[t.start() for t in ts]; [t.join() for t in ts]; print(1, flush=True); time.sleep(30)"],
+                            stdout=subprocess.PIPE)
+    try:
+        assert busy.stdout is not None and busy.stdout.readline()  # both threads are done
+        cpu, wait = schedstat(busy.pid)
+        assert cpu >= 0.68 and wait >= 0.0  # 2 x 0.35 s, in clock ticks of 10 ms
+    finally:
+        busy.kill()
+        busy.wait()
+    assert schedstat(busy.pid) == (0.0, 0.0)
+
+    # 256 images: ~0.1 s of decode, several of the 10 ms clock ticks /proc/<pid>/stat counts in
+    make_jpegs(tmp_path / "jpegs", 256, seed=3)
+    t = trainer(tmp_path / "jpegs", 2)
+    try:
+        t.epoch()  # starts the persistent workers
+        u = Usage.zero()
+        rec = accounted_epoch(t, os.getpid(), u)  # no mount here: this process stands in as one
+        assert rec["items"] == 256 and u.items == 256 and u.seconds == rec["seconds"]
+        assert u.cpu["workers"] > 0  # Pillow's decode runs in the two worker processes
+        assert u.machine[0] > 0 and 0.0 <= (u.busy or 0.0) <= 1.0
+    finally:
+        t.close()
+    # Per item: totals over items; cores: CPU over wall seconds; busy: 1 - idle / all jiffies.
+    hand = Usage({"main": 0.2, "workers": 0.6, "mount": 0.2}, {"main": 0.1, "workers": 0.3, "mount": 0.4}, items=200,
+                 seconds=0.5, machine=(400, 100))
+    assert hand.per_item("cpu", "workers") == 0.6 / 200 and hand.per_item("wait", "mount") == 0.4 / 200
+    assert hand.cores == 2.0 and hand.busy == 0.75
+    s = usage_summary(hand)
+    assert s["cpu_ms"] == {"main": 1.0, "workers": 3.0, "mount": 1.0} and s["wait_ms"]["mount"] == 2.0
+    assert s["cores"] == 2.0 and s["busy"] == 0.75 and set(s["cpu_ms"]) == set(ROLES)
+    assert Usage.zero().per_item("cpu", "main") is None and Usage.zero().busy is None
+
+
+def test_each_measured_epoch_takes_the_mean_f_star_of_the_reference_epochs_around_it() -> None:
+    """R P R P R: the two measured epochs' f* are (10 + 14) / 2 and (14 + 6) / 2 (hand-computed);
+    a steady drift of f* from 10 to 14 within a pair is then cancelled, where the reference before
+    alone (10) would put the epoch 20% off. Fewer than two references is refused."""
+    from bench_pytorch_estimator import bracketed
+
+    assert bracketed([10.0, 14.0, 6.0]) == [12.0, 10.0]
+    with pytest.raises(ValueError, match="before and after"):
+        bracketed([10.0])

@@ -387,7 +387,7 @@ def test_two_pauses_mid_transfer_cost_resumes_not_the_item(tmp_path, backend):
     data = _data(2_000_000, 5)
     src = HostileSource({"big.bin": data}, {"big.bin": Behaviour(pause_at=(1_000_000, 1_500_000), pause_s=1.6, times=2)})
     with mount_and_read(tmp_path, src, "big.bin", data, [*_backend_args(backend), "--open-deadline", "2"],
-                        _read) as m:
+                        _read):
         reqs = src.item_requests("big.bin")
         assert len(reqs) == 3 and all(r.range for r in reqs[1:]), [(r.range, r.sent) for r in reqs]
         assert sum(r.sent for r in reqs) < 1.5 * len(data)
